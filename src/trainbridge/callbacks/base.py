@@ -1,0 +1,158 @@
+"""The native callback API: subclass ``Callback`` and override the events you need.
+
+Every hook is called as ``hook(context, **event_kwargs)`` (see ``trainbridge.events.EVENT_MAP`` for
+the keyword arguments of each event).  Only hooks a subclass overrides are ever called.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from trainbridge.events import Event
+
+if TYPE_CHECKING:
+    from trainbridge.config import TrainingArgs
+    from trainbridge.context import TrainingContext
+
+
+class Callback:
+    """Base class of native callbacks.  Hooks fire on every rank, in registration order.
+
+    Class attributes:
+      - ``nonblocking``: run this observer on a background worker with a snapshot of the context
+        (it may not request control; its errors are isolated like any other).
+      - ``rank_zero_only``: call this callback on global rank 0 only.
+    """
+
+    nonblocking: ClassVar[bool] = False
+    rank_zero_only: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        """Name used in logs, error reports and control requesters."""
+        return type(self).__name__
+
+    # ---------------------------------------------------------------- lifecycle hooks
+    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After setup, before anything trains."""
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Before the first epoch."""
+
+    def on_epoch_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        """At the start of each epoch."""
+
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Before each optimizer step's first micro-batch."""
+
+    def on_before_forward(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Before each micro-batch's forward pass (``batch``)."""
+
+    def on_after_forward(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After each forward pass (``batch``, ``loss``)."""
+
+    def on_before_backward(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Before each backward pass (``loss``)."""
+
+    def on_after_backward(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After each backward pass."""
+
+    def on_substep_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After each micro-batch that is not the step's last."""
+
+    def on_pre_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Gradients complete and clipped, not yet applied (``context.grad_norm`` set)."""
+
+    def on_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After ``optimizer.step()``."""
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After each optimizer step (``context.global_step`` advanced)."""
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        """When values are logged (``logs``)."""
+
+    def on_prediction_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After each validation batch (``batch``)."""
+
+    def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After validation (``metrics``)."""
+
+    def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
+        """After a checkpoint is complete on disk (``checkpoint_path``)."""
+
+    def on_epoch_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """At the end of each epoch."""
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """On every clean end of training."""
+
+    def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
+        """On every exit that is not clean (``exception``)."""
+
+    # ---------------------------------------------------------------- configuration and state
+    def validate(self, args: TrainingArgs) -> None:
+        """Check this callback against the run's config; raise to fail the run before launch."""
+
+    def state_dict(self) -> Mapping[str, Any] | None:
+        """JSON-serialisable state saved in every checkpoint (None: stateless)."""
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by ``state_dict`` when a run resumes."""
+
+    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
+        """Extra text files (name -> content) written into each checkpoint directory, atomically with it."""
+        return {}
+
+    # ---------------------------------------------------------------- dispatch index support
+    def handles(self, event: Event) -> bool:
+        """Whether this callback overrides ``event`` (the manager calls only those)."""
+        method = getattr(type(self), event.method, None)
+        return method is not None and method is not getattr(Callback, event.method)
+
+
+class FunctionCallback(Callback):
+    """A plain function registered for one event: ``fn(context, **event_kwargs)``."""
+
+    def __init__(self, event: Event, fn: Callable[..., Any]):
+        self.event = event
+        self.fn = fn
+        setattr(self, event.method, self._call)
+
+    def _call(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.fn(context, **kwargs)
+
+    @property
+    def name(self) -> str:
+        return f"{self.event.value}={getattr(self.fn, '__qualname__', repr(self.fn))}"
+
+    def handles(self, event: Event) -> bool:
+        return event is self.event
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"event": self.event, "fn": self.fn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["event"], state["fn"])  # type: ignore[misc]
+
+
+def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a hook (or an event function) so it runs on global rank 0 only.
+
+    Works on methods ``hook(self, context, ...)`` and functions ``fn(context, ...)``: the first argument
+    that has ``is_world_process_zero`` decides.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for arg in args[:2]:
+            if hasattr(arg, "is_world_process_zero"):
+                if not arg.is_world_process_zero:
+                    return None
+                break
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,178 @@
+"""``TrainingContext``: what every callback sees, kept up to date by the loop.
+
+Field validity (which events see a meaningful value) is documented per field.  "always" means from
+``on_init_end`` on.  The loop updates the context; callbacks read it and *request* control through
+``request_*`` methods (agreed across ranks before the loop acts, see ``trainbridge.control``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainbridge.control import AgreedControl, ControlFlag, ControlRequests
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbridge.config import TrainingArgs
+    from trainbridge.distributed import DistributedEnv
+
+
+@dataclass
+class TrainingContext:
+    """The state of the run, shared by the loop and every callback on one rank."""
+
+    args: TrainingArgs
+    """The run's validated ``TrainingArgs`` (always)."""
+    env: DistributedEnv
+    """Rank, world size, device (always)."""
+
+    # ------------------------------------------------------------------ progress
+    global_step: int = 0
+    """Completed optimizer steps (always; advanced just before ``on_step_end``)."""
+    epoch: float = 0.0
+    """Fractional epoch: ``epoch_index + steps done in epoch / steps per epoch`` (always)."""
+    epoch_index: int = 0
+    """Zero-based index of the current epoch (from ``on_epoch_begin``)."""
+    step_in_epoch: int = 0
+    """Optimizer steps completed in the current epoch."""
+    micro_step: int = 0
+    """Index of the current micro-batch inside the optimizer step (forward/backward events)."""
+    micro_steps_in_step: int = 0
+    """Micro-batches in the current optimizer step (same on every rank)."""
+    steps_per_epoch: int = 0
+    """Optimizer steps in one epoch (always)."""
+    max_steps: int = 0
+    """Optimizer steps the run will take unless stopped (always)."""
+    num_epochs: int = 0
+    """Epochs the run will take (``ceil(max_steps / steps_per_epoch)``; always)."""
+    samples_seen: int = 0
+    """Training samples consumed, all ranks together (updated at ``on_step_end``)."""
+    tokens_seen: int = 0
+    """Input tokens consumed (non-padding), all ranks together (updated after the step's agreement)."""
+    loss_tokens_seen: int = 0
+    """Loss-counted tokens (labels != -100), all ranks together."""
+
+    # ------------------------------------------------------------------ measurements
+    loss: float | None = None
+    """Mean per-token loss of the last step, averaged across ranks (valid after the step's agreement:
+    ``on_log``, ``on_evaluate``, ``on_save``, ``on_epoch_end``, ``on_train_end``; at ``on_step_end`` it
+    still holds the previous step's value)."""
+    local_loss: float | None = None
+    """This rank's loss of the current micro-batch (``on_after_forward`` .. ``on_after_backward``) and its
+    per-token step loss at ``on_step_end`` (not averaged across ranks)."""
+    grad_norm: float | None = None
+    """Total gradient norm before clipping (from ``on_pre_optimizer_step``; same on every rank)."""
+    learning_rate: float | None = None
+    """Learning rate used by the last optimizer step (from ``on_optimizer_step``)."""
+    tokens_per_second: float | None = None
+    """Non-padding tokens per second, all ranks, over the last step (after the step's agreement)."""
+    samples_per_second: float | None = None
+    """Samples per second, all ranks, over the last step (after the step's agreement)."""
+    step_time_s: float | None = None
+    """Wall time of the last optimizer step (after the step's agreement)."""
+    memory_bytes: int | None = None
+    """This rank's memory: CUDA allocated bytes, or the process RSS on CPU (updated every step end)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Last validation metrics (``eval_loss``...; from ``on_evaluate`` on)."""
+    logs: dict[str, float] = field(default_factory=dict)
+    """Last logged values with transformers' keys (from ``on_log`` on)."""
+    best_metric: float | None = None
+    """Best value of ``args.best_metric_name`` so far (when best tracking is on)."""
+    best_global_step: int | None = None
+    """Step at which ``best_metric`` was reached."""
+    best_checkpoint: Path | None = None
+    """Checkpoint saved at ``best_global_step`` (protected from rotation)."""
+    last_checkpoint: Path | None = None
+    """Most recent complete checkpoint directory (from ``on_save``)."""
+    checkpoints: list[Path] = field(default_factory=list)
+    """Every checkpoint written by this run and still on disk, oldest first."""
+    train_start_time: float | None = None
+    """``time.time()`` at ``on_train_begin``."""
+    resumed_from: Path | None = None
+    """Checkpoint this run resumed from (from ``on_train_begin``), else None."""
+
+    # ------------------------------------------------------------------ live objects
+    model: torch.nn.Module | None = None
+    """The wrapped model (DDP / FSDP2 module / DeepSpeed engine module) (always)."""
+    unwrapped_model: torch.nn.Module | None = None
+    """The underlying ``PreTrainedModel`` (always)."""
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer (always)."""
+    lr_scheduler: Any = None
+    """The learning-rate scheduler (always)."""
+    train_dataloader: Any = None
+    """The training batch iterable (always)."""
+    eval_dataloader: Any = None
+    """The validation batch iterable, or None (always)."""
+    tokenizer: Any = None
+    """The tokenizer (always)."""
+    restore_model_weights: Callable[[Path], None] | None = None
+    """Loads a checkpoint's model weights into the live model on every rank (collective; call it from an
+    event that fires on every rank at the same point)."""
+
+    # ------------------------------------------------------------------ control and user state
+    requests: ControlRequests = field(default_factory=ControlRequests)
+    """This rank's pending control requests (use the ``request_*`` methods)."""
+    agreed: AgreedControl = field(default_factory=AgreedControl)
+    """The last agreed control decision (every rank holds the same)."""
+    stop_reason: str | None = None
+    """Why training stopped early (set when a stop is agreed)."""
+    user_state: dict[str, Any] = field(default_factory=dict)
+    """Free-form state shared by callbacks across events (persists for the run)."""
+    current_source: int = 0
+    """Index of the callback being dispatched (set by the callback manager; names requesters)."""
+
+    # ------------------------------------------------------------------ rank shortcuts
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.env.world_size
+
+    @property
+    def is_world_process_zero(self) -> bool:
+        """Global rank 0."""
+        return self.env.is_world_process_zero
+
+    @property
+    def is_local_process_zero(self) -> bool:
+        """Rank 0 of this node."""
+        return self.env.is_local_process_zero
+
+    # ------------------------------------------------------------------ control requests
+    def request(self, flag: ControlFlag, reason: str = "") -> None:
+        """Request ``flag`` on this rank; the loop acts once it is agreed (any rank asks, all act)."""
+        self.requests.request(flag, self.current_source, reason)
+
+    def request_stop_training(self, reason: str = "") -> None:
+        """Stop training on every rank at the next decision point."""
+        self.request(ControlFlag.STOP_TRAINING, reason)
+
+    def request_stop_epoch(self, reason: str = "") -> None:
+        """End the current epoch on every rank at the next decision point."""
+        self.request(ControlFlag.STOP_EPOCH, reason)
+
+    def request_save(self, reason: str = "") -> None:
+        """Write a checkpoint at the next decision point."""
+        self.request(ControlFlag.SAVE, reason)
+
+    def request_evaluate(self, reason: str = "") -> None:
+        """Run validation at the next decision point."""
+        self.request(ControlFlag.EVALUATE, reason)
+
+    def request_log(self, reason: str = "") -> None:
+        """Log at the next decision point."""
+        self.request(ControlFlag.LOG, reason)

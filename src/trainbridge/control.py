@@ -1,0 +1,129 @@
+"""Control requests and their agreement across ranks.
+
+Callbacks *request* control (stop training, stop the epoch, save, evaluate, log) on their own rank.
+The loop *acts* only on an ``AgreedControl``, produced by ``agree_control`` at fixed decision points:
+one small collective in which every rank contributes its requests, so that any rank asks and every
+rank acts, at the same step.  The agreement also records which rank and which callback asked.
+
+At the step-end decision point the loop folds the step's loss sums into the same collective
+(``extras``), so agreeing on control costs no extra collective per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from trainbridge.distributed import DistributedEnv
+
+
+class ControlFlag(str, Enum):
+    """A control request a callback can make."""
+
+    STOP_TRAINING = "stop_training"
+    STOP_EPOCH = "stop_epoch"
+    SAVE = "save"
+    EVALUATE = "evaluate"
+    LOG = "log"
+    ABORT = "abort"
+    """Internal: a callback failed under the ``fatal`` policy; every rank stops and the run fails."""
+
+
+# Which reduction each flag uses when ranks are agreed.  Every flag is "any": if any rank requests
+# it, every rank acts on it.  (A "all" reduction would let one rank veto, which no flag needs.)
+FLAG_REDUCTION: dict[ControlFlag, str] = {flag: "any" for flag in ControlFlag}
+
+FLAGS: tuple[ControlFlag, ...] = tuple(ControlFlag)
+
+
+@dataclass
+class Requester:
+    """Who asked for a flag: the rank and the name of the callback (or ``loop``/``schedule``)."""
+
+    rank: int
+    source: str
+
+
+@dataclass
+class ControlRequests:
+    """This rank's pending requests, cleared after each agreement.
+
+    Sources are numbered by the callback manager (registration order is the same on every rank), so
+    the agreement can carry "callback #i asked" as a number and every rank can name it.
+    """
+
+    pending: dict[ControlFlag, int] = field(default_factory=dict)
+    reasons: dict[ControlFlag, str] = field(default_factory=dict)
+
+    def request(self, flag: ControlFlag, source_index: int = 0, reason: str = "") -> None:
+        """Request ``flag`` from source number ``source_index`` (0 = the loop or an unnamed caller)."""
+        if flag not in self.pending:
+            self.pending[flag] = source_index
+            if reason:
+                self.reasons[flag] = reason
+
+    def clear(self) -> None:
+        """Forget every pending request (after an agreement consumed them)."""
+        self.pending.clear()
+        self.reasons.clear()
+
+    def encode(self) -> list[float]:
+        """One number per flag: 0 when not requested, else ``source_index + 1``."""
+        return [float(self.pending[f] + 1) if f in self.pending else 0.0 for f in FLAGS]
+
+
+@dataclass
+class AgreedControl:
+    """The flags every rank acts on after a decision point, with who asked for each."""
+
+    flags: frozenset[ControlFlag] = frozenset()
+    requesters: dict[ControlFlag, list[Requester]] = field(default_factory=dict)
+
+    def __contains__(self, flag: object) -> bool:
+        return flag in self.flags
+
+    @property
+    def stop_training(self) -> bool:
+        """Every rank stops training after this decision point."""
+        return ControlFlag.STOP_TRAINING in self.flags or ControlFlag.ABORT in self.flags
+
+    def describe(self, flag: ControlFlag) -> str:
+        """``'rank 1 (MyCallback)'``-style text naming who asked for ``flag``."""
+        return ", ".join(f"rank {r.rank} ({r.source})" for r in self.requesters.get(flag, []))
+
+
+def agree_control(
+    env: DistributedEnv,
+    requests: ControlRequests,
+    source_names: Sequence[str],
+    extras: Sequence[float] = (),
+) -> tuple[AgreedControl, list[float]]:
+    """Agree this rank's control requests with every other rank, in ONE collective.
+
+    Each rank contributes a row ``[*extras, *encoded flags]``; the collective (``env.gather_rows``,
+    an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  Then, per flag, using
+    the reduction in ``FLAG_REDUCTION`` ("any": requested on at least one rank), and ``extras`` are
+    summed over ranks (the loop passes loss and token sums here at step end).
+
+    Returns the agreed flags (with requesters) and the summed extras.  The pending requests are cleared.
+    """
+    row = torch.tensor([*extras, *requests.encode()], dtype=torch.float64)
+    matrix = env.gather_rows(row)
+    n_extra = len(extras)
+    summed = [float(v) for v in matrix[:, :n_extra].sum(dim=0)] if n_extra else []
+    flags: set[ControlFlag] = set()
+    requesters: dict[ControlFlag, list[Requester]] = {}
+    for column, flag in enumerate(FLAGS):
+        codes = matrix[:, n_extra + column]
+        asked = [(rank, int(code) - 1) for rank, code in enumerate(codes.tolist()) if code > 0]
+        if FLAG_REDUCTION[flag] == "any" and asked:
+            flags.add(flag)
+            requesters[flag] = [
+                Requester(rank, source_names[idx] if 0 <= idx < len(source_names) else f"source #{idx}")
+                for rank, idx in asked
+            ]
+    requests.clear()
+    return AgreedControl(frozenset(flags), requesters), summed

@@ -1,0 +1,149 @@
+"""The distributed seam: the one place that initialises and tears down the process group.
+
+Only this module reads the torchrun environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...).
+Everything else asks a ``DistributedEnv`` for rank, world size and device, and communicates through
+the named collectives below.  Every collective in the library is one of these functions, so a reader
+can count them.  They are no-ops (or identities) when the world size is 1 and no group was started.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistributedEnv:
+    """Rank, world size and device of this worker, with the process group it started."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    started_group: bool = False
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group spans more than one rank."""
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_world_process_zero(self) -> bool:
+        """Global rank 0 (writes metrics, progress, reports)."""
+        return self.rank == 0
+
+    @property
+    def is_local_process_zero(self) -> bool:
+        """Rank 0 of this node."""
+        return self.local_rank == 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def initialize(cls, device: str = "auto", timeout_s: float = 600.0) -> DistributedEnv:
+        """Read torchrun's environment, pick the device, start the process group (gloo on CPU, NCCL on CUDA)."""
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' was requested but CUDA is not available on this worker")
+            torch.cuda.set_device(local_rank)
+            dev = torch.device("cuda", local_rank)
+        else:
+            dev = torch.device("cpu")
+        env = cls(rank, local_rank, world_size, local_world_size, dev)
+        if world_size > 1 and not dist.is_initialized():
+            env.backend = "nccl" if use_cuda else "gloo"
+            dist.init_process_group(
+                backend=env.backend,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=dev if use_cuda else None,
+            )
+            env.started_group = True
+            if dist.get_world_size() != world_size or dist.get_rank() != rank:
+                raise RuntimeError(
+                    f"process group disagrees with torchrun: rank {dist.get_rank()}/{dist.get_world_size()} "
+                    f"vs RANK={rank} WORLD_SIZE={world_size}"
+                )
+        elif dist.is_initialized():
+            env.backend = dist.get_backend()
+        return env
+
+    def teardown(self) -> None:
+        """Destroy the process group if this env started it."""
+        if self.started_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.started_group = False
+
+    # ------------------------------------------------------------------ named collectives
+    def barrier(self) -> None:
+        """Collective ``barrier``: every rank waits for all (used around checkpoint writes)."""
+        if self.is_distributed:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective ``all_reduce(SUM)`` in place; returns the tensor (identity on one rank)."""
+        if self.is_distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective ``all_reduce(MAX)`` in place; returns the tensor (identity on one rank)."""
+        if self.is_distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Collective ``all_gather`` of one 1-D float64 row per rank, as a ``[world_size, n]`` matrix.
+
+        Implemented as one ``all_reduce(SUM)`` over a zero matrix holding this rank's row, which works on
+        every backend (gloo has no ``all_gather_into_tensor`` on CPU for all dtypes) and costs one call.
+        """
+        matrix = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=self.device)
+        matrix[self.rank] = row.to(device=self.device, dtype=torch.float64)
+        if self.is_distributed:
+            dist.all_reduce(matrix, op=dist.ReduceOp.SUM)
+        return matrix.cpu()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective ``broadcast_object_list``: rank ``src``'s Python object on every rank."""
+        if not self.is_distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, device=self.device if self.device.type == "cuda" else None)
+        return holder[0]
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Collective ``all_gather_object``: every rank's Python object, in rank order."""
+        if not self.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        """Collective ``all_reduce(SUM)`` of a few Python floats (float64) in one call."""
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        return [float(v) for v in self.all_reduce_sum(tensor).cpu()]
+
+    def memory_bytes(self) -> int:
+        """Memory in use by this worker: CUDA allocated bytes on GPU, else the process's resident set size."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # pragma: no cover - non-Linux
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

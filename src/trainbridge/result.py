@@ -1,0 +1,78 @@
+"""``RunResult``: what a finished run reports back to ``run_training``'s caller.
+
+Rank 0 writes it as ``ckpt_output_dir/result.json``; the launcher reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CallbackErrorReport(BaseModel):
+    """Errors one callback raised under the ``isolate`` policy, on one rank."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    callback: str
+    """Callback name."""
+    rank: int
+    """Rank where it failed."""
+    event: str
+    """Event of the first error."""
+    count: int
+    """How many times it raised."""
+    disabled: bool
+    """Whether it was switched off after too many consecutive errors."""
+    first_error: str
+    """The first error, ``Type: message``."""
+
+
+class RunResult(BaseModel):
+    """Outcome of a training run."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    global_step: int
+    """Completed optimizer steps."""
+    epoch: float
+    """Fractional epochs completed."""
+    max_steps: int
+    """Steps the run was planned for."""
+    train_loss: float | None = None
+    """Mean training loss over the steps of this run (transformers' ``train_loss``)."""
+    final_loss: float | None = None
+    """Loss of the last step, averaged across ranks."""
+    final_eval_loss: float | None = None
+    """Last validation loss, if any validation ran."""
+    stopped_early: bool = False
+    """True when an agreed stop request ended training before ``max_steps``."""
+    stop_reason: str | None = None
+    """Who asked to stop and why."""
+    checkpoints: list[str] = Field(default_factory=list)
+    """Checkpoint directories on disk at the end, oldest first."""
+    best_checkpoint: str | None = None
+    """Best checkpoint when best-metric tracking is on."""
+    best_metric: float | None = None
+    """Best metric value."""
+    metrics_file: str | None = None
+    """Path of the JSONL metrics file."""
+    callback_errors: list[CallbackErrorReport] = Field(default_factory=list)
+    """Isolated callback errors on every rank."""
+    train_runtime_s: float | None = None
+    """Wall time of the training loop."""
+    resumed_from: str | None = None
+    """Checkpoint the run resumed from."""
+
+    def write(self, path: Path) -> None:
+        """Write as JSON (atomically)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> RunResult:
+        """Read back what ``write`` wrote."""
+        return cls.model_validate(json.loads(path.read_text()))
