@@ -1,0 +1,43 @@
+"""trainbridge: a distributed fine-tuning loop whose callbacks — native and Hugging Face — agree across ranks.
+
+```python
+from trainbridge import run_training, TrainingArgs, TorchrunArgs, Callback
+result = run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))
+```
+"""
+
+from trainbridge.callbacks.base import Callback, FunctionCallback, rank_zero_only
+from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.context import TrainingContext
+from trainbridge.control import AgreedControl, ControlFlag
+from trainbridge.events import EVENT_MAP, Event
+from trainbridge.result import RunResult
+
+__all__ = [
+    "EVENT_MAP",
+    "AgreedControl",
+    "Callback",
+    "CallbackSpec",
+    "ControlFlag",
+    "Event",
+    "FunctionCallback",
+    "RunResult",
+    "TorchrunArgs",
+    "TrainingArgs",
+    "TrainingContext",
+    "WorkerFailedError",
+    "rank_zero_only",
+    "run_training",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The launcher (subprocess, torchrun) is imported on first use, so workers and the
+    # callback layer never pay for it.
+    if name in ("run_training", "WorkerFailedError"):
+        from trainbridge import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""``BestCheckpointTracker``: best-metric tracking as transformers' Trainer does it.
+
+Runs after user callbacks, so at ``on_evaluate`` they still see the previous best (as under
+Trainer, whose ``_determine_best_metric`` runs after ``on_evaluate``).  Requests a save on a new
+best under ``save_strategy='best'``, protects the best checkpoint from rotation, and restores its
+weights at train end when ``load_best_model_at_end``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from trainbridge.callbacks.base import Callback
+from trainbridge.context import TrainingContext
+
+logger = logging.getLogger(__name__)
+
+
+class BestCheckpointTracker(Callback):
+    """Tracks ``args.best_metric_name`` across evaluations."""
+
+    def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
+        args = context.args
+        if not args.tracks_best_metric:
+            return
+        metrics = kwargs.get("metrics") or {}
+        name = args.best_metric_name
+        if name not in metrics:
+            raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics {sorted(metrics)}")
+        value = float(metrics[name])
+        best = context.best_metric
+        if best is None:
+            best = -math.inf if args.best_metric_greater_is_better else math.inf
+        improved = value > best if args.best_metric_greater_is_better else value < best
+        if improved:
+            context.best_metric = value
+            if args.save_strategy in ("steps", "epoch", "best"):
+                context.best_global_step = context.global_step
+            if args.save_strategy == "best":
+                context.request_save(f"new best {name}={value:.6g}")
+
+    def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.best_global_step is not None:
+            best_dir = Path(kwargs["checkpoint_path"]).parent / f"checkpoint-{context.best_global_step}"
+            if best_dir.is_dir():
+                context.best_checkpoint = best_dir
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.args.load_best_model_at_end and context.best_checkpoint is not None:
+            if context.restore_model_weights is None:
+                raise RuntimeError("load_best_model_at_end: the loop provides no restore_model_weights")
+            logger.info("loading best model from %s (%s=%s)", context.best_checkpoint,
+                        context.args.best_metric_name, context.best_metric)
+            context.restore_model_weights(context.best_checkpoint)
+
+    # The tracked values live on the context (the HF adapter and checkpoint rotation read them there);
+    # state_dict/load_state_dict carry them through a checkpoint.
+    def __init__(self) -> None:
+        self._context: TrainingContext | None = None
+        self._restored: dict[str, Any] = {}
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._context = context
+        restored = self._restored
+        if restored.get("best_metric") is not None:
+            context.best_metric = float(restored["best_metric"])
+        if restored.get("best_global_step") is not None:
+            context.best_global_step = int(restored["best_global_step"])
+        if restored.get("best_checkpoint") and Path(restored["best_checkpoint"]).is_dir():
+            context.best_checkpoint = Path(restored["best_checkpoint"])
+
+    def state_dict(self) -> dict[str, Any]:
+        context = self._context
+        if context is None:
+            return dict(self._restored)
+        return {
+            "best_metric": context.best_metric,
+            "best_global_step": context.best_global_step,
+            "best_checkpoint": str(context.best_checkpoint) if context.best_checkpoint else None,
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        self._restored = dict(state)

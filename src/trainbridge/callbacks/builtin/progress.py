@@ -1,0 +1,55 @@
+"""``ProgressBarCallback``: a tqdm bar on global rank 0 (a plain printer when tqdm is disabled).
+
+Installed by the worker only when no Hugging Face adapter runs (the adapter brings transformers' own
+ProgressCallback/PrinterCallback, as Trainer does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from trainbridge.callbacks.base import Callback
+from trainbridge.context import TrainingContext
+
+
+class ProgressBarCallback(Callback):
+    """Shows steps, loss and throughput on rank 0."""
+
+    rank_zero_only = True
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if not context.args.disable_tqdm:
+            self._bar = tqdm(total=context.max_steps, initial=context.global_step, desc="train", dynamic_ncols=True)
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(context.global_step - self._bar.n)
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        logs = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in (kwargs.get("logs") or {}).items()}
+        if self._bar is not None:
+            if "loss" in logs:
+                self._bar.set_postfix(loss=logs["loss"], tok_s=round(context.tokens_per_second or 0.0))
+            else:
+                self._bar.write(str(logs))
+        else:
+            print(logs, flush=True)
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._close()
+
+    def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_bar": None}

@@ -1,0 +1,290 @@
+"""``CallbackManager``: dispatch, failure policy, non-blocking observers and callback state.
+
+- Dispatch: an index built once maps each event to the callbacks that override it, in registration
+  order; an event nobody handles costs one dictionary lookup and one branch.
+- Failure policy: an error in ``on_init_end``/``on_train_begin`` fails the run before the first step
+  (``CallbackSetupError``, naming the callback, with its traceback).  Later errors are *isolated* by
+  default: logged once with the traceback, counted, reported in the result, and a callback failing
+  ``callback_max_consecutive_errors`` times in a row is switched off.  Under the ``fatal`` policy any
+  error requests ``ControlFlag.ABORT``: at the next decision point every rank stops cleanly and the
+  run fails with ``CallbackFatalError``.
+- Non-blocking observers (``Callback.nonblocking = True``) run on a background thread with a
+  snapshot of the context, fed by a bounded queue drained at train end with a timeout; they cannot
+  request control.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainbridge.callbacks.base import Callback
+from trainbridge.context import TrainingContext
+from trainbridge.control import ControlFlag, ControlRequests
+from trainbridge.events import Event
+from trainbridge.result import CallbackErrorReport
+
+logger = logging.getLogger(__name__)
+
+SETUP_EVENTS = frozenset({Event.INIT_END, Event.TRAIN_BEGIN})
+
+
+class CallbackSetupError(RuntimeError):
+    """A callback failed in ``on_init_end`` or ``on_train_begin``: the run fails before the first step."""
+
+
+class CallbackFatalError(RuntimeError):
+    """A callback failed under ``callback_error_policy='fatal'``; every rank stopped."""
+
+
+@dataclass
+class _ErrorRecord:
+    event: str
+    first_error: str
+    count: int = 0
+    consecutive: int = 0
+    disabled: bool = False
+
+
+class _NoControlRequests(ControlRequests):
+    """The requests object a non-blocking observer's snapshot carries: requesting control is an error."""
+
+    def request(self, flag: ControlFlag, source_index: int = 0, reason: str = "") -> None:
+        raise RuntimeError("non-blocking observers cannot request control (they run after the fact)")
+
+
+@dataclass
+class _Entry:
+    index: int
+    callback: Callback
+
+
+@dataclass
+class _Observers:
+    """A background thread running non-blocking observers from a bounded queue."""
+
+    maxsize: int
+    work: queue.Queue[Any] = field(init=False)
+    thread: threading.Thread | None = None
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.work = queue.Queue(self.maxsize)
+
+
+class CallbackManager:
+    """Owns the callbacks of one worker and dispatches events to them."""
+
+    def __init__(
+        self,
+        callbacks: Iterable[Callback],
+        *,
+        error_policy: str = "isolate",
+        max_consecutive_errors: int = 3,
+        is_world_process_zero: bool = True,
+        queue_size: int = 256,
+        drain_timeout_s: float = 30.0,
+    ):
+        self.callbacks: list[Callback] = list(callbacks)
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"{cb!r} is not a trainbridge.Callback")
+        self.error_policy = error_policy
+        self.max_consecutive_errors = max_consecutive_errors
+        self.drain_timeout_s = drain_timeout_s
+        self._errors: dict[int, _ErrorRecord] = {}
+        self._observers = _Observers(queue_size)
+        self._index: dict[Event, list[_Entry]] = {event: [] for event in Event}
+        for i, cb in enumerate(self.callbacks, start=1):
+            if cb.rank_zero_only and not is_world_process_zero:
+                continue
+            for event in Event:
+                if cb.handles(event):
+                    self._index[event].append(_Entry(i, cb))
+
+    # ------------------------------------------------------------------ naming
+    @property
+    def source_names(self) -> list[str]:
+        """Names by source index: 0 is the loop itself, ``i`` the i-th registered callback."""
+        return ["loop", *(cb.name for cb in self.callbacks)]
+
+    def handlers(self, event: Event) -> list[Callback]:
+        """Callbacks called for ``event``, in order (disabled ones excluded)."""
+        return [e.callback for e in self._index[event]]
+
+    # ------------------------------------------------------------------ dispatch
+    def fire(self, event: Event, context: TrainingContext, **kwargs: Any) -> None:
+        """Call every callback that handles ``event`` with ``(context, **kwargs)``, in order."""
+        entries = self._index[event]
+        if not entries:
+            return
+        for entry in list(entries):
+            if entry.callback.nonblocking:
+                self._enqueue(entry, event, context, kwargs)
+                continue
+            context.current_source = entry.index
+            try:
+                getattr(entry.callback, event.method)(context, **kwargs)
+            except Exception as exc:
+                self._on_error(entry, event, context, exc)
+            else:
+                record = self._errors.get(entry.index)
+                if record is not None:
+                    record.consecutive = 0
+            finally:
+                context.current_source = 0
+
+    def _on_error(
+        self, entry: _Entry, event: Event, context: TrainingContext, exc: Exception, observer: bool = False
+    ) -> None:
+        """Apply the failure policy.  Observer errors (background thread) are always isolated."""
+        name = entry.callback.name
+        if event in SETUP_EVENTS and not observer:
+            raise CallbackSetupError(
+                f"callback {name} failed in {event.value} on rank {context.rank}: "
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            ) from exc
+        record = self._errors.get(entry.index)
+        if record is None:
+            record = self._errors[entry.index] = _ErrorRecord(event.value, f"{type(exc).__name__}: {exc}")
+            logger.error("callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
+                         name, event.value, context.rank, traceback.format_exc())
+        record.count += 1
+        record.consecutive += 1
+        if self.error_policy == "fatal" and not observer:
+            context.requests.request(ControlFlag.ABORT, entry.index, f"{name} raised in {event.value}: {exc}")
+            return
+        if record.consecutive >= self.max_consecutive_errors and not record.disabled:
+            record.disabled = True
+            for entries in self._index.values():
+                entries[:] = [e for e in entries if e.index != entry.index]
+            logger.error("callback %s switched off on rank %d after %d consecutive errors",
+                         name, context.rank, record.consecutive)
+
+    # ------------------------------------------------------------------ non-blocking observers
+    def _enqueue(self, entry: _Entry, event: Event, context: TrainingContext, kwargs: dict[str, Any]) -> None:
+        if self._observers.thread is None:
+            self._observers.thread = threading.Thread(
+                target=self._observe, name="trainbridge-observers", daemon=True
+            )
+            self._observers.thread.start()
+        snapshot = self._snapshot(context)
+        try:
+            self._observers.work.put_nowait((entry, event, snapshot, copy.deepcopy(_plain(kwargs))))
+        except queue.Full:
+            self._observers.dropped += 1
+            if self._observers.dropped == 1:
+                logger.warning("non-blocking observer queue full (%d): dropping events (counted)",
+                               self._observers.maxsize)
+
+    @staticmethod
+    def _snapshot(context: TrainingContext) -> TrainingContext:
+        """A copy of the context safe to read later from another thread: scalars and dicts copied,
+        live objects (model, optimizer...) left out, control requests refused."""
+        snap = copy.copy(context)
+        snap.metrics = dict(context.metrics)
+        snap.logs = dict(context.logs)
+        snap.checkpoints = list(context.checkpoints)
+        snap.user_state = dict(context.user_state)
+        snap.requests = _NoControlRequests()
+        for name in ("model", "unwrapped_model", "optimizer", "lr_scheduler", "train_dataloader",
+                     "eval_dataloader", "restore_model_weights"):
+            setattr(snap, name, None)
+        return snap
+
+    def _observe(self) -> None:
+        while True:
+            item = self._observers.work.get()
+            if item is None:
+                self._observers.work.task_done()
+                return
+            entry, event, snapshot, kwargs = item
+            try:
+                if not any(e.index == entry.index for e in self._index[event]):
+                    continue
+                getattr(entry.callback, event.method)(snapshot, **kwargs)
+            except Exception as exc:
+                self._on_error(entry, event, snapshot, exc, observer=True)
+            finally:
+                self._observers.work.task_done()
+
+    def drain(self) -> bool:
+        """Wait (up to the drain timeout) for non-blocking observers to finish; True if drained."""
+        thread = self._observers.thread
+        if thread is None:
+            return True
+        try:
+            self._observers.work.put(None, timeout=self.drain_timeout_s)
+        except queue.Full:
+            return False
+        thread.join(self.drain_timeout_s)
+        self._observers.thread = None if not thread.is_alive() else thread
+        if thread.is_alive():
+            logger.error("non-blocking observers did not drain within %.0fs", self.drain_timeout_s)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ state and checks
+    def _keys(self) -> list[tuple[str, Callback]]:
+        return [(f"{i}:{cb.name}", cb) for i, cb in enumerate(self.callbacks)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful callback's state, keyed by position and name."""
+        out: dict[str, Any] = {}
+        for key, cb in self._keys():
+            state = cb.state_dict()
+            if state is not None:
+                out[key] = dict(state)
+        return out
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> list[str]:
+        """Restore callback states saved by ``state_dict``; returns the keys restored."""
+        restored = []
+        for key, cb in self._keys():
+            if key in states:
+                cb.load_state_dict(states[key])
+                restored.append(key)
+        return restored
+
+    def checkpoint_files(self, context: TrainingContext) -> dict[str, str]:
+        """Extra files every callback wants written into a checkpoint."""
+        files: dict[str, str] = {}
+        for cb in self.callbacks:
+            files.update(cb.checkpoint_files(context))
+        return files
+
+    def error_reports(self, rank: int) -> list[CallbackErrorReport]:
+        """Isolated errors on this rank, for the run result."""
+        return [
+            CallbackErrorReport(callback=self.callbacks[i - 1].name, rank=rank, event=r.event, count=r.count,
+                                disabled=r.disabled, first_error=r.first_error)
+            for i, r in sorted(self._errors.items())
+        ]
+
+    @property
+    def dropped_observer_events(self) -> int:
+        """Events a full observer queue dropped."""
+        return self._observers.dropped
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Event kwargs an observer may keep: tensors and batches are detached summaries, dicts copied."""
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if isinstance(value, dict) and all(isinstance(v, int | float | str | bool | None) for v in value.values()):
+            out[key] = dict(value)
+        elif hasattr(value, "detach"):
+            out[key] = float(value.detach().float().mean()) if value.numel() else None
+        elif isinstance(value, int | float | str | bool) or value is None:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = {k: list(v.shape) if hasattr(v, "shape") else str(v) for k, v in value.items()}
+        else:
+            out[key] = str(value)
+    return out
