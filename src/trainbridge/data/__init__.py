@@ -1,0 +1,39 @@
+"""The data layer: JSONL samples, global token-budget step plans, micro-batch tensors, token-sum loss."""
+
+from trainbridge.data.batching import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
+from trainbridge.data.collate import (
+    DUMMY_TOKEN_ID,
+    collate_padded,
+    collate_padding_free,
+    model_supports_padding_free,
+)
+from trainbridge.data.dataset import (
+    IGNORE_INDEX,
+    DataFormatError,
+    LoadStats,
+    OverlongPolicy,
+    Sample,
+    load_jsonl,
+    split_validation,
+)
+from trainbridge.data.loss import token_loss_sum
+
+__all__ = [
+    "DUMMY_TOKEN_ID",
+    "IGNORE_INDEX",
+    "DataFormatError",
+    "EpochPlan",
+    "LoadStats",
+    "MicroBatch",
+    "OverlongPolicy",
+    "Sample",
+    "StepPlan",
+    "collate_padded",
+    "collate_padding_free",
+    "load_jsonl",
+    "model_supports_padding_free",
+    "plan_epoch",
+    "split_validation",
+    "steps_per_epoch",
+    "token_loss_sum",
+]
