@@ -171,3 +171,25 @@ def test_resume_gives_the_same_final_weights_as_the_uninterrupted_run(assets, tm
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] - b[name]).abs().max().item() < 1e-6, name
+
+
+def test_flat_event_functions_closures_and_lambdas_reach_every_worker(assets, tmp_path):
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+
+    def on_save(context, checkpoint_path):  # a closure over marker_dir, defined inside the test
+        (marker_dir / f"saved-{context.rank}-{Path(checkpoint_path).name}").write_text("ok")
+
+    args = base_args(
+        assets, tmp_path / "out", max_steps=4, save_strategy="steps", save_steps=2,
+        val_data_path=assets["val"], eval_strategy="steps", eval_steps=4,
+        on_save=on_save,
+        on_evaluate=[lambda context, metrics: (marker_dir / f"eval-{context.rank}").write_text(
+            json.dumps(metrics)), lambda context, metrics: None],
+    )
+    run_training(args, TWO)
+    names = sorted(p.name for p in marker_dir.iterdir())
+    assert names == ["eval-0", "eval-1", "saved-0-checkpoint-2", "saved-0-checkpoint-4",
+                     "saved-1-checkpoint-2", "saved-1-checkpoint-4"]
+    metrics = json.loads((marker_dir / "eval-1").read_text())
+    assert set(metrics) == {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
