@@ -1,0 +1,40 @@
+"""The Hugging Face adapter: ``transformers.TrainerCallback``s and ``report_to`` integrations, unchanged.
+
+- ``HuggingFaceCallbackAdapter``: one native callback driving every HF callback with a real
+  ``TrainingArguments`` / ``TrainerState`` / ``TrainerControl`` (``trainbridge.hf.adapter``).
+- ``build_training_arguments``: the run's ``TrainingArguments``, without touching device or
+  distributed set-up (``trainbridge.hf.arguments``).
+- ``training_args_from_hf``: port an existing ``TrainingArguments`` to ``TrainingArgs``
+  (``trainbridge.hf.porting``).
+- ``split_callbacks``: separate HF callbacks from the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from trainbridge.hf.adapter import HuggingFaceCallbackAdapter, HuggingFaceCallbackError, is_hf_callback
+from trainbridge.hf.arguments import build_training_arguments
+from trainbridge.hf.porting import HFPortingWarning, training_args_from_hf
+
+
+def split_callbacks(callbacks: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+    """``(others, hf)``: ``transformers.TrainerCallback`` instances and subclasses go to ``hf``, everything
+    else (native callbacks, specs...) to ``others``; both keep their relative order."""
+    others: list[Any] = []
+    hf: list[Any] = []
+    for callback in callbacks:
+        (hf if is_hf_callback(callback) else others).append(callback)
+    return others, hf
+
+
+__all__ = [
+    "HFPortingWarning",
+    "HuggingFaceCallbackAdapter",
+    "HuggingFaceCallbackError",
+    "build_training_arguments",
+    "is_hf_callback",
+    "split_callbacks",
+    "training_args_from_hf",
+]

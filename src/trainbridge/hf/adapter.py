@@ -1,0 +1,451 @@
+"""``HuggingFaceCallbackAdapter``: one native callback that runs ``transformers.TrainerCallback``s unchanged.
+
+The adapter owns what ``transformers.Trainer`` would own for its callbacks: a real
+``TrainingArguments`` (``trainbridge.hf.arguments``), a ``TrainerState``, a ``TrainerControl`` and
+transformers' own ``CallbackHandler`` (so the flag resets before each hook, the keyword arguments, and
+``add_callback``'s duplicate-class warning are Trainer's).  The callback list is built as Trainer builds
+it: ``DefaultFlowCallback``, then ``report_to``'s integration callbacks, then the user's, then
+``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``).
+
+Event mapping: each native event with an HF twin (``trainbridge.events.hf_hook_for``) calls that hook
+of the handler.  ``TrainerState`` is refreshed from the ``TrainingContext`` before every hook
+(``global_step``, ``epoch``, ``max_steps``, ``num_input_tokens_seen``, ``total_flos`` estimated as
+``6 x parameters x tokens`` like the loop's final log, ``best_metric``/``best_global_step`` from the
+native best-checkpoint tracker, which runs after user callbacks as Trainer's ``_determine_best_metric``
+runs after ``on_evaluate``).  ``on_log`` appends ``{**logs, "step": global_step}`` to
+``state.log_history`` as ``Trainer.log`` does.
+
+Control, both ways:
+
+- *In*: before a hook, the last agreed decision (``context.agreed``) is OR-ed into ``control`` once per
+  decision, so every rank's HF callbacks see the flags every rank acts on (rank 1 asked to stop ->
+  rank 0's ``control.should_training_stop`` is True at ``on_epoch_end``/``on_train_end``).
+- *Out*: a flag a callback turns on (``should_training_stop``, ``should_epoch_stop``, ``should_save``,
+  ``should_evaluate``, ``should_log``) becomes the native request, with a reason naming that callback.
+  Flags set by the stock ``DefaultFlowCallback`` are *not* forwarded: the native ``ScheduleCallback``
+  applies the same rules to ``TrainingArgs`` and is the one schedule; ``DefaultFlowCallback`` stays so
+  that HF callbacks see the flags it sets, as under Trainer.  A subclass of it is forwarded.
+
+Differences from Trainer (documented, deliberate):
+
+- A flag turned *off* by a callback does not cancel a native request (requests are "any rank, any
+  callback asks"); a stop requested in ``on_step_begin``/``on_substep_end`` takes effect at the end of
+  the optimizer step (the next decision point) rather than after the current micro-batch.
+- ``on_log`` receives a copy of the native ``logs`` (shared by every HF callback, as under Trainer),
+  so ``PrinterCallback`` popping ``total_flos`` does not change what native callbacks see;
+  ``on_evaluate`` receives the native ``metrics`` dict itself, so an HF callback that rewrites a
+  metric changes best-model tracking, as it does under Trainer.
+- Resume: callback states are restored in place (Trainer removes the restored callbacks and appends
+  them at the end of the list); several callbacks of one class store their current states (Trainer
+  appends to the stored list on every save and so restores the oldest ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import (
+    DefaultFlowCallback,
+    EarlyStoppingCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.integrations import (
+    get_available_reporting_integrations,
+    get_reporting_integration_callbacks,
+)
+from transformers.integrations.integration_utils import TensorBoardCallback
+from transformers.trainer_callback import CallbackHandler, ExportableState
+
+from trainbridge.callbacks.base import Callback
+from trainbridge.config import TrainingArgs
+from trainbridge.context import TrainingContext
+from trainbridge.control import ControlFlag
+from trainbridge.hf.arguments import build_training_arguments
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+"""The file transformers' Trainer writes its state to in each checkpoint (same name and format here)."""
+
+# TrainerControl flag -> the native request it becomes.
+CONTROL_FLAG_REQUESTS: dict[str, ControlFlag] = {
+    "should_training_stop": ControlFlag.STOP_TRAINING,
+    "should_epoch_stop": ControlFlag.STOP_EPOCH,
+    "should_save": ControlFlag.SAVE,
+    "should_evaluate": ControlFlag.EVALUATE,
+    "should_log": ControlFlag.LOG,
+}
+
+# Agreed native flag -> the TrainerControl flag every rank's HF callbacks then see.
+AGREED_CONTROL_FLAGS: dict[ControlFlag, str] = {
+    ControlFlag.STOP_TRAINING: "should_training_stop",
+    ControlFlag.ABORT: "should_training_stop",
+    ControlFlag.STOP_EPOCH: "should_epoch_stop",
+    ControlFlag.SAVE: "should_save",
+    ControlFlag.EVALUATE: "should_evaluate",
+    ControlFlag.LOG: "should_log",
+}
+
+
+class HuggingFaceCallbackError(RuntimeError):
+    """A ``transformers.TrainerCallback`` raised; the message names the callback and the hook."""
+
+
+class AttributingCallbackHandler(CallbackHandler):
+    """transformers' ``CallbackHandler`` that also records which callback turned each control flag on.
+
+    Only ``call_event`` is replaced (the per-hook flag resets of ``CallbackHandler.on_*`` are inherited);
+    it calls each callback with the same arguments as transformers' ``call_event`` and notes, per flag,
+    the first callback that switched it from False to True (``flag_setters``, reset at every event).
+    """
+
+    flag_setters: dict[str, TrainerCallback]
+
+    def call_event(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.flag_setters = {}
+        for callback in self.callbacks:
+            before = _control_flags(control)
+            try:
+                result = getattr(callback, event)(
+                    args,
+                    state,
+                    control,
+                    model=self.model,
+                    processing_class=self.processing_class,
+                    optimizer=self.optimizer,
+                    lr_scheduler=self.lr_scheduler,
+                    train_dataloader=self.train_dataloader,
+                    eval_dataloader=self.eval_dataloader,
+                    **kwargs,
+                )
+            except Exception as exc:
+                raise HuggingFaceCallbackError(
+                    f"transformers callback {type(callback).__name__}.{event} raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            # A callback can skip returning `control` if it doesn't change it.
+            if result is not None:
+                control = result
+            for name, value in _control_flags(control).items():
+                if value and not before[name]:
+                    self.flag_setters.setdefault(name, callback)
+        return control
+
+
+class HuggingFaceCallbackAdapter(Callback):
+    """Drives ``transformers.TrainerCallback``s (instances or classes) as ``transformers.Trainer`` would.
+
+    Args:
+        callbacks: the user's HF callbacks, instances or ``TrainerCallback`` subclasses (instantiated
+            without arguments, as ``Trainer(callbacks=[...])`` does).
+        report_to: reporting integrations (``"tensorboard"``, ``"mlflow"``, ``"wandb"``...), added as
+            Trainer adds them.
+        progress: add transformers' ``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``).
+
+    The constructor only stores its arguments (the adapter travels to the workers with cloudpickle);
+    ``TrainingArguments``, ``TrainerState``, ``TrainerControl`` and the handler are built at
+    ``on_init_end`` in each worker.
+    """
+
+    def __init__(
+        self,
+        callbacks: Sequence[TrainerCallback | type[TrainerCallback]] = (),
+        report_to: Sequence[str] = (),
+        progress: bool = True,
+    ):
+        for cb in callbacks:
+            if not is_hf_callback(cb):
+                raise TypeError(f"{cb!r} is not a transformers.TrainerCallback instance or subclass")
+        self.callbacks = list(callbacks)
+        self.report_to = list(report_to)
+        self.progress = progress
+        self.args: TrainingArguments | None = None
+        self.state: TrainerState | None = None
+        self.control: TrainerControl | None = None
+        self.handler: AttributingCallbackHandler | None = None
+        self._train_args: TrainingArgs | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self._folded_agreed: object | None = None
+        self._num_parameters = 0
+
+    # ------------------------------------------------------------------ configuration
+    def validate(self, args: TrainingArgs) -> None:
+        """Fail before launch on what would fail in the workers: unknown or missing integrations, and
+        ``EarlyStoppingCallback`` without ``metric_for_best_model`` or evaluation."""
+        integrations = self._integrations()
+        get_reporting_integration_callbacks(integrations)  # ValueError naming an unknown integration
+        available = set(get_available_reporting_integrations())
+        missing = [name for name in integrations if name not in available]
+        if missing:
+            raise ValueError(f"report_to: {', '.join(missing)} requested but not installed")
+        if any(_callback_class(cb) is EarlyStoppingCallback for cb in self.callbacks):
+            if args.metric_for_best_model is None and not args.load_best_model_at_end:
+                raise ValueError("callbacks: EarlyStoppingCallback requires metric_for_best_model to be set")
+            if args.eval_strategy == "no":
+                raise ValueError("callbacks: EarlyStoppingCallback requires eval_strategy 'steps' or 'epoch'")
+
+    # ------------------------------------------------------------------ set-up (worker)
+    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Build TrainingArguments, the callback handler, TrainerState and TrainerControl (as Trainer's
+        ``__init__`` does), then call ``on_init_end``."""
+        self._train_args = context.args
+        self.args = build_training_arguments(context.args, context.env)
+        model = context.unwrapped_model if context.unwrapped_model is not None else context.model
+        self.args.report_to = self._integrations()
+        defaults: list[Any] = [DefaultFlowCallback, *get_reporting_integration_callbacks(self.args.report_to)]
+        self.handler = AttributingCallbackHandler(
+            defaults + self.callbacks, model, context.tokenizer, context.optimizer, context.lr_scheduler
+        )
+        if self.progress:
+            self.handler.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        self._point_tensorboard_at(context.args)
+        self.control = TrainerControl()
+        self.state = TrainerState(
+            is_local_process_zero=context.is_local_process_zero,
+            is_world_process_zero=context.is_world_process_zero,
+            stateful_callbacks=self._exportable_callbacks(),
+        )
+        self._num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        self._call(context, "on_init_end")
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Start the TrainerState as ``Trainer._init_training_state`` does (restored on resume)."""
+        args = self._require()[0]
+        if self._resume_state is not None:
+            self.state = self._restored_state(self._resume_state)
+            self._resume_state = None
+        else:
+            self.state = TrainerState(stateful_callbacks=self._exportable_callbacks())
+            self.state.train_batch_size = args.train_batch_size
+            self.state.compute_steps(args, context.max_steps)
+        self.state.trial_name = None
+        self.state.trial_params = None
+        self.state.is_local_process_zero = context.is_local_process_zero
+        self.state.is_world_process_zero = context.is_world_process_zero
+        self._call(context, "on_train_begin")
+
+    # ------------------------------------------------------------------ the events
+    def on_epoch_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_epoch_begin")
+
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_step_begin")
+
+    def on_substep_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_substep_end")
+
+    def on_pre_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_pre_optimizer_step")
+
+    def on_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_optimizer_step")
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_step_end")
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Append to ``log_history`` as ``Trainer.log`` does, then ``on_log(logs=...)``."""
+        logs = dict(kwargs["logs"])
+        self._sync_state(context)
+        state = self._state()
+        logs.setdefault("epoch", state.epoch)
+        state.log_history.append({**logs, "step": state.global_step})
+        self._call(context, "on_log", logs=logs)
+
+    def on_prediction_step(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_prediction_step")
+
+    def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_evaluate", metrics=kwargs["metrics"])
+
+    def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._sync_state(context)
+        self._update_best_model_checkpoint(context)
+        self._call(context, "on_save")
+
+    def on_epoch_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_epoch_end")
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self._call(context, "on_train_end")
+
+    # ------------------------------------------------------------------ checkpoint and resume
+    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
+        """``trainer_state.json`` as ``Trainer._save_checkpoint`` writes it (best checkpoint and the
+        states of ``ExportableState`` callbacks and of ``TrainerControl`` brought up to date)."""
+        if self.state is None:
+            return {}
+        self._sync_state(context)
+        self._update_best_model_checkpoint(context)
+        self._update_stateful_callbacks()
+        return {TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
+
+    def state_dict(self) -> Mapping[str, Any] | None:
+        """The TrainerState as a dict (with up-to-date callback states); None before ``on_init_end``."""
+        if self.state is None:
+            return self._resume_state
+        self._update_stateful_callbacks()
+        return json.loads(json.dumps(dataclasses.asdict(self.state)))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Keep a saved TrainerState; it replaces the fresh one at ``on_train_begin`` (and, when
+        ``restore_callback_states``, restores ``ExportableState`` callbacks and ``TrainerControl``)."""
+        self._resume_state = dict(state)
+
+    # ------------------------------------------------------------------ internals
+    def _integrations(self) -> list[str]:
+        """``report_to`` normalised as ``TrainingArguments`` does: ``"all"`` expanded, ``"none"`` dropped."""
+        if "all" in self.report_to:
+            return list(get_available_reporting_integrations())
+        return [name for name in self.report_to if name != "none"]
+
+    def _require(self) -> tuple[TrainingArguments, AttributingCallbackHandler]:
+        if self.args is None or self.handler is None:
+            raise RuntimeError("HuggingFaceCallbackAdapter: on_init_end has not run on this rank")
+        return self.args, self.handler
+
+    def _state(self) -> TrainerState:
+        if self.state is None:
+            raise RuntimeError("HuggingFaceCallbackAdapter: on_init_end has not run on this rank")
+        return self.state
+
+    def _call(self, context: TrainingContext, hook: str, **kwargs: Any) -> None:
+        """Refresh state, fold the agreed decision into control, call ``hook`` on the handler, and turn
+        flags the callbacks switched on into native requests."""
+        args, handler = self._require()
+        self._sync_state(context)
+        self._fold_agreed(context)
+        self.control = getattr(handler, hook)(args, self._state(), self.control, **kwargs)
+        self._forward_requests(context, hook)
+
+    def _sync_state(self, context: TrainingContext) -> None:
+        """Mirror the context into TrainerState and the handler's live references."""
+        state, handler = self._state(), self._require()[1]
+        state.global_step = context.global_step
+        state.epoch = context.epoch
+        state.max_steps = context.max_steps
+        state.num_train_epochs = context.num_epochs
+        state.num_input_tokens_seen = context.tokens_seen
+        state.total_flos = float(6 * self._num_parameters * context.tokens_seen)
+        if context.best_metric is not None:
+            state.best_metric = context.best_metric
+        if context.best_global_step is not None:
+            state.best_global_step = context.best_global_step
+        handler.model = context.unwrapped_model if context.unwrapped_model is not None else context.model
+        handler.processing_class = context.tokenizer
+        handler.optimizer = context.optimizer
+        handler.lr_scheduler = context.lr_scheduler
+        handler.train_dataloader = context.train_dataloader
+        handler.eval_dataloader = context.eval_dataloader
+
+    def _fold_agreed(self, context: TrainingContext) -> None:
+        """OR the latest agreed decision into control, once per decision."""
+        agreed = context.agreed
+        if agreed is self._folded_agreed or self.control is None:
+            return
+        self._folded_agreed = agreed
+        for flag in agreed.flags:
+            name = AGREED_CONTROL_FLAGS.get(flag)
+            if name is not None:
+                setattr(self.control, name, True)
+
+    def _forward_requests(self, context: TrainingContext, hook: str) -> None:
+        handler = self._require()[1]
+        for name, callback in handler.flag_setters.items():
+            if type(callback) is DefaultFlowCallback or not getattr(self.control, name):
+                continue
+            context.request(
+                CONTROL_FLAG_REQUESTS[name], f"{type(callback).__name__} set control.{name} in {hook}"
+            )
+
+    def _exportable_callbacks(self) -> list[Any]:
+        handler = self._require()[1]
+        return [cb for cb in [*handler.callbacks, self.control] if isinstance(cb, ExportableState)]
+
+    def _update_stateful_callbacks(self) -> None:
+        """Current states of every ExportableState callback and of control, in TrainerState's format."""
+        self._state().stateful_callbacks = TrainerState(
+            stateful_callbacks=self._exportable_callbacks()
+        ).stateful_callbacks
+
+    def _update_best_model_checkpoint(self, context: TrainingContext) -> None:
+        """As ``Trainer._save_checkpoint``: the best checkpoint is ``checkpoint-{best_global_step}``
+        once it exists (the one being written counts)."""
+        state, train_args = self._state(), context.args
+        if train_args.save_strategy == "no" or not state.best_global_step:
+            return
+        best_dir = Path(train_args.ckpt_output_dir) / f"checkpoint-{state.best_global_step}"
+        if state.best_global_step == context.global_step or best_dir.is_dir():
+            state.best_model_checkpoint = str(best_dir)
+
+    def _restored_state(self, saved: Mapping[str, Any]) -> TrainerState:
+        """A TrainerState from ``saved``; restores callback states when ``restore_callback_states``."""
+        known = {f.name for f in dataclasses.fields(TrainerState)}
+        state = TrainerState(**{k: v for k, v in saved.items() if k in known})
+        if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
+            logger.warning("the best checkpoint %s recorded in the resumed state does not exist anymore; "
+                           "ignoring it for this run", state.best_model_checkpoint)
+            state.best_model_checkpoint = None
+        if self._train_args is not None and self._train_args.restore_callback_states:
+            stored = state.stateful_callbacks
+            self._load_callback_states(stored if isinstance(stored, dict) else {})
+        return state
+
+    def _load_callback_states(self, stored: Mapping[str, Any]) -> None:
+        """``Trainer._load_callback_state``: rebuild each stored callback from its ``args`` and set its
+        ``attributes`` (matched by class name, in order for several of one class), in place."""
+        handler = self._require()[1]
+        current: list[Any] = [*handler.callbacks, self.control]
+        not_found = []
+        for class_name, data in stored.items():
+            entries = data if isinstance(data, list) else [data]
+            same_class = [cb for cb in current if type(cb).__name__ == class_name]
+            if not same_class:
+                not_found.append(class_name)
+                continue
+            for callback, entry in zip(same_class, entries):
+                restored = type(callback)(**entry.get("args", {}))
+                for attribute, value in entry.get("attributes", {}).items():
+                    setattr(restored, attribute, value)
+                if isinstance(callback, TrainerControl):
+                    self.control = restored
+                else:
+                    position = next(i for i, cb in enumerate(handler.callbacks) if cb is callback)
+                    handler.callbacks[position] = restored
+        if not_found:
+            logger.warning("checkpoint includes callback states for callbacks not configured now; ignoring "
+                           "them (%s)", ", ".join(not_found))
+
+    def _point_tensorboard_at(self, train_args: TrainingArgs) -> None:
+        """transformers 5 reads TensorBoard's directory from ``TENSORBOARD_LOGGING_DIR`` (default
+        ``output_dir/runs/<time>_<host>``); an explicit ``TrainingArgs.logging_dir`` wins over the default."""
+        if train_args.logging_dir is None:
+            return
+        for cb in self._require()[1].callbacks:
+            # transformers >= 5 keeps the directory on the callback (None: not set by the environment)
+            if isinstance(cb, TensorBoardCallback) and "logging_dir" in vars(cb) and cb.logging_dir is None:
+                cb.logging_dir = str(train_args.logging_dir)
+
+
+def is_hf_callback(obj: Any) -> bool:
+    """A ``transformers.TrainerCallback`` instance or subclass."""
+    return isinstance(obj, TrainerCallback) or (isinstance(obj, type) and issubclass(obj, TrainerCallback))
+
+
+def _callback_class(cb: Any) -> type:
+    return cb if isinstance(cb, type) else type(cb)
+
+
+def _control_flags(control: TrainerControl) -> dict[str, bool]:
+    return {name: bool(getattr(control, name)) for name in CONTROL_FLAG_REQUESTS}

@@ -1,0 +1,209 @@
+"""``training_args_from_hf``: port an existing ``transformers.TrainingArguments`` to ``TrainingArgs``.
+
+Fields with a trainbridge equivalent are carried over (schedules, steps, best-model settings, optimiser
+and scheduler settings, seed, precision, integrations).  Every other field that is set to a value other
+than its default raises one ``HFPortingWarning`` saying why it has no meaning here (and what to use
+instead, where something does the job).  Things that must be said explicitly (model and data paths,
+``effective_batch_size``...) are passed as keyword arguments and win over anything carried over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainingArguments
+
+from trainbridge.config import TrainingArgs
+
+
+class HFPortingWarning(UserWarning):
+    """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
+
+
+SUPPORTED_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+# Fields carried over to TrainingArgs (explicitly, in `_carried_over`).
+CARRIED_OVER = frozenset({
+    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type", "warmup_steps",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "seed", "bf16", "use_cpu",
+    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
+    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
+    "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
+    "resume_from_checkpoint", "ddp_timeout",
+})
+
+# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, fields whose
+# meaning is covered by another warning, and restore_callback_states_from_checkpoint (trainbridge restores
+# callback states by default: ``TrainingArgs.restore_callback_states``).
+NOT_WARNED = frozenset({
+    "do_train", "do_eval", "do_predict", "local_rank", "accelerator_config", "dataloader_pin_memory",
+    "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
+    "restore_callback_states_from_checkpoint", "skip_memory_metrics", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
+    "hub_always_push", "hub_revision", "project", "trackio_space_id", "trackio_bucket_id",
+    "trackio_static_space_id", "fsdp_config", "lr_scheduler_kwargs", "optim_args",
+})
+
+# Why a field has no meaning here, for the fields users set most.
+EXPLANATIONS: dict[str, str] = {
+    "per_device_train_batch_size": (
+        "trainbridge batches by token budget: set effective_batch_size (samples per optimizer step, all "
+        "ranks together; Trainer's is per_device_train_batch_size x gradient_accumulation_steps x world "
+        "size) and max_batch_len (tokens per micro-batch on one rank)"
+    ),
+    "gradient_accumulation_steps": (
+        "gradient accumulation follows from effective_batch_size and max_batch_len (as many micro-batches "
+        "as the token budget needs)"
+    ),
+    "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
+    "fp16": "only bf16 mixed precision is supported (mixed_precision='bf16')",
+    "activation_checkpointing": "activation (gradient) checkpointing is not supported",
+    "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
+    "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
+    "fsdp": "use distributed_backend='fsdp' (FSDP2)",
+    "optim": "the optimizer is AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
+    "torch_compile": "torch.compile is not applied",
+    "push_to_hub": "trainbridge never pushes to a hub",
+    "label_smoothing_factor": "the loss is plain token-level cross-entropy",
+    "include_num_input_tokens_seen": "tokens are always counted (TrainingContext.tokens_seen)",
+    "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
+    "data_seed": "seed orders the data and splits validation",
+    "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
+    "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
+}
+
+
+def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
+    """``TrainingArgs`` carrying over ``hf_args``'s schedules and settings; ``required`` (``model_path``,
+    ``data_path``, ``effective_batch_size``... any ``TrainingArgs`` field) is added and wins.
+
+    Warns (``HFPortingWarning``, once per field) about every non-default field with no meaning here.
+    Raises ``ValueError`` for a learning-rate scheduler trainbridge does not have, and for step ratios
+    (``logging_steps=0.1``...) when ``max_steps`` is not set.
+    """
+    data = _carried_over(hf_args)
+    for name in _ignored_non_default_fields(hf_args):
+        value = getattr(hf_args, name)
+        reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
+        warnings.warn(f"TrainingArguments.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning,
+                      stacklevel=2)
+    data.update(required)
+    return TrainingArgs.model_validate(data)
+
+
+def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
+    """The TrainingArgs fields that follow from ``hf``."""
+    max_steps = hf.max_steps if hf.max_steps > 0 else None
+    scheduler = _plain(hf.lr_scheduler_type)
+    if scheduler not in SUPPORTED_SCHEDULERS:
+        raise ValueError(
+            f"TrainingArguments.lr_scheduler_type={scheduler!r}: trainbridge supports {', '.join(SUPPORTED_SCHEDULERS)}"
+        )
+    if hf.num_train_epochs != math.ceil(hf.num_train_epochs):
+        warnings.warn(f"TrainingArguments.num_train_epochs={hf.num_train_epochs} is rounded up to whole epochs; "
+                      "use max_steps to stop mid-epoch", HFPortingWarning, stacklevel=3)
+    data: dict[str, Any] = {
+        "ckpt_output_dir": Path(hf.output_dir or "trainer_output"),
+        "num_epochs": max(1, math.ceil(hf.num_train_epochs)),
+        "max_steps": max_steps,
+        "learning_rate": hf.learning_rate,
+        "lr_scheduler": scheduler,
+        "warmup_steps": _absolute_steps("warmup_steps", hf.warmup_steps, max_steps, allow_zero=True),
+        "weight_decay": hf.weight_decay,
+        "adam_beta1": hf.adam_beta1,
+        "adam_beta2": hf.adam_beta2,
+        "adam_epsilon": hf.adam_epsilon,
+        "max_grad_norm": hf.max_grad_norm if hf.max_grad_norm and hf.max_grad_norm > 0 else None,
+        "seed": hf.seed,
+        "mixed_precision": "bf16" if hf.bf16 else "no",
+        "logging_strategy": _plain(hf.logging_strategy),
+        "logging_steps": _absolute_steps("logging_steps", hf.logging_steps, max_steps),
+        "logging_first_step": hf.logging_first_step,
+        "eval_strategy": _plain(hf.eval_strategy),
+        "eval_delay": float(hf.eval_delay or 0.0),
+        "eval_on_start": hf.eval_on_start,
+        "save_strategy": _plain(hf.save_strategy),
+        "save_total_limit": hf.save_total_limit,
+        "metric_for_best_model": hf.metric_for_best_model,
+        "greater_is_better": hf.greater_is_better,
+        "load_best_model_at_end": hf.load_best_model_at_end,
+        "report_to": [name for name in _as_list(hf.report_to) if name != "none"],
+        "run_name": hf.run_name,
+        "disable_tqdm": bool(hf.disable_tqdm),
+    }
+    if hf.use_cpu:
+        data["device"] = "cpu"
+    if hf.eval_steps is not None:
+        data["eval_steps"] = _absolute_steps("eval_steps", hf.eval_steps, max_steps)
+    if data["save_strategy"] == "steps":
+        data["save_steps"] = _absolute_steps("save_steps", hf.save_steps, max_steps)
+    if hf.resume_from_checkpoint is not None:
+        data["resume_from_checkpoint"] = hf.resume_from_checkpoint
+    if hf.ddp_timeout != _default("ddp_timeout"):
+        data["collective_timeout_s"] = float(hf.ddp_timeout)
+    logging_dir = vars(hf).get("logging_dir")  # a TrainingArguments field before transformers 5
+    if logging_dir:
+        data["logging_dir"] = Path(logging_dir)
+    return data
+
+
+def _absolute_steps(name: str, value: float, max_steps: int | None, allow_zero: bool = False) -> int:
+    """Trainer's ``TrainerState.compute_steps``: a value below 1 is a ratio of ``max_steps``."""
+    if value >= 1 or (allow_zero and value == 0):
+        if value != int(value):
+            raise ValueError(f"TrainingArguments.{name}={value}: must be a whole number of steps when >= 1")
+        return int(value)
+    if max_steps is None:
+        raise ValueError(
+            f"TrainingArguments.{name}={value} is a ratio of max_steps, but max_steps is not set; "
+            f"give {name} in steps"
+        )
+    return max(1, math.ceil(max_steps * value))
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def _default(name: str) -> Any:
+    field = _FIELDS[name]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _ignored_non_default_fields(hf: TrainingArguments) -> list[str]:
+    """Fields neither carried over nor exempt whose value differs from the dataclass default."""
+    names = []
+    for name in _FIELDS:
+        if name in CARRIED_OVER or name in NOT_WARNED:
+            continue
+        value, default = _plain(getattr(hf, name)), _plain(_default(name))
+        if value == default or (not value and not default):
+            continue
+        if name == "optim" and str(value).startswith("adamw_torch"):
+            continue
+        names.append(name)
+    return names
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    """``report_to`` as a list (TrainingArguments normalises it to one; typed more loosely)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _plain(value: Any) -> Any:
+    """Enums (and lists of them) as their values, for comparison and messages."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
