@@ -81,6 +81,8 @@ class AgreedControl:
 
     flags: frozenset[ControlFlag] = frozenset()
     requesters: dict[ControlFlag, list[Requester]] = field(default_factory=dict)
+    local_reasons: dict[ControlFlag, str] = field(default_factory=dict)
+    """Reasons this rank gave for its own requests (reasons do not travel in the agreement)."""
 
     def __contains__(self, flag: object) -> bool:
         return flag in self.flags
@@ -125,5 +127,6 @@ def agree_control(
                 Requester(rank, source_names[idx] if 0 <= idx < len(source_names) else f"source #{idx}")
                 for rank, idx in asked
             ]
+    reasons = dict(requests.reasons)
     requests.clear()
-    return AgreedControl(frozenset(flags), requesters), summed
+    return AgreedControl(frozenset(flags), requesters, reasons), summed

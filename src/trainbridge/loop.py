@@ -319,8 +319,7 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        if args.restore_callback_states:
-            self.callbacks.load_state_dict(state.get("callbacks", {}))
+        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
@@ -343,7 +342,12 @@ class TrainingLoop:
         agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
-            self._stop_requesters = agreed.describe(ControlFlag.STOP_TRAINING)
+            # collective (once per run, only when a stop is agreed): every rank's reason for it
+            reasons = self.env.all_gather_objects(agreed.local_reasons.get(ControlFlag.STOP_TRAINING))
+            self._stop_requesters = ", ".join(
+                f"rank {r.rank} ({r.source}{': ' + reasons[r.rank] if reasons[r.rank] else ''})"
+                for r in agreed.requesters[ControlFlag.STOP_TRAINING]
+            )
         if ControlFlag.ABORT in agreed:
             raise CallbackFatalError(
                 f"callback error under callback_error_policy='fatal' on {agreed.describe(ControlFlag.ABORT)}; "

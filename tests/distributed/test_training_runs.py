@@ -75,7 +75,7 @@ def test_stop_requested_on_rank_1_only_stops_both_ranks_at_the_same_step(assets,
     result = run_training(args, TWO)
     assert result.global_step == 3
     assert result.stopped_early
-    assert "rank 1 (StopOnRank)" in result.stop_reason
+    assert "rank 1 (StopOnRank: rank 1 says stop)" in result.stop_reason
     rank0, rank1 = read_rank_files(tmp_path, "events")
     assert rank0["steps"] == rank1["steps"] == [1, 2, 3]
     assert rank0["counts"]["on_train_end"] == rank1["counts"]["on_train_end"] == 1

@@ -235,3 +235,24 @@ def test_state_round_trip_by_position_and_name(context):
 def test_manager_rejects_non_callbacks():
     with pytest.raises(TypeError, match="not a trainbridge.Callback"):
         CallbackManager([object()])
+
+
+def test_switching_off_restore_keeps_run_bookkeeping_state(context):
+    class UserState(Callback):
+        def __init__(self):
+            self.value = None
+
+        def state_dict(self):
+            return {"v": 1}
+
+        def load_state_dict(self, state):
+            self.value = state["v"]
+
+    class Bookkeeping(UserState):
+        always_restore_state = True
+
+    saved = CallbackManager([UserState(), Bookkeeping()]).state_dict()
+    user, bookkeeping = UserState(), Bookkeeping()
+    restored = CallbackManager([user, bookkeeping]).load_state_dict(saved, restore_user_states=False)
+    assert restored == ["1:Bookkeeping"]
+    assert user.value is None and bookkeeping.value == 1

@@ -273,10 +273,10 @@ class SimulatedRun:
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         self.last_saved = self.last_logged = ctx.global_step
         ctx.resumed_from = path
-        if self.args.restore_callback_states:
-            for i, cb in enumerate(self.callbacks):
-                if str(i) in state["callbacks"]:
-                    cb.load_state_dict(state["callbacks"][str(i)])
+        # as trainbridge.loop: run bookkeeping (always_restore_state) always, user state when asked
+        for i, cb in enumerate(self.callbacks):
+            if str(i) in state["callbacks"] and (self.args.restore_callback_states or cb.always_restore_state):
+                cb.load_state_dict(state["callbacks"][str(i)])
 
 
 @pytest.fixture
@@ -531,11 +531,10 @@ def test_resume_without_restoring_callback_states_restarts_the_counter(files):
     with pytest.raises(SimulatedCrash):
         crashed.run(crash_after_step=3)
     resumed, adapter = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3", restore=False)
-    # Like trainbridge.loop, SimulatedRun.resume restores no callback state at all when
-    # restore_callback_states is False (neither the counter nor the best metric): the first evaluation
-    # after resuming (step 4) is the new best, and patience 4 runs out at step 8.
+    # As under Trainer without restore_callback_states_from_checkpoint: the TrainerState (best metric
+    # 1.0 at step 1) comes back, EarlyStopping's counter restarts at 0, so patience 4 runs out at step 7.
     ctx = resumed.run(resume_from=files["out"] / "checkpoint-3")
-    assert ctx.global_step == 8
+    assert ctx.global_step == 7
     assert adapter.handler.callbacks[2].early_stopping_patience_counter == 4
 
 

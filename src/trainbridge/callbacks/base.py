@@ -24,10 +24,14 @@ class Callback:
       - ``nonblocking``: run this observer on a background worker with a snapshot of the context
         (it may not request control; its errors are isolated like any other).
       - ``rank_zero_only``: call this callback on global rank 0 only.
+      - ``always_restore_state``: see below.
     """
 
     nonblocking: ClassVar[bool] = False
     rank_zero_only: ClassVar[bool] = False
+    always_restore_state: ClassVar[bool] = False
+    """The state is run bookkeeping (schedule, best metric, TrainerState), restored on resume even when
+    ``restore_callback_states`` is off; that switch governs user callbacks' own state."""
 
     @property
     def name(self) -> str:

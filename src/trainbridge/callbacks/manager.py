@@ -243,11 +243,14 @@ class CallbackManager:
                 out[key] = dict(state)
         return out
 
-    def load_state_dict(self, states: Mapping[str, Any]) -> list[str]:
-        """Restore callback states saved by ``state_dict``; returns the keys restored."""
+    def load_state_dict(self, states: Mapping[str, Any], restore_user_states: bool = True) -> list[str]:
+        """Restore callback states saved by ``state_dict``; returns the keys restored.
+
+        With ``restore_user_states=False`` only callbacks marked ``always_restore_state`` are restored.
+        """
         restored = []
         for key, cb in self._keys():
-            if key in states:
+            if key in states and (restore_user_states or cb.always_restore_state):
                 cb.load_state_dict(states[key])
                 restored.append(key)
         return restored

@@ -158,6 +158,8 @@ class HuggingFaceCallbackAdapter(Callback):
     ``on_init_end`` in each worker.
     """
 
+    always_restore_state = True  # TrainerState always; inner callbacks gated by restore_callback_states
+
     def __init__(
         self,
         callbacks: Sequence[TrainerCallback | type[TrainerCallback]] = (),

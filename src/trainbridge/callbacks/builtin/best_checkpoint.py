@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 class BestCheckpointTracker(Callback):
     """Tracks ``args.best_metric_name`` across evaluations."""
 
+    always_restore_state = True
+
     def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
         args = context.args
         if not args.tracks_best_metric:

@@ -17,6 +17,8 @@ from trainbridge.context import TrainingContext
 class ScheduleCallback(Callback):
     """Log / evaluate / save triggers from ``TrainingArgs`` (steps, epochs, samples)."""
 
+    always_restore_state = True
+
     def __init__(self) -> None:
         self._last_save_samples = 0
 
