@@ -1,0 +1,320 @@
+"""``CheckpointManager``: atomic Hugging Face-layout checkpoints, rotation, ``latest()`` and resume state.
+
+A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
+
+* the model (``model.safetensors`` or shards + index), ``config.json``, ``generation_config.json`` — loadable
+  with ``AutoModelForCausalLM.from_pretrained`` — and the tokenizer files;
+* ``training_state.json``: the loop's counters, sampler position and callback states;
+* ``rng_state_{rank}.pth``: each rank's python / numpy / torch CPU / CUDA generator states;
+* the optimizer and scheduler state as the engine writes it (``optimizer.pt``, a DCP folder for FSDP2, a
+  DeepSpeed folder for ZeRO) and ``scheduler.pt``;
+* any ``extra_files`` (e.g. the HF adapter's ``trainer_state.json``);
+* ``COMPLETE``: written last.
+
+Atomicity: everything is written into ``output_dir/.tmp-checkpoint-{step}`` (every rank writes its rank
+files there), the ranks agree that all writes succeeded, then rank 0 writes ``COMPLETE`` and renames the
+folder to its final name.  A crash mid-save leaves earlier checkpoints whole; a left-over temporary folder
+is never listed and is removed by the next save.  Re-saving an existing step renames the old folder aside,
+renames the new one in, then deletes the old one.  ``output_dir`` must be on a filesystem every rank sees
+(as for ``torch.distributed.checkpoint`` and DeepSpeed checkpoints).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from safetensors.torch import load_file
+
+if TYPE_CHECKING:
+    from trainbridge.distributed import DistributedEnv
+    from trainbridge.parallel import TrainingEngine
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
+OLD_PREFIX = ".old-checkpoint-"
+DELETING_PREFIX = ".deleting-checkpoint-"
+COMPLETE_MARKER = "COMPLETE"
+TRAINING_STATE_FILE = "training_state.json"
+SAFE_WEIGHTS_FILE = "model.safetensors"
+SAFE_WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or is not a complete checkpoint."""
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step in a ``checkpoint-{step}`` folder name."""
+    match = _CHECKPOINT_NAME.match(path.name)
+    if match is None:
+        raise CheckpointError(f"{str(path)!r} is not named {CHECKPOINT_PREFIX}<step>")
+    return int(match.group(1))
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """True for a ``checkpoint-{step}`` folder carrying the ``COMPLETE`` marker."""
+    return _CHECKPOINT_NAME.match(path.name) is not None and (path / COMPLETE_MARKER).is_file()
+
+
+class CheckpointManager:
+    """Writes, finds, rotates and loads the checkpoints of one run in ``output_dir``.
+
+    ``save``, ``load`` and ``rotate`` are collective (every rank calls them); only rank 0 creates, renames
+    and deletes folders.
+    """
+
+    def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None) -> None:
+        self.output_dir = Path(output_dir)
+        self.env = env
+        self.save_total_limit = save_total_limit
+
+    # ------------------------------------------------------------------ saving
+    def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
+             extra_files: dict[str, str] | None = None) -> Path:
+        """Write ``checkpoint-{global_step}`` atomically and return its path (collective).
+
+        ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
+        JSON-serialisable; ``extra_files`` maps file names to text written beside it.
+        """
+        final = self.output_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+        tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
+        error: BaseException | None = None
+        if self.env.is_world_process_zero:
+            try:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                self._clean_leftovers()
+                tmp.mkdir()
+            except Exception as exc:
+                error = exc
+        self._agree(error, f"preparing {tmp}")
+
+        # Collective for sharded engines: every rank takes part, rank 0 receives the full weights.
+        full_state = engine.full_model_state_dict()
+        try:
+            if self.env.is_world_process_zero:
+                self._write_rank_zero_files(engine, tokenizer, tmp, full_state, training_state, extra_files or {})
+            del full_state
+            torch.save(capture_rng_state(), tmp / f"rng_state_{self.env.rank}.pth")
+        except Exception as exc:
+            error = exc
+        self._agree(error, f"writing model, tokenizer and state files into {tmp}")
+
+        try:
+            engine.save_training_state(tmp)
+        except Exception as exc:
+            error = exc
+        self._agree(error, f"writing optimizer/scheduler state into {tmp}")
+
+        if self.env.is_world_process_zero:
+            try:
+                (tmp / COMPLETE_MARKER).write_text(f"{global_step}\n")
+                self._publish(tmp, final)
+            except Exception as exc:
+                error = exc
+        self._agree(error, f"publishing {final}")
+        return final
+
+    def _write_rank_zero_files(self, engine: TrainingEngine, tokenizer: Any, tmp: Path,
+                               full_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
+                               extra_files: dict[str, str]) -> None:
+        if full_state is None:
+            raise CheckpointError(f"{type(engine).__name__}.full_model_state_dict() returned None on rank 0")
+        engine.unwrapped.save_pretrained(tmp, state_dict=full_state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        try:
+            text = json.dumps(training_state, indent=2, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"training_state is not JSON-serialisable: {exc}") from exc
+        (tmp / TRAINING_STATE_FILE).write_text(text)
+        for name, content in extra_files.items():
+            (tmp / name).write_text(content)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``; an existing ``final`` is renamed aside first and deleted after."""
+        if not final.exists():
+            tmp.rename(final)
+            return
+        aside = final.with_name(f"{OLD_PREFIX}{checkpoint_step(final)}")
+        if aside.exists():
+            shutil.rmtree(aside)
+        final.rename(aside)
+        tmp.rename(final)
+        shutil.rmtree(aside)
+
+    def _clean_leftovers(self) -> None:
+        """Rank 0, before a save: restore a checkpoint renamed aside by an interrupted re-save, and delete
+        temporary folders of interrupted saves and deletions."""
+        for path in self.output_dir.iterdir():
+            if path.name.startswith(OLD_PREFIX):
+                final = path.with_name(CHECKPOINT_PREFIX + path.name[len(OLD_PREFIX):])
+                if final.exists():
+                    shutil.rmtree(path)
+                else:
+                    logger.warning("restoring %s, left aside by an interrupted re-save", final)
+                    path.rename(final)
+            elif path.name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+                logger.warning("removing %s, left by an interrupted checkpoint save or deletion", path)
+                shutil.rmtree(path)
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Collective ``all_reduce(MAX)`` of a failure flag: every rank raises if any rank failed."""
+        flag = torch.tensor([1.0 if error is not None else 0.0], device=self.env.device)
+        failed = float(self.env.all_reduce_max(flag).item()) > 0
+        if error is not None:
+            raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed while {what}: {error}") from error
+        if failed:
+            raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed on another rank while {what}")
+
+    # ------------------------------------------------------------------ finding and rotating
+    def list_checkpoints(self) -> list[Path]:
+        """Complete checkpoints in ``output_dir``, oldest (lowest step) first."""
+        if not self.output_dir.is_dir():
+            return []
+        found = [p for p in self.output_dir.iterdir() if p.is_dir() and is_complete_checkpoint(p)]
+        return sorted(found, key=checkpoint_step)
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None (temporary and incomplete ones ignored)."""
+        checkpoints = self.list_checkpoints()
+        return checkpoints[-1] if checkpoints else None
+
+    def rotate(self, protected: set[Path] | frozenset[Path] = frozenset()) -> list[Path]:
+        """Keep at most ``save_total_limit`` checkpoints; returns those deleted, on every rank.
+
+        Collective (every rank calls it): rank 0 deletes, then broadcasts what it deleted, so every rank
+        lists the same checkpoints afterwards.  As in transformers, protected checkpoints (the best one)
+        are never deleted and the newest one is always kept for resuming, so with a limit of 1 and an
+        older best checkpoint two remain.
+        """
+        if self.save_total_limit is None:
+            return []
+        outcome: dict[str, Any] = {"deleted": []}
+        if self.env.is_world_process_zero:
+            try:
+                outcome["deleted"] = [str(p) for p in self._delete_surplus(protected)]
+            except Exception as exc:
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+        outcome = self.env.broadcast_object(outcome)
+        if "error" in outcome:
+            raise CheckpointError(f"rank 0 failed to rotate checkpoints in {self.output_dir}: {outcome['error']}")
+        return [Path(p) for p in outcome["deleted"]]
+
+    def _delete_surplus(self, protected: set[Path] | frozenset[Path]) -> list[Path]:
+        assert self.save_total_limit is not None
+        checkpoints = self.list_checkpoints()
+        protected_resolved = {Path(p).resolve() for p in protected}
+        keep = [p for p in checkpoints if p.resolve() in protected_resolved]
+        for path in reversed(checkpoints):
+            if path in keep:
+                continue
+            if path == checkpoints[-1] or len(keep) < self.save_total_limit:
+                keep.append(path)
+        deleted = [p for p in checkpoints if p not in keep]
+        for path in deleted:
+            doomed = path.with_name(f"{DELETING_PREFIX}{checkpoint_step(path)}")
+            path.rename(doomed)  # atomic: the checkpoint disappears from listings at once
+            shutil.rmtree(doomed)
+        return deleted
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: Path, engine: TrainingEngine) -> dict[str, Any]:
+        """Load a checkpoint into ``engine`` (collective): model weights, optimizer and scheduler state, and
+        this rank's RNG state.  Returns the ``training_state`` dict saved with it."""
+        path = Path(path)
+        if not path.is_dir() or not is_complete_checkpoint(path):
+            raise CheckpointError(
+                f"{str(path)!r} is not a complete checkpoint (a {CHECKPOINT_PREFIX}<step> folder with a "
+                f"{COMPLETE_MARKER} marker)"
+            )
+        self.load_model_weights(path, engine)
+        engine.load_training_state(path)
+        self.restore_rng(path)
+        return json.loads((path / TRAINING_STATE_FILE).read_text())
+
+    def load_model_weights(self, path: Path, engine: TrainingEngine) -> None:
+        """Load only the model weights of checkpoint ``path`` into the live model on every rank (collective)."""
+        state = read_safetensors_weights(Path(path))
+        fill_tied_weights(state, engine.unwrapped)
+        engine.load_model_state_dict(state)
+
+    def restore_rng(self, path: Path) -> None:
+        """Restore this rank's RNG states from ``rng_state_{rank}.pth`` (a warning if the file is missing,
+        e.g. after a change of world size)."""
+        file = Path(path) / f"rng_state_{self.env.rank}.pth"
+        if not file.is_file():
+            logger.warning("rank %d: %s not found; RNG states not restored", self.env.rank, file)
+            return
+        restore_rng_state(torch.load(file, map_location="cpu", weights_only=True))
+
+
+# ---------------------------------------------------------------------- weights
+def read_safetensors_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The full state dict saved by ``save_pretrained`` in ``directory`` (single file or sharded), on CPU."""
+    index = directory / SAFE_WEIGHTS_INDEX_FILE
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for name in shard_names:
+            state.update(load_file(str(directory / name), device="cpu"))
+        return state
+    single = directory / SAFE_WEIGHTS_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{str(directory)!r} has neither {SAFE_WEIGHTS_FILE} nor {SAFE_WEIGHTS_INDEX_FILE}")
+    return load_file(str(single), device="cpu")
+
+
+def fill_tied_weights(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Add the names ``save_pretrained`` left out for tied parameters (e.g. ``lm_head.weight`` tied to the
+    embeddings), taking the value saved under another name of the same parameter."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for names in aliases.values():
+        present = [n for n in names if n in state]
+        if present:
+            for name in names:
+                state.setdefault(name, state[present[0]])
+
+
+# ---------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy (if installed), torch CPU and CUDA generator states."""
+    python_state = random.getstate()
+    state: dict[str, Any] = {
+        "python": [python_state[0], list(python_state[1]), python_state[2]],
+        "cpu": torch.get_rng_state(),
+    }
+    if importlib.util.find_spec("numpy") is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float], np.random.get_state())
+        state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["cpu"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,578 @@
+"""``TrainingEngine``: one interface over DDP, FSDP2 (``fully_shard``) and DeepSpeed ZeRO.
+
+The loop never touches a wrapper directly.  For each optimizer step every rank runs the same number of
+micro-batches and calls, in this order::
+
+    for i, batch in enumerate(micro_batches):
+        with engine.micro_batch(is_last=i == n - 1), engine.autocast():
+            loss = compute_loss(engine.module, batch)      # already normalised, see below
+        engine.backward(loss)
+    grad_norm = engine.clip_grad_norm(args.max_grad_norm)  # pre-clip total norm, same on all ranks
+    engine.optimizer_step(); engine.scheduler_step(); engine.zero_grad()
+
+The loss handed to ``backward`` is ``sum_token_CE / global_loss_tokens * world_size``; every backend here
+*averages* gradients over ranks (DDP and FSDP2 natively, DeepSpeed with ``scale_wrt_gas=False``), so the
+gradient is the global per-token mean whatever the split.  Gradients are synchronised once per optimizer
+step: DDP ``no_sync`` and FSDP2 ``set_requires_gradient_sync(False)`` on non-last micro-batches, DeepSpeed
+through ``set_gradient_accumulation_boundary`` (ZeRO-2/3 still reduce-scatter every micro-batch: that is
+how they partition gradients).
+
+With one process (``world_size == 1``) every backend runs the bare model (no wrapper, plain AdamW); the
+arithmetic is the same and ``describe()`` says so.  With more ranks ``verify()`` asserts the configured
+wrapper is really in place.
+
+DeepSpeed is optional (``pip install trainbridge[deepspeed]``).  On CPU the builder sets
+``DS_ACCELERATOR=cpu`` before importing it (DeepSpeed picks its accelerator once, at first import) and
+DeepSpeed joins the gloo group ``DistributedEnv`` started.  Its ``bf16`` mode is DeepSpeed's own: bf16
+parameters with fp32 master weights in the optimizer (as the Hugging Face Trainer configures it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import get_scheduler
+from transformers.trainer_pt_utils import get_parameter_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from trainbridge.config import TrainingArgs
+    from trainbridge.distributed import DistributedEnv
+
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+FSDP_OPTIMIZER_DIR = "optimizer_dcp"
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "state"
+
+# Same rule as transformers' Trainer.get_decay_parameter_names: no decay on biases and norm weights.
+_NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that get weight decay (everything but biases and norm weights, like HF)."""
+    return set(get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_NAME_PATTERNS))
+
+
+def build_optimizer(model: nn.Module, args: TrainingArgs, decay_names: set[str]) -> torch.optim.AdamW:
+    """torch AdamW over ``model``'s trainable parameters: one group with ``weight_decay``, one without."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay_names], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int) -> Any:
+    """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``."""
+    return get_scheduler(
+        args.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=total_steps,
+    )
+
+
+class TrainingEngine(ABC):
+    """One distributed training setup: the wrapped model, its optimizer and LR scheduler.
+
+    Attributes:
+        module: call this for the forward pass (the DDP / FSDP2 module, the DeepSpeed engine, or the bare
+            model on one process).
+        unwrapped: the underlying ``PreTrainedModel`` (``save_pretrained``, config, generation config).
+        optimizer: the optimizer the step uses (for DeepSpeed its ZeRO optimizer; ``param_groups`` holds
+            the live learning rates).
+        lr_scheduler: the LR scheduler, stepped by ``scheduler_step``.
+        kind: ``"local"`` (one process), ``"ddp"``, ``"fsdp"`` or ``"deepspeed"``.
+    """
+
+    kind = "base"
+
+    def __init__(self, module: Any, unwrapped: PreTrainedModel, optimizer: Any, lr_scheduler: Any,
+                 args: TrainingArgs, env: DistributedEnv) -> None:
+        # Any: a DDP module, an FSDPModule, a DeepSpeed engine or the bare model, each with its own API.
+        self.module: Any = module
+        self.unwrapped = unwrapped
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.args = args
+        self.env = env
+
+    # ------------------------------------------------------------------ the step
+    @abstractmethod
+    def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
+        """Context for one micro-batch's forward and backward; gradients sync only when ``is_last``."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate the (already normalised) loss; gradients accumulate until the optimizer step."""
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Total L2 gradient norm before clipping (same on every rank); clips to ``max_norm`` unless None."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return self._norm_to_float(norm)
+
+    def _norm_to_float(self, norm: torch.Tensor) -> float:
+        return float(norm)
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients."""
+        self.optimizer.step()
+
+    def scheduler_step(self) -> None:
+        """Advance the learning-rate schedule by one optimizer step."""
+        self.lr_scheduler.step()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (``set_to_none``) before the next step's first micro-batch."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step uses (the scheduler's last value)."""
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """bf16 autocast for forward/loss when ``mixed_precision='bf16'`` and the wrapper does not already
+        run in bf16; a null context otherwise."""
+        if self.args.mixed_precision == "bf16" and not self._wrapper_handles_precision():
+            return torch.autocast(device_type=self.env.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _wrapper_handles_precision(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ state
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded model weights as CPU tensors on rank 0, None on the other ranks.
+
+        Collective for sharded backends (FSDP2, ZeRO-3): every rank must call it.
+        """
+        if not self.env.is_world_process_zero:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrapped.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (every rank holds it) into the live, possibly sharded, model (strict)."""
+        self.unwrapped.load_state_dict(state, strict=True)
+
+    def save_training_state(self, directory: Path) -> None:
+        """Write optimizer and scheduler state into ``directory`` (collective: every rank calls it).
+
+        Replicated optimizers (DDP, one process) are written once by rank 0 as ``optimizer.pt``.
+        """
+        if self.env.is_world_process_zero:
+            torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        self._save_scheduler(directory)
+
+    def load_training_state(self, directory: Path) -> None:
+        """Restore what ``save_training_state`` wrote (every rank calls it)."""
+        path = _require_file(directory / OPTIMIZER_FILE)
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.env.device, weights_only=True))
+        self._load_scheduler(directory)
+
+    def _save_scheduler(self, directory: Path) -> None:
+        if self.env.is_world_process_zero:
+            torch.save(self.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+
+    def _load_scheduler(self, directory: Path) -> None:
+        path = _require_file(directory / SCHEDULER_FILE)
+        self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    # ------------------------------------------------------------------ introspection
+    @abstractmethod
+    def describe(self) -> str:
+        """One line: backend, world size, device and what was wrapped."""
+
+    def verify(self) -> None:
+        """Raise ``RuntimeError`` unless the run really is what was configured (no silent fallback)."""
+        if self.env.world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"rank {self.env.rank}: world_size={self.env.world_size} but no process group is initialised"
+                )
+            if dist.get_world_size() != self.env.world_size:
+                raise RuntimeError(
+                    f"rank {self.env.rank}: process group has {dist.get_world_size()} ranks, "
+                    f"expected world_size={self.env.world_size}"
+                )
+        self._verify_wrapper()
+
+    @abstractmethod
+    def _verify_wrapper(self) -> None: ...
+
+    def _where(self) -> str:
+        return f"world={self.env.world_size} device={self.env.device.type}"
+
+
+def _require_file(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"training state file {str(path)!r} is missing (not written by this backend?)")
+    return path
+
+
+# ====================================================================== one process / DDP
+class LocalEngine(TrainingEngine):
+    """One process: the bare model and plain AdamW (every backend with ``world_size == 1``)."""
+
+    kind = "local"
+
+    def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
+        """Nothing to synchronise on one process."""
+        return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """E.g. ``single process (ddp requested, world=1: no wrapper) device=cpu``."""
+        return (f"single process ({self.args.distributed_backend} requested, world=1: no wrapper) "
+                f"device={self.env.device.type}")
+
+    def _verify_wrapper(self) -> None:
+        if self.env.world_size != 1:
+            raise RuntimeError(f"rank {self.env.rank}: unwrapped model used with world_size={self.env.world_size}")
+        if self.module is not self.unwrapped:
+            raise RuntimeError("single-process engine: module is not the bare model")
+
+
+class DDPEngine(TrainingEngine):
+    """``torch.nn.parallel.DistributedDataParallel``: replicated weights, all-reduced (averaged) grads."""
+
+    kind = "ddp"
+
+    def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
+        """``no_sync()`` on non-last micro-batches, so gradients are all-reduced once per step."""
+        return contextlib.nullcontext() if is_last else self.module.no_sync()
+
+    def describe(self) -> str:
+        """E.g. ``ddp (DistributedDataParallel) world=2 device=cpu backend=gloo``."""
+        return f"ddp (DistributedDataParallel) {self._where()} backend={self.env.backend}"
+
+    def _verify_wrapper(self) -> None:
+        if not isinstance(self.module, DistributedDataParallel):
+            raise RuntimeError(f"rank {self.env.rank}: ddp configured but the model is {type(self.module).__name__}")
+
+
+# ====================================================================== FSDP2
+class FSDP2Engine(TrainingEngine):
+    """torch FSDP2: ``fully_shard`` on each decoder layer, then on the root; parameters are DTensor shards."""
+
+    kind = "fsdp"
+
+    def __init__(self, *args: Any, sharded_modules: int, mixed_precision_policy: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharded_modules = sharded_modules
+        self.mixed_precision_policy = mixed_precision_policy
+
+    def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
+        """``set_requires_gradient_sync(is_last)``: reduce-scatter only after the step's last backward."""
+        self.module.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def _norm_to_float(self, norm: torch.Tensor) -> float:
+        from torch.distributed.tensor import DTensor
+
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def _wrapper_handles_precision(self) -> bool:
+        return self.mixed_precision_policy
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: all-gathers the shards; the full CPU state lands on rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], state) if self.env.is_world_process_zero else None
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Each rank keeps its shard of the full ``state`` (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, cast(dict[str, Any], state), options=StateDictOptions(full_state_dict=True, strict=True))
+
+    def save_training_state(self, directory: Path) -> None:
+        """Sharded optimizer state via ``torch.distributed.checkpoint`` (each rank writes its shards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(self.module, self.optimizer)},
+                 checkpoint_id=directory / FSDP_OPTIMIZER_DIR)
+        self._save_scheduler(directory)
+
+    def load_training_state(self, directory: Path) -> None:
+        """Read the sharded optimizer state back into this rank's shards."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        path = _require_file(directory / FSDP_OPTIMIZER_DIR)
+        state = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        self._load_scheduler(directory)
+
+    def describe(self) -> str:
+        """E.g. ``fsdp2 (fully_shard) world=2 device=cpu, 3 sharded modules``."""
+        precision = ", bf16 MixedPrecisionPolicy" if self.mixed_precision_policy else ""
+        return f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules{precision}"
+
+    def _verify_wrapper(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(self.module, FSDPModule):
+            raise RuntimeError(f"rank {self.env.rank}: fsdp configured but the root is not an FSDPModule")
+        for name, param in self.unwrapped.named_parameters():
+            if not isinstance(param, DTensor):
+                raise RuntimeError(f"rank {self.env.rank}: fsdp configured but parameter {name} is not a DTensor shard")
+            if param.device_mesh.size() != self.env.world_size:
+                raise RuntimeError(
+                    f"rank {self.env.rank}: parameter {name} is sharded over {param.device_mesh.size()} ranks, "
+                    f"expected {self.env.world_size}"
+                )
+
+
+# ====================================================================== DeepSpeed
+class DeepSpeedEngine(TrainingEngine):
+    """DeepSpeed ZeRO (stage 1/2/3) around our torch AdamW; the engine owns the step and the clipping."""
+
+    kind = "deepspeed"
+
+    def __init__(self, *args: Any, zero_stage: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.zero_stage = zero_stage
+
+    def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
+        """Mark the gradient-accumulation boundary: reduction and step happen after the last micro-batch."""
+        self.module.set_gradient_accumulation_boundary(is_last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``engine.backward(loss, scale_wrt_gas=False)``: the loop's loss is already normalised."""
+        self.module.backward(loss, scale_wrt_gas=False)
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Pre-clip norm of the (partitioned) gradients, from the ZeRO optimizer's own norm computation.
+
+        The clipping itself is DeepSpeed's ``gradient_clipping`` (set from ``args.max_grad_norm`` at build
+        time), applied inside ``optimizer_step``; a different ``max_norm`` here is an error.  DeepSpeed has
+        no public pre-step norm, so this calls the ZeRO optimizers' norm methods (``scaled_global_norm``,
+        ``_get_norm_groups``, DeepSpeed 0.19); tests/distributed/test_engines.py pins the value to the norm
+        DeepSpeed itself reports after the step.
+        """
+        configured = self.args.max_grad_norm
+        if max_norm != configured:
+            raise ValueError(
+                f"deepspeed clips inside its step with gradient_clipping={configured} (args.max_grad_norm); "
+                f"clip_grad_norm was called with max_norm={max_norm}"
+            )
+        zero = self.module.optimizer
+        if self.zero_stage == 3:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            norm = combine_grad_norm_groups(zero._get_norm_groups())
+        else:
+            norm = zero.scaled_global_norm()
+        return float(norm) / float(zero.loss_scale)
+
+    def optimizer_step(self) -> None:
+        """``engine.step()`` at the boundary: clip, optimizer step, and DeepSpeed's own ``zero_grad``."""
+        self.module.step()
+
+    def zero_grad(self) -> None:
+        """Nothing to do: DeepSpeed's ``step()`` already cleared the gradients."""
+
+    def _wrapper_handles_precision(self) -> bool:
+        return True
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: gathered layer by layer (collective); ZeRO-1/2: the replicated module weights on rank 0."""
+        if self.zero_stage == 3:
+            state = self.module._zero3_consolidated_16bit_state_dict()
+            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if state is not None else None
+        return super().full_model_state_dict()
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` into the module (ZeRO-3: per layer, gathered and re-partitioned), then refresh the
+        optimizer's fp32 master partitions from it."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            expected = set(self.unwrapped.state_dict().keys())
+            missing, unexpected = expected - set(state), set(state) - expected
+            if missing or unexpected:
+                raise KeyError(f"state dict mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            for prefix, submodule in self.unwrapped.named_modules():
+                params = dict(submodule.named_parameters(recurse=False))
+                if not params:
+                    continue
+                with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+                    if self.env.is_world_process_zero:
+                        for name, param in params.items():
+                            param.copy_(state[f"{prefix}.{name}" if prefix else name])
+        else:
+            self.unwrapped.load_state_dict(state, strict=True)
+        self.module.optimizer.refresh_fp32_params()
+
+    def save_training_state(self, directory: Path) -> None:
+        """``engine.save_checkpoint`` (each rank writes its ZeRO partition) plus ``scheduler.pt``."""
+        self.module.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+        self._save_scheduler(directory)
+
+    def load_training_state(self, directory: Path) -> None:
+        """``engine.load_checkpoint`` of the ZeRO partitions (module + optimizer) plus the scheduler."""
+        path = _require_file(directory / DEEPSPEED_DIR / DEEPSPEED_TAG)
+        loaded, _ = self.module.load_checkpoint(
+            str(path.parent), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise RuntimeError(f"rank {self.env.rank}: DeepSpeed could not load its state from {path}")
+        self._load_scheduler(directory)
+
+    def describe(self) -> str:
+        """E.g. ``deepspeed ZeRO-2 world=2 device=cpu``."""
+        precision = ", bf16" if self.args.mixed_precision == "bf16" else ""
+        return f"deepspeed ZeRO-{self.zero_stage} {self._where()}{precision}"
+
+    def _verify_wrapper(self) -> None:
+        from deepspeed import DeepSpeedEngine as DSEngine
+
+        if not isinstance(self.module, DSEngine):
+            raise RuntimeError(f"rank {self.env.rank}: deepspeed configured but the model is {type(self.module).__name__}")
+        stage = self.module.zero_optimization_stage()
+        if stage != self.zero_stage:
+            raise RuntimeError(f"rank {self.env.rank}: DeepSpeed runs ZeRO stage {stage}, configured {self.zero_stage}")
+        if self.module.dp_world_size != self.env.world_size:
+            raise RuntimeError(
+                f"rank {self.env.rank}: DeepSpeed data-parallel size {self.module.dp_world_size} != "
+                f"world_size {self.env.world_size}"
+            )
+
+
+# ====================================================================== builder
+def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int) -> TrainingEngine:
+    """Move ``model`` to ``env.device``, wrap it for ``args.distributed_backend``, and create AdamW (no decay
+    on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps."""
+    decay_names = decay_parameter_names(model)
+    backend = args.distributed_backend
+    if env.world_size == 1:
+        cast(nn.Module, model).to(env.device)
+        optimizer = build_optimizer(model, args, decay_names)
+        return LocalEngine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
+    if backend == "ddp":
+        return _build_ddp(model, args, env, total_steps, decay_names)
+    if backend == "fsdp":
+        return _build_fsdp(model, args, env, total_steps, decay_names)
+    return _build_deepspeed(model, args, env, total_steps, decay_names)
+
+
+def _build_ddp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
+               decay_names: set[str]) -> DDPEngine:
+    cast(nn.Module, model).to(env.device)
+    wrapped = DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        find_unused_parameters=False,
+        gradient_as_bucket_view=True,
+    )
+    optimizer = build_optimizer(model, args, decay_names)
+    return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
+
+
+def _sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: modules whose class is named in the model's ``_no_split_modules``."""
+    names = set(cast(list[str], model._no_split_modules or []))
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def _build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
+                decay_names: set[str]) -> FSDP2Engine:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # An explicit mesh: fully_shard's default is a CUDA mesh whenever CUDA exists, even for device='cpu'.
+    # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
+    # so no rank ever holds the whole model on the GPU.
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    use_mp_policy = args.mixed_precision == "bf16" and env.device.type == "cuda"
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if use_mp_policy:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = _sharding_units(model)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
+    optimizer = build_optimizer(model, args, decay_names)
+    return FSDP2Engine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env,
+                       sharded_modules=len(units) + 1, mixed_precision_policy=use_mp_policy)
+
+
+def deepspeed_config(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
+    """The explicit DeepSpeed config: one sample per micro-batch, the boundary set by the engine per step
+    (so ``gradient_accumulation_steps`` is 1), clipping from ``max_grad_norm``, bf16 if configured."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": env.world_size,
+        "gradient_clipping": args.max_grad_norm or 0.0,
+        "zero_optimization": {"stage": args.deepspeed_zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if args.mixed_precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _import_deepspeed(env: DistributedEnv) -> Any:
+    if env.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "distributed_backend='deepspeed' needs DeepSpeed: pip install 'trainbridge[deepspeed]' "
+            f"(import failed: {exc})"
+        ) from exc
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator().device_name()
+    if accelerator != env.device.type:
+        raise RuntimeError(
+            f"rank {env.rank}: DeepSpeed's accelerator is {accelerator!r} but the run uses {env.device.type!r}; "
+            f"set DS_ACCELERATOR={env.device.type} before deepspeed is first imported"
+        )
+    return deepspeed
+
+
+def _build_deepspeed(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
+                     decay_names: set[str]) -> DeepSpeedEngine:
+    deepspeed = _import_deepspeed(env)
+    # Joins the process group DistributedEnv already started (gloo on CPU, NCCL on CUDA).
+    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
+    cast(nn.Module, model).to(env.device)
+    optimizer = build_optimizer(model, args, decay_names)
+    # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
+    scheduler = build_scheduler(optimizer, args, total_steps)
+    ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(args, env), dist_init_required=False
+    )
+    return DeepSpeedEngine(ds_engine, model, ds_optimizer, scheduler, args, env, zero_stage=args.deepspeed_zero_stage)

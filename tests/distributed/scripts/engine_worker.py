@@ -1,0 +1,203 @@
+"""torchrun worker for tests/distributed/test_engines.py.
+
+Usage: ``torchrun --nproc_per_node=2 engine_worker.py '<json spec>'`` with the spec keys ``backend``,
+``zero_stage``, ``model_dir``, ``data_file`` and ``out_dir``.
+
+Each rank trains a tiny model for a few optimizer steps on fixed data (two micro-batches per rank per
+step, varying lengths), checks the result against a single-process reference that runs every rank's
+micro-batches itself, saves a checkpoint with ``CheckpointManager``, and checks that resuming from it
+reproduces the next step exactly.  Findings go to ``out_dir/result_{rank}.json``; the test asserts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from trainbridge.checkpoint import CheckpointManager
+from trainbridge.config import TrainingArgs
+from trainbridge.distributed import DistributedEnv
+from trainbridge.parallel import TrainingEngine, build_engine
+
+STEPS = 3
+MICRO_BATCHES = 2
+VOCAB = 64
+
+
+def make_micro_batches(world_size: int) -> list[list[torch.Tensor]]:
+    """``batches[rank][i]``: a ``[1, length]`` token tensor; the same on every rank (seeded)."""
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        [torch.randint(0, VOCAB, (1, 6 + 3 * rank + 2 * i), generator=generator) for i in range(MICRO_BATCHES)]
+        for rank in range(world_size)
+    ]
+
+
+def token_ce_sum(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = module(input_ids=ids).logits.float()
+    return F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+
+
+def train_step(engine: TrainingEngine, batches: list[torch.Tensor], global_tokens: int, scale: int,
+               max_norm: float | None) -> tuple[float, float]:
+    """One optimizer step over ``batches``; returns (this rank's CE sum, grad norm)."""
+    ce_total = 0.0
+    for i, ids in enumerate(batches):
+        with engine.micro_batch(is_last=i == len(batches) - 1), engine.autocast():
+            ce = token_ce_sum(engine.module, ids.to(engine.env.device))
+        engine.backward(ce / global_tokens * scale)
+        ce_total += float(ce.detach())
+    if engine.kind != "deepspeed":  # deepspeed clips in its step with the configured norm only
+        measured = engine.clip_grad_norm(None)
+    norm = engine.clip_grad_norm(max_norm)
+    if engine.kind != "deepspeed" and abs(measured - norm) > 1e-6 * max(norm, 1.0):
+        raise AssertionError(f"clip_grad_norm(None) measured {measured}, clip_grad_norm({max_norm}) saw {norm}")
+    engine.optimizer_step()
+    engine.scheduler_step()
+    engine.zero_grad()
+    return ce_total, norm
+
+
+def local_full_weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
+    """Every rank's view of the full weights (collective for sharded backends); test-only gathering."""
+    from torch.distributed.tensor import DTensor
+
+    if engine.kind == "deepspeed" and engine.zero_stage == 3:
+        import deepspeed
+
+        params = list(engine.unwrapped.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {n: p.detach().clone().float() for n, p in engine.unwrapped.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().float()
+        for n, p in engine.unwrapped.named_parameters()
+    }
+
+
+def sha(weights: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if set(a) != set(b):
+        raise KeyError(f"different keys: {sorted(set(a) ^ set(b))}")
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
+
+
+def main(spec: dict[str, Any]) -> None:
+    env = DistributedEnv.initialize(device="cpu", timeout_s=120)
+    out_dir = Path(spec["out_dir"])
+    args = TrainingArgs(
+        model_path=Path(spec["model_dir"]),
+        data_path=Path(spec["data_file"]),
+        ckpt_output_dir=out_dir / "ckpt",
+        distributed_backend=spec["backend"],
+        deepspeed_zero_stage=spec["zero_stage"],
+        mixed_precision=spec.get("mixed_precision", "no"),
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler="linear",
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        device="cpu",
+    )
+    total_steps = STEPS + 4
+    result: dict[str, Any] = {"rank": env.rank}
+    batches = make_micro_batches(env.world_size)
+    global_tokens = sum(ids.shape[1] - 1 for rank_batches in batches for ids in rank_batches)
+
+    torch.manual_seed(0)
+    engine = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, env, total_steps)
+    engine.verify()
+    result["describe"] = engine.describe()
+
+    # verify() must catch a model that is not wrapped as configured.
+    real_module = engine.module
+    engine.module = torch.nn.Linear(2, 2)
+    try:
+        engine.verify()
+        result["verify_catches_fallback"] = False
+    except RuntimeError:
+        result["verify_catches_fallback"] = True
+    engine.module = real_module
+
+    if engine.kind == "fsdp":
+        from torch.distributed.tensor import DTensor
+
+        params = list(engine.module.parameters())
+        result["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
+        full_numel = sum(p.numel() for p in params)
+        result["local_shard_fraction"] = sum(p.to_local().numel() for p in params) / full_numel
+
+    # Single-process reference: all ranks' micro-batches through one plain model.
+    reference = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, DistributedEnv(),
+                             total_steps)
+    every_batch = [ids for rank_batches in batches for ids in rank_batches]
+
+    losses, norms, reference_norms = [], [], []
+    for _ in range(STEPS):
+        ce, norm = train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
+        losses.append(env.sum_floats([ce])[0] / global_tokens)
+        norms.append(norm)
+        _, reference_norm = train_step(reference, every_batch, global_tokens, 1, args.max_grad_norm)
+        reference_norms.append(reference_norm)
+    result.update(losses=losses, grad_norms=norms, reference_grad_norms=reference_norms, lr=engine.current_lr())
+    if engine.kind == "deepspeed":
+        result["deepspeed_reported_norm"] = float(engine.module.get_global_grad_norm())
+
+    weights = local_full_weights(engine)
+    reference_weights = {n: p.detach().float() for n, p in reference.unwrapped.named_parameters()}
+    result["weights_sha"] = sha(weights)
+    result["max_diff_vs_reference"] = max_diff(weights, reference_weights)
+
+    # Checkpoint at step STEPS, then one more step: the uninterrupted continuation.
+    manager = CheckpointManager(args.ckpt_output_dir, env, save_total_limit=None)
+    checkpoint = manager.save(engine, None, STEPS, {"global_step": STEPS, "rank_count": env.world_size},
+                              {"note.txt": "hello"})
+    saved_state = engine.full_model_state_dict()
+    lr_at_checkpoint = engine.current_lr()
+    train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
+    continued = local_full_weights(engine)
+
+    # Resume: a fresh model from the original weights, the checkpoint loaded, the same step.
+    torch.manual_seed(0)
+    resumed = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, env, total_steps)
+    training_state = manager.load(checkpoint, resumed)
+    result["training_state"] = training_state
+    result["resumed_lr_matches"] = resumed.current_lr() == lr_at_checkpoint
+    train_step(resumed, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
+    result["resume_max_diff"] = max_diff(local_full_weights(resumed), continued)
+    result["latest"] = str(manager.latest())
+
+    if env.is_world_process_zero:
+        assert saved_state is not None
+        from_disk = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+        result["from_pretrained_max_diff"] = max_diff(from_disk, saved_state)
+        result["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
+    else:
+        result["full_state_on_other_rank"] = saved_state is not None
+
+    # Rotation is collective: rank 0 deletes, every rank learns what went and lists the same.
+    rotating = CheckpointManager(args.ckpt_output_dir, env, save_total_limit=1)
+    rotating.save(resumed, None, STEPS + 1, {"global_step": STEPS + 1}, {})
+    result["rotated_away"] = [p.name for p in rotating.rotate()]
+    result["after_rotation"] = [p.name for p in rotating.list_checkpoints()]
+
+    (out_dir / f"result_{env.rank}.json").write_text(json.dumps(result, indent=2))
+    env.barrier()
+    env.teardown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,273 @@
+"""CheckpointManager on one process: HF layout, exact resume, atomicity, latest(), rotation."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from trainbridge.checkpoint import COMPLETE_MARKER, CheckpointError, CheckpointManager
+from trainbridge.config import TrainingArgs
+from trainbridge.distributed import DistributedEnv
+from trainbridge.parallel import TrainingEngine, build_engine
+
+VOCAB = 48
+
+
+def save_tiny_llama(directory: Path, tie_word_embeddings: bool = False) -> Path:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture()
+def args(tmp_path: Path) -> TrainingArgs:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    return TrainingArgs(model_path=save_tiny_llama(tmp_path / "model"), data_path=data,
+                        ckpt_output_dir=tmp_path / "out", learning_rate=1e-2, weight_decay=0.1,
+                        lr_scheduler="linear", warmup_steps=1, device="cpu")
+
+
+@pytest.fixture()
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"[UNK]": VOCAB - 1}
+    backend = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def new_engine(args: TrainingArgs, model_path: Path | None = None) -> TrainingEngine:
+    model = AutoModelForCausalLM.from_pretrained(model_path or args.model_path)
+    return build_engine(model, args, DistributedEnv(), total_steps=10)
+
+
+def train_step(engine: TrainingEngine, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, VOCAB, (1, 9), generator=generator) for _ in range(2)]
+    for i, ids in enumerate(batches):
+        with engine.micro_batch(is_last=i == 1), engine.autocast():
+            loss = engine.module(input_ids=ids, labels=ids).loss / 2
+        engine.backward(loss)
+    engine.clip_grad_norm(1.0)
+    engine.optimizer_step()
+    engine.scheduler_step()
+    engine.zero_grad()
+
+
+def weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.unwrapped.state_dict().items()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def fake_checkpoint(output_dir: Path, step: int, complete: bool = True) -> Path:
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / COMPLETE_MARKER).write_text(f"{step}\n")
+    return path
+
+
+# ---------------------------------------------------------------------- layout and resume
+def test_checkpoint_is_a_hugging_face_model_directory(args: TrainingArgs, tokenizer: PreTrainedTokenizerFast) -> None:
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    state = {"global_step": 1, "epoch": 0.5, "sampler": {"position": 4}, "callbacks": {"early": [1, 2]}}
+
+    path = manager.save(engine, tokenizer, 1, state, {"trainer_state.json": '{"global_step": 1}'})
+
+    assert path == args.ckpt_output_dir / "checkpoint-1"
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path).state_dict(), weights(engine))
+    assert AutoTokenizer.from_pretrained(path)("w3 w5")["input_ids"] == [3, 5]
+    assert json.loads((path / "training_state.json").read_text()) == state
+    assert json.loads((path / "trainer_state.json").read_text()) == {"global_step": 1}
+    for name in ("config.json", "generation_config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                 "rng_state_0.pth", COMPLETE_MARKER):
+        assert (path / name).is_file(), name
+    assert [p.name for p in args.ckpt_output_dir.iterdir()] == ["checkpoint-1"], "temporary folder left behind"
+
+
+def test_resume_reproduces_the_uninterrupted_step(args: TrainingArgs) -> None:
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    train_step(engine, seed=2)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    path = manager.save(engine, None, 2, {"global_step": 2}, {})
+    train_step(engine, seed=3)
+    uninterrupted = weights(engine)
+
+    resumed = new_engine(args)  # original weights, fresh optimizer: everything must come from the checkpoint
+    assert manager.load(path, resumed) == {"global_step": 2}
+    assert resumed.current_lr() == pytest.approx(manager_lr_after_steps(args, 2))
+    train_step(resumed, seed=3)
+
+    assert_same_weights(weights(resumed), uninterrupted)
+
+
+def manager_lr_after_steps(args: TrainingArgs, steps: int) -> float:
+    """Linear schedule, 1 warm-up step over 10: the LR after ``steps`` scheduler steps."""
+    return args.learning_rate * (10 - steps) / (10 - 1)
+
+
+def test_resume_without_optimizer_state_differs(args: TrainingArgs) -> None:
+    # Guards the test above: loading weights alone (fresh AdamW moments) does not reproduce the step.
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    train_step(engine, seed=2)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    path = manager.save(engine, None, 2, {"global_step": 2}, {})
+    train_step(engine, seed=3)
+
+    weights_only = new_engine(args)
+    manager.load_model_weights(path, weights_only)
+    train_step(weights_only, seed=3)
+    assert any(not torch.equal(a, b) for a, b in zip(weights(weights_only).values(), weights(engine).values()))
+
+
+def test_rng_states_are_restored(args: TrainingArgs) -> None:
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    path = manager.save(new_engine(args), None, 1, {}, {})
+    drawn = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    manager.restore_rng(path)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == drawn
+
+
+def test_tied_embeddings_round_trip(args: TrainingArgs, tmp_path: Path) -> None:
+    tied_model = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    engine = new_engine(args, tied_model)
+    train_step(engine, seed=1)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    path = manager.save(engine, None, 1, {}, {})
+
+    resumed = new_engine(args, tied_model)
+    manager.load(path, resumed)
+    assert resumed.unwrapped.lm_head.weight is resumed.unwrapped.model.embed_tokens.weight
+    assert_same_weights(weights(resumed), weights(engine))
+
+
+# ---------------------------------------------------------------------- atomicity and latest()
+def test_latest_ignores_temporary_and_incomplete_folders(args: TrainingArgs) -> None:
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    assert manager.latest() is None
+    saved = manager.save(new_engine(args), None, 2, {}, {})
+    leftover = args.ckpt_output_dir / ".tmp-checkpoint-9"
+    leftover.mkdir()
+    (leftover / COMPLETE_MARKER).write_text("9\n")
+    fake_checkpoint(args.ckpt_output_dir, 7, complete=False)
+    (args.ckpt_output_dir / "checkpoint-notanumber").mkdir()
+
+    assert manager.latest() == saved
+    assert manager.list_checkpoints() == [saved]
+
+    manager.save(new_engine(args), None, 3, {}, {})
+    assert not leftover.exists(), "the next save removes an interrupted save's temporary folder"
+    assert manager.latest() == args.ckpt_output_dir / "checkpoint-3"
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_whole(args: TrainingArgs, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    first = manager.save(engine, None, 1, {"global_step": 1}, {})
+    first_weights = weights(engine)
+    train_step(engine, seed=2)
+
+    def disk_full(directory: Path) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(engine, "save_training_state", disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        manager.save(engine, None, 2, {"global_step": 2}, {})
+    with pytest.raises(CheckpointError):  # re-saving step 1 fails too: the old checkpoint-1 must survive
+        manager.save(engine, None, 1, {"global_step": 1, "again": True}, {})
+
+    assert manager.latest() == first
+    assert manager.list_checkpoints() == [first]
+    restored = new_engine(args)
+    assert manager.load(first, restored) == {"global_step": 1}
+    assert_same_weights(weights(restored), first_weights)
+
+
+def test_resaving_a_step_replaces_it(args: TrainingArgs) -> None:
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    engine = new_engine(args)
+    manager.save(engine, None, 1, {"version": 1}, {})
+    train_step(engine, seed=1)
+    path = manager.save(engine, None, 1, {"version": 2}, {})
+
+    assert json.loads((path / "training_state.json").read_text()) == {"version": 2}
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path).state_dict(), weights(engine))
+    assert sorted(p.name for p in args.ckpt_output_dir.iterdir()) == ["checkpoint-1"]
+
+
+def test_unserialisable_training_state_is_a_clear_error(args: TrainingArgs) -> None:
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    with pytest.raises(CheckpointError, match="JSON-serialisable"):
+        manager.save(new_engine(args), None, 1, {"tensor": torch.ones(1)}, {})
+    assert manager.latest() is None
+
+
+def test_load_rejects_an_incomplete_checkpoint(args: TrainingArgs) -> None:
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None)
+    incomplete = fake_checkpoint(args.ckpt_output_dir, 4, complete=False)
+    with pytest.raises(CheckpointError, match=r"checkpoint-4.*not a complete checkpoint"):
+        manager.load(incomplete, new_engine(args))
+
+
+# ---------------------------------------------------------------------- rotation
+@pytest.mark.parametrize(
+    ("limit", "protected_step", "kept"),
+    [
+        (2, None, [4, 5]),
+        (2, 1, [1, 5]),
+        (3, 2, [2, 4, 5]),
+        (1, 2, [2, 5]),  # transformers keeps the newest too, so a resume stays possible
+        (1, 5, [5]),
+        (None, None, [1, 2, 3, 4, 5]),
+    ],
+)
+def test_rotation_keeps_newest_and_protected(tmp_path: Path, limit: int | None, protected_step: int | None,
+                                             kept: list[int]) -> None:
+    manager = CheckpointManager(tmp_path, DistributedEnv(), save_total_limit=limit)
+    paths = {step: fake_checkpoint(tmp_path, step) for step in range(1, 6)}
+    protected = {paths[protected_step]} if protected_step else set()
+
+    deleted = manager.rotate(protected)
+
+    assert manager.list_checkpoints() == [paths[s] for s in kept]
+    assert deleted == [paths[s] for s in range(1, 6) if s not in kept]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"checkpoint-{s}" for s in kept)
+
+
+def test_rotation_ignores_incomplete_folders(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, DistributedEnv(), save_total_limit=1)
+    incomplete = fake_checkpoint(tmp_path, 9, complete=False)
+    fake_checkpoint(tmp_path, 1)
+    newest = fake_checkpoint(tmp_path, 2)
+    manager.rotate()
+    assert manager.list_checkpoints() == [newest]
+    assert incomplete.exists()
