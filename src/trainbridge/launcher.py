@@ -1,0 +1,455 @@
+"""``run_training``: validate, check callbacks before launch, run the real ``torchrun``, return the result.
+
+The parent process never trains.  It validates the configuration, runs the preflight checks (every
+callback can travel to the workers, ``CallbackSpec``s construct, native callbacks accept the config),
+writes the authenticated payload (``trainbridge.transport``) and launches::
+
+    python -m torch.distributed.run --nnodes .. --nproc-per-node .. <rendezvous> --log-dir <private dir>
+        --tee 1:3,... -m trainbridge.worker --payload <file>
+
+with the payload key in ``TRAINBRIDGE_PAYLOAD_KEY``.  Worker output streams live: local rank 0
+writes straight to the console (so a progress bar behaves), the other ranks' lines are prefixed
+``[rankN]:`` by torchrun.  When a worker fails, torchrun stops the others and the ``@record`` error
+file of the first failing rank becomes a ``WorkerFailedError`` naming the rank, the exception and its
+traceback.  SIGINT/SIGTERM in the parent are forwarded to torchrun; ``timeout_s`` bounds the whole
+run; either way the worker process tree is gone before ``run_training`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainbridge.callbacks.base import Callback
+from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.result import RunResult
+from trainbridge.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
+
+WORKER_MODULE = "trainbridge.worker"
+"""Module torchrun runs in every worker (``python -m trainbridge.worker --payload PATH``)."""
+
+RESULT_FILE_NAME = "result.json"
+"""Rank 0 writes the ``RunResult`` to ``ckpt_output_dir / RESULT_FILE_NAME``."""
+
+SHUTDOWN_GRACE_S = 45.0
+"""After forwarding a signal (or on timeout), how long torchrun gets to stop its workers before the
+whole process tree is killed (torchrun itself waits 30 s before SIGKILLing workers)."""
+
+_RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
+_POLL_INTERVAL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """The run could not be launched or did not produce a result."""
+
+
+class PreflightError(LaunchError):
+    """A check before launch failed; no worker was started."""
+
+
+class WorkerFailedError(LaunchError):
+    """A worker failed; torchrun stopped the others.  Names the first failing rank and its error."""
+
+    def __init__(
+        self,
+        rank: int | None,
+        exit_code: int | None,
+        message: str,
+        *,
+        traceback: str | None = None,
+        local_rank: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.exit_code = exit_code
+        self.message = message
+        self.traceback = traceback
+        self.local_rank = local_rank
+        if rank is not None:
+            who = f"rank {rank}"
+        elif local_rank is not None:
+            who = f"local rank {local_rank} on this node"
+        else:
+            who = "a worker"
+        code = f"exit code {exit_code}" if exit_code is not None else "exit code unknown"
+        text = f"training failed on {who} ({code}): {message}"
+        if traceback:
+            text += f"\n\nTraceback on {who}:\n{traceback.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The run exceeded ``timeout_s``; every worker was stopped."""
+
+
+class TrainingInterruptedError(LaunchError):
+    """The parent received SIGINT/SIGTERM; it was forwarded to torchrun and every worker was stopped."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"training interrupted by {signal.Signals(signum).name}; all workers were stopped")
+
+
+# ----------------------------------------------------------------------------- preflight
+def preflight(args: TrainingArgs) -> None:
+    """Every check that can fail before launch, in the parent (raises ``PreflightError``).
+
+    torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
+    config (``Callback.validate``); every callback and event function survives pickling
+    (``check_transportable``, which raises ``CallbackTransportError``).
+    """
+    if importlib.util.find_spec("torch.distributed.run") is None:
+        raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
+    for index, callback in enumerate(args.callbacks):
+        label = f"callbacks[{index}]"
+        if isinstance(callback, CallbackSpec):
+            try:
+                callback = callback.build()
+            except Exception as exc:
+                raise PreflightError(
+                    f"{label}: CallbackSpec {callback.class_path!r} failed to construct with kwargs "
+                    f"{callback.kwargs!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            label += f" ({callback.__class__.__name__} from its CallbackSpec)"
+        if isinstance(callback, Callback):
+            try:
+                callback.validate(args)
+            except Exception as exc:
+                raise PreflightError(
+                    f"{label} ({describe(callback)}) rejected the config: {type(exc).__name__}: {exc}"
+                ) from exc
+    check_transportable(args)
+
+
+# ----------------------------------------------------------------------------- command and environment
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_torchrun_command(
+    torchrun_args: TorchrunArgs,
+    payload_path: Path,
+    log_dir: Path,
+    worker_module: str = WORKER_MODULE,
+) -> list[str]:
+    """The torchrun command line (the payload path is on it; the payload and its key never are)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(torchrun_args.nnodes),
+        "--nproc-per-node", str(torchrun_args.nproc_per_node),
+    ]
+    if torchrun_args.rdzv_endpoint:
+        command += ["--rdzv-backend", torchrun_args.rdzv_backend, "--rdzv-endpoint", torchrun_args.rdzv_endpoint]
+        if torchrun_args.rdzv_id:
+            command += ["--rdzv-id", torchrun_args.rdzv_id]
+    else:
+        port = torchrun_args.master_port
+        if port is None:
+            if str(torchrun_args.nnodes) != "1":
+                raise PreflightError(
+                    "master_port: required for a multi-node run with a static rendezvous "
+                    "(or give rdzv_endpoint for a c10d rendezvous)"
+                )
+            port = free_port(torchrun_args.master_addr)
+        command += [
+            "--node-rank", str(torchrun_args.node_rank),
+            "--master-addr", torchrun_args.master_addr,
+            "--master-port", str(port),
+        ]
+    command += ["--max-restarts", str(torchrun_args.max_restarts), "--log-dir", str(log_dir)]
+    if torchrun_args.nproc_per_node > 1:
+        # Local rank 0 keeps the real console (progress bars work); the others are teed with a prefix.
+        command += ["--tee", ",".join(f"{rank}:3" for rank in range(1, torchrun_args.nproc_per_node))]
+    command += ["-m", worker_module, "--payload", str(payload_path)]
+    return command
+
+
+def _worker_import_path() -> list[str]:
+    """The parent's ``sys.path`` entries that a fresh interpreter would not have (cwd, added folders).
+
+    Workers get them on ``PYTHONPATH`` so a class the parent imports by name (from a test folder, a
+    project folder added to ``sys.path``) is importable when the payload is unpickled.
+    """
+    install = {
+        Path(p).resolve() for name in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(name))
+    }
+    entries: list[str] = []
+    for entry in sys.path:
+        path = Path(entry or os.getcwd()).resolve()
+        if not path.is_dir() or any(path == root or root in path.parents for root in install):
+            continue
+        if str(path) not in entries:
+            entries.append(str(path))
+    return entries
+
+
+def build_worker_environment(
+    torchrun_args: TorchrunArgs,
+    payload_key: str,
+    torchrun_error_file: Path,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of torchrun and its workers: ``base`` (default ``os.environ``) plus ours."""
+    env = dict(os.environ if base is None else base)
+    env[PAYLOAD_KEY_ENV] = payload_key
+    env["PYTHONUNBUFFERED"] = "1"
+    # torchrun copies its root-cause worker's error file here (with the exit code) when a worker fails.
+    env["TORCHELASTIC_ERROR_FILE"] = str(torchrun_error_file)
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _RANK_PREFIX_TEMPLATE)
+    if "OMP_NUM_THREADS" not in env:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cores // torchrun_args.nproc_per_node))
+    path = _worker_import_path() + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
+
+
+# ----------------------------------------------------------------------------- failure report
+def _load_error_file(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _error_fields(data: Mapping[str, Any]) -> tuple[str, str | None, int, int | None]:
+    """``(message, traceback, timestamp, error_code)`` of a torchelastic error file."""
+    raw = data.get("message")
+    if isinstance(raw, str):
+        return raw, None, 0, None
+    body: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    raw_extra = body.get("extraInfo")
+    extra: dict[str, Any] = raw_extra if isinstance(raw_extra, dict) else {}
+    timestamp = str(extra.get("timestamp", ""))
+    code = str(body.get("errorCode", ""))
+    return (
+        str(body.get("message", "unknown error")),
+        extra.get("py_callstack"),
+        int(timestamp) if timestamp.isdigit() else 0,
+        int(code) if code.lstrip("-").isdigit() else None,
+    )
+
+
+def worker_failure(
+    log_dir: Path, torchrun_error_file: Path, torchrun_args: TorchrunArgs, returncode: int
+) -> LaunchError:
+    """Turn what torchrun left behind into the error to raise.
+
+    Per-rank error files live in ``log_dir/<run>/attempt_<n>/<local_rank>/error.json`` (newest attempt
+    wins); the first failure is the one torchrun copied into its own error file, else the earliest.
+    """
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: int(p.name.rpartition("_")[2]))
+    per_rank: dict[int, dict[str, Any]] = {}
+    if attempts:
+        for error_file in attempts[-1].glob("*/error.json"):
+            data = _load_error_file(error_file)
+            if data is not None and error_file.parent.name.isdigit():
+                per_rank[int(error_file.parent.name)] = data
+    root = _load_error_file(torchrun_error_file)
+    if not per_rank:
+        if root is not None:
+            message, trace, _, _ = _error_fields(root)
+            return LaunchError(f"torchrun failed (exit code {returncode}): {message}\n{trace or ''}".rstrip())
+        logged = _traceback_from_stderr_logs(attempts[-1]) if attempts else None
+        if logged is not None:
+            local_rank, trace = logged
+            return WorkerFailedError(
+                _global_rank(torchrun_args, local_rank), None, trace.rstrip().splitlines()[-1],
+                traceback=trace, local_rank=local_rank,
+            )
+        return WorkerFailedError(
+            None, None,
+            "a worker exited without an error file (it failed before its @record entry point ran, was "
+            f"killed by a signal or ran out of memory); torchrun exited with {returncode} and its summary "
+            "above names the rank",
+        )
+
+    def first(item: tuple[int, dict[str, Any]]) -> tuple[int, int]:
+        message, trace, timestamp, _ = _error_fields(item[1])
+        if root is not None and _error_fields(root)[:3] == (message, trace, timestamp):
+            return (0, 0)
+        return (1, timestamp)
+
+    local_rank, data = min(per_rank.items(), key=first)
+    message, trace, _, _ = _error_fields(data)
+    exit_code = _error_fields(root)[3] if root is not None else None
+    return WorkerFailedError(
+        _global_rank(torchrun_args, local_rank), exit_code, message, traceback=trace, local_rank=local_rank
+    )
+
+
+def _global_rank(torchrun_args: TorchrunArgs, local_rank: int) -> int | None:
+    """Global rank of ``local_rank`` on this node, when it can be known from the launch arguments."""
+    if not torchrun_args.rdzv_endpoint:
+        return torchrun_args.node_rank * torchrun_args.nproc_per_node + local_rank
+    if str(torchrun_args.nnodes) == "1":
+        return local_rank
+    return None  # c10d assigns node ranks at rendezvous time; only the local rank is known here
+
+
+def _traceback_from_stderr_logs(attempt_dir: Path) -> tuple[int, str] | None:
+    """``(local_rank, traceback)`` of the first teed worker stderr that ends in a Python traceback.
+
+    Covers failures before the ``@record`` entry point runs (e.g. an import error), which leave no
+    error file.  Only teed ranks (local rank 1 and up) have a log file.
+    """
+    for log in sorted(attempt_dir.glob("*/stderr.log"), key=lambda p: p.parent.name):
+        if not log.parent.name.isdigit():
+            continue
+        text = log.read_text(errors="replace")
+        start = text.rfind("Traceback (most recent call last):")
+        if start >= 0:
+            return int(log.parent.name), text[start:]
+    return None
+
+
+# ----------------------------------------------------------------------------- process supervision
+def _descendants(process: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """torchrun's process tree below it (workers run in their own sessions, so a group kill misses them)."""
+    try:
+        return psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(process: subprocess.Popen[bytes], known: list[psutil.Process]) -> None:
+    """SIGKILL torchrun, its process group, everything below it and any of ``known`` still alive."""
+    survivors = known + _descendants(process)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for child in survivors:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            child.kill()  # psutil refuses to signal a pid that was reused by another process
+    process.wait()
+
+
+def _stop(process: subprocess.Popen[bytes], received: list[int], send: int | None) -> None:
+    """Stop torchrun (``send`` it a signal unless the signal handler already forwarded one), give it
+    ``SHUTDOWN_GRACE_S`` (a further signal in the parent cuts that short), then kill what is left."""
+    workers = _descendants(process)
+    if send is not None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(send)
+    already = len(received)
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    while process.poll() is None and time.monotonic() < deadline and len(received) <= already:
+        time.sleep(_POLL_INTERVAL_S)
+    if process.poll() is None or any(worker.is_running() for worker in workers):
+        _kill_tree(process, workers)
+
+
+@contextlib.contextmanager
+def _forwarded_signals(process: subprocess.Popen[bytes]) -> Iterator[list[int]]:
+    """While torchrun runs, SIGINT/SIGTERM are recorded and forwarded to it (main thread only)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(process: subprocess.Popen[bytes], timeout_s: float | None) -> int:
+    """Wait for torchrun; on a signal or the timeout, stop it (bounded) and raise."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with _forwarded_signals(process) as received:
+        try:
+            while True:
+                try:
+                    return process.wait(timeout=_POLL_INTERVAL_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                if received:
+                    _stop(process, received, send=None)  # the handler already forwarded it
+                    raise TrainingInterruptedError(received[0])
+                if deadline is not None and time.monotonic() > deadline:
+                    _stop(process, received, send=signal.SIGTERM)
+                    raise LaunchTimeoutError(
+                        f"training did not finish within timeout_s={timeout_s}; all workers were stopped"
+                    )
+        finally:
+            if process.poll() is None:
+                _kill_tree(process, [])
+
+
+# ----------------------------------------------------------------------------- entry point
+def run_training(
+    train_args: TrainingArgs | Mapping[str, Any],
+    torchrun_args: TorchrunArgs | Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
+    worker_module: str = WORKER_MODULE,
+) -> RunResult | None:
+    """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
+
+    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields.  Raises
+    ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
+    launch, nothing started), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
+    ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
+
+    Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
+    ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.worker`` (tests).
+    """
+    args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
+    if torchrun_args is None:
+        launch = TorchrunArgs()
+    elif isinstance(torchrun_args, TorchrunArgs):
+        launch = torchrun_args
+    else:
+        launch = TorchrunArgs.model_validate(torchrun_args)
+    args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+    result_path = args.ckpt_output_dir / RESULT_FILE_NAME
+    result_path.unlink(missing_ok=True)
+    preflight(args)
+
+    private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
+    try:
+        payload_path, key = write_payload(args, private_dir)
+        log_dir = private_dir / "torchrun-logs"
+        torchrun_error_file = private_dir / "torchrun-error.json"
+        command = build_torchrun_command(launch, payload_path, log_dir, worker_module)
+        env = build_worker_environment(launch, key, torchrun_error_file)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        returncode = _supervise(process, timeout_s)
+        if returncode != 0:
+            raise worker_failure(log_dir, torchrun_error_file, launch, returncode)
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+    if result_path.is_file():
+        return RunResult.read(result_path)
+    hosts_rank_zero = launch.node_rank == 0 if not launch.rdzv_endpoint else str(launch.nnodes) == "1"
+    if hosts_rank_zero:
+        raise LaunchError(f"torchrun exited cleanly but rank 0 wrote no result at {result_path}")
+    return None

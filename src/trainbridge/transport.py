@@ -1,0 +1,218 @@
+"""Carrying the validated ``TrainingArgs`` (callbacks included) from the parent to the workers.
+
+Callbacks are live objects in the parent process; the torchrun workers are new processes.  The whole
+``TrainingArgs`` travels as one cloudpickle payload file:
+
+- instances keep their constructor arguments and attributes; lambdas, closures and classes defined
+  in ``__main__`` (a script or a notebook) are pickled *by value*, so the workers need not import them;
+- importable classes and functions (``transformers.EarlyStoppingCallback``, your package) are pickled
+  *by reference* and imported in the worker;
+- a module the workers cannot import (a notebook-local module, a module built at runtime) can be
+  sent by value with ``register_by_value(module)`` before calling ``run_training``.
+
+The file is written with mode 0600 inside a private (0700) directory and authenticated with
+HMAC-SHA256 under a fresh random key that reaches the workers through the environment
+(``TRAINBRIDGE_PAYLOAD_KEY``), never through a command line.  ``read_payload`` verifies the MAC
+before unpickling, so a tampered or foreign file is never unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import stat
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import cloudpickle
+
+from trainbridge.config import TrainingArgs
+
+PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
+"""Environment variable that carries the payload's HMAC key (hex) to the workers."""
+
+PAYLOAD_FILE_NAME = "training_args.payload"
+"""Name of the payload file inside the directory given to ``write_payload``."""
+
+_MAGIC = b"TRAINBRIDGE-PAYLOAD-1\n"
+_MAC_SIZE = hashlib.sha256().digest_size
+
+# Type names (as pickle reports them) of objects that cannot cross a process boundary, and what
+# they mean for a user reading the error.
+_UNPICKLABLE_KINDS: dict[str, str] = {
+    "_thread.lock": "holds a thread lock",
+    "_thread.RLock": "holds a thread lock",
+    "_thread._local": "holds thread-local storage",
+    "TextIOWrapper": "holds an open file handle",
+    "BufferedReader": "holds an open file handle",
+    "BufferedWriter": "holds an open file handle",
+    "BufferedRandom": "holds an open file handle",
+    "FileIO": "holds an open file handle",
+    "Cannot pickle files": "holds an open file handle",
+    "socket": "holds a socket",
+    "generator": "holds a generator",
+    "SSLContext": "holds an SSL context",
+    "Thread": "holds a thread",
+    "ProcessGroup": "holds a torch process group",
+}
+
+
+class CallbackTransportError(ValueError):
+    """A callback or event function cannot be sent to the workers (raised in the parent, before launch)."""
+
+
+class PayloadIntegrityError(ValueError):
+    """A payload file failed authentication (tampered, truncated, foreign, or the wrong key); it was not unpickled."""
+
+
+def register_by_value(module: ModuleType) -> None:
+    """Send everything defined in ``module`` by value instead of by import path.
+
+    Use it for a module the workers cannot import (a notebook-local module, a file outside the
+    workers' ``sys.path``, a module created at runtime).  Classes defined in ``__main__`` are already
+    sent by value.  A thin pass-through to ``cloudpickle.register_pickle_by_value``.
+    """
+    cloudpickle.register_pickle_by_value(module)
+
+
+def describe(obj: Any) -> str:
+    """Short human name of a callback or function: its qualified name and module."""
+    is_named = isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__"))
+    target = obj if is_named else type(obj)
+    module = getattr(target, "__module__", None) or "?"
+    qualname = getattr(target, "__qualname__", None) or type(target).__name__
+    return f"{module}.{qualname}"
+
+
+def _explain(exc: BaseException) -> str:
+    """Turn a pickling error into a reason a user understands (keeping pickle's own words)."""
+    text = f"{type(exc).__name__}: {exc}"
+    for kind, meaning in _UNPICKLABLE_KINDS.items():
+        if kind in str(exc):
+            return f"{meaning} ({text})"
+    return text
+
+
+def _unpicklable_attribute(obj: Any, depth: int = 3) -> str | None:
+    """Dotted path of the first attribute of ``obj`` that cannot be pickled, ``depth`` levels down."""
+    if depth == 0:
+        return None
+    try:
+        attributes = vars(obj)
+    except TypeError:
+        return None
+    for name, value in attributes.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception:
+            inner = _unpicklable_attribute(value, depth - 1)
+            return f"{name}.{inner}" if inner else name
+    return None
+
+
+def _unpicklable_part(obj: Any) -> str | None:
+    """Where in ``obj`` pickling fails: ``captured variable 'x'`` (closures) or ``attribute 'a.b'``."""
+    closure = getattr(obj, "__closure__", None)
+    code = getattr(obj, "__code__", None)
+    if closure and code is not None:
+        for name, cell in zip(code.co_freevars, closure):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            try:
+                cloudpickle.dumps(value)
+            except Exception:
+                return f"captured variable {name!r}"
+    attribute = _unpicklable_attribute(obj)
+    return f"attribute {attribute!r}" if attribute else None
+
+
+def _round_trip(obj: Any) -> None:
+    """``loads(dumps(obj))``; raises whatever pickling raises."""
+    pickle.loads(cloudpickle.dumps(obj))
+
+
+def _check_one(obj: Any, label: str) -> None:
+    try:
+        _round_trip(obj)
+    except Exception as exc:
+        part = None if isinstance(obj, type) else _unpicklable_part(obj)
+        where = f"{part} " if part else ""
+        raise CallbackTransportError(
+            f"{label} ({describe(obj)}) cannot be sent to the workers: {where}{_explain(exc)}. "
+            "Callbacks are pickled (cloudpickle) in the parent and rebuilt in every worker; create "
+            "such resources lazily in on_train_begin (or pass a CallbackSpec) instead of holding them."
+        ) from exc
+
+
+def check_transportable(args: TrainingArgs) -> None:
+    """Check, in the parent, that every callback and event function survives the trip to the workers.
+
+    Each callback and each event function is serialised and deserialised on its own, so the error
+    names the culprit (``callbacks[1] (mypkg.MyCallback): attribute 'lock' holds a thread lock``);
+    then the whole ``args`` object is checked.  Raises ``CallbackTransportError``.
+    """
+    for index, callback in enumerate(args.callbacks):
+        _check_one(callback, f"callbacks[{index}]")
+    for event, functions in args.event_functions.items():
+        for index, function in enumerate(functions):
+            _check_one(function, f"event function {event.value}[{index}]")
+    try:
+        _round_trip(args)
+    except Exception as exc:
+        raise CallbackTransportError(f"TrainingArgs cannot be sent to the workers: {_explain(exc)}") from exc
+
+
+def _mac(key: str, body: bytes) -> bytes:
+    return hmac.new(key.encode("utf-8"), body, hashlib.sha256).digest()
+
+
+def write_payload(args: TrainingArgs, directory: str | Path) -> tuple[Path, str]:
+    """Write ``args`` as an authenticated payload file in ``directory``; return ``(path, hex_key)``.
+
+    ``directory`` must be private to the current user (no group/other permissions, e.g. from
+    ``tempfile.mkdtemp``).  The file is created exclusively with mode 0600.  The key is a fresh
+    ``secrets.token_hex(32)``; hand it to the workers via the ``TRAINBRIDGE_PAYLOAD_KEY`` environment
+    variable, never on a command line.
+    """
+    directory = Path(directory)
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o077:
+        raise PermissionError(
+            f"payload directory {str(directory)!r} has mode {mode:04o}; it must be private (0700)"
+        )
+    body = cloudpickle.dumps(args)
+    key = secrets.token_hex(32)
+    path = directory / PAYLOAD_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(_MAGIC + _mac(key, body) + body)
+    return path, key
+
+
+def read_payload(path: str | Path, key: str) -> TrainingArgs:
+    """Verify and load a payload written by ``write_payload``.
+
+    The HMAC is checked with ``hmac.compare_digest`` *before* anything is unpickled; a file that was
+    changed, truncated, written by someone else or checked with the wrong key raises
+    ``PayloadIntegrityError``.
+    """
+    data = Path(path).read_bytes()
+    header = len(_MAGIC) + _MAC_SIZE
+    if len(data) < header or not data.startswith(_MAGIC):
+        raise PayloadIntegrityError(f"{path}: not a trainbridge payload file")
+    mac, body = data[len(_MAGIC):header], data[header:]
+    if not key or not hmac.compare_digest(mac, _mac(key, body)):
+        raise PayloadIntegrityError(
+            f"{path}: payload authentication failed (the file was modified or the key "
+            f"in {PAYLOAD_KEY_ENV} is not the one it was written with); refusing to unpickle it"
+        )
+    args = pickle.loads(body)
+    if not isinstance(args, TrainingArgs):
+        raise PayloadIntegrityError(f"{path}: payload holds a {type(args).__name__}, not TrainingArgs")
+    return args

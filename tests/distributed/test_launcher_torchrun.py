@@ -1,0 +1,189 @@
+"""run_training with the real torchrun and a stub worker: payload in real workers, failures, timeout, SIGINT.
+
+The stub worker (written to a temporary folder that the launcher puts on the workers' PYTHONPATH)
+reads the real payload with the real key, then does what ``run_name`` says; rank 0 writes a
+``RunResult`` like ``trainbridge.worker`` does.  No training happens, so each test takes seconds.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from trainbridge.config import TorchrunArgs, TrainingArgs
+from trainbridge.launcher import LaunchTimeoutError, TrainingInterruptedError, WorkerFailedError, run_training
+from trainbridge.transport import register_by_value
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+STUB_WORKER = '''
+import argparse, os, sys, time
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainbridge.result import RunResult
+from trainbridge.transport import PAYLOAD_KEY_ENV, read_payload
+
+
+@record
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--payload", required=True)
+    args = read_payload(parser.parse_args().payload, os.environ[PAYLOAD_KEY_ENV])
+    rank = int(os.environ["RANK"])
+    print(f"stub worker rank {rank} of {os.environ['WORLD_SIZE']} says hello", flush=True)
+    if args.run_name == "fail-on-rank-1":
+        if rank == 1:
+            raise ValueError("rank 1 failed on purpose")
+        time.sleep(120)  # torchrun must tear this rank down
+    if args.run_name == "killed-on-rank-1":
+        if rank == 1:
+            os.kill(os.getpid(), 9)  # no Python exception, so no error file
+        time.sleep(120)
+    if args.run_name == "sleep":
+        time.sleep(300)
+    (function,) = [fn for fns in args.event_functions.values() for fn in fns]
+    (callback,) = args.callbacks
+    if rank == 0:
+        RunResult(
+            global_step=function(rank), epoch=1.0, max_steps=callback.scale, stop_reason=callback.describe(2),
+        ).write(args.ckpt_output_dir / "result.json")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def stub_worker(tmp_path, monkeypatch):
+    folder = tmp_path / "stub_code"
+    folder.mkdir()
+    (folder / "tb_stub_worker.py").write_text(STUB_WORKER)
+    monkeypatch.syspath_prepend(str(folder))  # the launcher mirrors this into the workers' PYTHONPATH
+    return "tb_stub_worker"
+
+
+@pytest.fixture
+def make_args(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "1+1=2"}\n')
+    module = types.ModuleType("tb_launcher_notebook")
+    exec(textwrap.dedent(
+        """
+        class Scaled:
+            def __init__(self, scale):
+                self.scale = scale
+            def describe(self, value):
+                return f"scaled {value * self.scale}"
+        """
+    ), module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # like a notebook: in this process only
+    register_by_value(module)
+    offset = 40
+
+    def make(run_name):
+        return TrainingArgs(
+            model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out", run_name=run_name,
+            callbacks=[module.Scaled(3)], on_step_end=lambda rank: rank + offset + 2,
+        )
+
+    return make
+
+
+def _no_stub_processes_left():
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True) if "tb_stub_worker" in " ".join(p.cmdline())]
+
+
+def test_real_workers_rebuild_callbacks_and_rank_zero_result_comes_back(make_args, stub_worker, capfd):
+    result = run_training(make_args("ok"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker, timeout_s=120)
+    assert result is not None
+    assert (result.global_step, result.max_steps, result.stop_reason) == (42, 3, "scaled 6")
+    out = capfd.readouterr().out
+    assert "stub worker rank 0 of 2 says hello" in out
+    assert "[rank1]: stub worker rank 1 of 2 says hello" in out
+
+
+def test_failing_rank_is_reported_and_the_other_rank_torn_down(make_args, stub_worker):
+    with pytest.raises(WorkerFailedError) as info:
+        run_training(make_args("fail-on-rank-1"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
+    error = info.value
+    assert (error.rank, error.exit_code) == (1, 1)
+    assert error.message == "ValueError: rank 1 failed on purpose"
+    assert "tb_stub_worker.py" in error.traceback
+    assert "training failed on rank 1 (exit code 1): ValueError: rank 1 failed on purpose" in str(error)
+    assert _no_stub_processes_left() == []
+
+
+def test_timeout_stops_every_worker(make_args, stub_worker):
+    with pytest.raises(LaunchTimeoutError, match="timeout_s=8"):
+        run_training(make_args("sleep"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker, timeout_s=8)
+    assert _no_stub_processes_left() == []
+
+
+def test_worker_killed_without_error_file_still_fails_clearly(make_args, stub_worker):
+    with pytest.raises(WorkerFailedError, match="exited without an error file") as info:
+        run_training(make_args("killed-on-rank-1"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
+    assert info.value.rank is None
+    assert _no_stub_processes_left() == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_worker, signum):
+    handler_before = signal.getsignal(signum)
+    timer = threading.Timer(8, os.kill, (os.getpid(), signum))
+    timer.start()
+    try:
+        with pytest.raises(TrainingInterruptedError, match=signal.Signals(signum).name):
+            run_training(make_args("sleep"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
+    finally:
+        timer.cancel()
+    assert _no_stub_processes_left() == []
+    assert signal.getsignal(signum) is handler_before  # the parent's own handler is back
+
+
+# ----------------------------------------------------------------------------- the real worker, end to end
+def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
+    from trainbridge.demo import run_demo
+
+    result = run_demo(tmp_path / "demo", nproc_per_node=2, max_steps=12)
+    assert (result.global_step, result.max_steps) == (12, 12)
+    records = [json.loads(line) for line in Path(result.metrics_file).read_text().splitlines()]
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert losses[-1] < losses[0] - 0.5
+    assert [os.path.basename(c) for c in result.checkpoints] == ["checkpoint-9", "checkpoint-12"]
+    assert "trainbridge demo finished" in capfd.readouterr().out
+
+
+def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):
+    from trainbridge.tiny_model import build_tiny_llama, write_arithmetic_dataset
+
+    build_tiny_llama(tmp_path / "model")
+    write_arithmetic_dataset(tmp_path / "train.jsonl", 200, seed=0)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out", "max_seq_len": 32,
+        "max_batch_len": 256, "effective_batch_size": 8, "device": "cpu", "disable_tqdm": True,
+        "save_strategy": "no",
+        "callbacks": [{"class": "transformers:PrinterCallback"}],
+    }))
+    out = subprocess.run(
+        [sys.executable, "-m", "trainbridge", "train", str(tmp_path / "run.yaml"), "--nproc-per-node", "2",
+         "--set", "max_steps=4", "--set", "learning_rate=0.003", "--timeout", "150"],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "steps:           4/4 (completed)" in out.stdout
+    assert (tmp_path / "out" / "result.json").is_file()
