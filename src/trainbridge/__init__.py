@@ -18,26 +18,39 @@ __all__ = [
     "AgreedControl",
     "Callback",
     "CallbackSpec",
+    "CallbackTransportError",
     "ControlFlag",
     "Event",
     "FunctionCallback",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "PreflightError",
     "RunResult",
     "TorchrunArgs",
     "TrainingArgs",
     "TrainingContext",
+    "TrainingInterruptedError",
     "WorkerFailedError",
     "rank_zero_only",
+    "register_by_value",
     "run_training",
 ]
 
 __version__ = "0.1.0"
 
+_LAUNCHER_NAMES = ("run_training", "WorkerFailedError", "LaunchError", "PreflightError", "LaunchTimeoutError",
+                   "TrainingInterruptedError")
+
 
 def __getattr__(name: str) -> object:
     # The launcher (subprocess, torchrun) is imported on first use, so workers and the
     # callback layer never pay for it.
-    if name in ("run_training", "WorkerFailedError"):
+    if name in _LAUNCHER_NAMES:
         from trainbridge import launcher
 
         return getattr(launcher, name)
+    if name in ("CallbackTransportError", "register_by_value"):
+        from trainbridge import transport
+
+        return getattr(transport, name)
     raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")

@@ -135,7 +135,9 @@ class TrainingArgs(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
     mixed_precision: Literal["no", "bf16"] = "no"
-    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32)."""
+    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32); with
+    ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
+    master weights in the optimizer)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
 
@@ -353,6 +355,9 @@ class TrainingArgs(BaseModel):
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.transport``)."""
         data = self.model_dump(mode="json", exclude={"callbacks", "event_functions"}, exclude_none=True)
+        for key, value in data.items():  # absolute, so the file loads the same from any folder
+            if isinstance(getattr(self, key), Path):
+                data[key] = str(Path(value).resolve())
         specs = [c.model_dump(by_alias=True) for c in self.callbacks if isinstance(c, CallbackSpec)]
         if specs:
             data["callbacks"] = specs

@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from trainbridge.callbacks.base import Callback
+from trainbridge.assembly import assemble_callbacks
 from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.result import RunResult
 from trainbridge.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
@@ -126,13 +126,14 @@ def preflight(args: TrainingArgs) -> None:
                     f"{callback.kwargs!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             label += f" ({callback.__class__.__name__} from its CallbackSpec)"
-        if isinstance(callback, Callback):
-            try:
-                callback.validate(args)
-            except Exception as exc:
-                raise PreflightError(
-                    f"{label} ({describe(callback)}) rejected the config: {type(exc).__name__}: {exc}"
-                ) from exc
+    # Every callback the workers will run (built-ins, user callbacks, the HF adapter with its
+    # report_to integrations, event functions) checks the config here, before launch.
+    for callback in assemble_callbacks(args):
+        try:
+            callback.validate(args)
+        except Exception as exc:
+            raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
 
 

@@ -233,7 +233,7 @@ def test_state_round_trip_by_position_and_name(context):
 
 
 def test_manager_rejects_non_callbacks():
-    with pytest.raises(TypeError, match="not a trainbridge.Callback"):
+    with pytest.raises(TypeError, match=r"not a trainbridge\.Callback"):
         CallbackManager([object()])
 
 

@@ -42,5 +42,5 @@ def test_hf_hook_names_match_event_names_where_mapped():
 def test_event_from_name_accepts_both_forms_and_rejects_typos():
     assert event_from_name("save") is Event.SAVE
     assert event_from_name("on_save") is Event.SAVE
-    with pytest.raises(ValueError, match="unknown event 'on_sav'.*on_save"):
+    with pytest.raises(ValueError, match=r"unknown event 'on_sav'.*on_save"):
         event_from_name("on_sav")

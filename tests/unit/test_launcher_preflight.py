@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from transformers import EarlyStoppingCallback
+from transformers import EarlyStoppingCallback, PrinterCallback
 
 from trainbridge import launcher
 from trainbridge.callbacks.base import Callback
@@ -103,7 +103,7 @@ def _write_result(fake):
 # ----------------------------------------------------------------------------- preflight
 def test_unpicklable_callback_fails_before_anything_starts(train_args, no_launch):
     with pytest.raises(CallbackTransportError, match=r"callbacks\[1\].*HoldsALock.*holds a thread lock"):
-        run_training({**train_args, "callbacks": [EarlyStoppingCallback(), HoldsALock()]})
+        run_training({**train_args, "callbacks": [PrinterCallback(), HoldsALock()]})
 
 
 def test_callback_spec_whose_constructor_raises_is_named(train_args, no_launch):
@@ -121,8 +121,19 @@ def test_callback_spec_with_a_bad_keyword_is_named(train_args, no_launch):
 
 
 def test_native_callback_validate_runs_in_the_parent(train_args, no_launch):
-    with pytest.raises(PreflightError, match=r"callbacks\[0\].*RejectsTheConfig.*needs eval_strategy='steps'"):
+    with pytest.raises(PreflightError, match=r"RejectsTheConfig.*rejected the config.*needs eval_strategy='steps'"):
         run_training({**train_args, "callbacks": [RejectsTheConfig()]})
+
+
+def test_misconfigured_hf_callback_fails_in_the_parent(train_args, no_launch):
+    # EarlyStoppingCallback needs a metric and evaluation: under Trainer it fails at on_train_begin
+    with pytest.raises(PreflightError, match=r"HuggingFaceCallbackAdapter.*EarlyStoppingCallback.*metric_for_best_model"):
+        run_training({**train_args, "callbacks": [EarlyStoppingCallback()]})
+
+
+def test_unknown_report_to_integration_fails_in_the_parent(train_args, no_launch):
+    with pytest.raises(PreflightError, match=r"report_to"):
+        run_training({**train_args, "report_to": ["no-such-integration"]})
 
 
 def test_missing_torchrun_is_reported(train_args, no_launch, monkeypatch):

@@ -186,7 +186,10 @@ class HuggingFaceCallbackAdapter(Callback):
         """Fail before launch on what would fail in the workers: unknown or missing integrations, and
         ``EarlyStoppingCallback`` without ``metric_for_best_model`` or evaluation."""
         integrations = self._integrations()
-        get_reporting_integration_callbacks(integrations)  # ValueError naming an unknown integration
+        try:
+            get_reporting_integration_callbacks(integrations)
+        except ValueError as exc:
+            raise ValueError(f"report_to: {exc}") from None
         available = set(get_available_reporting_integrations())
         missing = [name for name in integrations if name not in available]
         if missing:

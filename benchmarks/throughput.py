@@ -1,0 +1,424 @@
+"""Training throughput of trainbridge vs ``transformers.Trainer`` vs a bare DDP loop, in one run.
+
+    python benchmarks/throughput.py [--steps 40] [--repeats 2] [--out docs/benchmarks.md]
+
+Builds the 3.2M-parameter benchmark Llama (``trainbridge.tiny_model.build_benchmark_llama``), its
+character tokenizer and two pre-tokenized JSONL data sets, deterministic from ``--seed``: fixed-length
+(every sample 128 tokens) and variable-length (lengths uniform in 32..128, mean 80).  Then runs every
+configuration of ``CONFIGS`` with 2 gloo ranks (``OMP_NUM_THREADS=1`` each), one after the other, the
+whole list ``--repeats`` times (interleaved, so slow phases of a shared machine hit every configuration):
+bare DDP and Trainer runs under ``torchrun --nproc_per_node=2``, trainbridge runs through
+``run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))`` with a Hugging Face callback attached.
+
+Every run takes ``--steps`` optimizer steps of 8 samples (4 per rank), same learning rate, same seed.
+Rank 0 records ``time.time()`` at every optimizer step end; each rank records its non-padding tokens.
+Throughput is ``non-padding tokens of steps 2..N / (t_N - t_1)`` (all ranks); start-up is launch (the
+driver starting torchrun or calling ``run_training``) to the end of step 1.  The table (best run of each
+configuration, ratios) is printed and written between the result markers of ``--out``; text outside the
+markers (the analysis) is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent
+WORLD_SIZE = 2
+SAMPLES_PER_STEP = 8
+"""Samples per optimizer step, both ranks together (4 per rank, no gradient accumulation)."""
+SEQ_LEN = 128
+"""Length of every fixed-length sample, and the longest variable-length one."""
+VARIABLE_MIN_LEN = 32
+"""Shortest variable-length sample: lengths are uniform in ``VARIABLE_MIN_LEN..SEQ_LEN`` (mean 80)."""
+FIRST_TOKEN_ID = 4
+"""Sample token ids are drawn from ``FIRST_TOKEN_ID..vocab-1`` (ids 0..3 are the special tokens)."""
+RESULTS_BEGIN = "<!-- throughput results: begin (written by benchmarks/throughput.py) -->"
+RESULTS_END = "<!-- throughput results: end -->"
+
+Runner = Literal["bare", "trainer", "trainbridge"]
+DataKind = Literal["fixed", "variable"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark configuration: who trains, on which data, with which options."""
+
+    key: str
+    """Short name used in file names and to pick configurations (``--only``)."""
+    label: str
+    """Row label of the table."""
+    runner: Runner
+    data: DataKind
+    trainer_collator: Literal["padding", "flattening"] = "padding"
+    trainer_tuned: bool = False
+    trainbridge_packing: Literal["padding_free", "padded"] = "padding_free"
+    trainbridge_max_batch_len: int = 4 * SEQ_LEN
+
+
+CONFIGS: tuple[BenchConfig, ...] = (
+    BenchConfig("bare", "bare DDP loop", "bare", "fixed"),
+    BenchConfig("trainer_default", "Trainer default", "trainer", "fixed"),
+    BenchConfig("trainer_tuned", "Trainer tuned", "trainer", "fixed", trainer_tuned=True),
+    BenchConfig("tb_fixed", "trainbridge padding-free + HF callback", "trainbridge", "fixed"),
+    BenchConfig("tb_fixed_padded", "trainbridge padded + HF callback", "trainbridge", "fixed",
+                trainbridge_packing="padded"),
+    BenchConfig("trainer_padded_var", "Trainer padded (default collator)", "trainer", "variable"),
+    BenchConfig("trainer_flat_var", "Trainer DataCollatorWithFlattening (tuned)", "trainer", "variable",
+                trainer_collator="flattening", trainer_tuned=True),
+    BenchConfig("tb_var", "trainbridge padding-free + HF callback", "trainbridge", "variable"),
+    BenchConfig("tb_var_padded", "trainbridge padded + HF callback", "trainbridge", "variable",
+                trainbridge_packing="padded"),
+)
+"""Every configuration, in run order; fixed-length ones first."""
+
+
+@dataclass(frozen=True)
+class Assets:
+    """The model directory and the two data files every run reads."""
+
+    model: Path
+    fixed: Path
+    variable: Path
+
+    def data(self, kind: DataKind) -> Path:
+        """The data file of ``kind``."""
+        return self.fixed if kind == "fixed" else self.variable
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One run of one configuration."""
+
+    config: BenchConfig
+    tokens_per_s: float
+    """Non-padding tokens of steps 2..N (all ranks) / (t_N - t_1)."""
+    tokens_per_cpu_s: float
+    """Non-padding tokens of steps 2..N / the ranks' mean CPU seconds over those steps: the throughput the
+    run would have with one uncontended core per rank (less sensitive to other load on the machine)."""
+    start_to_first_step_s: float
+    """Launch to the end of optimizer step 1 (rank 0)."""
+    wall_s: float
+    """Launch to exit of the whole run."""
+    tokens: int
+    """Non-padding tokens of steps 2..N."""
+
+
+@dataclass
+class Results:
+    """Every measurement, grouped by configuration key, in run order."""
+
+    runs: dict[str, list[Measurement]] = field(default_factory=dict)
+
+    def add(self, measurement: Measurement) -> None:
+        """Record one run."""
+        self.runs.setdefault(measurement.config.key, []).append(measurement)
+
+    def best(self, key: str) -> Measurement | None:
+        """The fastest run of ``key`` (noise on a shared machine only ever slows a run down)."""
+        runs = self.runs.get(key)
+        return max(runs, key=lambda m: m.tokens_per_s) if runs else None
+
+
+# ----------------------------------------------------------------------------- assets
+def write_samples(path: Path, lengths: Sequence[int], vocab_size: int, seed: int) -> Path:
+    """Write pre-tokenized samples (``input_ids`` and ``labels`` = ``input_ids``) of ``lengths``."""
+    rng = random.Random(seed)
+    lines = []
+    for length in lengths:
+        ids = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length)]
+        lines.append(json.dumps({"input_ids": ids, "labels": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def build_assets(root: Path, steps: int, seed: int) -> Assets:
+    """Model, tokenizer, fixed and variable data under ``root`` (exactly ``steps`` steps of samples)."""
+    from trainbridge.tiny_model import build_benchmark_llama
+
+    model = build_benchmark_llama(root / "model", seed=seed)
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    count = steps * SAMPLES_PER_STEP
+    rng = random.Random(seed)
+    variable_lengths = [rng.randint(VARIABLE_MIN_LEN, SEQ_LEN) for _ in range(count)]
+    return Assets(
+        model=model,
+        fixed=write_samples(root / "fixed.jsonl", [SEQ_LEN] * count, vocab_size, seed + 1),
+        variable=write_samples(root / "variable.jsonl", variable_lengths, vocab_size, seed + 2),
+    )
+
+
+# ----------------------------------------------------------------------------- running one configuration
+@contextlib.contextmanager
+def output_to(log_path: Path) -> Iterator[None]:
+    """Send this process's stdout/stderr file descriptors (and so its children's) to ``log_path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with log_path.open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+"""Set in this process (so every run inherits it): one intra-op thread per rank, no tokenizer threads."""
+
+
+def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> None:
+    """``python -m torch.distributed.run --nproc-per-node 2 benchmarks/<script> ...``; raises on failure."""
+    from trainbridge.launcher import free_port
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(BENCHMARKS_DIR / script), *script_args,
+    ]
+    with log_path.open("ab") as log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{script} failed with exit code {completed.returncode}; see {log_path}")
+
+
+def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
+                    out: Path, log_path: Path) -> None:
+    """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HF adapter)."""
+    from trainbridge import TorchrunArgs, TrainingArgs, run_training
+    from trainer_run import LOGGING_STEPS, StepClock
+
+    args = TrainingArgs(
+        model_path=assets.model,
+        data_path=assets.data(config.data),
+        ckpt_output_dir=out,
+        max_seq_len=SEQ_LEN,
+        max_batch_len=config.trainbridge_max_batch_len,
+        effective_batch_size=SAMPLES_PER_STEP,
+        packing=config.trainbridge_packing,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler="constant",
+        seed=seed,
+        device="cpu",
+        logging_steps=LOGGING_STEPS,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        callbacks=[StepClock(str(out))],
+    )
+    with output_to(log_path):
+        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
+
+
+def run_config(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
+               out: Path) -> Measurement:
+    """Run ``config`` once into the fresh folder ``out`` and measure it."""
+    out.mkdir(parents=True)
+    log_path = out / "run.log"
+    common = ["--model", str(assets.model), "--data", str(assets.data(config.data)), "--out", str(out),
+              "--steps", str(steps), "--learning-rate", str(learning_rate), "--seed", str(seed)]
+    launch = time.time()
+    if config.runner == "bare":
+        run_torchrun_script("bare_ddp.py", common, log_path)
+    elif config.runner == "trainer":
+        extra = ["--collator", config.trainer_collator] + (["--tuned"] if config.trainer_tuned else [])
+        run_torchrun_script("trainer_run.py", common + extra, log_path)
+    else:
+        run_trainbridge(config, assets, steps, learning_rate, seed, out, log_path)
+    return measure(config, out, steps, launch, time.time() - launch)
+
+
+def measure(config: BenchConfig, out: Path, steps: int, launch: float, wall_s: float) -> Measurement:
+    """Throughput and start-up of a finished run from its ``clock-rank*.json`` files."""
+    clocks = [json.loads((out / f"clock-rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    times = clocks[0]["step_end_times"]
+    if len(times) != steps:
+        raise RuntimeError(f"{config.key}: rank 0 recorded {len(times)} step ends, expected {steps} ({out})")
+    if clocks[0]["local_tokens"] is not None:
+        per_step = [sum(clock["local_tokens"][k] for clock in clocks) for k in range(steps)]
+        tokens = sum(per_step[1:])
+    else:  # trainbridge: num_input_tokens_seen (all ranks) at step 2 begin = tokens of step 1
+        tokens = clocks[0]["tokens_seen_at_train_end"] - clocks[0]["tokens_seen_at_step_begin"][1]
+    cpu_seconds = statistics.mean(c["step_end_cpu_times"][-1] - c["step_end_cpu_times"][0] for c in clocks)
+    return Measurement(
+        config=config,
+        tokens_per_s=tokens / (times[-1] - times[0]),
+        tokens_per_cpu_s=tokens / cpu_seconds,
+        start_to_first_step_s=times[0] - launch,
+        wall_s=wall_s,
+        tokens=tokens,
+    )
+
+
+# ----------------------------------------------------------------------------- report
+def machine_facts() -> list[str]:
+    """Lines describing the machine and library versions."""
+    import torch
+    import transformers
+
+    import trainbridge
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    return [
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {os.cpu_count()} CPU cores ({cpu}), {platform.system()} {platform.release()}",
+        f"- python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trainbridge {trainbridge.__version__ if hasattr(trainbridge, '__version__') else 'dev'}",
+        f"- 2 gloo ranks, OMP_NUM_THREADS=1 each; load average before the run: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+
+
+def _ratio(value: float, reference: Measurement | None) -> str:
+    return f"{value / reference.tokens_per_s:.2f}" if reference else "-"
+
+
+def results_table(results: Results) -> list[str]:
+    """Markdown table of the best run of each configuration, with ratios."""
+    bare = results.best("bare")
+    default, tuned = results.best("trainer_default"), results.best("trainer_tuned")
+    padded = results.best("trainer_padded_var")
+    lines = [
+        "| data | configuration | tokens/s | vs bare | vs Trainer default | vs Trainer tuned "
+        "| vs Trainer padded | start → step 1 (s) | tokens/CPU-s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config in CONFIGS:
+        best = results.best(config.key)
+        if best is None:
+            continue
+        fixed = config.data == "fixed"
+        lines.append(
+            f"| {config.data} | {config.label} | {best.tokens_per_s:,.0f} "
+            f"| {_ratio(best.tokens_per_s, bare) if fixed else '-'} "
+            f"| {_ratio(best.tokens_per_s, default) if fixed else '-'} "
+            f"| {_ratio(best.tokens_per_s, tuned) if fixed else '-'} "
+            f"| {'-' if fixed else _ratio(best.tokens_per_s, padded)} "
+            f"| {best.start_to_first_step_s:.1f} | {best.tokens_per_cpu_s:,.0f} |"
+        )
+    return lines
+
+
+def runs_table(results: Results) -> list[str]:
+    """Markdown table of every run (tokens/s and start-up per repetition)."""
+    lines = [
+        "| configuration | tokens/s per run | median | tokens/CPU-s per run | start → step 1 per run (s) |",
+        "|---|---|---:|---|---|",
+    ]
+    for config in CONFIGS:
+        runs = results.runs.get(config.key)
+        if not runs:
+            continue
+        lines.append(
+            f"| {config.data}: {config.label} | {', '.join(f'{m.tokens_per_s:,.0f}' for m in runs)} "
+            f"| {statistics.median(m.tokens_per_s for m in runs):,.0f} "
+            f"| {', '.join(f'{m.tokens_per_cpu_s:,.0f}' for m in runs)} "
+            f"| {', '.join(f'{m.start_to_first_step_s:.1f}' for m in runs)} |"
+        )
+    return lines
+
+
+def results_section(results: Results, command: str, facts: list[str], steps: int, repeats: int) -> str:
+    """The generated part of the report (between the markers)."""
+    return "\n".join([
+        RESULTS_BEGIN,
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        *facts,
+        f"- {steps} optimizer steps per run, 8 samples per step (4 per rank), tokens/s over steps 2..{steps}; "
+        f"{repeats} repetition(s) interleaved, the table shows each configuration's best run",
+        "",
+        *results_table(results),
+        "",
+        "Every run:",
+        "",
+        *runs_table(results),
+        "",
+        RESULTS_END,
+    ])
+
+
+def write_report(path: Path, section: str) -> None:
+    """Replace the result markers' content in ``path`` (create the file with a heading if missing)."""
+    text = path.read_text() if path.exists() else "# Throughput benchmark\n\n" + RESULTS_BEGIN + "\n" + RESULTS_END + "\n"
+    start, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
+    if start < 0 or end < start:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    else:
+        text = text[:start] + section + text[end + len(RESULTS_END):]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# ----------------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build the assets, run every configuration ``--repeats`` times, print and write the table."""
+    parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (>= 3)")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions of the whole list, interleaved")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", choices=[c.key for c in CONFIGS], help="run only these configurations")
+    parser.add_argument("--out", type=Path, default=None, help="markdown report to update (e.g. docs/benchmarks.md)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep model, data and logs here")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile rank 0 of Trainer/trainbridge runs (profile-rank0.pstats; slows them)")
+    options = parser.parse_args(argv)
+    if options.steps < 3:
+        parser.error("--steps must be at least 3")
+    os.environ.update(WORKER_ENVIRONMENT)
+    if options.profile:
+        from trainer_run import PROFILE_ENV
+
+        os.environ[PROFILE_ENV] = "1"
+    selected = [c for c in CONFIGS if not options.only or c.key in options.only]
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="trainbridge-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    facts = machine_facts()
+    assets = build_assets(workdir / "assets", options.steps, options.seed)
+    print(f"assets and logs in {workdir}", flush=True)
+    results = Results()
+    for repeat in range(options.repeats):
+        for config in selected:
+            out = workdir / f"run{repeat}-{config.key}"
+            measurement = run_config(config, assets, options.steps, options.learning_rate, options.seed, out)
+            results.add(measurement)
+            print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} "
+                  f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  start->step1 {measurement.start_to_first_step_s:5.1f} s  "
+                  f"wall {measurement.wall_s:5.1f} s", flush=True)
+    command = "python benchmarks/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    section = results_section(results, command.strip(), facts, options.steps, options.repeats)
+    print()
+    print("\n".join(results_table(results)))
+    if options.out is not None:
+        write_report(options.out, section)
+        print(f"\nwrote {options.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The callback list of a run, in dispatch order: built-ins, the user's callbacks, event functions.
+
+Used by the worker (to run them) and by the launcher's preflight (to validate them in the parent
+before launch), so both see exactly the same callbacks.
+"""
+
+from __future__ import annotations
+
+from trainbridge.callbacks.base import Callback, FunctionCallback
+from trainbridge.callbacks.builtin import (
+    BestCheckpointTracker,
+    MetricsFileCallback,
+    ProgressBarCallback,
+    ScheduleCallback,
+)
+from trainbridge.config import CallbackSpec, TrainingArgs
+from trainbridge.hf import HuggingFaceCallbackAdapter, split_callbacks
+
+
+def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
+    """The worker's callback list, in dispatch order.
+
+    ``ScheduleCallback`` first (like transformers' DefaultFlowCallback), then the user's callbacks in
+    registration order — all Hugging Face ones driven by one adapter placed where the first of them
+    was — then event functions, then best-checkpoint tracking, the metrics file and, when no adapter
+    brings transformers' own progress callback, the native progress bar.
+    """
+    user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
+    _, hf = split_callbacks(user)
+    adapter = HuggingFaceCallbackAdapter(hf, report_to=args.report_to) if (hf or args.report_to) else None
+    ordered: list[Callback] = []
+    for item in user:
+        if any(item is h for h in hf):
+            if adapter is not None and adapter not in ordered:
+                ordered.append(adapter)
+            continue
+        if not isinstance(item, Callback):
+            raise TypeError(f"callback {item!r} is neither a trainbridge.Callback nor a transformers.TrainerCallback")
+        ordered.append(item)
+    if adapter is not None and adapter not in ordered:
+        ordered.append(adapter)
+    functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.event_functions.items() for fn in fns]
+    tail: list[Callback] = [BestCheckpointTracker(), MetricsFileCallback()]
+    if adapter is None:
+        tail.append(ProgressBarCallback())
+    return [ScheduleCallback(), *ordered, *functions, *tail]
