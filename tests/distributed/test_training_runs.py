@@ -193,3 +193,20 @@ def test_flat_event_functions_closures_and_lambdas_reach_every_worker(assets, tm
                      "saved-1-checkpoint-2", "saved-1-checkpoint-4"]
     metrics = json.loads((marker_dir / "eval-1").read_text())
     assert set(metrics) == {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_sharded_backends_train_through_run_training_and_save_loadable_checkpoints(assets, tmp_path, backend):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+
+    args = base_args(assets, tmp_path, distributed_backend=backend, deepspeed_zero_stage=3, max_steps=16,
+                     logging_steps=4, save_strategy="steps", save_steps=16, callbacks=[EventCounter()])
+    result = run_training(args, TWO, timeout_s=420)
+    losses = [r["loss"] for r in read_metrics(result.metrics_file) if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0]
+    rank0, rank1 = read_rank_files(tmp_path, "events")
+    assert rank0["counts"] == rank1["counts"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-16")
+    assert sum(p.numel() for p in model.parameters()) > 0
