@@ -35,7 +35,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from trainbridge import Callback
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 WORLD_SIZE = 2
@@ -52,6 +55,8 @@ RESULTS_END = "<!-- throughput results: end -->"
 
 Runner = Literal["bare", "trainer", "trainbridge"]
 DataKind = Literal["fixed", "variable"]
+Metric = Literal["tokens_per_s", "tokens_per_cpu_s"]
+METRIC_UNITS: dict[Metric, str] = {"tokens_per_s": "tokens/s", "tokens_per_cpu_s": "tokens/CPU-s"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class BenchConfig:
     trainer_tuned: bool = False
     trainbridge_packing: Literal["padding_free", "padded"] = "padding_free"
     trainbridge_max_batch_len: int = 4 * SEQ_LEN
+    trainbridge_fused_adamw: bool = False
+    """Experiment: switch trainbridge's AdamW to its fused kernel at train begin (``FusedAdamWSwitch``)."""
 
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -85,6 +92,17 @@ CONFIGS: tuple[BenchConfig, ...] = (
                 trainbridge_packing="padded"),
 )
 """Every configuration, in run order; fixed-length ones first."""
+
+EXPERIMENTS: tuple[BenchConfig, ...] = (
+    BenchConfig("tb_fixed_fused", "trainbridge padding-free + fused AdamW (experiment)", "trainbridge", "fixed",
+                trainbridge_fused_adamw=True),
+    BenchConfig("tb_fixed_padded_fused", "trainbridge padded + fused AdamW (experiment)", "trainbridge", "fixed",
+                trainbridge_packing="padded", trainbridge_fused_adamw=True),
+    BenchConfig("tb_var_fused", "trainbridge padding-free + fused AdamW (experiment)", "trainbridge", "variable",
+                trainbridge_fused_adamw=True),
+)
+"""Configurations that try a proposed library change from outside (``--experiments``)."""
+ALL_CONFIGS = CONFIGS + EXPERIMENTS
 
 
 @dataclass(frozen=True)
@@ -128,10 +146,10 @@ class Results:
         """Record one run."""
         self.runs.setdefault(measurement.config.key, []).append(measurement)
 
-    def best(self, key: str) -> Measurement | None:
-        """The fastest run of ``key`` (noise on a shared machine only ever slows a run down)."""
+    def best(self, key: str, metric: Metric = "tokens_per_s") -> Measurement | None:
+        """The run of ``key`` with the highest ``metric`` (noise on a shared machine only slows runs down)."""
         runs = self.runs.get(key)
-        return max(runs, key=lambda m: m.tokens_per_s) if runs else None
+        return max(runs, key=lambda m: getattr(m, metric)) if runs else None
 
 
 # ----------------------------------------------------------------------------- assets
@@ -202,6 +220,26 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
         raise RuntimeError(f"{script} failed with exit code {completed.returncode}; see {log_path}")
 
 
+def fused_adamw_switch() -> Callback:
+    """A native callback that makes the engine's ``torch.optim.AdamW`` use its fused kernel.
+
+    ``AdamW.step`` reads ``fused``/``foreach`` from each parameter group, so setting them at train begin
+    (before any optimizer state exists) has the effect of ``AdamW(..., fused=True)`` -- what
+    ``trainbridge.parallel.build_optimizer`` would do with the proposed fix.  Built here so the class
+    (defined in ``__main__``) travels to the workers by value.
+    """
+    from trainbridge import Callback
+    from trainbridge.context import TrainingContext
+
+    class FusedAdamWSwitch(Callback):
+        def on_train_begin(self, context: TrainingContext, **kwargs: object) -> None:
+            assert context.optimizer is not None
+            for group in context.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+    return FusedAdamWSwitch()
+
+
 def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
                     out: Path, log_path: Path) -> None:
     """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HF adapter)."""
@@ -224,7 +262,7 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         logging_steps=LOGGING_STEPS,
         save_strategy="no",
         save_final_checkpoint=False,
-        callbacks=[StepClock(str(out))],
+        callbacks=[StepClock(str(out)), *([fused_adamw_switch()] if config.trainbridge_fused_adamw else [])],
     )
     with output_to(log_path):
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
@@ -290,32 +328,31 @@ def machine_facts() -> list[str]:
     ]
 
 
-def _ratio(value: float, reference: Measurement | None) -> str:
-    return f"{value / reference.tokens_per_s:.2f}" if reference else "-"
+def _ratio(value: float, reference: Measurement | None, metric: Metric) -> str:
+    return f"{value / getattr(reference, metric):.2f}" if reference else "-"
 
 
-def results_table(results: Results) -> list[str]:
-    """Markdown table of the best run of each configuration, with ratios."""
-    bare = results.best("bare")
-    default, tuned = results.best("trainer_default"), results.best("trainer_tuned")
-    padded = results.best("trainer_padded_var")
+def results_table(results: Results, metric: Metric) -> list[str]:
+    """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric``."""
+    bare, default, tuned, padded = (results.best(k, metric) for k in ("bare", "trainer_default", "trainer_tuned", "trainer_padded_var"))
     lines = [
-        "| data | configuration | tokens/s | vs bare | vs Trainer default | vs Trainer tuned "
-        "| vs Trainer padded | start → step 1 (s) | tokens/CPU-s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| data | configuration | {METRIC_UNITS[metric]} | vs bare | vs Trainer default | vs Trainer tuned "
+        "| vs Trainer padded | start → step 1 (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for config in CONFIGS:
-        best = results.best(config.key)
-        if best is None:
+    for config in ALL_CONFIGS:
+        run = results.best(config.key, metric)
+        if run is None:
             continue
+        value = getattr(run, metric)
         fixed = config.data == "fixed"
         lines.append(
-            f"| {config.data} | {config.label} | {best.tokens_per_s:,.0f} "
-            f"| {_ratio(best.tokens_per_s, bare) if fixed else '-'} "
-            f"| {_ratio(best.tokens_per_s, default) if fixed else '-'} "
-            f"| {_ratio(best.tokens_per_s, tuned) if fixed else '-'} "
-            f"| {'-' if fixed else _ratio(best.tokens_per_s, padded)} "
-            f"| {best.start_to_first_step_s:.1f} | {best.tokens_per_cpu_s:,.0f} |"
+            f"| {config.data} | {config.label} | {value:,.0f} "
+            f"| {_ratio(value, bare, metric) if fixed else '-'} "
+            f"| {_ratio(value, default, metric) if fixed else '-'} "
+            f"| {_ratio(value, tuned, metric) if fixed else '-'} "
+            f"| {'-' if fixed else _ratio(value, padded, metric)} "
+            f"| {run.start_to_first_step_s:.1f} |"
         )
     return lines
 
@@ -326,7 +363,7 @@ def runs_table(results: Results) -> list[str]:
         "| configuration | tokens/s per run | median | tokens/CPU-s per run | start → step 1 per run (s) |",
         "|---|---|---:|---|---|",
     ]
-    for config in CONFIGS:
+    for config in ALL_CONFIGS:
         runs = results.runs.get(config.key)
         if not runs:
             continue
@@ -350,9 +387,15 @@ def results_section(results: Results, command: str, facts: list[str], steps: int
         "",
         *facts,
         f"- {steps} optimizer steps per run, 8 samples per step (4 per rank), tokens/s over steps 2..{steps}; "
-        f"{repeats} repetition(s) interleaved, the table shows each configuration's best run",
+        f"{repeats} repetition(s) interleaved; each table shows each configuration's best run by its metric",
         "",
-        *results_table(results),
+        "Wall clock (non-padding tokens of steps 2..N / (t_N - t_1)):",
+        "",
+        *results_table(results, "tokens_per_s"),
+        "",
+        "CPU-normalised (the same tokens / the ranks' mean CPU seconds over those steps):",
+        "",
+        *results_table(results, "tokens_per_cpu_s"),
         "",
         "Every run:",
         "",
@@ -382,7 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="repetitions of the whole list, interleaved")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", choices=[c.key for c in CONFIGS], help="run only these configurations")
+    parser.add_argument("--only", nargs="*", choices=[c.key for c in ALL_CONFIGS],
+                        help="run only these configurations")
+    parser.add_argument("--experiments", action="store_true",
+                        help="also run EXPERIMENTS (trainbridge with a proposed library change applied from outside)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report to update (e.g. docs/benchmarks.md)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep model, data and logs here")
     parser.add_argument("--profile", action="store_true",
@@ -395,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainer_run import PROFILE_ENV
 
         os.environ[PROFILE_ENV] = "1"
-    selected = [c for c in CONFIGS if not options.only or c.key in options.only]
+    candidates = ALL_CONFIGS if options.experiments or options.only else CONFIGS
+    selected = [c for c in candidates if not options.only or c.key in options.only]
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="trainbridge-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()
@@ -413,7 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python benchmarks/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     section = results_section(results, command.strip(), facts, options.steps, options.repeats)
     print()
-    print("\n".join(results_table(results)))
+    print("\n".join(results_table(results, "tokens_per_s")))
+    print()
+    print("\n".join(results_table(results, "tokens_per_cpu_s")))
     if options.out is not None:
         write_report(options.out, section)
         print(f"\nwrote {options.out}")
