@@ -11,11 +11,13 @@ bare DDP and Trainer runs under ``torchrun --nproc_per_node=2``, trainbridge run
 ``run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))`` with a Hugging Face callback attached.
 
 Every run takes ``--steps`` optimizer steps of 8 samples (4 per rank), same learning rate, same seed.
-Rank 0 records ``time.time()`` at every optimizer step end; each rank records its non-padding tokens.
-Throughput is ``non-padding tokens of steps 2..N / (t_N - t_1)`` (all ranks); start-up is launch (the
-driver starting torchrun or calling ``run_training``) to the end of step 1.  The table (best run of each
-configuration, ratios) is printed and written between the result markers of ``--out``; text outside the
-markers (the analysis) is kept.
+Every rank records ``time.time()`` and ``time.process_time()`` at every optimizer step end and its
+non-padding tokens.  Throughput is ``non-padding tokens of steps 2..N / (t_N - t_1)`` (all ranks, rank 0's
+clock); the CPU-normalised throughput divides the same tokens by the ranks' mean CPU seconds over those
+steps (steadier on a shared machine); start-up is launch (the driver starting torchrun or calling
+``run_training``) to the end of step 1.  ``--experiments`` adds ``EXPERIMENTS`` (a proposed library change
+applied from outside).  The tables (best run of each configuration, ratios) are printed and written
+between the result markers of ``--out``; text outside the markers (the analysis) is kept.
 """
 
 from __future__ import annotations
