@@ -221,3 +221,17 @@ def test_dummy_micro_batch_gives_zero_loss_and_gradients_for_every_parameter(col
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None, name
         assert torch.count_nonzero(parameter.grad) == 0, name
+
+
+def test_equal_length_samples_are_stacked_rows_with_the_same_loss() -> None:
+    same = make_samples([6, 6, 6], seed=3)
+    batch = collate_padding_free(same)
+    assert set(batch) == {"input_ids", "labels"}  # plain causal rows: no packed mask path
+    assert batch["input_ids"].shape == (3, 6)
+    assert batch["labels"][:, 0].tolist() == [-100, -100, -100]
+    model = tiny_llama().eval()
+    with torch.no_grad():
+        stacked, count = token_loss_sum(model, batch)
+        separate = separate_loss(model, same)
+    assert count == sum(s.loss_tokens for s in same)
+    torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)

@@ -38,8 +38,16 @@ _MASK_BUILDERS = frozenset(
 def collate_padding_free(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
     """Concatenate ``samples`` into one row: ``input_ids``, ``labels``, ``position_ids``, each ``[1, T]``.
 
+    When every sample has the same length, they are stacked as ``[k, L]`` rows instead (no padding
+    either way, the same loss): one row per sample keeps attention on the plain causal path, where a
+    packed row would make eager/sdpa attention build a block-diagonal mask over all ``T`` tokens.
     An empty ``samples`` (a dummy micro-batch) gives one token ``DUMMY_TOKEN_ID`` with label ``-100``.
     """
+    if len(samples) > 1 and len({s.length for s in samples}) == 1:
+        return {
+            "input_ids": torch.tensor([s.input_ids for s in samples], dtype=torch.long),
+            "labels": torch.tensor([(IGNORE_INDEX, *s.labels[1:]) for s in samples], dtype=torch.long),
+        }
     input_ids: list[int] = []
     labels: list[int] = []
     position_ids: list[int] = []
