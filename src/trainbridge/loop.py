@@ -48,8 +48,11 @@ from trainbridge.result import RunResult
 logger = logging.getLogger(__name__)
 
 
-class TrainingInterrupted(RuntimeError):
-    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it)."""
+class TrainingInterrupted(BaseException):
+    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
+    callback isolation (``except Exception``) must not swallow it."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainbridge.assembly import assemble_callbacks
 from trainbridge.distributed import DistributedEnv
-from trainbridge.loop import train
+from trainbridge.loop import TrainingInterrupted, train
 from trainbridge.transport import PAYLOAD_KEY_ENV, read_payload
 
 
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(args, env, assemble_callbacks(args))
         if env.is_world_process_zero:
             result.write(args.ckpt_output_dir / "result.json")
+    except TrainingInterrupted as exc:
+        # @record writes error files for Exceptions only; the interruption must reach the launcher too
+        raise RuntimeError(f"worker interrupted: {exc}") from exc
     finally:
         env.teardown()
     return 0

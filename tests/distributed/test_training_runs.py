@@ -210,3 +210,32 @@ def test_sharded_backends_train_through_run_training_and_save_loadable_checkpoin
     assert rank0["counts"] == rank1["counts"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-16")
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+class TerminateOnRank(Callback):
+    """Sends SIGTERM to its own worker at a step (as a scheduler pre-empting the job would) and records
+    which exit event fired."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, context, **kwargs):
+        if context.rank == self.rank and context.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self, context, **kwargs):
+        (context.args.ckpt_output_dir / f"exit-rank{context.rank}").write_text("on_train_end")
+
+    def on_exception(self, context, exception, **kwargs):
+        (context.args.ckpt_output_dir / f"exit-rank{context.rank}").write_text(f"on_exception {exception}")
+
+
+def test_sigterm_fires_on_exception_and_fails_the_run_naming_the_rank(assets, tmp_path):
+    args = base_args(assets, tmp_path, callbacks=[TerminateOnRank(1, 2)], max_steps=6)
+    with pytest.raises(WorkerFailedError) as info:
+        run_training(args, TWO, timeout_s=240)
+    assert "rank 1" in str(info.value) and "signal 15" in str(info.value)
+    assert (tmp_path / "exit-rank1").read_text() == "on_exception received signal 15"
