@@ -1,0 +1,300 @@
+"""Run a scenario with ``transformers.Trainer`` (torchrun + ``compat.trainer_worker``) or with
+trainbridge (``run_training`` with ``TrainingArgs`` ported by ``training_args_from_hf``).
+
+Layout of one run, ``{work}/{scenario}/{runner}-ws{N}/``: ``out/`` (output_dir: checkpoints, TensorBoard
+runs, observations), ``trace/`` (and ``trace-resume/`` for a resume phase), ``mlruns/``, ``wandb/``,
+``console.log``.  A run never raises for a training failure: the ``RunOutcome`` says what happened
+(a crash or a timeout of Trainer is a finding, not an error of the suite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from transformers import TrainingArguments
+
+from compat.assets import SAMPLE_TOKENS, CompatAssets
+from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessProbe, TraceRecorder
+from compat.scenarios import Scenario
+from trainbridge import TorchrunArgs, run_training
+from trainbridge.hf import HFPortingWarning, training_args_from_hf
+from trainbridge.launcher import LaunchTimeoutError, free_port
+
+Runner = Literal["trainer", "trainbridge"]
+RUNNERS: tuple[Runner, ...] = ("trainer", "trainbridge")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+PORTING_OVERRIDES: dict[str, tuple[Any, str]] = {
+    "save_final_checkpoint": (
+        False,
+        "Trainer writes no checkpoint beyond its save schedule (DefaultFlowCallback saves at max_steps only "
+        "under save_strategy='steps'); trainbridge's default save_final_checkpoint=True adds one after an "
+        "early stop or with save_strategy 'no'/'best'. training_args_from_hf does not set it.",
+    ),
+}
+"""``TrainingArgs`` fields the trainbridge runner sets on top of ``training_args_from_hf`` (value, why):
+each is something the porting aid could carry over itself (reported)."""
+
+
+@dataclass
+class RunOutcome:
+    """What one run did."""
+
+    scenario: str
+    runner: Runner
+    world_size: int
+    run_dir: Path
+    status: Literal["completed", "failed", "timeout"] = "completed"
+    error: str | None = None
+    seconds: float = 0.0
+    porting_warnings: list[str] = field(default_factory=list)
+    console: Path | None = None
+    """The console log of the launch (Trainer scenarios sharing a launch share one)."""
+    shared_launch: bool = False
+    """Trainer only: the launch ran other scenarios too (``seconds`` is then the launch's average)."""
+
+    @property
+    def output_dir(self) -> Path:
+        """The run's ``output_dir`` / ``ckpt_output_dir``."""
+        return self.run_dir / "out"
+
+    def trace_dir(self, phase: str = "") -> Path:
+        """The trace directory of a phase (``""`` or ``"resume"``)."""
+        return self.run_dir / ("trace" if not phase else f"trace-{phase}")
+
+
+def run_dir_for(work: Path, spec: Scenario, runner: Runner, world_size: int) -> Path:
+    """Where a run of ``spec`` keeps everything."""
+    return work / spec.name / f"{runner}-ws{world_size}"
+
+
+def integration_environment(run_dir: Path) -> dict[str, str]:
+    """Environment for the reporting integrations: MLflow file store, W&B offline, all under ``run_dir``."""
+    return {
+        "MLFLOW_TRACKING_URI": (run_dir / "mlruns").resolve().as_uri(),
+        "MLFLOW_EXPERIMENT_NAME": "compat",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(run_dir / "wandb"),
+        "WANDB_PROJECT": "compat",
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def run_scenarios(specs: Sequence[Scenario], runner: Runner, world_size: int, assets: CompatAssets,
+                  work: Path) -> list[RunOutcome]:
+    """Run each of ``specs`` with ``runner`` on ``world_size`` ranks (both phases of a resume scenario).
+
+    trainbridge: one ``run_training`` per phase.  Trainer: scenarios that do not ``runs_alone`` share one
+    torchrun launch (phases run one after another in the same worker processes)."""
+    outcomes = [_fresh_outcome(spec, runner, world_size, work) for spec in specs]
+    if runner == "trainbridge":
+        for spec, outcome in zip(specs, outcomes):
+            start = time.monotonic()
+            outcome.console = outcome.run_dir / "console.log"
+            for phase, resume_from in _phases(spec):
+                _launch_trainbridge(spec, world_size, assets, outcome, phase, resume_from)
+                if outcome.status != "completed":
+                    break
+            outcome.seconds = time.monotonic() - start
+        return outcomes
+    shared = [(s, o) for s, o in zip(specs, outcomes) if not s.runs_alone]
+    groups = [shared] if shared else []
+    groups += [[(s, o)] for s, o in zip(specs, outcomes) if s.runs_alone]
+    for group in groups:
+        _launch_trainer(group, world_size, assets)
+    return outcomes
+
+
+def _phases(spec: Scenario) -> list[tuple[str, int | None]]:
+    """``(phase name, resume step)`` of each launch of ``spec``."""
+    return [("", None)] + ([("resume", spec.resume_from)] if spec.resume_from is not None else [])
+
+
+def _fresh_outcome(spec: Scenario, runner: Runner, world_size: int, work: Path) -> RunOutcome:
+    run_dir = run_dir_for(work, spec, runner, world_size)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    (run_dir / "wandb").mkdir(parents=True)
+    return RunOutcome(spec.name, runner, world_size, run_dir)
+
+
+# ============================================================================ transformers.Trainer
+def _launch_trainer(group: Sequence[tuple[Scenario, RunOutcome]], world_size: int, assets: CompatAssets) -> None:
+    """One torchrun launch of ``compat.trainer_worker`` running every phase of every scenario of ``group``."""
+    jobs = [
+        {"scenario": spec.name, "world_size": world_size, "out": str(outcome.output_dir),
+         "trace": str(outcome.trace_dir(phase)), "resume_from": resume_from,
+         "env": integration_environment(outcome.run_dir),
+         "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json")}
+        for spec, outcome in group for phase, resume_from in _phases(spec)
+    ]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "compat.trainer_worker", "--assets", json.dumps(assets.as_json()), "--jobs", json.dumps(jobs),
+    ]
+    env = {**os.environ, **integration_environment(group[0][1].run_dir)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    console_path = group[0][1].run_dir / "console.log"
+    timeout = sum(spec.timeout_s for spec, _ in group)
+    start = time.monotonic()
+    error: tuple[Literal["failed", "timeout"], str] | None = None
+    with console_path.open("ab") as console:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+            if returncode != 0:
+                error = ("failed", f"torchrun exited with {returncode}: {_first_error_line(console_path)}")
+        except subprocess.TimeoutExpired:
+            _kill_session(process)
+            error = ("timeout", f"no exit within {timeout:.0f} s (a hang); the process tree was killed")
+    seconds = (time.monotonic() - start) / len(group)
+    for _, outcome in group:
+        outcome.seconds = seconds
+        outcome.console = console_path
+        outcome.shared_launch = len(group) > 1
+        done = all(Path(job["status"]).is_file() for job in jobs if job["out"] == str(outcome.output_dir))
+        if not done:
+            outcome.status, outcome.error = error or ("failed", "the worker wrote no status")
+            error = ("failed", "not run: an earlier scenario of the same Trainer launch failed")
+
+
+def _kill_session(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the torchrun session started for this run (its workers included)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _first_error_line(log: Path) -> str:
+    """The most telling error of a torchrun console log: the C++ ``what():`` of an aborting worker, else
+    the exception line ending a worker's traceback, else the last line; plus torchrun's root-cause rank."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    message = next((line.split("what():", 1)[1].strip() for line in lines if "what():" in line), None)
+    if message is None:
+        for line in reversed(lines):
+            prefix, _, text = line.partition("]:")
+            text = text.strip()
+            if prefix.startswith("[rank") and ("Error" in text or "Exception" in text) \
+                    and not text.startswith(("File ", "raise ", "^")):
+                message = f"{prefix}] {text}"
+                break
+    message = (message or (lines[-1] if lines else "no output"))[:400]
+    root = _root_cause(lines)
+    return f"{message} (root cause: {root})" if root else message
+
+
+def _root_cause(lines: list[str]) -> str | None:
+    """``rank R, exitcode C (SIGNAL)`` from torchrun's "Root Cause" block, if present."""
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("Root Cause"))
+    except StopIteration:
+        return None
+    fields = {}
+    for line in lines[start:start + 10]:
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    if "rank" not in fields:
+        return None
+    exitcode = re.sub(r"\s*\(pid: \d+\)", "", fields.get("exitcode", "?"))  # pids change run to run
+    return f"rank {fields['rank'].split()[0]}, exitcode {exitcode}"
+
+
+# ============================================================================ trainbridge
+def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome,
+                          phase: str, resume_from: int | None) -> Any:
+    """The ``TrainingArgs`` of a trainbridge run: ``training_args_from_hf`` of the scenario's
+    ``TrainingArguments`` plus the paths, batch shape, callbacks and ``PORTING_OVERRIDES``."""
+    hf_values = spec.training_arguments(outcome.output_dir, world_size)
+    if resume_from is not None:
+        hf_values["resume_from_checkpoint"] = str(outcome.output_dir / f"checkpoint-{resume_from}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_args = TrainingArguments(**hf_values)
+        trace_dir = outcome.trace_dir(phase)
+        probe = AttributeAccessProbe(OBSERVED_CALLBACK_CLASSES, str(trace_dir))
+        args = training_args_from_hf(
+            hf_args,
+            model_path=assets.model,
+            data_path=assets.train,
+            val_data_path=assets.val,
+            effective_batch_size=spec.samples_per_step,
+            max_seq_len=SAMPLE_TOKENS,
+            max_batch_len=spec.max_batch_len(world_size),
+            callbacks=[probe, *spec.callbacks(), TraceRecorder(str(trace_dir)), probe.closer()],
+            **{name: value for name, (value, _) in PORTING_OVERRIDES.items()},
+        )
+    if not phase:
+        outcome.porting_warnings = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})
+    return args
+
+
+def _launch_trainbridge(spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str,
+                        resume_from: int | None) -> None:
+    try:
+        args = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
+        with scoped_environment(integration_environment(outcome.run_dir)), \
+                _console_to(outcome.run_dir / "console.log"):
+            run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
+    except LaunchTimeoutError as exc:
+        outcome.status, outcome.error = "timeout", str(exc)
+    except Exception as exc:
+        outcome.status = "failed"
+        outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        with (outcome.run_dir / "console.log").open("a") as console:
+            console.write(traceback.format_exc())
+
+
+@contextlib.contextmanager
+def scoped_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (torchrun and its workers inherit them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _console_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout/stderr file descriptors (inherited by torchrun) to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])

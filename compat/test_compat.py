@@ -1,0 +1,126 @@
+"""The conformance suite under pytest.
+
+- Unit part (no processes): trace alignment, explanations, the attribute-access patch.
+- CI part (``distributed``): the ``fast`` selection of ``compat.scenarios`` (every scenario's one-rank
+  runs but the long ones, ``step_schedules`` and ``one_rank_stop`` on two ranks), run once for the
+  module with Trainer batched into one launch per world size; each (scenario, ranks) is a test that
+  fails on an unexplained difference.
+- Full part (``compat_full``): every other pair, as ``python -m compat`` runs them.  CI deselects it:
+  ``python -m pytest -m "not compat_full"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import DefaultFlowCallback, TrainerControl, TrainerState, TrainingArguments
+
+from compat.diff import Difference, compare_traces, explain
+from compat.recorder import AttributeAccessLog
+from compat.suite import all_pairs, fast_pairs, run_suite
+
+
+def _hook(event: str, step: int, **fields) -> dict:
+    flags = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+    snapshot = {"event": event, "global_step": step, "epoch": 0.0, "max_steps": 4, "num_train_epochs": 1,
+                "logs": None, "metrics": None, "best_metric": None, "best_global_step": None,
+                "best_model_checkpoint": None, "control": dict.fromkeys(flags, False), "kwargs": ["model"]}
+    snapshot.update(fields)
+    return snapshot
+
+
+# ============================================================================ unit part
+def test_a_missing_hook_is_one_difference_and_later_hooks_still_align():
+    trainer = [_hook("on_step_end", 1), _hook("on_save", 1), _hook("on_step_end", 2)]
+    ours = [_hook("on_step_end", 1), _hook("on_step_end", 2, max_steps=5)]
+    differences = compare_traces("s", 1, 0, "rank 0 trace", trainer, ours)
+    assert [(d.event, d.step, d.field) for d in differences] == [
+        ("on_save", 1, "hook"), ("on_step_end", 2, "max_steps")]
+    assert differences[0].trainer == "called" and differences[0].trainbridge == "not called"
+
+
+def test_control_flags_are_compared_one_by_one():
+    stop = dict.fromkeys(("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate",
+                          "should_log"), False) | {"should_training_stop": True}
+    (difference,) = compare_traces("s", 1, 0, "t", [_hook("on_step_end", 3, control=stop)], [_hook("on_step_end", 3)])
+    assert difference.field == "control.should_training_stop"
+    assert (difference.trainer, difference.trainbridge) == (True, False)
+
+
+def test_explanations_match_only_their_difference():
+    init_end = Difference("x", 1, "rank 0 trace", "max_steps", 0, 12, event="on_init_end", step=0)
+    later = Difference("x", 1, "rank 0 trace", "max_steps", 12, 13, event="on_step_end", step=3)
+    assert explain(init_end).key == "init-end-state"
+    assert explain(later) is None
+
+
+def test_attribute_access_log_attributes_reads_to_the_callback_class_and_restores_the_classes():
+    log = AttributeAccessLog([DefaultFlowCallback])
+    args = TrainingArguments(output_dir="unused", use_cpu=True, logging_steps=2, report_to="none")
+    state = TrainerState(global_step=2, max_steps=4, logging_steps=2, eval_steps=2, save_steps=2)
+    log.install()
+    try:
+        control = DefaultFlowCallback().on_step_end(args, state, TrainerControl())
+        _ = args.learning_rate  # read by this test, not by the callback: not attributed
+    finally:
+        log.restore()
+    assert control.should_log
+    reads = log.as_json()["DefaultFlowCallback"]
+    # logging_first_step is not read at step 2: `global_step == 1 and args.logging_first_step` short-circuits
+    assert {"logging_strategy", "eval_strategy", "save_strategy"} <= set(reads["args"])
+    assert "logging_first_step" not in reads["args"]
+    assert "learning_rate" not in reads["args"]
+    assert {"global_step", "logging_steps", "max_steps"} <= set(reads["state"])
+    assert "__getattribute__" not in vars(TrainingArguments) and "__getattribute__" not in vars(TrainerState)
+
+
+# ============================================================================ CI part
+FAST = fast_pairs()
+
+
+@pytest.fixture(scope="module")
+def fast_suite(tmp_path_factory):
+    result = run_suite(FAST, tmp_path_factory.mktemp("compat"), skip_expected_trainer_failures=True)
+    return {(c.scenario.name, c.world_size): c for c in result.comparisons}
+
+
+def _failure_message(comparison) -> str:
+    lines = [f"{comparison.scenario.name} on {comparison.world_size} rank(s): "
+             f"{len(comparison.unexplained)} unexplained difference(s)"]
+    lines += [f"  {d.describe()}" for d in comparison.unexplained[:30]]
+    lines += [f"  finding: {f}" for f in comparison.findings]
+    return "\n".join(lines)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "world_size"), [(s.name, ws) for s, ws in FAST],
+                         ids=[f"{s.name}-x{ws}" for s, ws in FAST])
+def test_trainbridge_matches_trainer(fast_suite, name, world_size):
+    comparison = fast_suite[(name, world_size)]
+    assert comparison.passed, _failure_message(comparison)
+
+
+@pytest.mark.distributed
+def test_one_rank_stop_stops_every_trainbridge_rank_at_the_same_step(fast_suite):
+    comparison = fast_suite[("one_rank_stop", 2)]
+    assert comparison.trainbridge.status == "completed"
+    from compat.recorder import read_trace
+
+    for rank in (0, 1):
+        steps = [s["global_step"] for s in read_trace(comparison.trainbridge.trace_dir(), rank)
+                 if s["event"] == "on_step_end"]
+        assert steps == [1, 2, 3], f"rank {rank} ran steps {steps}"
+
+
+# ============================================================================ full part
+SLOW = [(s, ws) for s, ws in all_pairs() if (s, ws) not in FAST]
+
+
+@pytest.mark.distributed
+@pytest.mark.compat_full
+@pytest.mark.parametrize(("name", "world_size"), [(s.name, ws) for s, ws in SLOW],
+                         ids=[f"{s.name}-x{ws}" for s, ws in SLOW])
+def test_trainbridge_matches_trainer_full(tmp_path: Path, name, world_size):
+    (comparison,) = run_suite([(s, ws) for s, ws in SLOW if (s.name, ws) == (name, world_size)], tmp_path).comparisons
+    assert comparison.passed, _failure_message(comparison)
