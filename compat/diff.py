@@ -107,27 +107,7 @@ def _is(scenario: str | None = None, *, event: str | None = None, fields: Sequen
     return applies
 
 
-def _only_epoch_type_differs(d: Difference) -> bool:
-    """``logs``/``metrics`` type maps equal but for ``epoch`` being ``int`` in Trainer, ``float`` here."""
-    if d.field not in ("logs", "metrics") or not isinstance(d.trainer, dict) or not isinstance(d.trainbridge, dict):
-        return False
-    return (d.step == 0 and d.trainer.get("epoch") == "int" and d.trainbridge.get("epoch") == "float"
-            and {**d.trainer, "epoch": "float"} == d.trainbridge)
-
-
 KNOWN_DIFFERENCES: tuple[KnownDifference, ...] = (
-    KnownDifference(
-        "init-end-state",
-        "divergence",
-        "at on_init_end, TrainerState already holds max_steps and num_train_epochs (Trainer: 0 and 0)",
-        "Trainer calls on_init_end from Trainer.__init__ with a fresh TrainerState; training values are set "
-        "later by _init_training_state. HuggingFaceCallbackAdapter.on_init_end goes through _call(), whose "
-        "_sync_state() copies context.max_steps / context.num_epochs into the fresh state first.",
-        _is(event="on_init_end", fields=("max_steps", "num_train_epochs")),
-        fix="in HuggingFaceCallbackAdapter.on_init_end, call the handler without _sync_state (refresh only the "
-            "handler's model/optimizer/dataloader references), e.g. a `sync_state: bool = True` parameter of "
-            "_call passed False there; on_train_begin already computes the state as Trainer does.",
-    ),
     KnownDifference(
         "one-rank-stop-agreed",
         "deliberate",
@@ -147,46 +127,6 @@ KNOWN_DIFFERENCES: tuple[KnownDifference, ...] = (
         "TrainingArguments with per_device_train_batch_size = effective_batch_size // world_size and "
         "gradient_accumulation_steps = 1 (documented there). Equal whenever no gradient accumulation is used.",
         _is(where_prefix="artifact checkpoint-", fields=("train_batch_size",)),
-    ),
-    KnownDifference(
-        "save-steps-without-step-saving",
-        "divergence",
-        "TrainerState.save_steps is 0 when save_strategy is not 'steps' (Trainer: the TrainingArguments "
-        "default, 500)",
-        "training_args_from_hf carries save_steps only under save_strategy='steps', and "
-        "trainbridge.hf.arguments.training_argument_fields sets save_steps=0 when neither save_steps nor "
-        "save_samples is given; TrainerState.compute_steps copies it into state.save_steps.",
-        _is(where_prefix="artifact checkpoint-", fields=("save_steps",)),
-        fix="cosmetic (DefaultFlowCallback reads state.save_steps only under save_strategy='steps'): in "
-            "training_argument_fields fall back to TrainingArguments' own default (500) instead of 0 when "
-            "neither save_steps nor save_samples is set.",
-    ),
-    KnownDifference(
-        "control-state-in-checkpoint",
-        "divergence",
-        "the TrainerControl state saved in trainer_state.json lacks should_save=True for a save requested by "
-        "trainbridge itself (save_strategy='best'); Trainer saves its control while should_save is True",
-        "HuggingFaceCallbackAdapter.checkpoint_files() serialises self.control as the HF callbacks last left "
-        "it; the agreed SAVE decision (requested by the native BestCheckpointTracker, not by an HF callback) "
-        "is only OR-ed into control by _fold_agreed() at the next hook. Under save_strategy='steps' the "
-        "adapter's own DefaultFlowCallback had already set should_save, so only 'best' shows it. On resume "
-        "the restored control then differs from Trainer's (should_save False instead of True until the next "
-        "on_step_begin).",
-        _is(where_prefix="artifact checkpoint-", fields=("stateful_callbacks",)),
-        fix="call self._fold_agreed(context) at the start of HuggingFaceCallbackAdapter.checkpoint_files() "
-            "(the agreed decision that triggered the save is already in context.agreed).",
-    ),
-    KnownDifference(
-        "epoch-type-before-first-step",
-        "divergence",
-        "before the first optimizer step (eval_on_start), logs/metrics carry epoch 0.0 (float); Trainer: 0 (int)",
-        "TrainerState.epoch defaults to int 0 and Trainer.log() always writes logs['epoch'] = state.epoch; "
-        "trainbridge's loop puts context.epoch (0.0) into the eval metrics and the adapter's on_log only "
-        "setdefault()s epoch, while _sync_state copies the float into state.epoch.",
-        _only_epoch_type_differs,
-        fix="cosmetic: in the adapter's _sync_state, assign state.epoch = context.epoch only once "
-            "context.global_step > 0 (or the run resumed), and in on_log set logs['epoch'] = state.epoch "
-            "(overwrite, as Trainer.log does) instead of setdefault.",
     ),
 )
 """Every explained difference; ``report.py`` lists them with the scenarios where they showed."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from compat.diff import KNOWN_DIFFERENCES, Comparison, KnownDifference
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, access_path, overridden_hooks
-from compat.runners import PORTING_OVERRIDES, RUNNERS, RunOutcome
+from compat.runners import RUNNERS, RunOutcome
 from compat.scenarios import SCENARIOS
 from compat.suite import SuiteResult
 
@@ -164,16 +164,8 @@ def _findings_section(comparisons: list[Comparison]) -> list[str]:
 
 def _porting_section(outcomes: Iterable[RunOutcome]) -> list[str]:
     lines = ["", "## 5. Porting notes (`training_args_from_hf`)", "",
-             "Settings the trainbridge runner adds on top of `training_args_from_hf` to match Trainer:", ""]
-    for name, (value, why) in PORTING_OVERRIDES.items():
-        lines.append(f"- `{name}={value!r}`: {why}")
-    lines += [
-        "",
-        "Not carried over and not exercised with its Trainer default: `restore_callback_states_from_checkpoint` "
-        "(Trainer's default is False: a resumed Trainer does *not* restore `ExportableState` callbacks; "
-        "`training_args_from_hf` leaves `TrainingArgs.restore_callback_states` at its default True, so a ported "
-        "run restores them). The `stateful_resume` scenario sets it to True explicitly.",
-    ]
+             "The trainbridge runner builds its `TrainingArgs` with `training_args_from_hf` alone (plus paths, "
+             "batch shape and callbacks): nothing is set on top of the port to match Trainer."]
     warnings = sorted({w for o in outcomes if o.runner == "trainbridge" for w in o.porting_warnings})
     lines += ["", "`HFPortingWarning`s raised while porting the scenarios (all expected: the batch shape is "
               "given to trainbridge as `effective_batch_size` / `max_batch_len` instead):", ""]

@@ -38,16 +38,6 @@ Runner = Literal["trainer", "trainbridge"]
 RUNNERS: tuple[Runner, ...] = ("trainer", "trainbridge")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-PORTING_OVERRIDES: dict[str, tuple[Any, str]] = {
-    "save_final_checkpoint": (
-        False,
-        "Trainer writes no checkpoint beyond its save schedule (DefaultFlowCallback saves at max_steps only "
-        "under save_strategy='steps'); trainbridge's default save_final_checkpoint=True adds one after an "
-        "early stop or with save_strategy 'no'/'best'. training_args_from_hf does not set it.",
-    ),
-}
-"""``TrainingArgs`` fields the trainbridge runner sets on top of ``training_args_from_hf`` (value, why):
-each is something the porting aid could carry over itself (reported)."""
 
 
 @dataclass
@@ -224,7 +214,7 @@ def _root_cause(lines: list[str]) -> str | None:
 def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome,
                           phase: str, resume_from: int | None) -> Any:
     """The ``TrainingArgs`` of a trainbridge run: ``training_args_from_hf`` of the scenario's
-    ``TrainingArguments`` plus the paths, batch shape, callbacks and ``PORTING_OVERRIDES``."""
+    ``TrainingArguments`` plus the paths, batch shape and callbacks."""
     hf_values = spec.training_arguments(outcome.output_dir, world_size)
     if resume_from is not None:
         hf_values["resume_from_checkpoint"] = str(outcome.output_dir / f"checkpoint-{resume_from}")
@@ -242,7 +232,6 @@ def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets,
             max_seq_len=SAMPLE_TOKENS,
             max_batch_len=spec.max_batch_len(world_size),
             callbacks=[probe, *spec.callbacks(), TraceRecorder(str(trace_dir)), probe.closer()],
-            **{name: value for name, (value, _) in PORTING_OVERRIDES.items()},
         )
     if not phase:
         outcome.porting_warnings = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})

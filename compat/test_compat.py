@@ -49,9 +49,9 @@ def test_control_flags_are_compared_one_by_one():
 
 
 def test_explanations_match_only_their_difference():
-    init_end = Difference("x", 1, "rank 0 trace", "max_steps", 0, 12, event="on_init_end", step=0)
+    batch = Difference("x", 1, "artifact checkpoint-4/trainer_state.json", "train_batch_size", 2, 4)
     later = Difference("x", 1, "rank 0 trace", "max_steps", 12, 13, event="on_step_end", step=3)
-    assert explain(init_end).key == "init-end-state"
+    assert explain(batch).key == "train-batch-size"
     assert explain(later) is None
 
 

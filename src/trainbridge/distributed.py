@@ -79,9 +79,16 @@ class DistributedEnv:
             env.backend = dist.get_backend()
         return env
 
-    def teardown(self) -> None:
-        """Destroy the process group if this env started it."""
+    def teardown(self, clean: bool = True) -> None:
+        """Destroy the process group if this env started it.
+
+        On a clean exit every rank first meets at a barrier (collective), so no rank tears its gloo/NCCL
+        connections down while a peer is still using them (an early-exiting peer can make the other's
+        communication threads abort the process).  After a failure there is no barrier: a peer may be gone.
+        """
         if self.started_group and dist.is_initialized():
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
         self.started_group = False
 

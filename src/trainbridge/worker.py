@@ -36,15 +36,17 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if env.is_world_process_zero else logging.WARNING,
         format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
     )
+    clean = False
     try:
         result = train(args, env, assemble_callbacks(args))
         if env.is_world_process_zero:
             result.write(args.ckpt_output_dir / "result.json")
+        clean = True
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too
         raise RuntimeError(f"worker interrupted: {exc}") from exc
     finally:
-        env.teardown()
+        env.teardown(clean)
     return 0
 
 

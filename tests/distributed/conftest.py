@@ -22,8 +22,10 @@ def _entry(rank, world_size, port, fn, args, queue):
     env = DistributedEnv.initialize("cpu", timeout_s=60)
     try:
         queue.put((rank, fn(env, *args)))
-    finally:
-        env.teardown()
+    except BaseException:
+        env.teardown(clean=False)
+        raise
+    env.teardown()
 
 
 def run_on_ranks(fn, *args, world_size=2, timeout=120):

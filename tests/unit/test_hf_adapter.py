@@ -362,6 +362,9 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
         assert common <= set(kwargs), hook
         assert kwargs["model"] is ctx.unwrapped_model and kwargs["optimizer"] is ctx.optimizer
         assert kwargs["processing_class"] is ctx.tokenizer and kwargs["lr_scheduler"] is ctx.lr_scheduler
+        if hook == "on_init_end":  # Trainer.__init__: the dataloaders do not exist yet
+            assert kwargs["train_dataloader"] is None and kwargs["eval_dataloader"] is None
+            continue
         assert kwargs["train_dataloader"] is ctx.train_dataloader
         assert kwargs["eval_dataloader"] is ctx.eval_dataloader
     logs = [kw["logs"] for hook, *_, kw in recorder.seen if hook == "on_log"]
@@ -544,7 +547,7 @@ def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(file
     run = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
     stopper.early_stopping_patience_counter = 2
     adapter.control.should_save = True
-    run.context.global_step = 3
+    run.context.global_step, run.context.epoch = 3, 0.75
     run.fire(Event.LOG, logs={"loss": 0.25, "epoch": 0.75})
     saved = json.loads(json.dumps(adapter.state_dict()))
 

@@ -222,7 +222,8 @@ class HuggingFaceCallbackAdapter(Callback):
             stateful_callbacks=self._exportable_callbacks(),
         )
         self._num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        self._call(context, "on_init_end")
+        # Trainer calls on_init_end with a fresh TrainerState (max_steps etc. still 0): no sync here.
+        self._call(context, "on_init_end", sync_state=False)
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         """Start the TrainerState as ``Trainer._init_training_state`` does (restored on resume)."""
@@ -264,7 +265,7 @@ class HuggingFaceCallbackAdapter(Callback):
         logs = dict(kwargs["logs"])
         self._sync_state(context)
         state = self._state()
-        logs.setdefault("epoch", state.epoch)
+        logs["epoch"] = state.epoch  # as Trainer.log does
         state.log_history.append({**logs, "step": state.global_step})
         self._call(context, "on_log", logs=logs)
 
@@ -272,7 +273,10 @@ class HuggingFaceCallbackAdapter(Callback):
         self._call(context, "on_prediction_step")
 
     def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_evaluate", metrics=kwargs["metrics"])
+        metrics = kwargs["metrics"]
+        # Trainer.log(metrics) sets metrics["epoch"] = state.epoch on the very dict on_evaluate receives
+        metrics["epoch"] = self._state().epoch
+        self._call(context, "on_evaluate", metrics=metrics)
 
     def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
         self._sync_state(context)
@@ -292,6 +296,7 @@ class HuggingFaceCallbackAdapter(Callback):
         if self.state is None:
             return {}
         self._sync_state(context)
+        self._fold_agreed(context)  # the agreed SAVE is part of the control state Trainer saves
         self._update_best_model_checkpoint(context)
         self._update_stateful_callbacks()
         return {TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
@@ -325,11 +330,12 @@ class HuggingFaceCallbackAdapter(Callback):
             raise RuntimeError("HuggingFaceCallbackAdapter: on_init_end has not run on this rank")
         return self.state
 
-    def _call(self, context: TrainingContext, hook: str, **kwargs: Any) -> None:
+    def _call(self, context: TrainingContext, hook: str, sync_state: bool = True, **kwargs: Any) -> None:
         """Refresh state, fold the agreed decision into control, call ``hook`` on the handler, and turn
         flags the callbacks switched on into native requests."""
         args, handler = self._require()
-        self._sync_state(context)
+        if sync_state:
+            self._sync_state(context)
         self._fold_agreed(context)
         self.control = getattr(handler, hook)(args, self._state(), self.control, **kwargs)
         self._forward_requests(context, hook)
@@ -338,7 +344,8 @@ class HuggingFaceCallbackAdapter(Callback):
         """Mirror the context into TrainerState and the handler's live references."""
         state, handler = self._state(), self._require()[1]
         state.global_step = context.global_step
-        state.epoch = context.epoch
+        if context.global_step > 0 or context.resumed_from is not None:
+            state.epoch = context.epoch  # Trainer's state.epoch stays the int 0 until the first step
         state.max_steps = context.max_steps
         state.num_train_epochs = context.num_epochs
         state.num_input_tokens_seen = context.tokens_seen

@@ -80,8 +80,13 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
     """The ``TrainingArguments`` keyword arguments that describe ``args`` run on ``env``."""
     save_strategy: str = args.save_strategy
     save_steps = args.save_steps
-    if save_steps is None:
-        save_steps = math.ceil(args.save_samples / args.effective_batch_size) if args.save_samples else 0
+    if save_steps is None and args.save_samples:
+        save_steps = math.ceil(args.save_samples / args.effective_batch_size)
+    elif save_steps is None:
+        # Under save_strategy='steps' without steps nothing is saved on a step schedule: 0 keeps
+        # DefaultFlowCallback from asking.  Otherwise the value is unused and shows as TrainingArguments'
+        # own default, as state.save_steps does under Trainer.
+        save_steps = 0 if args.save_strategy == "steps" else 500
     fields: dict[str, Any] = {
         "output_dir": str(args.ckpt_output_dir),
         "do_train": True,

@@ -34,16 +34,15 @@ CARRIED_OVER = frozenset({
     "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
     "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
-    "resume_from_checkpoint", "ddp_timeout",
+    "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
 })
 
-# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, fields whose
-# meaning is covered by another warning, and restore_callback_states_from_checkpoint (trainbridge restores
-# callback states by default: ``TrainingArgs.restore_callback_states``).
+# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
+# meaning is covered by another warning.
 NOT_WARNED = frozenset({
     "do_train", "do_eval", "do_predict", "local_rank", "accelerator_config", "dataloader_pin_memory",
     "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
-    "restore_callback_states_from_checkpoint", "skip_memory_metrics", "gradient_checkpointing",
+    "skip_memory_metrics", "gradient_checkpointing",
     "gradient_checkpointing_kwargs", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
     "hub_always_push", "hub_revision", "project", "trackio_space_id", "trackio_bucket_id",
     "trackio_static_space_id", "fsdp_config", "lr_scheduler_kwargs", "optim_args",
@@ -135,6 +134,9 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "report_to": [name for name in _as_list(hf.report_to) if name != "none"],
         "run_name": hf.run_name,
         "disable_tqdm": bool(hf.disable_tqdm),
+        # Trainer writes no checkpoint of its own at the end, and restores callback states only on request
+        "save_final_checkpoint": False,
+        "restore_callback_states": hf.restore_callback_states_from_checkpoint,
     }
     if hf.use_cpu:
         data["device"] = "cpu"
