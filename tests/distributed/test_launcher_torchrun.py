@@ -83,7 +83,9 @@ def make_args(tmp_path, monkeypatch):
     module = types.ModuleType("tb_launcher_notebook")
     exec(textwrap.dedent(
         """
-        class Scaled:
+        from trainbridge import Callback
+
+        class Scaled(Callback):
             def __init__(self, scale):
                 self.scale = scale
             def describe(self, value):
