@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/bare_ddp.py --model DIR --data FILE.jsonl --out DIR --steps 40
 
 Plain ``torch.nn.parallel.DistributedDataParallel`` (gloo on CPU, defaults: no unused-parameter
-search, buffers broadcast), ``torch.optim.AdamW``, gradient clipping to 1.0 (the same arithmetic as
+search, buffers broadcast), ``torch.optim.AdamW(fused=True)`` (the kernel Trainer's default
+``adamw_torch_fused`` and trainbridge's DDP engine use), gradient clipping to 1.0 (the same arithmetic as
 the Trainer and trainbridge runs), no scheduler, no logging, no callbacks.  The batches are built
 before the loop: rank ``r`` takes samples ``r, r + 2, ...`` four at a time, so every step is 4 x
 ``len`` tokens per rank (the data must be fixed-length).  Rank ``r`` writes ``clock-rank{r}.json``
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(options.seed)
     batches = rank_batches(options.data, rank, world_size, options.steps)
     model = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate, fused=True)
     step_end_times: list[float] = []
     step_end_cpu_times: list[float] = []
     for input_ids in batches:

@@ -15,8 +15,7 @@ Every rank records ``time.time()`` and ``time.process_time()`` at every optimize
 non-padding tokens.  Throughput is ``non-padding tokens of steps 2..N / (t_N - t_1)`` (all ranks, rank 0's
 clock); the CPU-normalised throughput divides the same tokens by the ranks' mean CPU seconds over those
 steps (steadier on a shared machine); start-up is launch (the driver starting torchrun or calling
-``run_training``) to the end of step 1.  ``--experiments`` adds ``EXPERIMENTS`` (a proposed library change
-applied from outside).  The tables (best run of each configuration, ratios) are printed and written
+``run_training``) to the end of step 1.  The tables (best run of each configuration, ratios) are printed and written
 between the result markers of ``--out``; text outside the markers (the analysis) is kept.
 """
 
@@ -75,8 +74,10 @@ class BenchConfig:
     trainer_tuned: bool = False
     trainbridge_packing: Literal["padding_free", "padded"] = "padding_free"
     trainbridge_max_batch_len: int = 4 * SEQ_LEN
-    trainbridge_fused_adamw: bool = False
-    """Experiment: switch trainbridge's AdamW to its fused kernel at train begin (``FusedAdamWSwitch``)."""
+    """Token budget of one micro-batch on one rank; the default holds a rank's 4 samples in one micro-batch."""
+    trainbridge_row_tokens: int | None = None
+    """Experiment: collate with the prototype ``packed_rows.collate_balanced_rows`` (packed rows of at most
+    about this many tokens), installed at train begin by ``balanced_rows_switch``."""
 
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -90,21 +91,22 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("trainer_flat_var", "Trainer DataCollatorWithFlattening (tuned)", "trainer", "variable",
                 trainer_collator="flattening", trainer_tuned=True),
     BenchConfig("tb_var", "trainbridge padding-free + HF callback", "trainbridge", "variable"),
+    BenchConfig("tb_var_256", "trainbridge padding-free, max_batch_len=256", "trainbridge", "variable",
+                trainbridge_max_batch_len=256),
+    BenchConfig("tb_var_192", "trainbridge padding-free, max_batch_len=192", "trainbridge", "variable",
+                trainbridge_max_batch_len=192),
     BenchConfig("tb_var_padded", "trainbridge padded + HF callback", "trainbridge", "variable",
                 trainbridge_packing="padded"),
 )
 """Every configuration, in run order; fixed-length ones first."""
 
 EXPERIMENTS: tuple[BenchConfig, ...] = (
-    BenchConfig("tb_fixed_fused", "trainbridge padding-free + fused AdamW (experiment)", "trainbridge", "fixed",
-                trainbridge_fused_adamw=True),
-    BenchConfig("tb_fixed_padded_fused", "trainbridge padded + fused AdamW (experiment)", "trainbridge", "fixed",
-                trainbridge_packing="padded", trainbridge_fused_adamw=True),
-    BenchConfig("tb_var_fused", "trainbridge padding-free + fused AdamW (experiment)", "trainbridge", "variable",
-                trainbridge_fused_adamw=True),
+    BenchConfig("tb_var_rows256", "trainbridge padding-free, rows <= 256 tokens (experiment)", "trainbridge",
+                "variable", trainbridge_row_tokens=256),
 )
 """Configurations that try a proposed library change from outside (``--experiments``)."""
 ALL_CONFIGS = CONFIGS + EXPERIMENTS
+
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class Measurement:
     """One run of one configuration."""
 
     config: BenchConfig
+    repeat: int
+    """Repetition of the whole list this run belongs to (0-based)."""
     tokens_per_s: float
     """Non-padding tokens of steps 2..N (all ranks) / (t_N - t_1)."""
     tokens_per_cpu_s: float
@@ -143,6 +147,8 @@ class Results:
     """Every measurement, grouped by configuration key, in run order."""
 
     runs: dict[str, list[Measurement]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    """One line per run that failed (configuration, repetition, error, log): reported, not measured."""
 
     def add(self, measurement: Measurement) -> None:
         """Record one run."""
@@ -152,6 +158,13 @@ class Results:
         """The run of ``key`` with the highest ``metric`` (noise on a shared machine only slows runs down)."""
         runs = self.runs.get(key)
         return max(runs, key=lambda m: getattr(m, metric)) if runs else None
+
+    def paired_ratios(self, key: str, reference: str, metric: Metric) -> list[float]:
+        """``metric`` of ``key`` / that of ``reference`` in the same repetition, for every repetition
+        where both ran: configurations of one repetition run minutes apart, so these ratios see less of
+        a shared machine's slow phases than a ratio of two best runs does."""
+        references = {m.repeat: getattr(m, metric) for m in self.runs.get(reference, [])}
+        return [getattr(m, metric) / references[m.repeat] for m in self.runs.get(key, []) if m.repeat in references]
 
 
 # ----------------------------------------------------------------------------- assets
@@ -222,24 +235,24 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
         raise RuntimeError(f"{script} failed with exit code {completed.returncode}; see {log_path}")
 
 
-def fused_adamw_switch() -> Callback:
-    """A native callback that makes the engine's ``torch.optim.AdamW`` use its fused kernel.
+def balanced_rows_switch(row_tokens: int) -> Callback:
+    """A native callback that makes the run collate padding-free micro-batches with the prototype
+    ``packed_rows.collate_balanced_rows(samples, row_tokens)`` -- what the proposed library change does.
 
-    ``AdamW.step`` reads ``fused``/``foreach`` from each parameter group, so setting them at train begin
-    (before any optimizer state exists) has the effect of ``AdamW(..., fused=True)`` -- what
-    ``trainbridge.parallel.build_optimizer`` would do with the proposed fix.  Built here so the class
-    (defined in ``__main__``) travels to the workers by value.
+    It replaces the ``collate`` of the ``TrainBatches`` the loop exposes as ``train_dataloader`` at train
+    begin, before the first step is collated.  Built here so the class (defined in ``__main__``) travels
+    to the workers by value; ``packed_rows`` is importable there (the launcher passes ``sys.path`` on).
     """
+    from packed_rows import collate_balanced_rows
     from trainbridge import Callback
     from trainbridge.context import TrainingContext
 
-    class FusedAdamWSwitch(Callback):
+    class BalancedRowsSwitch(Callback):
         def on_train_begin(self, context: TrainingContext, **kwargs: object) -> None:
-            assert context.optimizer is not None
-            for group in context.optimizer.param_groups:
-                group["fused"], group["foreach"] = True, False
+            batches = context.train_dataloader
+            batches.collate = lambda samples: collate_balanced_rows(samples, row_tokens)  # type: ignore[union-attr]
 
-    return FusedAdamWSwitch()
+    return BalancedRowsSwitch()
 
 
 def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
@@ -264,15 +277,16 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         logging_steps=LOGGING_STEPS,
         save_strategy="no",
         save_final_checkpoint=False,
-        callbacks=[StepClock(str(out)), *([fused_adamw_switch()] if config.trainbridge_fused_adamw else [])],
+        callbacks=[StepClock(str(out)),
+                   *([balanced_rows_switch(config.trainbridge_row_tokens)] if config.trainbridge_row_tokens else [])],
     )
     with output_to(log_path):
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
 
 
 def run_config(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
-               out: Path) -> Measurement:
-    """Run ``config`` once into the fresh folder ``out`` and measure it."""
+               out: Path, repeat: int) -> Measurement:
+    """Run ``config`` once (repetition ``repeat``) into the fresh folder ``out`` and measure it."""
     out.mkdir(parents=True)
     log_path = out / "run.log"
     common = ["--model", str(assets.model), "--data", str(assets.data(config.data)), "--out", str(out),
@@ -285,10 +299,10 @@ def run_config(config: BenchConfig, assets: Assets, steps: int, learning_rate: f
         run_torchrun_script("trainer_run.py", common + extra, log_path)
     else:
         run_trainbridge(config, assets, steps, learning_rate, seed, out, log_path)
-    return measure(config, out, steps, launch, time.time() - launch)
+    return measure(config, repeat, out, steps, launch, time.time() - launch)
 
 
-def measure(config: BenchConfig, out: Path, steps: int, launch: float, wall_s: float) -> Measurement:
+def measure(config: BenchConfig, repeat: int, out: Path, steps: int, launch: float, wall_s: float) -> Measurement:
     """Throughput and start-up of a finished run from its ``clock-rank*.json`` files."""
     clocks = [json.loads((out / f"clock-rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     times = clocks[0]["step_end_times"]
@@ -302,6 +316,7 @@ def measure(config: BenchConfig, out: Path, steps: int, launch: float, wall_s: f
     cpu_seconds = statistics.mean(c["step_end_cpu_times"][-1] - c["step_end_cpu_times"][0] for c in clocks)
     return Measurement(
         config=config,
+        repeat=repeat,
         tokens_per_s=tokens / (times[-1] - times[0]),
         tokens_per_cpu_s=tokens / cpu_seconds,
         start_to_first_step_s=times[0] - launch,
@@ -359,6 +374,37 @@ def results_table(results: Results, metric: Metric) -> list[str]:
     return lines
 
 
+PAIRED_REFERENCES: dict[DataKind, tuple[tuple[str, str], ...]] = {
+    "fixed": (("bare", "vs bare"), ("trainer_default", "vs Trainer default"), ("trainer_tuned", "vs Trainer tuned")),
+    "variable": (("trainer_padded_var", "vs Trainer padded"), ("trainer_flat_var", "vs Trainer flattening")),
+}
+"""The references each configuration of a data kind is compared with in ``paired_table``."""
+
+
+def _ratio_summary(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
+def paired_table(results: Results, metric: Metric) -> list[str]:
+    """Markdown table: each trainbridge configuration's same-repetition ratios (median, range) to the
+    references of its data kind (``PAIRED_REFERENCES``)."""
+    lines = [
+        "| data | configuration | reference | ratio, median (min–max) over repetitions |",
+        "|---|---|---|---:|",
+    ]
+    for config in ALL_CONFIGS:
+        if config.runner != "trainbridge" or config.key not in results.runs:
+            continue
+        for reference, label in PAIRED_REFERENCES[config.data]:
+            ratios = results.paired_ratios(config.key, reference, metric)
+            lines.append(f"| {config.data} | {config.label} | {label} | {_ratio_summary(ratios)} |")
+    return lines
+
+
 def runs_table(results: Results) -> list[str]:
     """Markdown table of every run (tokens/s and start-up per repetition)."""
     lines = [
@@ -399,10 +445,21 @@ def results_section(results: Results, command: str, facts: list[str], steps: int
         "",
         *results_table(results, "tokens_per_cpu_s"),
         "",
+        "Same-repetition ratios of trainbridge (each run / the reference's run of the same repetition), "
+        "wall clock:",
+        "",
+        *paired_table(results, "tokens_per_s"),
+        "",
+        "Same-repetition ratios, CPU-normalised:",
+        "",
+        *paired_table(results, "tokens_per_cpu_s"),
+        "",
         "Every run:",
         "",
         *runs_table(results),
         "",
+        *(["Failed runs (not measured):", "", *(f"- {line}" for line in results.failures), ""]
+          if results.failures else []),
         RESULTS_END,
     ])
 
@@ -454,7 +511,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(options.repeats):
         for config in selected:
             out = workdir / f"run{repeat}-{config.key}"
-            measurement = run_config(config, assets, options.steps, options.learning_rate, options.seed, out)
+            try:
+                measurement = run_config(config, assets, options.steps, options.learning_rate, options.seed, out,
+                                         repeat)
+            except Exception as error:  # a failed run is reported, the others still run
+                reason = str(error).splitlines()[0]
+                results.failures.append(f"{config.data}: {config.label}, repetition {repeat + 1}: {reason} "
+                                        f"(log: {out / 'run.log'})")
+                print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} FAILED: {reason}",
+                      flush=True)
+                continue
             results.add(measurement)
             print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} "
                   f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  start->step1 {measurement.start_to_first_step_s:5.1f} s  "
@@ -465,6 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(results_table(results, "tokens_per_s")))
     print()
     print("\n".join(results_table(results, "tokens_per_cpu_s")))
+    print()
+    print("\n".join(paired_table(results, "tokens_per_s")))
+    print()
+    print("\n".join(paired_table(results, "tokens_per_cpu_s")))
     if options.out is not None:
         write_report(options.out, section)
         print(f"\nwrote {options.out}")
