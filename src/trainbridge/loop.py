@@ -10,6 +10,7 @@ them out.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -37,6 +38,7 @@ from trainbridge.data import (
     collate_padding_free,
     load_jsonl,
     model_supports_padding_free,
+    packed_row_tokens,
     split_validation,
     token_loss_sum,
 )
@@ -259,7 +261,10 @@ class TrainingLoop:
         if args.packing == "padding_free" and not model_supports_padding_free(model):
             raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        collate: Any = (lambda s: collate_padded(s, pad_id)) if padded else collate_padding_free
+        collate: Any = (
+            (lambda s: collate_padded(s, pad_id)) if padded
+            else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model))
+        )
         self.train_batches = TrainBatches(
             train_samples, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
             rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,

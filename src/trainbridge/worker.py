@@ -9,6 +9,7 @@ message, traceback) to an error file the launcher reads.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
@@ -50,5 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_after_success(code: int) -> None:
+    """Leave a worker whose run finished and whose result is written, skipping C++ static teardown.
+
+    torch's gloo communication threads can abort a process while the interpreter finalises
+    ("terminate called without an active exception"; seen here under transformers.Trainer too), which
+    would turn a finished run into a failed one.  Python's exit handlers still run (reporting
+    integrations flush and close there), the streams are flushed, then the process exits at once.
+    """
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_success(main())

@@ -21,6 +21,7 @@ from trainbridge.data import (
     collate_padded,
     collate_padding_free,
     model_supports_padding_free,
+    packed_row_tokens,
     plan_epoch,
     token_loss_sum,
 )
@@ -235,3 +236,28 @@ def test_equal_length_samples_are_stacked_rows_with_the_same_loss() -> None:
         separate = separate_loss(model, same)
     assert count == sum(s.loss_tokens for s in same)
     torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_capped_rows_give_the_loss_and_gradients_of_one_packed_row(attn_implementation: str) -> None:
+    total = sum(s.length for s in SAMPLES)  # 56 tokens, 8 samples
+    batch = collate_padding_free(SAMPLES, row_tokens=20)
+    rows, width = batch["input_ids"].shape
+    assert rows == 3 and width < total
+    assert (batch["labels"] != -100).sum() == sum(s.loss_tokens for s in SAMPLES)
+    model = tiny_llama(attn_implementation)
+    gradients = []
+    for layout in (collate_padding_free(SAMPLES), batch):
+        loss_sum, count = token_loss_sum(model, layout)
+        loss_sum.backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+        assert count == sum(s.loss_tokens for s in SAMPLES)
+    torch.testing.assert_close(gradients[1], gradients[0], rtol=1e-4, atol=1e-5)
+
+
+def test_row_cap_makes_at_most_one_row_per_sample_and_only_when_exceeded() -> None:
+    assert collate_padding_free(SAMPLES, row_tokens=1)["input_ids"].shape[0] == len(SAMPLES)
+    assert collate_padding_free(SAMPLES, row_tokens=56)["input_ids"].shape == (1, 56)
+    assert packed_row_tokens(tiny_llama("sdpa")) == packed_row_tokens(tiny_llama("eager")) == 512
+    assert packed_row_tokens(torch.nn.Linear(1, 1)) is None

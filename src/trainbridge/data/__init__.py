@@ -3,9 +3,11 @@
 from trainbridge.data.batching import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
 from trainbridge.data.collate import (
     DUMMY_TOKEN_ID,
+    PACKED_ROW_TOKENS,
     collate_padded,
     collate_padding_free,
     model_supports_padding_free,
+    packed_row_tokens,
 )
 from trainbridge.data.dataset import (
     IGNORE_INDEX,
@@ -21,6 +23,7 @@ from trainbridge.data.loss import token_loss_sum
 __all__ = [
     "DUMMY_TOKEN_ID",
     "IGNORE_INDEX",
+    "PACKED_ROW_TOKENS",
     "DataFormatError",
     "EpochPlan",
     "LoadStats",
@@ -32,6 +35,7 @@ __all__ = [
     "collate_padding_free",
     "load_jsonl",
     "model_supports_padding_free",
+    "packed_row_tokens",
     "plan_epoch",
     "split_validation",
     "steps_per_epoch",

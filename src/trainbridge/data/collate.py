@@ -1,4 +1,4 @@
-"""Micro-batch tensors: padding-free (one packed row) or padded (right padding).
+"""Micro-batch tensors: padding-free (packed rows) or padded (right padding).
 
 Both collators return CPU ``int64`` tensors; the loop moves them to the device.  The padding-free
 layout follows ``transformers.DataCollatorWithFlattening``: samples are concatenated into one row,
@@ -7,13 +7,20 @@ token learns to predict across a sample boundary.  Transformers detects the pack
 restarting ``position_ids`` (``masking_utils.find_packed_sequence_indices`` for eager / sdpa / flex
 attention, the varlen path for flash attention), provided no ``attention_mask`` and no KV cache are
 passed -- ``data.loss.token_loss_sum`` calls the model that way.
+
+Eager and sdpa attention have no varlen kernel: they mask the packed samples apart with a
+block-diagonal mask over the whole row, so a row of ``T`` tokens costs ``T^2`` in attention.  For them
+the loop passes ``row_tokens=PACKED_ROW_TOKENS`` (``packed_row_tokens``) and a larger micro-batch is
+spread over several balanced packed rows (``benchmarks/packed_rows.py`` measures the difference).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import heapq
 import inspect
+import math
 import sys
 from collections.abc import Sequence
 
@@ -30,17 +37,29 @@ PACKING_ATTENTION_IMPLEMENTATIONS = frozenset(
 )
 """Attention implementations for which transformers honours packed ``position_ids``."""
 
+QUADRATIC_PACKING_ATTENTION_IMPLEMENTATIONS = frozenset({"eager", "sdpa"})
+"""Attention implementations that attend over a whole packed row (block-diagonal mask): cost ``T^2``."""
+
+PACKED_ROW_TOKENS = 512
+"""Row-length cap for ``QUADRATIC_PACKING_ATTENTION_IMPLEMENTATIONS``: above it, a padding-free
+micro-batch is split into balanced packed rows (on CPU, 8 x 491 tokens cost a third of one 3,900-token
+row and 4 samples (~320 tokens) stay one row; ``benchmarks/packed_rows.py``)."""
+
 _MASK_BUILDERS = frozenset(
     {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
 )
 
 
-def collate_padding_free(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+def collate_padding_free(samples: Sequence[Sample], row_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """Concatenate ``samples`` into one row: ``input_ids``, ``labels``, ``position_ids``, each ``[1, T]``.
 
     When every sample has the same length, they are stacked as ``[k, L]`` rows instead (no padding
     either way, the same loss): one row per sample keeps attention on the plain causal path, where a
     packed row would make eager/sdpa attention build a block-diagonal mask over all ``T`` tokens.
+    With ``row_tokens`` and ``T > row_tokens``, the samples go, longest first, to the lightest of
+    ``ceil(T / row_tokens)`` packed rows (at most one per sample), each right-padded to the longest:
+    a row's padding is one more packed sequence (``DUMMY_TOKEN_ID``, ``position_ids`` restarting at 0,
+    labels ``-100``), so no sample attends to it and the loss is the same as in one row.
     An empty ``samples`` (a dummy micro-batch) gives one token ``DUMMY_TOKEN_ID`` with label ``-100``.
     """
     if len(samples) > 1 and len({s.length for s in samples}) == 1:
@@ -48,6 +67,53 @@ def collate_padding_free(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
             "input_ids": torch.tensor([s.input_ids for s in samples], dtype=torch.long),
             "labels": torch.tensor([(IGNORE_INDEX, *s.labels[1:]) for s in samples], dtype=torch.long),
         }
+    if not samples:
+        return {
+            "input_ids": torch.tensor([[DUMMY_TOKEN_ID]], dtype=torch.long),
+            "labels": torch.tensor([[IGNORE_INDEX]], dtype=torch.long),
+            "position_ids": torch.tensor([[0]], dtype=torch.long),
+        }
+    total = sum(sample.length for sample in samples)
+    num_rows = 1 if row_tokens is None else min(len(samples), math.ceil(total / row_tokens))
+    rows = [_packed_row(row) for row in _balanced_rows(samples, num_rows)]
+    width = max(len(input_ids) for input_ids, _, _ in rows)
+    for input_ids, labels, position_ids in rows:
+        padding = width - len(input_ids)
+        input_ids.extend([DUMMY_TOKEN_ID] * padding)
+        labels.extend([IGNORE_INDEX] * padding)
+        position_ids.extend(range(padding))
+    return {
+        "input_ids": torch.tensor([input_ids for input_ids, _, _ in rows], dtype=torch.long),
+        "labels": torch.tensor([labels for _, labels, _ in rows], dtype=torch.long),
+        "position_ids": torch.tensor([position_ids for _, _, position_ids in rows], dtype=torch.long),
+    }
+
+
+def packed_row_tokens(model: torch.nn.Module) -> int | None:
+    """The ``row_tokens`` cap ``collate_padding_free`` should use for ``model``: ``PACKED_ROW_TOKENS``
+    when its attention implementation attends over whole packed rows (eager, sdpa), else ``None``
+    (varlen flash attention and flex attention's block mask cost nothing extra for a long row)."""
+    config = model.config if isinstance(model, PreTrainedModel) else None
+    if config is not None and config._attn_implementation in QUADRATIC_PACKING_ATTENTION_IMPLEMENTATIONS:
+        return PACKED_ROW_TOKENS
+    return None
+
+
+def _balanced_rows(samples: Sequence[Sample], num_rows: int) -> list[list[Sample]]:
+    """Longest first, each sample to the row with the fewest tokens so far (ties: the lower row)."""
+    if num_rows == 1:
+        return [list(samples)]
+    rows: list[list[Sample]] = [[] for _ in range(num_rows)]
+    heap = [(0, row) for row in range(num_rows)]
+    for sample in sorted(samples, key=lambda s: -s.length):
+        load, row = heapq.heappop(heap)
+        rows[row].append(sample)
+        heapq.heappush(heap, (load + sample.length, row))
+    return rows
+
+
+def _packed_row(samples: Sequence[Sample]) -> tuple[list[int], list[int], list[int]]:
+    """``input_ids``, ``labels`` (``-100`` on each sample's first token) and restarting ``position_ids``."""
     input_ids: list[int] = []
     labels: list[int] = []
     position_ids: list[int] = []
@@ -56,13 +122,7 @@ def collate_padding_free(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         labels.append(IGNORE_INDEX)
         labels.extend(sample.labels[1:])
         position_ids.extend(range(sample.length))
-    if not samples:
-        input_ids, labels, position_ids = [DUMMY_TOKEN_ID], [IGNORE_INDEX], [0]
-    return {
-        "input_ids": torch.tensor([input_ids], dtype=torch.long),
-        "labels": torch.tensor([labels], dtype=torch.long),
-        "position_ids": torch.tensor([position_ids], dtype=torch.long),
-    }
+    return input_ids, labels, position_ids
 
 
 def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
