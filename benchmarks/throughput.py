@@ -36,10 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from trainbridge import Callback
+from typing import Literal
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 WORLD_SIZE = 2
@@ -75,9 +72,8 @@ class BenchConfig:
     trainbridge_packing: Literal["padding_free", "padded"] = "padding_free"
     trainbridge_max_batch_len: int = 4 * SEQ_LEN
     """Token budget of one micro-batch on one rank; the default holds a rank's 4 samples in one micro-batch."""
-    trainbridge_row_tokens: int | None = None
-    """Experiment: collate with the prototype ``packed_rows.collate_balanced_rows`` (packed rows of at most
-    about this many tokens), installed at train begin by ``balanced_rows_switch``."""
+    trainbridge_varlen_sdpa: bool = True
+    """``TrainingArgs.varlen_sdpa``: padding-free rows attend per sample (``False``: transformers' masked sdpa)."""
 
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -91,20 +87,20 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("trainer_flat_var", "Trainer DataCollatorWithFlattening (tuned)", "trainer", "variable",
                 trainer_collator="flattening", trainer_tuned=True),
     BenchConfig("tb_var", "trainbridge padding-free + HF callback", "trainbridge", "variable"),
-    BenchConfig("tb_var_256", "trainbridge padding-free, max_batch_len=256", "trainbridge", "variable",
-                trainbridge_max_batch_len=256),
-    BenchConfig("tb_var_192", "trainbridge padding-free, max_batch_len=192", "trainbridge", "variable",
-                trainbridge_max_batch_len=192),
+    BenchConfig("tb_var_masked", "trainbridge padding-free, masked sdpa (varlen_sdpa=False)", "trainbridge",
+                "variable", trainbridge_varlen_sdpa=False),
     BenchConfig("tb_var_padded", "trainbridge padded + HF callback", "trainbridge", "variable",
                 trainbridge_packing="padded"),
 )
 """Every configuration, in run order; fixed-length ones first."""
 
 EXPERIMENTS: tuple[BenchConfig, ...] = (
-    BenchConfig("tb_var_rows256", "trainbridge padding-free, rows <= 256 tokens (experiment)", "trainbridge",
-                "variable", trainbridge_row_tokens=256),
+    BenchConfig("tb_var_256", "trainbridge padding-free, max_batch_len=256", "trainbridge", "variable",
+                trainbridge_max_batch_len=256),
+    BenchConfig("tb_var_192", "trainbridge padding-free, max_batch_len=192", "trainbridge", "variable",
+                trainbridge_max_batch_len=192),
 )
-"""Configurations that try a proposed library change from outside (``--experiments``)."""
+"""Further settings, run with ``--experiments`` (smaller token budgets: gradient accumulation)."""
 ALL_CONFIGS = CONFIGS + EXPERIMENTS
 
 
@@ -235,26 +231,6 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
         raise RuntimeError(f"{script} failed with exit code {completed.returncode}; see {log_path}")
 
 
-def balanced_rows_switch(row_tokens: int) -> Callback:
-    """A native callback that makes the run collate padding-free micro-batches with the prototype
-    ``packed_rows.collate_balanced_rows(samples, row_tokens)`` -- what the proposed library change does.
-
-    It replaces the ``collate`` of the ``TrainBatches`` the loop exposes as ``train_dataloader`` at train
-    begin, before the first step is collated.  Built here so the class (defined in ``__main__``) travels
-    to the workers by value; ``packed_rows`` is importable there (the launcher passes ``sys.path`` on).
-    """
-    from packed_rows import collate_balanced_rows
-    from trainbridge import Callback
-    from trainbridge.context import TrainingContext
-
-    class BalancedRowsSwitch(Callback):
-        def on_train_begin(self, context: TrainingContext, **kwargs: object) -> None:
-            batches = context.train_dataloader
-            batches.collate = lambda samples: collate_balanced_rows(samples, row_tokens)  # type: ignore[union-attr]
-
-    return BalancedRowsSwitch()
-
-
 def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
                     out: Path, log_path: Path) -> None:
     """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HF adapter)."""
@@ -269,6 +245,7 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         max_batch_len=config.trainbridge_max_batch_len,
         effective_batch_size=SAMPLES_PER_STEP,
         packing=config.trainbridge_packing,
+        varlen_sdpa=config.trainbridge_varlen_sdpa,
         max_steps=steps,
         learning_rate=learning_rate,
         lr_scheduler="constant",
@@ -277,8 +254,7 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         logging_steps=LOGGING_STEPS,
         save_strategy="no",
         save_final_checkpoint=False,
-        callbacks=[StepClock(str(out)),
-                   *([balanced_rows_switch(config.trainbridge_row_tokens)] if config.trainbridge_row_tokens else [])],
+        callbacks=[StepClock(str(out))],
     )
     with output_to(log_path):
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
@@ -487,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=[c.key for c in ALL_CONFIGS],
                         help="run only these configurations")
     parser.add_argument("--experiments", action="store_true",
-                        help="also run EXPERIMENTS (trainbridge with a proposed library change applied from outside)")
+                        help="also run EXPERIMENTS (trainbridge with smaller token budgets)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report to update (e.g. docs/benchmarks.md)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep model, data and logs here")
     parser.add_argument("--profile", action="store_true",

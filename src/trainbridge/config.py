@@ -102,6 +102,11 @@ class TrainingArgs(BaseModel):
     """Micro-batch layout: ``padding_free`` concatenates samples with ``position_ids`` (models that
     support it, e.g. Llama with flash/sdpa-compatible packing); ``padded`` pads to the longest row;
     ``auto`` picks padding-free when the model supports it."""
+    varlen_sdpa: bool = True
+    """Padding-free batches of an ``sdpa`` model run one causal sdpa per sample
+    (``data.varlen_attention``) instead of masking the whole packed row: the same results, attention
+    cost of the samples' squared lengths instead of the row's.  Applied only where it is exact (checked
+    at start-up by a probe); ``False`` keeps transformers' sdpa."""
 
     # ----------------------------------------------------------------- schedule
     num_epochs: int = Field(default=1, gt=0)

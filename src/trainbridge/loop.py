@@ -32,10 +32,12 @@ from trainbridge.config import TrainingArgs
 from trainbridge.context import TrainingContext
 from trainbridge.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.data import (
+    VARLEN_SDPA,
     Sample,
     StepPlan,
     collate_padded,
     collate_padding_free,
+    enable_varlen_sdpa,
     load_jsonl,
     model_supports_padding_free,
     packed_row_tokens,
@@ -260,6 +262,8 @@ class TrainingLoop:
         padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
         if args.packing == "padding_free" and not model_supports_padding_free(model):
             raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
+        if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
+            logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         collate: Any = (
             (lambda s: collate_padded(s, pad_id)) if padded

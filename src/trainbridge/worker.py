@@ -67,4 +67,4 @@ def exit_after_success(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_after_success(main())
+    exit_after_success(main() or 0)  # @record types main() as returning int | None

@@ -4,6 +4,7 @@ from trainbridge.data.batching import EpochPlan, MicroBatch, StepPlan, plan_epoc
 from trainbridge.data.collate import (
     DUMMY_TOKEN_ID,
     PACKED_ROW_TOKENS,
+    VARLEN_SDPA,
     collate_padded,
     collate_padding_free,
     model_supports_padding_free,
@@ -19,11 +20,13 @@ from trainbridge.data.dataset import (
     split_validation,
 )
 from trainbridge.data.loss import token_loss_sum
+from trainbridge.data.varlen_attention import enable_varlen_sdpa
 
 __all__ = [
     "DUMMY_TOKEN_ID",
     "IGNORE_INDEX",
     "PACKED_ROW_TOKENS",
+    "VARLEN_SDPA",
     "DataFormatError",
     "EpochPlan",
     "LoadStats",
@@ -33,6 +36,7 @@ __all__ = [
     "StepPlan",
     "collate_padded",
     "collate_padding_free",
+    "enable_varlen_sdpa",
     "load_jsonl",
     "model_supports_padding_free",
     "packed_row_tokens",

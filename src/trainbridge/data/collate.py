@@ -9,8 +9,9 @@ attention, the varlen path for flash attention), provided no ``attention_mask`` 
 passed -- ``data.loss.token_loss_sum`` calls the model that way.
 
 Eager and sdpa attention have no varlen kernel: they mask the packed samples apart with a
-block-diagonal mask over the whole row, so a row of ``T`` tokens costs ``T^2`` in attention.  For them
-the loop passes ``row_tokens=PACKED_ROW_TOKENS`` (``packed_row_tokens``) and a larger micro-batch is
+block-diagonal mask over the whole row, so a row of ``T`` tokens costs ``T^2`` in attention.  The loop
+switches sdpa models to ``VARLEN_SDPA`` (``data.varlen_attention``: one causal sdpa per sample) where
+that is exact; for the rest (eager, and sdpa models it does not apply to) it passes ``row_tokens=PACKED_ROW_TOKENS`` (``packed_row_tokens``) and a larger micro-batch is
 spread over several balanced packed rows (``benchmarks/packed_rows.py`` measures the difference).
 """
 
@@ -32,8 +33,11 @@ from trainbridge.data.dataset import IGNORE_INDEX, Sample
 DUMMY_TOKEN_ID = 0
 """Token id of the single token of a dummy (empty) padding-free micro-batch."""
 
+VARLEN_SDPA = "trainbridge_varlen_sdpa"
+"""trainbridge's per-sample sdpa attention for packed rows (registered by ``data.varlen_attention``)."""
+
 PACKING_ATTENTION_IMPLEMENTATIONS = frozenset(
-    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4", VARLEN_SDPA}
 )
 """Attention implementations for which transformers honours packed ``position_ids``."""
 

@@ -1,0 +1,179 @@
+"""Per-sample causal attention for padding-free rows: sdpa without a block-diagonal mask.
+
+A padding-free row concatenates samples with ``position_ids`` restarting at 0 for each (``collate``).
+Under transformers' ``sdpa`` attention such a row is masked apart with a block-diagonal ``[T, T]``
+mask, so attention costs ``T^2`` for the row and sdpa runs its masked kernel.  Flash attention's varlen
+kernel avoids that on CUDA; nothing does on CPU.  ``VARLEN_SDPA`` is an attention implementation,
+registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``, that runs one
+causal ``scaled_dot_product_attention`` per sample of the row instead: attention costs the sum of the
+samples' squared lengths, no mask is built, and the result is the same as the masked row's.
+
+``enable_varlen_sdpa`` switches a model from ``sdpa`` to it only when that is exact: the model keeps
+packed samples apart (``collate.model_supports_padding_free``), has no sliding-window or chunked
+attention that could act within ``max_seq_len``, and a start-up probe gives the same logits for a
+packed row under both implementations.  Padded batches (an ``attention_mask``) and decoding with a KV
+cache still go through transformers' own sdpa path, so a callback that calls ``generate`` is
+unaffected.  The implementation name is not written to checkpoints (``config.json`` does not keep the
+attention implementation), so saved models load anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from trainbridge.data.collate import VARLEN_SDPA, model_supports_padding_free
+
+logger = logging.getLogger(__name__)
+
+_PROBE_SEGMENTS = (7, 5, 9)
+"""Sample lengths of the packed row ``enable_varlen_sdpa`` checks the model with."""
+
+
+class _SegmentCache:
+    """Sample boundaries of the last ``position_ids`` seen: every layer of one forward gets the same
+    tensor, so the boundaries (one host sync on CUDA) are computed once per forward."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+        self._bounds: list[list[int]] = []
+
+    def bounds(self, position_ids: torch.Tensor) -> list[list[int]]:
+        """Per row of ``position_ids``, the start of every sample and the row's end."""
+        if self._ref is not None and self._ref() is position_ids and self._version == position_ids._version:
+            return self._bounds
+        starts = (position_ids == 0).nonzero().tolist()
+        bounds: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
+        for row, column in starts:
+            bounds[row].append(column)
+        for row in bounds:
+            if not row or row[0] != 0:
+                row.insert(0, 0)  # a row that does not start a sample still starts a segment
+            row.append(position_ids.shape[1])
+        self._ref, self._version, self._bounds = weakref.ref(position_ids), position_ids._version, bounds
+        return bounds
+
+
+_segments = _SegmentCache()
+
+
+def varlen_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers attention function: ``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``.
+
+    With no mask, equal query and key lengths and ``position_ids`` in ``kwargs`` (a training forward),
+    each sample of each row (a run of ``position_ids`` starting at 0) attends causally to itself only;
+    otherwise (an attention mask, a KV cache) this is transformers' ``sdpa_attention_forward``.
+    Returns ``([B, T, H, D], None)`` as every transformers attention function does.
+    """
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if position_ids.shape[0] != query.shape[0]:
+        position_ids = position_ids.expand(query.shape[0], -1)
+    bounds = _segments.bounds(position_ids)
+    dropout_p = dropout if module.training else 0.0
+    gqa = key.shape[1] != query.shape[1]
+    if all(len(row) == 2 for row in bounds):  # one sample per row: plain causal attention, one call
+        output = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        return output.transpose(1, 2).contiguous(), None
+    rows = []
+    for row, row_bounds in enumerate(bounds):
+        pieces = [
+            F.scaled_dot_product_attention(
+                query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                value[row : row + 1, :, start:end],
+                dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa,
+            )
+            for start, end in itertools.pairwise(row_bounds)
+        ]
+        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    output = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+    return output.transpose(1, 2).contiguous(), None
+
+
+def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
+    """Transformers mask function (called with keywords only): no mask for unpadded input (the
+    attention function separates the samples itself), transformers' sdpa mask when there is padding."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(**kwargs)
+
+
+AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention_forward)
+AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+
+
+def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
+    """Switch ``model`` from ``sdpa`` to ``VARLEN_SDPA`` when that gives the same results; say whether.
+
+    Left as it is (``False``): any attention implementation other than sdpa, a model that does not
+    keep packed samples apart, sliding-window or chunked attention that could act within
+    ``max_seq_len``, or a probe (one packed row of three samples, evaluation mode, no gradient) whose
+    logits differ between the two implementations.
+    """
+    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
+        return False
+    if not model_supports_padding_free(model) or _has_local_attention(model.config, max_seq_len):
+        return False
+    if not _probe_matches(model):
+        logger.warning("varlen sdpa: %s gives different logits than sdpa; keeping sdpa", type(model).__name__)
+        return False
+    model.set_attn_implementation(VARLEN_SDPA)
+    return True
+
+
+def _has_local_attention(config: Any, max_seq_len: int) -> bool:
+    """Whether some layer attends within a window or chunk shorter than ``max_seq_len``."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return True
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and chunk < max_seq_len:
+        return True
+    window = getattr(config, "sliding_window", None)
+    return bool(window is not None and window < max_seq_len and getattr(config, "use_sliding_window", True))
+
+
+def _probe_matches(model: PreTrainedModel) -> bool:
+    """Logits of one packed row under sdpa and under ``VARLEN_SDPA`` agree (float32 tolerance)."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (1, sum(_PROBE_SEGMENTS)), generator=generator)
+    position_ids = torch.cat([torch.arange(length) for length in _PROBE_SEGMENTS]).unsqueeze(0)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            reference = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
+            model.set_attn_implementation(VARLEN_SDPA)
+            candidate = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
+        return bool(torch.allclose(reference.logits.float(), candidate.logits.float(), rtol=1e-4, atol=1e-4))
+    except Exception:
+        logger.warning("varlen sdpa probe failed for %s; keeping sdpa", type(model).__name__, exc_info=True)
+        return False
+    finally:
+        model.set_attn_implementation("sdpa")
+        model.train(was_training)
