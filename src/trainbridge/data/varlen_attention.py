@@ -98,15 +98,18 @@ def varlen_sdpa_attention_forward(
             query, key, value, dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa
         )
         return output.transpose(1, 2).contiguous(), None
+    # torch.split, not slicing: the backward of a split is one concatenation, while every slice's
+    # backward writes a zero tensor of the whole row (quadratic in the number of samples).
     rows = []
-    for row, row_bounds in enumerate(bounds):
+    for row_q, row_k, row_v, row_bounds in zip(
+        query.split(1), key.split(1), value.split(1), bounds, strict=True
+    ):
+        lengths = [end - start for start, end in itertools.pairwise(row_bounds)]
         pieces = [
-            F.scaled_dot_product_attention(
-                query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
-                value[row : row + 1, :, start:end],
-                dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa,
+            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa)
+            for q, k, v in zip(
+                row_q.split(lengths, dim=2), row_k.split(lengths, dim=2), row_v.split(lengths, dim=2), strict=True
             )
-            for start, end in itertools.pairwise(row_bounds)
         ]
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     output = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
