@@ -125,3 +125,30 @@ def test_checkpoint_config_does_not_name_it(tmp_path: Path) -> None:
     assert VARLEN_SDPA not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
     assert reloaded.config._attn_implementation == "sdpa"
+
+
+def test_sample_boundaries_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer shares the boundaries of one forward (on CUDA each computation is a host sync),
+    also for stacked equal-length rows, where the model's own position_ids are one shared row."""
+    from trainbridge.data import varlen_attention
+
+    computed: list[tuple[int, ...]] = []
+    original = varlen_attention._SegmentCache.bounds
+
+    class CountingCache(varlen_attention._SegmentCache):
+        def bounds(self, position_ids: torch.Tensor) -> list[list[int]]:
+            if not (self._ref is not None and self._ref() is position_ids):
+                computed.append(tuple(position_ids.shape))
+            return original(self, position_ids)
+
+    monkeypatch.setattr(varlen_attention, "_segments", CountingCache())
+    model = tiny_llama("sdpa")
+    assert model.config.num_hidden_layers > 1
+    stacked = collate_padding_free(make_samples([7, 7, 7]))
+    packed = collate_padding_free(make_samples(LENGTHS))
+    references = [loss_and_grads(model, batch) for batch in (stacked, packed)]
+    assert enable_varlen_sdpa(model, max_seq_len=64)
+    computed.clear()
+    for batch, reference in zip((stacked, packed), references, strict=True):
+        assert_same(loss_and_grads(model, batch), reference)
+    assert computed == [(1, 7), (1, sum(LENGTHS))]

@@ -88,9 +88,15 @@ def varlen_sdpa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if position_ids.shape[0] != query.shape[0]:
-        position_ids = position_ids.expand(query.shape[0], -1)
+    if position_ids.shape[0] not in (1, query.shape[0]):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # Boundaries of the tensor every layer receives (the cache hits from the second layer on); one
+    # shared row of position_ids (the model's default arange for stacked rows) applies to every row.
     bounds = _segments.bounds(position_ids)
+    if len(bounds) != query.shape[0]:
+        bounds = bounds * query.shape[0]
     dropout_p = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
     if all(len(row) == 2 for row in bounds):  # one sample per row: plain causal attention, one call
