@@ -73,7 +73,6 @@ class TrainingArgs(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
         use_attribute_docstrings=True,
-        arbitrary_types_allowed=True,
         validate_assignment=True,
     )
 

@@ -183,6 +183,8 @@ def test_nonblocking_observer_gets_a_snapshot_and_cannot_request_control(context
     logs = {"loss": 1.0}
     context.global_step = 7
     context.user_state["k"] = 1
+    context.user_state["history"] = [1.0]
+    context.user_state["lock"] = threading.Lock()  # cannot be copied: shared, not an error
     start = time.perf_counter()
     manager.fire(Event.LOG, context, logs=logs)
     assert time.perf_counter() - start < 1.0  # dispatch did not wait for the slow observer
@@ -190,9 +192,13 @@ def test_nonblocking_observer_gets_a_snapshot_and_cannot_request_control(context
     context.global_step = 8
     logs["loss"] = 99.0
     context.user_state["k"] = 2
+    context.user_state["history"].append(2.0)  # nested values are copied too
     observer.release.set()
     assert manager.drain()
-    assert observer.seen[0] == (7, 1.0, None, {"k": 1})
+    step, loss, model, user_state = observer.seen[0]
+    assert (step, loss, model) == (7, 1.0, None)
+    assert user_state["k"] == 1 and user_state["history"] == [1.0]
+    assert user_state["lock"] is context.user_state["lock"]
     assert "cannot request control" in observer.seen[1]
     assert observer.thread_names == {"trainbridge-observers"}
     assert not context.requests.pending

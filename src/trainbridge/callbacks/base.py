@@ -22,7 +22,9 @@ class Callback:
 
     Class attributes:
       - ``nonblocking``: run this observer on a background worker with a snapshot of the context
-        (it may not request control; its errors are isolated like any other).
+        taken at the event (scalars, and deep copies of ``metrics``, ``logs`` and ``user_state``;
+        no model, optimizer or dataloaders; it may not request control; its errors are isolated
+        like any other).
       - ``rank_zero_only``: call this callback on global rank 0 only.
       - ``always_restore_state``: see below.
     """

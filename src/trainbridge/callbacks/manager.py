@@ -188,10 +188,10 @@ class CallbackManager:
         """A copy of the context safe to read later from another thread: scalars and dicts copied,
         live objects (model, optimizer...) left out, control requests refused."""
         snap = copy.copy(context)
-        snap.metrics = dict(context.metrics)
-        snap.logs = dict(context.logs)
+        snap.metrics = _detached_copy(context.metrics)
+        snap.logs = _detached_copy(context.logs)
         snap.checkpoints = list(context.checkpoints)
-        snap.user_state = dict(context.user_state)
+        snap.user_state = _detached_copy(context.user_state)
         snap.requests = _NoControlRequests()
         for name in ("model", "unwrapped_model", "optimizer", "lr_scheduler", "train_dataloader",
                      "eval_dataloader", "restore_model_weights"):
@@ -274,6 +274,18 @@ class CallbackManager:
     def dropped_observer_events(self) -> int:
         """Events a full observer queue dropped."""
         return self._observers.dropped
+
+
+def _detached_copy(values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``values`` the loop's later changes cannot reach: deep for every value that can be
+    deep-copied (nested lists, dicts, numbers), the same object for one that cannot (a lock, a client)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            out[key] = copy.deepcopy(value)
+        except Exception:  # an uncopyable value (a lock, a client) is shared
+            out[key] = value
+    return out
 
 
 def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
