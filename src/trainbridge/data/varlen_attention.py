@@ -84,11 +84,12 @@ def varlen_sdpa_attention_forward(
     Returns ``([B, T, H, D], None)`` as every transformers attention function does.
     """
     position_ids = kwargs.get("position_ids")
-    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if position_ids.shape[0] not in (1, query.shape[0]):
+    if (
+        attention_mask is not None
+        or position_ids is None
+        or query.shape[2] != key.shape[2]
+        or position_ids.shape[0] not in (1, query.shape[0])
+    ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
