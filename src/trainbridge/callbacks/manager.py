@@ -176,7 +176,7 @@ class CallbackManager:
             self._observers.thread.start()
         snapshot = self._snapshot(context)
         try:
-            self._observers.work.put_nowait((entry, event, snapshot, copy.deepcopy(_plain(kwargs))))
+            self._observers.work.put_nowait((entry, event, snapshot, _plain(kwargs)))
         except queue.Full:
             self._observers.dropped += 1
             if self._observers.dropped == 1:
@@ -289,7 +289,8 @@ def _detached_copy(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Event kwargs an observer may keep: tensors and batches are detached summaries, dicts copied."""
+    """Event kwargs an observer may keep: tensors and batches are detached summaries, dicts copied;
+    every value is new or immutable, so the loop's later changes cannot reach it."""
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if isinstance(value, dict) and all(isinstance(v, int | float | str | bool | None) for v in value.values()):
