@@ -12,12 +12,12 @@ import tempfile
 import timeit
 from pathlib import Path
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.callbacks.manager import CallbackManager
-from trainbridge.config import TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.distributed import DistributedEnv
-from trainbridge.events import Event
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
+from trainbridge.core.manager import CallbackManager
 
 
 class StepCounter(Callback):

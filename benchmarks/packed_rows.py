@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from trainbridge.data import Sample, collate_padded, collate_padding_free, enable_varlen_sdpa
+from trainbridge.data import Sample, collate_padded, collate_padding_free
 from trainbridge.data.loss import token_loss_sum
-from trainbridge.tiny_model import build_benchmark_llama
+from trainbridge.demos.tiny_model import build_benchmark_llama
+from trainbridge.modeling import enable_varlen_sdpa
 
 MIN_LEN, MAX_LEN = 32, 128
 """Sample lengths are uniform in ``MIN_LEN..MAX_LEN`` (mean 80), as the variable data of ``throughput.py``."""

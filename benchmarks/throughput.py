@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--steps 40] [--repeats 2] [--out docs/benchmarks.md]
 
-Builds the 3.2M-parameter benchmark Llama (``trainbridge.tiny_model.build_benchmark_llama``), its
+Builds the 3.2M-parameter benchmark Llama (``trainbridge.demos.tiny_model.build_benchmark_llama``), its
 character tokenizer and two pre-tokenized JSONL data sets, deterministic from ``--seed``: fixed-length
 (every sample 128 tokens) and variable-length (lengths uniform in 32..128, mean 80).  Then runs every
 configuration of ``CONFIGS`` with 2 gloo ranks (``OMP_NUM_THREADS=1`` each), one after the other, the
@@ -177,7 +177,7 @@ def write_samples(path: Path, lengths: Sequence[int], vocab_size: int, seed: int
 
 def build_assets(root: Path, steps: int, seed: int) -> Assets:
     """Model, tokenizer, fixed and variable data under ``root`` (exactly ``steps`` steps of samples)."""
-    from trainbridge.tiny_model import build_benchmark_llama
+    from trainbridge.demos.tiny_model import build_benchmark_llama
 
     model = build_benchmark_llama(root / "model", seed=seed)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -218,7 +218,7 @@ WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
 
 def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> None:
     """``python -m torch.distributed.run --nproc-per-node 2 benchmarks/<script> ...``; raises on failure."""
-    from trainbridge.launcher import free_port
+    from trainbridge.launch.launcher import free_port
 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),

@@ -1,6 +1,6 @@
 """The model and data every compat run trains on, built once on disk.
 
-The tiny Llama of ``trainbridge.tiny_model``.  The data are arithmetic problems written with fixed
+The tiny Llama of ``trainbridge.demos.tiny_model``.  The data are arithmetic problems written with fixed
 widths (``07+35=042``), so every sample has exactly ``SAMPLE_TOKENS`` tokens.  With equal lengths,
 trainbridge's token-budget batching is exact: ``max_batch_len = rows x SAMPLE_TOKENS`` gives each rank
 micro-batches of exactly ``rows`` samples, i.e. the micro-batch and accumulation structure of
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.tiny_model import build_tiny_llama
+from trainbridge.demos.tiny_model import build_tiny_llama
 
 TRAIN_SAMPLES = 32
 """Training samples (a multiple of every scenario's samples per optimizer step)."""

@@ -30,7 +30,7 @@ from transformers import (
 from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
 
 from trainbridge import Callback
-from trainbridge.context import TrainingContext
+from trainbridge.core.context import TrainingContext
 
 CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 """The ``TrainerControl`` flags, in a fixed order."""
@@ -276,7 +276,7 @@ class AttributeAccessProbe(Callback):
         return AttributeAccessProbeCloser(self)
 
     def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        from trainbridge.config import resolve_import_path
+        from trainbridge.core.config import resolve_import_path
 
         self._rank = context.rank
         self._log = AttributeAccessLog(resolve_import_path(p) for p in self.class_paths)

@@ -32,7 +32,7 @@ from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessProbe, Tra
 from compat.scenarios import Scenario
 from trainbridge import TorchrunArgs, run_training
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
-from trainbridge.launcher import LaunchTimeoutError, free_port
+from trainbridge.launch.launcher import LaunchTimeoutError, free_port
 
 Runner = Literal["trainer", "trainbridge"]
 RUNNERS: tuple[Runner, ...] = ("trainer", "trainbridge")

@@ -6,12 +6,12 @@ result = run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))
 ```
 """
 
-from trainbridge.callbacks.base import Callback, FunctionCallback, rank_zero_only
-from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.control import AgreedControl, ControlFlag
-from trainbridge.events import EVENT_MAP, Event
-from trainbridge.result import RunResult
+from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
+from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import AgreedControl, ControlFlag
+from trainbridge.core.events import EVENT_MAP, Event
+from trainbridge.loop.result import RunResult
 
 __all__ = [
     "EVENT_MAP",
@@ -46,11 +46,11 @@ def __getattr__(name: str) -> object:
     # The launcher (subprocess, torchrun) is imported on first use, so workers and the
     # callback layer never pay for it.
     if name in _LAUNCHER_NAMES:
-        from trainbridge import launcher
+        from trainbridge.launch import launcher
 
         return getattr(launcher, name)
     if name in ("CallbackTransportError", "register_by_value"):
-        from trainbridge import transport
+        from trainbridge.launch import transport
 
         return getattr(transport, name)
     raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")

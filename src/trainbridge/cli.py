@@ -16,8 +16,8 @@ from typing import Any
 import pydantic
 import yaml
 
-from trainbridge.config import TorchrunArgs, TrainingArgs
-from trainbridge.result import RunResult
+from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.loop.result import RunResult
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -93,7 +93,7 @@ def _torchrun_args(options: argparse.Namespace) -> TorchrunArgs:
 
 
 def _train(options: argparse.Namespace) -> int:
-    from trainbridge.launcher import run_training
+    from trainbridge.launch.launcher import run_training
 
     try:
         args = TrainingArgs.from_yaml(options.config, **dict(options.overrides))
@@ -114,13 +114,13 @@ def _train(options: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainbridge`` command; returns the exit code."""
-    from trainbridge.launcher import LaunchError, PreflightError, TrainingInterruptedError
-    from trainbridge.transport import CallbackTransportError
+    from trainbridge.launch.launcher import LaunchError, PreflightError, TrainingInterruptedError
+    from trainbridge.launch.transport import CallbackTransportError
 
     options = _parser().parse_args(argv)
     try:
         if options.command == "demo":
-            from trainbridge.demo import run_demo
+            from trainbridge.demos.demo import run_demo
 
             run_demo(options.output_dir, options.nproc_per_node, options.max_steps)
             return EXIT_OK

@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed.conftest import run_on_ranks
-from trainbridge.control import ControlFlag, ControlRequests, agree_control
+from trainbridge.core.control import ControlFlag, ControlRequests, agree_control
 
 pytestmark = pytest.mark.distributed
 

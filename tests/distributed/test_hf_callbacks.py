@@ -79,7 +79,7 @@ class FlagsOnOneRank(TrainerCallback):
 def _training_arguments_on_rank(env, model: Path, data: Path, out: Path) -> dict[str, Any]:
     from accelerate.state import PartialState
 
-    from trainbridge.config import TrainingArgs
+    from trainbridge.core.config import TrainingArgs
     from trainbridge.hf import build_training_arguments
 
     groups_before = len(dist.distributed_c10d._world.pg_map)

@@ -2,7 +2,7 @@
 
 The stub worker (written to a temporary folder that the launcher puts on the workers' PYTHONPATH)
 reads the real payload with the real key, then does what ``run_name`` says; rank 0 writes a
-``RunResult`` like ``trainbridge.worker`` does.  No training happens, so each test takes seconds.
+``RunResult`` like ``trainbridge.launch.worker`` does.  No training happens, so each test takes seconds.
 """
 
 import json
@@ -19,9 +19,14 @@ import psutil
 import pytest
 import yaml
 
-from trainbridge.config import TorchrunArgs, TrainingArgs
-from trainbridge.launcher import LaunchTimeoutError, TrainingInterruptedError, WorkerFailedError, run_training
-from trainbridge.transport import register_by_value
+from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.launch.launcher import (
+    LaunchTimeoutError,
+    TrainingInterruptedError,
+    WorkerFailedError,
+    run_training,
+)
+from trainbridge.launch.transport import register_by_value
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -30,8 +35,8 @@ import argparse, os, sys, time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainbridge.result import RunResult
-from trainbridge.transport import PAYLOAD_KEY_ENV, read_payload
+from trainbridge.loop.result import RunResult
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
 
 
 @record
@@ -159,7 +164,7 @@ def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_work
 
 # ----------------------------------------------------------------------------- the real worker, end to end
 def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
-    from trainbridge.demo import run_demo
+    from trainbridge.demos.demo import run_demo
 
     result = run_demo(tmp_path / "demo", nproc_per_node=2, max_steps=12)
     assert (result.global_step, result.max_steps) == (12, 12)
@@ -171,7 +176,7 @@ def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
 
 
 def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):
-    from trainbridge.tiny_model import build_tiny_llama, write_arithmetic_dataset
+    from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 
     build_tiny_llama(tmp_path / "model")
     write_arithmetic_dataset(tmp_path / "train.jsonl", 200, seed=0)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge import Callback, TrainingArgs
-from trainbridge.tiny_model import build_tiny_llama, write_arithmetic_dataset
+from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 
 
 def make_assets(root: Path) -> dict[str, Path]:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.callbacks.base import Callback, FunctionCallback, rank_zero_only
-from trainbridge.callbacks.manager import CallbackManager, CallbackSetupError
-from trainbridge.config import TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.control import ControlFlag
-from trainbridge.distributed import DistributedEnv
-from trainbridge.events import Event
+from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import ControlFlag
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
+from trainbridge.core.manager import CallbackManager, CallbackSetupError
 
 
 @pytest.fixture

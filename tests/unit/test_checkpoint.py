@@ -14,10 +14,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from trainbridge.checkpoint import COMPLETE_MARKER, CheckpointError, CheckpointManager
-from trainbridge.config import TrainingArgs
-from trainbridge.distributed import DistributedEnv
-from trainbridge.parallel import TrainingEngine, build_engine
+from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError, CheckpointManager
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.parallel.engine import TrainingEngine, build_engine
 
 VOCAB = 48
 

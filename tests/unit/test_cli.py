@@ -5,10 +5,11 @@ import argparse
 import pytest
 import yaml
 
-from trainbridge import cli, launcher
-from trainbridge.config import TorchrunArgs, TrainingArgs
-from trainbridge.launcher import PreflightError, TrainingInterruptedError, WorkerFailedError
-from trainbridge.result import RunResult
+from trainbridge import cli
+from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.launch import launcher
+from trainbridge.launch.launcher import PreflightError, TrainingInterruptedError, WorkerFailedError
+from trainbridge.loop.result import RunResult
 
 
 @pytest.fixture

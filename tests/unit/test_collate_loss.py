@@ -16,15 +16,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from trainbridge.data import (
-    Sample,
-    collate_padded,
-    collate_padding_free,
-    model_supports_padding_free,
-    packed_row_tokens,
-    plan_epoch,
-    token_loss_sum,
-)
+from trainbridge.data import Sample, collate_padded, collate_padding_free, plan_epoch, token_loss_sum
+from trainbridge.modeling import model_supports_padding_free, packed_row_tokens
 
 VOCAB = 64
 

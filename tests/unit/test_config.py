@@ -4,8 +4,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.events import Event
+from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.events import Event
 
 
 @pytest.fixture

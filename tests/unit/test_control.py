@@ -1,7 +1,7 @@
 """Control requests and their agreement on a single rank (the 2-rank case is in tests/distributed)."""
 
-from trainbridge.control import FLAG_REDUCTION, ControlFlag, ControlRequests, agree_control
-from trainbridge.distributed import DistributedEnv
+from trainbridge.core.control import FLAG_REDUCTION, ControlFlag, ControlRequests, agree_control
+from trainbridge.core.distributed import DistributedEnv
 
 
 def test_every_flag_declares_its_reduction():

@@ -5,8 +5,8 @@ import inspect
 import pytest
 from transformers import TrainerCallback
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.events import EVENT_MAP, HF_HOOKS_NOT_FIRED, Event, event_from_name, hf_hook_for
+from trainbridge.core.callback import Callback
+from trainbridge.core.events import EVENT_MAP, HF_HOOKS_NOT_FIRED, Event, event_from_name, hf_hook_for
 
 
 def hf_hooks() -> set[str]:

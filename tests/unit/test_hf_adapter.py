@@ -1,6 +1,6 @@
 """The HF adapter driven by a simulated loop (one process): hook order, control both ways, state, resume.
 
-``SimulatedRun`` fires the native events in the order ``trainbridge.loop`` fires them (docs/design.md):
+``SimulatedRun`` fires the native events in the order ``trainbridge.loop.loop`` fires them (docs/design.md):
 N optimizer steps of M micro-batches, the native ``ScheduleCallback`` and ``BestCheckpointTracker``
 around the user's callbacks, ``agree_control`` at the decision points, checkpoints written with every
 callback's ``checkpoint_files``.  The reference for "what Trainer does" is a real ``transformers.Trainer``
@@ -35,13 +35,13 @@ from transformers import (
 )
 from transformers.integrations.integration_utils import TensorBoardCallback
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.callbacks.builtin import BestCheckpointTracker, ScheduleCallback
-from trainbridge.config import TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.control import AgreedControl, ControlFlag, agree_control
-from trainbridge.distributed import DistributedEnv
-from trainbridge.events import Event
+from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
 from trainbridge.hf import HuggingFaceCallbackAdapter, HuggingFaceCallbackError, split_callbacks
 
 FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
@@ -115,7 +115,7 @@ class SimulatedCrash(RuntimeError):
 
 
 class SimulatedRun:
-    """Fires native events in ``trainbridge.loop``'s order on one rank, with real control agreement."""
+    """Fires native events in ``trainbridge.loop.loop``'s order on one rank, with real control agreement."""
 
     def __init__(self, args: TrainingArgs, callbacks: list[Callback], *, steps_per_epoch: int,
                  micro_batches: int = 2, eval_batches: int = 2):
@@ -273,7 +273,7 @@ class SimulatedRun:
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         self.last_saved = self.last_logged = ctx.global_step
         ctx.resumed_from = path
-        # as trainbridge.loop: run bookkeeping (always_restore_state) always, user state when asked
+        # as trainbridge.loop.loop: run bookkeeping (always_restore_state) always, user state when asked
         for i, cb in enumerate(self.callbacks):
             if str(i) in state["callbacks"] and (self.args.restore_callback_states or cb.always_restore_state):
                 cb.load_state_dict(state["callbacks"][str(i)])

@@ -16,8 +16,8 @@ from transformers import LlamaConfig, TrainingArguments
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from transformers.training_args import ParallelMode
 
-from trainbridge.config import TrainingArgs
-from trainbridge.distributed import DistributedEnv
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
 from trainbridge.hf import build_training_arguments
 
 

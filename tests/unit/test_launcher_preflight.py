@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 from transformers import EarlyStoppingCallback, PrinterCallback
 
-from trainbridge import launcher
-from trainbridge.callbacks.base import Callback
-from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.launcher import (
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.launch import launcher
+from trainbridge.launch.launcher import (
     PreflightError,
     WorkerFailedError,
     build_torchrun_command,
     build_worker_environment,
     run_training,
 )
-from trainbridge.result import RunResult
-from trainbridge.transport import PAYLOAD_KEY_ENV, CallbackTransportError, read_payload
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV, CallbackTransportError, read_payload
+from trainbridge.loop.result import RunResult
 
 
 class NeedsAToken:
@@ -158,7 +158,7 @@ def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_arg
     assert fake.payload_mode == 0o600 and fake.dir_mode == 0o700
     assert fake.start_new_session
     assert fake.command[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert fake.command[-4:] == ["-m", "trainbridge.worker", "--payload", str(fake.payload)]
+    assert fake.command[-4:] == ["-m", "trainbridge.launch.worker", "--payload", str(fake.payload)]
     assert fake.command[fake.command.index("--nproc-per-node") + 1] == "2"
     assert int(fake.command[fake.command.index("--master-port") + 1]) > 0
     assert fake.command[fake.command.index("--tee") + 1] == "1:3"

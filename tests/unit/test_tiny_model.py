@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainbridge.tiny_model import (
+from trainbridge.demos.tiny_model import (
     BENCHMARK_3M,
     SPECIAL_TOKENS,
     build_tiny_llama,

@@ -12,9 +12,9 @@ import types
 import pytest
 from transformers import EarlyStoppingCallback
 
-from trainbridge import transport
-from trainbridge.config import TrainingArgs
-from trainbridge.transport import (
+from trainbridge.core.config import TrainingArgs
+from trainbridge.launch import transport
+from trainbridge.launch.transport import (
     PAYLOAD_KEY_ENV,
     CallbackTransportError,
     PayloadIntegrityError,
@@ -120,7 +120,7 @@ def test_payload_is_readable_in_a_fresh_interpreter(make_args, private_dir, note
     code = textwrap.dedent(
         f"""
         import os, sys
-        from trainbridge.transport import read_payload
+        from trainbridge.launch.transport import read_payload
         args = read_payload({str(path)!r}, os.environ[{PAYLOAD_KEY_ENV!r}])
         logger, early = args.callbacks
         (fn,) = list(args.event_functions.values())[0]

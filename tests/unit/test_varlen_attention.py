@@ -11,14 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, PreTrainedModel
 
 from tests.unit.test_collate_loss import VOCAB, make_samples, tiny_llama, tiny_opt
-from trainbridge.data import (
-    VARLEN_SDPA,
-    collate_padded,
-    collate_padding_free,
-    enable_varlen_sdpa,
-    packed_row_tokens,
-    token_loss_sum,
-)
+from trainbridge.data import collate_padded, collate_padding_free, token_loss_sum
+from trainbridge.modeling import VARLEN_SDPA, enable_varlen_sdpa, packed_row_tokens
 
 LENGTHS = [9, 3, 14, 6, 11]
 
@@ -103,7 +97,7 @@ def test_not_enabled_where_it_would_not_be_exact_or_needed() -> None:
 
 
 def test_a_probe_mismatch_keeps_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainbridge.data.varlen_attention as varlen
+    import trainbridge.modeling.varlen_attention as varlen
 
     monkeypatch.setattr(varlen, "_PROBE_SEGMENTS", (7, 5, 9))
     original = varlen._segments.bounds
@@ -130,7 +124,7 @@ def test_checkpoint_config_does_not_name_it(tmp_path: Path) -> None:
 def test_sample_boundaries_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every layer shares the boundaries of one forward (on CUDA each computation is a host sync),
     also for stacked equal-length rows, where the model's own position_ids are one shared row."""
-    from trainbridge.data import varlen_attention
+    from trainbridge.modeling import varlen_attention
 
     computed: list[tuple[int, ...]] = []
     original = varlen_attention._SegmentCache.bounds

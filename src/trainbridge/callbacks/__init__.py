@@ -1,13 +1,8 @@
-"""The native callback layer: the ``Callback`` API and its manager."""
+"""Callbacks the loop always installs: the schedule, best-checkpoint tracking, metrics file, progress."""
 
-from trainbridge.callbacks.base import Callback, FunctionCallback, rank_zero_only
-from trainbridge.callbacks.manager import CallbackFatalError, CallbackManager, CallbackSetupError
+from trainbridge.callbacks.best_checkpoint import BestCheckpointTracker
+from trainbridge.callbacks.metrics_file import MetricsFileCallback
+from trainbridge.callbacks.progress import ProgressBarCallback
+from trainbridge.callbacks.schedule import ScheduleCallback
 
-__all__ = [
-    "Callback",
-    "CallbackFatalError",
-    "CallbackManager",
-    "CallbackSetupError",
-    "FunctionCallback",
-    "rank_zero_only",
-]
+__all__ = ["BestCheckpointTracker", "MetricsFileCallback", "ProgressBarCallback", "ScheduleCallback"]

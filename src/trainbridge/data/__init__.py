@@ -1,15 +1,13 @@
-"""The data layer: JSONL samples, global token-budget step plans, micro-batch tensors, token-sum loss."""
+"""The data layer: samples, global token-budget step plans, per-rank loaders, micro-batch tensors, loss.
 
-from trainbridge.data.batching import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
-from trainbridge.data.collate import (
-    DUMMY_TOKEN_ID,
-    PACKED_ROW_TOKENS,
-    VARLEN_SDPA,
-    collate_padded,
-    collate_padding_free,
-    model_supports_padding_free,
-    packed_row_tokens,
-)
+- ``dataset``: JSONL files -> ``Sample``s (malformed lines named by file:line).
+- ``plan``: the global plan of an epoch (which samples each rank's micro-batches hold at every step).
+- ``loader``: ``TrainBatches`` / ``EvalBatches``, one rank's view of the plan as collated tensors.
+- ``collate``: padding-free (packed rows) and padded tensors.
+- ``loss``: the token-sum loss the loop normalises by the step's global loss-token count.
+"""
+
+from trainbridge.data.collate import DUMMY_TOKEN_ID, collate_padded, collate_padding_free
 from trainbridge.data.dataset import (
     IGNORE_INDEX,
     DataFormatError,
@@ -20,13 +18,11 @@ from trainbridge.data.dataset import (
     split_validation,
 )
 from trainbridge.data.loss import token_loss_sum
-from trainbridge.data.varlen_attention import enable_varlen_sdpa
+from trainbridge.data.plan import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
 
 __all__ = [
     "DUMMY_TOKEN_ID",
     "IGNORE_INDEX",
-    "PACKED_ROW_TOKENS",
-    "VARLEN_SDPA",
     "DataFormatError",
     "EpochPlan",
     "LoadStats",
@@ -36,10 +32,7 @@ __all__ = [
     "StepPlan",
     "collate_padded",
     "collate_padding_free",
-    "enable_varlen_sdpa",
     "load_jsonl",
-    "model_supports_padding_free",
-    "packed_row_tokens",
     "plan_epoch",
     "split_validation",
     "steps_per_epoch",

@@ -7,7 +7,7 @@ transformers' own ``CallbackHandler`` (so the flag resets before each hook, the 
 it: ``DefaultFlowCallback``, then ``report_to``'s integration callbacks, then the user's, then
 ``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``).
 
-Event mapping: each native event with an HF twin (``trainbridge.events.hf_hook_for``) calls that hook
+Event mapping: each native event with an HF twin (``trainbridge.core.events.hf_hook_for``) calls that hook
 of the handler.  ``TrainerState`` is refreshed from the ``TrainingContext`` before every hook
 (``global_step``, ``epoch``, ``max_steps``, ``num_input_tokens_seen``, ``total_flos`` estimated as
 ``6 x parameters x tokens`` like the loop's final log, ``best_metric``/``best_global_step`` from the
@@ -67,10 +67,10 @@ from transformers.integrations import (
 from transformers.integrations.integration_utils import TensorBoardCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.config import TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.control import ControlFlag
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import ControlFlag
 from trainbridge.hf.arguments import build_training_arguments
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ rewrite ``RANK``/``WORLD_SIZE`` in the environment).  Every device property (``d
 ``world_size``, ``process_index``, ``local_process_index``, ``parallel_mode``, ``should_save``,
 ``should_log``) then reads ``self.distributed_state``.
 
-trainbridge owns the process group (``trainbridge.distributed``), so this module *pre-seeds* the
+trainbridge owns the process group (``trainbridge.core.distributed``), so this module *pre-seeds* the
 instance before its dataclass ``__init__`` runs:
 
 - ``_setup_devices`` is a ``functools.cached_property``, which stores its value in the instance
@@ -57,8 +57,8 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from transformers import TrainingArguments
 
-from trainbridge.config import TrainingArgs
-from trainbridge.distributed import DistributedEnv
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
 
 _TRAINING_ARGUMENT_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from trainbridge.config import TrainingArgs
+from trainbridge.core.config import TrainingArgs
 
 
 class HFPortingWarning(UserWarning):

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from trainbridge.checkpoint import CheckpointManager
-from trainbridge.config import TrainingArgs
-from trainbridge.distributed import DistributedEnv
-from trainbridge.parallel import TrainingEngine, build_engine
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.parallel.engine import TrainingEngine, build_engine
 
 STEPS = 3
 MICRO_BATCHES = 2

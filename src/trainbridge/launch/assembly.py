@@ -6,14 +6,14 @@ before launch), so both see exactly the same callbacks.
 
 from __future__ import annotations
 
-from trainbridge.callbacks.base import Callback, FunctionCallback
-from trainbridge.callbacks.builtin import (
+from trainbridge.callbacks import (
     BestCheckpointTracker,
     MetricsFileCallback,
     ProgressBarCallback,
     ScheduleCallback,
 )
-from trainbridge.config import CallbackSpec, TrainingArgs
+from trainbridge.core.callback import Callback, FunctionCallback
+from trainbridge.core.config import CallbackSpec, TrainingArgs
 from trainbridge.hf import HuggingFaceCallbackAdapter, split_callbacks
 
 

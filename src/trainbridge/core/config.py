@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainbridge.events import Event, event_from_name
+from trainbridge.core.events import Event, event_from_name
 
 
 class CallbackSpec(BaseModel):
@@ -357,7 +357,7 @@ class TrainingArgs(BaseModel):
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
-        be written as YAML and are left out (they travel to the workers by ``trainbridge.transport``)."""
+        be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
         data = self.model_dump(mode="json", exclude={"callbacks", "event_functions"}, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):

@@ -24,11 +24,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.context import TrainingContext
-from trainbridge.control import ControlFlag, ControlRequests
-from trainbridge.events import Event
-from trainbridge.result import CallbackErrorReport
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import ControlFlag, ControlRequests
+from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.events import Event
 
 logger = logging.getLogger(__name__)
 

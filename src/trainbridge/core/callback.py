@@ -1,6 +1,6 @@
 """The native callback API: subclass ``Callback`` and override the events you need.
 
-Every hook is called as ``hook(context, **event_kwargs)`` (see ``trainbridge.events.EVENT_MAP`` for
+Every hook is called as ``hook(context, **event_kwargs)`` (see ``trainbridge.core.events.EVENT_MAP`` for
 the keyword arguments of each event).  Only hooks a subclass overrides are ever called.
 """
 
@@ -10,11 +10,11 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from trainbridge.events import Event
+from trainbridge.core.events import Event
 
 if TYPE_CHECKING:
-    from trainbridge.config import TrainingArgs
-    from trainbridge.context import TrainingContext
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.context import TrainingContext
 
 
 class Callback:

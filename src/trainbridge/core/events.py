@@ -1,6 +1,6 @@
 """The event map: every lifecycle event the training loop fires, where, and its Hugging Face twin.
 
-This module is the single source of truth for events.  The loop (``trainbridge.loop``) fires each
+This module is the single source of truth for events.  The loop (``trainbridge.loop.loop``) fires each
 event at exactly one visible place; the native callback layer dispatches by ``Event``; the Hugging
 Face adapter translates each event to the ``transformers.TrainerCallback`` hook named here.
 
@@ -119,7 +119,7 @@ HF_HOOKS_NOT_FIRED: dict[str, str] = {
     "on_push_begin": "fired by Trainer.push_to_hub(); trainbridge never pushes to a hub",
 }
 
-# Where requested control flags are agreed across ranks (see trainbridge.control.agree_control).
+# Where requested control flags are agreed across ranks (see trainbridge.core.control.agree_control).
 CONTROL_DECISION_POINTS: tuple[str, ...] = (
     "after on_step_end (folded into the step's loss reduction)",
     "after a log / evaluate / save phase (only on steps that had one)",

@@ -9,7 +9,7 @@ causal ``scaled_dot_product_attention`` per sample of the row instead: attention
 samples' squared lengths, no mask is built, and the result is the same as the masked row's.
 
 ``enable_varlen_sdpa`` switches a model from ``sdpa`` to it only when that is exact: the model keeps
-packed samples apart (``collate.model_supports_padding_free``), has no sliding-window or chunked
+packed samples apart (``modeling.padding_free.model_supports_padding_free``), has no sliding-window or chunked
 attention that could act within ``max_seq_len``, and a start-up probe gives the same logits for a
 packed row under both implementations.  Padded batches (an ``attention_mask``) and decoding with a KV
 cache still go through transformers' own sdpa path, so a callback that calls ``generate`` is
@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from trainbridge.data.collate import VARLEN_SDPA, model_supports_padding_free
+from trainbridge.modeling.padding_free import VARLEN_SDPA, model_supports_padding_free
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,12 @@ def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(**kwargs)
 
 
-AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention_forward)
-AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+def register_varlen_sdpa() -> None:
+    """Register ``VARLEN_SDPA`` with transformers' attention and mask interfaces (idempotent).
+
+    Called from set-up (``enable_varlen_sdpa``), never as a side effect of importing this module."""
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention_forward)
+    AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
 
 
 def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
@@ -147,6 +151,7 @@ def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
         return False
     if not model_supports_padding_free(model) or _has_local_attention(model.config, max_seq_len):
         return False
+    register_varlen_sdpa()
     if not _probe_matches(model):
         logger.warning("varlen sdpa: %s gives different logits than sdpa; keeping sdpa", type(model).__name__)
         return False

@@ -2,7 +2,7 @@
 
 ``TrainingLoop.run`` is the whole run: set-up, ``on_init_end``, resume, ``on_train_begin``, epochs of
 optimizer steps, and ``on_train_end`` (or ``on_exception`` on any exit that is not clean).  The loop
-acts on control only after ``agree_control`` (``trainbridge.control``) has made every rank hold the
+acts on control only after ``agree_control`` (``trainbridge.core.control``) has made every rank hold the
 same decision, at the decision points marked ``DECISION POINT`` below.  Logging, evaluation and
 checkpoint *triggers* are callbacks (``callbacks.builtin.ScheduleCallback``); the loop only carries
 them out.
@@ -24,30 +24,32 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainbridge.batches import EvalBatches, TrainBatches
-from trainbridge.callbacks.base import Callback
-from trainbridge.callbacks.manager import CallbackFatalError, CallbackManager
-from trainbridge.checkpoint import CheckpointManager
-from trainbridge.config import TrainingArgs
-from trainbridge.context import TrainingContext
-from trainbridge.control import AgreedControl, ControlFlag, agree_control
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
+from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import (
-    VARLEN_SDPA,
     Sample,
     StepPlan,
     collate_padded,
     collate_padding_free,
-    enable_varlen_sdpa,
     load_jsonl,
-    model_supports_padding_free,
-    packed_row_tokens,
     split_validation,
     token_loss_sum,
 )
-from trainbridge.distributed import DistributedEnv
-from trainbridge.events import Event
-from trainbridge.parallel import build_engine
-from trainbridge.result import RunResult
+from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.loop.result import RunResult
+from trainbridge.modeling import (
+    VARLEN_SDPA,
+    enable_varlen_sdpa,
+    model_supports_padding_free,
+    packed_row_tokens,
+)
+from trainbridge.parallel.engine import build_engine
 
 logger = logging.getLogger(__name__)
 

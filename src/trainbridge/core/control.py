@@ -17,7 +17,7 @@ from enum import Enum
 
 import torch
 
-from trainbridge.distributed import DistributedEnv
+from trainbridge.core.distributed import DistributedEnv
 
 
 class ControlFlag(str, Enum):

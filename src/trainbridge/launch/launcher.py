@@ -2,10 +2,10 @@
 
 The parent process never trains.  It validates the configuration, runs the preflight checks (every
 callback can travel to the workers, ``CallbackSpec``s construct, native callbacks accept the config),
-writes the authenticated payload (``trainbridge.transport``) and launches::
+writes the authenticated payload (``trainbridge.launch.transport``) and launches::
 
     python -m torch.distributed.run --nnodes .. --nproc-per-node .. <rendezvous> --log-dir <private dir>
-        --tee 1:3,... -m trainbridge.worker --payload <file>
+        --tee 1:3,... -m trainbridge.launch.worker --payload <file>
 
 with the payload key in ``TRAINBRIDGE_PAYLOAD_KEY``.  Worker output streams live: local rank 0
 writes straight to the console (so a progress bar behaves), the other ranks' lines are prefixed
@@ -36,13 +36,13 @@ from typing import Any
 
 import psutil
 
-from trainbridge.assembly import assemble_callbacks
-from trainbridge.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.result import RunResult
-from trainbridge.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
+from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
+from trainbridge.loop.result import RunResult
 
-WORKER_MODULE = "trainbridge.worker"
-"""Module torchrun runs in every worker (``python -m trainbridge.worker --payload PATH``)."""
+WORKER_MODULE = "trainbridge.launch.worker"
+"""Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
 
 RESULT_FILE_NAME = "result.json"
 """Rank 0 writes the ``RunResult`` to ``ckpt_output_dir / RESULT_FILE_NAME``."""
@@ -419,7 +419,7 @@ def run_training(
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
 
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
-    ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.worker`` (tests).
+    ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
     """
     args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
     if torchrun_args is None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import cloudpickle
 
-from trainbridge.config import TrainingArgs
+from trainbridge.core.config import TrainingArgs
 
 PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
 """Environment variable that carries the payload's HMAC key (hex) to the workers."""

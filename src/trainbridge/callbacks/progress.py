@@ -10,8 +10,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.context import TrainingContext
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 
 
 class ProgressBarCallback(Callback):

@@ -6,8 +6,8 @@ import json
 import time
 from typing import IO, Any
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.context import TrainingContext
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 
 
 class MetricsFileCallback(Callback):

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from trainbridge.data import EpochPlan, Sample, StepPlan, plan_epoch, steps_per_epoch
+from trainbridge.data.dataset import Sample
+from trainbridge.data.plan import EpochPlan, StepPlan, plan_epoch, steps_per_epoch
 
 Collate = Callable[[Sequence[Sample]], dict[str, torch.Tensor]]
 

@@ -1,7 +1,7 @@
-"""The torchrun worker entry point: ``python -m trainbridge.worker --payload PATH``.
+"""The torchrun worker entry point: ``python -m trainbridge.launch.worker --payload PATH``.
 
-The composition root of a worker: it reads the HMAC-checked payload (``trainbridge.transport``),
-starts the distributed seam, assembles the callbacks (``trainbridge.assembly``), runs the loop,
+The composition root of a worker: it reads the HMAC-checked payload (``trainbridge.launch.transport``),
+starts the distributed seam, assembles the callbacks (``trainbridge.launch.assembly``), runs the loop,
 and has rank 0 write ``result.json``.  ``@record`` makes torchrun write this rank's error (type,
 message, traceback) to an error file the launcher reads.
 """
@@ -16,16 +16,16 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainbridge.assembly import assemble_callbacks
-from trainbridge.distributed import DistributedEnv
-from trainbridge.loop import TrainingInterrupted, train
-from trainbridge.transport import PAYLOAD_KEY_ENV, read_payload
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
+from trainbridge.loop.loop import TrainingInterrupted, train
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     """Run one worker of a ``run_training`` job."""
-    parser = argparse.ArgumentParser(prog="python -m trainbridge.worker")
+    parser = argparse.ArgumentParser(prog="python -m trainbridge.launch.worker")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")
     payload_path = parser.parse_args(argv).payload
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)

@@ -10,24 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class CallbackErrorReport(BaseModel):
-    """Errors one callback raised under the ``isolate`` policy, on one rank."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    callback: str
-    """Callback name."""
-    rank: int
-    """Rank where it failed."""
-    event: str
-    """Event of the first error."""
-    count: int
-    """How many times it raised."""
-    disabled: bool
-    """Whether it was switched off after too many consecutive errors."""
-    first_error: str
-    """The first error, ``Type: message``."""
+from trainbridge.core.errors import CallbackErrorReport
 
 
 class RunResult(BaseModel):

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainbridge.config import TorchrunArgs, TrainingArgs
-from trainbridge.launcher import run_training
-from trainbridge.result import RunResult
-from trainbridge.tiny_model import build_tiny_llama, write_arithmetic_dataset
+from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
+from trainbridge.launch.launcher import run_training
+from trainbridge.loop.result import RunResult
 
 DEMO_MAX_STEPS = 200
 """Optimizer steps of the demo (well under a minute of training on two CPU cores)."""

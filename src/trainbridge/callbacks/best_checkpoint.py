@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.context import TrainingContext
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 
 logger = logging.getLogger(__name__)
 

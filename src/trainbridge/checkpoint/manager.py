@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import load_file
 
 if TYPE_CHECKING:
-    from trainbridge.distributed import DistributedEnv
-    from trainbridge.parallel import TrainingEngine
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.parallel.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 

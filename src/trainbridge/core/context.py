@@ -2,7 +2,7 @@
 
 Field validity (which events see a meaningful value) is documented per field.  "always" means from
 ``on_init_end`` on.  The loop updates the context; callbacks read it and *request* control through
-``request_*`` methods (agreed across ranks before the loop acts, see ``trainbridge.control``).
+``request_*`` methods (agreed across ranks before the loop acts, see ``trainbridge.core.control``).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.control import AgreedControl, ControlFlag, ControlRequests
+from trainbridge.core.control import AgreedControl, ControlFlag, ControlRequests
 
 if TYPE_CHECKING:
     import torch
 
-    from trainbridge.config import TrainingArgs
-    from trainbridge.distributed import DistributedEnv
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.distributed import DistributedEnv
 
 
 @dataclass

@@ -46,8 +46,8 @@ from transformers.trainer_pt_utils import get_parameter_names
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from trainbridge.config import TrainingArgs
-    from trainbridge.distributed import DistributedEnv
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.distributed import DistributedEnv
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainbridge.callbacks.base import Callback
-from trainbridge.context import TrainingContext
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 
 
 class ScheduleCallback(Callback):

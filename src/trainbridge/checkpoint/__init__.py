@@ -1,0 +1,1 @@
+"""Checkpoints: atomic HF-layout folders, rotation, resume state."""

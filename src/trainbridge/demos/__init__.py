@@ -1,0 +1,1 @@
+"""The demo and the tiny local models and data it (and the tests) use."""

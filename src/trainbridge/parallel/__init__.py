@@ -1,0 +1,1 @@
+"""Training engines (DDP, FSDP2, DeepSpeed ZeRO) behind one interface."""
