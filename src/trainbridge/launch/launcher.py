@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.data.prepare import check_training_data
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
@@ -111,7 +112,8 @@ def preflight(args: TrainingArgs) -> None:
 
     torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``).
+    (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
+    into its cache (``check_training_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -135,6 +137,10 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
+    try:
+        check_training_data(args)
+    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
+        raise PreflightError(f"data: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- command and environment

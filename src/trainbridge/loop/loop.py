@@ -33,12 +33,10 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import (
-    Sample,
     StepPlan,
     collate_padded,
     collate_padding_free,
-    load_jsonl,
-    split_validation,
+    load_training_data,
     token_loss_sum,
 )
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -259,7 +257,8 @@ class TrainingLoop:
         args, env, ctx = self.args, self.env, self.context
         transformers.set_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
-        train_samples, val_samples = self._load_data()
+        data = load_training_data(args, self.tokenizer, log=env.is_world_process_zero)
+        train_samples, val_samples = data.train, data.val
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
         padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
         if args.packing == "padding_free" and not model_supports_padding_free(model):
@@ -293,24 +292,6 @@ class TrainingLoop:
         ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
         ctx.tokenizer = self.tokenizer
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
-
-    def _load_data(self) -> tuple[list[Sample], list[Sample]]:
-        args = self.args
-        train, stats = load_jsonl(args.data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-        self._data_stats = [stats]
-        if args.val_data_path is not None:
-            val, val_stats = load_jsonl(args.val_data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-            self._data_stats.append(val_stats)
-        elif args.validation_split > 0:
-            train, val = split_validation(train, args.validation_split, args.seed)
-        else:
-            val = []
-        for s in self._data_stats:
-            if self.env.is_world_process_zero and (s.dropped_overlong or s.truncated or s.empty_skipped):
-                logger.warning("%s: %d samples dropped as longer than max_seq_len=%d, %d truncated, "
-                               "%d without loss tokens skipped", s.path, s.dropped_overlong, args.max_seq_len,
-                               s.truncated, s.empty_skipped)
-        return train, val
 
     def _resume(self) -> None:
         """Restore model, optimizer, RNG, counters and callback state from a checkpoint, if asked."""
@@ -370,8 +351,7 @@ class TrainingLoop:
         return agreed, sums
 
     def _local_loss_tokens(self, step: StepPlan) -> list[int]:
-        samples = self.train_batches.samples
-        return [samples[i].loss_tokens for group in step.micro_batches[self.env.rank] for i in group]
+        return self.train_batches.local_loss_tokens(step)
 
     def _account_step(self, step: StepPlan, global_loss_sum: float) -> None:
         ctx = self.context
