@@ -5,7 +5,7 @@
 - ``chat``: chat-template rendering and assistant-only masks.
 - ``cache``: tokenise once into a memory-mapped Arrow cache keyed by data, tokenizer, template and options.
 - ``samples``: ``SampleSource``s -- length columns for planning, samples fetched per micro-batch.
-- ``prepare``: ``TrainingArgs`` -> training/validation sources (the loop's one call), start-up summary.
+- ``sources``: ``TrainingArgs`` -> training/validation sources (the builder's one call), start-up summary.
 - ``dataset``: ``Sample``, ``LoadStats``, ``DataFormatError`` (bad rows named by file and line/row).
 - ``plan``: the global plan of an epoch (which samples each rank's micro-batches hold at every step).
 - ``loader``: ``TrainBatches`` / ``EvalBatches``, one rank's view of the plan as collated tensors.
@@ -25,7 +25,7 @@ from trainbridge.data.dataset import (
 from trainbridge.data.inputs import DataInputError
 from trainbridge.data.loss import token_loss_sum
 from trainbridge.data.plan import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
-from trainbridge.data.prepare import TrainingData, load_jsonl, load_training_data, open_dataset
+from trainbridge.data.sources import RunData, load_jsonl, load_run_data, open_dataset
 from trainbridge.data.samples import ArrowSamples, InMemorySamples, SampleSource
 
 __all__ = [
@@ -42,11 +42,11 @@ __all__ = [
     "Sample",
     "SampleSource",
     "StepPlan",
-    "TrainingData",
+    "RunData",
     "collate_padded",
     "collate_padding_free",
     "load_jsonl",
-    "load_training_data",
+    "load_run_data",
     "open_dataset",
     "plan_epoch",
     "split_validation",

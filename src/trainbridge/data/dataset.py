@@ -3,7 +3,7 @@
 Loss tokens follow the shifted causal-LM loss (``data.loss``): the logit at position ``t`` predicts the
 token at ``t + 1``, so position 0 is never predicted and a sample's loss tokens are the positions
 ``t >= 1`` whose label is not ``-100``.  A sample with no loss token teaches nothing and is skipped.
-Reading files and tokenising rows: ``data.inputs``, ``data.records``, ``data.cache``, ``data.prepare``.
+Reading files and tokenising rows: ``data.inputs``, ``data.records``, ``data.cache``, ``data.sources``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.data.prepare import check_training_data
+from trainbridge.data.sources import check_training_data
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult

@@ -1,9 +1,11 @@
-"""The data layer's entry point: ``TrainingArgs`` -> training and validation sample sources.
+"""Where a run's samples come from: the configured training and validation data, loaded once.
 
-``load_training_data(args, tokenizer)`` is the one call the loop makes (and the launcher's preflight
-makes in the parent first, so bad rows fail before launch and the workers find the cache built).  It
+``load_run_data(args, tokenizer)`` is the data layer's one entry for the builder
+(``trainbridge.loop.build``; the launcher's preflight calls it in the parent first through
+``check_training_data``, so bad rows fail before launch and the workers find the cache built).  It
 reads ``data_path``/``val_data_path`` through the tokenisation cache (``data.cache``), holds out
-``validation_split`` by index, and logs the start-up summary.
+``validation_split`` by index, and logs the start-up summary.  New input formats are added here (or
+below it), never in the loop.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainingData:
-    """The run's samples: ``train``, ``val`` (``None`` without validation) and what reading found."""
+class RunData:
+    """A run's samples: training, validation (``None`` without validation), and what reading found."""
 
     train: SampleSource
     val: SampleSource | None
     stats: list[LoadStats]
+    """One entry per file read: the training file, then the validation file if one is configured."""
 
     def summary(self, max_seq_len: int) -> str:
         """The start-up summary: one line per data file, and the validation split if any."""
@@ -82,9 +85,9 @@ def open_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, op
                           cache_dir or default_cache_dir())
 
 
-def load_training_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None,
-                       log: bool = True) -> TrainingData:
-    """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``log``."""
+def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *,
+                  report: bool = True) -> RunData:
+    """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``report`` (rank 0)."""
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()
     train, stats = open_dataset(args.data_path, tokenizer, options, cache_dir)
@@ -97,8 +100,8 @@ def load_training_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | 
     elif args.validation_split > 0:
         train_rows, val_rows = validation_indices(len(train), args.validation_split, args.seed)
         source, val = train.subset(train_rows), train.subset(val_rows)
-    data = TrainingData(source, val, all_stats)
-    if log:
+    data = RunData(source, val, all_stats)
+    if report:
         for line in data.summary(args.max_seq_len).splitlines():
             logger.info("%s", line)
     return data
@@ -130,7 +133,7 @@ def load_jsonl(
     return samples, stats
 
 
-def check_training_data(args: TrainingArgs) -> TrainingData:
+def check_training_data(args: TrainingArgs) -> RunData:
     """Read (and on a cache miss tokenise) the run's data with its tokenizer, before any worker starts.
 
     The launcher's preflight calls this in the parent: a bad row fails the run before launch, named by
@@ -143,4 +146,4 @@ def check_training_data(args: TrainingArgs) -> TrainingData:
     except Exception as exc:
         raise ValueError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
                          f"{type(exc).__name__}: {exc}") from exc
-    return load_training_data(args, tokenizer)
+    return load_run_data(args, tokenizer)
