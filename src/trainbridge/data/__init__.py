@@ -25,8 +25,8 @@ from trainbridge.data.dataset import (
 from trainbridge.data.inputs import DataInputError
 from trainbridge.data.loss import token_loss_sum
 from trainbridge.data.plan import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
-from trainbridge.data.sources import RunData, load_jsonl, load_run_data, open_dataset
 from trainbridge.data.samples import ArrowSamples, InMemorySamples, SampleSource
+from trainbridge.data.sources import RunData, load_jsonl, load_run_data, open_dataset
 
 __all__ = [
     "DUMMY_TOKEN_ID",
@@ -39,10 +39,10 @@ __all__ = [
     "LoadStats",
     "MicroBatch",
     "OverlongPolicy",
+    "RunData",
     "Sample",
     "SampleSource",
     "StepPlan",
-    "RunData",
     "collate_padded",
     "collate_padding_free",
     "load_jsonl",

@@ -131,19 +131,3 @@ def load_jsonl(
         source, stats = open_dataset(path, tokenizer, options, cache_dir or Path(scratch))
         samples = source.fetch(range(len(source)))
     return samples, stats
-
-
-def check_training_data(args: TrainingArgs) -> RunData:
-    """Read (and on a cache miss tokenise) the run's data with its tokenizer, before any worker starts.
-
-    The launcher's preflight calls this in the parent: a bad row fails the run before launch, named by
-    file and line, and the workers then find the cache built.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
-    except Exception as exc:
-        raise ValueError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    return load_run_data(args, tokenizer)

@@ -37,10 +37,11 @@ from typing import Any
 import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.data.sources import check_training_data
+from trainbridge.data.sources import load_run_data
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
+from trainbridge.modeling.load import load_tokenizer
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -113,7 +114,7 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
-    into its cache (``check_training_data``: bad rows named by file and line, before any worker starts).
+    into its cache (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -137,8 +138,19 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
+    _check_data(args)
+
+
+def _check_data(args: TrainingArgs) -> None:
+    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
+    launch, named by file and line, and the workers find the tokenised cache built."""
     try:
-        check_training_data(args)
+        tokenizer = load_tokenizer(args)
+    except Exception as exc:
+        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    try:
+        load_run_data(args, tokenizer)
     except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
         raise PreflightError(f"data: {exc}") from exc
 
