@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.core.callback import Callback
@@ -49,6 +49,7 @@ from trainbridge.modeling import (
     model_supports_padding_free,
     packed_row_tokens,
 )
+from trainbridge.modeling.load import load_base_for_merge, load_model
 from trainbridge.parallel.engine import build_engine
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class TrainingLoop:
         self._last_saved_step = -1
         self._stop_training = False
         self._stop_requesters = ""
+        self._merged: Path | None = None
 
     # ================================================================== the run
     def run(self) -> RunResult:
@@ -111,6 +113,9 @@ class TrainingLoop:
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 fire(Event.TRAIN_END, ctx)
+                if self.args.merge_adapter_at_end:
+                    self._merged = self.checkpoints.export_merged(
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 self.callbacks.drain()
@@ -260,7 +265,7 @@ class TrainingLoop:
         transformers.set_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
         train_samples, val_samples = self._load_data()
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+        model = load_model(args)
         padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
         if args.packing == "padding_free" and not model_supports_padding_free(model):
             raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
@@ -437,6 +442,7 @@ class TrainingLoop:
             callback_errors=errors,
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(self._merged) if self._merged else None,
         )
 
 
