@@ -1,4 +1,5 @@
-"""Building the model one worker trains: ``load_model(args)``, the one call the loop's set-up makes.
+"""Loading the model and tokenizer a run trains: ``load_model(args)`` and ``load_tokenizer(args)``, the one
+place the builder (``trainbridge.loop.build``) gets them from.
 
 In order: the model comes from ``model_init()`` or ``from_pretrained(model_path, **model_kwargs)``
 (for a PEFT adapter folder: its base model, then the adapter, trainable); gradient checkpointing is
@@ -24,7 +25,7 @@ from torch import nn
 from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,15 @@ def unwrap_peft(model: Any) -> Any:
     """The transformers model inside a ``PeftModel`` (its LoRA layers injected in place); ``model`` itself
     otherwise.  What the padding-free and attention checks look at."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
+    else ``model_path``, else an adapter folder's base model)."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
+    return tokenizer
 
 
 def load_model(args: TrainingArgs) -> PreTrainedModel:
