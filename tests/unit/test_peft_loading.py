@@ -214,3 +214,36 @@ def test_model_kwargs_and_gradient_checkpointing_reach_the_model(assets, tmp_pat
     assert base.is_gradient_checkpointing
     assert load_model(args_for(assets, tmp_path)).dtype == torch.float32  # the default stays fp32
     assert TrainingArgs.model_fields["model_kwargs"].default_factory().trust_remote_code is False
+
+
+def test_dora_example_with_quantize_on_cpu_fails_before_launch(assets):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "peft_dora" / "dora_finetuning.py"
+    spec = importlib.util.spec_from_file_location("dora_finetuning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    options = example.parse(["--base_model", str(assets["model"]), "--data_path", str(assets["data"]),
+                             "--use_dora", "--device", "cpu", "--val_set_size", "0"])
+    args = example.training_args(options)
+    assert args.peft_config.use_dora and args.peft_config.r == 8 and len(args.peft_config.target_modules) == 7
+    with pytest.raises(ValidationError, match="needs CUDA"):
+        example.training_args(example.parse(["--base_model", str(assets["model"]), "--data_path",
+                                             str(assets["data"]), "--quantize", "--device", "cpu"]))
+
+
+def test_trainer_gradient_checkpointing_is_carried_over_by_porting(assets, tmp_path):
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from trainbridge.hf.porting import training_args_from_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
+                               gradient_checkpointing_kwargs={"use_reentrant": True})
+        args = training_args_from_hf(hf, model_path=assets["model"], data_path=assets["data"])
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": True}
+    assert not training_args_from_hf(TrainingArguments(output_dir=str(tmp_path)), model_path=assets["model"],
+                                     data_path=assets["data"]).gradient_checkpointing

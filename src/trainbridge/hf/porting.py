@@ -35,6 +35,7 @@ CARRIED_OVER = frozenset({
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
     "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
     "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
+    "activation_checkpointing", "activation_checkpointing_kwargs",
 })
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
@@ -61,7 +62,6 @@ EXPLANATIONS: dict[str, str] = {
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
     "fp16": "only bf16 mixed precision is supported (mixed_precision='bf16')",
-    "activation_checkpointing": "activation (gradient) checkpointing is not supported",
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
@@ -138,6 +138,13 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "save_final_checkpoint": False,
         "restore_callback_states": hf.restore_callback_states_from_checkpoint,
     }
+    # activation_checkpointing (gradient_checkpointing before transformers 5) and its kwargs
+    checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
+    if checkpointing:
+        data["gradient_checkpointing"] = True
+        kwargs = getattr(hf, "activation_checkpointing_kwargs", None) or getattr(hf, "gradient_checkpointing_kwargs", None)
+        if kwargs:
+            data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:
         data["device"] = "cpu"
     if hf.eval_steps is not None:
