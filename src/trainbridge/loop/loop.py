@@ -42,6 +42,9 @@ from trainbridge.data import (
     token_loss_sum,
 )
 from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data.loss import forward_logits, logits_loss_sum
+from trainbridge.data.user_collate import collate_with
+from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.modeling import (
     VARLEN_SDPA,
@@ -211,12 +214,16 @@ class TrainingLoop:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
         loss_sum, loss_tokens, steps = 0.0, 0, 0
+        predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for cpu_batch in self.eval_batches:
+            for indices, cpu_batch in self.eval_batches.indexed():
                 batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
                 with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                    logits = forward_logits(engine.module, batch)
+                token_sum, n_tokens = logits_loss_sum(logits, batch["labels"])
+                if predictions is not None:
+                    predictions.add(indices, batch, logits)
                 loss_sum += float(token_sum)
                 loss_tokens += n_tokens
                 steps += 1
@@ -229,6 +236,7 @@ class TrainingLoop:
         runtime = max(time.time() - start, 1e-9)
         metrics = {
             "eval_loss": total_sum / max(total_tokens, 1.0),
+            **(predictions.compute(self.env) if predictions is not None else {}),
             "eval_runtime": round(runtime, 4),
             "eval_samples_per_second": round(total_samples / runtime, 3),
             "eval_steps_per_second": round(steps / runtime, 3),
@@ -262,22 +270,28 @@ class TrainingLoop:
         train_samples, val_samples = self._load_data()
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
         padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
+        padded = padded or args.data_collator is not None  # a user collator pads
         if args.packing == "padding_free" and not model_supports_padding_free(model):
             raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
         if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
             logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         collate: Any = (
-            (lambda s: collate_padded(s, pad_id)) if padded
+            (lambda s: collate_with(args.data_collator, s, pad_id)) if args.data_collator is not None
+            else (lambda s: collate_padded(s, pad_id)) if padded
             else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model))
         )
+        # compute_metrics needs one row per sample: validation batches are padded (same loss)
+        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
+        eval_padded = padded or self.predictions is not None
+        eval_collate = collate if padded or not eval_padded else (lambda s: collate_padded(s, pad_id))
         self.train_batches = TrainBatches(
             train_samples, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
             rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
         )
         self.eval_batches = (
-            EvalBatches(val_samples, collate, world_size=env.world_size, rank=env.rank,
-                        max_batch_len=args.max_batch_len, padded=padded)
+            EvalBatches(val_samples, eval_collate, world_size=env.world_size, rank=env.rank,
+                        max_batch_len=args.max_batch_len, padded=eval_padded)
             if val_samples else None
         )
         ctx.steps_per_epoch = self.train_batches.steps_per_epoch
