@@ -32,6 +32,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
 from trainbridge.launch.worker import exit_after_success
+from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingInterrupted, TrainingLoop
 from trainbridge.loop.result import RunResult
 
@@ -105,8 +106,8 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
     """Run ``job`` on this rank (every rank calls it); see the module doc."""
     if job.kind == "train":
         recorder = StateRecorder()
-        loop = TrainingLoop(job.args, env, [*(callbacks if callbacks is not None else assemble_callbacks(job.args)),
-                                            recorder])
+        run_callbacks = [*(callbacks if callbacks is not None else assemble_callbacks(job.args)), recorder]
+        loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
         export_model(loop, job.run_dir / FINAL_MODEL_DIR)
         state = recorder.state()
@@ -115,8 +116,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
             (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
         return JobOutcome(loop=loop, result=result, state=state)
     if job.kind == "evaluate":
-        loop = TrainingLoop(job.args, env, callbacks or [])
-        loop._set_up()
+        loop = TrainingLoop(job.args, env, callbacks or [], build_run(job.args, env))
         if job.keep_predictions and loop.predictions is None:
             raise RuntimeError("predict: the evaluation job was built without a prediction collector")
         metrics = loop._evaluate()
