@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "checkpoint": 2,  # checkpoint folders, rotation, resume state (reads engines)
     "loop": 3,  # the training loop, its build step and its result
     "hf": 4,  # the Hugging Face adapter and porting (plug-ins on the loop)
+    "report": 4,  # reports on finished runs read from disk (plots of metrics.jsonl)
     "launch": 5,  # run_training, torchrun worker, transport, callback assembly
     "demos": 6,  # demo and tiny models
     "cli": 7,  # the command line

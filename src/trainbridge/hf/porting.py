@@ -37,6 +37,17 @@ CARRIED_OVER = frozenset({
     "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
 })
 
+# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
+RENAMED: dict[str, str] = {
+    "output_dir": "ckpt_output_dir",
+    "num_train_epochs": "num_epochs",
+    "lr_scheduler_type": "lr_scheduler",
+    "bf16": "mixed_precision: bf16",
+    "use_cpu": "device: cpu",
+    "ddp_timeout": "collective_timeout_s",
+    "restore_callback_states_from_checkpoint": "restore_callback_states",
+}
+
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
 NOT_WARNED = frozenset({
@@ -75,6 +86,19 @@ EXPLANATIONS: dict[str, str] = {
     "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
 }
+
+
+def trainer_field_hint(name: str) -> str | None:
+    """For a config error: which ``TrainingArgs`` field a ``TrainingArguments`` name typed from habit is
+    (or why it has none); None when ``name`` is not a ``TrainingArguments`` field."""
+    if name not in _FIELDS:
+        return None
+    prefix = f"{name} is transformers.TrainingArguments' name"
+    if name in RENAMED:
+        return f"{prefix}; here it is {RENAMED[name]}."
+    if name in EXPLANATIONS:
+        return f"{prefix}; here {EXPLANATIONS[name]}."
+    return f"{prefix}; it has no equivalent in trainbridge.TrainingArgs."
 
 
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
