@@ -31,8 +31,9 @@ class FakeRunTraining:
         self.outcome = RunResult(global_step=12, epoch=1.0, max_steps=12, final_loss=1.23456,
                                  checkpoints=["out/ckpt-12"])
 
-    def __call__(self, args, torchrun_args, timeout_s=None):
+    def __call__(self, args, torchrun_args, timeout_s=None, dry_run=False):
         self.calls.append((args, torchrun_args, timeout_s))
+        self.dry_run = dry_run
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         return self.outcome
@@ -236,3 +237,11 @@ def test_set_paths_resolve_against_the_working_directory(config, launches, monke
     (tmp_path / "other.jsonl").write_text('{"text": "2+2=4"}\n')
     assert cli.main(["train", str(config), "--set", "data_path=other.jsonl"]) == 0
     assert launches.calls[0][0].data_path.resolve() == tmp_path / "other.jsonl"
+
+
+def test_dry_run_prints_the_resolved_config_and_trains_nothing(config, launches, capsys):
+    assert cli.main(["train", str(config), "--dry-run", "--set", "max_steps=7"]) == 0
+    assert launches.dry_run is True
+    out = capsys.readouterr().out
+    assert "resolved configuration" in out and "max_steps: 7" in out and "nothing was trained" in out
+    assert "training finished" not in out

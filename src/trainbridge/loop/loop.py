@@ -31,6 +31,7 @@ from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import StepPlan, token_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.summary import announce_run
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]
     """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
     with _sigterm_raises():
         components = build_run(args, env)
+    announce_run(args, env, components)
     return TrainingLoop(args, env, callbacks, components).run()
 
 
