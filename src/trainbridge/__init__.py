@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
     from trainbridge.launch.transport import CallbackTransportError, register_by_value
     from trainbridge.loop.result import RunResult
+    from trainbridge.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "EVENT_MAP": "trainbridge.core.events",
     "Event": "trainbridge.core.events",
     "RunResult": "trainbridge.loop.result",
+    "Trainer": "trainbridge.trainer",  # transformers.Trainer's API on our loop
     "run_training": "trainbridge.launch.launcher",
     "WorkerFailedError": "trainbridge.launch.launcher",
     "LaunchError": "trainbridge.launch.launcher",
@@ -70,6 +72,7 @@ __all__ = [
     "PreflightError",
     "RunResult",
     "TorchrunArgs",
+    "Trainer",
     "TrainingArgs",
     "TrainingContext",
     "TrainingInterruptedError",
