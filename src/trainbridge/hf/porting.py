@@ -38,6 +38,17 @@ CARRIED_OVER = frozenset({
     "activation_checkpointing", "activation_checkpointing_kwargs",
 })
 
+# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
+RENAMED: dict[str, str] = {
+    "output_dir": "ckpt_output_dir",
+    "num_train_epochs": "num_epochs",
+    "lr_scheduler_type": "lr_scheduler",
+    "bf16": "mixed_precision: bf16",
+    "use_cpu": "device: cpu",
+    "ddp_timeout": "collective_timeout_s",
+    "restore_callback_states_from_checkpoint": "restore_callback_states",
+}
+
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
 NOT_WARNED = frozenset({
@@ -87,6 +98,19 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "deepspeed": ("distributed_backend",),
     "fsdp": ("distributed_backend",),
 }
+
+
+def trainer_field_hint(name: str) -> str | None:
+    """For a config error: which ``TrainingArgs`` field a ``TrainingArguments`` name typed from habit is
+    (or why it has none); None when ``name`` is not a ``TrainingArguments`` field."""
+    if name not in _FIELDS:
+        return None
+    prefix = f"{name} is transformers.TrainingArguments' name"
+    if name in RENAMED:
+        return f"{prefix}; here it is {RENAMED[name]}."
+    if name in EXPLANATIONS:
+        return f"{prefix}; here {EXPLANATIONS[name]}."
+    return f"{prefix}; it has no equivalent in trainbridge.TrainingArgs."
 
 
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
