@@ -82,8 +82,13 @@ class EvalBatches:
         return len(self.groups)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for _, batch in self.indexed():
+            yield batch
+
+    def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+        """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]``."""
         for group in self.groups:
-            yield self.collate(self.samples.fetch(group))
+            yield group, self.collate(self.samples.fetch(group))
 
 
 def _pack(indices: Sequence[int], lengths: np.ndarray, budget: int, padded: bool) -> list[list[int]]:

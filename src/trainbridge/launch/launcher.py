@@ -37,11 +37,12 @@ from typing import Any
 import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.distributed import launched_worker
 from trainbridge.data.sources import load_run_data
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling.load import load_tokenizer
+from trainbridge.modeling.load import check_model_setup, load_tokenizer
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -111,13 +112,18 @@ class TrainingInterruptedError(LaunchError):
 def preflight(args: TrainingArgs) -> None:
     """Every check that can fail before launch, in the parent (raises ``PreflightError``).
 
-    torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
+    torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
+    ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
     into its cache (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
+    try:
+        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
@@ -168,6 +174,7 @@ def build_torchrun_command(
     payload_path: Path,
     log_dir: Path,
     worker_module: str = WORKER_MODULE,
+    worker_args: list[str] | None = None,
 ) -> list[str]:
     """The torchrun command line (the payload path is on it; the payload and its key never are)."""
     command = [
@@ -197,7 +204,7 @@ def build_torchrun_command(
     if torchrun_args.nproc_per_node > 1:
         # Local rank 0 keeps the real console (progress bars work); the others are teed with a prefix.
         command += ["--tee", ",".join(f"{rank}:3" for rank in range(1, torchrun_args.nproc_per_node))]
-    command += ["-m", worker_module, "--payload", str(payload_path)]
+    command += ["-m", worker_module, "--payload", str(payload_path), *(worker_args or [])]
     return command
 
 
@@ -422,24 +429,58 @@ def _supervise(process: subprocess.Popen[bytes], timeout_s: float | None) -> int
 
 
 # ----------------------------------------------------------------------------- entry point
+def run_in_place(args: TrainingArgs) -> RunResult:
+    """Train on this rank of a job someone else launched (``torchrun script.py`` calling ``run_training``):
+    the process group spans the launcher's ranks, no worker is started, every rank returns the result.
+
+    The launcher's world decides the process count (a ``TorchrunArgs`` given to ``run_training`` is not
+    used); preflight checks run on every rank.
+    """
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.loop import train
+
+    preflight(args)
+    env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
+    if env.is_world_process_zero:
+        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+        (args.ckpt_output_dir / RESULT_FILE_NAME).unlink(missing_ok=True)
+    env.barrier()
+    result = train(args, env, assemble_callbacks(args))
+    if env.is_world_process_zero:
+        result.write(args.ckpt_output_dir / RESULT_FILE_NAME)
+    return result
+
+
 def run_training(
-    train_args: TrainingArgs | Mapping[str, Any],
-    torchrun_args: TorchrunArgs | Mapping[str, Any] | None = None,
+    train_args: TrainingArgs | TorchrunArgs | Mapping[str, Any] | None,
+    torchrun_args: TorchrunArgs | TrainingArgs | Mapping[str, Any] | None = None,
     *,
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
+    dry_run: bool = False,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
-    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields.  Raises
+    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
+    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart).
+    Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
+    place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
     launch, nothing started), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
 
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
     ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
+    ``dry_run``: the workers build the run (model, data, engine), rank 0 prints its plan, and nothing is
+    trained; returns None.
     """
+    if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
+        train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
+    if train_args is None:
+        raise TypeError("run_training: no TrainingArgs given")
     args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
+    if launched_worker():
+        return run_in_place(args)
     if torchrun_args is None:
         launch = TorchrunArgs()
     elif isinstance(torchrun_args, TorchrunArgs):
@@ -448,7 +489,8 @@ def run_training(
         launch = TorchrunArgs.model_validate(torchrun_args)
     args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
     result_path = args.ckpt_output_dir / RESULT_FILE_NAME
-    result_path.unlink(missing_ok=True)
+    if not dry_run:
+        result_path.unlink(missing_ok=True)
     preflight(args)
 
     private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
@@ -456,7 +498,8 @@ def run_training(
         payload_path, key = write_payload(args, private_dir)
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
-        command = build_torchrun_command(launch, payload_path, log_dir, worker_module)
+        command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
+                                         ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -466,6 +509,8 @@ def run_training(
             raise worker_failure(log_dir, torchrun_error_file, launch, returncode)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
+    if dry_run:
+        return None
     if result_path.is_file():
         return RunResult.read(result_path)
     hosts_rank_zero = launch.node_rank == 0 if not launch.rdzv_endpoint else str(launch.nnodes) == "1"

@@ -11,6 +11,7 @@ them out.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -29,8 +30,12 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import StepPlan, token_loss_sum
+from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.summary import announce_run
+from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]
     """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
     with _sigterm_raises():
         components = build_run(args, env)
+    announce_run(args, env, components)
     return TrainingLoop(args, env, callbacks, components).run()
 
 
@@ -68,6 +74,8 @@ class TrainingLoop:
         self.engine = components.engine
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
+        # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
+        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
         self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
@@ -79,6 +87,7 @@ class TrainingLoop:
         self._last_saved_step = -1
         self._stop_training = False
         self._stop_requesters = ""
+        self._merged: Path | None = None
         self.context = ctx = TrainingContext(args=args, env=env)
         ctx.steps_per_epoch = components.steps_per_epoch
         ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
@@ -109,6 +118,9 @@ class TrainingLoop:
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 fire(Event.TRAIN_END, ctx)
+                if self.args.merge_adapter_at_end:
+                    self._merged = self.checkpoints.export_merged(
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 self.callbacks.drain()
@@ -209,12 +221,16 @@ class TrainingLoop:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
         loss_sum, loss_tokens, steps = 0.0, 0, 0
+        predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for cpu_batch in self.eval_batches:
+            for indices, cpu_batch in self.eval_batches.indexed():
                 batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
                 with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                    logits = forward_logits(engine.module, batch)
+                token_sum, n_tokens = logits_loss_sum(logits, batch["labels"])
+                if predictions is not None:
+                    predictions.add(indices, batch, logits)
                 loss_sum += float(token_sum)
                 loss_tokens += n_tokens
                 steps += 1
@@ -227,6 +243,7 @@ class TrainingLoop:
         runtime = max(time.time() - start, 1e-9)
         metrics = {
             "eval_loss": total_sum / max(total_tokens, 1.0),
+            **(predictions.compute(self.env) if predictions is not None else {}),
             "eval_runtime": round(runtime, 4),
             "eval_samples_per_second": round(total_samples / runtime, 3),
             "eval_steps_per_second": round(steps / runtime, 3),
@@ -378,6 +395,7 @@ class TrainingLoop:
             callback_errors=errors,
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(self._merged) if self._merged else None,
         )
 
 
