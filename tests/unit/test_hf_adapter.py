@@ -143,7 +143,7 @@ class SimulatedRun:
         for index, cb in enumerate(self.callbacks, start=1):
             if cb.handles(event):
                 self.context.current_source = index
-                getattr(cb, event.method)(self.context, **kwargs)
+                cb.run_event(event, self.context, **kwargs)
         self.context.current_source = 0
 
     def agree(self) -> AgreedControl:
@@ -356,17 +356,21 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
                        [HuggingFaceCallbackAdapter([recorder])], steps_per_epoch=2)
     ctx = run.run()
     common = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}
+    evaluated = False
     for hook, args, state, control, kwargs in recorder.seen:
         assert isinstance(args, TrainingArguments) and isinstance(state, TrainerState)
         assert isinstance(control, TrainerControl)
         assert common <= set(kwargs), hook
-        assert kwargs["model"] is ctx.unwrapped_model and kwargs["optimizer"] is ctx.optimizer
-        assert kwargs["processing_class"] is ctx.tokenizer and kwargs["lr_scheduler"] is ctx.lr_scheduler
-        if hook == "on_init_end":  # Trainer.__init__: the dataloaders do not exist yet
-            assert kwargs["train_dataloader"] is None and kwargs["eval_dataloader"] is None
+        assert kwargs["model"] is ctx.unwrapped_model and kwargs["processing_class"] is ctx.tokenizer
+        if hook == "on_init_end":  # Trainer.__init__: optimizer, scheduler and dataloaders do not exist yet
+            assert all(kwargs[name] is None for name in common - {"model", "processing_class"}), kwargs
             continue
+        assert kwargs["optimizer"] is ctx.optimizer and kwargs["lr_scheduler"] is ctx.lr_scheduler
         assert kwargs["train_dataloader"] is ctx.train_dataloader
-        assert kwargs["eval_dataloader"] is ctx.eval_dataloader
+        # Trainer hands its eval dataloader over in evaluate(): None before the first evaluation
+        evaluated = evaluated or hook == "on_prediction_step" or "eval_loss" in (kwargs.get("logs") or {})
+        assert kwargs["eval_dataloader"] is (ctx.eval_dataloader if evaluated else None), hook
+    assert evaluated
     logs = [kw["logs"] for hook, *_, kw in recorder.seen if hook == "on_log"]
     assert set(logs[0]) == {"loss", "grad_norm", "learning_rate", "epoch"}
     assert "train_loss" in logs[-1]
@@ -375,7 +379,8 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     state = recorder.seen[-1][2]
     assert state.global_step == 2 and state.max_steps == 2 and state.num_train_epochs == 1
     assert state.logging_steps == 1 and state.eval_steps == 2
-    assert state.num_input_tokens_seen == 20 and state.total_flos == 6 * 20 * 20  # Linear(4, 4): 20 params
+    # include_num_input_tokens_seen="no" (Trainer's default): not counted; flos from the native counter
+    assert state.num_input_tokens_seen == 0 and state.total_flos == 6 * 20 * 20  # Linear(4, 4): 20 params
     assert state.is_world_process_zero and state.is_local_process_zero
     assert state.trial_name is None and state.trial_params is None
     assert [entry["step"] for entry in state.log_history] == [1, 2, 2, 2]
@@ -465,12 +470,11 @@ def test_agreed_decision_is_folded_into_control_once(files):
 
 def test_callback_errors_name_the_callback(files):
     class Broken(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, **kwargs):
             raise ValueError("boom")
 
-    run = adapter_context(files, HuggingFaceCallbackAdapter([Broken()]))
-    with pytest.raises(HuggingFaceCallbackError, match=r"Broken\.on_step_begin raised ValueError: boom"):
-        run.fire(Event.STEP_BEGIN)
+    with pytest.raises(HuggingFaceCallbackError, match=r"Broken\.on_train_begin raised ValueError: boom"):
+        adapter_context(files, HuggingFaceCallbackAdapter([Broken()]))
 
 
 # ============================================================================ checkpoint and resume
