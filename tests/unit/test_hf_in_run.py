@@ -24,26 +24,21 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.manager import CallbackFatalError
-from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
+from trainbridge.demos.tiny_model import write_arithmetic_dataset
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.loop import train
 from trainbridge.loop.result import RunResult
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
-
 @pytest.fixture
-def args_for(tmp_path: Path, model_dir: Path):
+def args_for(tmp_path: Path, tiny_llama: Path):
     train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 32, seed=1)
     val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
 
     def make(**overrides: Any) -> TrainingArgs:
         values: dict[str, Any] = dict(
-            model_path=model_dir, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / "out",
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / "out",
             max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant",
             max_steps=4, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
         )
