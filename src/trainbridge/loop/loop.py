@@ -11,6 +11,7 @@ them out.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -31,6 +32,7 @@ from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import StepPlan, token_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.result import RunResult
+from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class TrainingLoop:
         self._stop_training = False
         self._stop_requesters = ""
         self._step_input_tokens = 0
+        self._merged: Path | None = None
         self.context = ctx = TrainingContext(args=args, env=env)
         ctx.steps_per_epoch = components.steps_per_epoch
         ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
@@ -111,6 +114,9 @@ class TrainingLoop:
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 self._load_best_model()
                 fire(Event.TRAIN_END, ctx)
+                if self.args.merge_adapter_at_end:
+                    self._merged = self.checkpoints.export_merged(
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 self.callbacks.drain()
@@ -394,6 +400,7 @@ class TrainingLoop:
             callback_errors=errors,
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(self._merged) if self._merged else None,
         )
 
 
