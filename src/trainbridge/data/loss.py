@@ -31,9 +31,17 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
     dummy micro-batch (no loss token) the sum is a zero that still depends on every parameter used by
     the forward, so ``backward`` runs and gradient hooks / collectives fire as on the other ranks.
     """
-    outputs = model(**{key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}, use_cache=False)
-    logits = outputs.logits
-    shifted_labels = batch["labels"][:, 1:]
+    return logits_loss_sum(forward_logits(model, batch), batch["labels"])
+
+
+def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits for ``batch`` (only ``MODEL_INPUT_KEYS`` are passed, ``use_cache=False``)."""
+    return model(**{key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}, use_cache=False).logits
+
+
+def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(sum of shifted token cross entropies, number of loss tokens)`` of ``logits`` against ``labels``."""
+    shifted_labels = labels[:, 1:]
     shifted_logits = logits[:, :-1, :]
     num_tokens = int((shifted_labels != IGNORE_INDEX).sum())
     if num_tokens == 0:

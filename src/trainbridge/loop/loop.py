@@ -30,7 +30,9 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import StepPlan, token_loss_sum
+from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.modeling.load import load_base_for_merge
 
@@ -70,6 +72,8 @@ class TrainingLoop:
         self.engine = components.engine
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
+        # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
+        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
         self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
@@ -220,12 +224,16 @@ class TrainingLoop:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
         loss_sum, loss_tokens, steps = 0.0, 0, 0
+        predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for cpu_batch in self.eval_batches:
+            for indices, cpu_batch in self.eval_batches.indexed():
                 batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
                 with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                    logits = forward_logits(engine.module, batch)
+                token_sum, n_tokens = logits_loss_sum(logits, batch["labels"])
+                if predictions is not None:
+                    predictions.add(indices, batch, logits)
                 loss_sum += float(token_sum)
                 loss_tokens += n_tokens
                 steps += 1
@@ -238,6 +246,7 @@ class TrainingLoop:
         runtime = max(time.time() - start, 1e-9)
         metrics = {
             "eval_loss": total_sum / max(total_tokens, 1.0),
+            **(predictions.compute(self.env) if predictions is not None else {}),
             "eval_runtime": round(runtime, 4),
             "eval_samples_per_second": round(total_samples / runtime, 3),
             "eval_steps_per_second": round(steps / runtime, 3),
