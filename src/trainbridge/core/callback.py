@@ -39,10 +39,22 @@ class Callback:
     """The state is run bookkeeping (schedule, best metric, TrainerState), restored on resume even when
     ``restore_callback_states`` is off; that switch governs user callbacks' own state."""
 
+    state_id: str | None = None
+    """Tells apart several callbacks of one class in checkpoints (set it on the instance, e.g.
+    ``cb.state_id = "fast"``, or in a subclass): the state is saved under ``Class[state_id]``."""
+
     @property
     def name(self) -> str:
         """Name used in logs, error reports and control requesters."""
         return type(self).__name__
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint (as Lightning's ``Callback.state_key``): the
+        class's qualified name, plus ``[state_id]`` when one is set.  Stable when callbacks are added,
+        removed or reordered between a save and a resume."""
+        qualname = type(self).__qualname__
+        return qualname if self.state_id is None else f"{qualname}[{self.state_id}]"
 
     # ---------------------------------------------------------------- dispatch
     def run_event(self, event: Event, context: TrainingContext, **kwargs: Any) -> None:
