@@ -359,6 +359,16 @@ class TrainingArgs(BaseModel):
     """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` (if any); a path resumes from it."""
     report_to: list[str] = Field(default_factory=list)
     """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
+    include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
+    """What ``TrainerState.num_input_tokens_seen`` counts for Hugging Face callbacks (and whether their logs
+    carry it), as transformers' option of that name: ``no`` (not counted), ``all`` (every input position,
+    padding included) or ``non_padding`` (real tokens); ``True``/``False`` mean ``all``/``no``.  The native
+    counters (``TrainingContext.tokens_seen``, ``input_tokens_seen``) always count."""
+    hf_args: Any = Field(default=None, exclude=True)
+    """The ``transformers.TrainingArguments`` (or subclass instance: trl's ``SFTConfig``, ``DPOConfig``...)
+    these settings were ported from; ``training_args_from_hf`` sets it.  Hugging Face callbacks then see an
+    instance of its class with all its fields, only the fields this run owns replaced
+    (``trainbridge.hf.arguments``).  Not written to YAML."""
     run_name: str | None = None
     """Run name shown by reporting integrations."""
     logging_dir: Path | None = None
@@ -433,6 +443,25 @@ class TrainingArgs(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return out
+
+    @field_validator("include_num_input_tokens_seen", mode="before")
+    @classmethod
+    def _token_counting(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # as TrainingArguments: True -> "all", False -> "no"
+            return "all" if value else "no"
+        return value
+
+    @field_validator("hf_args")
+    @classmethod
+    def _hf_training_arguments(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        from transformers import TrainingArguments
+
+        if not isinstance(value, TrainingArguments):
+            raise ValueError(f"expected a transformers.TrainingArguments (or subclass) instance, got "
+                             f"{type(value).__name__}; pass the object your script built, or leave it unset")
+        return value
 
     @field_validator("model_path")
     @classmethod
