@@ -33,6 +33,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import (
+    IGNORE_INDEX,
     Sample,
     StepPlan,
     collate_padded,
@@ -42,12 +43,14 @@ from trainbridge.data import (
     token_loss_sum,
 )
 from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.loop.result import RunResult
 from trainbridge.modeling import (
     VARLEN_SDPA,
     enable_varlen_sdpa,
     model_supports_padding_free,
     packed_row_tokens,
+    sample_segments,
 )
 from trainbridge.parallel.engine import build_engine
 
@@ -127,9 +130,12 @@ class TrainingLoop:
             if ctx.global_step >= ctx.max_steps:
                 break
             self._train_step(step_plan)
-            # DECISION POINT: the step's one collective — agreed control plus the loss sum.
-            agreed, (loss_sum,) = self._agree(extras=[self._step_loss_sum])
-            self._account_step(step_plan, loss_sum)
+            # DECISION POINT: the step's one collective — agreed control plus the loss sum — and its one
+            # host-device synchronisation (the loss and grad norm ride in it from the device).
+            agreed, (loss_sum, local_loss_sum, grad_norm) = self._agree(
+                extras=[self._step_loss_sum], own=[self._step_loss_sum, self._step_grad_norm]
+            )
+            self._account_step(step_plan, loss_sum, local_loss_sum, grad_norm)
             flags = self._log_evaluate_save(agreed)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
@@ -140,24 +146,29 @@ class TrainingLoop:
         ctx.step_in_epoch = 0
 
     def _train_step(self, step: StepPlan) -> None:
-        """One optimizer step: every micro-batch of this rank, then clip, step, schedule."""
+        """One optimizer step: every micro-batch of this rank, then clip, step, schedule.
+
+        Nothing here waits for the device: token counts come from the step plan, the batch moves to the
+        device without blocking, and the loss and the grad norm stay device tensors until the step's
+        agreement reads them (``ctx.local_loss`` / ``ctx.grad_norm`` convert on a callback's read)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
+        loss_tokens = self._micro_batch_loss_tokens(step)
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, cpu_batch in enumerate(micro_batches):
             ctx.micro_step = i
             is_last = i == len(micro_batches) - 1
-            batch = {k: v.to(self.env.device, non_blocking=True) for k, v in cpu_batch.items()}
+            batch = _to_device(cpu_batch, self.env.device)
             with engine.micro_batch(is_last):
                 fire(Event.BEFORE_FORWARD, ctx, batch=batch)
-                with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                with engine.autocast(), sample_segments(cpu_batch):
+                    token_sum, n_tokens = token_loss_sum(engine.module, batch, num_tokens=loss_tokens[i])
                 loss = token_sum * scale
-                ctx.local_loss = float(token_sum.detach()) / n_tokens if n_tokens else 0.0
+                ctx.local_loss = token_sum.detach() / n_tokens if n_tokens else 0.0
                 fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
                 fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
                 engine.backward(loss)
@@ -165,15 +176,20 @@ class TrainingLoop:
             loss_sum += token_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
-        ctx.grad_norm = engine.clip_grad_norm(self.args.max_grad_norm)
+        grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
+        ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
         ctx.learning_rate = engine.current_lr()
         engine.optimizer_step()
+        if grad_norm is None:  # DeepSpeed clips inside its step and reports the norm after it
+            grad_norm = ctx.grad_norm = engine.reported_grad_norm()
         fire(Event.OPTIMIZER_STEP, ctx)
         engine.scheduler_step()
         engine.zero_grad()
-        self._step_loss_sum = float(loss_sum)
-        ctx.local_loss = self._step_loss_sum / max(sum(self._local_loss_tokens(step)), 1)
+        self._step_loss_sum = loss_sum
+        self._step_grad_norm = grad_norm if grad_norm is not None else math.nan
+        self._step_local_tokens = max(sum(loss_tokens), 1)
+        ctx.local_loss = loss_sum / self._step_local_tokens
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
@@ -210,18 +226,21 @@ class TrainingLoop:
         if self.eval_batches is None:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
-        loss_sum, loss_tokens, steps = 0.0, 0, 0
+        loss_tokens, steps = 0, 0
+        device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         engine.module.eval()
         with torch.no_grad():
             for cpu_batch in self.eval_batches:
-                batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
-                with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
-                loss_sum += float(token_sum)
+                batch = _to_device(cpu_batch, self.env.device)
+                n_tokens = int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # CPU tensor: no sync
+                with engine.autocast(), sample_segments(cpu_batch):
+                    token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
+                device_loss_sum += token_sum.detach().to(torch.float64)
                 loss_tokens += n_tokens
                 steps += 1
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
+        loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
         # collective: every rank's validation loss sum and token count, in one all_reduce
         total_sum, total_tokens, total_samples = self.env.sum_floats(
             [loss_sum, loss_tokens, self.eval_batches.num_samples_local]
@@ -266,10 +285,13 @@ class TrainingLoop:
             raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
         if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
             logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
+        install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device),
+                          args.loss_chunk_tokens)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         collate: Any = (
             (lambda s: collate_padded(s, pad_id)) if padded
-            else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model))
+            else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
+                                   flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))
         )
         self.train_batches = TrainBatches(
             train_samples, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
@@ -351,9 +373,12 @@ class TrainingLoop:
         }
 
     # ================================================================== bookkeeping
-    def _agree(self, extras: Sequence[float] = ()) -> tuple[AgreedControl, list[float]]:
-        """Agree pending control requests across ranks (one collective); abort on a fatal callback error."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras)
+    def _agree(
+        self, extras: Sequence[float | torch.Tensor] = (), own: Sequence[float | torch.Tensor] = ()
+    ) -> tuple[AgreedControl, list[float]]:
+        """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
+        Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
+        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras, own)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
@@ -369,12 +394,16 @@ class TrainingLoop:
             )
         return agreed, sums
 
-    def _local_loss_tokens(self, step: StepPlan) -> list[int]:
+    def _micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
+        """Loss tokens of each of this rank's micro-batches in ``step``, from the samples (CPU-side)."""
         samples = self.train_batches.samples
-        return [samples[i].loss_tokens for group in step.micro_batches[self.env.rank] for i in group]
+        return [sum(samples[i].loss_tokens for i in group) for group in step.micro_batches[self.env.rank]]
 
-    def _account_step(self, step: StepPlan, global_loss_sum: float) -> None:
+    def _account_step(self, step: StepPlan, global_loss_sum: float, local_loss_sum: float,
+                      grad_norm: float) -> None:
         ctx = self.context
+        ctx.local_loss = local_loss_sum / self._step_local_tokens
+        ctx.grad_norm = None if math.isnan(grad_norm) else grad_norm
         ctx.loss = global_loss_sum / max(step.loss_tokens, 1)
         ctx.tokens_seen += step.num_tokens
         ctx.loss_tokens_seen += step.loss_tokens
@@ -438,6 +467,12 @@ class TrainingLoop:
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
         )
+
+
+def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
+    ``max_length_*``) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
 
 
 @contextmanager
