@@ -183,9 +183,9 @@ def test_mixed_precision_auto_is_fp32_on_cpu_and_bf16_on_capable_cuda(
 
 
 def test_cuda_defaults_keep_a_user_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainbridge.core.distributed import CUDA_ALLOC_CONF_DEFAULT, apply_cuda_defaults
-
     import os
+
+    from trainbridge.core.distributed import CUDA_ALLOC_CONF_DEFAULT, apply_cuda_defaults
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:

@@ -40,6 +40,7 @@ from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
+from trainbridge.modeling.load import check_model_setup
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -109,12 +110,17 @@ class TrainingInterruptedError(LaunchError):
 def preflight(args: TrainingArgs) -> None:
     """Every check that can fail before launch, in the parent (raises ``PreflightError``).
 
-    torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
+    torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
+    ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
+    try:
+        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):

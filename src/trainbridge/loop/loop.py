@@ -1,10 +1,11 @@
 """The training loop.  It reads top to bottom; every event it fires is visible here.
 
-``TrainingLoop.run`` is the whole run: set-up, ``on_init_end``, resume, ``on_train_begin``, epochs of
-optimizer steps, and ``on_train_end`` (or ``on_exception`` on any exit that is not clean).  The loop
+``TrainingLoop.run`` is the whole run over components built beforehand (``trainbridge.loop.build``):
+``on_init_end``, resume, ``on_train_begin``, epochs of optimizer steps, and ``on_train_end`` (or
+``on_exception`` on any exit that is not clean).  The loop
 acts on control only after ``agree_control`` (``trainbridge.core.control``) has made every rank hold the
 same decision, at the decision points marked ``DECISION POINT`` below.  Logging, evaluation and
-checkpoint *triggers* are callbacks (``callbacks.builtin.ScheduleCallback``); the loop only carries
+checkpoint *triggers* are callbacks (``trainbridge.callbacks.ScheduleCallback``); the loop only carries
 them out.
 """
 
@@ -21,10 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -32,27 +30,11 @@ from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
-from trainbridge.data import (
-    IGNORE_INDEX,
-    Sample,
-    StepPlan,
-    collate_padded,
-    collate_padding_free,
-    load_jsonl,
-    split_validation,
-    token_loss_sum,
-)
-from trainbridge.data.loader import EvalBatches, TrainBatches
-from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
+from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
+from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling import (
-    VARLEN_SDPA,
-    enable_varlen_sdpa,
-    model_supports_padding_free,
-    packed_row_tokens,
-    sample_segments,
-)
-from trainbridge.parallel.engine import build_engine
+from trainbridge.modeling import sample_segments
+from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +47,17 @@ class TrainingInterrupted(BaseException):
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
-    """Run one training job on this worker; every rank returns the same ``RunResult``."""
-    return TrainingLoop(args, env, callbacks).run()
+    """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
+    with _sigterm_raises():
+        components = build_run(args, env)
+    return TrainingLoop(args, env, callbacks, components).run()
 
 
 class TrainingLoop:
-    """One worker's training run."""
+    """One worker's training run over components built by ``trainbridge.loop.build.build_run``."""
 
-    def __init__(self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]):
+    def __init__(self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback],
+                 components: RunComponents):
         self.args = args
         self.env = env
         self.callbacks = CallbackManager(
@@ -83,23 +68,41 @@ class TrainingLoop:
             queue_size=args.nonblocking_queue_size,
             drain_timeout_s=args.nonblocking_drain_timeout_s,
         )
-        self.context = TrainingContext(args=args, env=env)
+        self.tokenizer = components.tokenizer
+        self.engine = components.engine
+        self.train_batches = components.train_batches
+        self.eval_batches = components.eval_batches
+        self.checkpoints = components.checkpoints
+        self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
         self._last_logged_step = 0
         self._total_loss = 0.0
         self._steps_this_run = 0
+        # The step's loss sum and grad norm stay on the device until the step's agreement reads them.
+        self._step_loss_sum: float | torch.Tensor = 0.0
+        self._step_grad_norm: float | torch.Tensor = math.nan
+        self._step_local_tokens = 1
+        self._step_start = 0.0
         self._last_saved_step = -1
         self._stop_training = False
         self._stop_requesters = ""
+        self._merged: Path | None = None
+        self.context = ctx = TrainingContext(args=args, env=env)
+        ctx.steps_per_epoch = components.steps_per_epoch
+        ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
+        ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
+        ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
+        ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
+        ctx.tokenizer = self.tokenizer
+        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
     def run(self) -> RunResult:
-        """Set up, train, and end with ``on_train_end`` or ``on_exception``."""
+        """Train, and end with ``on_train_end`` or ``on_exception``."""
         ctx, fire = self.context, self.callbacks.fire
         runtime = 0.0
         with _sigterm_raises():
             try:
-                self._set_up()
                 fire(Event.INIT_END, ctx)
                 self._resume()
                 ctx.train_start_time = time.time()
@@ -114,6 +117,9 @@ class TrainingLoop:
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 fire(Event.TRAIN_END, ctx)
+                if self.args.merge_adapter_at_end:
+                    self._merged = self.checkpoints.export_merged(
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 self.callbacks.drain()
@@ -273,67 +279,7 @@ class TrainingLoop:
         ctx.checkpoints = self.checkpoints.list_checkpoints()
         return path
 
-    # ================================================================== set-up and resume
-    def _set_up(self) -> None:
-        args, env, ctx = self.args, self.env, self.context
-        transformers.set_seed(args.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
-        train_samples, val_samples = self._load_data()
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
-        padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
-        if args.packing == "padding_free" and not model_supports_padding_free(model):
-            raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
-        if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
-            logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
-        install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device),
-                          args.loss_chunk_tokens)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        collate: Any = (
-            (lambda s: collate_padded(s, pad_id)) if padded
-            else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
-                                   flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))
-        )
-        self.train_batches = TrainBatches(
-            train_samples, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
-            rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
-        )
-        self.eval_batches = (
-            EvalBatches(val_samples, collate, world_size=env.world_size, rank=env.rank,
-                        max_batch_len=args.max_batch_len, padded=padded)
-            if val_samples else None
-        )
-        ctx.steps_per_epoch = self.train_batches.steps_per_epoch
-        ctx.max_steps = args.max_steps or ctx.steps_per_epoch * args.num_epochs
-        ctx.num_epochs = math.ceil(ctx.max_steps / ctx.steps_per_epoch)
-        self.engine = build_engine(model, args, env, total_steps=ctx.max_steps)
-        self.engine.verify()
-        self._num_parameters = sum(p.numel() for p in model.parameters())
-        logger.info("engine: %s; %s batches", self.engine.describe(), "padded" if padded else "padding-free")
-        self.checkpoints = CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit)
-        ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
-        ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
-        ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
-        ctx.tokenizer = self.tokenizer
-        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
-
-    def _load_data(self) -> tuple[list[Sample], list[Sample]]:
-        args = self.args
-        train, stats = load_jsonl(args.data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-        self._data_stats = [stats]
-        if args.val_data_path is not None:
-            val, val_stats = load_jsonl(args.val_data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-            self._data_stats.append(val_stats)
-        elif args.validation_split > 0:
-            train, val = split_validation(train, args.validation_split, args.seed)
-        else:
-            val = []
-        for s in self._data_stats:
-            if self.env.is_world_process_zero and (s.dropped_overlong or s.truncated or s.empty_skipped):
-                logger.warning("%s: %d samples dropped as longer than max_seq_len=%d, %d truncated, "
-                               "%d without loss tokens skipped", s.path, s.dropped_overlong, args.max_seq_len,
-                               s.truncated, s.empty_skipped)
-        return train, val
-
+    # ================================================================== resume
     def _resume(self) -> None:
         """Restore model, optimizer, RNG, counters and callback state from a checkpoint, if asked."""
         args, ctx = self.args, self.context
@@ -388,9 +334,10 @@ class TrainingLoop:
                 for r in agreed.requesters[ControlFlag.STOP_TRAINING]
             )
         if ControlFlag.ABORT in agreed:
+            local = agreed.local_reasons.get(ControlFlag.ABORT)
             raise CallbackFatalError(
                 f"callback error under callback_error_policy='fatal' on {agreed.describe(ControlFlag.ABORT)}; "
-                f"every rank stopped at step {self.context.global_step}"
+                f"every rank stopped at step {self.context.global_step}" + (f" (this rank: {local})" if local else "")
             )
         return agreed, sums
 
@@ -466,6 +413,7 @@ class TrainingLoop:
             callback_errors=errors,
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(self._merged) if self._merged else None,
         )
 
 

@@ -48,6 +48,8 @@ class RunResult(BaseModel):
     """Wall time of the training loop."""
     resumed_from: str | None = None
     """Checkpoint the run resumed from."""
+    merged_model: str | None = None
+    """Folder of the merged PEFT model (``merge_adapter_at_end``), loadable with ``AutoModelForCausalLM``."""
 
     def write(self, path: Path) -> None:
         """Write as JSON (atomically)."""

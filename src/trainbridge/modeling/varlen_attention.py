@@ -32,6 +32,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from trainbridge.modeling.load import unwrap_peft
 from trainbridge.modeling.padding_free import VARLEN_SDPA, model_supports_padding_free
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
     ``max_seq_len``, or a probe (one packed row of three samples, evaluation mode, no gradient) whose
     logits differ between the two implementations.
     """
+    model = unwrap_peft(model)
     if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
         return False
     if not model_supports_padding_free(model) or _has_local_attention(model.config, max_seq_len):

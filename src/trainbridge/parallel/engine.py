@@ -191,18 +191,22 @@ class TrainingEngine(ABC):
         return False
 
     # ------------------------------------------------------------------ state
-    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full, unsharded model weights as CPU tensors on rank 0, None on the other ranks.
+    def full_model_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded model weights as CPU tensors on rank 0, None on the other ranks; only the
+        parameters in ``names`` when given (a PEFT adapter's weights without the frozen base).
 
         Collective for sharded backends (FSDP2, ZeRO-3): every rank must call it.
         """
         if not self.env.is_world_process_zero:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrapped.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrapped.state_dict().items()
+                if names is None or k in names}
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (every rank holds it) into the live, possibly sharded, model (strict)."""
-        self.unwrapped.load_state_dict(state, strict=True)
+    def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a full state dict (every rank holds it) into the live, possibly sharded, model.  ``strict``:
+        every weight of the model; otherwise a subset (e.g. a PEFT adapter's weights), each of which must
+        exist in the model."""
+        _load_into(self.unwrapped, state, strict)
 
     def save_training_state(self, directory: Path) -> None:
         """Write optimizer and scheduler state into ``directory`` (collective: every rank calls it).
@@ -251,6 +255,12 @@ class TrainingEngine(ABC):
 
     def _where(self) -> str:
         return f"world={self.env.world_size} device={self.env.device.type}"
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:
+    result = module.load_state_dict(state, strict=strict)
+    if result.unexpected_keys:
+        raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)}")
 
 
 def _require_file(path: Path) -> Path:
@@ -327,18 +337,32 @@ class FSDP2Engine(TrainingEngine):
     def _wrapper_handles_precision(self) -> bool:
         return self.mixed_precision_policy
 
-    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: all-gathers the shards; the full CPU state lands on rank 0."""
+    def full_model_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """Collective: all-gathers the shards (only those of ``names`` when given, parameter by parameter in
+        the same order on every rank); the full CPU state lands on rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
 
+        if names is not None:
+            out: dict[str, torch.Tensor] = {}
+            for name, param in self.unwrapped.named_parameters(remove_duplicate=False):
+                if name in names:
+                    full = param.full_tensor() if isinstance(param, DTensor) else param  # collective per parameter
+                    if self.env.is_world_process_zero:
+                        out[name] = full.detach().to("cpu", copy=True)
+            return out if self.env.is_world_process_zero else None
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return cast(dict[str, torch.Tensor], state) if self.env.is_world_process_zero else None
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Each rank keeps its shard of the full ``state`` (collective)."""
+    def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Each rank keeps its shard of the full ``state`` (collective); ``strict=False`` loads a subset."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.module, cast(dict[str, Any], state), options=StateDictOptions(full_state_dict=True, strict=True))
+        expected = set(self.unwrapped.state_dict().keys())
+        if set(state) - expected:
+            raise KeyError(f"weights not in the model: {sorted(set(state) - expected)}")
+        set_model_state_dict(self.module, cast(dict[str, Any], state),
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def save_training_state(self, directory: Path) -> None:
         """Sharded optimizer state via ``torch.distributed.checkpoint`` (each rank writes its shards)."""
@@ -430,25 +454,37 @@ class DeepSpeedEngine(TrainingEngine):
     def _wrapper_handles_precision(self) -> bool:
         return True
 
-    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """ZeRO-3: gathered layer by layer (collective); ZeRO-1/2: the replicated module weights on rank 0."""
+    def full_model_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: gathered layer by layer (collective; only the parameters of ``names`` when given);
+        ZeRO-1/2: the replicated module weights on rank 0."""
+        if self.zero_stage == 3 and names is not None:
+            import deepspeed
+
+            out: dict[str, torch.Tensor] = {}
+            for name, param in self.unwrapped.named_parameters(remove_duplicate=False):
+                if name in names:
+                    with deepspeed.zero.GatheredParameters([param]):  # collective per parameter
+                        if self.env.is_world_process_zero:
+                            out[name] = param.detach().to("cpu", copy=True)
+            return out if self.env.is_world_process_zero else None
         if self.zero_stage == 3:
             state = self.module._zero3_consolidated_16bit_state_dict()
             return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if state is not None else None
-        return super().full_model_state_dict()
+        return super().full_model_state_dict(names)
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` into the module (ZeRO-3: per layer, gathered and re-partitioned), then refresh the
-        optimizer's fp32 master partitions from it."""
+    def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``state`` into the module (ZeRO-3: per layer, gathered and re-partitioned; a subset of the
+        weights when not ``strict``), then refresh the optimizer's fp32 master partitions from it."""
         if self.zero_stage == 3:
             import deepspeed
 
             expected = set(self.unwrapped.state_dict().keys())
             missing, unexpected = expected - set(state), set(state) - expected
-            if missing or unexpected:
+            if (missing and strict) or unexpected:
                 raise KeyError(f"state dict mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
             for prefix, submodule in self.unwrapped.named_modules():
-                params = dict(submodule.named_parameters(recurse=False))
+                params = {name: param for name, param in submodule.named_parameters(recurse=False)
+                          if (f"{prefix}.{name}" if prefix else name) in state}
                 if not params:
                     continue
                 with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
@@ -456,7 +492,7 @@ class DeepSpeedEngine(TrainingEngine):
                         for name, param in params.items():
                             param.copy_(state[f"{prefix}.{name}" if prefix else name])
         else:
-            self.unwrapped.load_state_dict(state, strict=True)
+            _load_into(self.unwrapped, state, strict)
         self.module.optimizer.refresh_fp32_params()
 
     def save_training_state(self, directory: Path) -> None:

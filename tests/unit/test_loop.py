@@ -1,0 +1,130 @@
+"""The real training loop in process: built by ``build_run``, run by ``TrainingLoop`` on one rank.
+
+World size 1 needs no process group (``DistributedEnv()``: every named collective is the identity), so
+these tests drive exactly the code a torchrun worker runs, minus the transport.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
+from trainbridge.demos.tiny_model import write_arithmetic_dataset
+from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.loop import TrainingLoop, train
+
+
+class EventLog(Callback):
+    """Every event the loop fires, with the global step at the time."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_") and name in {e.method for e in Event}:
+            return lambda context, **kw: self.events.append((name, context.global_step))
+        return super().__getattribute__(name)
+
+    def handles(self, event: Event) -> bool:
+        return True
+
+    def count(self, name: str) -> int:
+        return sum(1 for event, _ in self.events if event == name)
+
+
+class Crash(BaseException):
+    """Cuts a run short like a killed job (a BaseException: callback isolation does not swallow it)."""
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+@pytest.fixture
+def args_for(tmp_path: Path, tiny_llama: Path):
+    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
+    val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
+
+    def make(out: str = "out", **overrides: Any) -> TrainingArgs:
+        values: dict[str, Any] = dict(
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / out,
+            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
+            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
+        )
+        values.update(overrides)
+        return TrainingArgs(**values)
+
+    return make
+
+
+def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
+    args = args_for(eval_strategy="steps", eval_steps=3)
+    env = DistributedEnv()
+    components = build_run(args, env)
+    assert isinstance(components, RunComponents)
+    assert components.engine.kind == "local" and components.engine.unwrapped.training
+    assert components.steps_per_epoch == 6 and components.max_steps == 6 and components.num_epochs == 1
+    assert components.eval_batches is not None and components.data_stats[0].lines == 48
+    assert components.num_parameters == sum(p.numel() for p in components.engine.unwrapped.parameters())
+    log = EventLog()
+    loop = TrainingLoop(args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
+    attributes = set(vars(loop))
+    assert loop.context.model is components.engine.module and loop.context.tokenizer is components.tokenizer
+    result = loop.run()
+    assert set(vars(loop)) == attributes, "every attribute of the loop is set in __init__"
+    assert result.global_step == 6 and result.final_eval_loss is not None
+    micro = loop.context.micro_steps_in_step
+    assert micro >= 2  # 8 samples of up to 32 tokens in a 64-token budget
+    assert log.count("on_step_end") == 6 and log.count("on_evaluate") == 2
+    assert log.count("on_before_forward") == log.count("on_after_backward") >= 6 * 2
+    assert log.events[0] == ("on_init_end", 0) and log.events[-1] == ("on_train_end", 6)
+
+
+def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
+    losses: list[float] = []
+
+    class Losses(Callback):
+        def on_log(self, context: TrainingContext, logs: dict[str, float], **kwargs: Any) -> None:
+            if "loss" in logs:
+                losses.append(logs["loss"])
+
+    result = train(args_for(max_steps=12), DistributedEnv(), [ScheduleCallback(), Losses()])
+    assert result.global_step == 12 and len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_resume_in_process_continues_exactly(args_for):
+    full_args = args_for("full", save_strategy="steps", save_steps=3)
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full_result = full.run()
+
+    cut_args = args_for("cut", save_strategy="steps", save_steps=3)
+    cut = TrainingLoop(cut_args, DistributedEnv(), [ScheduleCallback(), CrashAt(3)],
+                       build_run(cut_args, DistributedEnv()))
+    with pytest.raises(Crash):
+        cut.run()
+    resume_args = args_for("cut", save_strategy="steps", save_steps=3, resume_from_checkpoint="auto")
+    resumed = TrainingLoop(resume_args, DistributedEnv(), [ScheduleCallback()],
+                           build_run(resume_args, DistributedEnv()))
+    result = resumed.run()
+    assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
+    assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
+    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    state = json.loads((cut_args.ckpt_output_dir / "checkpoint-6" / "training_state.json").read_text())
+    assert state["global_step"] == 6
