@@ -27,6 +27,7 @@ __all__ = [
     "PreflightError",
     "RunResult",
     "TorchrunArgs",
+    "Trainer",
     "TrainingArgs",
     "TrainingContext",
     "TrainingInterruptedError",
@@ -49,6 +50,10 @@ def __getattr__(name: str) -> object:
         from trainbridge.launch import launcher
 
         return getattr(launcher, name)
+    if name == "Trainer":  # transformers.Trainer's API on our loop (trainbridge.trainer)
+        from trainbridge.trainer import Trainer
+
+        return Trainer
     if name in ("CallbackTransportError", "register_by_value"):
         from trainbridge.launch import transport
 

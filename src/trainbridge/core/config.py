@@ -221,6 +221,12 @@ class TrainingArgs(BaseModel):
     """Micro-batch layout: ``padding_free`` concatenates samples with ``position_ids`` (models that
     support it, e.g. Llama with flash/sdpa-compatible packing); ``padded`` pads to the longest row;
     ``auto`` picks padding-free when the model supports it."""
+    data_collator: Callable[..., Any] | None = None
+    """A collate function called as written on each micro-batch (e.g. a ``transformers`` data collator):
+    it gets a list of feature dicts (``input_ids``, ``attention_mask``, and ``labels`` when the data has
+    its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
+    become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
+    must not be ``padding_free``).  None: trainbridge's own collation."""
     loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
     """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
     logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
@@ -301,6 +307,15 @@ class TrainingArgs(BaseModel):
     """Steps (or epochs, with ``eval_strategy='epoch'``) to wait before the first evaluation."""
     eval_on_start: bool = False
     """Evaluate once before the first step (a sanity check of the validation path)."""
+    compute_metrics: Callable[..., Any] | None = None
+    """``fn(EvalPrediction) -> dict`` as in ``transformers.Trainer``: predictions and labels of the whole
+    validation set (every rank's share gathered in dataset order, padding removed), results prefixed
+    ``eval_`` and merged into the evaluation metrics (logs, ``metric_for_best_model``...)."""
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    """``fn(logits, labels) -> predictions`` applied to each validation batch on its rank before the
+    predictions are kept (e.g. ``logits.argmax(-1)``), as in ``transformers.Trainer``."""
+    include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
+    """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss`` (``EvalPrediction.inputs``/``.losses``)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     """When to checkpoint: every ``save_steps``/``save_samples``, each epoch end, on a new best metric, or never."""
     save_steps: int | None = Field(default=None, gt=0)
@@ -467,6 +482,9 @@ class TrainingArgs(BaseModel):
             if self.save_strategy == "steps" and self.eval_steps and self.save_steps:
                 if self.save_steps % self.eval_steps:
                     raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
+        if self.data_collator is not None and self.packing == "padding_free":
+            raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
+                             "micro-batches); leave packing='auto' or set data_collator=None")
         if self.max_batch_len < self.max_seq_len and self.packing != "padded":
             raise ValueError(
                 f"max_batch_len: {self.max_batch_len} is smaller than max_seq_len {self.max_seq_len}; "
@@ -603,7 +621,8 @@ class TrainingArgs(BaseModel):
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
-        data = self.model_dump(mode="json", exclude={"callbacks", "event_functions"}, exclude_none=True)
+        live = {"callbacks", "event_functions", "data_collator", "compute_metrics", "preprocess_logits_for_metrics"}
+        data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):
                 data[key] = str(Path(value).resolve())

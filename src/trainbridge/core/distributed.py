@@ -17,6 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+LAUNCHER_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+"""Set by torchrun (and ``accelerate launch``, torchrun under ``srun``) in every worker process."""
+
+
+def launched_worker() -> bool:
+    """True in a process started by a launcher (``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` all set):
+    it is one rank of a job, and training must run in place here, never launch workers of its own."""
+    return all(name in os.environ for name in LAUNCHER_ENV_VARS)
+
+
 CUDA_ALLOC_CONF_DEFAULT = "expandable_segments:True"
 """``PYTORCH_CUDA_ALLOC_CONF`` when the user has not set it: fewer fragmentation OOMs with varying
 micro-batch shapes (what torchtitan sets)."""

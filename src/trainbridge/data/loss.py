@@ -66,15 +66,32 @@ def token_loss_sum(
     from the step plan); otherwise it is counted from ``labels`` (a host sync when they are on a GPU).
     """
     labels = batch["labels"]
-    if num_tokens is None:
-        num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    inputs = {key: batch[key] for key in (*MODEL_INPUT_KEYS, *FLASH_KWARG_KEYS) if key in batch}
     request = _LossRequest(labels)
     with _requested(request):
-        outputs = model(**inputs, use_cache=False)
+        logits = forward_logits(model, batch)
     if request.loss_sum is not None:  # the installed loss head computed it from the hidden states
-        return request.loss_sum, num_tokens
-    logits = outputs.logits
+        return request.loss_sum, _count_loss_tokens(labels) if num_tokens is None else num_tokens
+    return logits_loss_sum(logits, labels, num_tokens)
+
+
+def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The model's logits for ``batch`` (only ``MODEL_INPUT_KEYS`` and ``FLASH_KWARG_KEYS`` are passed,
+    ``use_cache=False``)."""
+    inputs = {key: batch[key] for key in (*MODEL_INPUT_KEYS, *FLASH_KWARG_KEYS) if key in batch}
+    return model(**inputs, use_cache=False).logits
+
+
+def _count_loss_tokens(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def logits_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, num_tokens: int | None = None
+) -> tuple[torch.Tensor, int]:
+    """``(sum of shifted token cross entropies, number of loss tokens)`` of ``logits`` against ``labels``
+    (``num_tokens`` when the caller knows it from CPU-side data: no count on the device)."""
+    if num_tokens is None:
+        num_tokens = _count_loss_tokens(labels)
     if num_tokens == 0:
         return logits.sum() * 0.0, 0
     # Shift the labels, not the logits: no copy of the [B, T, V] logits.

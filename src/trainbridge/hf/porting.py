@@ -77,6 +77,18 @@ EXPLANATIONS: dict[str, str] = {
 }
 
 
+# A field is not warned about when the caller passed its replacement (the value was mapped already).
+REPLACED_BY: dict[str, tuple[str, ...]] = {
+    "per_device_train_batch_size": ("effective_batch_size",),
+    "gradient_accumulation_steps": ("effective_batch_size",),
+    "per_device_eval_batch_size": ("max_batch_len",),
+    "include_for_metrics": ("include_for_metrics",),
+    "fp16": ("mixed_precision",),
+    "deepspeed": ("distributed_backend",),
+    "fsdp": ("distributed_backend",),
+}
+
+
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
     """``TrainingArgs`` carrying over ``hf_args``'s schedules and settings; ``required`` (``model_path``,
     ``data_path``, ``effective_batch_size``... any ``TrainingArgs`` field) is added and wins.
@@ -87,6 +99,8 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     """
     data = _carried_over(hf_args)
     for name in _ignored_non_default_fields(hf_args):
+        if any(replacement in required for replacement in REPLACED_BY.get(name, ())):
+            continue
         value = getattr(hf_args, name)
         reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
         warnings.warn(f"TrainingArguments.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning,

@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.distributed import launched_worker
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
@@ -410,16 +411,41 @@ def _supervise(process: subprocess.Popen[bytes], timeout_s: float | None) -> int
 
 
 # ----------------------------------------------------------------------------- entry point
+def run_in_place(args: TrainingArgs) -> RunResult:
+    """Train on this rank of a job someone else launched (``torchrun script.py`` calling ``run_training``):
+    the process group spans the launcher's ranks, no worker is started, every rank returns the result.
+
+    The launcher's world decides the process count (a ``TorchrunArgs`` given to ``run_training`` is not
+    used); preflight checks run on every rank.
+    """
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.loop import train
+
+    preflight(args)
+    env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
+    if env.is_world_process_zero:
+        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+        (args.ckpt_output_dir / RESULT_FILE_NAME).unlink(missing_ok=True)
+    env.barrier()
+    result = train(args, env, assemble_callbacks(args))
+    if env.is_world_process_zero:
+        result.write(args.ckpt_output_dir / RESULT_FILE_NAME)
+    return result
+
+
 def run_training(
-    train_args: TrainingArgs | Mapping[str, Any],
-    torchrun_args: TorchrunArgs | Mapping[str, Any] | None = None,
+    train_args: TrainingArgs | TorchrunArgs | Mapping[str, Any] | None,
+    torchrun_args: TorchrunArgs | TrainingArgs | Mapping[str, Any] | None = None,
     *,
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
-    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields.  Raises
+    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
+    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart).
+    Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
+    place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
     launch, nothing started), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
@@ -427,7 +453,13 @@ def run_training(
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
     ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
     """
+    if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
+        train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
+    if train_args is None:
+        raise TypeError("run_training: no TrainingArgs given")
     args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
+    if launched_worker():
+        return run_in_place(args)
     if torchrun_args is None:
         launch = TorchrunArgs()
     elif isinstance(torchrun_args, TorchrunArgs):

@@ -23,6 +23,7 @@ from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.sources import load_run_data
+from trainbridge.data.user_collate import collate_with
 from trainbridge.modeling import (
     VARLEN_SDPA,
     enable_varlen_sdpa,
@@ -85,14 +86,17 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     padded = use_padded_batches(model, args)
     install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device), args.loss_chunk_tokens)
-    collate = _collate_fn(model, tokenizer, padded)
+    collate = _collate_fn(model, tokenizer, padded, args.data_collator)
+    # compute_metrics needs one row per validation sample: validation batches are then padded (same loss)
+    eval_padded = padded or args.compute_metrics is not None
+    eval_collate = collate if padded or not eval_padded else _collate_fn(model, tokenizer, True, None)
     train_batches = TrainBatches(
         data.train, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
         rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
     )
     eval_batches = (
-        EvalBatches(data.val, collate, world_size=env.world_size, rank=env.rank,
-                    max_batch_len=args.max_batch_len, padded=padded)
+        EvalBatches(data.val, eval_collate, world_size=env.world_size, rank=env.rank,
+                    max_batch_len=args.max_batch_len, padded=eval_padded)
         if data.val else None
     )
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
@@ -114,14 +118,17 @@ def use_padded_batches(model: PreTrainedModel, args: TrainingArgs) -> bool:
     if args.packing == "padding_free" and not supported:
         raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
     padded = args.packing == "padded" or (args.packing == "auto" and not supported)
+    padded = padded or args.data_collator is not None  # a user's collator pads
     if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
         logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
     return padded
 
 
-def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool) -> Any:
+def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool, data_collator: Any) -> Any:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if data_collator is not None:  # the user's collator, called as written (data.user_collate)
+        return functools.partial(collate_with, data_collator, pad_token_id=pad_id)
     if padded:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return functools.partial(collate_padded, pad_token_id=pad_id)
     return functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
                              flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))

@@ -31,7 +31,10 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
+from trainbridge.data.collate import CollatedBatch
+from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
@@ -72,6 +75,8 @@ class TrainingLoop:
         self.engine = components.engine
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
+        # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
+        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
         self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
@@ -161,7 +166,8 @@ class TrainingLoop:
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
-        loss_tokens = self._micro_batch_loss_tokens(step)
+        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)  # a user's collator's labels
+                       for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
@@ -234,13 +240,21 @@ class TrainingLoop:
         start = time.time()
         loss_tokens, steps = 0, 0
         device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for cpu_batch in self.eval_batches:
+            for indices, cpu_batch in self.eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
-                n_tokens = int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # CPU tensor: no sync
+                n_tokens = _cpu_loss_tokens(cpu_batch)
+                logits = None
                 with engine.autocast(), sample_segments(cpu_batch):
-                    token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
+                    if predictions is None:
+                        token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
+                    else:  # full logits are needed for the predictions
+                        logits = forward_logits(engine.module, batch)
+                        token_sum, _ = logits_loss_sum(logits, batch["labels"], n_tokens)
+                if predictions is not None and logits is not None:
+                    predictions.add(indices, batch, logits)
                 device_loss_sum += token_sum.detach().to(torch.float64)
                 loss_tokens += n_tokens
                 steps += 1
@@ -254,6 +268,7 @@ class TrainingLoop:
         runtime = max(time.time() - start, 1e-9)
         metrics = {
             "eval_loss": total_sum / max(total_tokens, 1.0),
+            **(predictions.compute(self.env) if predictions is not None else {}),
             "eval_runtime": round(runtime, 4),
             "eval_samples_per_second": round(total_samples / runtime, 3),
             "eval_steps_per_second": round(steps / runtime, 3),
@@ -415,6 +430,11 @@ class TrainingLoop:
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
             merged_model=str(self._merged) if self._merged else None,
         )
+
+
+def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
+    """Loss tokens of a batch still on the CPU (counted there: no device synchronisation)."""
+    return int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
