@@ -558,6 +558,10 @@ def _build_ddp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, 
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
+        # DDP broadcasts the buffers from rank 0 at construction; re-broadcasting them before every
+        # forward (the default) is one more collective per micro-batch for nothing here: a causal LM's
+        # buffers (rotary frequencies, masks) are constants, never updated by training.
+        broadcast_buffers=False,
     )
     optimizer = build_optimizer(model, args, decay_names)
     return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
