@@ -33,10 +33,6 @@ class ControlFlag(str, Enum):
     """Internal: a callback failed under the ``fatal`` policy; every rank stops and the run fails."""
 
 
-# Which reduction each flag uses when ranks are agreed.  Every flag is "any": if any rank requests
-# it, every rank acts on it.  (A "all" reduction would let one rank veto, which no flag needs.)
-FLAG_REDUCTION: dict[ControlFlag, str] = {flag: "any" for flag in ControlFlag}
-
 FLAGS: tuple[ControlFlag, ...] = tuple(ControlFlag)
 
 
@@ -108,10 +104,10 @@ def agree_control(
     """Agree this rank's control requests with every other rank, in ONE collective.
 
     Each rank contributes a row ``[*extras, *own, *encoded flags]``; the collective (``env.gather_rows``,
-    an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  Then, per flag, using
-    the reduction in ``FLAG_REDUCTION`` ("any": requested on at least one rank), and ``extras`` are
-    summed over ranks (the loop passes loss and token sums here at step end); ``own`` values come back
-    as this rank's (the loop passes its local loss and the gradient norm).
+    an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  A flag is agreed when
+    *any* rank requested it (no flag lets one rank veto), ``extras`` are summed over ranks (the loop
+    passes loss and token sums here at step end), and ``own`` values come back as this rank's (the loop
+    passes its local loss and the gradient norm).
 
     ``extras`` and ``own`` may be device tensors (0-dim): the row is assembled on the device and read
     back once, so the values the step left on the GPU cost no host synchronisation of their own.
@@ -140,7 +136,7 @@ def agree_control(
     requesters: dict[ControlFlag, list[Requester]] = {}
     for column, flag in enumerate(FLAGS):
         asked = [(rank, int(r[n_values + column]) - 1) for rank, r in enumerate(rows) if r[n_values + column] > 0]
-        if FLAG_REDUCTION[flag] == "any" and asked:
+        if asked:
             flags.add(flag)
             requesters[flag] = [
                 Requester(rank, source_names[idx] if 0 <= idx < len(source_names) else f"source #{idx}")
