@@ -46,10 +46,10 @@ class TrainBatches:
         """Collated tensors (CPU) of this rank's micro-batches in ``step``."""
         return [self.collate(self.samples.fetch(indices)) for indices in step.micro_batches[self.rank]]
 
-    def local_loss_tokens(self, step: StepPlan) -> list[int]:
-        """Loss tokens of each sample of this rank's micro-batches in ``step``, in order."""
+    def micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
+        """Loss tokens of each of this rank's micro-batches in ``step`` (from the length columns)."""
         loss_tokens = self.samples.loss_tokens
-        return [int(loss_tokens[i]) for group in step.micro_batches[self.rank] for i in group]
+        return [int(loss_tokens[list(group)].sum()) for group in step.micro_batches[self.rank]]
 
     def __len__(self) -> int:
         return self.steps_per_epoch
