@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.run_dir import METRICS_FILE
 
 
 class CallbackSpec(BaseModel):
@@ -546,7 +547,7 @@ class TrainingArgs(BaseModel):
     @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / "metrics.jsonl"
+        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:

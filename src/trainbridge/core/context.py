@@ -55,6 +55,8 @@ class TrainingContext:
     """Input tokens consumed (non-padding), all ranks together (updated after the step's agreement)."""
     loss_tokens_seen: int = 0
     """Loss-counted tokens (labels != -100), all ranks together."""
+    num_parameters: int = 0
+    """Parameters of the model being trained, counted before wrapping (always)."""
 
     # ------------------------------------------------------------------ measurements
     loss: float | None = None
@@ -125,6 +127,13 @@ class TrainingContext:
     """Free-form state shared by callbacks across events (persists for the run)."""
     current_source: int = 0
     """Index of the callback being dispatched (set by the callback manager; names requesters)."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def total_flos(self) -> float:
+        """Estimated training floating-point operations so far: ``6 x num_parameters x tokens_seen``
+        (forward and backward, as ``transformers.Trainer``'s ``total_flos`` estimate)."""
+        return float(6 * self.num_parameters * self.tokens_seen)
 
     # ------------------------------------------------------------------ rank shortcuts
     @property
