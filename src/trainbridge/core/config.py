@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
 from trainbridge.core.run_dir import METRICS_FILE
 
@@ -39,6 +48,14 @@ class CallbackSpec(BaseModel):
     def _importable(cls, value: str) -> str:
         resolve_import_path(value)
         return value
+
+    @model_validator(mode="after")
+    def _kwargs_fit(self) -> CallbackSpec:
+        try:
+            config_errors.check_constructor_kwargs(resolve_import_path(self.class_path), self.kwargs)
+        except ValueError as exc:
+            raise ValueError(f"kwargs: {exc}") from None
+        return self
 
     def build(self) -> Any:
         """Import the class and instantiate it with ``kwargs``."""
@@ -148,13 +165,16 @@ def resolve_import_path(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+        raise ValueError(f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
+                         "sys.path: `trainbridge train` adds the config's folder and the working directory)"
+                         ) from exc
     obj: Any = module
+    owner = f"module {module_name!r}"
     for part in attr.split("."):
         try:
-            obj = getattr(obj, part)
+            obj, owner = getattr(obj, part), repr(part)
         except AttributeError:
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+            raise ValueError(config_errors.missing_attribute_message(obj, owner, part)) from None
     return obj
 
 
@@ -377,18 +397,20 @@ class TrainingArgs(BaseModel):
             return []
         if not isinstance(value, list | tuple):
             value = [value]
-        out = []
+        out, problems = [], []
         for i, item in enumerate(value):
-            if isinstance(item, dict):
-                try:
-                    item = CallbackSpec.model_validate(item)
-                except Exception as exc:
-                    raise ValueError(f"callbacks[{i}]: {exc}") from None
-            elif isinstance(item, str):
-                item = CallbackSpec.model_validate({"class": item})
-            elif item is None or isinstance(item, int | float | bool):
-                raise ValueError(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
+            try:
+                if isinstance(item, dict | str):
+                    item = CallbackSpec.model_validate(item if isinstance(item, dict) else {"class": item})
+            except ValidationError as exc:  # every bad callback, one line each, without pydantic's noise
+                problems += [f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(
+                    exc, CallbackSpec)]
+                continue
+            if item is None or isinstance(item, int | float | bool):
+                problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
             out.append(item)
+        if problems:
+            raise ValueError("\n".join(problems))
         return out
 
     @field_validator("model_path")

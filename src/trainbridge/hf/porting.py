@@ -35,7 +35,19 @@ CARRIED_OVER = frozenset({
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
     "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
     "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
+    "activation_checkpointing", "activation_checkpointing_kwargs",
 })
+
+# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
+RENAMED: dict[str, str] = {
+    "output_dir": "ckpt_output_dir",
+    "num_train_epochs": "num_epochs",
+    "lr_scheduler_type": "lr_scheduler",
+    "bf16": "mixed_precision: bf16",
+    "use_cpu": "device: cpu",
+    "ddp_timeout": "collective_timeout_s",
+    "restore_callback_states_from_checkpoint": "restore_callback_states",
+}
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -61,7 +73,6 @@ EXPLANATIONS: dict[str, str] = {
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
     "fp16": "only bf16 mixed precision is supported (mixed_precision='bf16')",
-    "activation_checkpointing": "activation (gradient) checkpointing is not supported",
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
@@ -87,6 +98,19 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "deepspeed": ("distributed_backend",),
     "fsdp": ("distributed_backend",),
 }
+
+
+def trainer_field_hint(name: str) -> str | None:
+    """For a config error: which ``TrainingArgs`` field a ``TrainingArguments`` name typed from habit is
+    (or why it has none); None when ``name`` is not a ``TrainingArguments`` field."""
+    if name not in _FIELDS:
+        return None
+    prefix = f"{name} is transformers.TrainingArguments' name"
+    if name in RENAMED:
+        return f"{prefix}; here it is {RENAMED[name]}."
+    if name in EXPLANATIONS:
+        return f"{prefix}; here {EXPLANATIONS[name]}."
+    return f"{prefix}; it has no equivalent in trainbridge.TrainingArgs."
 
 
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
@@ -152,6 +176,13 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "save_final_checkpoint": False,
         "restore_callback_states": hf.restore_callback_states_from_checkpoint,
     }
+    # activation_checkpointing (gradient_checkpointing before transformers 5) and its kwargs
+    checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
+    if checkpointing:
+        data["gradient_checkpointing"] = True
+        kwargs = getattr(hf, "activation_checkpointing_kwargs", None) or getattr(hf, "gradient_checkpointing_kwargs", None)
+        if kwargs:
+            data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:
         data["device"] = "cpu"
     if hf.eval_steps is not None:

@@ -23,7 +23,9 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
+from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingInterrupted, train
+from trainbridge.loop.summary import announce_run
 
 
 @record
@@ -41,10 +43,12 @@ def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
 def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
     """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
     by ``--payload``, start the distributed seam, configure logging per rank, and tear the group down
-    (after a barrier only when ``job`` returned)."""
+    (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan instead."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")
-    payload_path = parser.parse_args(argv).payload
+    parser.add_argument("--dry-run", action="store_true", help="build the run, print its plan, do not train")
+    options = parser.parse_args(argv)
+    payload_path = options.payload
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     if not key:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
@@ -56,7 +60,10 @@ def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs,
     )
     clean = False
     try:
-        job(args, env)
+        if options.dry_run:
+            announce_run(args, env, build_run(args, env))
+        else:
+            job(args, env)
         clean = True
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too

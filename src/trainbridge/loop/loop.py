@@ -34,6 +34,7 @@ from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.summary import announce_run
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]
     """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
     with _sigterm_raises():
         components = build_run(args, env)
+    announce_run(args, env, components)
     return TrainingLoop(args, env, callbacks, components).run()
 
 
