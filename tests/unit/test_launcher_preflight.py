@@ -17,7 +17,6 @@ from transformers import EarlyStoppingCallback, PrinterCallback
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import CallbackSpec, TorchrunArgs
-from trainbridge.demos.tiny_model import build_tokenizer
 from trainbridge.launch import launcher
 from trainbridge.launch.launcher import (
     PreflightError,
@@ -49,14 +48,8 @@ class HoldsALock(Callback):
 
 
 @pytest.fixture
-def train_args(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    build_tokenizer(model)  # the preflight reads the data with the run's tokenizer
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "1+1=2"}\n')
-    return {"model_path": model, "data_path": data, "ckpt_output_dir": tmp_path / "out"}
+def train_args(run_files):
+    return {"model_path": run_files["model"], "data_path": run_files["train"], "ckpt_output_dir": run_files["out"]}
 
 
 @pytest.fixture
