@@ -39,6 +39,7 @@ import psutil
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import launched_worker
 from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
 from trainbridge.modeling.load import check_model_setup
@@ -484,6 +485,7 @@ def run_training(
         command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
                                          ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
+        env.update(quiet_environment(args.device, env))
         sys.stdout.flush()
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)

@@ -17,11 +17,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.launch.assembly import assemble_callbacks
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
-from trainbridge.loop.build import build_run
-from trainbridge.loop.loop import TrainingInterrupted, train
-from trainbridge.loop.summary import announce_run
+from trainbridge.launch.console import configure_worker_console
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV
 
 
 @record
@@ -35,12 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     if not key:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
+    # before transformers is imported (by the modules below, or by unpickling the payload's callbacks)
+    configure_worker_console(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+    from trainbridge.launch.assembly import assemble_callbacks
+    from trainbridge.launch.transport import read_payload
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingInterrupted, train
+    from trainbridge.loop.summary import announce_run
+
     args = read_payload(payload_path, key)
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if env.is_world_process_zero else logging.WARNING,
-        format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
-    )
     clean = False
     try:
         if options.dry_run:
