@@ -42,7 +42,6 @@ from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling.load import check_model_setup
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -119,10 +118,13 @@ def preflight(args: TrainingArgs) -> None:
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
-    try:
-        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
-    except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
+    if args.peft_config is not None:  # imported only then: the modeling layer pulls in transformers
+        from trainbridge.modeling.load import check_model_setup
+
+        try:
+            check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
