@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file
 
+from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
 from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
 
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 OLD_PREFIX = ".old-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -96,7 +96,7 @@ class CheckpointManager:
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
         JSON-serialisable; ``extra_files`` maps file names to text written beside it.
         """
-        final = self.output_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+        final = checkpoint_dir(self.output_dir, global_step)
         tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
         error: BaseException | None = None
         if self.env.is_world_process_zero:

@@ -26,6 +26,7 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.run_dir import METRICS_FILE
 
 
 class CallbackSpec(BaseModel):
@@ -628,7 +629,7 @@ class TrainingArgs(BaseModel):
     @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / "metrics.jsonl"
+        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:

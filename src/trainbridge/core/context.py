@@ -55,6 +55,8 @@ class TrainingContext:
     """Input tokens consumed (non-padding), all ranks together (updated at ``on_step_end``, from the plan)."""
     loss_tokens_seen: int = 0
     """Loss-counted tokens (labels != -100), all ranks together."""
+    num_parameters: int = 0
+    """Parameters of the model being trained, counted before wrapping (always)."""
     input_tokens_seen: int = 0
     """Input positions fed to the model (``input_ids`` elements, padding included), all ranks together
     (updated after the step's agreement, which sums it over ranks: at ``on_step_end`` it does not include
@@ -128,6 +130,13 @@ class TrainingContext:
     """Free-form state shared by callbacks across events (persists for the run)."""
     current_source: int = 0
     """Index of the callback being dispatched (set by the callback manager; names requesters)."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def total_flos(self) -> float:
+        """Estimated training floating-point operations so far: ``6 x num_parameters x tokens_seen``
+        (forward and backward, as ``transformers.Trainer``'s ``total_flos`` estimate)."""
+        return float(6 * self.num_parameters * self.tokens_seen)
 
     # ------------------------------------------------------------------ values kept on the device
     # The loop keeps the loss and the gradient norm on the device until the step's one reduction

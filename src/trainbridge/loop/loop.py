@@ -80,7 +80,6 @@ class TrainingLoop:
         # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
         self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
-        self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
         self._last_logged_step = 0
         self._total_loss = 0.0
@@ -102,6 +101,7 @@ class TrainingLoop:
         ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
         ctx.tokenizer = self.tokenizer
+        ctx.num_parameters = components.num_parameters
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
@@ -131,9 +131,10 @@ class TrainingLoop:
                         self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
-                self.callbacks.drain()
                 raise
-        self.callbacks.drain()
+            finally:
+                self.callbacks.drain()
+                self.callbacks.close(ctx)
         return self._result(runtime)
 
     def _run_epoch(self) -> None:
@@ -417,7 +418,7 @@ class TrainingLoop:
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-            "total_flos": float(6 * self._num_parameters * ctx.tokens_seen),
+            "total_flos": ctx.total_flos,
             "train_loss": self._total_loss / max(steps, 0.001),
             "epoch": ctx.epoch,
         }
