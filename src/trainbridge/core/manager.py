@@ -31,7 +31,7 @@ from typing import Any
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import ControlFlag, ControlRequests
-from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import Event
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,6 @@ class CallbackSetupError(RuntimeError):
 
 class CallbackFatalError(RuntimeError):
     """A callback failed under ``callback_error_policy='fatal'``; every rank stopped."""
-
-
-@dataclass
-class _ErrorRecord:
-    event: str
-    first_error: str
-    count: int = 0
-    consecutive: int = 0
-    disabled: bool = False
 
 
 class _NoControlRequests(ControlRequests):
@@ -102,9 +93,11 @@ class CallbackManager:
         self.error_policy = error_policy
         self.max_consecutive_errors = max_consecutive_errors
         self.drain_timeout_s = drain_timeout_s
-        self._errors: dict[int, _ErrorRecord] = {}
+        self._errors = CallbackErrorLedger(error_policy, max_consecutive_errors)
         self._observers = _Observers(queue_size)
         self._state_keys = _unique_state_keys(self.callbacks)
+        self._active = [cb for cb in self.callbacks if is_world_process_zero or not cb.rank_zero_only]
+        self._closed = False
         self._index: dict[Event, list[_Entry]] = {event: [] for event in Event}
         for i, cb in enumerate(self.callbacks, start=1):
             if cb.rank_zero_only and not is_world_process_zero:
@@ -135,13 +128,11 @@ class CallbackManager:
                 continue
             context.current_source = entry.index
             try:
-                getattr(entry.callback, event.method)(context, **kwargs)
+                entry.callback.run_event(event, context, **kwargs)
             except Exception as exc:
                 self._on_error(entry, event, context, exc)
             else:
-                record = self._errors.get(entry.index)
-                if record is not None:
-                    record.consecutive = 0
+                self._errors.succeeded(entry.index)
             finally:
                 context.current_source = 0
 
@@ -155,22 +146,12 @@ class CallbackManager:
                 f"callback {name} failed in {event.value} on rank {context.rank}: "
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             ) from exc
-        record = self._errors.get(entry.index)
-        if record is None:
-            record = self._errors[entry.index] = _ErrorRecord(event.value, f"{type(exc).__name__}: {exc}")
-            logger.error("callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
-                         name, event.value, context.rank, traceback.format_exc())
-        record.count += 1
-        record.consecutive += 1
-        if self.error_policy == "fatal" and not observer:
+        action = self._errors.failed(entry.index, name, event.value, exc, context.rank, fatal_allowed=not observer)
+        if action == "abort":
             context.requests.request(ControlFlag.ABORT, entry.index, f"{name} raised in {event.value}: {exc}")
-            return
-        if record.consecutive >= self.max_consecutive_errors and not record.disabled:
-            record.disabled = True
+        elif action == "disable":
             for entries in self._index.values():
                 entries[:] = [e for e in entries if e.index != entry.index]
-            logger.error("callback %s switched off on rank %d after %d consecutive errors",
-                         name, context.rank, record.consecutive)
 
     # ------------------------------------------------------------------ non-blocking observers
     def _enqueue(self, entry: _Entry, event: Event, context: TrainingContext, kwargs: dict[str, Any]) -> None:
@@ -213,7 +194,7 @@ class CallbackManager:
             try:
                 if not any(e.index == entry.index for e in self._index[event]):
                     continue
-                getattr(entry.callback, event.method)(snapshot, **kwargs)
+                entry.callback.run_event(event, snapshot, **kwargs)
             except Exception as exc:
                 self._on_error(entry, event, snapshot, exc, observer=True)
             finally:
@@ -234,6 +215,18 @@ class CallbackManager:
             logger.error("non-blocking observers did not drain within %.0fs", self.drain_timeout_s)
             return False
         return True
+
+    def close(self, context: TrainingContext) -> None:
+        """Call every callback's ``close`` that runs on this rank, once, in order; an error is logged and
+        the others still close (the run's outcome is already decided)."""
+        if self._closed:
+            return
+        self._closed = True
+        for cb in self._active:
+            try:
+                cb.close(context)
+            except Exception:
+                logger.exception("callback %s failed in close on rank %d", cb.name, context.rank)
 
     # ------------------------------------------------------------------ state and checks
     @property
@@ -302,11 +295,10 @@ class CallbackManager:
 
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:
         """Isolated errors on this rank, for the run result."""
-        return [
-            CallbackErrorReport(callback=self.callbacks[i - 1].name, rank=rank, event=r.event, count=r.count,
-                                disabled=r.disabled, first_error=r.first_error)
-            for i, r in sorted(self._errors.items())
-        ]
+        reports = self._errors.reports(rank)
+        for cb in self.callbacks:
+            reports += cb.error_reports(rank)  # callbacks that isolate callbacks of their own (HF adapter)
+        return reports
 
     @property
     def dropped_observer_events(self) -> int:

@@ -1,4 +1,5 @@
-"""The console of a run: one progress bar and one log line per event from rank 0, library noise once.
+"""The console of a run: one progress bar and one log line per event from rank 0, library noise once;
+and ``console_to``, which sends a process's console (and its children's) to a log file.
 
 Three sources of noise are cut here, all before the libraries are imported (their start-up messages
 are printed at import time):
@@ -18,10 +19,12 @@ only local rank 0, which writes to the console directly, adds its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
@@ -60,3 +63,28 @@ def configure_worker_console(rank: int, local_rank: int) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"{prefix}%(levelname)s %(name)s: %(message)s",
     )
+
+
+@contextlib.contextmanager
+def console_to(path: str | Path) -> Iterator[None]:
+    """Redirect this process's stdout/stderr *file descriptors* to ``path`` (appended) for the block.
+
+    File descriptors, not ``sys.stdout``: subprocesses started inside the block (torchrun, its workers)
+    inherit them, so their output lands in the same file.  Python's streams are flushed on the way in
+    and out so nothing written before or inside the block is lost or misplaced.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with Path(path).open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
