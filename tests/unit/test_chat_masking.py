@@ -236,3 +236,17 @@ def test_no_chat_template_and_system_prompt_and_prompt_completion(tmp_path: Path
     plain, chat = source.fetch([0, 1])
     assert trained_text(bpe, list(plain.labels)) == [" It is 4.<|endoftext|>"]
     assert trained_text(bpe, list(chat.labels)) == ["It is 4.<|eot_id|>"]
+
+
+def test_shipped_chat_data_is_the_generators_and_loads_for_the_demo(tmp_path: Path) -> None:
+    from trainbridge.data.sources import load_run_data
+    from trainbridge.demos.demo import CHAT_DATA, demo_training_args
+    from trainbridge.demos.tiny_model import write_chat_dataset
+
+    for name, count, seed in (("chat_train.jsonl", 2000, 1), ("chat_val.jsonl", 200, 2)):
+        assert (CHAT_DATA / name).read_text() == write_chat_dataset(tmp_path / name, count, seed).read_text()
+    args = demo_training_args(tmp_path / "demo", max_steps=2, chat=True)
+    args = args.model_copy(update={"data_cache_dir": tmp_path / "cache"})
+    data = load_run_data(args, build_tokenizer(tmp_path / "tok"), report=False)
+    assert (len(data.train), len(data.val or [])) == (2000, 200)
+    assert data.stats[0].dropped_overlong == 0
