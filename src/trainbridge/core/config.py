@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.instructlab_names import check_instructlab_names
 
 
 class CallbackSpec(BaseModel):
@@ -240,10 +241,18 @@ class TrainingArgs(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant_with_warmup"
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
     """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
@@ -349,6 +358,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        check_instructlab_names(data)  # instructlab's names get a message naming ours
         data = dict(data)
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():

@@ -113,6 +113,7 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
+        self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
         self.state = TrainerState()
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -151,18 +152,18 @@ class Trainer:
                     "callback (trainbridge.Callback on_before_forward/on_after_forward, or a "
                     "transformers.TrainerCallback) or shape the loss through 'labels'."
                 )
-        unknown = sorted(set(kwargs) - {"peft_config", "formatting_func"})
+        unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:
             raise TypeError(f"Trainer.__init__() got unexpected keyword arguments {unknown}")
+        if kwargs.get("quantization_config") is not None:
+            raise UnsupportedTrainerFeatureError(
+                "quantization_config: quantized (k-bit) base models are not supported by the facade; train in "
+                "full or bf16 precision (TrainingArgs.model_kwargs dtype), with a LoRA adapter for memory."
+            )
         if kwargs.get("formatting_func") is not None:
             raise UnsupportedTrainerFeatureError(
                 "formatting_func: format the rows before the Trainer (dataset.map) into 'text', 'messages' or "
                 "'prompt'/'completion' columns; trainbridge tokenises those itself."
-            )
-        if kwargs.get("peft_config") is not None:
-            raise UnsupportedTrainerFeatureError(
-                "peft_config: pass a model wrapped with peft.get_peft_model (PEFT support in the facade follows "
-                "the PEFT issue)."
             )
 
     # Trainer methods a subclass may override; an override is rejected at construction (see above).
@@ -289,6 +290,11 @@ class Trainer:
             "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics,
             "data_collator": None if self._collator_choice.reproduced else self.data_collator,
         }
+        if self._peft_config is not None:
+            fields["peft_config"] = self._peft_config
+        model_kwargs = getattr(self.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
+        if self._model_source is not None and isinstance(model_kwargs, dict):
+            fields["model_kwargs"] = _model_kwargs(model_kwargs)
         if resume is True:
             fields["resume_from_checkpoint"] = "auto"
         elif resume:
@@ -307,8 +313,6 @@ class Trainer:
         max_seq_len = int(longest or max_len or 512)
         fields["max_seq_len"] = max_seq_len
         fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
-        if getattr(hf, "include_for_metrics", None):
-            fields["include_for_metrics"] = [m for m in hf.include_for_metrics if m in ("inputs", "loss")]
         if resume is None:
             fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
         return training_args_from_hf(hf, **fields)
@@ -404,6 +408,13 @@ class Trainer:
         from trainbridge.checkpoint.manager import fill_tied_weights, read_safetensors_weights
 
         self._weights_dir = folder
+        adapter_file = folder / "adapter_model.safetensors"
+        if adapter_file.is_file() and self.model is not None and hasattr(self.model, "peft_config"):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.model, load_file(str(adapter_file)))
+            return
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
@@ -610,6 +621,18 @@ class Trainer:
         return _CallbackList(self.callbacks)
 
     # ================================================================== misc Trainer API
+    @property
+    def accelerator(self) -> Any:
+        """A stand-in for scripts calling ``trainer.accelerator.print`` / ``.is_main_process``."""
+        return _ProcessPrinter(self)
+
+    def end(self) -> None:
+        """Finish: under a launcher, leave the process group (every rank calls it, as Trainer's ``end``)."""
+        if self._env is not None:
+            self._env.teardown(clean=True)
+            self._env = None
+            self._loop = None
+
     def get_train_dataloader(self) -> Any:
         raise UnsupportedTrainerFeatureError(
             "get_train_dataloader: batches are planned by token budget inside the workers; there is no "
@@ -626,6 +649,43 @@ class Trainer:
     @property
     def is_fsdp_enabled(self) -> bool:
         return bool(getattr(self.args, "fsdp", None))
+
+
+def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """trl's ``model_init_kwargs`` as ``TrainingArgs.model_kwargs`` (None values dropped, dtypes as names)."""
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    dtype = out.get("dtype", out.pop("torch_dtype", None))
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+class _ProcessPrinter:
+    """``trainer.accelerator`` for scripts that use it to print or to ask for the main process."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._trainer.is_world_process_zero()
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._trainer.is_local_process_zero()
+
+    @property
+    def num_processes(self) -> int:
+        env = self._trainer._env
+        return env.world_size if env is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        if self._trainer._env is not None:
+            self._trainer._env.barrier()
 
 
 class _CallbackList:
