@@ -114,6 +114,7 @@ class Trainer:
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
+        self._fallback_tokenizer: Any = None
         self.state = TrainerState()
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -215,7 +216,13 @@ class Trainer:
 
     # ================================================================== run folder
     def _tokenizer(self) -> Any:
+        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the
+        tokenizer saved beside the model the script loaded, if its folder has one."""
         tok = self.processing_class
+        if tok is None and self._fallback_tokenizer is None and self.model is not None:
+            self._fallback_tokenizer = _tokenizer_beside(self.model)
+        if tok is None:
+            tok = self._fallback_tokenizer
         return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
 
     def _write_model(self) -> tuple[Path, Path | None]:
@@ -232,8 +239,9 @@ class Trainer:
         return source, None
 
     def _write_data(self, dataset: Any, name: str, what: str) -> tuple[Path, int | None]:
-        rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice,
-                                            getattr(self._tokenizer(), "pad_token_id", None))
+        collator_tokenizer = getattr(self.data_collator, "tokenizer", None)  # the collator pads with its own
+        pad_id = getattr(collator_tokenizer or self._tokenizer(), "pad_token_id", None)
+        rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice, pad_id)
         return inputs.write_dataset(rows, self.run_dir / name), longest
 
     def _single_eval_dataset(self) -> Any:
@@ -305,6 +313,11 @@ class Trainer:
             data["callbacks"] = [*self.args.callbacks, *self.callbacks]
             return TrainingArgs.model_validate(data)
         hf = self.args
+        # Trainer's own default callback (the printer or the progress bar): it prints as Trainer does, and
+        # through the HF adapter each checkpoint gets trainer_state.json as under Trainer
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        fields["callbacks"] = [PrinterCallback if hf.disable_tqdm else ProgressCallback, *self.callbacks]
         per_device = int(hf.per_device_train_batch_size)
         accumulation = int(hf.gradient_accumulation_steps)
         fields["effective_batch_size"] = per_device * accumulation * world_size
@@ -338,6 +351,8 @@ class Trainer:
         self._set_state(state)
         metrics = dict(next((e for e in reversed(state["log_history"]) if "train_runtime" in e), {}))
         metrics.pop("step", None)
+        # Trainer's default printer / progress callback pops total_flos from these metrics in on_log
+        metrics.pop("total_flos", None)
         return TrainOutput(result.global_step, float(result.train_loss if result.train_loss is not None else 0.0), metrics)
 
     def _train_in_place(self, resume: Any) -> JobOutcome:
@@ -649,6 +664,20 @@ class Trainer:
     @property
     def is_fsdp_enabled(self) -> bool:
         return bool(getattr(self.args, "fsdp", None))
+
+
+def _tokenizer_beside(model: Any) -> Any:
+    """``AutoTokenizer`` of the local folder ``model`` was loaded from (a PEFT model: its base), or None."""
+    from transformers import AutoTokenizer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    if not source or not Path(source).is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
 
 
 def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
