@@ -254,6 +254,7 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         logging_steps=LOGGING_STEPS,
         save_strategy="no",
         save_final_checkpoint=False,
+        include_num_input_tokens_seen="non_padding",  # StepClock reads state.num_input_tokens_seen (real tokens)
         callbacks=[StepClock(str(out))],
     )
     with output_to(log_path):

@@ -2,7 +2,7 @@
 
 Per backend, two runs: a straight one (checkpoints at steps 4 and 8) and one resumed from its
 ``checkpoint-4`` into another folder.  Checked: the loss falls; the frozen base weights at the end are
-bit-identical to the model on disk; every checkpoint is an adapter in PEFT's layout that
+bit-identical to the model on disk (fsdp with gradient checkpointing on); every checkpoint is an adapter in PEFT's layout that
 ``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as the straight one.
 The ddp case also checks ``load_best_model_at_end`` (the best adapter, made the step-4 one by
 ``greater_is_better=True``, is what is merged), the merged
@@ -97,6 +97,8 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
         distributed_backend=backend, deepspeed_zero_stage=zero_stage, peft_config=LORA, learning_rate=1e-2,
         max_steps=8, logging_steps=2, save_strategy="steps", save_steps=4,
     )
+    if backend == "fsdp":  # activation checkpointing applied before fully_shard, with a frozen base
+        common.update(gradient_checkpointing=True)
     if ddp:  # best tracking and the merged export of the best adapter; "best" made the step-4 one on purpose
         common.update(val_data_path=assets["val"], eval_strategy="steps", eval_steps=4, load_best_model_at_end=True,
                       metric_for_best_model="eval_loss", greater_is_better=True, merge_adapter_at_end=True)
@@ -138,3 +140,27 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
         with torch.no_grad():
             expected = best(input_ids=ids).logits
             assert torch.allclose(merged.eval()(input_ids=ids).logits, expected, atol=1e-4)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "peft_dora" / "dora_finetuning.py"
+
+
+def test_public_dora_example_runs_through_peft_config(assets, tmp_path):
+    """PEFT's dora_finetuning example (ported: its command line and LoraConfig, use_dora on), 2 ranks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    command = [sys.executable, str(EXAMPLE), "--base_model", str(assets["model"]), "--data_path", str(assets["train"]),
+               "--output_dir", str(tmp_path / "out"), "--use_dora", "--device", "cpu", "--nproc_per_node", "2",
+               "--max_steps", "4", "--cutoff_len", "32", "--val_set_size", "16", "--eval_step", "2", "--save_step", "4",
+               "--learning_rate", "1e-2", "--lora_dropout", "0.0", "--merge"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["global_step"] == 4 and summary["final_eval_loss"] is not None
+    checkpoint = Path(summary["checkpoints"][-1])
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["use_dora"] is True
+    assert any("lora_magnitude_vector" in key for key in load_file(checkpoint / "adapter_model.safetensors"))
+    assert load_adapter(assets["model"], checkpoint).peft_config["default"].use_dora
+    AutoModelForCausalLM.from_pretrained(summary["merged_model"])

@@ -7,6 +7,7 @@ these tests drive exactly the code a torchrun worker runs, minus the transport.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,51 @@ def test_resume_in_process_continues_exactly(args_for):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     state = json.loads((cut_args.ckpt_output_dir / "checkpoint-6" / "training_state.json").read_text())
     assert state["global_step"] == 6
+
+
+class StepCounter(Callback):
+    """A user callback with state: optimizer steps it has seen, across resumes."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.steps = int(state["steps"])
+
+
+def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
+    def run(callbacks: list[Callback], **overrides: Any) -> TrainingLoop:
+        values: dict[str, Any] = dict(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                                      save_steps=2, save_samples=12, metric_for_best_model="eval_loss")
+        args = args_for(**{**values, **overrides})
+        loop = TrainingLoop(args, DistributedEnv(), callbacks, build_run(args, DistributedEnv()))
+        loop.run()
+        return loop
+
+    counter = StepCounter()
+    first = run([ScheduleCallback(), counter, BestCheckpointTracker()])
+    latest = first.checkpoints.latest()
+    assert latest is not None and latest.name == "checkpoint-4"
+    saved = json.loads((latest / "training_state.json").read_text())["callbacks"]
+    assert set(saved) == {"ScheduleCallback", "StepCounter", "BestCheckpointTracker"}
+    assert first.context.best_metric is not None
+
+    class Added(StepCounter):
+        """Registered between save and resume, ahead of the others: positions shift, keys do not."""
+
+    schedule, restored_counter, tracker, added = ScheduleCallback(), StepCounter(), BestCheckpointTracker(), Added()
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        second = run([added, schedule, restored_counter, tracker], max_steps=6, resume_from_checkpoint="auto")
+    assert second.context.resumed_from == latest
+    assert restored_counter.steps == 4 + 2 and added.steps == 2
+    assert schedule.state_dict() == {"last_save_samples": 48}  # 6 steps x 8 samples: carried through
+    assert tracker.state_dict()["best_global_step"] in (2, 4, 6)
+    assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"]

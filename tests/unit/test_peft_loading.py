@@ -214,3 +214,68 @@ def test_model_kwargs_and_gradient_checkpointing_reach_the_model(assets, tmp_pat
     assert base.is_gradient_checkpointing
     assert load_model(args_for(assets, tmp_path)).dtype == torch.float32  # the default stays fp32
     assert TrainingArgs.model_fields["model_kwargs"].default_factory().trust_remote_code is False
+
+
+def test_dora_example_with_quantize_on_cpu_fails_before_launch(assets):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "peft_dora" / "dora_finetuning.py"
+    spec = importlib.util.spec_from_file_location("dora_finetuning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    options = example.parse(["--base_model", str(assets["model"]), "--data_path", str(assets["data"]),
+                             "--use_dora", "--device", "cpu", "--val_set_size", "0"])
+    args = example.training_args(options)
+    assert args.peft_config.use_dora and args.peft_config.r == 8 and len(args.peft_config.target_modules) == 7
+    with pytest.raises(ValidationError, match="needs CUDA"):
+        example.training_args(example.parse(["--base_model", str(assets["model"]), "--data_path",
+                                             str(assets["data"]), "--quantize", "--device", "cpu"]))
+
+
+def test_trainer_gradient_checkpointing_is_carried_over_by_porting(assets, tmp_path):
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from trainbridge.hf.porting import training_args_from_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
+                               gradient_checkpointing_kwargs={"use_reentrant": True})
+        args = training_args_from_hf(hf, model_path=assets["model"], data_path=assets["data"])
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": True}
+    assert not training_args_from_hf(TrainingArguments(output_dir=str(tmp_path)), model_path=assets["model"],
+                                     data_path=assets["data"]).gradient_checkpointing
+
+
+# ---------------------------------------------------------------------- the real loop in process (one rank)
+def test_lora_run_in_process_saves_adapters_resumes_exactly_and_merges(assets, tmp_path):
+    from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingLoop
+
+    data = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
+
+    def run(out: str, **overrides):
+        args = args_for(assets, tmp_path, data_path=data, ckpt_output_dir=tmp_path / out, peft_config=LORA,
+                        max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=1e-2,
+                        lr_scheduler="linear", max_steps=6, save_strategy="steps", save_steps=3, disable_tqdm=True,
+                        **overrides)
+        loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), BestCheckpointTracker()],
+                            build_run(args, DistributedEnv()))
+        return loop, loop.run()
+
+    straight, result = run("straight", merge_adapter_at_end=True)
+    assert sorted(p.name for p in (tmp_path / "straight" / "checkpoint-6").glob("adapter_*")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    resumed, again = run("resumed", resume_from_checkpoint=tmp_path / "straight" / "checkpoint-3")
+    assert again.resumed_from.endswith("checkpoint-3")
+    for (name, a), b in zip(straight.engine.unwrapped.named_parameters(), resumed.engine.unwrapped.parameters()):
+        assert torch.equal(a, b), name
+    merged = AutoModelForCausalLM.from_pretrained(result.merged_model).eval()
+    live = straight.engine.unwrapped.eval()
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, live(input_ids=ids).logits, atol=1e-5)

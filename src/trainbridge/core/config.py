@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
 from trainbridge.core.instructlab_names import check_instructlab_names
 
@@ -39,6 +48,14 @@ class CallbackSpec(BaseModel):
     def _importable(cls, value: str) -> str:
         resolve_import_path(value)
         return value
+
+    @model_validator(mode="after")
+    def _kwargs_fit(self) -> CallbackSpec:
+        try:
+            config_errors.check_constructor_kwargs(resolve_import_path(self.class_path), self.kwargs)
+        except ValueError as exc:
+            raise ValueError(f"kwargs: {exc}") from None
+        return self
 
     def build(self) -> Any:
         """Import the class and instantiate it with ``kwargs``."""
@@ -148,13 +165,16 @@ def resolve_import_path(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+        raise ValueError(f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
+                         "sys.path: `trainbridge train` adds the config's folder and the working directory)"
+                         ) from exc
     obj: Any = module
+    owner = f"module {module_name!r}"
     for part in attr.split("."):
         try:
-            obj = getattr(obj, part)
+            obj, owner = getattr(obj, part), repr(part)
         except AttributeError:
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+            raise ValueError(config_errors.missing_attribute_message(obj, owner, part)) from None
     return obj
 
 
@@ -326,6 +346,16 @@ class TrainingArgs(BaseModel):
     """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` (if any); a path resumes from it."""
     report_to: list[str] = Field(default_factory=list)
     """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
+    include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
+    """What ``TrainerState.num_input_tokens_seen`` counts for Hugging Face callbacks (and whether their logs
+    carry it), as transformers' option of that name: ``no`` (not counted), ``all`` (every input position,
+    padding included) or ``non_padding`` (real tokens); ``True``/``False`` mean ``all``/``no``.  The native
+    counters (``TrainingContext.tokens_seen``, ``input_tokens_seen``) always count."""
+    hf_args: Any = Field(default=None, exclude=True)
+    """The ``transformers.TrainingArguments`` (or subclass instance: trl's ``SFTConfig``, ``DPOConfig``...)
+    these settings were ported from; ``training_args_from_hf`` sets it.  Hugging Face callbacks then see an
+    instance of its class with all its fields, only the fields this run owns replaced
+    (``trainbridge.hf.arguments``).  Not written to YAML."""
     run_name: str | None = None
     """Run name shown by reporting integrations."""
     logging_dir: Path | None = None
@@ -386,19 +416,40 @@ class TrainingArgs(BaseModel):
             return []
         if not isinstance(value, list | tuple):
             value = [value]
-        out = []
+        out, problems = [], []
         for i, item in enumerate(value):
-            if isinstance(item, dict):
-                try:
-                    item = CallbackSpec.model_validate(item)
-                except Exception as exc:
-                    raise ValueError(f"callbacks[{i}]: {exc}") from None
-            elif isinstance(item, str):
-                item = CallbackSpec.model_validate({"class": item})
-            elif item is None or isinstance(item, int | float | bool):
-                raise ValueError(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
+            try:
+                if isinstance(item, dict | str):
+                    item = CallbackSpec.model_validate(item if isinstance(item, dict) else {"class": item})
+            except ValidationError as exc:  # every bad callback, one line each, without pydantic's noise
+                problems += [f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(
+                    exc, CallbackSpec)]
+                continue
+            if item is None or isinstance(item, int | float | bool):
+                problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
             out.append(item)
+        if problems:
+            raise ValueError("\n".join(problems))
         return out
+
+    @field_validator("include_num_input_tokens_seen", mode="before")
+    @classmethod
+    def _token_counting(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # as TrainingArguments: True -> "all", False -> "no"
+            return "all" if value else "no"
+        return value
+
+    @field_validator("hf_args")
+    @classmethod
+    def _hf_training_arguments(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        from transformers import TrainingArguments
+
+        if not isinstance(value, TrainingArguments):
+            raise ValueError(f"expected a transformers.TrainingArguments (or subclass) instance, got "
+                             f"{type(value).__name__}; pass the object your script built, or leave it unset")
+        return value
 
     @field_validator("model_path")
     @classmethod

@@ -52,9 +52,13 @@ class TrainingContext:
     samples_seen: int = 0
     """Training samples consumed, all ranks together (updated at ``on_step_end``)."""
     tokens_seen: int = 0
-    """Input tokens consumed (non-padding), all ranks together (updated after the step's agreement)."""
+    """Input tokens consumed (non-padding), all ranks together (updated at ``on_step_end``, from the plan)."""
     loss_tokens_seen: int = 0
     """Loss-counted tokens (labels != -100), all ranks together."""
+    input_tokens_seen: int = 0
+    """Input positions fed to the model (``input_ids`` elements, padding included), all ranks together
+    (updated after the step's agreement, which sums it over ranks: at ``on_step_end`` it does not include
+    that step yet; ``TrainerState.num_input_tokens_seen`` under ``include_num_input_tokens_seen='all'``)."""
 
     # ------------------------------------------------------------------ measurements
     loss: float | None = None

@@ -32,10 +32,6 @@ class ControlFlag(str, Enum):
     """Internal: a callback failed under the ``fatal`` policy; every rank stops and the run fails."""
 
 
-# Which reduction each flag uses when ranks are agreed.  Every flag is "any": if any rank requests
-# it, every rank acts on it.  (A "all" reduction would let one rank veto, which no flag needs.)
-FLAG_REDUCTION: dict[ControlFlag, str] = {flag: "any" for flag in ControlFlag}
-
 FLAGS: tuple[ControlFlag, ...] = tuple(ControlFlag)
 
 
@@ -106,9 +102,9 @@ def agree_control(
     """Agree this rank's control requests with every other rank, in ONE collective.
 
     Each rank contributes a row ``[*extras, *encoded flags]``; the collective (``env.gather_rows``,
-    an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  Then, per flag, using
-    the reduction in ``FLAG_REDUCTION`` ("any": requested on at least one rank), and ``extras`` are
-    summed over ranks (the loop passes loss and token sums here at step end).
+    an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  A flag is agreed when
+    *any* rank requested it (no flag lets one rank veto), and ``extras`` are summed over ranks (the loop
+    passes loss and token sums here at step end).
 
     Returns the agreed flags (with requesters) and the summed extras.  The pending requests are cleared.
     """
@@ -121,7 +117,7 @@ def agree_control(
     for column, flag in enumerate(FLAGS):
         codes = matrix[:, n_extra + column]
         asked = [(rank, int(code) - 1) for rank, code in enumerate(codes.tolist()) if code > 0]
-        if FLAG_REDUCTION[flag] == "any" and asked:
+        if asked:
             flags.add(flag)
             requesters[flag] = [
                 Requester(rank, source_names[idx] if 0 <= idx < len(source_names) else f"source #{idx}")

@@ -157,6 +157,7 @@ def build_torchrun_command(
     payload_path: Path,
     log_dir: Path,
     worker_module: str = WORKER_MODULE,
+    worker_args: list[str] | None = None,
 ) -> list[str]:
     """The torchrun command line (the payload path is on it; the payload and its key never are)."""
     command = [
@@ -186,7 +187,7 @@ def build_torchrun_command(
     if torchrun_args.nproc_per_node > 1:
         # Local rank 0 keeps the real console (progress bars work); the others are teed with a prefix.
         command += ["--tee", ",".join(f"{rank}:3" for rank in range(1, torchrun_args.nproc_per_node))]
-    command += ["-m", worker_module, "--payload", str(payload_path)]
+    command += ["-m", worker_module, "--payload", str(payload_path), *(worker_args or [])]
     return command
 
 
@@ -439,6 +440,7 @@ def run_training(
     *,
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
+    dry_run: bool = False,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
@@ -452,6 +454,8 @@ def run_training(
 
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
     ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
+    ``dry_run``: the workers build the run (model, data, engine), rank 0 prints its plan, and nothing is
+    trained; returns None.
     """
     if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
         train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
@@ -468,7 +472,8 @@ def run_training(
         launch = TorchrunArgs.model_validate(torchrun_args)
     args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
     result_path = args.ckpt_output_dir / RESULT_FILE_NAME
-    result_path.unlink(missing_ok=True)
+    if not dry_run:
+        result_path.unlink(missing_ok=True)
     preflight(args)
 
     private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
@@ -476,7 +481,8 @@ def run_training(
         payload_path, key = write_payload(args, private_dir)
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
-        command = build_torchrun_command(launch, payload_path, log_dir, worker_module)
+        command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
+                                         ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -486,6 +492,8 @@ def run_training(
             raise worker_failure(log_dir, torchrun_error_file, launch, returncode)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
+    if dry_run:
+        return None
     if result_path.is_file():
         return RunResult.read(result_path)
     hosts_rank_zero = launch.node_rank == 0 if not launch.rdzv_endpoint else str(launch.nnodes) == "1"

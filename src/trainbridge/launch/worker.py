@@ -19,7 +19,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
+from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingInterrupted, train
+from trainbridge.loop.summary import announce_run
 
 
 @record
@@ -27,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one worker of a ``run_training`` job."""
     parser = argparse.ArgumentParser(prog="python -m trainbridge.launch.worker")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")
-    payload_path = parser.parse_args(argv).payload
+    parser.add_argument("--dry-run", action="store_true", help="build the run, print its plan, do not train")
+    options = parser.parse_args(argv)
+    payload_path = options.payload
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     if not key:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
@@ -39,9 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     clean = False
     try:
-        result = train(args, env, assemble_callbacks(args))
-        if env.is_world_process_zero:
-            result.write(args.ckpt_output_dir / "result.json")
+        if options.dry_run:
+            announce_run(args, env, build_run(args, env))
+        else:
+            result = train(args, env, assemble_callbacks(args))
+            if env.is_world_process_zero:
+                result.write(args.ckpt_output_dir / "result.json")
         clean = True
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too

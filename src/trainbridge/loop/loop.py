@@ -34,6 +34,7 @@ from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.summary import announce_run
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]
     """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
     with _sigterm_raises():
         components = build_run(args, env)
+    announce_run(args, env, components)
     return TrainingLoop(args, env, callbacks, components).run()
 
 
@@ -85,6 +87,7 @@ class TrainingLoop:
         self._last_saved_step = -1
         self._stop_training = False
         self._stop_requesters = ""
+        self._step_input_tokens = 0
         self._merged: Path | None = None
         self.context = ctx = TrainingContext(args=args, env=env)
         ctx.steps_per_epoch = components.steps_per_epoch
@@ -115,6 +118,7 @@ class TrainingLoop:
                     self._save()
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
+                self._load_best_model()
                 fire(Event.TRAIN_END, ctx)
                 if self.args.merge_adapter_at_end:
                     self._merged = self.checkpoints.export_merged(
@@ -135,9 +139,10 @@ class TrainingLoop:
             if ctx.global_step >= ctx.max_steps:
                 break
             self._train_step(step_plan)
-            # DECISION POINT: the step's one collective — agreed control plus the loss sum.
-            agreed, (loss_sum,) = self._agree(extras=[self._step_loss_sum])
+            # DECISION POINT: the step's one collective — agreed control plus the loss and input sums.
+            agreed, (loss_sum, input_tokens) = self._agree(extras=[self._step_loss_sum, self._step_input_tokens])
             self._account_step(step_plan, loss_sum)
+            ctx.input_tokens_seen += int(input_tokens)
             flags = self._log_evaluate_save(agreed)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
@@ -156,6 +161,7 @@ class TrainingLoop:
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        self._step_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         for i, cpu_batch in enumerate(micro_batches):
             ctx.micro_step = i
             is_last = i == len(micro_batches) - 1
@@ -185,6 +191,7 @@ class TrainingLoop:
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
+        ctx.tokens_seen += step.num_tokens
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
@@ -267,6 +274,15 @@ class TrainingLoop:
         ctx.checkpoints = self.checkpoints.list_checkpoints()
         return path
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights, loaded (on every rank) before any
+        ``on_train_end``, as ``Trainer._finalize_training`` does, so every callback sees them there."""
+        ctx = self.context
+        if self.args.load_best_model_at_end and ctx.best_checkpoint is not None:
+            logger.info("loading best model from %s (%s=%s)", ctx.best_checkpoint, self.args.best_metric_name,
+                        ctx.best_metric)
+            self.checkpoints.load_model_weights(Path(ctx.best_checkpoint), self.engine)
+
     # ================================================================== resume
     def _resume(self) -> None:
         """Restore model, optimizer, RNG, counters and callback state from a checkpoint, if asked."""
@@ -285,6 +301,7 @@ class TrainingLoop:
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.samples_seen, ctx.tokens_seen = state["samples_seen"], state["tokens_seen"]
         ctx.loss_tokens_seen = state["loss_tokens_seen"]
+        ctx.input_tokens_seen = state.get("input_tokens_seen", ctx.tokens_seen)
         self._last_logged_step = self._last_saved_step = ctx.global_step
         ctx.resumed_from = path
         ctx.last_checkpoint = path
@@ -302,6 +319,7 @@ class TrainingLoop:
             "samples_seen": ctx.samples_seen,
             "tokens_seen": ctx.tokens_seen,
             "loss_tokens_seen": ctx.loss_tokens_seen,
+            "input_tokens_seen": ctx.input_tokens_seen,
             "world_size": self.env.world_size,
             "callbacks": self.callbacks.state_dict(),
         }
@@ -333,7 +351,6 @@ class TrainingLoop:
     def _account_step(self, step: StepPlan, global_loss_sum: float) -> None:
         ctx = self.context
         ctx.loss = global_loss_sum / max(step.loss_tokens, 1)
-        ctx.tokens_seen += step.num_tokens
         ctx.loss_tokens_seen += step.loss_tokens
         ctx.step_time_s = time.perf_counter() - self._step_start
         ctx.tokens_per_second = step.num_tokens / ctx.step_time_s
