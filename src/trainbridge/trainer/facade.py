@@ -477,6 +477,7 @@ class Trainer:
         from transformers.trainer_utils import PredictionOutput
 
         metrics, gathered = self._evaluate_job(test_dataset, keep_predictions=True)
+        metrics.pop("epoch", None)  # Trainer.predict reports no epoch (evaluate() does, through log())
         if gathered is None:
             raise RuntimeError("predict: no predictions came back from the evaluation job")
         return PredictionOutput(predictions=gathered.predictions, label_ids=gathered.label_ids,
@@ -644,7 +645,7 @@ class Trainer:
     def end(self) -> None:
         """Finish: under a launcher, leave the process group (every rank calls it, as Trainer's ``end``)."""
         if self._env is not None:
-            self._env.teardown(clean=True)
+            self._env.shutdown()
             self._env = None
             self._loop = None
 

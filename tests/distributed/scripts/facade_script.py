@@ -94,3 +94,4 @@ if trainer.is_world_process_zero():
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("SUMMARY", json.dumps(summary, default=str))
+trainer.end()  # transformers >= 5.18: finish trackers, leave the process group
