@@ -13,11 +13,7 @@ from trainbridge.loop.result import RunResult
 
 
 @pytest.fixture
-def config(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"text": "1+1=2"}\n')
+def config(tmp_path, run_files):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out"}))
     return path

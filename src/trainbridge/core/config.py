@@ -27,6 +27,7 @@ from pydantic import (
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
 from trainbridge.core.instructlab_names import check_instructlab_names
+from trainbridge.core.run_dir import METRICS_FILE
 
 
 class CallbackSpec(BaseModel):
@@ -248,6 +249,14 @@ class TrainingArgs(BaseModel):
     its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
     become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
     must not be ``padding_free``).  None: trainbridge's own collation."""
+    loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
+    """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
+    logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
+    full-vocabulary fp32 logits (same value and gradients); ``liger``: Liger-Kernel's fused linear cross
+    entropy (CUDA, ``pip install 'trainbridge[liger]'``).  ``auto``: ``liger`` on CUDA when installed,
+    else ``chunked`` on CUDA, ``standard`` on CPU.  Models that post-process logits keep ``standard``."""
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per chunk of ``loss_implementation='chunked'`` (fp32 logits held: this x vocabulary)."""
     varlen_sdpa: bool = True
     """Padding-free batches of an ``sdpa`` model run one causal sdpa per sample
     (``data.varlen_attention``) instead of masking the whole packed row: the same results, attention
@@ -293,10 +302,23 @@ class TrainingArgs(BaseModel):
     """ZeRO stage when ``distributed_backend='deepspeed'``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32); with
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32; under FSDP2 a
+    ``MixedPrecisionPolicy`` with bf16 compute and fp32 gradient reduction); with
     ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
-    master weights in the optimizer)."""
+    master weights in the optimizer).  ``auto`` (default): ``bf16`` on a CUDA device that supports it,
+    ``no`` elsewhere (CPU runs stay fp32)."""
+    fsdp_gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """FSDP2 with gradient accumulation: ``every_micro_batch`` reduce-scatters each micro-batch's
+    gradients into the sharded fp32 gradients (memory: one shard of gradients, as torchtitan does);
+    ``last_micro_batch`` accumulates unsharded gradients and reduce-scatters once per optimizer step
+    (fewer collectives, but a full unsharded gradient per rank).  The result is the same."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (gathered again for backward; less
+    memory, one more all-gather per unit).  ``False`` keeps them until backward (ZeRO-2-like).  The
+    ``norm`` + output-layer unit never reshards after forward: its backward comes right after."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
 
@@ -552,15 +574,11 @@ class TrainingArgs(BaseModel):
             if getattr(config, "inference_mode", False):
                 raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
                                  "set inference_mode=False")
-            if getattr(config, "is_prompt_learning", False) and self.distributed_backend != "ddp":
+            if getattr(config, "is_prompt_learning", False):
                 raise ValueError(
-                    f"peft_config: {type(config).__name__} keeps its weights outside the model's state dict, which "
-                    f"{self.distributed_backend} shards; use distributed_backend='ddp'"
-                )
-            if getattr(config, "is_prompt_learning", False) and self.packing != "padded":
-                raise ValueError(
-                    f"peft_config: {type(config).__name__} adds virtual tokens to every row, which padding-free "
-                    f"rows (packing={self.packing!r}) cannot carry; set packing='padded'"
+                    f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                    "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
+                    "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
                 )
         is_peft = config is not None or adapter_base is not None
         if self.merge_adapter_at_end and not is_peft and self.model_init is None:
@@ -604,10 +622,20 @@ class TrainingArgs(BaseModel):
         """Whether the best checkpoint is tracked (as transformers does it)."""
         return self.metric_for_best_model is not None or self.load_best_model_at_end or self.save_strategy == "best"
 
+    def mixed_precision_for(self, device_type: str) -> Literal["no", "bf16"]:
+        """``mixed_precision`` with ``auto`` resolved for a run on ``device_type`` (``cuda``/``cpu``)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if device_type != "cuda":
+            return "no"
+        import torch
+
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
     @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / "metrics.jsonl"
+        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:

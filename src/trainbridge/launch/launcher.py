@@ -38,6 +38,7 @@ import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import launched_worker
+from trainbridge.core.run_dir import result_file
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
@@ -45,9 +46,6 @@ from trainbridge.modeling.load import check_model_setup
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
-
-RESULT_FILE_NAME = "result.json"
-"""Rank 0 writes the ``RunResult`` to ``ckpt_output_dir / RESULT_FILE_NAME``."""
 
 SHUTDOWN_GRACE_S = 45.0
 """After forwarding a signal (or on timeout), how long torchrun gets to stop its workers before the
@@ -426,11 +424,11 @@ def run_in_place(args: TrainingArgs) -> RunResult:
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
     if env.is_world_process_zero:
         args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
-        (args.ckpt_output_dir / RESULT_FILE_NAME).unlink(missing_ok=True)
+        result_file(args.ckpt_output_dir).unlink(missing_ok=True)
     env.barrier()
     result = train(args, env, assemble_callbacks(args))
     if env.is_world_process_zero:
-        result.write(args.ckpt_output_dir / RESULT_FILE_NAME)
+        result.write(result_file(args.ckpt_output_dir))
     return result
 
 
@@ -471,7 +469,7 @@ def run_training(
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
     args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
-    result_path = args.ckpt_output_dir / RESULT_FILE_NAME
+    result_path = result_file(args.ckpt_output_dir)
     if not dry_run:
         result_path.unlink(missing_ok=True)
     preflight(args)
