@@ -564,15 +564,11 @@ class TrainingArgs(BaseModel):
             if getattr(config, "inference_mode", False):
                 raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
                                  "set inference_mode=False")
-            if getattr(config, "is_prompt_learning", False) and self.distributed_backend != "ddp":
+            if getattr(config, "is_prompt_learning", False):
                 raise ValueError(
-                    f"peft_config: {type(config).__name__} keeps its weights outside the model's state dict, which "
-                    f"{self.distributed_backend} shards; use distributed_backend='ddp'"
-                )
-            if getattr(config, "is_prompt_learning", False) and self.packing != "padded":
-                raise ValueError(
-                    f"peft_config: {type(config).__name__} adds virtual tokens to every row, which padding-free "
-                    f"rows (packing={self.packing!r}) cannot carry; set packing='padded'"
+                    f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                    "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
+                    "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
                 )
         is_peft = config is not None or adapter_base is not None
         if self.merge_adapter_at_end and not is_peft and self.model_init is None:
