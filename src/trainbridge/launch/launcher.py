@@ -40,9 +40,9 @@ from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import launched_worker
 from trainbridge.core.run_dir import result_file
 from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling.load import check_model_setup
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -116,10 +116,13 @@ def preflight(args: TrainingArgs) -> None:
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
-    try:
-        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
-    except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
+    if args.peft_config is not None:  # imported only then: the modeling layer pulls in transformers
+        from trainbridge.modeling.load import check_model_setup
+
+        try:
+            check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
@@ -482,6 +485,7 @@ def run_training(
         command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
                                          ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
+        env.update(quiet_environment(args.device, env))
         sys.stdout.flush()
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)
