@@ -112,7 +112,8 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``).
+    (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
+    into its cache (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -143,6 +144,24 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
+    _check_data(args)
+
+
+def _check_data(args: TrainingArgs) -> None:
+    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
+    launch, named by file and line, and the workers find the tokenised cache built."""
+    from trainbridge.data.sources import load_run_data  # imported here: the data layer pulls in torch
+    from trainbridge.modeling.load import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args)
+    except Exception as exc:
+        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    try:
+        load_run_data(args, tokenizer)
+    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
+        raise PreflightError(f"data: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- command and environment
