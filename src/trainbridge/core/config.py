@@ -26,7 +26,11 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.instructlab_names import check_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
+
+DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
+"""The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
 
 
 class CallbackSpec(BaseModel):
@@ -223,9 +227,28 @@ class TrainingArgs(BaseModel):
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
     data_path: Path
-    """Training data, JSONL: pre-tokenized (``input_ids``, optional ``labels`` with -100 masking) or ``text``."""
+    """Training data: a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
+    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
+    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
+    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
     val_data_path: Path | None = None
-    """Validation data in the same format; exclusive with ``validation_split``."""
+    """Validation data in the same formats; exclusive with ``validation_split``."""
+    data_columns: dict[DataColumn, str] = Field(default_factory=dict)
+    """Read differently named columns: ``{ours: theirs}``, e.g. ``{messages: conversations}``; ours is one
+    of input_ids, labels, attention_mask, messages, tools, prompt, completion, text."""
+    chat_train_on: Literal["all", "last"] = "all"
+    """Chat ``messages``: train on every assistant turn (``all``) or on the last one only (``last``)."""
+    chat_system_prompt: str | None = None
+    """Chat ``messages``: a system message added to conversations that have none."""
+    chat_template: str | None = None
+    """Chat ``messages``: a Jinja chat template (the string, or a path to a file) used instead of the
+    tokenizer's; needed when the tokenizer has none."""
+    data_num_proc: int | None = Field(default=None, gt=0)
+    """Processes that tokenise the data on a cache miss (``datasets.map(num_proc=...)``); default
+    ``min(8, cpu count)``, fewer for small files."""
+    data_cache_dir: Path | None = None
+    """Where tokenised data is cached (one folder per data file, tokenizer, template and options); default
+    ``$TRAINBRIDGE_DATA_CACHE`` or ``~/.cache/trainbridge/data``.  Must be shared by the ranks of a node."""
     validation_split: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
@@ -269,10 +292,18 @@ class TrainingArgs(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant_with_warmup"
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
     """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
@@ -401,6 +432,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        check_instructlab_names(data)  # instructlab's names get a message naming ours
         data = dict(data)
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
@@ -508,7 +540,7 @@ class TrainingArgs(BaseModel):
     @field_validator("data_path", "val_data_path")
     @classmethod
     def _data_file_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
+        if value is not None and not value.exists():
             raise ValueError(f"data file {str(value)!r} does not exist")
         return value
 
@@ -656,7 +688,7 @@ class TrainingArgs(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainingArgs fields at the top level")
         base = path.parent
-        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "ckpt_output_dir",
+        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "data_cache_dir", "ckpt_output_dir",
                     "logging_dir", "metrics_file"):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
