@@ -25,6 +25,7 @@ __all__ = [
     "LaunchError",
     "LaunchTimeoutError",
     "PreflightError",
+    "RunFolderLockedError",
     "RunResult",
     "TorchrunArgs",
     "TrainingArgs",
@@ -39,7 +40,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAUNCHER_NAMES = ("run_training", "WorkerFailedError", "LaunchError", "PreflightError", "LaunchTimeoutError",
-                   "TrainingInterruptedError")
+                   "TrainingInterruptedError", "RunFolderLockedError")
 
 
 def __getattr__(name: str) -> object:

@@ -1,4 +1,5 @@
-"""The ``trainbridge`` command: ``trainbridge train CONFIG.yaml`` and ``trainbridge demo``.
+"""The ``trainbridge`` command: ``trainbridge train CONFIG.yaml``, ``trainbridge demo`` and
+``trainbridge control RUN_DIR save|stop|evaluate|log``.
 
 argparse lives only here; its result is turned into ``TrainingArgs``/``TorchrunArgs`` at once.
 Exit codes: 0 success, 1 a worker failed (or the run timed out), 2 invalid configuration or a failed
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config field (value parsed as YAML); repeatable",
     )
 
+    control = commands.add_parser("control", help="ask a running job to save, stop, evaluate or log")
+    control.add_argument("run_dir", type=Path, help="the running job's ckpt_output_dir")
+    control.add_argument("action", choices=["save", "stop", "evaluate", "log"], help="what to ask for")
+
     demo = commands.add_parser("demo", help="two-rank CPU fine-tune of a tiny local model (about a minute)")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"), help="where model, data and run go")
     demo.add_argument("--nproc-per-node", type=int, default=2, help="CPU worker processes")
@@ -112,12 +117,25 @@ def _train(options: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _control(options: argparse.Namespace) -> int:
+    from trainbridge.launch.control import NoRunningJobError, send_control
+
+    try:
+        print(f"trainbridge: {send_control(options.run_dir, options.action)}")
+    except NoRunningJobError as exc:
+        print(f"trainbridge: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainbridge`` command; returns the exit code."""
     from trainbridge.launch.launcher import LaunchError, PreflightError, TrainingInterruptedError
     from trainbridge.launch.transport import CallbackTransportError
 
     options = _parser().parse_args(argv)
+    if options.command == "control":
+        return _control(options)
     try:
         if options.command == "demo":
             from trainbridge.demos.demo import run_demo

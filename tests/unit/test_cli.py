@@ -16,7 +16,7 @@ from trainbridge.loop.result import RunResult
 def config(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "train.jsonl").write_text('{"text": "1+1=2"}\n')
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out"}))

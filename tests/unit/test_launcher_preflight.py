@@ -50,7 +50,7 @@ class HoldsALock(Callback):
 def train_args(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "1+1=2"}\n')
     return {"model_path": model, "data_path": data, "ckpt_output_dir": tmp_path / "out"}
@@ -157,7 +157,7 @@ def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_arg
     assert all(key not in part for part in fake.command)
     assert fake.payload_mode == 0o600 and fake.dir_mode == 0o700
     assert fake.start_new_session
-    assert fake.command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert fake.command[:3] == [sys.executable, "-m", "trainbridge.launch.agent"]  # torchrun, tied to us
     assert fake.command[-4:] == ["-m", "trainbridge.launch.worker", "--payload", str(fake.payload)]
     assert fake.command[fake.command.index("--nproc-per-node") + 1] == "2"
     assert int(fake.command[fake.command.index("--master-port") + 1]) > 0

@@ -1,4 +1,5 @@
-"""``CallbackErrorReport``: what the callback manager records about a callback that raised."""
+"""``CallbackErrorReport`` (what the callback manager records about a callback that raised) and
+``TrainingInterrupted`` (a worker was told to stop by a signal)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ class CallbackErrorReport(BaseModel):
     """Whether it was switched off after too many consecutive errors."""
     first_error: str
     """The first error, ``Type: message``."""
+
+
+class TrainingInterrupted(BaseException):
+    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
+    callback isolation (``except Exception``) must not swallow it."""

@@ -17,6 +17,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.launch import lifeline
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
 from trainbridge.loop.loop import TrainingInterrupted, train
@@ -25,6 +26,7 @@ from trainbridge.loop.loop import TrainingInterrupted, train
 @record
 def main(argv: list[str] | None = None) -> int:
     """Run one worker of a ``run_training`` job."""
+    lifeline.install()  # die with torchrun and with the launcher
     parser = argparse.ArgumentParser(prog="python -m trainbridge.launch.worker")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")
     payload_path = parser.parse_args(argv).payload
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
     args = read_payload(payload_path, key)
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
+    if os.environ.get(lifeline.LAUNCHER_ENV):
+        sys.excepthook = _one_line_excepthook(env.rank)
     logging.basicConfig(
         level=logging.INFO if env.is_world_process_zero else logging.WARNING,
         format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
@@ -46,9 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too
         raise RuntimeError(f"worker interrupted: {exc}") from exc
+    except SystemExit as exc:
+        # sys.exit() from a callback would end this rank "successfully" mid-run and leave the others
+        # waiting in a collective: it is a failure of this rank.
+        raise RuntimeError(
+            f"sys.exit({exc.code!r}) was called during training on rank {env.rank}; a rank may not leave "
+            "mid-run: raise an exception, or call context.request_stop_training() to stop every rank"
+        ) from exc
     finally:
         env.teardown(clean)
     return 0
+
+
+def _one_line_excepthook(rank: int):  # type: ignore[no-untyped-def]
+    """Print a failing worker's error as one line: the launcher reports the root cause once, with its
+    traceback, instead of every rank printing it with doubled ``[rankN]: [rankN]:`` prefixes."""
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        sys.stderr.write(f"trainbridge worker rank {rank} failed: {exc_type.__name__}: {first}\n")
+        sys.stderr.flush()
+
+    return hook
 
 
 def exit_after_success(code: int) -> None:

@@ -25,11 +25,13 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.errors import TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import (
@@ -52,13 +54,6 @@ from trainbridge.modeling import (
 from trainbridge.parallel.engine import build_engine
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingInterrupted(BaseException):
-    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
-
-    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
-    callback isolation (``except Exception``) must not swallow it."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -287,7 +282,8 @@ class TrainingLoop:
         self.engine.verify()
         self._num_parameters = sum(p.numel() for p in model.parameters())
         logger.info("engine: %s; %s batches", self.engine.describe(), "padded" if padded else "padding-free")
-        self.checkpoints = CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit)
+        self.checkpoints = CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit,
+                                             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config))
         ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
         ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
@@ -317,7 +313,7 @@ class TrainingLoop:
         args, ctx = self.args, self.context
         if args.resume_from_checkpoint is None:
             return
-        path = self.checkpoints.latest() if args.resume_from_checkpoint == "auto" else Path(args.resume_from_checkpoint)
+        path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
             logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return
