@@ -214,6 +214,8 @@ class CheckpointManager:
             return True  # no owner file: an old-style or already-finished folder
         if self.run_id and owner.get("run_id") == self.run_id:
             return True
+        if owner.get("host") == socket.gethostname() and owner.get("pid") == os.getpid():
+            return True
         return not process_is_alive(str(owner.get("host")), int(owner.get("pid", 0)))
 
     def _agree(self, error: BaseException | None, what: str, checkpoint: Path | None = None) -> None:
