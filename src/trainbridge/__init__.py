@@ -4,14 +4,60 @@
 from trainbridge import run_training, TrainingArgs, TorchrunArgs, Callback
 result = run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))
 ```
+
+Every public name is imported on first use (PEP 562), so ``import trainbridge`` (and the ``trainbridge``
+command's ``--help``) does not pay for torch; ``from trainbridge import X`` works as before.
 """
 
-from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
-from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import AgreedControl, ControlFlag
-from trainbridge.core.events import EVENT_MAP, Event
-from trainbridge.loop.result import RunResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
+    from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+    from trainbridge.core.context import TrainingContext
+    from trainbridge.core.control import AgreedControl, ControlFlag
+    from trainbridge.core.events import EVENT_MAP, Event
+    from trainbridge.launch.launcher import (
+        LaunchError,
+        LaunchTimeoutError,
+        PreflightError,
+        TrainingInterruptedError,
+        WorkerFailedError,
+        run_training,
+    )
+    from trainbridge.launch.transport import CallbackTransportError, register_by_value
+    from trainbridge.loop.result import RunResult
+    from trainbridge.trainer import Trainer
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "Callback": "trainbridge.core.callback",
+    "FunctionCallback": "trainbridge.core.callback",
+    "rank_zero_only": "trainbridge.core.callback",
+    "CallbackSpec": "trainbridge.core.config",
+    "TorchrunArgs": "trainbridge.core.config",
+    "TrainingArgs": "trainbridge.core.config",
+    "TrainingContext": "trainbridge.core.context",
+    "AgreedControl": "trainbridge.core.control",
+    "ControlFlag": "trainbridge.core.control",
+    "EVENT_MAP": "trainbridge.core.events",
+    "Event": "trainbridge.core.events",
+    "RunResult": "trainbridge.loop.result",
+    "Trainer": "trainbridge.trainer",  # transformers.Trainer's API on our loop
+    "run_training": "trainbridge.launch.launcher",
+    "WorkerFailedError": "trainbridge.launch.launcher",
+    "LaunchError": "trainbridge.launch.launcher",
+    "PreflightError": "trainbridge.launch.launcher",
+    "LaunchTimeoutError": "trainbridge.launch.launcher",
+    "TrainingInterruptedError": "trainbridge.launch.launcher",
+    "RunFolderLockedError": "trainbridge.launch.launcher",
+    "CallbackTransportError": "trainbridge.launch.transport",
+    "register_by_value": "trainbridge.launch.transport",
+}
 
 __all__ = [
     "EVENT_MAP",
@@ -28,6 +74,7 @@ __all__ = [
     "RunFolderLockedError",
     "RunResult",
     "TorchrunArgs",
+    "Trainer",
     "TrainingArgs",
     "TrainingContext",
     "TrainingInterruptedError",
@@ -37,21 +84,15 @@ __all__ = [
     "run_training",
 ]
 
-__version__ = "0.1.0"
-
-_LAUNCHER_NAMES = ("run_training", "WorkerFailedError", "LaunchError", "PreflightError", "LaunchTimeoutError",
-                   "TrainingInterruptedError", "RunFolderLockedError")
-
 
 def __getattr__(name: str) -> object:
-    # The launcher (subprocess, torchrun) is imported on first use, so workers and the
-    # callback layer never pay for it.
-    if name in _LAUNCHER_NAMES:
-        from trainbridge.launch import launcher
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return getattr(launcher, name)
-    if name in ("CallbackTransportError", "register_by_value"):
-        from trainbridge.launch import transport
 
-        return getattr(transport, name)
-    raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,62 +1,119 @@
-"""The ``trainbridge`` command: ``trainbridge train CONFIG.yaml``, ``trainbridge demo`` and
-``trainbridge control RUN_DIR save|stop|evaluate|log``.
+"""The ``trainbridge`` command: ``train CONFIG.yaml``, ``demo``, ``plot RUN_DIR`` and
+``control RUN_DIR save|stop|evaluate|log``.
 
 argparse lives only here; its result is turned into ``TrainingArgs``/``TorchrunArgs`` at once.
 Exit codes: 0 success, 1 a worker failed (or the run timed out), 2 invalid configuration or a failed
 preflight check (nothing was launched), 128+N interrupted by signal N.
+
+Everything heavier than argparse is imported inside the command that needs it, so ``--help`` and
+``--version`` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pydantic
-import yaml
-
-from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.loop.result import RunResult
+if TYPE_CHECKING:
+    from trainbridge.core.config import TorchrunArgs, TrainingArgs
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
 
+_NPROC_HELP = (
+    "worker processes on this node (default: one per visible GPU; on a machine without GPUs, 1, with a "
+    "note: give --nproc-per-node N for N CPU ranks)"
+)
+_SET_HELP = (
+    "override a config field (value parsed as YAML, e.g. max_steps=100, report_to=[tensorboard]); "
+    "repeatable.  A relative path given here resolves against the working directory, like any path "
+    "typed on a command line (paths inside the YAML resolve against the YAML's folder)"
+)
+
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``key=value`` with the value read as a YAML scalar (``lr=1e-4`` -> float, ``x=null`` -> None)."""
+    import yaml
+
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"--set expects key=value, got {text!r}")
     try:
         return key.strip(), yaml.safe_load(value) if value else ""
     except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: value is not valid YAML: {exc}") from exc
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        raise argparse.ArgumentTypeError(f"--set {text!r}: the value is not valid YAML ({problem})") from None
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    import trainbridge
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"trainbridge {trainbridge.__version__} (torch {installed('torch')}, transformers "
+            f"{installed('transformers')}, python {sys.version.split()[0]})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the versions are looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(_version())
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainbridge", description="Distributed LLM fine-tuning with torchrun workers and agreed callbacks."
     )
+    parser.add_argument("--version", action=_VersionAction, help="show the versions of trainbridge, torch, "
+                        "transformers and python, and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train from a YAML config of TrainingArgs fields")
-    train.add_argument("config", type=Path, help="YAML file of TrainingArgs fields")
-    train.add_argument("--nproc-per-node", type=int, help="worker processes on this node")
-    train.add_argument("--nnodes", help="number of nodes, or MIN:MAX")
-    train.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous)")
-    train.add_argument("--master-addr", help="address of rank 0's node")
-    train.add_argument("--master-port", type=int, help="port on the master node (default: a free port)")
-    train.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous")
-    train.add_argument("--rdzv-id", help="rendezvous job id")
-    train.add_argument("--max-restarts", type=int, help="torchrun worker-group restarts")
-    train.add_argument("--timeout", type=float, help="stop everything after this many seconds")
-    train.add_argument(
-        "--set", dest="overrides", type=parse_override, action="append", default=[], metavar="KEY=VALUE",
-        help="override a config field (value parsed as YAML); repeatable",
+    train = commands.add_parser(
+        "train", help="train from a YAML config of TrainingArgs fields",
+        description="Train from a YAML config of TrainingArgs fields.  Before training, rank 0 prints a "
+                    "summary of the run (model, data, steps, batch, backend, output); --dry-run prints it "
+                    "with the resolved config and stops there.  Callback modules next to the config or in "
+                    "the working directory are importable by name ('my_callbacks:MyCallback').",
     )
+    train.add_argument("config", type=Path, help="YAML file of TrainingArgs fields")
+    # torchrun's options, in both of its spellings (--nproc-per-node and --nproc_per_node)
+    train.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, help=_NPROC_HELP)
+    train.add_argument("--nnodes", help="number of nodes, or MIN:MAX")
+    train.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
+                       help="this node's rank (static rendezvous)")
+    train.add_argument("--master-addr", "--master_addr", dest="master_addr", help="address of rank 0's node")
+    train.add_argument("--master-port", "--master_port", dest="master_port", type=int,
+                       help="port on the master node (default: a free port)")
+    train.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                       help="host:port of a c10d rendezvous")
+    train.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="rendezvous job id")
+    train.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                       help="torchrun worker-group restarts")
+    train.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    train.add_argument("--resume", action="store_true",
+                       help="resume from the newest checkpoint in ckpt_output_dir, if there is one "
+                            "(resume_from_checkpoint=auto; an explicit --set resume_from_checkpoint wins)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config and the run summary (the workers load model and data "
+                            "and build the engine), then exit without training")
+    train.add_argument("--set", dest="overrides", type=parse_override, action="append", default=[],
+                       metavar="KEY=VALUE", help=_SET_HELP)
 
     control = commands.add_parser("control", help="ask a running job to save, stop, evaluate or log")
     control.add_argument("run_dir", type=Path, help="the running job's ckpt_output_dir")
@@ -64,56 +121,149 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="two-rank CPU fine-tune of a tiny local model (about a minute)")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"), help="where model, data and run go")
-    demo.add_argument("--nproc-per-node", type=int, default=2, help="CPU worker processes")
+    demo.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=2,
+                      help="CPU worker processes")
     demo.add_argument("--max-steps", type=int, help="optimizer steps (default 200)")
+
+    plot = commands.add_parser(
+        "plot", help="plot a run's metrics.jsonl to a PNG (needs the 'plot' extra: matplotlib)",
+        description="Plot loss, eval loss, learning rate, grad norm and tokens/s against step from a run's "
+                    "metrics.jsonl, write a PNG and print its path.",
+    )
+    plot.add_argument("run_dir", type=Path, help="a run's ckpt_output_dir (or its metrics .jsonl file)")
+    plot.add_argument("-o", "--output", type=Path, help="PNG to write (default: metrics.png beside the metrics)")
     return parser
 
 
-def format_summary(result: RunResult) -> str:
-    """A few lines describing a finished run."""
-    def number(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.4f}"
+# ----------------------------------------------------------------------------- train
+def format_summary(result: Any, wall_time_s: float | None = None) -> str:
+    """What a finished run did (``trainbridge.loop.summary.format_run_result``)."""
+    from trainbridge.loop.summary import format_run_result
 
-    stop = f"stopped early: {result.stop_reason}" if result.stopped_early else "completed"
-    lines = [
-        f"steps:           {result.global_step}/{result.max_steps} ({stop})",
-        f"final loss:      {number(result.final_loss)}",
-        f"final eval loss: {number(result.final_eval_loss)}",
-        f"checkpoints:     {', '.join(result.checkpoints) or 'none'}",
-    ]
-    if result.best_checkpoint:
-        lines.append(f"best checkpoint: {result.best_checkpoint} ({number(result.best_metric)})")
-    if result.callback_errors:
-        lines.append(f"callback errors: {len(result.callback_errors)} (see result.json)")
-    lines.append(f"metrics file:    {result.metrics_file}")
-    return "\n".join(lines)
+    return format_run_result(result, wall_time_s)
 
 
-def _torchrun_args(options: argparse.Namespace) -> TorchrunArgs:
+def add_user_import_paths(config: Path) -> list[str]:
+    """Put the config's folder and the working directory at the front of ``sys.path`` (as ``python -m``
+    does for the working directory), so a callback module next to the config imports by name here and,
+    through the launcher's worker ``PYTHONPATH``, in every worker.  Returns the entries added."""
+    added = []
+    for folder in (Path.cwd(), config.resolve().parent):
+        entry = str(folder)
+        if entry not in sys.path and folder.is_dir():
+            sys.path.insert(0, entry)
+            added.append(entry)
+    return added
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process can use; 0 without importing torch where no GPU driver is present."""
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def default_nproc_per_node(device: str) -> tuple[int, str | None]:
+    """``--nproc-per-node``'s default: every visible GPU, else 1 with a note saying so."""
+    gpus = 0 if device == "cpu" else visible_gpu_count()
+    if gpus:
+        return gpus, None
+    return 1, "no GPU in use: 1 worker process (give --nproc-per-node N to train with N CPU ranks)"
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot hold the run's output (without creating it), or None when it can."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is" if existing == path else f"would be inside {str(existing)!r}, which is"
+        return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
+        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}; choose a folder you can "
+                "write to.")
+    return None
+
+
+def _trainer_hint(name: str) -> str | None:
+    from trainbridge.hf.porting import trainer_field_hint
+
+    return trainer_field_hint(name)
+
+
+def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArgs] | str:
+    """Validated arguments, or the error report to print."""
+    import pydantic
+
+    from trainbridge.core.config import TorchrunArgs, TrainingArgs
+    from trainbridge.core.config_errors import format_validation_error
+
+    overrides = dict(options.overrides)
+    if options.resume:
+        overrides.setdefault("resume_from_checkpoint", "auto")
+    try:
+        args = TrainingArgs.from_yaml(options.config, **overrides)
+    except pydantic.ValidationError as exc:
+        return format_validation_error(exc, TrainingArgs, source=str(options.config), overrides=overrides,
+                                       foreign_hint=_trainer_hint)
+    except (OSError, ValueError) as exc:
+        return f"cannot load {options.config}: {exc}"
     fields = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
               "rdzv_id", "max_restarts")
-    return TorchrunArgs.model_validate(
-        {name: getattr(options, name) for name in fields if getattr(options, name) is not None}
-    )
+    given = {name: getattr(options, name) for name in fields if getattr(options, name) is not None}
+    note = None
+    if "nproc_per_node" not in given:
+        given["nproc_per_node"], note = default_nproc_per_node(args.device)
+    try:
+        launch = TorchrunArgs.model_validate(given)
+    except pydantic.ValidationError as exc:
+        text = format_validation_error(exc, TorchrunArgs)
+        return text.replace("invalid configuration", "invalid command-line option", 1)
+    problem = output_dir_problem(args.ckpt_output_dir)
+    if problem:
+        return problem
+    if note:
+        print(f"trainbridge: note: {note}", file=sys.stderr)
+    return args, launch
 
 
 def _train(options: argparse.Namespace) -> int:
-    from trainbridge.launch.launcher import run_training
+    import time
 
-    try:
-        args = TrainingArgs.from_yaml(options.config, **dict(options.overrides))
-        launch = _torchrun_args(options)
-    except pydantic.ValidationError as exc:
-        print(f"trainbridge: invalid configuration in {options.config}:\n{exc}", file=sys.stderr)
+    from trainbridge.launch import launcher
+
+    start = time.monotonic()
+    add_user_import_paths(options.config)
+    loaded = _load_config(options)
+    if isinstance(loaded, str):
+        print(f"trainbridge: {loaded}", file=sys.stderr)
         return EXIT_INVALID
-    except (OSError, ValueError) as exc:
-        print(f"trainbridge: cannot load {options.config}: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    result = run_training(args, launch, timeout_s=options.timeout)
+    args, launch = loaded
+    if options.dry_run:
+        print(f"trainbridge: resolved configuration ({options.config}):\n{args.to_yaml()}", flush=True)
+        launcher.run_training(args, launch, timeout_s=options.timeout, dry_run=True)
+        print("trainbridge: dry run: nothing was trained")
+        return EXIT_OK
+    result = launcher.run_training(args, launch, timeout_s=options.timeout)
     if result is None:
         print("trainbridge: training finished; rank 0 runs on another node and holds the result")
     else:
-        print(f"trainbridge: training finished\n{format_summary(result)}")
+        print(f"trainbridge: training finished\n{format_summary(result, time.monotonic() - start)}")
+    return EXIT_OK
+
+
+def _plot(options: argparse.Namespace) -> int:
+    from trainbridge.report.plot import PlotError, plot_metrics
+
+    try:
+        path = plot_metrics(options.run_dir, options.output)
+    except PlotError as exc:
+        print(f"trainbridge: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(path)
     return EXIT_OK
 
 
@@ -130,12 +280,15 @@ def _control(options: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainbridge`` command; returns the exit code."""
+    options = _parser().parse_args(argv)
+    if options.command == "plot":
+        return _plot(options)
+    if options.command == "control":
+        return _control(options)
+
     from trainbridge.launch.launcher import LaunchError, PreflightError, TrainingInterruptedError
     from trainbridge.launch.transport import CallbackTransportError
 
-    options = _parser().parse_args(argv)
-    if options.command == "control":
-        return _control(options)
     try:
         if options.command == "demo":
             from trainbridge.demos.demo import run_demo

@@ -17,13 +17,8 @@ from trainbridge.core.manager import CallbackManager, CallbackSetupError
 
 
 @pytest.fixture
-def context(tmp_path: Path) -> TrainingContext:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2]}\n')
-    args = TrainingArgs(model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out")
+def context(run_files: dict[str, Path]) -> TrainingContext:
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     return TrainingContext(args=args, env=DistributedEnv())
 
 
@@ -214,28 +209,89 @@ def test_full_observer_queue_drops_and_counts(context):
     assert manager.dropped_observer_events >= 2
 
 
-def test_state_round_trip_by_position_and_name(context):
-    class Counter(Callback):
-        def __init__(self):
-            self.n = 0
+class Counter(Callback):
+    def __init__(self):
+        self.n = 0
 
-        def on_step_end(self, context, **kwargs):
-            self.n += 1
+    def on_step_end(self, context, **kwargs):
+        self.n += 1
 
-        def state_dict(self):
-            return {"n": self.n}
+    def state_dict(self):
+        return {"n": self.n}
 
-        def load_state_dict(self, state):
-            self.n = state["n"]
+    def load_state_dict(self, state):
+        self.n = state["n"]
 
+
+def test_state_round_trip_by_state_key(context):
     first = CallbackManager([Recorder("x", []), Counter()])
     for _ in range(3):
         first.fire(Event.STEP_END, context)
     saved = first.state_dict()
-    assert saved == {"1:Counter": {"n": 3}}
+    assert saved == {"Counter": {"n": 3}}
     fresh = Counter()
-    assert CallbackManager([Recorder("x", []), fresh]).load_state_dict(saved) == ["1:Counter"]
+    assert CallbackManager([Recorder("x", []), fresh]).load_state_dict(saved) == ["Counter"]
     assert fresh.n == 3
+
+
+def test_states_come_back_when_a_callback_is_added_or_the_order_changes(context, caplog):
+    class Other(Counter):
+        pass
+
+    counter, other = Counter(), Other()
+    counter.n, other.n = 3, 5
+    saved = CallbackManager([counter, Recorder("x", []), other]).state_dict()
+    assert set(saved) == {"Counter", Other.__qualname__}
+    added = Counter()
+    added.state_id = "new"  # a new callback of an existing class, told apart by its state_id
+    restored_counter, restored_other = Counter(), Other()
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        keys = CallbackManager([added, restored_other, Recorder("y", []), restored_counter]).load_state_dict(saved)
+    assert sorted(keys) == sorted(["Counter", Other.__qualname__])
+    assert (restored_counter.n, restored_other.n, added.n) == (3, 5, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the checkpoint holds no state for callback Counter (state key 'Counter[new]'): it starts fresh"]
+
+
+def test_a_state_no_callback_claims_is_a_warning_naming_its_key(context, caplog):
+    saved = {"Counter": {"n": 1}, "Gone": {"x": 1}}
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        assert CallbackManager([Counter()]).load_state_dict(saved) == ["Counter"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the checkpoint holds a state for 'Gone', which no configured callback has as its state_key: ignored"]
+
+
+def test_duplicate_state_keys_get_an_occurrence_suffix_and_a_warning(caplog):
+    first, second = Counter(), Counter()
+    first.n, second.n = 1, 2
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        manager = CallbackManager([first, second])
+    assert manager.state_keys == ["Counter", "Counter#2"]
+    assert "2 stateful callbacks share the state key 'Counter'" in caplog.text and "state_id" in caplog.text
+    assert manager.state_dict() == {"Counter": {"n": 1}, "Counter#2": {"n": 2}}
+    caplog.clear()
+    first.state_id, second.state_id = "a", "b"
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        assert CallbackManager([first, second]).state_keys == ["Counter[a]", "Counter[b]"]
+    assert caplog.records == []
+    # stateless callbacks of one class (two recorders) share a key without a warning
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        CallbackManager([Recorder("a", []), Recorder("b", [])])
+    assert caplog.records == []
+
+
+def test_states_saved_by_position_in_older_checkpoints_still_load(caplog):
+    class Other(Counter):
+        pass
+
+    # "<index>:<name>" keys: matched by position and name, else by a name only one callback has
+    saved = {"1:Counter": {"n": 4}, "0:Other": {"n": 6}, "5:Missing": {"n": 0}}
+    counter, other = Counter(), Other()
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        restored = CallbackManager([Recorder("x", []), counter, other]).load_state_dict(saved)
+    assert sorted(restored) == sorted(["Counter", Other.__qualname__])
+    assert (counter.n, other.n) == (4, 6)
+    assert "'5:Missing'" in caplog.text
 
 
 def test_manager_rejects_non_callbacks():
@@ -260,5 +316,28 @@ def test_switching_off_restore_keeps_run_bookkeeping_state(context):
     saved = CallbackManager([UserState(), Bookkeeping()]).state_dict()
     user, bookkeeping = UserState(), Bookkeeping()
     restored = CallbackManager([user, bookkeeping]).load_state_dict(saved, restore_user_states=False)
-    assert restored == ["1:Bookkeeping"]
+    assert restored == [Bookkeeping.__qualname__]
     assert user.value is None and bookkeeping.value == 1
+
+
+def test_close_runs_once_per_callback_on_this_rank_and_isolates_errors(context, caplog):
+    closed: list[str] = []
+
+    class Closing(Callback):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def close(self, context):
+            closed.append(self.tag)
+            if self.tag == "broken":
+                raise OSError("disk gone")
+
+    class RankZero(Closing):
+        rank_zero_only = True
+
+    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")], is_world_process_zero=False)
+    with caplog.at_level(logging.ERROR, logger="trainbridge.core.manager"):
+        manager.close(context)
+        manager.close(context)
+    assert closed == ["broken", "last"]  # once each; the rank-zero-only callback does not run on rank 1
+    assert "callback Closing failed in close on rank 0" in caplog.text and "disk gone" in caplog.text

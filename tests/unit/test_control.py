@@ -1,12 +1,7 @@
 """Control requests and their agreement on a single rank (the 2-rank case is in tests/distributed)."""
 
-from trainbridge.core.control import FLAG_REDUCTION, ControlFlag, ControlRequests, agree_control
+from trainbridge.core.control import ControlFlag, ControlRequests, agree_control
 from trainbridge.core.distributed import DistributedEnv
-
-
-def test_every_flag_declares_its_reduction():
-    assert set(FLAG_REDUCTION) == set(ControlFlag)
-    assert set(FLAG_REDUCTION.values()) == {"any"}
 
 
 def test_agreement_names_requesters_sums_extras_and_clears():

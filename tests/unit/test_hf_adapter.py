@@ -1,17 +1,18 @@
-"""The HF adapter driven by a simulated loop (one process): hook order, control both ways, state, resume.
+"""The HF adapter driven by the real training loop, in process on one rank: hook order, control both
+ways, state, checkpoints and resume.
 
-``SimulatedRun`` fires the native events in the order ``trainbridge.loop.loop`` fires them (docs/design.md):
-N optimizer steps of M micro-batches, the native ``ScheduleCallback`` and ``BestCheckpointTracker``
-around the user's callbacks, ``agree_control`` at the decision points, checkpoints written with every
-callback's ``checkpoint_files``.  The reference for "what Trainer does" is a real ``transformers.Trainer``
-run on a tiny model with the same schedule.
+Each test builds the run's components (``trainbridge.loop.build.build_run``: a tiny local Llama, a few
+4-token samples, 2 micro-batches per optimizer step) and runs ``trainbridge.loop.loop.TrainingLoop`` on
+one rank (world size 1, no process group) with the native ``ScheduleCallback`` and
+``BestCheckpointTracker`` around the user's callbacks, as the worker orders them.  Tests of a single
+hook fire it through the loop's own callback manager and context.  The reference for "what Trainer
+does" is a real ``transformers.Trainer`` run on a tiny model with the same schedule.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,13 @@ from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
+from trainbridge.core.control import AgreedControl, ControlFlag
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
-from trainbridge.hf import HuggingFaceCallbackAdapter, HuggingFaceCallbackError, split_callbacks
+from trainbridge.core.manager import CallbackFatalError
+from trainbridge.hf import HuggingFaceCallbackAdapter, split_callbacks
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
 
 FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 HOOKS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
@@ -110,199 +114,82 @@ class SetFlagAt(TrainerCallback):
         return control
 
 
-class SimulatedCrash(RuntimeError):
-    """Raised by ``SimulatedRun`` to cut a run short after a given step (like a killed job)."""
+class Crash(BaseException):
+    """Raised by ``CrashAt`` to cut a run short (like a killed job).  A ``BaseException``, as the loop's
+    ``TrainingInterrupted``: callback isolation does not swallow it."""
 
 
-class SimulatedRun:
-    """Fires native events in ``trainbridge.loop.loop``'s order on one rank, with real control agreement."""
+class CrashAt(Callback):
+    """Crashes the run when step ``step + 1`` begins, after step ``step``'s log, evaluation and save."""
 
-    def __init__(self, args: TrainingArgs, callbacks: list[Callback], *, steps_per_epoch: int,
-                 micro_batches: int = 2, eval_batches: int = 2):
-        self.args = args
-        self.callbacks: list[Callback] = [ScheduleCallback(), *callbacks, BestCheckpointTracker()]
-        self.micro_batches, self.eval_batches = micro_batches, eval_batches
-        ctx = self.context = TrainingContext(args=args, env=DistributedEnv())
-        model = torch.nn.Linear(4, 4)
-        ctx.model = ctx.unwrapped_model = model
-        ctx.optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-        ctx.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lambda step: 1.0)
-        ctx.train_dataloader = list(range(steps_per_epoch * micro_batches))
-        ctx.eval_dataloader = list(range(eval_batches))
-        ctx.tokenizer = object()
-        ctx.steps_per_epoch = steps_per_epoch
-        ctx.max_steps = args.max_steps or steps_per_epoch * args.num_epochs
-        ctx.num_epochs = math.ceil(ctx.max_steps / steps_per_epoch)
-        self.stop = False
-        self.last_saved = -1
-        self.last_logged = 0
-        self.evaluations = 0
+    def __init__(self, step: int) -> None:
+        self.step = step
 
-    # ------------------------------------------------------------------ dispatch and agreement
-    def fire(self, event: Event, **kwargs: Any) -> None:
-        for index, cb in enumerate(self.callbacks, start=1):
-            if cb.handles(event):
-                self.context.current_source = index
-                getattr(cb, event.method)(self.context, **kwargs)
-        self.context.current_source = 0
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.global_step == self.step:
+            raise Crash(f"crash after step {context.global_step}")
 
-    def agree(self) -> AgreedControl:
-        names = ["loop", *(cb.name for cb in self.callbacks)]
-        agreed, _ = agree_control(self.context.env, self.context.requests, names)
-        self.context.agreed = agreed
-        if agreed.stop_training and not self.stop:
-            self.stop = True
-            self.context.stop_reason = f"stop_training requested by {agreed.describe(ControlFlag.STOP_TRAINING)}"
-        return agreed
 
-    # ------------------------------------------------------------------ the run
-    def run(self, resume_from: Path | None = None, crash_after_step: int | None = None) -> TrainingContext:
-        ctx = self.context
-        self.fire(Event.INIT_END)
-        if resume_from is not None:
-            self.resume(resume_from)
-        self.fire(Event.TRAIN_BEGIN)
-        if self.args.eval_on_start:
-            self.evaluate()
-            self.agree()
-        while ctx.epoch_index < ctx.num_epochs and not self.stop:
-            self.run_epoch(crash_after_step)
-        if self.args.save_final_checkpoint and self.last_saved != ctx.global_step:
-            self.save()
-        self.fire(Event.LOG, logs={"train_runtime": 1.0, "train_samples_per_second": 2.0,
-                                   "train_steps_per_second": 3.0, "total_flos": 4.0, "train_loss": 0.5,
-                                   "epoch": ctx.epoch})
-        self.fire(Event.TRAIN_END)
-        return ctx
+class AtStepEnd(Callback):
+    """Records ``probe(context)`` at every ``on_step_end`` (placed after the callback it watches)."""
 
-    def run_epoch(self, crash_after_step: int | None) -> None:
-        ctx = self.context
-        self.fire(Event.EPOCH_BEGIN)
-        while ctx.step_in_epoch < ctx.steps_per_epoch and ctx.global_step < ctx.max_steps:
-            self.train_step()
-            agreed = self.agree()
-            ctx.loss = 1.0 / ctx.global_step
-            ctx.tokens_seen += 10
-            flags = self.log_evaluate_save(agreed)
-            if crash_after_step == ctx.global_step:
-                raise SimulatedCrash(f"crash after step {ctx.global_step}")
-            if ControlFlag.STOP_EPOCH in flags or self.stop:
-                break
-        self.fire(Event.EPOCH_END)
-        self.log_evaluate_save(self.agree())
-        ctx.epoch_index += 1
-        ctx.step_in_epoch = 0
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.seen: list[Any] = []
 
-    def train_step(self) -> None:
-        ctx = self.context
-        self.fire(Event.STEP_BEGIN)
-        for i in range(self.micro_batches):
-            ctx.micro_step = i
-            batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
-            loss = torch.tensor(1.0)
-            self.fire(Event.BEFORE_FORWARD, batch=batch)
-            self.fire(Event.AFTER_FORWARD, batch=batch, loss=loss)
-            self.fire(Event.BEFORE_BACKWARD, loss=loss)
-            self.fire(Event.AFTER_BACKWARD)
-            if i < self.micro_batches - 1:
-                self.fire(Event.SUBSTEP_END)
-        ctx.grad_norm = 1.0
-        self.fire(Event.PRE_OPTIMIZER_STEP)
-        ctx.learning_rate = self.args.learning_rate
-        self.fire(Event.OPTIMIZER_STEP)
-        ctx.global_step += 1
-        ctx.step_in_epoch += 1
-        ctx.samples_seen += self.args.effective_batch_size
-        ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
-        self.fire(Event.STEP_END)
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.seen.append(self.probe(context))
 
-    def log_evaluate_save(self, agreed: AgreedControl) -> set[ControlFlag]:
-        ctx, flags, ran = self.context, set(agreed.flags), False
-        if ControlFlag.LOG in flags and ctx.global_step > self.last_logged:
-            self.last_logged = ctx.global_step
-            self.fire(Event.LOG, logs={"loss": ctx.loss or 0.0, "grad_norm": 1.0,
-                                       "learning_rate": self.args.learning_rate, "epoch": ctx.epoch})
-            ran = True
-        if ControlFlag.EVALUATE in flags:
-            self.evaluate()
-            flags |= self.agree().flags
-            ran = True
-        if ControlFlag.SAVE in flags:
-            self.save()
-            ran = True
-        if ran:
-            flags |= self.agree().flags
-        return flags
 
-    def evaluate(self) -> None:
-        ctx = self.context
-        for i in range(self.eval_batches):
-            self.fire(Event.PREDICTION_STEP, batch={"index": i})
-        self.evaluations += 1
-        metrics = {"eval_loss": 2.0 / self.evaluations, "eval_runtime": 0.1, "eval_samples_per_second": 10.0,
-                   "eval_steps_per_second": 20.0, "epoch": ctx.epoch}
-        ctx.metrics = dict(metrics)
-        self.fire(Event.LOG, logs=metrics)
-        self.fire(Event.EVALUATE, metrics=metrics)
-
-    def save(self) -> Path:
-        ctx = self.context
-        path = Path(self.args.ckpt_output_dir) / f"checkpoint-{ctx.global_step}"
-        files: dict[str, str] = {}
-        for cb in self.callbacks:
-            files.update(cb.checkpoint_files(ctx))
-        path.mkdir(parents=True)
-        for name, text in files.items():
-            (path / name).write_text(text)
-        states = {str(i): cb.state_dict() for i, cb in enumerate(self.callbacks) if cb.state_dict() is not None}
-        training = {"global_step": ctx.global_step, "epoch_index": ctx.epoch_index,
-                    "step_in_epoch": ctx.step_in_epoch, "tokens_seen": ctx.tokens_seen, "callbacks": states}
-        (path / "training_state.json").write_text(json.dumps(training))
-        self.last_saved = ctx.global_step
-        ctx.last_checkpoint = path
-        self.fire(Event.SAVE, checkpoint_path=path)
-        return path
-
-    def resume(self, path: Path) -> None:
-        ctx = self.context
-        state = json.loads((path / "training_state.json").read_text())
-        ctx.global_step, ctx.tokens_seen = state["global_step"], state["tokens_seen"]
-        ctx.epoch_index, ctx.step_in_epoch = state["epoch_index"], state["step_in_epoch"]
-        if ctx.step_in_epoch >= ctx.steps_per_epoch:
-            ctx.epoch_index, ctx.step_in_epoch = ctx.epoch_index + 1, 0
-        ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
-        self.last_saved = self.last_logged = ctx.global_step
-        ctx.resumed_from = path
-        # as trainbridge.loop.loop: run bookkeeping (always_restore_state) always, user state when asked
-        for i, cb in enumerate(self.callbacks):
-            if str(i) in state["callbacks"] and (self.args.restore_callback_states or cb.always_restore_state):
-                cb.load_state_dict(state["callbacks"][str(i)])
+def write_samples(path: Path, n: int) -> Path:
+    """``n`` pre-tokenised 4-token samples (one micro-batch each under ``make_args``' token budget)."""
+    path.write_text("".join(json.dumps({"input_ids": [1, 5 + i % 60, 6 + i % 60, 7]}) + "\n" for i in range(n)))
+    return path
 
 
 @pytest.fixture
-def files(tmp_path: Path) -> dict[str, Path]:
-    model = tmp_path / "model"
-    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16).save_pretrained(model)
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    return {"model": model, "data": data, "out": tmp_path / "out"}
+def files(tmp_path: Path, tiny_llama: Path) -> dict[str, Path]:
+    return {"model": tiny_llama, "data": write_samples(tmp_path / "train.jsonl", 8),
+            "val": write_samples(tmp_path / "val.jsonl", 2), "out": tmp_path / "out"}
 
 
 def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:
+    """8 training samples, 2 per optimizer step, one per micro-batch: 4 steps of 2 micro-batches an
+    epoch; 2 validation samples: 2 evaluation batches."""
     values: dict[str, Any] = dict(model_path=files["model"], data_path=files["data"],
-                                  ckpt_output_dir=files["out"], val_data_path=files["data"],
-                                  save_strategy="no", disable_tqdm=True, logging_steps=1000)
+                                  ckpt_output_dir=files["out"], val_data_path=files["val"],
+                                  max_seq_len=4, max_batch_len=4, effective_batch_size=2,
+                                  save_strategy="no", disable_tqdm=True,
+                                  logging_steps=1000)
     values.update(overrides)
     return TrainingArgs(**values)
 
 
-def adapter_context(files: dict[str, Path], adapter: HuggingFaceCallbackAdapter, **overrides: Any) -> SimulatedRun:
-    """A simulated run whose adapter has had ``on_init_end`` and ``on_train_begin``."""
-    run = SimulatedRun(make_args(files, **overrides), [adapter], steps_per_epoch=4)
-    run.fire(Event.INIT_END)
-    run.fire(Event.TRAIN_BEGIN)
-    return run
+def make_loop(args: TrainingArgs, callbacks: list[Callback], builtins: bool = True) -> TrainingLoop:
+    """The real loop on one rank, built from ``args``; the built-ins around ``callbacks`` as the worker
+    orders them (``trainbridge.launch.assembly``) unless ``builtins=False``."""
+    env = DistributedEnv()
+    ordered = [ScheduleCallback(), *callbacks, BestCheckpointTracker()] if builtins else list(callbacks)
+    return TrainingLoop(args, env, ordered, build_run(args, env))
+
+
+def fire(loop: TrainingLoop, event: Event, **kwargs: Any) -> None:
+    """Fire one event through the loop's own callback manager and context."""
+    loop.callbacks.fire(event, loop.context, **kwargs)
+
+
+def adapter_context(files: dict[str, Path], adapter: HuggingFaceCallbackAdapter, **overrides: Any) -> TrainingLoop:
+    """A built loop whose adapter has had ``on_init_end`` and ``on_train_begin``."""
+    loop = make_loop(make_args(files, **overrides), [adapter])
+    fire(loop, Event.INIT_END)
+    fire(loop, Event.TRAIN_BEGIN)
+    return loop
+
+
+def adapter_state(checkpoint: Path) -> dict[str, Any]:
+    """The adapter's entry among the callback states of a checkpoint's ``training_state.json``."""
+    states = json.loads((checkpoint / "training_state.json").read_text())["callbacks"]
+    return next(state for key, state in states.items() if "HuggingFaceCallbackAdapter" in key)
 
 
 # ============================================================================ parity with Trainer
@@ -342,31 +229,38 @@ def expected_trainer_hooks() -> list[str]:
 
 def test_hooks_steps_epochs_and_control_flags_match_a_real_trainer(files, tmp_path):
     recorder = Recorder()
-    args = make_args(files, num_epochs=2, logging_steps=2, eval_strategy="steps", eval_steps=3,
-                     save_strategy="steps", save_steps=4)
-    SimulatedRun(args, [HuggingFaceCallbackAdapter([recorder])], steps_per_epoch=3, micro_batches=2,
-                 eval_batches=2).run()
+    args = make_args(files, data_path=write_samples(tmp_path / "six.jsonl", 6), num_epochs=2, logging_steps=2,
+                     eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4)
+    loop = make_loop(args, [HuggingFaceCallbackAdapter([recorder])])
+    assert loop.context.steps_per_epoch == 3 and loop.eval_batches is not None and len(loop.eval_batches) == 2
+    loop.run()
+    assert loop.context.micro_steps_in_step == 2
     assert recorder.hooks() == expected_trainer_hooks()
     assert recorder.calls == transformers_trainer_calls(tmp_path / "trainer")
 
 
 def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     recorder = Recorder()
-    run = SimulatedRun(make_args(files, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2),
-                       [HuggingFaceCallbackAdapter([recorder])], steps_per_epoch=2)
-    ctx = run.run()
+    loop = make_loop(make_args(files, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2),
+                     [HuggingFaceCallbackAdapter([recorder])])
+    loop.run()
+    ctx = loop.context
     common = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}
+    evaluated = False
     for hook, args, state, control, kwargs in recorder.seen:
         assert isinstance(args, TrainingArguments) and isinstance(state, TrainerState)
         assert isinstance(control, TrainerControl)
         assert common <= set(kwargs), hook
-        assert kwargs["model"] is ctx.unwrapped_model and kwargs["optimizer"] is ctx.optimizer
-        assert kwargs["processing_class"] is ctx.tokenizer and kwargs["lr_scheduler"] is ctx.lr_scheduler
-        if hook == "on_init_end":  # Trainer.__init__: the dataloaders do not exist yet
-            assert kwargs["train_dataloader"] is None and kwargs["eval_dataloader"] is None
+        assert kwargs["model"] is ctx.unwrapped_model and kwargs["processing_class"] is ctx.tokenizer
+        if hook == "on_init_end":  # Trainer.__init__: optimizer, scheduler and dataloaders do not exist yet
+            assert all(kwargs[name] is None for name in common - {"model", "processing_class"}), kwargs
             continue
+        assert kwargs["optimizer"] is ctx.optimizer and kwargs["lr_scheduler"] is ctx.lr_scheduler
         assert kwargs["train_dataloader"] is ctx.train_dataloader
-        assert kwargs["eval_dataloader"] is ctx.eval_dataloader
+        # Trainer hands its eval dataloader over in evaluate(): None before the first evaluation
+        evaluated = evaluated or hook == "on_prediction_step" or "eval_loss" in (kwargs.get("logs") or {})
+        assert kwargs["eval_dataloader"] is (ctx.eval_dataloader if evaluated else None), hook
+    assert evaluated
     logs = [kw["logs"] for hook, *_, kw in recorder.seen if hook == "on_log"]
     assert set(logs[0]) == {"loss", "grad_norm", "learning_rate", "epoch"}
     assert "train_loss" in logs[-1]
@@ -375,21 +269,25 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     state = recorder.seen[-1][2]
     assert state.global_step == 2 and state.max_steps == 2 and state.num_train_epochs == 1
     assert state.logging_steps == 1 and state.eval_steps == 2
-    assert state.num_input_tokens_seen == 20 and state.total_flos == 6 * 20 * 20  # Linear(4, 4): 20 params
+    num_parameters = sum(p.numel() for p in ctx.unwrapped_model.parameters())
+    assert ctx.tokens_seen == 2 * 2 * 4  # 2 steps x 2 samples x 4 tokens
+    assert state.num_input_tokens_seen == 0  # include_num_input_tokens_seen="no", Trainer's default
+    assert state.total_flos == 6 * num_parameters * ctx.tokens_seen
     assert state.is_world_process_zero and state.is_local_process_zero
     assert state.trial_name is None and state.trial_params is None
     assert [entry["step"] for entry in state.log_history] == [1, 2, 2, 2]
-    assert state.log_history[-1]["train_loss"] == 0.5
+    assert state.log_history[-1]["train_loss"] == pytest.approx((logs[0]["loss"] + logs[1]["loss"]) / 2)
 
 
 def test_callback_handler_builds_trainers_callback_list(files):
+    pytest.importorskip("tensorboard", reason="report_to=['tensorboard'] needs the tensorboard package")
     adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback], report_to=["tensorboard"])
-    run = adapter_context(files, adapter, logging_dir=files["out"] / "tb", eval_strategy="steps", eval_steps=1,
-                          metric_for_best_model="eval_loss")
+    loop = adapter_context(files, adapter, logging_dir=files["out"] / "tb", eval_strategy="steps", eval_steps=1,
+                           metric_for_best_model="eval_loss")
     names = [type(cb) for cb in adapter.handler.callbacks]
     assert names == [DefaultFlowCallback, TensorBoardCallback, EarlyStoppingCallback, PrinterCallback]
     assert adapter.handler.callbacks[1].logging_dir == str(files["out"] / "tb")
-    run.fire(Event.TRAIN_END)
+    fire(loop, Event.TRAIN_END)
     adapter_with_bar = HuggingFaceCallbackAdapter([], progress=True)
     adapter_context(files, adapter_with_bar, disable_tqdm=False)
     assert type(adapter_with_bar.handler.callbacks[-1]) is ProgressCallback
@@ -415,52 +313,70 @@ def test_duplicate_callback_class_warns_like_trainer(files):
 # ============================================================================ control
 def test_flags_set_by_callbacks_become_named_native_requests(files):
     setters = [SetFlagAt("on_step_end", flag, 1) for flag in FLAGS]
-    run = adapter_context(files, HuggingFaceCallbackAdapter(setters))
-    run.train_step()
-    pending = run.context.requests.pending
+    # after the adapter: what it requested at step 1, before the step's agreement
+    probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), dict(ctx.requests.reasons)))
+    loop = make_loop(make_args(files, max_steps=4), [HuggingFaceCallbackAdapter(setters), probe])
+    loop.run()
+    pending, reasons = probe.seen[0]
     adapter_index = 2  # ScheduleCallback is 1
     expected = {ControlFlag.STOP_TRAINING, ControlFlag.STOP_EPOCH, ControlFlag.SAVE, ControlFlag.EVALUATE,
                 ControlFlag.LOG}
     assert {flag for flag, source in pending.items() if source == adapter_index} == expected
-    assert run.context.requests.reasons[ControlFlag.SAVE] == "SetFlagAt set control.should_save in on_step_end"
-    agreed = run.agree()
-    assert agreed.describe(ControlFlag.STOP_TRAINING) == "rank 0 (HuggingFaceCallbackAdapter)"
+    assert reasons[ControlFlag.SAVE] == "SetFlagAt set control.should_save in on_step_end"
+    # the loop acted on every agreed request at step 1: logged, evaluated, saved, stopped
+    assert loop.context.global_step == 1 and len(probe.seen) == 1
+    assert "eval_loss" in loop.context.metrics and loop.checkpoints.list_checkpoints() == [files["out"] / "checkpoint-1"]
+    assert loop.context.stop_reason == (
+        "stop_training requested by rank 0 (HuggingFaceCallbackAdapter: "
+        "SetFlagAt set control.should_training_stop in on_step_end)"
+    )
 
 
 def test_default_flow_callback_flags_are_not_forwarded(files):
     adapter = HuggingFaceCallbackAdapter([Recorder()])
-    run = adapter_context(files, adapter, logging_steps=1, eval_strategy="steps", eval_steps=1,
-                          save_strategy="steps", save_steps=1, max_steps=1)
-    run.callbacks = [run.callbacks[1]]  # the adapter alone: no native schedule
-    run.train_step()
-    assert adapter.control.should_log and adapter.control.should_save and adapter.control.should_training_stop
-    assert run.context.requests.pending == {}
+    probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), _flags(adapter.control)))
+    args = make_args(files, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                     save_steps=1, max_steps=1, save_final_checkpoint=False)
+    loop = make_loop(args, [adapter, probe], builtins=False)  # the adapter alone: no native schedule
+    loop.run()
+    pending, flags = probe.seen[0]
+    assert {"should_log", "should_save", "should_training_stop"} <= flags  # DefaultFlowCallback set them
+    assert pending == {}
+    assert loop.checkpoints.list_checkpoints() == [] and loop.context.metrics == {}  # nothing acted on them
 
 
-def test_early_stopping_requests_stop_at_the_evaluation_patience_runs_out(files):
+def _flags(control: TrainerControl | None) -> set[str]:
+    return {name for name in FLAGS if control is not None and getattr(control, name)}
+
+
+def test_early_stopping_requests_stop_at_the_evaluation_patience_runs_out(files, tmp_path):
     # best 1.0, then 0.9 (better), 0.95 (worse: 1), 0.97 (worse: 2 = patience) -> stop at the 4th evaluation
     scripted = ScriptedEvalLoss([1.0, 0.9, 0.95, 0.97, 0.5, 0.4])
     stopper = EarlyStoppingCallback(early_stopping_patience=2)
-    args = make_args(files, max_steps=10, eval_strategy="steps", eval_steps=1,
-                     metric_for_best_model="eval_loss")
-    run = SimulatedRun(args, [HuggingFaceCallbackAdapter([scripted, stopper])], steps_per_epoch=10)
-    ctx = run.run()
-    assert ctx.global_step == 4 and scripted.calls == 4
-    assert ctx.stop_reason == "stop_training requested by rank 0 (HuggingFaceCallbackAdapter)"
+    args = make_args(files, data_path=write_samples(tmp_path / "ten.jsonl", 20), max_steps=10,
+                     eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
+    loop = make_loop(args, [HuggingFaceCallbackAdapter([scripted, stopper])])
+    result = loop.run()
+    ctx = loop.context
+    assert ctx.global_step == 4 and scripted.calls == 4 and result.stopped_early
+    assert ctx.stop_reason == (
+        "stop_training requested by rank 0 (HuggingFaceCallbackAdapter: "
+        "EarlyStoppingCallback set control.should_training_stop in on_evaluate)"
+    )
     assert ctx.best_metric == 0.9 and ctx.best_global_step is None  # save_strategy='no': no best step
 
 
 def test_agreed_decision_is_folded_into_control_once(files):
     recorder = Recorder()
-    run = adapter_context(files, HuggingFaceCallbackAdapter([recorder]))
-    run.context.agreed = AgreedControl(frozenset({ControlFlag.STOP_TRAINING, ControlFlag.SAVE}))
-    run.fire(Event.EPOCH_END)
+    loop = adapter_context(files, HuggingFaceCallbackAdapter([recorder]))
+    loop.context.agreed = AgreedControl(frozenset({ControlFlag.STOP_TRAINING, ControlFlag.SAVE}))
+    fire(loop, Event.EPOCH_END)
     assert recorder.calls[-1][3] == ("should_training_stop", "should_save")
-    run.fire(Event.SAVE, checkpoint_path=files["out"])  # handler resets should_save; not folded again
+    fire(loop, Event.SAVE, checkpoint_path=files["out"])  # handler resets should_save; not folded again
     assert recorder.calls[-1][3] == ("should_training_stop",)
-    run.fire(Event.TRAIN_END)
+    fire(loop, Event.TRAIN_END)
     assert recorder.calls[-1][3] == ("should_training_stop",)
-    assert run.context.requests.pending == {}  # folded flags are not requested back
+    assert loop.context.requests.pending == {}  # folded flags are not requested back
 
 
 def test_callback_errors_name_the_callback(files):
@@ -468,9 +384,14 @@ def test_callback_errors_name_the_callback(files):
         def on_step_begin(self, args, state, control, **kwargs):
             raise ValueError("boom")
 
-    run = adapter_context(files, HuggingFaceCallbackAdapter([Broken()]))
-    with pytest.raises(HuggingFaceCallbackError, match=r"Broken\.on_step_begin raised ValueError: boom"):
-        run.fire(Event.STEP_BEGIN)
+    result = make_loop(make_args(files, max_steps=2), [HuggingFaceCallbackAdapter([Broken()])]).run()
+    [report] = result.callback_errors  # isolated (the default policy), counted, reported under its own name
+    assert report.callback == "Broken" and report.event == "on_step_begin"
+    assert report.count == 2
+    assert report.first_error == "ValueError: boom"
+    with pytest.raises(CallbackFatalError, match=r"Broken raised in on_step_begin: boom"):
+        make_loop(make_args(files, max_steps=2, callback_error_policy="fatal"),
+                  [HuggingFaceCallbackAdapter([Broken()])]).run()
 
 
 # ============================================================================ checkpoint and resume
@@ -479,9 +400,7 @@ def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(fil
     args = make_args(files, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
                      save_steps=2, metric_for_best_model="eval_loss", logging_steps=1)
     # eval_loss 1.0, 0.5, 0.6, 0.7: best at step 2
-    run = SimulatedRun(args, [HuggingFaceCallbackAdapter([ScriptedEvalLoss([1.0, 0.5, 0.6, 0.7]), stopper])],
-                       steps_per_epoch=4)
-    run.run()
+    make_loop(args, [HuggingFaceCallbackAdapter([ScriptedEvalLoss([1.0, 0.5, 0.6, 0.7]), stopper])]).run()
     saved = json.loads((files["out"] / "checkpoint-4" / "trainer_state.json").read_text())
     assert saved["global_step"] == 4 and saved["best_global_step"] == 2 and saved["best_metric"] == 0.5
     assert saved["best_model_checkpoint"] == str(files["out"] / "checkpoint-2")
@@ -490,8 +409,10 @@ def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(fil
         "attributes": {"early_stopping_patience_counter": 2},
     }
     assert set(saved["stateful_callbacks"]["TrainerControl"]["args"]) == set(FLAGS)
-    assert saved["log_history"][0] == {"loss": 1.0, "grad_norm": 1.0, "learning_rate": args.learning_rate,
-                                       "epoch": 0.25, "step": 1}
+    first_log = saved["log_history"][0]
+    assert set(first_log) == {"loss", "grad_norm", "learning_rate", "epoch", "step"}
+    assert first_log["learning_rate"] == args.learning_rate and first_log["epoch"] == 0.25
+    assert first_log["step"] == 1 and first_log["loss"] > 0 and first_log["grad_norm"] > 0
     first = json.loads((files["out"] / "checkpoint-2" / "trainer_state.json").read_text())
     assert first["best_model_checkpoint"] == str(files["out"] / "checkpoint-2")  # the one being written
     state = TrainerState.load_from_json(str(files["out"] / "checkpoint-4" / "trainer_state.json"))
@@ -500,64 +421,65 @@ def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(fil
 
 def _early_stopping_run(files, crash_after_step=None, resume_from=None, restore=True):
     args = make_args(files, max_steps=12, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                     save_steps=1, metric_for_best_model="eval_loss", restore_callback_states=restore)
+                     save_steps=1, metric_for_best_model="eval_loss", restore_callback_states=restore,
+                     resume_from_checkpoint=resume_from)
     # best 1.0 at step 1, then worse every time: patience 4 runs out at step 5
     scripted = ScriptedEvalLoss([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1])
     adapter = HuggingFaceCallbackAdapter([scripted, EarlyStoppingCallback(early_stopping_patience=4)])
-    run = SimulatedRun(args, [adapter], steps_per_epoch=12)
+    crash: list[Callback] = [] if crash_after_step is None else [CrashAt(crash_after_step)]
     if resume_from is not None:
         scripted.calls = json.loads((resume_from / "training_state.json").read_text())["global_step"]
-    return run, adapter
+    return make_loop(args, [adapter, *crash]), adapter
 
 
 def test_resume_mid_patience_continues_the_early_stopping_counter(files):
-    run, _ = _early_stopping_run(files)
-    assert run.run().global_step == 5
+    loop, _ = _early_stopping_run(files)
+    loop.run()
+    assert loop.context.global_step == 5
     shutil.rmtree(files["out"])
-    crashed, _ = _early_stopping_run(files)
-    with pytest.raises(SimulatedCrash):
-        crashed.run(crash_after_step=3)
+    crashed, _ = _early_stopping_run(files, crash_after_step=3)
+    with pytest.raises(Crash):
+        crashed.run()
+    state_at_resume = adapter_state(files["out"] / "checkpoint-3")
     resumed, adapter = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3")
-    state_at_resume = json.loads((files["out"] / "checkpoint-3" / "training_state.json").read_text())
-    ctx = resumed.run(resume_from=files["out"] / "checkpoint-3")
-    assert ctx.global_step == 5
+    resumed.run()
+    assert resumed.context.resumed_from == files["out"] / "checkpoint-3" and resumed.context.global_step == 5
     stopper = adapter.handler.callbacks[2]
     assert isinstance(stopper, EarlyStoppingCallback) and stopper.early_stopping_patience_counter == 4
     assert [e["step"] for e in adapter.state.log_history if "eval_loss" in e] == [1, 2, 3, 4, 5]
-    hf_state = state_at_resume["callbacks"]["1"]
-    assert hf_state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
+    assert state_at_resume["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
         "early_stopping_patience_counter": 2}
 
 
 def test_resume_without_restoring_callback_states_restarts_the_counter(files):
-    crashed, _ = _early_stopping_run(files, restore=False)
-    with pytest.raises(SimulatedCrash):
-        crashed.run(crash_after_step=3)
+    crashed, _ = _early_stopping_run(files, crash_after_step=3, restore=False)
+    with pytest.raises(Crash):
+        crashed.run()
     resumed, adapter = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3", restore=False)
     # As under Trainer without restore_callback_states_from_checkpoint: the TrainerState (best metric
     # 1.0 at step 1) comes back, EarlyStopping's counter restarts at 0, so patience 4 runs out at step 7.
-    ctx = resumed.run(resume_from=files["out"] / "checkpoint-3")
-    assert ctx.global_step == 7
+    resumed.run()
+    assert resumed.context.global_step == 7
     assert adapter.handler.callbacks[2].early_stopping_patience_counter == 4
 
 
 def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(files):
     stopper = EarlyStoppingCallback(early_stopping_patience=3)
     adapter = HuggingFaceCallbackAdapter([stopper])
-    run = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
+    loop = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
     stopper.early_stopping_patience_counter = 2
     adapter.control.should_save = True
-    run.context.global_step, run.context.epoch = 3, 0.75
-    run.fire(Event.LOG, logs={"loss": 0.25, "epoch": 0.75})
+    loop.context.global_step, loop.context.epoch = 3, 0.75
+    fire(loop, Event.LOG, logs={"loss": 0.25, "epoch": 0.75})
     saved = json.loads(json.dumps(adapter.state_dict()))
 
     fresh_stopper = EarlyStoppingCallback(early_stopping_patience=3)
     fresh = HuggingFaceCallbackAdapter([Recorder(), fresh_stopper])
-    restored_run = SimulatedRun(make_args(files, eval_strategy="steps", eval_steps=1,
-                                          metric_for_best_model="eval_loss"), [fresh], steps_per_epoch=4)
-    restored_run.fire(Event.INIT_END)
+    restored_loop = make_loop(make_args(files, eval_strategy="steps", eval_steps=1,
+                                        metric_for_best_model="eval_loss"), [fresh])
+    fire(restored_loop, Event.INIT_END)
     fresh.load_state_dict(saved)
-    restored_run.fire(Event.TRAIN_BEGIN)
+    fire(restored_loop, Event.TRAIN_BEGIN)
     restored = fresh.handler.callbacks[2]
     assert isinstance(restored, EarlyStoppingCallback) and restored.early_stopping_patience_counter == 2
     assert type(fresh.handler.callbacks[1]) is Recorder  # order kept

@@ -2,21 +2,20 @@
 
 Runs after user callbacks, so at ``on_evaluate`` they still see the previous best (as under
 Trainer, whose ``_determine_best_metric`` runs after ``on_evaluate``).  Requests a save on a new
-best under ``save_strategy='best'``, protects the best checkpoint from rotation, and restores its
-weights at train end when ``load_best_model_at_end``.
+best under ``save_strategy='best'`` and records the best checkpoint (protected from rotation); with
+``load_best_model_at_end`` the loop loads its weights before any ``on_train_end``
+(``TrainingLoop._load_best_model``, as ``Trainer._finalize_training``), so every callback sees them.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
-
-logger = logging.getLogger(__name__)
+from trainbridge.core.run_dir import checkpoint_dir
 
 
 class BestCheckpointTracker(Callback):
@@ -46,17 +45,9 @@ class BestCheckpointTracker(Callback):
 
     def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
         if context.best_global_step is not None:
-            best_dir = Path(kwargs["checkpoint_path"]).parent / f"checkpoint-{context.best_global_step}"
+            best_dir = checkpoint_dir(Path(kwargs["checkpoint_path"]).parent, context.best_global_step)
             if best_dir.is_dir():
                 context.best_checkpoint = best_dir
-
-    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        if context.args.load_best_model_at_end and context.best_checkpoint is not None:
-            if context.restore_model_weights is None:
-                raise RuntimeError("load_best_model_at_end: the loop provides no restore_model_weights")
-            logger.info("loading best model from %s (%s=%s)", context.best_checkpoint,
-                        context.args.best_metric_name, context.best_metric)
-            context.restore_model_weights(context.best_checkpoint)
 
     # The tracked values live on the context (the HF adapter and checkpoint rotation read them there);
     # state_dict/load_state_dict carry them through a checkpoint.

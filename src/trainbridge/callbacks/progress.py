@@ -40,16 +40,10 @@ class ProgressBarCallback(Callback):
         else:
             print(logs, flush=True)
 
-    def _close(self) -> None:
+    def close(self, context: TrainingContext) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._close()
-
-    def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_bar": None}

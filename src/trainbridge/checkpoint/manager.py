@@ -3,7 +3,9 @@
 A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
 
 * the model (``model.safetensors`` or shards + index), ``config.json``, ``generation_config.json`` — loadable
-  with ``AutoModelForCausalLM.from_pretrained`` — and the tokenizer files;
+  with ``AutoModelForCausalLM.from_pretrained`` — and the tokenizer files; for a PEFT model the adapter
+  instead, in PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``), loadable with
+  ``PeftModel.from_pretrained`` (only the adapter's weights are gathered, never the frozen base);
 * ``training_state.json``: the loop's counters, sampler position and callback states;
 * ``rng_state_{rank}.pth``: each rank's python / numpy / torch CPU / CUDA generator states;
 * the optimizer and scheduler state as the engine writes it (``optimizer.pt``, a DCP folder for FSDP2, a
@@ -31,6 +33,8 @@ import random
 import re
 import shutil
 import socket
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,6 +49,9 @@ from trainbridge.checkpoint.manifest import (
     write_manifest,
 )
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, process_is_alive
+from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
+from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
+from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
 
 if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
@@ -52,7 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 OLD_PREFIX = ".old-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -62,6 +68,8 @@ OWNER_FILE = ".owner"
 """In a temporary checkpoint folder: the run id, host and pid of the process that writes it."""
 SAFE_WEIGHTS_FILE = "model.safetensors"
 SAFE_WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+MERGED_DIR = "merged"
+"""Folder (in ``output_dir``) of the merged export of a PEFT run (``merge_adapter_at_end``)."""
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -106,7 +114,7 @@ class CheckpointManager:
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
         JSON-serialisable; ``extra_files`` maps file names to text written beside it.
         """
-        final = self.output_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+        final = checkpoint_dir(self.output_dir, global_step)
         tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
         error: BaseException | None = None
         if self.env.is_world_process_zero:
@@ -118,8 +126,9 @@ class CheckpointManager:
                 error = exc
         self._agree(error, f"preparing {tmp}", final)
 
-        # Collective for sharded engines: every rank takes part, rank 0 receives the full weights.
-        full_state = engine.full_model_state_dict()
+        # Collective for sharded engines: every rank takes part, rank 0 receives the full weights (of a PEFT
+        # model: its adapter's weights only).
+        full_state = engine.full_model_state_dict(adapter_weight_names(engine.unwrapped))
         try:
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(engine, tokenizer, tmp, full_state, training_state, extra_files or {})
@@ -236,6 +245,36 @@ class CheckpointManager:
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed while {what}: {error}") from error
         if failed:
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed on another rank while {what}")
+
+    # ------------------------------------------------------------------ merged export
+    def export_merged(self, engine: TrainingEngine, tokenizer: Any, load_base: Callable[[], Any]) -> Path:
+        """Write the live PEFT model merged into its base (``merge_and_unload``) in Hugging Face layout to
+        ``output_dir/merged`` (collective; rank 0 writes).  The adapter's weights are gathered from the
+        engine, applied to a fresh base model from ``load_base()`` on CPU and merged; the folder appears
+        whole (written beside it, then renamed in)."""
+        final = self.output_dir / MERGED_DIR
+        error: BaseException | None = None
+        state = engine.full_model_state_dict(adapter_weight_names(engine.unwrapped))  # collective
+        if self.env.is_world_process_zero:
+            try:
+                if not is_peft_model(engine.unwrapped):
+                    raise CheckpointError(f"merged export: {type(engine.unwrapped).__name__} is not a PEFT model")
+                tmp = self.output_dir / f".tmp-{MERGED_DIR}"
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                with tempfile.TemporaryDirectory(dir=self.output_dir, prefix=".tmp-adapter-") as adapter_dir:
+                    engine.unwrapped.save_pretrained(adapter_dir, state_dict=state)
+                    merge_adapter(load_base(), Path(adapter_dir), tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+            except Exception as exc:
+                error = exc
+        del state
+        self._agree(error, f"writing the merged model {final}")
+        return final
 
     # ------------------------------------------------------------------ finding and rotating
     def list_checkpoints(self) -> list[Path]:
@@ -360,8 +399,27 @@ class CheckpointManager:
         return json.loads((path / TRAINING_STATE_FILE).read_text())
 
     def load_model_weights(self, path: Path, engine: TrainingEngine) -> None:
-        """Load only the model weights of checkpoint ``path`` into the live model on every rank (collective)."""
-        state = read_safetensors_weights(Path(path))
+        """Load only the model weights of checkpoint ``path`` into the live model on every rank (collective):
+        the full model, or for a PEFT model its adapter (the frozen base is left as it is)."""
+        path = Path(path)
+        adapter_file = path / ADAPTER_WEIGHTS_FILE
+        if is_peft_model(engine.unwrapped) != adapter_file.is_file():
+            raise CheckpointError(
+                f"{str(path)!r} holds {'a PEFT adapter' if adapter_file.is_file() else 'a full model'} but the run "
+                f"trains {'a PEFT model' if is_peft_model(engine.unwrapped) else 'a full model'}; resume or restore "
+                "from a checkpoint of the same kind of run"
+            )
+        if adapter_file.is_file():
+            saved = load_file(str(adapter_file), device="cpu")
+            state = adapter_state_for_model(engine.unwrapped, saved)
+            if state is None:  # prompt learning: PEFT loads it (replicated engines only, checked by the config)
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(engine.unwrapped, saved, adapter_name=engine.unwrapped.active_adapter)
+                return
+            engine.load_model_state_dict(state, strict=False)
+            return
+        state = read_safetensors_weights(path)
         fill_tied_weights(state, engine.unwrapped)
         engine.load_model_state_dict(state)
 

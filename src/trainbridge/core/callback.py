@@ -1,7 +1,10 @@
 """The native callback API: subclass ``Callback`` and override the events you need.
 
-Every hook is called as ``hook(context, **event_kwargs)`` (see ``trainbridge.core.events.EVENT_MAP`` for
-the keyword arguments of each event).  Only hooks a subclass overrides are ever called.
+The callback manager delivers every event through one method, ``run_event(event, context, **kwargs)``,
+which calls the hook of the same name, ``hook(context, **event_kwargs)`` (see
+``trainbridge.core.events.EVENT_MAP`` for the keyword arguments of each event).  Only events a callback
+``handles`` are delivered: by default, the hooks a subclass overrides.  A callback that routes events
+itself (the Hugging Face adapter) overrides ``run_event`` and ``handles`` instead of the hooks.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from trainbridge.core.errors import CallbackErrorReport
 from trainbridge.core.events import Event
 
 if TYPE_CHECKING:
@@ -35,10 +39,33 @@ class Callback:
     """The state is run bookkeeping (schedule, best metric, TrainerState), restored on resume even when
     ``restore_callback_states`` is off; that switch governs user callbacks' own state."""
 
+    state_id: str | None = None
+    """Tells apart several callbacks of one class in checkpoints (set it on the instance, e.g.
+    ``cb.state_id = "fast"``, or in a subclass): the state is saved under ``Class[state_id]``."""
+
     @property
     def name(self) -> str:
         """Name used in logs, error reports and control requesters."""
         return type(self).__name__
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint (as Lightning's ``Callback.state_key``): the
+        class's qualified name, plus ``[state_id]`` when one is set.  Stable when callbacks are added,
+        removed or reordered between a save and a resume."""
+        qualname = type(self).__qualname__
+        return qualname if self.state_id is None else f"{qualname}[{self.state_id}]"
+
+    # ---------------------------------------------------------------- dispatch
+    def run_event(self, event: Event, context: TrainingContext, **kwargs: Any) -> None:
+        """Deliver ``event``: call the hook of the same name with ``(context, **kwargs)``."""
+        getattr(self, event)(context, **kwargs)  # an Event is the str of its method name (no .value lookup)
+
+    def handles(self, event: Event) -> bool:
+        """Whether ``event`` is delivered to this callback (the manager indexes only those): by default,
+        whether this class overrides the event's hook."""
+        method = getattr(type(self), event.value, None)
+        return method is not None and method is not getattr(Callback, event.value)
 
     # ---------------------------------------------------------------- lifecycle hooks
     def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
@@ -109,15 +136,19 @@ class Callback:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by ``state_dict`` when a run resumes."""
 
+    def close(self, context: TrainingContext) -> None:
+        """Release what the callback holds (files, progress bars, clients) once the run is over, clean or
+        not: called once on each rank where the callback runs, after ``on_train_end`` or ``on_exception``
+        and after non-blocking observers drained (as Composer's ``Callback.close``)."""
+
     def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
         """Extra text files (name -> content) written into each checkpoint directory, atomically with it."""
         return {}
 
-    # ---------------------------------------------------------------- dispatch index support
-    def handles(self, event: Event) -> bool:
-        """Whether this callback overrides ``event`` (the manager calls only those)."""
-        method = getattr(type(self), event.method, None)
-        return method is not None and method is not getattr(Callback, event.method)
+    def error_reports(self, rank: int) -> list[CallbackErrorReport]:
+        """Errors of callbacks this callback runs itself, isolated by it (the Hugging Face adapter isolates
+        each ``TrainerCallback`` it drives); the manager adds them to the run's error report."""
+        return []
 
 
 class FunctionCallback(Callback):
@@ -126,9 +157,9 @@ class FunctionCallback(Callback):
     def __init__(self, event: Event, fn: Callable[..., Any]):
         self.event = event
         self.fn = fn
-        setattr(self, event.method, self._call)
+        setattr(self, event.value, fn)  # ``callback.on_save(context)`` works too
 
-    def _call(self, context: TrainingContext, **kwargs: Any) -> None:
+    def run_event(self, event: Event, context: TrainingContext, **kwargs: Any) -> None:
         self.fn(context, **kwargs)
 
     @property
@@ -138,11 +169,6 @@ class FunctionCallback(Callback):
     def handles(self, event: Event) -> bool:
         return event is self.event
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"event": self.event, "fn": self.fn}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["event"], state["fn"])  # type: ignore[misc]
 
 
 def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:

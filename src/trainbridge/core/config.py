@@ -8,14 +8,25 @@ it, and an invalid value raises a ``pydantic.ValidationError`` naming the field.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.run_dir import METRICS_FILE
 
 
 class CallbackSpec(BaseModel):
@@ -38,9 +49,110 @@ class CallbackSpec(BaseModel):
         resolve_import_path(value)
         return value
 
+    @model_validator(mode="after")
+    def _kwargs_fit(self) -> CallbackSpec:
+        try:
+            config_errors.check_constructor_kwargs(resolve_import_path(self.class_path), self.kwargs)
+        except ValueError as exc:
+            raise ValueError(f"kwargs: {exc}") from None
+        return self
+
     def build(self) -> Any:
         """Import the class and instantiate it with ``kwargs``."""
         return resolve_import_path(self.class_path)(**self.kwargs)
+
+
+class ModelKwargs(BaseModel):
+    """Keyword arguments for ``from_pretrained`` (``TrainingArgs.model_kwargs``).
+
+    The named fields are checked; any other ``from_pretrained`` keyword (``revision``,
+    ``quantization_config``, ...) is passed through unchanged.
+    """
+
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the loaded model (``auto``: as saved).  The default, fp32, keeps optimizer
+    arithmetic exact; use ``mixed_precision='bf16'`` for bf16 compute."""
+    attn_implementation: str | None = None
+    """Attention kernel (``eager``, ``sdpa``, ``flash_attention_2``, ...); None: transformers' default."""
+    trust_remote_code: bool = False
+    """Run model code shipped inside the model folder.  Off by default: turn on only for a model you trust."""
+
+    @model_validator(mode="after")
+    def _no_device_placement(self) -> ModelKwargs:
+        extra = self.model_extra or {}
+        for key in ("device_map", "torch_dtype"):
+            if key in extra:
+                fix = "the engine places the model on its rank's device" if key == "device_map" else "use dtype"
+                raise ValueError(f"model_kwargs.{key}: not supported here ({fix})")
+        return self
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        """The keywords for ``from_pretrained``: set fields and every extra keyword (dtype as given)."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+        if self.attn_implementation is not None:
+            kwargs["attn_implementation"] = self.attn_implementation
+        kwargs.update(self.model_extra or {})
+        return kwargs
+
+    def quantized(self) -> bool:
+        """Whether the keywords ask for a quantized (bitsandbytes) base model."""
+        extra = self.model_extra or {}
+        return bool(extra.get("quantization_config") or extra.get("load_in_4bit") or extra.get("load_in_8bit"))
+
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""A PEFT adapter folder's config file (the one place this name is written down)."""
+
+
+def peft_adapter_base(path: Path) -> Path | None:
+    """For a PEFT adapter folder, the local folder of its base model; None when ``path`` is no adapter folder.
+
+    ``base_model_name_or_path`` in ``adapter_config.json`` is taken as given, or relative to the adapter
+    folder.  ``ValueError`` (naming ``model_path``) when the base model is not a local model folder.
+    """
+    config_file = path / ADAPTER_CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model_path: {str(config_file)!r} is not readable JSON: {exc}") from exc
+    if not base:
+        raise ValueError(
+            f"model_path: adapter folder {str(path)!r} names no base model (base_model_name_or_path is empty in "
+            f"{ADAPTER_CONFIG_FILE}); set it to the base model's folder"
+        )
+    for candidate in (Path(base), path / base):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ValueError(
+        f"model_path: the base model of adapter folder {str(path)!r} is missing: base_model_name_or_path="
+        f"{base!r} (from {ADAPTER_CONFIG_FILE}) is not a local model folder with a config.json; nothing is "
+        "downloaded, so put the base model there or edit base_model_name_or_path to point at it"
+    )
+
+
+def build_peft_config(value: Any) -> Any:
+    """A ``peft.PeftConfig`` from itself or its dict form (``peft_type`` defaults to ``LORA``)."""
+    try:
+        import peft
+    except ImportError:
+        raise ValueError(
+            "peft_config: the peft package is not installed; pip install 'trainbridge[peft]' (or pip install peft)"
+        ) from None
+    if isinstance(value, peft.PeftConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"peft_config: expected a peft.PeftConfig or a dict, got {type(value).__name__} {value!r}")
+    data = dict(value)
+    data.setdefault("peft_type", "LORA")
+    data.setdefault("task_type", "CAUSAL_LM")
+    try:
+        return peft.get_peft_config(data)
+    except Exception as exc:
+        raise ValueError(f"peft_config: {data!r} is not a valid peft config: {type(exc).__name__}: {exc}") from None
 
 
 def resolve_import_path(path: str) -> Any:
@@ -53,13 +165,16 @@ def resolve_import_path(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+        raise ValueError(f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
+                         "sys.path: `trainbridge train` adds the config's folder and the working directory)"
+                         ) from exc
     obj: Any = module
+    owner = f"module {module_name!r}"
     for part in attr.split("."):
         try:
-            obj = getattr(obj, part)
+            obj, owner = getattr(obj, part), repr(part)
         except AttributeError:
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+            raise ValueError(config_errors.missing_attribute_message(obj, owner, part)) from None
     return obj
 
 
@@ -77,8 +192,34 @@ class TrainingArgs(BaseModel):
     )
 
     # ----------------------------------------------------------------- model and data
-    model_path: Path
-    """Local Hugging Face model directory (``config.json`` + weights), loaded with ``from_pretrained``."""
+    model_path: Path | None = None
+    """Local Hugging Face model directory (``config.json`` + weights), loaded with ``from_pretrained``; or a
+    PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``), whose base model (its
+    ``base_model_name_or_path``, a local folder) is loaded and the adapter applied, trainable, to continue
+    training it.  Required unless ``model_init`` is given."""
+    model_init: Callable[..., Any] | None = None
+    """A picklable function returning the model to train (as ``transformers.Trainer``'s ``model_init``;
+    called with no argument, or with ``None`` for a one-argument ``model_init(trial)``), or its import path
+    ``package.module:function`` in YAML.  Called in every worker instead of loading ``model_path``; it may
+    return a ``peft.PeftModel``.  Needs ``tokenizer_path`` when ``model_path`` is not given."""
+    model_kwargs: ModelKwargs = Field(default_factory=lambda: ModelKwargs())
+    """Keyword arguments for ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``attn_implementation``,
+    ``trust_remote_code``, and any other ``from_pretrained`` keyword)."""
+    peft_config: Any = None
+    """A ``peft.PeftConfig`` (e.g. ``peft.LoraConfig(r=8, target_modules=[...])``), or its dict form in
+    YAML (``peft_type`` defaults to ``LORA``, ``task_type`` to ``CAUSAL_LM``).  The adapter is applied in every worker before DDP/FSDP2/
+    DeepSpeed wrapping and before the optimizer is built: only adapter parameters train and hold optimizer
+    state, and checkpoints hold the adapter in PEFT's layout.  Needs ``pip install 'trainbridge[peft]'``."""
+    merge_adapter_at_end: bool = False
+    """With a PEFT model: when training ends, merge the final adapter (the best one under
+    ``load_best_model_at_end``) into the base weights (``merge_and_unload``) and write the merged model in
+    Hugging Face layout to ``ckpt_output_dir/merged`` (loadable with ``AutoModelForCausalLM``)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (``model.gradient_checkpointing_enable``), applied before
+    wrapping (also under FSDP2); trades compute for activation memory."""
+    gradient_checkpointing_kwargs: dict[str, Any] = Field(default_factory=lambda: {"use_reentrant": False})
+    """Passed to ``gradient_checkpointing_enable``; non-reentrant checkpointing by default.  With
+    ``use_reentrant=True`` and a frozen base (PEFT) the inputs are made to require grads, as Trainer does."""
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
     data_path: Path
@@ -101,6 +242,20 @@ class TrainingArgs(BaseModel):
     """Micro-batch layout: ``padding_free`` concatenates samples with ``position_ids`` (models that
     support it, e.g. Llama with flash/sdpa-compatible packing); ``padded`` pads to the longest row;
     ``auto`` picks padding-free when the model supports it."""
+    data_collator: Callable[..., Any] | None = None
+    """A collate function called as written on each micro-batch (e.g. a ``transformers`` data collator):
+    it gets a list of feature dicts (``input_ids``, ``attention_mask``, and ``labels`` when the data has
+    its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
+    become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
+    must not be ``padding_free``).  None: trainbridge's own collation."""
+    loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
+    """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
+    logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
+    full-vocabulary fp32 logits (same value and gradients); ``liger``: Liger-Kernel's fused linear cross
+    entropy (CUDA, ``pip install 'trainbridge[liger]'``).  ``auto``: ``liger`` on CUDA when installed,
+    else ``chunked`` on CUDA, ``standard`` on CPU.  Models that post-process logits keep ``standard``."""
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per chunk of ``loss_implementation='chunked'`` (fp32 logits held: this x vocabulary)."""
     varlen_sdpa: bool = True
     """Padding-free batches of an ``sdpa`` model run one causal sdpa per sample
     (``data.varlen_attention``) instead of masking the whole packed row: the same results, attention
@@ -138,10 +293,23 @@ class TrainingArgs(BaseModel):
     """ZeRO stage when ``distributed_backend='deepspeed'``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32); with
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32; under FSDP2 a
+    ``MixedPrecisionPolicy`` with bf16 compute and fp32 gradient reduction); with
     ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
-    master weights in the optimizer)."""
+    master weights in the optimizer).  ``auto`` (default): ``bf16`` on a CUDA device that supports it,
+    ``no`` elsewhere (CPU runs stay fp32)."""
+    fsdp_gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """FSDP2 with gradient accumulation: ``every_micro_batch`` reduce-scatters each micro-batch's
+    gradients into the sharded fp32 gradients (memory: one shard of gradients, as torchtitan does);
+    ``last_micro_batch`` accumulates unsharded gradients and reduce-scatters once per optimizer step
+    (fewer collectives, but a full unsharded gradient per rank).  The result is the same."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (gathered again for backward; less
+    memory, one more all-gather per unit).  ``False`` keeps them until backward (ZeRO-2-like).  The
+    ``norm`` + output-layer unit never reshards after forward: its backward comes right after."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
 
@@ -160,6 +328,15 @@ class TrainingArgs(BaseModel):
     """Steps (or epochs, with ``eval_strategy='epoch'``) to wait before the first evaluation."""
     eval_on_start: bool = False
     """Evaluate once before the first step (a sanity check of the validation path)."""
+    compute_metrics: Callable[..., Any] | None = None
+    """``fn(EvalPrediction) -> dict`` as in ``transformers.Trainer``: predictions and labels of the whole
+    validation set (every rank's share gathered in dataset order, padding removed), results prefixed
+    ``eval_`` and merged into the evaluation metrics (logs, ``metric_for_best_model``...)."""
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    """``fn(logits, labels) -> predictions`` applied to each validation batch on its rank before the
+    predictions are kept (e.g. ``logits.argmax(-1)``), as in ``transformers.Trainer``."""
+    include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
+    """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss`` (``EvalPrediction.inputs``/``.losses``)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     """When to checkpoint: every ``save_steps``/``save_samples``, each epoch end, on a new best metric, or never."""
     save_steps: int | None = Field(default=None, gt=0)
@@ -196,6 +373,16 @@ class TrainingArgs(BaseModel):
     folder's ``control/`` requests at every step end and they are agreed like any callback request."""
     report_to: list[str] = Field(default_factory=list)
     """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
+    include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
+    """What ``TrainerState.num_input_tokens_seen`` counts for Hugging Face callbacks (and whether their logs
+    carry it), as transformers' option of that name: ``no`` (not counted), ``all`` (every input position,
+    padding included) or ``non_padding`` (real tokens); ``True``/``False`` mean ``all``/``no``.  The native
+    counters (``TrainingContext.tokens_seen``, ``input_tokens_seen``) always count."""
+    hf_args: Any = Field(default=None, exclude=True)
+    """The ``transformers.TrainingArguments`` (or subclass instance: trl's ``SFTConfig``, ``DPOConfig``...)
+    these settings were ported from; ``training_args_from_hf`` sets it.  Hugging Face callbacks then see an
+    instance of its class with all its fields, only the fields this run owns replaced
+    (``trainbridge.hf.arguments``).  Not written to YAML."""
     run_name: str | None = None
     """Run name shown by reporting integrations."""
     logging_dir: Path | None = None
@@ -255,28 +442,82 @@ class TrainingArgs(BaseModel):
             return []
         if not isinstance(value, list | tuple):
             value = [value]
-        out = []
+        out, problems = [], []
         for i, item in enumerate(value):
-            if isinstance(item, dict):
-                try:
-                    item = CallbackSpec.model_validate(item)
-                except Exception as exc:
-                    raise ValueError(f"callbacks[{i}]: {exc}") from None
-            elif isinstance(item, str):
-                item = CallbackSpec.model_validate({"class": item})
-            elif item is None or isinstance(item, int | float | bool):
-                raise ValueError(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
+            try:
+                if isinstance(item, dict | str):
+                    item = CallbackSpec.model_validate(item if isinstance(item, dict) else {"class": item})
+            except ValidationError as exc:  # every bad callback, one line each, without pydantic's noise
+                problems += [f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(
+                    exc, CallbackSpec)]
+                continue
+            if item is None or isinstance(item, int | float | bool):
+                problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
             out.append(item)
+        if problems:
+            raise ValueError("\n".join(problems))
         return out
+
+    @field_validator("include_num_input_tokens_seen", mode="before")
+    @classmethod
+    def _token_counting(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # as TrainingArguments: True -> "all", False -> "no"
+            return "all" if value else "no"
+        return value
+
+    @field_validator("hf_args")
+    @classmethod
+    def _hf_training_arguments(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        from transformers import TrainingArguments
+
+        if not isinstance(value, TrainingArguments):
+            raise ValueError(f"expected a transformers.TrainingArguments (or subclass) instance, got "
+                             f"{type(value).__name__}; pass the object your script built, or leave it unset")
+        return value
 
     @field_validator("model_path")
     @classmethod
-    def _model_dir_exists(cls, value: Path) -> Path:
+    def _model_dir_exists(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
         if not value.is_dir():
             raise ValueError(f"model directory {str(value)!r} does not exist")
-        if not (value / "config.json").is_file():
-            raise ValueError(f"{str(value)!r} has no config.json: not a Hugging Face model directory")
+        if peft_adapter_base(value) is None and not (value / "config.json").is_file():
+            raise ValueError(
+                f"{str(value)!r} has no config.json (not a Hugging Face model directory) and no "
+                f"{ADAPTER_CONFIG_FILE} (not a PEFT adapter folder)"
+            )
         return value
+
+    @field_validator("model_init", mode="before")
+    @classmethod
+    def _model_init_callable(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = resolve_import_path(value)
+        if value is not None and not callable(value):
+            raise ValueError(f"expected a function returning the model, got {type(value).__name__} {value!r}")
+        return value
+
+    @field_validator("peft_config", mode="before")
+    @classmethod
+    def _peft_config(cls, value: Any) -> Any:
+        return None if value is None else build_peft_config(value)
+
+    @field_serializer("peft_config")
+    def _peft_config_as_dict(self, value: Any) -> Any:
+        if value is None:
+            return None
+        data = value.to_dict()
+        return {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in data.items()}
+
+    @field_serializer("model_init")
+    def _model_init_as_path(self, value: Any) -> Any:
+        if value is None:
+            return None
+        module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
+        return f"{module}:{name}" if module and module != "__main__" and "<" not in name else None
 
     @field_validator("data_path", "val_data_path")
     @classmethod
@@ -287,6 +528,7 @@ class TrainingArgs(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingArgs:
+        self._check_model_fields()
         if self.val_data_path is not None and self.validation_split > 0:
             raise ValueError("give val_data_path or validation_split, not both")
         if self.eval_strategy == "steps" and self.eval_steps is None:
@@ -306,12 +548,68 @@ class TrainingArgs(BaseModel):
             if self.save_strategy == "steps" and self.eval_steps and self.save_steps:
                 if self.save_steps % self.eval_steps:
                     raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
+        if self.data_collator is not None and self.packing == "padding_free":
+            raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
+                             "micro-batches); leave packing='auto' or set data_collator=None")
         if self.max_batch_len < self.max_seq_len and self.packing != "padded":
             raise ValueError(
                 f"max_batch_len: {self.max_batch_len} is smaller than max_seq_len {self.max_seq_len}; "
                 "a longest sample would not fit in one micro-batch"
             )
         return self
+
+    def _check_model_fields(self) -> None:
+        """The model fields together: what to load, PEFT options that cannot combine, quantization."""
+        if self.model_path is None and self.model_init is None:
+            raise ValueError("model_path: required (a model or PEFT adapter folder) unless model_init is given")
+        if self.model_path is None and self.tokenizer_path is None:
+            raise ValueError("tokenizer_path: required when the model comes from model_init without model_path")
+        adapter_base = peft_adapter_base(self.model_path) if self.model_path is not None else None
+        config = self.peft_config
+        if config is not None:
+            if adapter_base is not None and self.model_init is None:
+                raise ValueError(
+                    f"peft_config: model_path {str(self.model_path)!r} is already a PEFT adapter folder, which is "
+                    "trained as it is; give peft_config with a base model, or drop peft_config to continue the adapter"
+                )
+            task = getattr(config, "task_type", None)
+            if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
+                raise ValueError(f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)")
+            if getattr(config, "inference_mode", False):
+                raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
+                                 "set inference_mode=False")
+            if getattr(config, "is_prompt_learning", False) and self.distributed_backend != "ddp":
+                raise ValueError(
+                    f"peft_config: {type(config).__name__} keeps its weights outside the model's state dict, which "
+                    f"{self.distributed_backend} shards; use distributed_backend='ddp'"
+                )
+            if getattr(config, "is_prompt_learning", False) and self.packing != "padded":
+                raise ValueError(
+                    f"peft_config: {type(config).__name__} adds virtual tokens to every row, which padding-free "
+                    f"rows (packing={self.packing!r}) cannot carry; set packing='padded'"
+                )
+        is_peft = config is not None or adapter_base is not None
+        if self.merge_adapter_at_end and not is_peft and self.model_init is None:
+            raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
+        if self.gradient_checkpointing_kwargs != {"use_reentrant": False} and not self.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
+        if self.model_kwargs.quantized():
+            import torch
+
+            if self.device == "cpu" or not torch.cuda.is_available():
+                raise ValueError(
+                    "model_kwargs.quantization_config: a quantized (bitsandbytes, QLoRA) base model needs CUDA, and "
+                    f"this run is on CPU (device={self.device!r}, CUDA available: {torch.cuda.is_available()}); "
+                    "drop the quantization keywords or run on a GPU"
+                )
+            if self.distributed_backend == "fsdp" or (
+                self.distributed_backend == "deepspeed" and self.deepspeed_zero_stage == 3
+            ):
+                raise ValueError(
+                    "model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be sharded by "
+                    f"{self.distributed_backend}{'' if self.distributed_backend == 'fsdp' else ' ZeRO-3'} here; "
+                    "use ddp or deepspeed ZeRO-1/2"
+                )
 
     # ----------------------------------------------------------------- derived values
     @property
@@ -332,10 +630,20 @@ class TrainingArgs(BaseModel):
         """Whether the best checkpoint is tracked (as transformers does it)."""
         return self.metric_for_best_model is not None or self.load_best_model_at_end or self.save_strategy == "best"
 
+    def mixed_precision_for(self, device_type: str) -> Literal["no", "bf16"]:
+        """``mixed_precision`` with ``auto`` resolved for a run on ``device_type`` (``cuda``/``cpu``)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if device_type != "cuda":
+            return "no"
+        import torch
+
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
     @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / "metrics.jsonl"
+        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:
@@ -344,8 +652,15 @@ class TrainingArgs(BaseModel):
 
     @property
     def resolved_tokenizer_path(self) -> Path:
-        """Where the tokenizer is loaded from."""
-        return self.tokenizer_path or self.model_path
+        """Where the tokenizer is loaded from: ``tokenizer_path``, else ``model_path`` (for an adapter folder
+        without tokenizer files, its base model's folder)."""
+        if self.tokenizer_path is not None:
+            return self.tokenizer_path
+        assert self.model_path is not None  # validated: model_path or tokenizer_path is set
+        base = peft_adapter_base(self.model_path)
+        if base is not None and not (self.model_path / "tokenizer_config.json").is_file():
+            return base
+        return self.model_path
 
     # ----------------------------------------------------------------- YAML
     @classmethod
@@ -372,7 +687,8 @@ class TrainingArgs(BaseModel):
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
-        data = self.model_dump(mode="json", exclude={"callbacks", "event_functions"}, exclude_none=True)
+        live = {"callbacks", "event_functions", "data_collator", "compute_metrics", "preprocess_logits_for_metrics"}
+        data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):
                 data[key] = str(Path(value).resolve())

@@ -17,6 +17,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+LAUNCHER_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+"""Set by torchrun (and ``accelerate launch``, torchrun under ``srun``) in every worker process."""
+
+
+def launched_worker() -> bool:
+    """True in a process started by a launcher (``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` all set):
+    it is one rank of a job, and training must run in place here, never launch workers of its own."""
+    return all(name in os.environ for name in LAUNCHER_ENV_VARS)
+
+
+CUDA_ALLOC_CONF_DEFAULT = "expandable_segments:True"
+"""``PYTORCH_CUDA_ALLOC_CONF`` when the user has not set it: fewer fragmentation OOMs with varying
+micro-batch shapes (what torchtitan sets)."""
+
+
+def apply_cuda_defaults() -> None:
+    """CUDA workers' defaults, before the device is first used: the allocator's expandable segments
+    (unless ``PYTORCH_CUDA_ALLOC_CONF`` is set) and TF32 for fp32 matmuls and convolutions."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF_DEFAULT)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
 
 @dataclass
 class DistributedEnv:
@@ -57,6 +79,7 @@ class DistributedEnv:
         if use_cuda:
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' was requested but CUDA is not available on this worker")
+            apply_cuda_defaults()
             torch.cuda.set_device(local_rank)
             dev = torch.device("cuda", local_rank)
         else:
@@ -110,17 +133,18 @@ class DistributedEnv:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
-    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Collective ``all_gather`` of one 1-D float64 row per rank, as a ``[world_size, n]`` matrix.
+    def gather_rows(self, row: torch.Tensor) -> list[list[float]]:
+        """Collective ``all_gather`` of one 1-D float64 row per rank: ``world_size`` rows of ``n`` floats.
 
         Implemented as one ``all_reduce(SUM)`` over a zero matrix holding this rank's row, which works on
         every backend (gloo has no ``all_gather_into_tensor`` on CPU for all dtypes) and costs one call.
+        The result is read back to the host once (``tolist``: on a GPU, the one synchronisation).
         """
         matrix = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=self.device)
-        matrix[self.rank] = row.to(device=self.device, dtype=torch.float64)
+        matrix[self.rank] = row.to(device=self.device, dtype=torch.float64, non_blocking=True)
         if self.is_distributed:
             dist.all_reduce(matrix, op=dist.ReduceOp.SUM)
-        return matrix.cpu()
+        return matrix.tolist()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective ``broadcast_object_list``: rank ``src``'s Python object on every rank."""

@@ -1,11 +1,12 @@
-"""The event map: every lifecycle event the training loop fires, where, and its Hugging Face twin.
+"""The event map: every lifecycle event the training loop fires, where, and whether it has a Hugging Face twin.
 
 This module is the single source of truth for events.  The loop (``trainbridge.loop.loop``) fires each
-event at exactly one visible place; the native callback layer dispatches by ``Event``; the Hugging
-Face adapter translates each event to the ``transformers.TrainerCallback`` hook named here.
+event at exactly one visible place; ``Callback.run_event`` dispatches it to the method of the same name;
+the Hugging Face adapter routes every event marked ``hf_twin`` to the ``transformers.TrainerCallback``
+hook of the same name (``on_save`` -> ``on_save``).
 
 ``tests/unit/test_events.py`` asserts that every ``on_*`` method of ``transformers.TrainerCallback``
-appears here as an ``hf_hook`` (or in ``HF_HOOKS_NOT_FIRED`` with the reason), so a transformers
+is an event with ``hf_twin`` here (or in ``HF_HOOKS_NOT_FIRED`` with the reason), so a transformers
 upgrade that adds a hook fails loudly.
 """
 
@@ -46,12 +47,13 @@ class Event(str, Enum):
 
 @dataclass(frozen=True)
 class EventSpec:
-    """Where an event fires, the keyword arguments it carries, and the HF hook it maps to."""
+    """Where an event fires, the keyword arguments it carries, and whether ``transformers.TrainerCallback``
+    has a hook of the same name that the Hugging Face adapter calls for it (``hf_twin``)."""
 
     event: Event
     fires: str
     kwargs: tuple[str, ...] = ()
-    hf_hook: str | None = None
+    hf_twin: bool = False
 
 
 EVENT_MAP: dict[Event, EventSpec] = {
@@ -61,50 +63,50 @@ EVENT_MAP: dict[Event, EventSpec] = {
             Event.INIT_END,
             "once per worker, after model, optimizer, data and callbacks are built, before any step; "
             "an exception here fails the run before the first step",
-            hf_hook="on_init_end",
+            hf_twin=True,
         ),
         EventSpec(
             Event.TRAIN_BEGIN,
             "once, after resume state is restored, before the first epoch; an exception here fails "
             "the run before the first step",
-            hf_hook="on_train_begin",
+            hf_twin=True,
         ),
         EventSpec(Event.EPOCH_BEGIN, "at the start of every epoch (also a resumed partial one)",
-                  hf_hook="on_epoch_begin"),
+                  hf_twin=True),
         EventSpec(Event.STEP_BEGIN, "once per optimizer step, before its first micro-batch",
-                  hf_hook="on_step_begin"),
+                  hf_twin=True),
         EventSpec(Event.BEFORE_FORWARD, "every micro-batch, before the forward pass", ("batch",)),
         EventSpec(Event.AFTER_FORWARD, "every micro-batch, after the forward pass, loss known",
                   ("batch", "loss")),
         EventSpec(Event.BEFORE_BACKWARD, "every micro-batch, before backward", ("loss",)),
         EventSpec(Event.AFTER_BACKWARD, "every micro-batch, after backward (gradients accumulated)"),
         EventSpec(Event.SUBSTEP_END, "after every micro-batch except the last of an optimizer step",
-                  hf_hook="on_substep_end"),
+                  hf_twin=True),
         EventSpec(
             Event.PRE_OPTIMIZER_STEP,
             "after gradients are complete and clipped (grad_norm known), before optimizer.step()",
-            hf_hook="on_pre_optimizer_step",
+            hf_twin=True,
         ),
         EventSpec(Event.OPTIMIZER_STEP, "after optimizer.step(), before zero_grad and the scheduler step",
-                  hf_hook="on_optimizer_step"),
+                  hf_twin=True),
         EventSpec(
             Event.STEP_END,
             "after the optimizer step and scheduler step, global_step advanced; followed by the "
             "step's control agreement",
-            hf_hook="on_step_end",
+            hf_twin=True,
         ),
         EventSpec(Event.LOG, "when logging is agreed (steps, epoch end, train end, evaluation metrics)",
-                  ("logs",), hf_hook="on_log"),
+                  ("logs",), hf_twin=True),
         EventSpec(Event.PREDICTION_STEP, "every validation batch", ("batch",),
-                  hf_hook="on_prediction_step"),
+                  hf_twin=True),
         EventSpec(Event.EVALUATE, "after a validation pass, metrics reduced across ranks", ("metrics",),
-                  hf_hook="on_evaluate"),
+                  hf_twin=True),
         EventSpec(Event.SAVE, "after a checkpoint is complete on disk", ("checkpoint_path",),
-                  hf_hook="on_save"),
+                  hf_twin=True),
         EventSpec(Event.EPOCH_END, "at the end of every epoch (also one cut short by a stop)",
-                  hf_hook="on_epoch_end"),
+                  hf_twin=True),
         EventSpec(Event.TRAIN_END, "once on every clean exit: end of data, max_steps, agreed stop",
-                  hf_hook="on_train_end"),
+                  hf_twin=True),
         EventSpec(
             Event.EXCEPTION,
             "once on every exit that is not clean: an exception, SIGTERM, a fatal callback error",
@@ -119,17 +121,8 @@ HF_HOOKS_NOT_FIRED: dict[str, str] = {
     "on_push_begin": "fired by Trainer.push_to_hub(); trainbridge never pushes to a hub",
 }
 
-# Where requested control flags are agreed across ranks (see trainbridge.core.control.agree_control).
-CONTROL_DECISION_POINTS: tuple[str, ...] = (
-    "after on_step_end (folded into the step's loss reduction)",
-    "after a log / evaluate / save phase (only on steps that had one)",
-    "after on_epoch_end and its log / evaluate / save phase",
-)
-
-
-def hf_hook_for(event: Event) -> str | None:
-    """The ``transformers.TrainerCallback`` method corresponding to ``event`` (None if it has none)."""
-    return EVENT_MAP[event].hf_hook
+HF_EVENTS: frozenset[Event] = frozenset(event for event, spec in EVENT_MAP.items() if spec.hf_twin)
+"""The events with a ``transformers.TrainerCallback`` twin: the Hugging Face adapter handles exactly these."""
 
 
 def event_from_name(name: str) -> Event:

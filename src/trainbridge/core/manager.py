@@ -11,6 +11,9 @@
 - Non-blocking observers (``Callback.nonblocking = True``) run on a background thread with a
   snapshot of the context, fed by a bounded queue drained at train end with a timeout; they cannot
   request control.
+- State: each callback's ``state_dict`` is saved under its ``state_key`` (class qualname, plus
+  ``[state_id]`` when set), so adding, removing or reordering callbacks between a save and a resume
+  keeps every state with its callback; a missing or unclaimed state is a warning naming the key.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+import re
 import threading
 import traceback
 from collections.abc import Iterable, Mapping
@@ -27,7 +31,7 @@ from typing import Any
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import ControlFlag, ControlRequests
-from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import Event
 
 logger = logging.getLogger(__name__)
@@ -41,15 +45,6 @@ class CallbackSetupError(RuntimeError):
 
 class CallbackFatalError(RuntimeError):
     """A callback failed under ``callback_error_policy='fatal'``; every rank stopped."""
-
-
-@dataclass
-class _ErrorRecord:
-    event: str
-    first_error: str
-    count: int = 0
-    consecutive: int = 0
-    disabled: bool = False
 
 
 class _NoControlRequests(ControlRequests):
@@ -98,8 +93,11 @@ class CallbackManager:
         self.error_policy = error_policy
         self.max_consecutive_errors = max_consecutive_errors
         self.drain_timeout_s = drain_timeout_s
-        self._errors: dict[int, _ErrorRecord] = {}
+        self._errors = CallbackErrorLedger(error_policy, max_consecutive_errors)
         self._observers = _Observers(queue_size)
+        self._state_keys = _unique_state_keys(self.callbacks)
+        self._active = [cb for cb in self.callbacks if is_world_process_zero or not cb.rank_zero_only]
+        self._closed = False
         self._index: dict[Event, list[_Entry]] = {event: [] for event in Event}
         for i, cb in enumerate(self.callbacks, start=1):
             if cb.rank_zero_only and not is_world_process_zero:
@@ -130,13 +128,11 @@ class CallbackManager:
                 continue
             context.current_source = entry.index
             try:
-                getattr(entry.callback, event.method)(context, **kwargs)
+                entry.callback.run_event(event, context, **kwargs)
             except Exception as exc:
                 self._on_error(entry, event, context, exc)
             else:
-                record = self._errors.get(entry.index)
-                if record is not None:
-                    record.consecutive = 0
+                self._errors.succeeded(entry.index)
             finally:
                 context.current_source = 0
 
@@ -150,22 +146,12 @@ class CallbackManager:
                 f"callback {name} failed in {event.value} on rank {context.rank}: "
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             ) from exc
-        record = self._errors.get(entry.index)
-        if record is None:
-            record = self._errors[entry.index] = _ErrorRecord(event.value, f"{type(exc).__name__}: {exc}")
-            logger.error("callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
-                         name, event.value, context.rank, traceback.format_exc())
-        record.count += 1
-        record.consecutive += 1
-        if self.error_policy == "fatal" and not observer:
+        action = self._errors.failed(entry.index, name, event.value, exc, context.rank, fatal_allowed=not observer)
+        if action == "abort":
             context.requests.request(ControlFlag.ABORT, entry.index, f"{name} raised in {event.value}: {exc}")
-            return
-        if record.consecutive >= self.max_consecutive_errors and not record.disabled:
-            record.disabled = True
+        elif action == "disable":
             for entries in self._index.values():
                 entries[:] = [e for e in entries if e.index != entry.index]
-            logger.error("callback %s switched off on rank %d after %d consecutive errors",
-                         name, context.rank, record.consecutive)
 
     # ------------------------------------------------------------------ non-blocking observers
     def _enqueue(self, entry: _Entry, event: Event, context: TrainingContext, kwargs: dict[str, Any]) -> None:
@@ -208,7 +194,7 @@ class CallbackManager:
             try:
                 if not any(e.index == entry.index for e in self._index[event]):
                     continue
-                getattr(entry.callback, event.method)(snapshot, **kwargs)
+                entry.callback.run_event(event, snapshot, **kwargs)
             except Exception as exc:
                 self._on_error(entry, event, snapshot, exc, observer=True)
             finally:
@@ -230,30 +216,75 @@ class CallbackManager:
             return False
         return True
 
+    def close(self, context: TrainingContext) -> None:
+        """Call every callback's ``close`` that runs on this rank, once, in order; an error is logged and
+        the others still close (the run's outcome is already decided)."""
+        if self._closed:
+            return
+        self._closed = True
+        for cb in self._active:
+            try:
+                cb.close(context)
+            except Exception:
+                logger.exception("callback %s failed in close on rank %d", cb.name, context.rank)
+
     # ------------------------------------------------------------------ state and checks
-    def _keys(self) -> list[tuple[str, Callback]]:
-        return [(f"{i}:{cb.name}", cb) for i, cb in enumerate(self.callbacks)]
+    @property
+    def state_keys(self) -> list[str]:
+        """Each callback's key in a checkpoint's callback states, in registration order."""
+        return list(self._state_keys)
 
     def state_dict(self) -> dict[str, Any]:
-        """Every stateful callback's state, keyed by position and name."""
+        """Every stateful callback's state, keyed by its ``state_key``."""
         out: dict[str, Any] = {}
-        for key, cb in self._keys():
+        for key, cb in zip(self._state_keys, self.callbacks):
             state = cb.state_dict()
             if state is not None:
                 out[key] = dict(state)
         return out
 
     def load_state_dict(self, states: Mapping[str, Any], restore_user_states: bool = True) -> list[str]:
-        """Restore callback states saved by ``state_dict``; returns the keys restored.
+        """Restore callback states saved by ``state_dict``, matched by state key; returns the keys restored.
 
-        With ``restore_user_states=False`` only callbacks marked ``always_restore_state`` are restored.
+        With ``restore_user_states=False`` only callbacks marked ``always_restore_state`` are restored.  A
+        stateful callback without a saved state starts fresh and a saved state no callback claims is
+        ignored, each with a warning naming the key.  States saved by position (``"<index>:<name>"``,
+        older checkpoints) are matched by position and name, else by a name only one callback has.
         """
+        states = self._from_positional_keys(states)
         restored = []
-        for key, cb in self._keys():
-            if key in states and (restore_user_states or cb.always_restore_state):
+        for key, cb in zip(self._state_keys, self.callbacks):
+            if not (restore_user_states or cb.always_restore_state):
+                continue
+            if key in states:
                 cb.load_state_dict(states[key])
                 restored.append(key)
+            elif _is_stateful(cb):
+                logger.warning("the checkpoint holds no state for callback %s (state key %r): it starts fresh",
+                               cb.name, key)
+        for key in states:
+            if key not in self._state_keys:
+                logger.warning("the checkpoint holds a state for %r, which no configured callback has as its "
+                               "state_key: ignored", key)
         return restored
+
+    def _from_positional_keys(self, states: Mapping[str, Any]) -> dict[str, Any]:
+        """Re-key a checkpoint's ``"<index>:<name>"`` states (older trainbridge) to state keys."""
+        out: dict[str, Any] = {}
+        for key, state in states.items():
+            match = _POSITIONAL_KEY.match(key)
+            if match is None:
+                out[key] = state
+                continue
+            index, name = int(match.group(1)), match.group(2)
+            same_name = [i for i, cb in enumerate(self.callbacks) if cb.name == name]
+            if index < len(self.callbacks) and self.callbacks[index].name == name:
+                out[self._state_keys[index]] = state
+            elif len(same_name) == 1:
+                out[self._state_keys[same_name[0]]] = state
+            else:
+                out[key] = state  # reported as unclaimed
+        return out
 
     def checkpoint_files(self, context: TrainingContext) -> dict[str, str]:
         """Extra files every callback wants written into a checkpoint."""
@@ -264,16 +295,41 @@ class CallbackManager:
 
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:
         """Isolated errors on this rank, for the run result."""
-        return [
-            CallbackErrorReport(callback=self.callbacks[i - 1].name, rank=rank, event=r.event, count=r.count,
-                                disabled=r.disabled, first_error=r.first_error)
-            for i, r in sorted(self._errors.items())
-        ]
+        reports = self._errors.reports(rank)
+        for cb in self.callbacks:
+            reports += cb.error_reports(rank)  # callbacks that isolate callbacks of their own (HF adapter)
+        return reports
 
     @property
     def dropped_observer_events(self) -> int:
         """Events a full observer queue dropped."""
         return self._observers.dropped
+
+
+_POSITIONAL_KEY = re.compile(r"^(\d+):(.+)$")
+
+
+def _is_stateful(cb: Callback) -> bool:
+    """The callback's class overrides ``state_dict`` (it may still return None, e.g. before set-up)."""
+    return type(cb).state_dict is not Callback.state_dict
+
+
+def _unique_state_keys(callbacks: list[Callback]) -> list[str]:
+    """Each callback's ``state_key``; a key several callbacks share gets ``#2``, ``#3``... on its later
+    occurrences (their order then matters: a warning names them when they are stateful)."""
+    keys: list[str] = []
+    seen: dict[str, int] = {}
+    for cb in callbacks:
+        key = cb.state_key
+        seen[key] = seen.get(key, 0) + 1
+        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
+    for key, count in seen.items():
+        sharing = [cb for cb in callbacks if cb.state_key == key]
+        if count > 1 and any(_is_stateful(cb) for cb in sharing):
+            logger.warning("%d stateful callbacks share the state key %r: their states are matched by order "
+                           "among them; set state_id on each (e.g. cb.state_id = 'a') to key them stably",
+                           count, key)
+    return keys
 
 
 def _detached_copy(values: dict[str, Any]) -> dict[str, Any]:

@@ -75,8 +75,13 @@ class EvalBatches:
         return len(self.groups)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for _, batch in self.indexed():
+            yield batch
+
+    def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+        """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]``."""
         for group in self.groups:
-            yield self.collate([self.samples[i] for i in group])
+            yield group, self.collate([self.samples[i] for i in group])
 
 
 def _pack(indices: list[int], lengths: Sequence[int], budget: int, padded: bool) -> list[list[int]]:

@@ -3,22 +3,22 @@
 Builds the model and tokenizer from a config (no hub), writes a learnable addition data set, then
 runs ``run_training`` with two DDP ranks on CPU: evaluation and checkpoints every few steps, a
 Hugging Face ``EarlyStoppingCallback`` agreed across ranks, TensorBoard logging when installed, and
-a summary showing the loss falling.
+a summary showing the loss falling, and a plot of the run's metrics (``trainbridge plot``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 from trainbridge.launch.launcher import run_training
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.summary import format_run_result
 
 DEMO_MAX_STEPS = 200
 """Optimizer steps of the demo (well under a minute of training on two CPU cores)."""
@@ -72,37 +72,9 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS) -> Tra
     )
 
 
-def _logged(metrics_file: str | None, key: str) -> list[float]:
-    if not metrics_file or not Path(metrics_file).is_file():
-        return []
-    values = []
-    for line in Path(metrics_file).read_text().splitlines():
-        record: dict[str, Any] = json.loads(line)
-        if isinstance(record.get(key), int | float):
-            values.append(float(record[key]))
-    return values
-
-
 def format_demo_summary(result: RunResult, wall_time_s: float) -> str:
-    """The demo's closing summary: loss first and last, eval loss, steps, checkpoints, wall time."""
-    losses = _logged(result.metrics_file, "loss")
-    eval_losses = _logged(result.metrics_file, "eval_loss")
-    lines = [
-        "trainbridge demo finished",
-        f"  steps:            {result.global_step}/{result.max_steps}"
-        + (f" (stopped early: {result.stop_reason})" if result.stopped_early else ""),
-    ]
-    if losses:
-        lines.append(f"  training loss:    {losses[0]:.3f} (first log) -> {losses[-1]:.3f} (last log)")
-    if eval_losses:
-        lines.append(f"  eval loss:        {eval_losses[0]:.3f} (first eval) -> {eval_losses[-1]:.3f} (last eval)")
-    lines += [
-        f"  checkpoints:      {', '.join(Path(c).name for c in result.checkpoints) or 'none'}",
-        f"  best checkpoint:  {result.best_checkpoint or 'n/a'}",
-        f"  metrics file:     {result.metrics_file}",
-        f"  wall time:        {wall_time_s:.1f} s",
-    ]
-    return "\n".join(lines)
+    """The demo's closing summary (``trainbridge.loop.summary.format_run_result``)."""
+    return "trainbridge demo finished\n" + format_run_result(result, wall_time_s, indent="  ")
 
 
 def run_demo(
@@ -119,4 +91,17 @@ def run_demo(
     if result is None:
         raise RuntimeError("the demo runs on one node, so rank 0's result must be here")
     print(format_demo_summary(result, time.monotonic() - start), flush=True)
+    _plot(result)
     return result
+
+
+def _plot(result: RunResult) -> None:
+    """End with a picture of the run (when the ``plot`` extra, matplotlib, is installed)."""
+    from trainbridge.report.plot import PlotError, plot_metrics
+
+    if result.metrics_file is None:
+        return
+    try:
+        print(f"  plot:             {plot_metrics(result.metrics_file)}", flush=True)
+    except PlotError as exc:
+        print(f"  plot:             not written ({exc})", file=sys.stderr, flush=True)

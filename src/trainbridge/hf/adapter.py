@@ -9,10 +9,10 @@ it: ``DefaultFlowCallback``, then ``report_to``'s integration callbacks, then th
 
 Event mapping: each native event with an HF twin (``trainbridge.core.events.hf_hook_for``) calls that hook
 of the handler.  ``TrainerState`` is refreshed from the ``TrainingContext`` before every hook
-(``global_step``, ``epoch``, ``max_steps``, ``num_input_tokens_seen``, ``total_flos`` estimated as
-``6 x parameters x tokens`` like the loop's final log, ``best_metric``/``best_global_step`` from the
-native best-checkpoint tracker, which runs after user callbacks as Trainer's ``_determine_best_metric``
-runs after ``on_evaluate``).  ``on_log`` appends ``{**logs, "step": global_step}`` to
+(``global_step``, ``epoch``, ``max_steps``, ``num_input_tokens_seen``, ``total_flos`` from
+``TrainingContext.total_flos``, ``best_metric``/``best_global_step`` from the native best-checkpoint
+tracker, which runs after user callbacks as Trainer's ``_determine_best_metric`` runs after
+``on_evaluate``).  ``on_log`` appends ``{**logs, "step": global_step}`` to
 ``state.log_history`` as ``Trainer.log`` does.
 
 Control, both ways:
@@ -46,9 +46,9 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, ClassVar
 
 from transformers import (
     DefaultFlowCallback,
@@ -66,11 +66,15 @@ from transformers.integrations import (
 )
 from transformers.integrations.integration_utils import TensorBoardCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_utils import speed_metrics
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import ControlFlag
+from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
+from trainbridge.core.events import HF_EVENTS, Event
+from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.hf.arguments import build_training_arguments
 
 logger = logging.getLogger(__name__)
@@ -102,19 +106,35 @@ class HuggingFaceCallbackError(RuntimeError):
     """A ``transformers.TrainerCallback`` raised; the message names the callback and the hook."""
 
 
+SETUP_HOOKS = frozenset({"on_init_end", "on_train_begin"})
+"""Hooks where an HF callback's error fails the run before the first step (as any callback's does)."""
+
+
 class AttributingCallbackHandler(CallbackHandler):
-    """transformers' ``CallbackHandler`` that also records which callback turned each control flag on.
+    """transformers' ``CallbackHandler`` that isolates each callback and records who turned a flag on.
 
     Only ``call_event`` is replaced (the per-hook flag resets of ``CallbackHandler.on_*`` are inherited);
     it calls each callback with the same arguments as transformers' ``call_event`` and notes, per flag,
     the first callback that switched it from False to True (``flag_setters``, reset at every event).
+
+    Isolation: an exception of one callback is handed to ``on_error(position, callback, event, exc)`` (the
+    adapter applies the run's failure policy) and the next callbacks still run; a callback at a position
+    in ``switched_off`` is skipped; ``on_success(position)`` follows a hook a callback implements and ran
+    without error (ending its run of consecutive errors).  Without ``on_error`` the exception propagates
+    as a ``HuggingFaceCallbackError``, as does one raised in ``on_init_end``/``on_train_begin``.
     """
 
     flag_setters: dict[str, TrainerCallback]
+    on_error: Callable[[int, TrainerCallback, str, Exception], None] | None = None
+    on_success: Callable[[int], None] | None = None
+    switched_off: AbstractSet[int] = frozenset()
 
     def call_event(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.flag_setters = {}
-        for callback in self.callbacks:
+        switched_off = self.switched_off
+        for position, callback in enumerate(self.callbacks):
+            if position in switched_off:
+                continue
             before = _control_flags(control)
             try:
                 result = getattr(callback, event)(
@@ -130,10 +150,15 @@ class AttributingCallbackHandler(CallbackHandler):
                     **kwargs,
                 )
             except Exception as exc:
-                raise HuggingFaceCallbackError(
-                    f"transformers callback {type(callback).__name__}.{event} raised "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                if self.on_error is None or event in SETUP_HOOKS:
+                    raise HuggingFaceCallbackError(
+                        f"transformers callback {type(callback).__name__}.{event} raised "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                self.on_error(position, callback, event, exc)
+                continue
+            if self.on_success is not None and _implements(callback, event):
+                self.on_success(position)
             # A callback can skip returning `control` if it doesn't change it.
             if result is not None:
                 control = result
@@ -179,7 +204,26 @@ class HuggingFaceCallbackAdapter(Callback):
         self._train_args: TrainingArgs | None = None
         self._resume_state: dict[str, Any] | None = None
         self._folded_agreed: object | None = None
-        self._num_parameters = 0
+        self._errors = CallbackErrorLedger()
+        self._context: TrainingContext | None = None
+        self._evaluated = False
+        self._tokens_at_train_begin = 0
+
+    # ------------------------------------------------------------------ dispatch: the event map routes
+    def handles(self, event: Event) -> bool:
+        """Every event with a ``TrainerCallback`` twin (``trainbridge.core.events.HF_EVENTS``)."""
+        return event in HF_EVENTS
+
+    def run_event(self, event: Event, context: TrainingContext, **kwargs: Any) -> None:
+        """Call the HF hook of the same name; the hooks that do more than that have a method of their own
+        (``_init_end``, ``_train_begin``, ``_log``, ``_evaluate``, ``_save``, ``_train_end``)."""
+        special = self._SPECIAL.get(event)
+        if special is not None:
+            special(self, context, **kwargs)
+        else:
+            if event is Event.PREDICTION_STEP:
+                self._evaluated = True  # Trainer hands the handler its eval dataloader before predicting
+            self._call(context, event.value)
 
     # ------------------------------------------------------------------ configuration
     def validate(self, args: TrainingArgs) -> None:
@@ -200,20 +244,30 @@ class HuggingFaceCallbackAdapter(Callback):
             if args.eval_strategy == "no":
                 raise ValueError("callbacks: EarlyStoppingCallback requires eval_strategy 'steps' or 'epoch'")
 
-    # ------------------------------------------------------------------ set-up (worker)
-    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
+    def error_reports(self, rank: int) -> list[CallbackErrorReport]:
+        """The errors of each HF callback, isolated and counted on its own (named by its class)."""
+        return self._errors.reports(rank)
+
+    # ------------------------------------------------------------------ the hooks that differ
+    def _init_end(self, context: TrainingContext, **kwargs: Any) -> None:
         """Build TrainingArguments, the callback handler, TrainerState and TrainerControl (as Trainer's
-        ``__init__`` does), then call ``on_init_end``."""
+        ``__init__`` does), then call ``on_init_end``.  As under Trainer, the optimizer, scheduler and
+        dataloaders are not handed to the callbacks yet (``None``): Trainer creates them in ``train()``."""
         self._train_args = context.args
+        self._context = context
+        self._errors = CallbackErrorLedger(context.args.callback_error_policy,
+                                           context.args.callback_max_consecutive_errors)
         self.args = build_training_arguments(context.args, context.env)
         model = context.unwrapped_model if context.unwrapped_model is not None else context.model
         self.args.report_to = self._integrations()
         defaults: list[Any] = [DefaultFlowCallback, *get_reporting_integration_callbacks(self.args.report_to)]
-        self.handler = AttributingCallbackHandler(
-            defaults + self.callbacks, model, context.tokenizer, context.optimizer, context.lr_scheduler
-        )
+        self.handler = AttributingCallbackHandler(defaults + self.callbacks, model, context.tokenizer, None, None)
         if self.progress:
             self.handler.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        self.handler.on_error = self._on_callback_error
+        self.handler.on_success = self._errors.succeeded
+        self._switched_off: set[int] = set()
+        self.handler.switched_off = self._switched_off
         self._point_tensorboard_at(context.args)
         self.control = TrainerControl()
         self.state = TrainerState(
@@ -221,11 +275,10 @@ class HuggingFaceCallbackAdapter(Callback):
             is_world_process_zero=context.is_world_process_zero,
             stateful_callbacks=self._exportable_callbacks(),
         )
-        self._num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
         # Trainer calls on_init_end with a fresh TrainerState (max_steps etc. still 0): no sync here.
         self._call(context, "on_init_end", sync_state=False)
 
-    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+    def _train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         """Start the TrainerState as ``Trainer._init_training_state`` does (restored on resume)."""
         args = self._require()[0]
         if self._resume_state is not None:
@@ -239,55 +292,50 @@ class HuggingFaceCallbackAdapter(Callback):
         self.state.trial_params = None
         self.state.is_local_process_zero = context.is_local_process_zero
         self.state.is_world_process_zero = context.is_world_process_zero
+        self._tokens_at_train_begin = self.state.num_input_tokens_seen
         self._call(context, "on_train_begin")
 
-    # ------------------------------------------------------------------ the events
-    def on_epoch_begin(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_epoch_begin")
-
-    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_step_begin")
-
-    def on_substep_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_substep_end")
-
-    def on_pre_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_pre_optimizer_step")
-
-    def on_optimizer_step(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_optimizer_step")
-
-    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_step_end")
-
-    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
-        """Append to ``log_history`` as ``Trainer.log`` does, then ``on_log(logs=...)``."""
+    def _log(self, context: TrainingContext, **kwargs: Any) -> None:
+        """Complete the logs and append them to ``log_history`` as ``Trainer.log`` does, then ``on_log``."""
         logs = dict(kwargs["logs"])
+        if any(key.startswith("eval_") for key in logs):
+            self._evaluated = True
         self._sync_state(context)
         state = self._state()
         logs["epoch"] = state.epoch  # as Trainer.log does
+        if context.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+            if "loss" in logs and context.train_start_time is not None:  # a training log: Trainer's start_time
+                logs.update(speed_metrics("train", context.train_start_time,
+                                          num_tokens=state.num_input_tokens_seen - self._tokens_at_train_begin))
         state.log_history.append({**logs, "step": state.global_step})
         self._call(context, "on_log", logs=logs)
 
-    def on_prediction_step(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_prediction_step")
-
-    def on_evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
+    def _evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
         metrics = kwargs["metrics"]
+        self._evaluated = True
         # Trainer.log(metrics) sets metrics["epoch"] = state.epoch on the very dict on_evaluate receives
         metrics["epoch"] = self._state().epoch
         self._call(context, "on_evaluate", metrics=metrics)
 
-    def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
+    def _save(self, context: TrainingContext, **kwargs: Any) -> None:
         self._sync_state(context)
         self._update_best_model_checkpoint(context)
         self._call(context, "on_save")
 
-    def on_epoch_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._call(context, "on_epoch_end")
-
-    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+    def _train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        """``on_train_end``; the loop has already loaded the best model (``load_best_model_at_end``), as
+        ``Trainer._finalize_training`` does before this hook."""
         self._call(context, "on_train_end")
+
+    _SPECIAL: ClassVar[dict[Event, Callable[..., None]]] = {
+        Event.INIT_END: _init_end,
+        Event.TRAIN_BEGIN: _train_begin,
+        Event.LOG: _log,
+        Event.EVALUATE: _evaluate,
+        Event.SAVE: _save,
+        Event.TRAIN_END: _train_end,
+    }
 
     # ------------------------------------------------------------------ checkpoint and resume
     def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
@@ -314,6 +362,18 @@ class HuggingFaceCallbackAdapter(Callback):
         self._resume_state = dict(state)
 
     # ------------------------------------------------------------------ internals
+    def _on_callback_error(self, position: int, callback: TrainerCallback, hook: str, exc: Exception) -> None:
+        """The run's failure policy applied to one HF callback: logged once, counted, switched off on its own
+        after ``callback_max_consecutive_errors`` in a row; under ``fatal`` every rank stops (ABORT)."""
+        context = self._context
+        name = type(callback).__name__
+        rank = context.rank if context is not None else 0
+        action = self._errors.failed(position, name, hook, exc, rank)
+        if action == "abort" and context is not None:
+            context.request(ControlFlag.ABORT, f"transformers callback {name} raised in {hook}: {exc}")
+        elif action == "disable":
+            self._switched_off.add(position)
+
     def _integrations(self) -> list[str]:
         """``report_to`` normalised as ``TrainingArguments`` does: ``"all"`` expanded, ``"none"`` dropped."""
         if "all" in self.report_to:
@@ -332,7 +392,8 @@ class HuggingFaceCallbackAdapter(Callback):
 
     def _call(self, context: TrainingContext, hook: str, sync_state: bool = True, **kwargs: Any) -> None:
         """Refresh state, fold the agreed decision into control, call ``hook`` on the handler, and turn
-        flags the callbacks switched on into native requests."""
+        flags the callbacks switched on into native requests.  ``_on_callback_error`` records the
+        errors of each callback; the others still run."""
         args, handler = self._require()
         if sync_state:
             self._sync_state(context)
@@ -348,8 +409,8 @@ class HuggingFaceCallbackAdapter(Callback):
             state.epoch = context.epoch  # Trainer's state.epoch stays the int 0 until the first step
         state.max_steps = context.max_steps
         state.num_train_epochs = context.num_epochs
-        state.num_input_tokens_seen = context.tokens_seen
-        state.total_flos = float(6 * self._num_parameters * context.tokens_seen)
+        state.num_input_tokens_seen = self._num_input_tokens_seen(context)
+        state.total_flos = context.total_flos
         if context.best_metric is not None:
             state.best_metric = context.best_metric
         if context.best_global_step is not None:
@@ -359,7 +420,17 @@ class HuggingFaceCallbackAdapter(Callback):
         handler.optimizer = context.optimizer
         handler.lr_scheduler = context.lr_scheduler
         handler.train_dataloader = context.train_dataloader
-        handler.eval_dataloader = context.eval_dataloader
+        # Trainer hands its eval dataloader to the callbacks when it first evaluates
+        handler.eval_dataloader = context.eval_dataloader if self._evaluated else None
+
+    def _num_input_tokens_seen(self, context: TrainingContext) -> int:
+        """``TrainerState.num_input_tokens_seen`` under ``include_num_input_tokens_seen``, as Trainer counts:
+        0 (``no``), every input position of every rank, padding included (``all``), or real tokens
+        (``non_padding``)."""
+        counting = context.args.include_num_input_tokens_seen
+        if counting == "no":
+            return self._state().num_input_tokens_seen  # untouched, as Trainer leaves it (0; or restored)
+        return context.input_tokens_seen if counting == "all" else context.tokens_seen
 
     def _fold_agreed(self, context: TrainingContext) -> None:
         """OR the latest agreed decision into control, once per decision."""
@@ -397,7 +468,7 @@ class HuggingFaceCallbackAdapter(Callback):
         state, train_args = self._state(), context.args
         if train_args.save_strategy == "no" or not state.best_global_step:
             return
-        best_dir = Path(train_args.ckpt_output_dir) / f"checkpoint-{state.best_global_step}"
+        best_dir = checkpoint_dir(train_args.ckpt_output_dir, state.best_global_step)
         if state.best_global_step == context.global_step or best_dir.is_dir():
             state.best_model_checkpoint = str(best_dir)
 
@@ -453,6 +524,18 @@ class HuggingFaceCallbackAdapter(Callback):
 def is_hf_callback(obj: Any) -> bool:
     """A ``transformers.TrainerCallback`` instance or subclass."""
     return isinstance(obj, TrainerCallback) or (isinstance(obj, type) and issubclass(obj, TrainerCallback))
+
+
+_IMPLEMENTS: dict[tuple[type, str], bool] = {}
+
+
+def _implements(callback: TrainerCallback, hook: str) -> bool:
+    """Whether ``callback``'s class implements ``hook`` itself (not ``TrainerCallback``'s no-op)."""
+    key = (type(callback), hook)
+    known = _IMPLEMENTS.get(key)
+    if known is None:
+        known = _IMPLEMENTS[key] = getattr(type(callback), hook, None) is not getattr(TrainerCallback, hook, None)
+    return known
 
 
 def _callback_class(cb: Any) -> type:

@@ -31,6 +31,19 @@ Nothing global changes: accelerate's state, the environment and the process grou
 before the call.  (A copy made with ``dataclasses.replace`` runs ``__init__`` without the seed and so
 sets up accelerate's own state; copy with ``copy.deepcopy`` instead.)
 
+The user's own TrainingArguments (trl's ``SFTConfig``, ``DPOConfig``, ``GRPOConfig``...)
+------------------------------------------------------------------------------------------
+When ``TrainingArgs.hf_args`` holds the object the settings were ported from (``training_args_from_hf``
+sets it), callbacks get a deep copy of *it*: an instance of the same class with every field, subclass
+fields included (``args.ref_model_sync_steps``, ``args.max_length``...), as the script set them.  Only the
+fields this run owns (``OWNED_FIELDS``: schedules, optimiser settings, batch shape, device, rank,
+checkpointing and reporting; exactly what ``training_argument_fields`` derives from ``TrainingArgs``) are
+set to trainbridge's value, and only where it differs from the original: the per-device batch size and
+``gradient_accumulation_steps`` (see below), ``local_rank``, ``data_seed`` (the data order follows
+``seed``), ``optim`` (AdamW), any ``TrainingArgs`` value given explicitly on top of the port, and values
+the port normalises (step ratios become steps).  The device fields are seeded as below.  A subclass's
+``__post_init__`` does not run again, so fields it derived from the user's values keep them.
+
 Fields that differ from Trainer's meaning
 -----------------------------------------
 - ``per_device_train_batch_size`` is ``effective_batch_size // world_size`` (at least 1): trainbridge
@@ -48,8 +61,10 @@ Fields that differ from Trainer's meaning
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -73,7 +88,34 @@ def build_training_arguments(args: TrainingArgs, env: DistributedEnv) -> Trainin
     hf_args = TrainingArguments.__new__(TrainingArguments)
     _seed_process_state(hf_args, env, args)
     hf_args.__init__(**fields)  # type: ignore[misc]
+    if args.hf_args is None:
+        return hf_args
+    return _onto_original(args.hf_args, hf_args, env, args)
+
+
+def _onto_original(original: TrainingArguments, run: TrainingArguments, env: DistributedEnv,
+                   args: TrainingArgs) -> TrainingArguments:
+    """A copy of the user's ``original`` (same class, every field) with each field this run owns set to
+    the value of ``run`` where the two differ (see "The user's own TrainingArguments" above)."""
+    hf_args = copy.deepcopy(original)
+    _seed_process_state(hf_args, env, args)
+    for name in OWNED_FIELDS:
+        if name in _TRAINING_ARGUMENT_FIELDS and getattr(hf_args, name) != getattr(run, name):
+            setattr(hf_args, name, getattr(run, name))
     return hf_args
+
+
+OWNED_FIELDS: tuple[str, ...] = (
+    "output_dir", "do_train", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type",
+    "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "bf16", "use_cpu",
+    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
+    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
+    "greater_is_better", "load_best_model_at_end", "restore_callback_states_from_checkpoint",
+    "resume_from_checkpoint", "report_to", "run_name", "disable_tqdm", "ddp_timeout", "local_rank",
+    "include_num_input_tokens_seen", "logging_dir",
+)
+"""The ``TrainingArguments`` fields that describe what trainbridge runs (``training_argument_fields``)."""
 
 
 def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
@@ -129,10 +171,35 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "disable_tqdm": args.disable_tqdm,
         "ddp_timeout": math.ceil(args.collective_timeout_s),
         "local_rank": env.local_rank,
+        "include_num_input_tokens_seen": args.include_num_input_tokens_seen,
     }
     if "logging_dir" in _TRAINING_ARGUMENT_FIELDS:  # transformers < 5
         fields["logging_dir"] = str(args.resolved_logging_dir)
     return fields
+
+
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def defaults_of(cls: type[TrainingArguments]) -> dict[str, Any]:
+    """Every init field of ``cls`` as a default-constructed instance holds it, after ``__post_init__``
+    (which changes some: trl's configs turn ``gradient_checkpointing`` into ``activation_checkpointing``,
+    derive ``generation_batch_size``...).  Built once per class without device set-up; ``{}`` if ``cls``
+    cannot be built from its defaults alone."""
+    if cls in _DEFAULTS:
+        return _DEFAULTS[cls]
+    instance = cls.__new__(cls)
+    _seed_process_state(instance, DistributedEnv(), None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            instance.__init__(output_dir="trainer_output", use_cpu=True)  # type: ignore[misc]
+    except Exception:
+        values: dict[str, Any] = {}
+    else:
+        values = {f.name: getattr(instance, f.name) for f in dataclasses.fields(cls) if f.init}
+    _DEFAULTS[cls] = values
+    return values
 
 
 def process_state_for(env: DistributedEnv, args: TrainingArgs | None = None) -> PartialState:
@@ -164,7 +231,7 @@ def process_state_for(env: DistributedEnv, args: TrainingArgs | None = None) -> 
     return state
 
 
-def _seed_process_state(hf_args: TrainingArguments, env: DistributedEnv, args: TrainingArgs) -> None:
+def _seed_process_state(hf_args: TrainingArguments, env: DistributedEnv, args: TrainingArgs | None) -> None:
     """Pre-fill the device cache of a not-yet-initialised ``TrainingArguments`` (module docstring)."""
     hf_args.__dict__["_setup_devices"] = torch.device(env.device)
     hf_args.__dict__["distributed_state"] = process_state_for(env, args)

@@ -19,6 +19,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.hf.arguments import defaults_of
 
 
 class HFPortingWarning(UserWarning):
@@ -35,7 +36,19 @@ CARRIED_OVER = frozenset({
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
     "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
     "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
+    "activation_checkpointing", "activation_checkpointing_kwargs", "include_num_input_tokens_seen",
 })
+
+# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
+RENAMED: dict[str, str] = {
+    "output_dir": "ckpt_output_dir",
+    "num_train_epochs": "num_epochs",
+    "lr_scheduler_type": "lr_scheduler",
+    "bf16": "mixed_precision: bf16",
+    "use_cpu": "device: cpu",
+    "ddp_timeout": "collective_timeout_s",
+    "restore_callback_states_from_checkpoint": "restore_callback_states",
+}
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -61,7 +74,6 @@ EXPLANATIONS: dict[str, str] = {
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
     "fp16": "only bf16 mixed precision is supported (mixed_precision='bf16')",
-    "activation_checkpointing": "activation (gradient) checkpointing is not supported",
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
@@ -69,12 +81,36 @@ EXPLANATIONS: dict[str, str] = {
     "torch_compile": "torch.compile is not applied",
     "push_to_hub": "trainbridge never pushes to a hub",
     "label_smoothing_factor": "the loss is plain token-level cross-entropy",
-    "include_num_input_tokens_seen": "tokens are always counted (TrainingContext.tokens_seen)",
     "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
     "data_seed": "seed orders the data and splits validation",
     "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
 }
+
+
+# A field is not warned about when the caller passed its replacement (the value was mapped already).
+REPLACED_BY: dict[str, tuple[str, ...]] = {
+    "per_device_train_batch_size": ("effective_batch_size",),
+    "gradient_accumulation_steps": ("effective_batch_size",),
+    "per_device_eval_batch_size": ("max_batch_len",),
+    "include_for_metrics": ("include_for_metrics",),
+    "fp16": ("mixed_precision",),
+    "deepspeed": ("distributed_backend",),
+    "fsdp": ("distributed_backend",),
+}
+
+
+def trainer_field_hint(name: str) -> str | None:
+    """For a config error: which ``TrainingArgs`` field a ``TrainingArguments`` name typed from habit is
+    (or why it has none); None when ``name`` is not a ``TrainingArguments`` field."""
+    if name not in _FIELDS:
+        return None
+    prefix = f"{name} is transformers.TrainingArguments' name"
+    if name in RENAMED:
+        return f"{prefix}; here it is {RENAMED[name]}."
+    if name in EXPLANATIONS:
+        return f"{prefix}; here {EXPLANATIONS[name]}."
+    return f"{prefix}; it has no equivalent in trainbridge.TrainingArgs."
 
 
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
@@ -86,11 +122,17 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     (``logging_steps=0.1``...) when ``max_steps`` is not set.
     """
     data = _carried_over(hf_args)
+    cls = type(hf_args).__name__
     for name in _ignored_non_default_fields(hf_args):
+        if any(replacement in required for replacement in REPLACED_BY.get(name, ())):
+            continue
         value = getattr(hf_args, name)
         reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
-        warnings.warn(f"TrainingArguments.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning,
-                      stacklevel=2)
+        if name not in _FIELDS:
+            reason = (f"{cls} is not TrainingArguments: trainbridge runs its own loop, so this {cls} field has no "
+                      f"effect (Hugging Face callbacks still read it from args)")
+        warnings.warn(f"{cls}.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning, stacklevel=2)
+    data["hf_args"] = hf_args
     data.update(required)
     return TrainingArgs.model_validate(data)
 
@@ -137,7 +179,15 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         # Trainer writes no checkpoint of its own at the end, and restores callback states only on request
         "save_final_checkpoint": False,
         "restore_callback_states": hf.restore_callback_states_from_checkpoint,
+        "include_num_input_tokens_seen": hf.include_num_input_tokens_seen,
     }
+    # activation_checkpointing (gradient_checkpointing before transformers 5) and its kwargs
+    checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
+    if checkpointing:
+        data["gradient_checkpointing"] = True
+        kwargs = getattr(hf, "activation_checkpointing_kwargs", None) or getattr(hf, "gradient_checkpointing_kwargs", None)
+        if kwargs:
+            data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:
         data["device"] = "cpu"
     if hf.eval_steps is not None:
@@ -146,7 +196,7 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         data["save_steps"] = _absolute_steps("save_steps", hf.save_steps, max_steps)
     if hf.resume_from_checkpoint is not None:
         data["resume_from_checkpoint"] = hf.resume_from_checkpoint
-    if hf.ddp_timeout != _default("ddp_timeout"):
+    if hf.ddp_timeout != _default(TrainingArguments, "ddp_timeout"):
         data["collective_timeout_s"] = float(hf.ddp_timeout)
     logging_dir = vars(hf).get("logging_dir")  # a TrainingArguments field before transformers 5
     if logging_dir:
@@ -171,8 +221,9 @@ def _absolute_steps(name: str, value: float, max_steps: int | None, allow_zero: 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
-def _default(name: str) -> Any:
-    field = _FIELDS[name]
+def _default(cls: type, name: str) -> Any:
+    """The dataclass default of field ``name`` of ``cls`` (a subclass's own default where it changes it)."""
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:
@@ -181,12 +232,16 @@ def _default(name: str) -> Any:
 
 
 def _ignored_non_default_fields(hf: TrainingArguments) -> list[str]:
-    """Fields neither carried over nor exempt whose value differs from the dataclass default."""
+    """Fields of ``hf``'s class (subclass fields included) neither carried over nor exempt whose value
+    differs from that class's default (as a default-built instance holds it, ``defaults_of``)."""
     names = []
-    for name in _FIELDS:
-        if name in CARRIED_OVER or name in NOT_WARNED:
+    built = defaults_of(type(hf))
+    for field in dataclasses.fields(type(hf)):
+        name = field.name
+        if not field.init or name in CARRIED_OVER or name in NOT_WARNED:
             continue
-        value, default = _plain(getattr(hf, name)), _plain(_default(name))
+        default = built[name] if name in built else _default(type(hf), name)
+        value, default = _plain(getattr(hf, name)), _plain(default)
         if value == default or (not value and not default):
             continue
         if name == "optim" and str(value).startswith("adamw_torch"):

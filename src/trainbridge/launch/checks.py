@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainbridge.checkpoint.manager import COMPLETE_MARKER, is_complete_checkpoint
 from trainbridge.checkpoint.manifest import verify_checkpoint
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import TrainingArgs, peft_adapter_base
 
 SNIFF_LINES = 5
 """How many non-blank lines of a JSON-lines data file are parsed before launch."""
@@ -38,8 +38,11 @@ def check_output_dir(path: Path) -> str | None:
     return None
 
 
-def check_causal_lm(model_path: Path) -> str | None:
-    """None when ``model_path/config.json`` describes a causal LM, else what is wrong."""
+def check_causal_lm(model_path: Path | None) -> str | None:
+    """None when ``model_path/config.json`` describes a causal LM (or there is no such folder to check:
+    ``model_init``, or a PEFT adapter folder, whose base model is checked by ``check_model_setup``)."""
+    if model_path is None or peft_adapter_base(model_path) is not None:
+        return None
     try:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -45,7 +45,8 @@ import psutil
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.distributed import DistributedEnv, launched_worker
+from trainbridge.core.run_dir import result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV
 from trainbridge.launch.assembly import assemble_callbacks
@@ -61,6 +62,7 @@ from trainbridge.launch.errors import (
 from trainbridge.launch.failures import worker_failure
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
+from trainbridge.modeling.load import check_model_setup
 
 __all__ = [
     "LaunchError", "LaunchTimeoutError", "PreflightError", "RunFolderLockedError", "TrainingInterruptedError",
@@ -76,9 +78,6 @@ AGENT_MODULE = "trainbridge.launch.agent"
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
 
-RESULT_FILE_NAME = "result.json"
-"""Rank 0 writes the ``RunResult`` to ``ckpt_output_dir / RESULT_FILE_NAME``."""
-
 SHUTDOWN_GRACE_S = 45.0
 """After forwarding a signal (or on timeout), how long torchrun gets to stop its workers before the
 whole process tree is killed (torchrun itself waits 30 s before SIGKILLing workers)."""
@@ -91,7 +90,8 @@ _POLL_INTERVAL_S = 0.2
 def preflight(args: TrainingArgs) -> None:
     """Every check that can fail before launch, in the parent (raises ``PreflightError``).
 
-    torchrun is importable; each ``CallbackSpec`` constructs; each native ``Callback`` accepts the
+    torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
+    ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
     checkpoint and data files pass ``launch.checks``.
@@ -101,6 +101,10 @@ def preflight(args: TrainingArgs) -> None:
     problems = input_problems(args)
     if problems:
         raise PreflightError("\n".join(problems))
+    try:
+        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
@@ -136,6 +140,7 @@ def build_torchrun_command(
     payload_path: Path,
     log_dir: Path,
     worker_module: str = WORKER_MODULE,
+    worker_args: list[str] | None = None,
 ) -> list[str]:
     """The torchrun command line (the payload path is on it; the payload and its key never are)."""
     command = [
@@ -167,7 +172,7 @@ def build_torchrun_command(
     if torchrun_args.nproc_per_node > 1:
         # Local rank 0 keeps the real console (progress bars work); the others are teed with a prefix.
         command += ["--tee", ",".join(f"{rank}:3" for rank in range(1, torchrun_args.nproc_per_node))]
-    command += ["-m", worker_module, "--payload", str(payload_path)]
+    command += ["-m", worker_module, "--payload", str(payload_path), *(worker_args or [])]
     return command
 
 
@@ -292,16 +297,42 @@ def _supervise(process: subprocess.Popen[bytes], timeout_s: float | None) -> int
 
 
 # ----------------------------------------------------------------------------- entry point
+def run_in_place(args: TrainingArgs) -> RunResult:
+    """Train on this rank of a job someone else launched (``torchrun script.py`` calling ``run_training``):
+    the process group spans the launcher's ranks, no worker is started, every rank returns the result.
+
+    The launcher's world decides the process count (a ``TorchrunArgs`` given to ``run_training`` is not
+    used); preflight checks run on every rank.
+    """
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.loop import train
+
+    preflight(args)
+    env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
+    if env.is_world_process_zero:
+        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+        result_file(args.ckpt_output_dir).unlink(missing_ok=True)
+    env.barrier()
+    result = train(args, env, assemble_callbacks(args))
+    if env.is_world_process_zero:
+        result.write(result_file(args.ckpt_output_dir))
+    return result
+
+
 def run_training(
-    train_args: TrainingArgs | Mapping[str, Any],
-    torchrun_args: TorchrunArgs | Mapping[str, Any] | None = None,
+    train_args: TrainingArgs | TorchrunArgs | Mapping[str, Any] | None,
+    torchrun_args: TorchrunArgs | TrainingArgs | Mapping[str, Any] | None = None,
     *,
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
+    dry_run: bool = False,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
-    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields.  Raises
+    ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
+    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart).
+    Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
+    place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
     launch, nothing started; ``RunFolderLockedError`` when another live run uses ``ckpt_output_dir``), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
@@ -309,8 +340,16 @@ def run_training(
 
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
     ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
+    ``dry_run``: the workers build the run (model, data, engine), rank 0 prints its plan, and nothing is
+    trained; returns None.
     """
+    if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
+        train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
+    if train_args is None:
+        raise TypeError("run_training: no TrainingArgs given")
     args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
+    if launched_worker():
+        return run_in_place(args)
     if torchrun_args is None:
         launch = TorchrunArgs()
     elif isinstance(torchrun_args, TorchrunArgs):
@@ -320,12 +359,16 @@ def run_training(
     problem = check_output_dir(args.ckpt_output_dir)
     if problem:
         raise PreflightError(problem)
+    result_path = result_file(args.ckpt_output_dir)
+    if dry_run:  # builds the run and prints its plan; writes nothing into the run folder
+        preflight(args)
+        _launch_once(args, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
+        return None
     try:
         lock = RunLock(args.ckpt_output_dir, job=_job_key(launch)).acquire()
     except RunFolderBusy as exc:
         raise RunFolderLockedError(str(exc)) from None
     try:
-        result_path = args.ckpt_output_dir / RESULT_FILE_NAME
         result_path.unlink(missing_ok=True)
         preflight(args)
         restarts = _run_with_restarts(args, launch, timeout_s, worker_module, lock.run_id)
@@ -380,7 +423,7 @@ def _run_with_restarts(
 
 def _launch_once(
     args: TrainingArgs, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str,
-    restarts: int,
+    restarts: int, dry_run: bool = False,
 ) -> None:
     """One torchrun job; raises ``WorkerFailedError`` (or another ``LaunchError``) when it fails."""
     private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
@@ -389,7 +432,8 @@ def _launch_once(
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
         failures_file = private_dir / "failures.json"
-        command = build_torchrun_command(launch, payload_path, log_dir, worker_module)
+        command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
+                                         ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
         env[lifeline.LAUNCHER_ENV] = lifeline.launcher_token()
         env[RUN_ID_ENV] = run_id

@@ -162,6 +162,8 @@ def check_transportable(args: TrainingArgs) -> None:
     for event, functions in args.event_functions.items():
         for index, function in enumerate(functions):
             _check_one(function, f"event function {event.value}[{index}]")
+    if args.model_init is not None:
+        _check_one(args.model_init, "model_init")
     try:
         _round_trip(args)
     except Exception as exc:

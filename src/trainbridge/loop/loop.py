@@ -1,10 +1,11 @@
 """The training loop.  It reads top to bottom; every event it fires is visible here.
 
-``TrainingLoop.run`` is the whole run: set-up, ``on_init_end``, resume, ``on_train_begin``, epochs of
-optimizer steps, and ``on_train_end`` (or ``on_exception`` on any exit that is not clean).  The loop
+``TrainingLoop.run`` is the whole run over components built beforehand (``trainbridge.loop.build``):
+``on_init_end``, resume, ``on_train_begin``, epochs of optimizer steps, and ``on_train_end`` (or
+``on_exception`` on any exit that is not clean).  The loop
 acts on control only after ``agree_control`` (``trainbridge.core.control``) has made every rank hold the
 same decision, at the decision points marked ``DECISION POINT`` below.  Logging, evaluation and
-checkpoint *triggers* are callbacks (``callbacks.builtin.ScheduleCallback``); the loop only carries
+checkpoint *triggers* are callbacks (``trainbridge.callbacks.ScheduleCallback``); the loop only carries
 them out.
 """
 
@@ -21,11 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainbridge.checkpoint.manager import CheckpointManager
-from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -34,37 +31,32 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.errors import TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
-from trainbridge.data import (
-    Sample,
-    StepPlan,
-    collate_padded,
-    collate_padding_free,
-    load_jsonl,
-    split_validation,
-    token_loss_sum,
-)
-from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
+from trainbridge.data.collate import CollatedBatch
+from trainbridge.data.loss import forward_logits, logits_loss_sum
+from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling import (
-    VARLEN_SDPA,
-    enable_varlen_sdpa,
-    model_supports_padding_free,
-    packed_row_tokens,
-)
-from trainbridge.parallel.engine import build_engine
+from trainbridge.loop.summary import announce_run
+from trainbridge.modeling import sample_segments
+from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
-    """Run one training job on this worker; every rank returns the same ``RunResult``."""
-    return TrainingLoop(args, env, callbacks).run()
+    """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
+    with _sigterm_raises():
+        components = build_run(args, env)
+    announce_run(args, env, components)
+    return TrainingLoop(args, env, callbacks, components).run()
 
 
 class TrainingLoop:
-    """One worker's training run."""
+    """One worker's training run over components built by ``trainbridge.loop.build.build_run``."""
 
-    def __init__(self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]):
+    def __init__(self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback],
+                 components: RunComponents):
         self.args = args
         self.env = env
         self.callbacks = CallbackManager(
@@ -75,23 +67,44 @@ class TrainingLoop:
             queue_size=args.nonblocking_queue_size,
             drain_timeout_s=args.nonblocking_drain_timeout_s,
         )
-        self.context = TrainingContext(args=args, env=env)
+        self.tokenizer = components.tokenizer
+        self.engine = components.engine
+        self.train_batches = components.train_batches
+        self.eval_batches = components.eval_batches
+        # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
+        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
+        self.checkpoints = components.checkpoints
         self._loss_since_log = 0.0
         self._last_logged_step = 0
         self._total_loss = 0.0
         self._steps_this_run = 0
+        # The step's loss sum and grad norm stay on the device until the step's agreement reads them.
+        self._step_loss_sum: float | torch.Tensor = 0.0
+        self._step_grad_norm: float | torch.Tensor = math.nan
+        self._step_local_tokens = 1
+        self._step_start = 0.0
         self._last_saved_step = -1
         self._stop_training = False
         self._stop_requesters = ""
+        self._step_input_tokens = 0
+        self._merged: Path | None = None
+        self.context = ctx = TrainingContext(args=args, env=env)
+        ctx.steps_per_epoch = components.steps_per_epoch
+        ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
+        ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
+        ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
+        ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
+        ctx.tokenizer = self.tokenizer
+        ctx.num_parameters = components.num_parameters
+        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
     def run(self) -> RunResult:
-        """Set up, train, and end with ``on_train_end`` or ``on_exception``."""
+        """Train, and end with ``on_train_end`` or ``on_exception``."""
         ctx, fire = self.context, self.callbacks.fire
         runtime = 0.0
         with _sigterm_raises():
             try:
-                self._set_up()
                 fire(Event.INIT_END, ctx)
                 self._resume()
                 ctx.train_start_time = time.time()
@@ -105,12 +118,17 @@ class TrainingLoop:
                     self._save()
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
+                self._load_best_model()
                 fire(Event.TRAIN_END, ctx)
+                if self.args.merge_adapter_at_end:
+                    self._merged = self.checkpoints.export_merged(
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
-                self.callbacks.drain()
                 raise
-        self.callbacks.drain()
+            finally:
+                self.callbacks.drain()
+                self.callbacks.close(ctx)
         return self._result(runtime)
 
     def _run_epoch(self) -> None:
@@ -122,9 +140,14 @@ class TrainingLoop:
             if ctx.global_step >= ctx.max_steps:
                 break
             self._train_step(step_plan)
-            # DECISION POINT: the step's one collective — agreed control plus the loss sum.
-            agreed, (loss_sum,) = self._agree(extras=[self._step_loss_sum])
-            self._account_step(step_plan, loss_sum)
+            # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
+            # its one host-device synchronisation (the loss and grad norm ride in it from the device).
+            agreed, (loss_sum, input_tokens, local_loss_sum, grad_norm) = self._agree(
+                extras=[self._step_loss_sum, self._step_input_tokens],
+                own=[self._step_loss_sum, self._step_grad_norm],
+            )
+            self._account_step(step_plan, loss_sum, local_loss_sum, grad_norm)
+            ctx.input_tokens_seen += int(input_tokens)
             flags = self._log_evaluate_save(agreed)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
@@ -135,24 +158,31 @@ class TrainingLoop:
         ctx.step_in_epoch = 0
 
     def _train_step(self, step: StepPlan) -> None:
-        """One optimizer step: every micro-batch of this rank, then clip, step, schedule."""
+        """One optimizer step: every micro-batch of this rank, then clip, step, schedule.
+
+        Nothing here waits for the device: token counts come from the step plan, the batch moves to the
+        device without blocking, and the loss and the grad norm stay device tensors until the step's
+        agreement reads them (``ctx.local_loss`` / ``ctx.grad_norm`` convert on a callback's read)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
+        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)  # a user's collator's labels
+                       for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        self._step_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         for i, cpu_batch in enumerate(micro_batches):
             ctx.micro_step = i
             is_last = i == len(micro_batches) - 1
-            batch = {k: v.to(self.env.device, non_blocking=True) for k, v in cpu_batch.items()}
+            batch = _to_device(cpu_batch, self.env.device)
             with engine.micro_batch(is_last):
                 fire(Event.BEFORE_FORWARD, ctx, batch=batch)
-                with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                with engine.autocast(), sample_segments(cpu_batch):
+                    token_sum, n_tokens = token_loss_sum(engine.module, batch, num_tokens=loss_tokens[i])
                 loss = token_sum * scale
-                ctx.local_loss = float(token_sum.detach()) / n_tokens if n_tokens else 0.0
+                ctx.local_loss = token_sum.detach() / n_tokens if n_tokens else 0.0
                 fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
                 fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
                 engine.backward(loss)
@@ -160,18 +190,24 @@ class TrainingLoop:
             loss_sum += token_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
-        ctx.grad_norm = engine.clip_grad_norm(self.args.max_grad_norm)
+        grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
+        ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
         ctx.learning_rate = engine.current_lr()
         engine.optimizer_step()
+        if grad_norm is None:  # DeepSpeed clips inside its step and reports the norm after it
+            grad_norm = ctx.grad_norm = engine.reported_grad_norm()
         fire(Event.OPTIMIZER_STEP, ctx)
         engine.scheduler_step()
         engine.zero_grad()
-        self._step_loss_sum = float(loss_sum)
-        ctx.local_loss = self._step_loss_sum / max(sum(self._local_loss_tokens(step)), 1)
+        self._step_loss_sum = loss_sum
+        self._step_grad_norm = grad_norm if grad_norm is not None else math.nan
+        self._step_local_tokens = max(sum(loss_tokens), 1)
+        ctx.local_loss = loss_sum / self._step_local_tokens
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
+        ctx.tokens_seen += step.num_tokens
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
@@ -205,18 +241,29 @@ class TrainingLoop:
         if self.eval_batches is None:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
-        loss_sum, loss_tokens, steps = 0.0, 0, 0
+        loss_tokens, steps = 0, 0
+        device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for cpu_batch in self.eval_batches:
-                batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
-                with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
-                loss_sum += float(token_sum)
+            for indices, cpu_batch in self.eval_batches.indexed():
+                batch = _to_device(cpu_batch, self.env.device)
+                n_tokens = _cpu_loss_tokens(cpu_batch)
+                logits = None
+                with engine.autocast(), sample_segments(cpu_batch):
+                    if predictions is None:
+                        token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
+                    else:  # full logits are needed for the predictions
+                        logits = forward_logits(engine.module, batch)
+                        token_sum, _ = logits_loss_sum(logits, batch["labels"], n_tokens)
+                if predictions is not None and logits is not None:
+                    predictions.add(indices, batch, logits)
+                device_loss_sum += token_sum.detach().to(torch.float64)
                 loss_tokens += n_tokens
                 steps += 1
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
+        loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
         # collective: every rank's validation loss sum and token count, in one all_reduce
         total_sum, total_tokens, total_samples = self.env.sum_floats(
             [loss_sum, loss_tokens, self.eval_batches.num_samples_local]
@@ -224,6 +271,7 @@ class TrainingLoop:
         runtime = max(time.time() - start, 1e-9)
         metrics = {
             "eval_loss": total_sum / max(total_tokens, 1.0),
+            **(predictions.compute(self.env) if predictions is not None else {}),
             "eval_runtime": round(runtime, 4),
             "eval_samples_per_second": round(total_samples / runtime, 3),
             "eval_steps_per_second": round(steps / runtime, 3),
@@ -249,65 +297,16 @@ class TrainingLoop:
         ctx.checkpoints = self.checkpoints.list_checkpoints()
         return path
 
-    # ================================================================== set-up and resume
-    def _set_up(self) -> None:
-        args, env, ctx = self.args, self.env, self.context
-        transformers.set_seed(args.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
-        train_samples, val_samples = self._load_data()
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
-        padded = args.packing == "padded" or (args.packing == "auto" and not model_supports_padding_free(model))
-        if args.packing == "padding_free" and not model_supports_padding_free(model):
-            raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
-        if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
-            logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        collate: Any = (
-            (lambda s: collate_padded(s, pad_id)) if padded
-            else functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model))
-        )
-        self.train_batches = TrainBatches(
-            train_samples, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
-            rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
-        )
-        self.eval_batches = (
-            EvalBatches(val_samples, collate, world_size=env.world_size, rank=env.rank,
-                        max_batch_len=args.max_batch_len, padded=padded)
-            if val_samples else None
-        )
-        ctx.steps_per_epoch = self.train_batches.steps_per_epoch
-        ctx.max_steps = args.max_steps or ctx.steps_per_epoch * args.num_epochs
-        ctx.num_epochs = math.ceil(ctx.max_steps / ctx.steps_per_epoch)
-        self.engine = build_engine(model, args, env, total_steps=ctx.max_steps)
-        self.engine.verify()
-        self._num_parameters = sum(p.numel() for p in model.parameters())
-        logger.info("engine: %s; %s batches", self.engine.describe(), "padded" if padded else "padding-free")
-        self.checkpoints = CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit,
-                                             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config))
-        ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
-        ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
-        ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
-        ctx.tokenizer = self.tokenizer
-        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights, loaded (on every rank) before any
+        ``on_train_end``, as ``Trainer._finalize_training`` does, so every callback sees them there."""
+        ctx = self.context
+        if self.args.load_best_model_at_end and ctx.best_checkpoint is not None:
+            logger.info("loading best model from %s (%s=%s)", ctx.best_checkpoint, self.args.best_metric_name,
+                        ctx.best_metric)
+            self.checkpoints.load_model_weights(Path(ctx.best_checkpoint), self.engine)
 
-    def _load_data(self) -> tuple[list[Sample], list[Sample]]:
-        args = self.args
-        train, stats = load_jsonl(args.data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-        self._data_stats = [stats]
-        if args.val_data_path is not None:
-            val, val_stats = load_jsonl(args.val_data_path, self.tokenizer, args.max_seq_len, args.overlong_policy)
-            self._data_stats.append(val_stats)
-        elif args.validation_split > 0:
-            train, val = split_validation(train, args.validation_split, args.seed)
-        else:
-            val = []
-        for s in self._data_stats:
-            if self.env.is_world_process_zero and (s.dropped_overlong or s.truncated or s.empty_skipped):
-                logger.warning("%s: %d samples dropped as longer than max_seq_len=%d, %d truncated, "
-                               "%d without loss tokens skipped", s.path, s.dropped_overlong, args.max_seq_len,
-                               s.truncated, s.empty_skipped)
-        return train, val
-
+    # ================================================================== resume
     def _resume(self) -> None:
         """Restore model, optimizer, RNG, counters and callback state from a checkpoint, if asked."""
         args, ctx = self.args, self.context
@@ -325,6 +324,7 @@ class TrainingLoop:
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.samples_seen, ctx.tokens_seen = state["samples_seen"], state["tokens_seen"]
         ctx.loss_tokens_seen = state["loss_tokens_seen"]
+        ctx.input_tokens_seen = state.get("input_tokens_seen", ctx.tokens_seen)
         self._last_logged_step = self._last_saved_step = ctx.global_step
         ctx.resumed_from = path
         ctx.last_checkpoint = path
@@ -342,14 +342,18 @@ class TrainingLoop:
             "samples_seen": ctx.samples_seen,
             "tokens_seen": ctx.tokens_seen,
             "loss_tokens_seen": ctx.loss_tokens_seen,
+            "input_tokens_seen": ctx.input_tokens_seen,
             "world_size": self.env.world_size,
             "callbacks": self.callbacks.state_dict(),
         }
 
     # ================================================================== bookkeeping
-    def _agree(self, extras: Sequence[float] = ()) -> tuple[AgreedControl, list[float]]:
-        """Agree pending control requests across ranks (one collective); abort on a fatal callback error."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras)
+    def _agree(
+        self, extras: Sequence[float | torch.Tensor] = (), own: Sequence[float | torch.Tensor] = ()
+    ) -> tuple[AgreedControl, list[float]]:
+        """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
+        Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
+        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras, own)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
@@ -359,20 +363,24 @@ class TrainingLoop:
                 for r in agreed.requesters[ControlFlag.STOP_TRAINING]
             )
         if ControlFlag.ABORT in agreed:
+            local = agreed.local_reasons.get(ControlFlag.ABORT)
             raise CallbackFatalError(
                 f"callback error under callback_error_policy='fatal' on {agreed.describe(ControlFlag.ABORT)}; "
-                f"every rank stopped at step {self.context.global_step}"
+                f"every rank stopped at step {self.context.global_step}" + (f" (this rank: {local})" if local else "")
             )
         return agreed, sums
 
-    def _local_loss_tokens(self, step: StepPlan) -> list[int]:
+    def _micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
+        """Loss tokens of each of this rank's micro-batches in ``step``, from the samples (CPU-side)."""
         samples = self.train_batches.samples
-        return [samples[i].loss_tokens for group in step.micro_batches[self.env.rank] for i in group]
+        return [sum(samples[i].loss_tokens for i in group) for group in step.micro_batches[self.env.rank]]
 
-    def _account_step(self, step: StepPlan, global_loss_sum: float) -> None:
+    def _account_step(self, step: StepPlan, global_loss_sum: float, local_loss_sum: float,
+                      grad_norm: float) -> None:
         ctx = self.context
+        ctx.local_loss = local_loss_sum / self._step_local_tokens
+        ctx.grad_norm = None if math.isnan(grad_norm) else grad_norm
         ctx.loss = global_loss_sum / max(step.loss_tokens, 1)
-        ctx.tokens_seen += step.num_tokens
         ctx.loss_tokens_seen += step.loss_tokens
         ctx.step_time_s = time.perf_counter() - self._step_start
         ctx.tokens_per_second = step.num_tokens / ctx.step_time_s
@@ -404,7 +412,7 @@ class TrainingLoop:
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-            "total_flos": float(6 * self._num_parameters * ctx.tokens_seen),
+            "total_flos": ctx.total_flos,
             "train_loss": self._total_loss / max(steps, 0.001),
             "epoch": ctx.epoch,
         }
@@ -433,7 +441,19 @@ class TrainingLoop:
             callback_errors=errors,
             train_runtime_s=runtime,
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(self._merged) if self._merged else None,
         )
+
+
+def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
+    """Loss tokens of a batch still on the CPU (counted there: no device synchronisation)."""
+    return int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
+    ``max_length_*``) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
 
 
 @contextmanager

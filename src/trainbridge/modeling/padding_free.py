@@ -15,6 +15,8 @@ import sys
 import torch
 from transformers import PreTrainedModel
 
+from trainbridge.modeling.load import unwrap_peft
+
 VARLEN_SDPA = "trainbridge_varlen_sdpa"
 """trainbridge's per-sample sdpa attention for packed rows (registered by ``data.varlen_attention``)."""
 
@@ -41,6 +43,7 @@ def packed_row_tokens(model: torch.nn.Module) -> int | None:
     """The ``row_tokens`` cap ``collate_padding_free`` should use for ``model``: ``PACKED_ROW_TOKENS``
     when its attention implementation attends over whole packed rows (eager, sdpa), else ``None``
     (varlen flash attention and flex attention's block mask cost nothing extra for a long row)."""
+    model = unwrap_peft(model)
     config = model.config if isinstance(model, PreTrainedModel) else None
     if config is not None and config._attn_implementation in QUADRATIC_PACKING_ATTENTION_IMPLEMENTATIONS:
         return PACKED_ROW_TOKENS
@@ -55,8 +58,9 @@ def model_supports_padding_free(model: torch.nn.Module) -> bool:
     mask its modeling code builds is given the ``position_ids`` (so packed sequences are masked apart;
     e.g. OPT and Bloom do not pass them) and it uses no ALiBi (whose positions come from the attention
     mask).  Checked statically on the model's modeling source; a model whose source cannot be read
-    counts as unsupported.
+    counts as unsupported.  A PEFT model is judged by the transformers model inside it.
     """
+    model = unwrap_peft(model)
     if not isinstance(model, PreTrainedModel):
         return False
     config = model.config

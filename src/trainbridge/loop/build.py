@@ -1,0 +1,136 @@
+"""Building a run: tokenizer, data, model, engine and checkpoint manager, before anything runs.
+
+``build_run`` is the set-up half of a training job (torchtune's ``setup()``): it loads the tokenizer
+and model (``trainbridge.modeling.load``), the samples (``trainbridge.data.sources``), chooses padded or
+padding-free batches for the model, builds the per-rank batch iterables, the engine (DDP / FSDP2 /
+DeepSpeed, ``trainbridge.parallel``) and the checkpoint manager, and returns them as ``RunComponents``.
+``TrainingLoop`` (``trainbridge.loop.loop``) only runs what it is given, so a test can build the
+components of a tiny run in-process (world size 1) and drive the real loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import transformers
+
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint
+from trainbridge.data import LoadStats, collate_padded, collate_padding_free
+from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
+from trainbridge.data.sources import load_run_data
+from trainbridge.data.user_collate import collate_with
+from trainbridge.modeling import (
+    VARLEN_SDPA,
+    enable_varlen_sdpa,
+    model_supports_padding_free,
+    packed_row_tokens,
+)
+from trainbridge.modeling.load import load_model, load_tokenizer
+from trainbridge.parallel.engine import TrainingEngine, build_engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.distributed import DistributedEnv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunComponents:
+    """Everything a ``TrainingLoop`` runs with, built by ``build_run``."""
+
+    tokenizer: Any
+    """The run's tokenizer (saved into every checkpoint; ``processing_class`` for HF callbacks)."""
+    engine: TrainingEngine
+    """The wrapped model, its optimizer and LR scheduler."""
+    train_batches: TrainBatches
+    """This rank's training micro-batches, step by step (``train_dataloader``)."""
+    eval_batches: EvalBatches | None
+    """This rank's validation micro-batches, or None without validation data (``eval_dataloader``)."""
+    checkpoints: CheckpointManager
+    """Writes, rotates, finds and loads the run's checkpoints."""
+    max_steps: int
+    """Optimizer steps the run takes unless stopped: ``max_steps`` or ``num_epochs`` epochs."""
+    num_parameters: int
+    """Parameters of the unwrapped model (for the FLOPs estimate)."""
+    padded: bool
+    """True for padded batches, False for padding-free packed rows."""
+    data_stats: list[LoadStats]
+    """What loading the training (then validation) data read and skipped."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch."""
+        return self.train_batches.steps_per_epoch
+
+    @property
+    def num_epochs(self) -> int:
+        """Epochs the run takes: ``ceil(max_steps / steps_per_epoch)``."""
+        return math.ceil(self.max_steps / self.steps_per_epoch)
+
+
+def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
+    """Build this worker's tokenizer, data, model, engine and checkpoint manager (collective: the
+    engine wraps the model across ranks)."""
+    transformers.set_seed(args.seed)
+    tokenizer = load_tokenizer(args)
+    data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
+    model = load_model(args)
+    model.train()  # from_pretrained returns the model in eval mode (dropout off)
+    padded = use_padded_batches(model, args)
+    install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device), args.loss_chunk_tokens)
+    collate = _collate_fn(model, tokenizer, padded, args.data_collator)
+    # compute_metrics needs one row per validation sample: validation batches are then padded (same loss)
+    eval_padded = padded or args.compute_metrics is not None
+    eval_collate = collate if padded or not eval_padded else _collate_fn(model, tokenizer, True, None)
+    train_batches = TrainBatches(
+        data.train, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
+        rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
+    )
+    eval_batches = (
+        EvalBatches(data.val, eval_collate, world_size=env.world_size, rank=env.rank,
+                    max_batch_len=args.max_batch_len, padded=eval_padded)
+        if data.val else None
+    )
+    max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
+    num_parameters = sum(p.numel() for p in model.parameters())
+    engine = build_engine(model, args, env, total_steps=max_steps)
+    engine.verify()
+    logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
+    return RunComponents(
+        tokenizer=tokenizer, engine=engine, train_batches=train_batches, eval_batches=eval_batches,
+        checkpoints=CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit,
+                                      fingerprint=run_fingerprint(args.model_path, args.data_path, model.config)),
+        max_steps=max_steps, num_parameters=num_parameters, padded=padded, data_stats=data.stats,
+    )
+
+
+def use_padded_batches(model: PreTrainedModel, args: TrainingArgs) -> bool:
+    """Padded or padding-free batches for ``model`` under ``args.packing``; registers the per-sample
+    varlen attention when padding-free rows will use it."""
+    supported = model_supports_padding_free(model)
+    if args.packing == "padding_free" and not supported:
+        raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
+    padded = args.packing == "padded" or (args.packing == "auto" and not supported)
+    padded = padded or args.data_collator is not None  # a user's collator pads
+    if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
+        logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
+    return padded
+
+
+def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool, data_collator: Any) -> Any:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if data_collator is not None:  # the user's collator, called as written (data.user_collate)
+        return functools.partial(collate_with, data_collator, pad_token_id=pad_id)
+    if padded:
+        return functools.partial(collate_padded, pad_token_id=pad_id)
+    return functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
+                             flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))

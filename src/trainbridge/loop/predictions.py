@@ -1,0 +1,187 @@
+"""Validation predictions for ``compute_metrics``, as ``transformers.Trainer`` hands them over.
+
+Each rank keeps, per validation sample of its share, the predictions of its batch row (after
+``preprocess_logits_for_metrics``, applied per batch on the rank so full logits are kept only when no
+preprocessing is given), the row's labels and, with ``include_for_metrics``, its inputs and loss.
+Padding is removed per sample (positions where ``attention_mask`` is 0).  At the end of an evaluation
+the samples of every rank are gathered (one ``all_gather_object``), put back in dataset order (each
+validation sample is on exactly one rank: nothing duplicated, nothing dropped), padded to a common
+length with ``-100`` (Trainer's ``padding_index``) and stacked into an ``EvalPrediction``.  Rank 0 runs
+``compute_metrics`` and broadcasts the result, so every rank holds the same metrics (best-model
+tracking and control decisions read them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data.dataset import IGNORE_INDEX
+
+PADDING_INDEX = IGNORE_INDEX
+"""Value that pads predictions and labels of different lengths (transformers' ``padding_index``)."""
+
+
+@dataclass
+class SamplePrediction:
+    """What one validation sample contributes (numpy arrays, padding removed)."""
+
+    index: int
+    predictions: Any
+    labels: np.ndarray
+    inputs: np.ndarray | None = None
+    loss: float | None = None
+
+
+@dataclass
+class GatheredPredictions:
+    """Every rank's predictions in dataset order, stacked as ``Trainer.predict``/``evaluate`` build them."""
+
+    predictions: Any
+    label_ids: np.ndarray | None
+    inputs: np.ndarray | None
+    losses: np.ndarray | None
+    num_samples: int
+
+
+class PredictionCollector:
+    """Collects one evaluation's predictions on this rank and turns them into metrics (see module doc)."""
+
+    def __init__(self, args: TrainingArgs) -> None:
+        self.compute_metrics: Callable[..., Any] | None = args.compute_metrics
+        self.preprocess: Callable[..., Any] | None = args.preprocess_logits_for_metrics
+        self.include_inputs = "inputs" in args.include_for_metrics
+        self.include_loss = "loss" in args.include_for_metrics
+        self._samples: list[SamplePrediction] = []
+        self.last: GatheredPredictions | None = None
+        """The last evaluation's gathered predictions (``Trainer.predict`` returns them)."""
+
+    def start(self) -> None:
+        """Forget the previous evaluation's samples."""
+        self._samples = []
+
+    def add(self, indices: Sequence[int], batch: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
+        """Keep the predictions of ``batch``, whose row ``r`` holds validation sample ``indices[r]``."""
+        if not indices:
+            return  # a dummy micro-batch (this rank has fewer validation batches than others)
+        labels = batch["labels"]
+        predictions: Any = logits.detach()
+        if self.preprocess is not None:
+            predictions = self.preprocess(predictions, labels)
+        mask = batch.get("attention_mask")
+        width = labels.shape[1]
+        losses = _row_losses(logits, labels) if self.include_loss else None
+        for row, index in enumerate(indices):
+            valid = mask[row].bool().cpu() if mask is not None else torch.ones(width, dtype=torch.bool)
+            self._samples.append(SamplePrediction(
+                index=index,
+                predictions=_take_row(predictions, row, valid, width),
+                labels=labels[row].cpu()[valid].numpy(),
+                inputs=batch["input_ids"][row].cpu()[valid].numpy() if self.include_inputs else None,
+                loss=float(losses[row]) if losses is not None else None,
+            ))
+
+    def gather(self, env: DistributedEnv) -> GatheredPredictions:
+        """Every rank's samples, in dataset order (collective: ``all_gather_object``)."""
+        samples = sorted((s for part in env.all_gather_objects(self._samples) for s in part), key=lambda s: s.index)
+        self._samples = []
+        indices = [s.index for s in samples]
+        if len(set(indices)) != len(indices):
+            raise RuntimeError("validation predictions: a sample was predicted on more than one rank")
+        return GatheredPredictions(
+            predictions=_stack_nested([s.predictions for s in samples]),
+            label_ids=_stack([s.labels for s in samples]) if samples else None,
+            inputs=_stack([s.inputs for s in samples if s.inputs is not None]) if self.include_inputs else None,
+            losses=np.array([s.loss for s in samples], dtype=np.float32) if self.include_loss else None,
+            num_samples=len(samples),
+        )
+
+    def compute(self, env: DistributedEnv) -> dict[str, Any]:
+        """Gather, run ``compute_metrics`` on rank 0, broadcast; keys prefixed ``eval_`` (collectives)."""
+        gathered = self.last = self.gather(env)
+        metrics: dict[str, Any] | None = None
+        if env.is_world_process_zero and self.compute_metrics is not None:
+            from transformers.trainer_utils import EvalPrediction
+
+            extra: dict[str, Any] = {}
+            if self.include_inputs:
+                extra["inputs"] = gathered.inputs
+            if self.include_loss:
+                extra["losses"] = gathered.losses
+            result = self.compute_metrics(EvalPrediction(
+                predictions=gathered.predictions, label_ids=gathered.label_ids, **extra  # type: ignore[arg-type]
+            ))
+            if not isinstance(result, dict):
+                raise TypeError(f"compute_metrics returned {type(result).__name__}; it must return a dict")
+            metrics = {(k if k.startswith("eval_") else f"eval_{k}"): _plain(v) for k, v in result.items()}
+        # collective: rank 0's metrics on every rank
+        out = env.broadcast_object(metrics)
+        return dict(out or {})
+
+
+def _row_losses(logits: torch.Tensor, labels: torch.Tensor) -> list[float]:
+    """Mean shifted token cross entropy of each row (``nan`` for a row without loss tokens)."""
+    shifted = labels[:, 1:].to(logits.device)
+    per_token = F.cross_entropy(
+        logits[:, :-1, :].float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    counts = (shifted != IGNORE_INDEX).sum(dim=1)
+    sums = per_token.sum(dim=1)
+    return [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), counts.tolist())]
+
+
+def _take_row(value: Any, row: int, valid: torch.Tensor, width: int) -> Any:
+    """Row ``row`` of a (nested) prediction output; sequence-shaped tensors keep only ``valid`` positions."""
+    if isinstance(value, tuple | list):
+        return type(value)(_take_row(v, row, valid, width) for v in value)
+    if isinstance(value, dict):
+        return {k: _take_row(v, row, valid, width) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor):
+        return value
+    item = value[row].detach().cpu()
+    if item.dim() >= 1 and item.shape[0] == width:
+        item = item[valid]
+    if item.dtype in (torch.bfloat16, torch.float16):
+        item = item.float()
+    return item.numpy()
+
+
+def _stack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Stack per-sample arrays; different first dimensions are padded with ``PADDING_INDEX`` first."""
+    if not arrays:
+        return np.zeros((0,))
+    arrays = [np.asarray(a) for a in arrays]
+    if all(a.shape == arrays[0].shape for a in arrays) or arrays[0].ndim == 0:
+        return np.stack(arrays)
+    length = max(a.shape[0] for a in arrays)
+    out = np.full((len(arrays), length, *arrays[0].shape[1:]), PADDING_INDEX, dtype=arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    return out
+
+
+def _stack_nested(values: Sequence[Any]) -> Any:
+    if not values:
+        return np.zeros((0,))
+    first = values[0]
+    if isinstance(first, tuple | list):
+        return type(first)(_stack_nested([v[i] for v in values]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _stack_nested([v[k] for v in values]) for k in first}
+    return _stack(values)
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars as Python numbers (metrics travel as JSON and through pickling)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value

@@ -1,0 +1,196 @@
+"""Loading the model and tokenizer a run trains: ``load_model(args)`` and ``load_tokenizer(args)``, the one
+place the builder (``trainbridge.loop.build``) gets them from.
+
+In order: the model comes from ``model_init()`` or ``from_pretrained(model_path, **model_kwargs)``
+(for a PEFT adapter folder: its base model, then the adapter, trainable); gradient checkpointing is
+switched on; ``peft_config`` wraps it with ``peft.get_peft_model``.  All of it happens before the
+engine wraps the model (DDP / FSDP2 / DeepSpeed) and builds the optimizer, so only the adapter's
+parameters are trainable and held in optimizer state.
+
+Also here, because they need the same loading rules: ``check_model_setup`` (the preflight check of
+``peft_config`` against the model's modules, on the meta device) and ``merge_adapter`` (the merged
+export: base + adapter folder -> ``merge_and_unload`` -> Hugging Face layout).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+"""PEFT's adapter weights file name."""
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (False when peft is not installed)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unwrap_peft(model: Any) -> Any:
+    """The transformers model inside a ``PeftModel`` (its LoRA layers injected in place); ``model`` itself
+    otherwise.  What the padding-free and attention checks look at."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
+    else ``model_path``, else an adapter folder's base model)."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
+    return tokenizer
+
+
+def load_model(args: TrainingArgs) -> PreTrainedModel:
+    """The model to train, built in this worker: loaded (or ``model_init``), gradient checkpointing on,
+    PEFT adapter applied.  Not yet moved to a device or wrapped.  Typed as a ``PreTrainedModel``: a
+    ``PeftModel`` offers the same interface the engines and checkpoints use (``save_pretrained``, ``config``)."""
+    if args.model_init is not None:
+        model = call_model_init(args.model_init)
+    else:
+        assert args.model_path is not None  # validated: model_path or model_init
+        base = peft_adapter_base(args.model_path)
+        if base is None:
+            model = load_base_model(args.model_path, args.model_kwargs)
+        else:
+            model = load_adapter(load_base_model(base, args.model_kwargs), args.model_path, trainable=True)
+            logger.info("model: base %s with the PEFT adapter of %s (trainable)", base, args.model_path)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
+    if args.peft_config is not None:
+        model = apply_peft(model, args.peft_config)
+    if is_peft_model(model):
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        logger.info("PEFT: %d of %d parameters trainable (%.2f%%)", trainable, total, 100.0 * trainable / max(total, 1))
+        if trainable == 0:
+            raise ValueError("the PEFT model has no trainable parameter (an adapter loaded for inference?)")
+    return cast("PreTrainedModel", model)
+
+
+def call_model_init(model_init: Any) -> nn.Module:
+    """``model_init()``, or ``model_init(None)`` for Trainer's one-argument ``model_init(trial)``."""
+    try:
+        required = [p for p in inspect.signature(model_init).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    model = model_init(None) if len(required) == 1 else model_init()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_init: returned {type(model).__name__}, not a torch model (nn.Module)")
+    return model
+
+
+def load_base_model(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path, **model_kwargs)``."""
+    from transformers import AutoModelForCausalLM
+
+    # Absolute, so adapter_config.json of every checkpoint names a base model that loads from any folder.
+    return AutoModelForCausalLM.from_pretrained(str(Path(path).resolve()), **model_kwargs.from_pretrained_kwargs())
+
+
+def load_adapter(base: nn.Module, adapter_dir: Path, trainable: bool) -> nn.Module:
+    """``PeftModel.from_pretrained(base, adapter_dir)``, after resizing the base's token embeddings to the
+    vocabulary the adapter was saved with (PEFT saves the embeddings of a resized model with the adapter)."""
+    from peft import PeftModel
+
+    vocab = saved_vocab_size(adapter_dir)
+    embeddings = getattr(base, "get_input_embeddings", lambda: None)()
+    if vocab is not None and embeddings is not None and embeddings.weight.shape[0] != vocab:
+        logger.info("resizing the base model's token embeddings %d -> %d (saved with the adapter)",
+                    embeddings.weight.shape[0], vocab)
+        base.resize_token_embeddings(vocab)  # type: ignore[operator]
+    return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+
+
+def saved_vocab_size(adapter_dir: Path) -> int | None:
+    """Rows of the input embedding matrix saved in an adapter folder (None when none was saved)."""
+    from safetensors import safe_open
+
+    file = Path(adapter_dir) / ADAPTER_WEIGHTS_FILE
+    if not file.is_file():
+        return None
+    with safe_open(str(file), framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if key.endswith("embed_tokens.weight") or key.endswith("wte.weight") or key.endswith("word_embeddings.weight"):
+                return int(handle.get_slice(key).get_shape()[0])
+    return None
+
+
+def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``peft.get_peft_model(model, peft_config)``; a ``ValueError`` naming ``peft_config`` when it cannot apply
+    (e.g. target modules that match nothing)."""
+    from peft import get_peft_model
+
+    if is_peft_model(model):
+        raise ValueError("peft_config: the model is already a PeftModel (from model_init or an adapter folder); "
+                         "drop peft_config, or return the base model from model_init")
+    try:
+        return get_peft_model(model, peft_config)  # type: ignore[arg-type]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"peft_config: cannot be applied to {type(model).__name__}: {exc}") from exc
+
+
+def enable_gradient_checkpointing(model: Any, kwargs: dict[str, Any]) -> None:
+    """``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)``; with reentrant
+    checkpointing the inputs are made to require grads (needed when the embeddings are frozen)."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable")
+    enable(gradient_checkpointing_kwargs=dict(kwargs))
+    if kwargs.get("use_reentrant", True) and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = False  # the cache is useless in training and warns with checkpointing
+
+
+def check_model_setup(args: TrainingArgs) -> None:
+    """Preflight (parent process): build the model's skeleton on the meta device (no weights read) and apply
+    ``peft_config`` to it, so target modules that match nothing fail before launch.  Skipped for
+    ``model_init`` (the function may be expensive) and when there is no ``peft_config``."""
+    if args.peft_config is None or args.model_init is not None or args.model_path is None:
+        return
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=args.model_kwargs.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.model_kwargs.trust_remote_code)
+    # get_peft_model fills in defaults (target_modules for known architectures) on the config it gets.
+    apply_peft(skeleton, copy.deepcopy(args.peft_config))
+
+
+def load_base_for_merge(args: TrainingArgs) -> nn.Module:
+    """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
+    returns is unloaded) or from ``model_path`` (an adapter folder's base model)."""
+    if args.model_init is not None:
+        model = call_model_init(args.model_init)
+        return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
+    assert args.model_path is not None
+    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, args.model_kwargs)
+
+
+def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path) -> Path:
+    """Apply the adapter of ``adapter_dir`` to ``base``, ``merge_and_unload``, and write the merged model to
+    ``output_dir`` with ``save_pretrained`` (Hugging Face layout).  Returns ``output_dir``."""
+    model = load_adapter(base, adapter_dir, trainable=False)
+    merged = model.merge_and_unload()  # type: ignore[operator]
+    merged.save_pretrained(output_dir)
+    return output_dir

@@ -1,0 +1,1 @@
+"""Reports on finished runs, read from what they left on disk (``trainbridge plot``)."""

@@ -1,0 +1,141 @@
+"""What a ``Trainer`` script hands over, made ready for the workers: datasets, the collator, the model.
+
+- ``as_hf_dataset``: a ``datasets.Dataset``, a torch map-style ``Dataset`` of dicts or a list of dicts as
+  one ``datasets.Dataset`` (tensors and numpy arrays as lists).
+- ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
+  not called: samples go through padding-free token-budget batching) or it must be called as written
+  on the padded path.
+- ``write_dataset``: the rows the workers train on, written into the run folder (``export_format``).
+- ``write_model``: the model (``save_pretrained``, so resized embeddings travel) and tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+TOKEN_COLUMNS = ("input_ids", "labels")
+"""Columns of pre-tokenised rows the workers read (``attention_mask`` is implied by the lengths)."""
+
+RAW_COLUMNS = ("text", "messages", "prompt", "completion")
+"""Columns of untokenised rows, tokenised by the data layer in the workers."""
+
+
+def as_hf_dataset(data: Any, what: str) -> Any:
+    """``data`` as a ``datasets.Dataset``; ``what`` names the argument in errors."""
+    import datasets
+
+    if isinstance(data, datasets.Dataset):
+        return data
+    if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"{what}: an iterable dataset has no length and cannot be planned into token-budget steps; "
+            "materialise it (datasets: .take(n) then Dataset.from_list / from_generator)"
+        )
+    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
+        rows = list(data)
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        rows = [data[i] for i in range(len(data))]
+    else:
+        raise TypeError(f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
+                        f"got {type(data).__name__}")
+    for i, row in enumerate(rows[:1]):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
+    return datasets.Dataset.from_list([{k: _plain(v) for k, v in row.items()} for row in rows])
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+@dataclass(frozen=True)
+class CollatorChoice:
+    """What happens with the script's collator."""
+
+    reproduced: bool
+    """True: our batching gives the collator's result; it is not called."""
+    labels_from_input_ids: bool = False
+    """The collator derives labels from ``input_ids`` (a dataset ``labels`` column is ignored)."""
+    description: str = ""
+
+
+def classify_collator(collator: Any) -> CollatorChoice:
+    """Whether trainbridge's own batching reproduces ``collator`` exactly (see module doc)."""
+    import transformers
+
+    if collator is None:
+        return CollatorChoice(True, description="no data_collator")
+    if collator is transformers.default_data_collator or isinstance(collator, transformers.DefaultDataCollator):
+        return CollatorChoice(True, description="default_data_collator")
+    if isinstance(collator, transformers.DataCollatorForLanguageModeling) and type(collator) in (
+        transformers.DataCollatorForLanguageModeling,
+    ):
+        if collator.mlm:
+            return CollatorChoice(False, description="DataCollatorForLanguageModeling(mlm=True)")
+        return CollatorChoice(True, labels_from_input_ids=True,
+                              description="DataCollatorForLanguageModeling(mlm=False)")
+    for name in ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening"):
+        cls = getattr(transformers, name, None)
+        if cls is not None and type(collator) is cls:
+            return CollatorChoice(True, description=name)
+    return CollatorChoice(False, description=type(collator).__qualname__)
+
+
+def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None) -> tuple[Any, int | None]:
+    """``(rows, longest)``: the columns the workers read and the longest pre-tokenised row (None for raw rows).
+
+    Pre-tokenised rows keep ``input_ids`` and ``labels``; a collator that derives labels from the inputs
+    (``DataCollatorForLanguageModeling``) gets labels ``input_ids`` with the pad token at -100, as it
+    computes them.  Untokenised rows keep their raw columns for the data layer.
+    """
+    columns = set(dataset.column_names)
+    if "input_ids" not in columns:
+        keep = [c for c in dataset.column_names if c in RAW_COLUMNS]
+        if not keep:
+            raise ValueError(
+                f"dataset has columns {dataset.column_names}: expected pre-tokenised 'input_ids' (+ 'labels') "
+                f"or untokenised {', '.join(RAW_COLUMNS)}"
+            )
+        return dataset.select_columns(keep), None
+    keep = [c for c in TOKEN_COLUMNS if c in columns and not (c == "labels" and choice.labels_from_input_ids)]
+    rows = dataset.select_columns(keep)
+    if choice.labels_from_input_ids and pad_token_id is not None:
+        def _labels(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+            return {"labels": [[-100 if t == pad_token_id else t for t in ids] for ids in batch["input_ids"]]}
+
+        rows = rows.map(_labels, batched=True, desc="labels as DataCollatorForLanguageModeling makes them")
+    lengths = [len(ids) for ids in rows["input_ids"]]
+    return rows, max(lengths, default=0)
+
+
+def write_dataset(rows: Any, folder: Path) -> Path:
+    """Write ``rows`` into ``folder`` for the workers; returns the ``data_path`` to give them.
+
+    Written as JSON lines of token ids (or raw columns), the format the data layer reads.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "data.jsonl"
+    rows.to_json(str(path), lines=True, force_ascii=False)
+    return path
+
+
+def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
+    """Save ``model`` (``save_pretrained``) and ``tokenizer`` into ``folder``; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,172 @@
+"""Running the facade's jobs on a worker: in place (under the user's launcher) or as our torchrun worker.
+
+``run_job(job, env)`` is the one function both ways call, on every rank:
+
+- ``train``: the training loop with the run's callbacks plus a ``StateRecorder``; afterwards the final
+  weights are written to ``final_model_dir`` (collective: sharded engines gather them) so the calling
+  process can load them, and rank 0 writes the recorded ``TrainerState`` fields.
+- ``evaluate``: the loop's set-up and one evaluation (``compute_metrics`` included) without training;
+  rank 0 writes the metrics and, for ``predict``, the gathered predictions.
+
+``python -m trainbridge.trainer.runner --payload PATH`` is the worker ``Trainer.train()`` launches from a
+plain ``python script.py``: it reads the authenticated payload (a ``FacadeJob``) and calls ``run_job``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.run_dir import result_file
+from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV
+from trainbridge.launch.worker import exit_after_success, run_worker
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
+from trainbridge.loop.result import RunResult
+
+STATE_FILE = "trainer_state.json"
+"""``run_dir / STATE_FILE``: the recorded ``TrainerState`` fields, written by rank 0 after training."""
+EVAL_FILE = "evaluation.pkl"
+"""``run_dir / EVAL_FILE``: metrics (and predictions) of an evaluation job, written by rank 0."""
+FINAL_MODEL_DIR = "final-model"
+"""``run_dir / FINAL_MODEL_DIR``: the weights at the end of training (HF layout)."""
+
+
+class StateRecorder(Callback):
+    """Records what ``transformers.TrainerState`` holds after training: ``log_history`` (each log with
+    its ``step``, as ``Trainer.log`` appends it), steps, epochs and the best checkpoint."""
+
+    def __init__(self) -> None:
+        self.log_history: list[dict[str, Any]] = []
+        self.fields: dict[str, Any] = {}
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.log_history.append({**(kwargs.get("logs") or {}), "step": context.global_step})
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        args = context.args
+        self.fields = {
+            "epoch": context.epoch,
+            "global_step": context.global_step,
+            "max_steps": context.max_steps,
+            "num_train_epochs": context.num_epochs,
+            "logging_steps": args.logging_steps,
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+            "num_input_tokens_seen": context.tokens_seen,
+            "total_flos": float(context.logs.get("total_flos", 0.0)),
+            "best_metric": context.best_metric,
+            "best_global_step": context.best_global_step,
+            "best_model_checkpoint": str(context.best_checkpoint) if context.best_checkpoint else None,
+        }
+
+    def state(self) -> dict[str, Any]:
+        """The recorded fields with ``log_history``."""
+        return {**self.fields, "log_history": self.log_history}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"log_history": [], "fields": {}}
+
+
+@dataclass
+class FacadeJob:
+    """One job of the facade: ``kind`` is ``train`` or ``evaluate``; files go to ``run_dir``."""
+
+    kind: str
+    args: TrainingArgs
+    run_dir: Path
+    keep_predictions: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class JobOutcome:
+    """What a job leaves on this rank (in place, the facade reads it directly)."""
+
+    loop: TrainingLoop
+    result: RunResult | None = None
+    state: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    predictions: Any = None
+
+
+def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = None) -> JobOutcome:
+    """Run ``job`` on this rank (every rank calls it); see the module doc."""
+    if job.kind == "train":
+        recorder = StateRecorder()
+        run_callbacks = [*(callbacks if callbacks is not None else assemble_callbacks(job.args)), recorder]
+        loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
+        result = loop.run()
+        export_model(loop, job.run_dir / FINAL_MODEL_DIR)
+        state = recorder.state()
+        if env.is_world_process_zero:
+            result.write(result_file(job.args.ckpt_output_dir))
+            (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+        return JobOutcome(loop=loop, result=result, state=state)
+    if job.kind == "evaluate":
+        loop = TrainingLoop(job.args, env, callbacks or [], build_run(job.args, env))
+        if job.keep_predictions and loop.predictions is None:
+            raise RuntimeError("predict: the evaluation job was built without a prediction collector")
+        metrics = loop._evaluate()
+        predictions = loop.predictions.last if loop.predictions is not None else None
+        if env.is_world_process_zero:
+            # the launcher expects a result from every job; an evaluation trained no step
+            job.args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+            RunResult(global_step=0, epoch=0.0, max_steps=0).write(result_file(job.args.ckpt_output_dir))
+            with (job.run_dir / EVAL_FILE).open("wb") as handle:
+                pickle.dump({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
+                            handle)
+        return JobOutcome(loop=loop, metrics=metrics, predictions=predictions)
+    raise ValueError(f"unknown facade job kind {job.kind!r}")
+
+
+def export_model(loop: TrainingLoop, folder: Path) -> None:
+    """Write the loop's current weights in HF layout into ``folder`` (collective for sharded engines)."""
+    state = loop.engine.full_model_state_dict()
+    if loop.env.is_world_process_zero:
+        if state is None:
+            raise RuntimeError("the engine returned no full state dict on rank 0")
+        folder.mkdir(parents=True, exist_ok=True)
+        loop.engine.unwrapped.save_pretrained(folder, state_dict=state)
+        if getattr(loop, "tokenizer", None) is not None:
+            loop.tokenizer.save_pretrained(folder)
+    loop.env.barrier()
+
+
+JOB_ENV = "TRAINBRIDGE_FACADE_JOB"
+"""Environment variable carrying a self-launched job's kind and run folder (JSON) to the workers; the
+``TrainingArgs`` themselves travel in the authenticated payload of ``run_training``."""
+
+
+def job_environment(job: FacadeJob) -> str:
+    """The value of ``JOB_ENV`` for ``job``."""
+    return json.dumps({"kind": job.kind, "run_dir": str(job.run_dir), "keep_predictions": job.keep_predictions})
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """The worker of a self-launched facade job (started by ``run_training(..., worker_module=...)``)."""
+    spec = json.loads(os.environ.get(JOB_ENV, "{}"))
+    if not spec or PAYLOAD_KEY_ENV not in os.environ:
+        raise RuntimeError(f"{PAYLOAD_KEY_ENV}/{JOB_ENV} not set: this worker is started by trainbridge.Trainer")
+
+    def job(args: TrainingArgs, env: DistributedEnv) -> None:
+        run_job(FacadeJob(kind=spec["kind"], args=args, run_dir=Path(spec["run_dir"]),
+                          keep_predictions=bool(spec.get("keep_predictions"))), env)
+
+    return run_worker(argv, "trainbridge.trainer.runner", job)
+
+
+if __name__ == "__main__":
+    exit_after_success(main() or 0)

@@ -1,0 +1,87 @@
+"""A transformers.Trainer script with its import changed to trainbridge's facade (used by the facade tests).
+
+Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real]`` or ``python facade_script.py OUT [real]``;
+``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data built
+in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
+records which samples it saw.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    EarlyStoppingCallback,
+    TrainingArguments,
+)
+
+if len(sys.argv) > 2 and sys.argv[2] == "real":
+    from transformers import Trainer
+else:
+    from trainbridge import Trainer
+
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
+
+out = Path(sys.argv[1])
+model_dir = out.parent / "tiny-model"
+if not (model_dir / "config.json").exists():
+    build_tiny_llama(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def rows(n, seed):
+    texts = [p + a for p, a in arithmetic_problems(n, seed)]
+    return datasets.Dataset.from_dict({"text": texts}).map(
+        lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+
+
+train = rows(96, 1)
+val = rows(37, 2)
+
+
+def preprocess_logits_for_metrics(logits, labels):
+    return logits.argmax(-1)
+
+
+def compute_metrics(eval_pred):
+    preds, labels = eval_pred
+    labels = labels[:, 1:]
+    preds = preds[:, :-1]
+    mask = labels != -100
+    # the first character of each row (label 1: label 0 is <s>) identifies it; records order and count
+    first = [int(row[1]) for row in eval_pred.label_ids]
+    return {"accuracy": float((preds[mask] == labels[mask]).mean()), "num_rows": float(len(first)),
+            "row_checksum": float(np.sum(np.arange(len(first)) * np.array(first)))}
+
+
+args = TrainingArguments(
+    output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    learning_rate=3e-3, lr_scheduler_type="constant", num_train_epochs=2, logging_steps=2,
+    eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
+    per_device_eval_batch_size=5, metric_for_best_model="accuracy", load_best_model_at_end=True,
+    report_to="none", use_cpu=True, seed=3, disable_tqdm=True,
+)
+trainer = Trainer(
+    model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
+    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+    callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+)
+result = trainer.train()
+metrics = trainer.evaluate()
+if trainer.is_world_process_zero():
+    summary = {
+        "global_step": result.global_step, "train_metrics": sorted(result.metrics),
+        "eval_metrics": metrics, "best": trainer.state.best_model_checkpoint,
+        "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+        "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+        "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print("SUMMARY", json.dumps(summary, default=str))

@@ -1,0 +1,166 @@
+"""LoRA through ``TrainingArgs.peft_config`` on 2 gloo ranks, for every backend (ddp, fsdp, ZeRO-2, ZeRO-3).
+
+Per backend, two runs: a straight one (checkpoints at steps 4 and 8) and one resumed from its
+``checkpoint-4`` into another folder.  Checked: the loss falls; the frozen base weights at the end are
+bit-identical to the model on disk (fsdp with gradient checkpointing on); every checkpoint is an adapter in PEFT's layout that
+``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as the straight one.
+The ddp case also checks ``load_best_model_at_end`` (the best adapter, made the step-4 one by
+``greater_is_better=True``, is what is merged), the merged
+export (``AutoModelForCausalLM``, same logits as base + adapter) and that a ``TrainerCallback`` gets the
+PEFT model as ``model`` and can ``save_pretrained`` it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from tests.distributed.training_fixtures import base_args, make_assets
+from trainbridge import Callback, TorchrunArgs, run_training
+
+pytestmark = pytest.mark.distributed
+TWO = TorchrunArgs(nproc_per_node=2)
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+class DumpFrozenWeights(Callback):
+    """At train end, gathers every frozen parameter (FSDP2 DTensor, ZeRO-3 partition or plain) and rank 0
+    writes them under the base model's names to ``frozen.safetensors``."""
+
+    def on_train_end(self, context, **kwargs):
+        from safetensors.torch import save_file
+
+        out = {}
+        for name, param in context.unwrapped_model.named_parameters():
+            if param.requires_grad:
+                continue
+            if hasattr(param, "full_tensor"):
+                tensor = param.full_tensor()
+            elif hasattr(param, "ds_id"):
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param]):
+                    tensor = param.detach().clone()
+            else:
+                tensor = param.detach()
+            key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            out[key] = tensor.to("cpu", copy=True).contiguous()
+        if context.rank == 0:
+            save_file(out, str(context.args.ckpt_output_dir / "frozen.safetensors"))
+
+
+class SavesTheModelItIsGiven(TrainerCallback):
+    """A Hugging Face callback that writes ``model`` (a PeftModel, as under Trainer) at train begin."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            out = Path(args.output_dir)
+            (out / "hf-callback-model-type").write_text(type(model).__name__)
+            model.save_pretrained(out / "hf-callback-adapter")
+
+
+def losses(result) -> list[float]:
+    return [r["loss"] for r in map(json.loads, Path(result.metrics_file).read_text().splitlines()) if "loss" in r]
+
+
+def assert_base_untouched(model_dir: Path, out: Path) -> None:
+    original = load_file(model_dir / "model.safetensors")
+    frozen = load_file(out / "frozen.safetensors")
+    assert set(frozen) == set(original), set(frozen) ^ set(original)
+    for name, value in original.items():
+        assert torch.equal(frozen[name], value), f"frozen base weight {name} changed"
+
+
+def load_adapter(model_dir: Path, checkpoint: Path):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), checkpoint)
+
+
+@pytest.mark.parametrize("backend, zero_stage", [("ddp", 2), ("fsdp", 2), ("deepspeed", 2), ("deepspeed", 3)])
+def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly(assets, tmp_path, backend, zero_stage):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    pytest.importorskip("peft")
+    ddp = backend == "ddp"
+    common = dict(
+        distributed_backend=backend, deepspeed_zero_stage=zero_stage, peft_config=LORA, learning_rate=1e-2,
+        max_steps=8, logging_steps=2, save_strategy="steps", save_steps=4,
+    )
+    if backend == "fsdp":  # activation checkpointing applied before fully_shard, with a frozen base
+        common.update(gradient_checkpointing=True)
+    if ddp:  # best tracking and the merged export of the best adapter; "best" made the step-4 one on purpose
+        common.update(val_data_path=assets["val"], eval_strategy="steps", eval_steps=4, load_best_model_at_end=True,
+                      metric_for_best_model="eval_loss", greater_is_better=True, merge_adapter_at_end=True)
+    straight_out, resumed_out = tmp_path / "straight", tmp_path / "resumed"
+    callbacks = [DumpFrozenWeights(), *([SavesTheModelItIsGiven()] if ddp else [])]
+    straight = run_training(base_args(assets, straight_out, callbacks=callbacks, **common), TWO, timeout_s=420)
+
+    curve = losses(straight)
+    assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
+    assert_base_untouched(assets["model"], straight_out)
+    for step in (4, 8):
+        checkpoint = straight_out / f"checkpoint-{step}"
+        assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "adapter_config.json").is_file()
+        assert not (checkpoint / "model.safetensors").exists()
+    adapter = load_file(straight_out / "checkpoint-8" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in key for key in adapter)
+    assert any(value.abs().sum() > 0 for key, value in adapter.items() if "lora_B" in key)  # trained (B starts at 0)
+    peft_model = load_adapter(assets["model"], straight_out / "checkpoint-8")
+    assert sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n) > 0
+
+    resumed = run_training(
+        base_args(assets, resumed_out, resume_from_checkpoint=straight_out / "checkpoint-4", **common), TWO,
+        timeout_s=420,
+    )
+    assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
+    again = load_file(resumed_out / "checkpoint-8" / "adapter_model.safetensors")
+    assert again.keys() == adapter.keys()
+    for key in adapter:
+        assert (again[key] - adapter[key]).abs().max().item() < 1e-6, key
+
+    if ddp:
+        assert (straight_out / "hf-callback-model-type").read_text() == "PeftModelForCausalLM"
+        assert (straight_out / "hf-callback-adapter" / "adapter_model.safetensors").is_file()
+        assert straight.best_checkpoint == str(straight_out / "checkpoint-4")
+        assert straight.merged_model == str(straight_out / "merged")
+        merged = AutoModelForCausalLM.from_pretrained(straight.merged_model)
+        best = load_adapter(assets["model"], Path(straight.best_checkpoint)).eval()
+        ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+        with torch.no_grad():
+            expected = best(input_ids=ids).logits
+            assert torch.allclose(merged.eval()(input_ids=ids).logits, expected, atol=1e-4)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "peft_dora" / "dora_finetuning.py"
+
+
+def test_public_dora_example_runs_through_peft_config(assets, tmp_path):
+    """PEFT's dora_finetuning example (ported: its command line and LoraConfig, use_dora on), 2 ranks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    command = [sys.executable, str(EXAMPLE), "--base_model", str(assets["model"]), "--data_path", str(assets["train"]),
+               "--output_dir", str(tmp_path / "out"), "--use_dora", "--device", "cpu", "--nproc_per_node", "2",
+               "--max_steps", "4", "--cutoff_len", "32", "--val_set_size", "16", "--eval_step", "2", "--save_step", "4",
+               "--learning_rate", "1e-2", "--lora_dropout", "0.0", "--merge"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["global_step"] == 4 and summary["final_eval_loss"] is not None
+    checkpoint = Path(summary["checkpoints"][-1])
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["use_dora"] is True
+    assert any("lora_magnitude_vector" in key for key in load_file(checkpoint / "adapter_model.safetensors"))
+    assert load_adapter(assets["model"], checkpoint).peft_config["default"].use_dora
+    AutoModelForCausalLM.from_pretrained(summary["merged_model"])

@@ -1,0 +1,236 @@
+"""Hugging Face callbacks in a real run of the loop, in process on one rank (issue 11).
+
+Each test drives ``trainbridge.loop.loop.train`` with the worker's callback list
+(``launch.assembly.assemble_callbacks``), so the adapter, the best-checkpoint tracker and the loop run
+exactly as in a torchrun worker: best weights before ``on_train_end``, ``TrainingArguments`` subclasses,
+isolation per HF callback, ``num_input_tokens_seen``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+from trl import SFTConfig
+
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.manager import CallbackFatalError
+from trainbridge.demos.tiny_model import write_arithmetic_dataset
+from trainbridge.hf import HFPortingWarning, training_args_from_hf
+from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.loop.loop import train
+from trainbridge.loop.result import RunResult
+
+
+@pytest.fixture
+def args_for(tmp_path: Path, tiny_llama: Path):
+    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 32, seed=1)
+    val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
+
+    def make(**overrides: Any) -> TrainingArgs:
+        values: dict[str, Any] = dict(
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / "out",
+            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant",
+            max_steps=4, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
+        )
+        values.update(overrides)
+        return TrainingArgs(**values)
+
+    return make
+
+
+def run(args: TrainingArgs) -> RunResult:
+    return train(args, DistributedEnv(), assemble_callbacks(args))
+
+
+def weights_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> float:
+    tensors = model.values() if isinstance(model, dict) else model.state_dict().values()
+    return float(sum(t.double().abs().sum() for t in tensors))
+
+
+# ============================================================================ best model before on_train_end
+class ScriptedEvalLoss(TrainerCallback):
+    """Overwrites ``eval_loss`` with a script: the best evaluation is the second (step 2 of 4)."""
+
+    def __init__(self) -> None:
+        self.values = [0.9, 0.1, 0.5, 0.7]
+        self.evaluations = 0
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_loss"] = self.values[min(self.evaluations, len(self.values) - 1)]
+        self.evaluations += 1
+
+
+class HFWeightsAtTrainEnd(TrainerCallback):
+    def __init__(self) -> None:
+        self.digest: float | None = None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.digest = weights_digest(model)
+
+
+class NativeWeightsAtTrainEnd(Callback):
+    def __init__(self) -> None:
+        self.digest: float | None = None
+
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.digest = weights_digest(context.unwrapped_model)
+
+
+def test_every_callback_sees_the_best_weights_in_on_train_end(args_for, tmp_path):
+    native_first, hf, native_last = NativeWeightsAtTrainEnd(), HFWeightsAtTrainEnd(), NativeWeightsAtTrainEnd()
+    args = args_for(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                    load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                    callbacks=[native_first, ScriptedEvalLoss(), hf, native_last])
+    callbacks = assemble_callbacks(args)
+    result = train(args, DistributedEnv(), callbacks)
+    assert result.best_checkpoint == str(tmp_path / "out" / "checkpoint-2")
+    best = weights_digest(load_file(str(tmp_path / "out" / "checkpoint-2" / "model.safetensors")))
+    last = weights_digest(load_file(str(tmp_path / "out" / "checkpoint-4" / "model.safetensors")))
+    assert abs(best - last) > 1e-3  # best != last, so the test can tell them apart
+    for callback in (native_first, native_last):
+        assert callback.digest == pytest.approx(best, rel=1e-9)
+    assert hf.digest == pytest.approx(best, rel=1e-9)
+
+
+# ============================================================================ TrainingArguments subclasses
+class ReadsSFTFields(TrainerCallback):
+    """A callback written for trl: reads fields only ``SFTConfig`` has, at every step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, str, int, int]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append((type(args).__name__, args.max_length, args.dataset_text_field,
+                          args.per_device_train_batch_size, args.gradient_accumulation_steps))
+
+
+@pytest.fixture
+def sft_config(tmp_path: Path):
+    def build(**kwargs: Any) -> SFTConfig:
+        return SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", **kwargs)
+
+    yield build
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fields_changed(args_for, sft_config):
+    config = sft_config(max_length=77, dataset_text_field="prompt", per_device_train_batch_size=2,
+                        gradient_accumulation_steps=3, max_steps=3, logging_steps=1, save_strategy="no",
+                        bf16=False, learning_rate=3e-3, lr_scheduler_type="constant", seed=7)
+    reader = ReadsSFTFields()
+    base = args_for()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = training_args_from_hf(
+            config, model_path=base.model_path, data_path=base.data_path, val_data_path=base.val_data_path,
+            max_seq_len=32, max_batch_len=64, effective_batch_size=8, disable_tqdm=True, callbacks=[reader],
+        )
+    messages = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
+    assert args.hf_args is config
+    # subclass fields set to non-defaults are named (max_length, dataset_text_field), as base fields are
+    assert any(m.startswith("SFTConfig.max_length=77 is ignored") for m in messages), messages
+    assert any(m.startswith("SFTConfig.dataset_text_field='prompt' is ignored") for m in messages), messages
+    result = run(args)
+    assert result.callback_errors == []
+    # the same class with every field; the batch shape is trainbridge's (8 samples per step on 1 rank)
+    assert reader.seen == [("SFTConfig", 77, "prompt", 8, 1)] * 3
+    assert config.per_device_train_batch_size == 2  # the user's object is left alone
+
+
+def test_a_default_trl_config_ports_without_warnings(sft_config, args_for):
+    base = args_for()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        training_args_from_hf(sft_config(), model_path=base.model_path, data_path=base.data_path)
+    assert [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)] == []
+
+
+# ============================================================================ isolation per HF callback
+class BrokenAtStepEnd(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        raise ValueError("broken callback")
+
+
+class CountsHooks(TrainerCallback):
+    def __init__(self) -> None:
+        self.step_ends = 0
+        self.logs = 0
+        self.train_end = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_ends += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs += 1
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_end = True
+
+
+def test_one_broken_hf_callback_is_switched_off_alone_and_named_in_the_result(args_for):
+    before, after = CountsHooks(), CountsHooks()
+    args = args_for(max_steps=5, callbacks=[before, BrokenAtStepEnd(), after], callback_max_consecutive_errors=2)
+    result = run(args)
+    (report,) = result.callback_errors
+    assert report.callback == "BrokenAtStepEnd" and report.event == "on_step_end"
+    assert report.count == 2 and report.disabled and "broken callback" in report.first_error
+    for counter in (before, after):  # every other callback got every hook, before and after the broken one
+        assert counter.step_ends == 5 and counter.logs == 6 and counter.train_end
+
+
+def test_fatal_policy_stops_the_run_on_an_hf_callback_error(args_for):
+    after = CountsHooks()
+    args = args_for(max_steps=5, callbacks=[BrokenAtStepEnd(), after], callback_error_policy="fatal")
+    with pytest.raises(CallbackFatalError, match="BrokenAtStepEnd"):
+        run(args)
+    assert after.step_ends == 1  # the hook still reached the others; every rank stopped at that step
+
+
+# ============================================================================ num_input_tokens_seen
+class TokensSeen(TrainerCallback):
+    def __init__(self) -> None:
+        self.at_step_end: list[int] = []
+        self.logged: list[dict[str, Any]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.at_step_end.append(state.num_input_tokens_seen)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged.append(dict(logs))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.at_train_end = state.num_input_tokens_seen
+
+
+class NativeTokens(Callback):
+    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.tokens_seen, self.input_tokens_seen = context.tokens_seen, context.input_tokens_seen
+
+
+@pytest.mark.parametrize("counting", ["no", "non_padding", "all", True])
+def test_num_input_tokens_seen_follows_include_num_input_tokens_seen(args_for, counting):
+    seen, native = TokensSeen(), NativeTokens()
+    args = args_for(packing="padded", include_num_input_tokens_seen=counting, callbacks=[seen, native])
+    run(args)
+    assert native.tokens_seen > 0 and native.input_tokens_seen > native.tokens_seen  # padded rows
+    expected = {"no": 0, "non_padding": native.tokens_seen, "all": native.input_tokens_seen}[args.include_num_input_tokens_seen]
+    assert seen.at_train_end == expected
+    assert len(set(seen.at_step_end)) == (1 if counting == "no" else 4)  # counted at every step
+    if counting == "non_padding":  # known from the plan: at on_step_end it includes that step, as under Trainer
+        assert seen.at_step_end[-1] == expected
+    training_logs = [logs for logs in seen.logged if "loss" in logs]
+    if counting == "no":
+        assert all("num_input_tokens_seen" not in logs for logs in seen.logged)
+    else:  # as Trainer.log: every log carries the count, training logs a token throughput too
+        assert all(logs["num_input_tokens_seen"] > 0 for logs in seen.logged)
+        assert all("train_tokens_per_second" in logs for logs in training_logs)

@@ -1,0 +1,209 @@
+"""The real training loop in process: built by ``build_run``, run by ``TrainingLoop`` on one rank.
+
+World size 1 needs no process group (``DistributedEnv()``: every named collective is the identity), so
+these tests drive exactly the code a torchrun worker runs, minus the transport.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainbridge.callbacks import BestCheckpointTracker, MetricsFileCallback, ScheduleCallback
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.events import Event
+from trainbridge.demos.tiny_model import write_arithmetic_dataset
+from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.loop import TrainingLoop, train
+
+
+class EventLog(Callback):
+    """Every event the loop fires, with the global step at the time."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_") and name in {e.method for e in Event}:
+            return lambda context, **kw: self.events.append((name, context.global_step))
+        return super().__getattribute__(name)
+
+    def handles(self, event: Event) -> bool:
+        return True
+
+    def count(self, name: str) -> int:
+        return sum(1 for event, _ in self.events if event == name)
+
+
+class Crash(BaseException):
+    """Cuts a run short like a killed job (a BaseException: callback isolation does not swallow it)."""
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+@pytest.fixture
+def args_for(tmp_path: Path, tiny_llama: Path):
+    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
+    val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
+
+    def make(out: str = "out", **overrides: Any) -> TrainingArgs:
+        values: dict[str, Any] = dict(
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / out,
+            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
+            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
+        )
+        values.update(overrides)
+        return TrainingArgs(**values)
+
+    return make
+
+
+def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
+    args = args_for(eval_strategy="steps", eval_steps=3)
+    env = DistributedEnv()
+    components = build_run(args, env)
+    assert isinstance(components, RunComponents)
+    assert components.engine.kind == "local" and components.engine.unwrapped.training
+    assert components.steps_per_epoch == 6 and components.max_steps == 6 and components.num_epochs == 1
+    assert components.eval_batches is not None and components.data_stats[0].lines == 48
+    assert components.num_parameters == sum(p.numel() for p in components.engine.unwrapped.parameters())
+    log = EventLog()
+    loop = TrainingLoop(args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
+    attributes = set(vars(loop))
+    assert loop.context.model is components.engine.module and loop.context.tokenizer is components.tokenizer
+    result = loop.run()
+    assert set(vars(loop)) == attributes, "every attribute of the loop is set in __init__"
+    assert result.global_step == 6 and result.final_eval_loss is not None
+    micro = loop.context.micro_steps_in_step
+    assert micro >= 2  # 8 samples of up to 32 tokens in a 64-token budget
+    assert log.count("on_step_end") == 6 and log.count("on_evaluate") == 2
+    assert log.count("on_before_forward") == log.count("on_after_backward") >= 6 * 2
+    assert log.events[0] == ("on_init_end", 0) and log.events[-1] == ("on_train_end", 6)
+
+
+def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
+    losses: list[float] = []
+
+    class Losses(Callback):
+        def on_log(self, context: TrainingContext, logs: dict[str, float], **kwargs: Any) -> None:
+            if "loss" in logs:
+                losses.append(logs["loss"])
+
+    result = train(args_for(max_steps=12), DistributedEnv(), [ScheduleCallback(), Losses()])
+    assert result.global_step == 12 and len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_resume_in_process_continues_exactly(args_for):
+    full_args = args_for("full", save_strategy="steps", save_steps=3)
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full_result = full.run()
+
+    cut_args = args_for("cut", save_strategy="steps", save_steps=3)
+    cut = TrainingLoop(cut_args, DistributedEnv(), [ScheduleCallback(), CrashAt(3)],
+                       build_run(cut_args, DistributedEnv()))
+    with pytest.raises(Crash):
+        cut.run()
+    resume_args = args_for("cut", save_strategy="steps", save_steps=3, resume_from_checkpoint="auto")
+    resumed = TrainingLoop(resume_args, DistributedEnv(), [ScheduleCallback()],
+                           build_run(resume_args, DistributedEnv()))
+    result = resumed.run()
+    assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
+    assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
+    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    state = json.loads((cut_args.ckpt_output_dir / "checkpoint-6" / "training_state.json").read_text())
+    assert state["global_step"] == 6
+
+
+class StepCounter(Callback):
+    """A user callback with state: optimizer steps it has seen, across resumes."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.steps = int(state["steps"])
+
+
+def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
+    def run(callbacks: list[Callback], **overrides: Any) -> TrainingLoop:
+        values: dict[str, Any] = dict(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                                      save_steps=2, save_samples=12, metric_for_best_model="eval_loss")
+        args = args_for(**{**values, **overrides})
+        loop = TrainingLoop(args, DistributedEnv(), callbacks, build_run(args, DistributedEnv()))
+        loop.run()
+        return loop
+
+    counter = StepCounter()
+    first = run([ScheduleCallback(), counter, BestCheckpointTracker()])
+    latest = first.checkpoints.latest()
+    assert latest is not None and latest.name == "checkpoint-4"
+    saved = json.loads((latest / "training_state.json").read_text())["callbacks"]
+    assert set(saved) == {"ScheduleCallback", "StepCounter", "BestCheckpointTracker"}
+    assert first.context.best_metric is not None
+
+    class Added(StepCounter):
+        """Registered between save and resume, ahead of the others: positions shift, keys do not."""
+
+    schedule, restored_counter, tracker, added = ScheduleCallback(), StepCounter(), BestCheckpointTracker(), Added()
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+        second = run([added, schedule, restored_counter, tracker], max_steps=6, resume_from_checkpoint="auto")
+    assert second.context.resumed_from == latest
+    assert restored_counter.steps == 4 + 2 and added.steps == 2
+    assert schedule.state_dict() == {"last_save_samples": 48}  # 6 steps x 8 samples: carried through
+    assert tracker.state_dict()["best_global_step"] in (2, 4, 6)
+    assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"]
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
+    class Closing(Callback):
+        def __init__(self) -> None:
+            self.closed: list[tuple[int, bool]] = []
+            self.ended = False
+
+        def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+            self.ended = True
+
+        def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
+            self.ended = True
+
+        def close(self, context: TrainingContext) -> None:
+            self.closed.append((context.global_step, self.ended))
+
+    args = args_for(max_steps=3)
+    metrics, closing = MetricsFileCallback(), Closing()
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
+                        build_run(args, DistributedEnv()))
+    if crash:
+        with pytest.raises(Crash):
+            loop.run()
+    else:
+        loop.run()
+    assert closing.closed == [(2 if crash else 3, True)]  # after on_train_end / on_exception, once
+    assert metrics._file is None  # the metrics file is closed either way
+    assert len(args.resolved_metrics_file.read_text().splitlines()) == (2 if crash else 4)

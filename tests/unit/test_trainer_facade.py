@@ -1,0 +1,212 @@
+"""The Trainer facade without launching: construction checks, inputs, argument mapping, predictions."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+from trainbridge import TorchrunArgs, Trainer, TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.demos.tiny_model import build_tiny_llama
+from trainbridge.hf.porting import HFPortingWarning
+from trainbridge.launch import launcher
+from trainbridge.loop.predictions import PredictionCollector
+from trainbridge.trainer import inputs
+from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    return (transformers.AutoModelForCausalLM.from_pretrained(path),
+            transformers.AutoTokenizer.from_pretrained(path))
+
+
+def _hf_args(tmp_path: Path, **kw: Any) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, **kw)
+
+
+# ---------------------------------------------------------------------------- unsupported
+def test_live_optimizers_fail_at_construction(tiny: Any, tmp_path: Path) -> None:
+    model, _ = tiny
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"optimizers.*learning_rate"):
+        Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
+
+
+def test_compute_loss_func_fails_at_construction(tiny: Any, tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedTrainerFeatureError, match="compute_loss_func"):
+        Trainer(model=tiny[0], args=_hf_args(tmp_path), compute_loss_func=lambda *a, **k: 0)
+
+
+def test_subclass_overriding_compute_loss_fails(tiny: Any, tmp_path: Path) -> None:
+    class MyTrainer(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+            return 0
+
+    with pytest.raises(UnsupportedTrainerFeatureError, match="overrides compute_loss"):
+        MyTrainer(model=tiny[0], args=_hf_args(tmp_path))
+
+
+def test_push_to_hub_fails_clearly(tiny: Any, tmp_path: Path) -> None:
+    trainer = Trainer(model=tiny[0], args=_hf_args(tmp_path))
+    with pytest.raises(UnsupportedTrainerFeatureError, match="save_model"):
+        trainer.push_to_hub()
+    trainer.create_model_card(model_name="tiny", finetuned_from="local")
+    assert "tiny" in (tmp_path / "out" / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------- inputs
+def test_collators_our_batching_reproduces(tiny: Any) -> None:
+    _, tok = tiny
+    assert inputs.classify_collator(None).reproduced
+    assert inputs.classify_collator(transformers.default_data_collator).reproduced
+    lm = inputs.classify_collator(DataCollatorForLanguageModeling(tok, mlm=False))
+    assert lm.reproduced and lm.labels_from_input_ids
+    assert inputs.classify_collator(transformers.DataCollatorForSeq2Seq(tok)).reproduced
+    assert inputs.classify_collator(transformers.DataCollatorWithFlattening()).reproduced
+    assert not inputs.classify_collator(lambda rows: rows).reproduced
+
+    class Custom(DataCollatorForLanguageModeling):
+        pass
+
+    assert not inputs.classify_collator(Custom(tok, mlm=False)).reproduced  # a subclass may change the result
+
+
+def test_dataset_kinds_become_one_hf_dataset() -> None:
+    rows = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": np.array([4, 5])}]
+
+    class MapStyle(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return rows[i]
+
+    for data in (rows, MapStyle(), datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])):
+        ds = inputs.as_hf_dataset(data, "train_dataset")
+        assert ds["input_ids"] == [[1, 2, 3], [4, 5]]
+    with pytest.raises(TypeError, match=r"train_dataset\[0\]"):
+        inputs.as_hf_dataset([[1, 2]], "train_dataset")
+
+
+def test_lm_collator_labels_mask_the_pad_token_like_the_collator(tiny: Any) -> None:
+    _, tok = tiny
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    ds = datasets.Dataset.from_list([{"input_ids": [1, 5, tok.pad_token_id, 6], "labels": [-100] * 4}])
+    rows, longest = inputs.prepare_rows(ds, inputs.classify_collator(collator), tok.pad_token_id)
+    expected = collator([{"input_ids": [1, 5, tok.pad_token_id, 6]}])["labels"][0].tolist()
+    assert rows[0]["labels"] == expected and longest == 4
+
+
+# ---------------------------------------------------------------------------- arguments
+def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path: Path) -> None:
+    trainer = Trainer(model=tiny[0], args=_hf_args(tmp_path, per_device_train_batch_size=3,
+                                                   gradient_accumulation_steps=2, per_device_eval_batch_size=5))
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    layout = {"model_path": str(model_dir), "data_path": str(data), "longest": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HFPortingWarning)
+        args = trainer._training_args(layout, world_size=2, resume=None)
+    assert args.effective_batch_size == 3 * 2 * 2
+    assert args.max_seq_len == 3 and args.max_batch_len == 9
+
+
+# ---------------------------------------------------------------------------- run_training
+def test_run_training_accepts_instructlab_argument_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+
+    def stop(args: TrainingArgs) -> None:
+        seen.append(args)
+        raise launcher.PreflightError("stop here")
+
+    monkeypatch.setattr(launcher, "preflight", stop)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
+    with pytest.raises(launcher.PreflightError):
+        launcher.run_training(TorchrunArgs(nproc_per_node=2), args)
+    assert seen == [args]
+
+
+def test_run_training_inside_a_launched_worker_runs_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(launcher, "run_in_place", lambda args: calls.append("in place"))
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("launched nested torchrun"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    launcher.run_training(TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o"),
+                          TorchrunArgs(nproc_per_node=2))
+    assert calls == ["in place"]
+
+
+# ---------------------------------------------------------------------------- predictions
+class _TwoRanks(DistributedEnv):
+    """Rank 0 of a pretend 2-rank world whose rank 1 holds ``other``."""
+
+    def __init__(self, other: list[Any]) -> None:
+        super().__init__(rank=0, world_size=2)
+        self.other = other
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        return [obj, self.other]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+
+def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+
+    def compute_metrics(p: Any) -> dict[str, float]:
+        seen["p"] = p
+        return {"n": float(len(p.label_ids))}
+
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o",
+                        compute_metrics=compute_metrics,
+                        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    vocab = 8
+
+    def batch(rows: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        labels = ids.masked_fill(mask == 0, -100)
+        logits = torch.nn.functional.one_hot(ids, vocab).float()  # predicts its own input
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}, logits
+
+    # 5 samples on 2 ranks (uneven): rank 0 holds 0, 2, 4; rank 1 holds 1, 3
+    rank1 = PredictionCollector(args)
+    b, lg = batch([[11 % vocab, 1], [3, 3, 3]])
+    rank1.add([1, 3], b, lg)
+    rank0 = PredictionCollector(args)
+    b, lg = batch([[0], [2, 2], [4, 4, 4, 4]])
+    rank0.add([0, 2, 4], b, lg)
+    rank0.add([], *batch([[0]]))  # a dummy micro-batch adds nothing
+    metrics = rank0.compute(_TwoRanks(rank1._samples))
+    assert metrics == {"eval_n": 5.0}
+    p = seen["p"]
+    assert p.label_ids.shape == (5, 4)
+    assert p.label_ids[:, 0].tolist() == [0, 3, 2, 3, 4]
+    assert p.label_ids[0].tolist() == [0, -100, -100, -100]  # padding removed, then -100 to the common length
+    assert (p.predictions == p.label_ids).all()
