@@ -411,13 +411,7 @@ class CheckpointManager:
             )
         if adapter_file.is_file():
             saved = load_file(str(adapter_file), device="cpu")
-            state = adapter_state_for_model(engine.unwrapped, saved)
-            if state is None:  # prompt learning: PEFT loads it (replicated engines only, checked by the config)
-                from peft import set_peft_model_state_dict
-
-                set_peft_model_state_dict(engine.unwrapped, saved, adapter_name=engine.unwrapped.active_adapter)
-                return
-            engine.load_model_state_dict(state, strict=False)
+            engine.load_model_state_dict(adapter_state_for_model(engine.unwrapped, saved), strict=False)
             return
         state = read_safetensors_weights(path)
         fill_tied_weights(state, engine.unwrapped)

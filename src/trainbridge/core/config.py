@@ -28,6 +28,9 @@ from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
 from trainbridge.core.run_dir import METRICS_FILE
 
+DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
+"""The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
+
 
 class CallbackSpec(BaseModel):
     """A callback named by import path, as written in a YAML config.
@@ -223,9 +226,28 @@ class TrainingArgs(BaseModel):
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
     data_path: Path
-    """Training data, JSONL: pre-tokenized (``input_ids``, optional ``labels`` with -100 masking) or ``text``."""
+    """Training data: a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
+    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
+    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
+    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
     val_data_path: Path | None = None
-    """Validation data in the same format; exclusive with ``validation_split``."""
+    """Validation data in the same formats; exclusive with ``validation_split``."""
+    data_columns: dict[DataColumn, str] = Field(default_factory=dict)
+    """Read differently named columns: ``{ours: theirs}``, e.g. ``{messages: conversations}``; ours is one
+    of input_ids, labels, attention_mask, messages, tools, prompt, completion, text."""
+    chat_train_on: Literal["all", "last"] = "all"
+    """Chat ``messages``: train on every assistant turn (``all``) or on the last one only (``last``)."""
+    chat_system_prompt: str | None = None
+    """Chat ``messages``: a system message added to conversations that have none."""
+    chat_template: str | None = None
+    """Chat ``messages``: a Jinja chat template (the string, or a path to a file) used instead of the
+    tokenizer's; needed when the tokenizer has none."""
+    data_num_proc: int | None = Field(default=None, gt=0)
+    """Processes that tokenise the data on a cache miss (``datasets.map(num_proc=...)``); default
+    ``min(8, cpu count)``, fewer for small files."""
+    data_cache_dir: Path | None = None
+    """Where tokenised data is cached (one folder per data file, tokenizer, template and options); default
+    ``$TRAINBRIDGE_DATA_CACHE`` or ``~/.cache/trainbridge/data``.  Must be shared by the ranks of a node."""
     validation_split: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
@@ -522,7 +544,7 @@ class TrainingArgs(BaseModel):
     @field_validator("data_path", "val_data_path")
     @classmethod
     def _data_file_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
+        if value is not None and not value.exists():
             raise ValueError(f"data file {str(value)!r} does not exist")
         return value
 
@@ -578,15 +600,11 @@ class TrainingArgs(BaseModel):
             if getattr(config, "inference_mode", False):
                 raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
                                  "set inference_mode=False")
-            if getattr(config, "is_prompt_learning", False) and self.distributed_backend != "ddp":
+            if getattr(config, "is_prompt_learning", False):
                 raise ValueError(
-                    f"peft_config: {type(config).__name__} keeps its weights outside the model's state dict, which "
-                    f"{self.distributed_backend} shards; use distributed_backend='ddp'"
-                )
-            if getattr(config, "is_prompt_learning", False) and self.packing != "padded":
-                raise ValueError(
-                    f"peft_config: {type(config).__name__} adds virtual tokens to every row, which padding-free "
-                    f"rows (packing={self.packing!r}) cannot carry; set packing='padded'"
+                    f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                    "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
+                    "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
                 )
         is_peft = config is not None or adapter_base is not None
         if self.merge_adapter_at_end and not is_peft and self.model_init is None:
@@ -674,7 +692,7 @@ class TrainingArgs(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainingArgs fields at the top level")
         base = path.parent
-        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "ckpt_output_dir",
+        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "data_cache_dir", "ckpt_output_dir",
                     "logging_dir", "metrics_file"):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])

@@ -55,10 +55,11 @@ def check_causal_lm(model_path: Path | None) -> str | None:
     if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in architectures):
         return None
     model_type = config.get("model_type")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not architectures and model_type:  # rare: no architectures recorded; ask transformers (slow import)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not architectures:
-        return None
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return None
     what = f"model_type {model_type!r}" + (f", architectures {architectures}" if architectures else "")
     return (f"model_path: {str(model_path)!r} is not a causal language model ({what}); trainbridge fine-tunes "
             "models AutoModelForCausalLM can load (e.g. Llama, Qwen, Mistral)")

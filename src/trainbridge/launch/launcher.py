@@ -51,6 +51,7 @@ from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
+from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.errors import (
     LaunchError,
     LaunchTimeoutError,
@@ -62,7 +63,6 @@ from trainbridge.launch.errors import (
 from trainbridge.launch.failures import worker_failure
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling.load import check_model_setup
 
 __all__ = [
     "LaunchError", "LaunchTimeoutError", "PreflightError", "RunFolderLockedError", "TrainingInterruptedError",
@@ -94,17 +94,21 @@ def preflight(args: TrainingArgs) -> None:
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
-    checkpoint and data files pass ``launch.checks``.
+    checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
+    (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
     problems = input_problems(args)
     if problems:
         raise PreflightError("\n".join(problems))
-    try:
-        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
-    except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
+    if args.peft_config is not None:  # imported only then: the modeling layer pulls in transformers
+        from trainbridge.modeling.load import check_model_setup
+
+        try:
+            check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
@@ -125,6 +129,24 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
+    _check_data(args)
+
+
+def _check_data(args: TrainingArgs) -> None:
+    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
+    launch, named by file and line, and the workers find the tokenised cache built."""
+    from trainbridge.data.sources import load_run_data  # imported here: the data layer pulls in torch
+    from trainbridge.modeling.load import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args)
+    except Exception as exc:
+        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    try:
+        load_run_data(args, tokenizer)
+    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
+        raise PreflightError(f"data: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- command and environment
@@ -435,6 +457,7 @@ def _launch_once(
         command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
                                          ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
+        env.update(quiet_environment(args.device, env))
         env[lifeline.LAUNCHER_ENV] = lifeline.launcher_token()
         env[RUN_ID_ENV] = run_id
         env[FAILURES_FILE_ENV] = str(failures_file)

@@ -22,11 +22,11 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.launch import lifeline
-from trainbridge.launch.assembly import assemble_callbacks
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
-from trainbridge.loop.build import build_run
-from trainbridge.loop.loop import TrainingInterrupted, train
-from trainbridge.loop.summary import announce_run
+from trainbridge.launch.console import configure_worker_console
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV
+
+# The loop, the callbacks and transformers are imported inside the functions below, after
+# ``configure_worker_console``: warnings and log levels must be set before those libraries load.
 
 
 @record
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
+    from trainbridge.launch.assembly import assemble_callbacks
+    from trainbridge.loop.loop import train
+
     result = train(args, env, assemble_callbacks(args))
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))
@@ -43,7 +46,7 @@ def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
 
 def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
     """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
-    by ``--payload``, start the distributed seam, configure logging per rank, and tear the group down
+    by ``--payload``, start the distributed seam (console configured per rank first), and tear the group down
     (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan instead."""
     lifeline.install()  # die with torchrun and with the launcher
     parser = argparse.ArgumentParser(prog=f"python -m {module}")
@@ -54,14 +57,16 @@ def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs,
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     if not key:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
-    args = read_payload(payload_path, key)
+    configure_worker_console(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+    from trainbridge.launch.transport import read_payload
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingInterrupted
+    from trainbridge.loop.summary import announce_run
+
+    args = read_payload(payload_path, key)  # unpickling the callbacks may import transformers
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
     if os.environ.get(lifeline.LAUNCHER_ENV):
         sys.excepthook = _one_line_excepthook(env.rank)
-    logging.basicConfig(
-        level=logging.INFO if env.is_world_process_zero else logging.WARNING,
-        format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
-    )
     clean = False
     try:
         if options.dry_run:

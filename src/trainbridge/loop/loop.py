@@ -372,8 +372,7 @@ class TrainingLoop:
 
     def _micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
         """Loss tokens of each of this rank's micro-batches in ``step``, from the samples (CPU-side)."""
-        samples = self.train_batches.samples
-        return [sum(samples[i].loss_tokens for i in group) for group in step.micro_batches[self.env.rank]]
+        return self.train_batches.micro_batch_loss_tokens(step)
 
     def _account_step(self, step: StepPlan, global_loss_sum: float, local_loss_sum: float,
                       grad_norm: float) -> None:
