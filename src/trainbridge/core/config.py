@@ -26,6 +26,7 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.instructlab_names import check_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
 
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
@@ -291,10 +292,18 @@ class TrainingArgs(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant_with_warmup"
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
     """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
@@ -437,6 +446,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        check_instructlab_names(data)  # instructlab's names get a message naming ours
         data = dict(data)
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
