@@ -285,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if options.command == "demo":
+            console.quiet_this_process("cpu")  # the demo's ranks run on CPU
             from trainbridge.demos.demo import run_demo
 
             run_demo(options.output_dir, options.nproc_per_node, options.max_steps)

@@ -178,7 +178,7 @@ def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
     assert "trainbridge demo finished" in out
     # the demo ends with a picture of this real run's metrics (trainbridge plot)
     png = Path(result.metrics_file).with_name("metrics.png")
-    assert f"plot:             {png}" in out
+    assert f"plot:            {png}" in out
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
 
 
