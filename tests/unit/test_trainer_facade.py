@@ -310,3 +310,8 @@ def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, 
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
+    # resume_from_checkpoint=True: from the newest checkpoint, to the new max_steps
+    args.max_steps = 4
+    resumed = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train(resume_from_checkpoint=True)
+    assert resumed.global_step == 4
