@@ -22,7 +22,6 @@ between the result markers of ``--out``; text outside the markers (the analysis)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -32,11 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
+
+from trainbridge.launch.console import console_to
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 WORLD_SIZE = 2
@@ -192,24 +193,6 @@ def build_assets(root: Path, steps: int, seed: int) -> Assets:
 
 
 # ----------------------------------------------------------------------------- running one configuration
-@contextlib.contextmanager
-def output_to(log_path: Path) -> Iterator[None]:
-    """Send this process's stdout/stderr file descriptors (and so its children's) to ``log_path``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with log_path.open("ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
 
 
 WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -257,7 +240,7 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         include_num_input_tokens_seen="non_padding",  # StepClock reads state.num_input_tokens_seen (real tokens)
         callbacks=[StepClock(str(out))],
     )
-    with output_to(log_path):
+    with console_to(log_path):
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
 
 

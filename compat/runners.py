@@ -30,6 +30,7 @@ from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessProbe, Tra
 from compat.scenarios import Scenario
 from trainbridge import TorchrunArgs, run_training
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
+from trainbridge.launch.console import console_to
 from trainbridge.launch.launcher import LaunchTimeoutError, free_port
 
 Runner = Literal["trainer", "trainbridge"]
@@ -245,7 +246,7 @@ def _launch_trainbridge(spec: Scenario, world_size: int, assets: CompatAssets, o
     try:
         args = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
         with scoped_environment(integration_environment(outcome.run_dir)), \
-                _console_to(outcome.run_dir / "console.log"):
+                console_to(outcome.run_dir / "console.log"):
             result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
         if result is not None:
             outcome.callback_errors = sorted({report.callback for report in result.callback_errors})
@@ -273,21 +274,3 @@ def scoped_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-@contextlib.contextmanager
-def _console_to(path: Path) -> Iterator[None]:
-    """Send this process's stdout/stderr file descriptors (inherited by torchrun) to ``path``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with path.open("ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])

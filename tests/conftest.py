@@ -13,3 +13,24 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainbridge.demos.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture
+def run_files(tmp_path: Path) -> dict[str, Path]:
+    """What a ``TrainingArgs`` needs to validate, under ``tmp_path``: ``model/`` (a tiny Llama's
+    ``config.json``, validated, never loaded, and the tiny tokenizer the launcher's preflight reads the
+    data with), ``train.jsonl`` and ``val.jsonl`` (one pre-tokenised
+    line each) and ``out`` (not created)."""
+    from transformers import LlamaConfig
+
+    from trainbridge.demos.tiny_model import build_tokenizer
+
+    model = tmp_path / "model"
+    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=16).save_pretrained(model)
+    build_tokenizer(model)
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"input_ids": [1, 2, 3]}\n')
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"input_ids": [2, 3, 4]}\n')
+    return {"model": model, "train": train, "val": val, "out": tmp_path / "out"}

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainbridge.launch import console
+
 if TYPE_CHECKING:
     from trainbridge.core.config import TorchrunArgs, TrainingArgs
 
@@ -151,18 +153,9 @@ def add_user_import_paths(config: Path) -> list[str]:
     return added
 
 
-def visible_gpu_count() -> int:
-    """CUDA devices this process can use; 0 without importing torch where no GPU driver is present."""
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
-        return 0
-    import torch
-
-    return int(torch.cuda.device_count())
-
-
 def default_nproc_per_node(device: str) -> tuple[int, str | None]:
     """``--nproc-per-node``'s default: every visible GPU, else 1 with a note saying so."""
-    gpus = 0 if device == "cpu" else visible_gpu_count()
+    gpus = 0 if device == "cpu" else console.visible_gpu_count()
     if gpus:
         return gpus, None
     return 1, "no GPU in use: 1 worker process (give --nproc-per-node N to train with N CPU ranks)"
@@ -231,6 +224,7 @@ def _train(options: argparse.Namespace) -> int:
     from trainbridge.launch import launcher
 
     start = time.monotonic()
+    console.quiet_this_process("auto")  # the parent never trains: no library start-up noise
     add_user_import_paths(options.config)
     loaded = _load_config(options)
     if isinstance(loaded, str):
@@ -273,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if options.command == "demo":
+            console.quiet_this_process("cpu")  # the demo's ranks run on CPU
             from trainbridge.demos.demo import run_demo
 
             run_demo(options.output_dir, options.nproc_per_node, options.max_steps)

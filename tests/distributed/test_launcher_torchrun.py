@@ -172,7 +172,12 @@ def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
     losses = [record["loss"] for record in records if "loss" in record]
     assert losses[-1] < losses[0] - 0.5
     assert [os.path.basename(c) for c in result.checkpoints] == ["checkpoint-9", "checkpoint-12"]
-    assert "trainbridge demo finished" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "trainbridge demo finished" in out
+    # the demo ends with a picture of this real run's metrics (trainbridge plot)
+    png = Path(result.metrics_file).with_name("metrics.png")
+    assert f"plot:            {png}" in out
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
 
 
 def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):

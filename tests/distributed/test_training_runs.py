@@ -239,3 +239,19 @@ def test_sigterm_fires_on_exception_and_fails_the_run_naming_the_rank(assets, tm
         run_training(args, TWO, timeout_s=240)
     assert "rank 1" in str(info.value) and "signal 15" in str(info.value)
     assert (tmp_path / "exit-rank1").read_text() == "on_exception received signal 15"
+
+
+def test_fsdp_with_the_chunked_loss_head_trains_like_the_standard_loss(assets, tmp_path):
+    """The chunked loss runs inside the FSDP2 ``norm + lm_head`` unit's forward (the CUDA default without
+    Liger): the same losses and weights as the standard loss over full logits."""
+    results = {}
+    for loss in ("standard", "chunked"):
+        out = tmp_path / loss
+        results[loss] = run_training(base_args(assets, out, max_steps=4, logging_steps=1, distributed_backend="fsdp",
+                                               loss_implementation=loss, loss_chunk_tokens=7,
+                                               save_strategy="no", save_final_checkpoint=True), TWO)
+    standard, chunked = ([r["loss"] for r in read_metrics(results[k].metrics_file) if "loss" in r]
+                         for k in ("standard", "chunked"))
+    assert len(standard) == 4 and chunked == pytest.approx(standard, rel=1e-5)
+    weights = [load_file(tmp_path / k / "checkpoint-4" / "model.safetensors") for k in ("standard", "chunked")]
+    assert max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0]) < 1e-5

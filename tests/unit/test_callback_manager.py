@@ -17,13 +17,8 @@ from trainbridge.core.manager import CallbackManager, CallbackSetupError
 
 
 @pytest.fixture
-def context(tmp_path: Path) -> TrainingContext:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2]}\n')
-    args = TrainingArgs(model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out")
+def context(run_files: dict[str, Path]) -> TrainingContext:
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     return TrainingContext(args=args, env=DistributedEnv())
 
 
@@ -323,3 +318,26 @@ def test_switching_off_restore_keeps_run_bookkeeping_state(context):
     restored = CallbackManager([user, bookkeeping]).load_state_dict(saved, restore_user_states=False)
     assert restored == [Bookkeeping.__qualname__]
     assert user.value is None and bookkeeping.value == 1
+
+
+def test_close_runs_once_per_callback_on_this_rank_and_isolates_errors(context, caplog):
+    closed: list[str] = []
+
+    class Closing(Callback):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def close(self, context):
+            closed.append(self.tag)
+            if self.tag == "broken":
+                raise OSError("disk gone")
+
+    class RankZero(Closing):
+        rank_zero_only = True
+
+    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")], is_world_process_zero=False)
+    with caplog.at_level(logging.ERROR, logger="trainbridge.core.manager"):
+        manager.close(context)
+        manager.close(context)
+    assert closed == ["broken", "last"]  # once each; the rank-zero-only callback does not run on rank 1
+    assert "callback Closing failed in close on rank 0" in caplog.text and "disk gone" in caplog.text

@@ -13,11 +13,7 @@ from trainbridge.loop.result import RunResult
 
 
 @pytest.fixture
-def config(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"text": "1+1=2"}\n')
+def config(tmp_path, run_files):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out"}))
     return path
@@ -140,21 +136,21 @@ def test_torchrun_spelling_of_nproc_per_node_is_accepted(config, launches):
 
 
 def test_nproc_per_node_defaults_to_one_with_a_note_without_gpus(config, launches, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 0)
     assert cli.main(["train", str(config)]) == 0
     assert launches.calls[0][1].nproc_per_node == 1
     assert "note: no GPU in use: 1 worker process (give --nproc-per-node N" in capsys.readouterr().err
 
 
 def test_nproc_per_node_defaults_to_every_visible_gpu(config, launches, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 4)
     assert cli.main(["train", str(config)]) == 0
     assert launches.calls[0][1].nproc_per_node == 4
     assert "note" not in capsys.readouterr().err
 
 
 def test_device_cpu_never_counts_gpus(monkeypatch):
-    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 8)
+    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 8)
     assert cli.default_nproc_per_node("cpu")[0] == 1 and cli.default_nproc_per_node("auto")[0] == 8
 
 

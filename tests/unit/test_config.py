@@ -9,15 +9,9 @@ from trainbridge.core.events import Event
 
 
 @pytest.fixture
-def base(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "1+1=2"}\n')
-    val = tmp_path / "val.jsonl"
-    val.write_text('{"text": "2+2=4"}\n')
-    return {"model_path": model, "data_path": data, "val_data_path": val, "ckpt_output_dir": tmp_path / "out"}
+def base(run_files):
+    return {"model_path": run_files["model"], "data_path": run_files["train"], "val_data_path": run_files["val"],
+            "ckpt_output_dir": run_files["out"]}
 
 
 def _error(fields):

@@ -11,6 +11,7 @@ does" is a real ``transformers.Trainer`` run on a tiny model with the same sched
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import shutil
@@ -492,11 +493,18 @@ def test_adapter_is_picklable_before_init_and_validates_config(files):
     adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2), Recorder], report_to=["tensorboard"])
     clone = cloudpickle.loads(cloudpickle.dumps(adapter))
     assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback, Recorder]
+    stopping = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2)])
     with pytest.raises(ValueError, match="EarlyStoppingCallback requires metric_for_best_model"):
-        adapter.validate(make_args(files, eval_strategy="steps", eval_steps=1))
+        stopping.validate(make_args(files, eval_strategy="steps", eval_steps=1))
     with pytest.raises(ValueError, match="requires eval_strategy"):
-        adapter.validate(make_args(files, metric_for_best_model="eval_loss"))
-    adapter.validate(make_args(files, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss"))
+        stopping.validate(make_args(files, metric_for_best_model="eval_loss"))
+    valid = make_args(files, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
+    stopping.validate(valid)
+    if importlib.util.find_spec("tensorboard") is not None:
+        adapter.validate(valid)
+    else:  # an integration that is not installed fails before launch, named
+        with pytest.raises(ValueError, match="report_to: tensorboard requested but not installed"):
+            adapter.validate(valid)
     with pytest.raises(ValueError, match="not supported"):
         HuggingFaceCallbackAdapter([], report_to=["nosuchtracker"]).validate(make_args(files))
     with pytest.raises(TypeError, match=r"not a transformers\.TrainerCallback"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
-from transformers import LlamaConfig, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from transformers.training_args import ParallelMode
 
@@ -22,13 +22,8 @@ from trainbridge.hf import build_training_arguments
 
 
 @pytest.fixture
-def files(tmp_path: Path) -> dict[str, Path]:
-    model = tmp_path / "model"
-    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=2).save_pretrained(model)
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    return {"model": model, "data": data, "out": tmp_path / "out"}
+def files(run_files: dict[str, Path]) -> dict[str, Path]:
+    return {"model": run_files["model"], "data": run_files["train"], "out": run_files["out"]}
 
 
 def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:

@@ -8,19 +8,14 @@ from typing import Any
 
 import pytest
 from accelerate.state import AcceleratorState
-from transformers import LlamaConfig, TrainingArguments
+from transformers import TrainingArguments
 
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
 
 
 @pytest.fixture
-def required(tmp_path: Path) -> dict[str, Any]:
-    model = tmp_path / "model"
-    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=2).save_pretrained(model)
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    return {"model_path": model, "data_path": data, "val_data_path": data}
+def required(run_files: dict[str, Path]) -> dict[str, Any]:
+    return {"model_path": run_files["model"], "data_path": run_files["train"], "val_data_path": run_files["train"]}
 
 
 @pytest.fixture

@@ -48,13 +48,8 @@ class HoldsALock(Callback):
 
 
 @pytest.fixture
-def train_args(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "1+1=2"}\n')
-    return {"model_path": model, "data_path": data, "ckpt_output_dir": tmp_path / "out"}
+def train_args(run_files):
+    return {"model_path": run_files["model"], "data_path": run_files["train"], "ckpt_output_dir": run_files["out"]}
 
 
 @pytest.fixture

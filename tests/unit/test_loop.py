@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
+from trainbridge.callbacks import BestCheckpointTracker, MetricsFileCallback, ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -177,3 +177,33 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
     assert [r.getMessage() for r in caplog.records] == [
         f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"]
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
+    class Closing(Callback):
+        def __init__(self) -> None:
+            self.closed: list[tuple[int, bool]] = []
+            self.ended = False
+
+        def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
+            self.ended = True
+
+        def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
+            self.ended = True
+
+        def close(self, context: TrainingContext) -> None:
+            self.closed.append((context.global_step, self.ended))
+
+    args = args_for(max_steps=3)
+    metrics, closing = MetricsFileCallback(), Closing()
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
+                        build_run(args, DistributedEnv()))
+    if crash:
+        with pytest.raises(Crash):
+            loop.run()
+    else:
+        loop.run()
+    assert closing.closed == [(2 if crash else 3, True)]  # after on_train_end / on_exception, once
+    assert metrics._file is None  # the metrics file is closed either way
+    assert len(args.resolved_metrics_file.read_text().splitlines()) == (2 if crash else 4)

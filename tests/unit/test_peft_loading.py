@@ -66,7 +66,7 @@ def test_peft_config_without_peft_installed_names_the_field(assets, tmp_path, mo
     ({**LORA, "task_type": "SEQ_CLS"}, ["peft_config", "task_type", "CAUSAL_LM"]),
     ({**LORA, "inference_mode": True}, ["peft_config", "inference_mode=True", "nothing would train"]),
     ({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"},
-     ["peft_config", "PromptTuningConfig", "packing='padded'"]),
+     ["peft_config", "PromptTuningConfig", "prompt-learning method, not supported"]),
     ({**LORA, "layers_pattern": "layers"}, ["peft_config", "not a valid peft config", "layers_to_transform"]),
     ({**LORA, "no_such_option": 1}, ["peft_config", "not a valid peft config", "no_such_option"]),
 ])
@@ -75,12 +75,6 @@ def test_lora_options_that_cannot_combine_fail_naming_the_field(assets, tmp_path
         args_for(assets, tmp_path, peft_config=config)
     for word in words:
         assert word in errors_of(info)
-
-
-def test_prompt_learning_needs_ddp(assets, tmp_path):
-    with pytest.raises(ValidationError, match="use distributed_backend='ddp'"):
-        args_for(assets, tmp_path, packing="padded", distributed_backend="fsdp",
-                 peft_config={"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"})
 
 
 def test_target_modules_matching_nothing_fail_in_preflight_naming_peft_config(assets, tmp_path):

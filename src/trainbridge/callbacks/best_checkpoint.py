@@ -15,6 +15,7 @@ from typing import Any
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.core.run_dir import checkpoint_dir
 
 
 class BestCheckpointTracker(Callback):
@@ -44,7 +45,7 @@ class BestCheckpointTracker(Callback):
 
     def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
         if context.best_global_step is not None:
-            best_dir = Path(kwargs["checkpoint_path"]).parent / f"checkpoint-{context.best_global_step}"
+            best_dir = checkpoint_dir(Path(kwargs["checkpoint_path"]).parent, context.best_global_step)
             if best_dir.is_dir():
                 context.best_checkpoint = best_dir
 

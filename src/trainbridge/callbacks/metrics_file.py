@@ -41,16 +41,10 @@ class MetricsFileCallback(Callback):
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def _close(self) -> None:
+    def close(self, context: TrainingContext) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._close()
-
-    def on_exception(self, context: TrainingContext, **kwargs: Any) -> None:
-        self._close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_file": None}

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file
 
+from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
 from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
 
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 OLD_PREFIX = ".old-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -96,7 +96,7 @@ class CheckpointManager:
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
         JSON-serialisable; ``extra_files`` maps file names to text written beside it.
         """
-        final = self.output_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+        final = checkpoint_dir(self.output_dir, global_step)
         tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
         error: BaseException | None = None
         if self.env.is_world_process_zero:
@@ -296,13 +296,7 @@ class CheckpointManager:
             )
         if adapter_file.is_file():
             saved = load_file(str(adapter_file), device="cpu")
-            state = adapter_state_for_model(engine.unwrapped, saved)
-            if state is None:  # prompt learning: PEFT loads it (replicated engines only, checked by the config)
-                from peft import set_peft_model_state_dict
-
-                set_peft_model_state_dict(engine.unwrapped, saved, adapter_name=engine.unwrapped.active_adapter)
-                return
-            engine.load_model_state_dict(state, strict=False)
+            engine.load_model_state_dict(adapter_state_for_model(engine.unwrapped, saved), strict=False)
             return
         state = read_safetensors_weights(path)
         fill_tied_weights(state, engine.unwrapped)

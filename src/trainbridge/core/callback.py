@@ -136,6 +136,11 @@ class Callback:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by ``state_dict`` when a run resumes."""
 
+    def close(self, context: TrainingContext) -> None:
+        """Release what the callback holds (files, progress bars, clients) once the run is over, clean or
+        not: called once on each rank where the callback runs, after ``on_train_end`` or ``on_exception``
+        and after non-blocking observers drained (as Composer's ``Callback.close``)."""
+
     def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
         """Extra text files (name -> content) written into each checkpoint directory, atomically with it."""
         return {}

@@ -26,6 +26,11 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.instructlab_names import check_instructlab_names
+from trainbridge.core.run_dir import METRICS_FILE
+
+DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
+"""The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
 
 
 class CallbackSpec(BaseModel):
@@ -222,9 +227,28 @@ class TrainingArgs(BaseModel):
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
     data_path: Path
-    """Training data, JSONL: pre-tokenized (``input_ids``, optional ``labels`` with -100 masking) or ``text``."""
+    """Training data: a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
+    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
+    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
+    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
     val_data_path: Path | None = None
-    """Validation data in the same format; exclusive with ``validation_split``."""
+    """Validation data in the same formats; exclusive with ``validation_split``."""
+    data_columns: dict[DataColumn, str] = Field(default_factory=dict)
+    """Read differently named columns: ``{ours: theirs}``, e.g. ``{messages: conversations}``; ours is one
+    of input_ids, labels, attention_mask, messages, tools, prompt, completion, text."""
+    chat_train_on: Literal["all", "last"] = "all"
+    """Chat ``messages``: train on every assistant turn (``all``) or on the last one only (``last``)."""
+    chat_system_prompt: str | None = None
+    """Chat ``messages``: a system message added to conversations that have none."""
+    chat_template: str | None = None
+    """Chat ``messages``: a Jinja chat template (the string, or a path to a file) used instead of the
+    tokenizer's; needed when the tokenizer has none."""
+    data_num_proc: int | None = Field(default=None, gt=0)
+    """Processes that tokenise the data on a cache miss (``datasets.map(num_proc=...)``); default
+    ``min(8, cpu count)``, fewer for small files."""
+    data_cache_dir: Path | None = None
+    """Where tokenised data is cached (one folder per data file, tokenizer, template and options); default
+    ``$TRAINBRIDGE_DATA_CACHE`` or ``~/.cache/trainbridge/data``.  Must be shared by the ranks of a node."""
     validation_split: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
@@ -247,6 +271,14 @@ class TrainingArgs(BaseModel):
     its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
     become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
     must not be ``padding_free``).  None: trainbridge's own collation."""
+    loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
+    """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
+    logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
+    full-vocabulary fp32 logits (same value and gradients); ``liger``: Liger-Kernel's fused linear cross
+    entropy (CUDA, ``pip install 'trainbridge[liger]'``).  ``auto``: ``liger`` on CUDA when installed,
+    else ``chunked`` on CUDA, ``standard`` on CPU.  Models that post-process logits keep ``standard``."""
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per chunk of ``loss_implementation='chunked'`` (fp32 logits held: this x vocabulary)."""
     varlen_sdpa: bool = True
     """Padding-free batches of an ``sdpa`` model run one causal sdpa per sample
     (``data.varlen_attention``) instead of masking the whole packed row: the same results, attention
@@ -260,10 +292,18 @@ class TrainingArgs(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant_with_warmup"
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
     """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
@@ -284,10 +324,23 @@ class TrainingArgs(BaseModel):
     """ZeRO stage when ``distributed_backend='deepspeed'``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32); with
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32; under FSDP2 a
+    ``MixedPrecisionPolicy`` with bf16 compute and fp32 gradient reduction); with
     ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
-    master weights in the optimizer)."""
+    master weights in the optimizer).  ``auto`` (default): ``bf16`` on a CUDA device that supports it,
+    ``no`` elsewhere (CPU runs stay fp32)."""
+    fsdp_gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """FSDP2 with gradient accumulation: ``every_micro_batch`` reduce-scatters each micro-batch's
+    gradients into the sharded fp32 gradients (memory: one shard of gradients, as torchtitan does);
+    ``last_micro_batch`` accumulates unsharded gradients and reduce-scatters once per optimizer step
+    (fewer collectives, but a full unsharded gradient per rank).  The result is the same."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (gathered again for backward; less
+    memory, one more all-gather per unit).  ``False`` keeps them until backward (ZeRO-2-like).  The
+    ``norm`` + output-layer unit never reshards after forward: its backward comes right after."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
 
@@ -379,6 +432,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        check_instructlab_names(data)  # instructlab's names get a message naming ours
         data = dict(data)
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
@@ -486,7 +540,7 @@ class TrainingArgs(BaseModel):
     @field_validator("data_path", "val_data_path")
     @classmethod
     def _data_file_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
+        if value is not None and not value.exists():
             raise ValueError(f"data file {str(value)!r} does not exist")
         return value
 
@@ -542,15 +596,11 @@ class TrainingArgs(BaseModel):
             if getattr(config, "inference_mode", False):
                 raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
                                  "set inference_mode=False")
-            if getattr(config, "is_prompt_learning", False) and self.distributed_backend != "ddp":
+            if getattr(config, "is_prompt_learning", False):
                 raise ValueError(
-                    f"peft_config: {type(config).__name__} keeps its weights outside the model's state dict, which "
-                    f"{self.distributed_backend} shards; use distributed_backend='ddp'"
-                )
-            if getattr(config, "is_prompt_learning", False) and self.packing != "padded":
-                raise ValueError(
-                    f"peft_config: {type(config).__name__} adds virtual tokens to every row, which padding-free "
-                    f"rows (packing={self.packing!r}) cannot carry; set packing='padded'"
+                    f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                    "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
+                    "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
                 )
         is_peft = config is not None or adapter_base is not None
         if self.merge_adapter_at_end and not is_peft and self.model_init is None:
@@ -594,10 +644,20 @@ class TrainingArgs(BaseModel):
         """Whether the best checkpoint is tracked (as transformers does it)."""
         return self.metric_for_best_model is not None or self.load_best_model_at_end or self.save_strategy == "best"
 
+    def mixed_precision_for(self, device_type: str) -> Literal["no", "bf16"]:
+        """``mixed_precision`` with ``auto`` resolved for a run on ``device_type`` (``cuda``/``cpu``)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if device_type != "cuda":
+            return "no"
+        import torch
+
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
     @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / "metrics.jsonl"
+        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:
@@ -628,7 +688,7 @@ class TrainingArgs(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainingArgs fields at the top level")
         base = path.parent
-        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "ckpt_output_dir",
+        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "data_cache_dir", "ckpt_output_dir",
                     "logging_dir", "metrics_file"):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])

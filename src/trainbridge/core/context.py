@@ -56,6 +56,8 @@ class TrainingContext:
     have run: ``on_pre_optimizer_step`` onwards includes the step)."""
     loss_tokens_seen: int = 0
     """Loss-counted tokens (labels != -100), all ranks together."""
+    num_parameters: int = 0
+    """Parameters of the model being trained, counted before wrapping (always)."""
     input_tokens_seen: int = 0
     """Input positions fed to the model (``input_ids`` elements, padding included), all ranks together
     (updated after the step's agreement, which sums it over ranks: at ``on_step_end`` it does not include
@@ -66,11 +68,10 @@ class TrainingContext:
     """Mean per-token loss of the last step, averaged across ranks (valid after the step's agreement:
     ``on_log``, ``on_evaluate``, ``on_save``, ``on_epoch_end``, ``on_train_end``; at ``on_step_end`` it
     still holds the previous step's value)."""
-    local_loss: float | None = None
-    """This rank's loss of the current micro-batch (``on_after_forward`` .. ``on_after_backward``) and its
-    per-token step loss at ``on_step_end`` (not averaged across ranks)."""
-    grad_norm: float | None = None
-    """Total gradient norm before clipping (from ``on_pre_optimizer_step``; same on every rank)."""
+    deferred_local_loss: float | torch.Tensor | None = field(default=None, repr=False)
+    """Storage of ``local_loss``: the loop leaves a device tensor here (read it through ``local_loss``)."""
+    deferred_grad_norm: float | torch.Tensor | None = field(default=None, repr=False)
+    """Storage of ``grad_norm``: the loop leaves a device tensor here (read it through ``grad_norm``)."""
     learning_rate: float | None = None
     """Learning rate used by the last optimizer step (from ``on_optimizer_step``)."""
     tokens_per_second: float | None = None
@@ -130,6 +131,43 @@ class TrainingContext:
     """Free-form state shared by callbacks across events (persists for the run)."""
     current_source: int = 0
     """Index of the callback being dispatched (set by the callback manager; names requesters)."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def total_flos(self) -> float:
+        """Estimated training floating-point operations so far: ``6 x num_parameters x tokens_seen``
+        (forward and backward, as ``transformers.Trainer``'s ``total_flos`` estimate)."""
+        return float(6 * self.num_parameters * self.tokens_seen)
+
+    # ------------------------------------------------------------------ values kept on the device
+    # The loop keeps the loss and the gradient norm on the device until the step's one reduction
+    # (``loop.step_accounting``), so a step has a single host-device synchronisation.  Reading one of
+    # these before that converts it -- one synchronisation, paid only by a callback that asks.
+    @property
+    def local_loss(self) -> float | None:
+        """This rank's loss of the current micro-batch (``on_after_forward`` .. ``on_after_backward``) and
+        its per-token step loss at ``on_step_end`` (not averaged across ranks)."""
+        value = self.deferred_local_loss
+        if value is not None and not isinstance(value, float):
+            value = self.deferred_local_loss = float(value)
+        return value
+
+    @local_loss.setter
+    def local_loss(self, value: float | torch.Tensor | None) -> None:
+        self.deferred_local_loss = value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Total gradient norm before clipping (from ``on_pre_optimizer_step``; same on every rank;
+        under DeepSpeed, which clips inside its step, from ``on_optimizer_step``)."""
+        value = self.deferred_grad_norm
+        if value is not None and not isinstance(value, float):
+            value = self.deferred_grad_norm = float(value)
+        return value
+
+    @grad_norm.setter
+    def grad_norm(self, value: float | torch.Tensor | None) -> None:
+        self.deferred_grad_norm = value
 
     # ------------------------------------------------------------------ rank shortcuts
     @property

@@ -11,6 +11,7 @@ At the step-end decision point the loop folds the step's loss sums into the same
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -97,26 +98,44 @@ def agree_control(
     env: DistributedEnv,
     requests: ControlRequests,
     source_names: Sequence[str],
-    extras: Sequence[float] = (),
+    extras: Sequence[float | torch.Tensor] = (),
+    own: Sequence[float | torch.Tensor] = (),
 ) -> tuple[AgreedControl, list[float]]:
     """Agree this rank's control requests with every other rank, in ONE collective.
 
-    Each rank contributes a row ``[*extras, *encoded flags]``; the collective (``env.gather_rows``,
+    Each rank contributes a row ``[*extras, *own, *encoded flags]``; the collective (``env.gather_rows``,
     an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  A flag is agreed when
-    *any* rank requested it (no flag lets one rank veto), and ``extras`` are summed over ranks (the loop
-    passes loss and token sums here at step end).
+    *any* rank requested it (no flag lets one rank veto), ``extras`` are summed over ranks (the loop
+    passes loss and token sums here at step end), and ``own`` values come back as this rank's (the loop
+    passes its local loss and the gradient norm).
 
-    Returns the agreed flags (with requesters) and the summed extras.  The pending requests are cleared.
+    ``extras`` and ``own`` may be device tensors (0-dim): the row is assembled on the device and read
+    back once, so the values the step left on the GPU cost no host synchronisation of their own.
+
+    Returns the agreed flags (with requesters) and the summed extras followed by the ``own`` values.
+    The pending requests are cleared.
     """
-    row = torch.tensor([*extras, *requests.encode()], dtype=torch.float64)
-    matrix = env.gather_rows(row)
-    n_extra = len(extras)
-    summed = [float(v) for v in matrix[:, :n_extra].sum(dim=0)] if n_extra else []
+    flags_row = torch.tensor(requests.encode(), dtype=torch.float64)
+    values = [*extras, *own]
+    if any(isinstance(v, torch.Tensor) for v in values):
+        device = env.device
+        if device.type == "cuda":  # pinned, so the copy is queued without waiting for the GPU
+            flags_row = flags_row.pin_memory()
+        row = torch.cat([
+            torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device, torch.float64, non_blocking=True)
+                         .reshape(()) for v in values]),
+            flags_row.to(device, non_blocking=True),
+        ])
+    else:
+        row = torch.cat([torch.tensor(values, dtype=torch.float64), flags_row])
+    rows = env.gather_rows(row)  # the one device -> host read of the step
+    n_extra, n_values = len(extras), len(values)
+    summed = [math.fsum(r[i] for r in rows) for i in range(n_extra)]
+    mine = rows[env.rank][n_extra:n_values]
     flags: set[ControlFlag] = set()
     requesters: dict[ControlFlag, list[Requester]] = {}
     for column, flag in enumerate(FLAGS):
-        codes = matrix[:, n_extra + column]
-        asked = [(rank, int(code) - 1) for rank, code in enumerate(codes.tolist()) if code > 0]
+        asked = [(rank, int(r[n_values + column]) - 1) for rank, r in enumerate(rows) if r[n_values + column] > 0]
         if asked:
             flags.add(flag)
             requesters[flag] = [
@@ -125,4 +144,4 @@ def agree_control(
             ]
     reasons = dict(requests.reasons)
     requests.clear()
-    return AgreedControl(frozenset(flags), requesters, reasons), summed
+    return AgreedControl(frozenset(flags), requesters, reasons), [*summed, *mine]

@@ -27,6 +27,19 @@ def launched_worker() -> bool:
     return all(name in os.environ for name in LAUNCHER_ENV_VARS)
 
 
+CUDA_ALLOC_CONF_DEFAULT = "expandable_segments:True"
+"""``PYTORCH_CUDA_ALLOC_CONF`` when the user has not set it: fewer fragmentation OOMs with varying
+micro-batch shapes (what torchtitan sets)."""
+
+
+def apply_cuda_defaults() -> None:
+    """CUDA workers' defaults, before the device is first used: the allocator's expandable segments
+    (unless ``PYTORCH_CUDA_ALLOC_CONF`` is set) and TF32 for fp32 matmuls and convolutions."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF_DEFAULT)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 @dataclass
 class DistributedEnv:
     """Rank, world size and device of this worker, with the process group it started."""
@@ -66,6 +79,7 @@ class DistributedEnv:
         if use_cuda:
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' was requested but CUDA is not available on this worker")
+            apply_cuda_defaults()
             torch.cuda.set_device(local_rank)
             dev = torch.device("cuda", local_rank)
         else:
@@ -101,6 +115,12 @@ class DistributedEnv:
             dist.destroy_process_group()
         self.started_group = False
 
+    def shutdown(self) -> None:
+        """Leave the process group whoever started it (``Trainer.end()`` at the end of a script whose
+        ``TrainingArguments`` already started it): a barrier (collective), then destroy it."""
+        self.started_group = self.started_group or (dist.is_available() and dist.is_initialized())
+        self.teardown(clean=True)
+
     # ------------------------------------------------------------------ named collectives
     def barrier(self) -> None:
         """Collective ``barrier``: every rank waits for all (used around checkpoint writes)."""
@@ -119,17 +139,18 @@ class DistributedEnv:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
-    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Collective ``all_gather`` of one 1-D float64 row per rank, as a ``[world_size, n]`` matrix.
+    def gather_rows(self, row: torch.Tensor) -> list[list[float]]:
+        """Collective ``all_gather`` of one 1-D float64 row per rank: ``world_size`` rows of ``n`` floats.
 
         Implemented as one ``all_reduce(SUM)`` over a zero matrix holding this rank's row, which works on
         every backend (gloo has no ``all_gather_into_tensor`` on CPU for all dtypes) and costs one call.
+        The result is read back to the host once (``tolist``: on a GPU, the one synchronisation).
         """
         matrix = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=self.device)
-        matrix[self.rank] = row.to(device=self.device, dtype=torch.float64)
+        matrix[self.rank] = row.to(device=self.device, dtype=torch.float64, non_blocking=True)
         if self.is_distributed:
             dist.all_reduce(matrix, op=dist.ReduceOp.SUM)
-        return matrix.cpu()
+        return matrix.tolist()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective ``broadcast_object_list``: rank ``src``'s Python object on every rank."""

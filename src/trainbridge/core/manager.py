@@ -96,6 +96,8 @@ class CallbackManager:
         self._errors = CallbackErrorLedger(error_policy, max_consecutive_errors)
         self._observers = _Observers(queue_size)
         self._state_keys = _unique_state_keys(self.callbacks)
+        self._active = [cb for cb in self.callbacks if is_world_process_zero or not cb.rank_zero_only]
+        self._closed = False
         self._index: dict[Event, list[_Entry]] = {event: [] for event in Event}
         for i, cb in enumerate(self.callbacks, start=1):
             if cb.rank_zero_only and not is_world_process_zero:
@@ -213,6 +215,18 @@ class CallbackManager:
             logger.error("non-blocking observers did not drain within %.0fs", self.drain_timeout_s)
             return False
         return True
+
+    def close(self, context: TrainingContext) -> None:
+        """Call every callback's ``close`` that runs on this rank, once, in order; an error is logged and
+        the others still close (the run's outcome is already decided)."""
+        if self._closed:
+            return
+        self._closed = True
+        for cb in self._active:
+            try:
+                cb.close(context)
+            except Exception:
+                logger.exception("callback %s failed in close on rank %d", cb.name, context.rank)
 
     # ------------------------------------------------------------------ state and checks
     @property

@@ -1,7 +1,8 @@
 """Batch iterables the loop and callbacks see as ``train_dataloader`` / ``eval_dataloader``.
 
-``TrainBatches`` turns the global epoch plan (``data.batching.plan_epoch``) into this rank's
-micro-batch tensors, step by step.  ``EvalBatches`` splits the validation set across ranks and packs
+``TrainBatches`` turns the global epoch plan (``data.plan.plan_epoch``, built from the source's length
+columns) into this rank's micro-batch tensors, step by step, fetching each micro-batch's samples from
+the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches`` splits the validation set across ranks and packs
 it to the token budget, padding with dummy micro-batches so every rank runs the same number of
 forwards (sharded models all-gather parameters in forward).
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainbridge.data.dataset import Sample
 from trainbridge.data.plan import EpochPlan, StepPlan, plan_epoch, steps_per_epoch
+from trainbridge.data.samples import SampleSource, as_source
 
 Collate = Callable[[Sequence[Sample]], dict[str, torch.Tensor]]
 
@@ -22,28 +25,31 @@ Collate = Callable[[Sequence[Sample]], dict[str, torch.Tensor]]
 class TrainBatches:
     """This rank's micro-batches for each optimizer step of an epoch (same plan on every rank)."""
 
-    def __init__(self, samples: Sequence[Sample], collate: Collate, *, effective_batch_size: int,
+    def __init__(self, samples: SampleSource | Sequence[Sample], collate: Collate, *, effective_batch_size: int,
                  world_size: int, rank: int, max_batch_len: int, seed: int, padded: bool):
-        self.samples = samples
+        self.samples = as_source(samples)
         self.collate = collate
         self.rank = rank
         self._plan_kwargs: dict[str, Any] = dict(
             effective_batch_size=effective_batch_size, world_size=world_size,
             max_batch_len=max_batch_len, seed=seed, padded=padded,
         )
-        self._lengths = [s.length for s in samples]
-        self._loss_tokens = [s.loss_tokens for s in samples]
-        self.steps_per_epoch = steps_per_epoch(len(samples), effective_batch_size)
+        self.steps_per_epoch = steps_per_epoch(len(self.samples), effective_batch_size)
         self.plan: EpochPlan = self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` (deterministic from the seed and the epoch number)."""
-        self.plan = plan_epoch(self._lengths, self._loss_tokens, epoch=epoch, **self._plan_kwargs)
+        self.plan = plan_epoch(self.samples.lengths, self.samples.loss_tokens, epoch=epoch, **self._plan_kwargs)
         return self.plan
 
     def micro_batches(self, step: StepPlan) -> list[dict[str, torch.Tensor]]:
         """Collated tensors (CPU) of this rank's micro-batches in ``step``."""
-        return [self.collate([self.samples[i] for i in indices]) for indices in step.micro_batches[self.rank]]
+        return [self.collate(self.samples.fetch(indices)) for indices in step.micro_batches[self.rank]]
+
+    def micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
+        """Loss tokens of each of this rank's micro-batches in ``step`` (from the length columns)."""
+        loss_tokens = self.samples.loss_tokens
+        return [int(loss_tokens[list(group)].sum()) for group in step.micro_batches[self.rank]]
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -56,16 +62,17 @@ class TrainBatches:
 class EvalBatches:
     """Validation micro-batches of this rank; every rank gets the same number."""
 
-    def __init__(self, samples: Sequence[Sample], collate: Collate, *, world_size: int, rank: int,
+    def __init__(self, samples: SampleSource | Sequence[Sample], collate: Collate, *, world_size: int, rank: int,
                  max_batch_len: int, padded: bool):
-        self.samples = samples
+        self.samples = as_source(samples)
         self.collate = collate
-        mine = list(range(rank, len(samples), world_size))
+        count = len(self.samples)
+        mine = range(rank, count, world_size)
         counts = []
         groups_by_rank = []
+        lengths = self.samples.lengths
         for r in range(world_size):
-            groups = _pack(list(range(r, len(samples), world_size)), [s.length for s in samples],
-                           max_batch_len, padded)
+            groups = _pack(range(r, count, world_size), lengths, max_batch_len, padded)
             groups_by_rank.append(groups)
             counts.append(len(groups))
         self.groups: list[list[int]] = groups_by_rank[rank] + [[] for _ in range(max(counts) - counts[rank])]
@@ -81,22 +88,23 @@ class EvalBatches:
     def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
         """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]``."""
         for group in self.groups:
-            yield group, self.collate([self.samples[i] for i in group])
+            yield group, self.collate(self.samples.fetch(group))
 
 
-def _pack(indices: list[int], lengths: Sequence[int], budget: int, padded: bool) -> list[list[int]]:
+def _pack(indices: Sequence[int], lengths: np.ndarray, budget: int, padded: bool) -> list[list[int]]:
     """Greedy in-order packing of ``indices`` into groups within the token budget."""
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in indices:
-        n = lengths[i]
-        cost = max(longest, n) * (len(current) + 1) if padded else sum(lengths[j] for j in current) + n
+        n = int(lengths[i])
+        cost = max(longest, n) * (len(current) + 1) if padded else total + n
         if current and cost > budget:
             groups.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(i)
         longest = max(longest, n)
+        total += n
     if current:
         groups.append(current)
     return groups

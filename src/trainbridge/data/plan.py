@@ -9,6 +9,11 @@ empty, dummy micro-batches) so the gradient collectives of DDP / FSDP / DeepSpee
 Resuming mid-epoch: the plan is a pure function of ``(lengths, seed, epoch, ...)``, so a resumed run
 rebuilds the epoch's plan and skips the steps already taken, ``plan.steps[k:]``; no sampler state is
 saved.
+
+The plan is built from two integer columns (``lengths``, ``loss_tokens``; numpy arrays read from the
+memory-mapped dataset, or plain sequences) and is lazy: an epoch holds one shuffled order, and a step's
+micro-batches are packed when the step is read, so planning a million-sample epoch costs one
+permutation, not a million Python objects.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
+import numpy as np
 import torch
 
 MicroBatch = tuple[int, ...]
@@ -55,12 +62,74 @@ class StepPlan:
         return [i for rank in self.micro_batches for micro in rank for i in micro]
 
 
+class PlannedSteps(Sequence[StepPlan]):
+    """The optimizer steps of an epoch, packed on access (a slice is another lazy view).
+
+    Step ``k`` holds the samples ``order[k * batch : (k + 1) * batch]``, spread over ranks and packed
+    into micro-batches within the token budget; the same inputs always give the same ``StepPlan``.
+    """
+
+    def __init__(self, order: np.ndarray, lengths: np.ndarray, loss_tokens: np.ndarray, *,
+                 effective_batch_size: int, world_size: int, max_batch_len: int, padded: bool,
+                 step_range: range | None = None):
+        self._order, self._lengths, self._loss_tokens = order, lengths, loss_tokens
+        self._batch, self._world_size = effective_batch_size, world_size
+        self._max_batch_len, self._padded = max_batch_len, padded
+        self._range = step_range if step_range is not None else range(math.ceil(len(order) / effective_batch_size))
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    @overload
+    def __getitem__(self, index: int) -> StepPlan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PlannedSteps: ...
+
+    def __getitem__(self, index: int | slice) -> StepPlan | PlannedSteps:
+        if isinstance(index, slice):
+            return PlannedSteps(
+                self._order, self._lengths, self._loss_tokens, effective_batch_size=self._batch,
+                world_size=self._world_size, max_batch_len=self._max_batch_len, padded=self._padded,
+                step_range=self._range[index],
+            )
+        return self._plan_step(self._range[index])
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        for k in self._range:
+            yield self._plan_step(k)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def _plan_step(self, k: int) -> StepPlan:
+        step_indices = self._order[k * self._batch : (k + 1) * self._batch].tolist()
+        lengths = self._lengths
+        step_lengths = {i: int(lengths[i]) for i in step_indices}
+        pack = _pack_padded if self._padded else _pack_padding_free
+        per_rank = [
+            pack(rank_indices, step_lengths, self._max_batch_len)
+            for rank_indices in _assign_to_ranks(step_indices, step_lengths, self._world_size)
+        ]
+        num_micro = max(len(micro) for micro in per_rank)
+        return StepPlan(
+            micro_batches=tuple(tuple(micro) + ((),) * (num_micro - len(micro)) for micro in per_rank),
+            num_samples=len(step_indices),
+            loss_tokens=int(sum(int(self._loss_tokens[i]) for i in step_indices)),
+            num_tokens=sum(step_lengths.values()),
+        )
+
+
 @dataclass(frozen=True)
 class EpochPlan:
-    """The optimizer steps of one epoch, for all ranks."""
+    """The optimizer steps of one epoch, for all ranks (``steps`` packs each step when it is read)."""
 
     epoch: int
-    steps: tuple[StepPlan, ...]
+    steps: Sequence[StepPlan]
 
     @property
     def num_samples(self) -> int:
@@ -85,7 +154,7 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _assign_to_ranks(indices: Sequence[int], lengths: Sequence[int], world_size: int) -> list[list[int]]:
+def _assign_to_ranks(indices: Sequence[int], lengths: dict[int, int], world_size: int) -> list[list[int]]:
     """Longest-first greedy: each sample goes to the rank with the fewest tokens so far.
 
     Ties go to the rank with fewer samples, then the lower rank, so the result is deterministic.
@@ -100,9 +169,7 @@ def _assign_to_ranks(indices: Sequence[int], lengths: Sequence[int], world_size:
     return per_rank
 
 
-def _pack_padding_free(
-    indices: Sequence[int], lengths: Sequence[int], max_batch_len: int
-) -> list[MicroBatch]:
+def _pack_padding_free(indices: Sequence[int], lengths: dict[int, int], max_batch_len: int) -> list[MicroBatch]:
     """First-fit decreasing: sum of lengths per micro-batch <= ``max_batch_len``."""
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -119,7 +186,7 @@ def _pack_padding_free(
     return [tuple(b) for b in bins]
 
 
-def _pack_padded(indices: Sequence[int], lengths: Sequence[int], max_batch_len: int) -> list[MicroBatch]:
+def _pack_padded(indices: Sequence[int], lengths: dict[int, int], max_batch_len: int) -> list[MicroBatch]:
     """Longest first, fill each micro-batch while rows x its longest row <= ``max_batch_len``."""
     batches: list[list[int]] = []
     for index in sorted(indices, key=lambda i: (-lengths[i], i)):
@@ -131,8 +198,8 @@ def _pack_padded(indices: Sequence[int], lengths: Sequence[int], max_batch_len: 
 
 
 def plan_epoch(
-    lengths: Sequence[int],
-    loss_tokens: Sequence[int],
+    lengths: Sequence[int] | np.ndarray,
+    loss_tokens: Sequence[int] | np.ndarray,
     *,
     effective_batch_size: int,
     world_size: int,
@@ -152,8 +219,10 @@ def plan_epoch(
     list is padded with empty (dummy) micro-batches to the longest one.  Every sample appears exactly
     once.  Raises ``ValueError`` for a sample longer than ``max_batch_len``.
     """
-    if len(lengths) != len(loss_tokens):
-        raise ValueError(f"{len(lengths)} lengths but {len(loss_tokens)} loss_tokens")
+    lengths_array = np.asarray(lengths, dtype=np.int64)
+    loss_array = np.asarray(loss_tokens, dtype=np.int64)
+    if len(lengths_array) != len(loss_array):
+        raise ValueError(f"{len(lengths_array)} lengths but {len(loss_array)} loss_tokens")
     for name, value in (
         ("effective_batch_size", effective_batch_size),
         ("world_size", world_size),
@@ -161,35 +230,22 @@ def plan_epoch(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    for index, length in enumerate(lengths):
-        if length <= 0:
-            raise ValueError(f"sample {index} has length {length}; samples must have at least one token")
-        if length > max_batch_len:
+    if len(lengths_array):
+        shortest = int(np.argmin(lengths_array))
+        if lengths_array[shortest] <= 0:
+            raise ValueError(f"sample {shortest} has length {lengths_array[shortest]}; "
+                             "samples must have at least one token")
+        longest = int(np.argmax(lengths_array))
+        if lengths_array[longest] > max_batch_len:
             raise ValueError(
-                f"sample {index} has {length} tokens, more than max_batch_len={max_batch_len}; "
+                f"sample {longest} has {lengths_array[longest]} tokens, more than max_batch_len={max_batch_len}; "
                 "raise max_batch_len or lower max_seq_len"
             )
-    count = len(lengths)
+    count = len(lengths_array)
     if shuffle:
-        order = torch.randperm(count, generator=_epoch_generator(seed, epoch)).tolist()
+        order = torch.randperm(count, generator=_epoch_generator(seed, epoch)).numpy()
     else:
-        order = list(range(count))
-    pack = _pack_padded if padded else _pack_padding_free
-
-    steps = []
-    for start in range(0, count, effective_batch_size):
-        step_indices = order[start : start + effective_batch_size]
-        per_rank = [
-            pack(rank_indices, lengths, max_batch_len)
-            for rank_indices in _assign_to_ranks(step_indices, lengths, world_size)
-        ]
-        num_micro = max(len(micro) for micro in per_rank)
-        steps.append(
-            StepPlan(
-                micro_batches=tuple(tuple(micro) + ((),) * (num_micro - len(micro)) for micro in per_rank),
-                num_samples=len(step_indices),
-                loss_tokens=sum(loss_tokens[i] for i in step_indices),
-                num_tokens=sum(lengths[i] for i in step_indices),
-            )
-        )
-    return EpochPlan(epoch=epoch, steps=tuple(steps))
+        order = np.arange(count, dtype=np.int64)
+    steps = PlannedSteps(order, lengths_array, loss_array, effective_batch_size=effective_batch_size,
+                         world_size=world_size, max_batch_len=max_batch_len, padded=padded)
+    return EpochPlan(epoch=epoch, steps=steps)

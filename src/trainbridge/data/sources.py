@@ -1,52 +1,133 @@
 """Where a run's samples come from: the configured training and validation data, loaded once.
 
-``load_run_data`` is the data layer's one entry for the builder (``trainbridge.loop.build``): new
-input formats are added here (or below it), never in the loop.
+``load_run_data(args, tokenizer)`` is the data layer's one entry for the builder
+(``trainbridge.loop.build``; the launcher's preflight calls it in the parent first through
+``check_training_data``, so bad rows fail before launch and the workers find the cache built).  It
+reads ``data_path``/``val_data_path`` through the tokenisation cache (``data.cache``), holds out
+``validation_split`` by index, and logs the start-up summary.  New input formats are added here (or
+below it), never in the loop.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainbridge.data.dataset import LoadStats, Sample, load_jsonl, split_validation
+from trainbridge.core.config import TrainingArgs
+from trainbridge.data.cache import open_tokenized
+from trainbridge.data.chat import ChatTemplateError, resolve_chat_template
+from trainbridge.data.dataset import LoadStats, OverlongPolicy, Sample, validation_indices
+from trainbridge.data.inputs import default_cache_dir
+from trainbridge.data.records import DataOptions
+from trainbridge.data.samples import ArrowSamples, SampleSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from trainbridge.core.config import TrainingArgs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RunData:
-    """A run's samples: training, validation (possibly empty), and what loading read and skipped."""
+    """A run's samples: training, validation (``None`` without validation), and what reading found."""
 
-    train: list[Sample]
-    val: list[Sample]
-    stats: list[LoadStats] = field(default_factory=list)
+    train: SampleSource
+    val: SampleSource | None
+    stats: list[LoadStats]
     """One entry per file read: the training file, then the validation file if one is configured."""
 
+    def summary(self, max_seq_len: int) -> str:
+        """The start-up summary: one line per data file, and the validation split if any."""
+        lines = [f"data: {s.describe(max_seq_len)}" for s in self.stats]
+        lines.append(f"data: {len(self.train)} training samples, "
+                     f"{len(self.val) if self.val is not None else 0} validation samples")
+        return "\n".join(lines)
 
-def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase, *, report: bool = True) -> RunData:
-    """Load ``data_path`` and ``val_data_path`` (or split ``validation_split`` off the training data).
 
-    With ``report`` (rank 0), samples dropped, truncated or skipped are logged as one warning per file.
-    """
-    train, stats = load_jsonl(args.data_path, tokenizer, args.max_seq_len, args.overlong_policy)
+def data_options(args: TrainingArgs) -> DataOptions:
+    """The tokenisation options of a run."""
+    return DataOptions(
+        max_seq_len=args.max_seq_len,
+        overlong_policy=args.overlong_policy,
+        columns=tuple(sorted(args.data_columns.items())),
+        chat_train_on=args.chat_train_on,
+        system_prompt=args.chat_system_prompt,
+        chat_template=read_chat_template(args.chat_template),
+        num_proc=args.data_num_proc or min(8, os.cpu_count() or 1),
+    )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """A template given as a path to a file (``.jinja`` or any existing file) is read; a string is the template."""
+    if value is None:
+        return None
+    if "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    return value
+
+
+def _template(tokenizer: PreTrainedTokenizerBase | None, options: DataOptions) -> str | None:
+    """The chat template conversations render with, or ``None`` (rows that need one then fail, named)."""
+    try:
+        return resolve_chat_template(tokenizer, options.chat_template)
+    except ChatTemplateError:
+        return None
+
+
+def open_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
+                 cache_dir: Path | None = None) -> tuple[ArrowSamples, LoadStats]:
+    """The samples of one data file or folder (through the tokenisation cache)."""
+    return open_tokenized(Path(path), tokenizer, options, _template(tokenizer, options),
+                          cache_dir or default_cache_dir())
+
+
+def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *,
+                  report: bool = True) -> RunData:
+    """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``report`` (rank 0)."""
+    options = data_options(args)
+    cache_dir = args.data_cache_dir or default_cache_dir()
+    train, stats = open_dataset(args.data_path, tokenizer, options, cache_dir)
     all_stats = [stats]
-    val: list[Sample] = []
+    val: SampleSource | None = None
+    source: SampleSource = train
     if args.val_data_path is not None:
-        val, val_stats = load_jsonl(args.val_data_path, tokenizer, args.max_seq_len, args.overlong_policy)
+        val, val_stats = open_dataset(args.val_data_path, tokenizer, options, cache_dir)
         all_stats.append(val_stats)
     elif args.validation_split > 0:
-        train, val = split_validation(train, args.validation_split, args.seed)
+        train_rows, val_rows = validation_indices(len(train), args.validation_split, args.seed)
+        source, val = train.subset(train_rows), train.subset(val_rows)
+    data = RunData(source, val, all_stats)
     if report:
-        for s in all_stats:
-            if s.dropped_overlong or s.truncated or s.empty_skipped:
-                logger.warning("%s: %d samples dropped as longer than max_seq_len=%d, %d truncated, "
-                               "%d without loss tokens skipped", s.path, s.dropped_overlong, args.max_seq_len,
-                               s.truncated, s.empty_skipped)
-    return RunData(train=list(train), val=list(val), stats=all_stats)
+        for line in data.summary(args.max_seq_len).splitlines():
+            logger.info("%s", line)
+    return data
+
+
+def load_jsonl(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    max_seq_len: int,
+    overlong_policy: OverlongPolicy,
+    *,
+    cache_dir: Path | None = None,
+) -> tuple[list[Sample], LoadStats]:
+    """Read a data file into a list of samples of at most ``max_seq_len`` tokens (small data, tests).
+
+    ``tokenizer`` is needed only for rows that are not pre-tokenized.  A sample longer than
+    ``max_seq_len`` is dropped (``"drop"``), cut (``"truncate"``) or rejected (``"error"``).  Raises
+    ``DataFormatError`` naming file and line for bad rows and ``ValueError`` when no usable sample
+    remains.  Without ``cache_dir`` the tokenised form is built in a temporary folder and discarded.
+    """
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if overlong_policy not in ("drop", "truncate", "error"):
+        raise ValueError(f"overlong_policy must be 'drop', 'truncate' or 'error', got {overlong_policy!r}")
+    options = DataOptions(max_seq_len=max_seq_len, overlong_policy=overlong_policy)
+    with tempfile.TemporaryDirectory(prefix="trainbridge-data-") as scratch:
+        source, stats = open_dataset(path, tokenizer, options, cache_dir or Path(scratch))
+        samples = source.fetch(range(len(source)))
+    return samples, stats

@@ -12,7 +12,7 @@ Event mapping: the adapter ``handles`` every event with a Hugging Face twin
 init end, train begin, log, evaluate, save and train end have code of their own.  ``TrainerState`` is
 refreshed from the ``TrainingContext`` before every hook (``global_step``, ``epoch``, ``max_steps``,
 ``num_input_tokens_seen`` under ``include_num_input_tokens_seen`` as Trainer counts it, ``total_flos``
-estimated as ``6 x parameters x tokens`` like the loop's final log, ``best_metric``/``best_global_step``
+from ``TrainingContext.total_flos``, ``best_metric``/``best_global_step``
 from the native best-checkpoint tracker, which runs after user callbacks as Trainer's
 ``_determine_best_metric`` runs after ``on_evaluate``).  ``on_log`` appends ``{**logs, "step":
 global_step}`` to ``state.log_history`` as ``Trainer.log`` does (with ``num_input_tokens_seen`` and, for
@@ -71,7 +71,6 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import (
@@ -98,6 +97,7 @@ from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import ControlFlag
 from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import HF_EVENTS, Event
+from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.hf.arguments import build_training_arguments
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,6 @@ class HuggingFaceCallbackAdapter(Callback):
         self._train_args: TrainingArgs | None = None
         self._resume_state: dict[str, Any] | None = None
         self._folded_agreed: object | None = None
-        self._num_parameters = 0
         self._errors = CallbackErrorLedger()
         self._context: TrainingContext | None = None
         self._evaluated = False
@@ -299,7 +298,6 @@ class HuggingFaceCallbackAdapter(Callback):
             is_world_process_zero=context.is_world_process_zero,
             stateful_callbacks=self._exportable_callbacks(),
         )
-        self._num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
         # Trainer calls on_init_end with a fresh TrainerState (max_steps etc. still 0): no sync here.
         self._call(context, "on_init_end", sync_state=False)
 
@@ -437,7 +435,7 @@ class HuggingFaceCallbackAdapter(Callback):
         state.max_steps = context.max_steps
         state.num_train_epochs = context.num_epochs
         state.num_input_tokens_seen = self._num_input_tokens_seen(context)
-        state.total_flos = float(6 * self._num_parameters * context.tokens_seen)
+        state.total_flos = context.total_flos
         if context.best_metric is not None:
             state.best_metric = context.best_metric
         if context.best_global_step is not None:
@@ -495,7 +493,7 @@ class HuggingFaceCallbackAdapter(Callback):
         state, train_args = self._state(), context.args
         if train_args.save_strategy == "no" or not state.best_global_step:
             return
-        best_dir = Path(train_args.ckpt_output_dir) / f"checkpoint-{state.best_global_step}"
+        best_dir = checkpoint_dir(train_args.ckpt_output_dir, state.best_global_step)
         if state.best_global_step == context.global_step or best_dir.is_dir():
             state.best_model_checkpoint = str(best_dir)
 

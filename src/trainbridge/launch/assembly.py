@@ -1,10 +1,14 @@
 """The callback list of a run, in dispatch order: built-ins, the user's callbacks, event functions.
 
 Used by the worker (to run them) and by the launcher's preflight (to validate them in the parent
-before launch), so both see exactly the same callbacks.
+before launch), so both see exactly the same callbacks.  The Hugging Face adapter is imported only
+when there is an HF callback or a ``report_to`` integration.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 from trainbridge.callbacks import (
     BestCheckpointTracker,
@@ -14,7 +18,6 @@ from trainbridge.callbacks import (
 )
 from trainbridge.core.callback import Callback, FunctionCallback
 from trainbridge.core.config import CallbackSpec, TrainingArgs
-from trainbridge.hf import HuggingFaceCallbackAdapter, split_callbacks
 
 
 def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
@@ -26,8 +29,12 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     brings transformers' own progress callback, the native progress bar.
     """
     user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
-    _, hf = split_callbacks(user)
-    adapter = HuggingFaceCallbackAdapter(hf, report_to=args.report_to) if (hf or args.report_to) else None
+    hf = _hf_callbacks(user)
+    adapter = None
+    if hf or args.report_to:
+        from trainbridge.hf import HuggingFaceCallbackAdapter
+
+        adapter = HuggingFaceCallbackAdapter(hf, report_to=args.report_to)
     ordered: list[Callback] = []
     for item in user:
         if any(item is h for h in hf):
@@ -44,3 +51,14 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     if adapter is None:
         tail.append(ProgressBarCallback())
     return [ScheduleCallback(), *ordered, *functions, *tail]
+
+
+def _hf_callbacks(user: list[Any]) -> list[Any]:
+    """The ``transformers.TrainerCallback``s among ``user``.  An HF callback (instance or class) exists
+    only once ``transformers.trainer_callback`` is imported, so without it the answer is known without
+    importing the adapter (and transformers, peft, DeepSpeed behind it): the launcher's start-up."""
+    if "transformers.trainer_callback" not in sys.modules:
+        return []
+    from trainbridge.hf import split_callbacks
+
+    return split_callbacks(user)[1]

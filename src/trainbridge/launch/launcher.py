@@ -38,16 +38,14 @@ import psutil
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import launched_worker
+from trainbridge.core.run_dir import result_file
 from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
-from trainbridge.modeling.load import check_model_setup
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
-
-RESULT_FILE_NAME = "result.json"
-"""Rank 0 writes the ``RunResult`` to ``ckpt_output_dir / RESULT_FILE_NAME``."""
 
 SHUTDOWN_GRACE_S = 45.0
 """After forwarding a signal (or on timeout), how long torchrun gets to stop its workers before the
@@ -114,14 +112,18 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``).
+    (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
+    into its cache (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
-    try:
-        check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
-    except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
+    if args.peft_config is not None:  # imported only then: the modeling layer pulls in transformers
+        from trainbridge.modeling.load import check_model_setup
+
+        try:
+            check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from exc
     for index, callback in enumerate(args.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
@@ -142,6 +144,24 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
+    _check_data(args)
+
+
+def _check_data(args: TrainingArgs) -> None:
+    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
+    launch, named by file and line, and the workers find the tokenised cache built."""
+    from trainbridge.data.sources import load_run_data  # imported here: the data layer pulls in torch
+    from trainbridge.modeling.load import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args)
+    except Exception as exc:
+        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    try:
+        load_run_data(args, tokenizer)
+    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
+        raise PreflightError(f"data: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- command and environment
@@ -426,11 +446,11 @@ def run_in_place(args: TrainingArgs) -> RunResult:
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
     if env.is_world_process_zero:
         args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
-        (args.ckpt_output_dir / RESULT_FILE_NAME).unlink(missing_ok=True)
+        result_file(args.ckpt_output_dir).unlink(missing_ok=True)
     env.barrier()
     result = train(args, env, assemble_callbacks(args))
     if env.is_world_process_zero:
-        result.write(args.ckpt_output_dir / RESULT_FILE_NAME)
+        result.write(result_file(args.ckpt_output_dir))
     return result
 
 
@@ -471,7 +491,7 @@ def run_training(
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
     args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
-    result_path = args.ckpt_output_dir / RESULT_FILE_NAME
+    result_path = result_file(args.ckpt_output_dir)
     if not dry_run:
         result_path.unlink(missing_ok=True)
     preflight(args)
@@ -484,6 +504,7 @@ def run_training(
         command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
                                          ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
+        env.update(quiet_environment(args.device, env))
         sys.stdout.flush()
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)

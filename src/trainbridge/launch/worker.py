@@ -2,7 +2,8 @@
 
 The composition root of a worker: it reads the HMAC-checked payload (``trainbridge.launch.transport``),
 starts the distributed seam, assembles the callbacks (``trainbridge.launch.assembly``), runs the loop,
-and has rank 0 write ``result.json``.  ``@record`` makes torchrun write this rank's error (type,
+and has rank 0 write ``result.json``; ``run_worker`` is that start and end around any job (the
+facade's worker, ``trainbridge.trainer.runner``, runs its jobs through it).  ``@record`` makes torchrun write this rank's error (type,
 message, traceback) to an error file the launcher reads.
 """
 
@@ -13,21 +14,40 @@ import atexit
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.launch.assembly import assemble_callbacks
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
-from trainbridge.loop.build import build_run
-from trainbridge.loop.loop import TrainingInterrupted, train
-from trainbridge.loop.summary import announce_run
+from trainbridge.core.run_dir import result_file
+from trainbridge.launch.console import configure_worker_console
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV
+
+# The loop, the callbacks and transformers are imported inside the functions below, after
+# ``configure_worker_console``: warnings and log levels must be set before those libraries load.
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     """Run one worker of a ``run_training`` job."""
-    parser = argparse.ArgumentParser(prog="python -m trainbridge.launch.worker")
+    return run_worker(argv, "trainbridge.launch.worker", _train_and_write_result)
+
+
+def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
+    from trainbridge.launch.assembly import assemble_callbacks
+    from trainbridge.loop.loop import train
+
+    result = train(args, env, assemble_callbacks(args))
+    if env.is_world_process_zero:
+        result.write(result_file(args.ckpt_output_dir))
+
+
+def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
+    """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
+    by ``--payload``, start the distributed seam (console configured per rank first), and tear the group down
+    (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan instead."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")
     parser.add_argument("--dry-run", action="store_true", help="build the run, print its plan, do not train")
     options = parser.parse_args(argv)
@@ -35,20 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     if not key:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV} is not set: workers are started by trainbridge.run_training")
-    args = read_payload(payload_path, key)
+    configure_worker_console(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+    from trainbridge.launch.transport import read_payload
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingInterrupted
+    from trainbridge.loop.summary import announce_run
+
+    args = read_payload(payload_path, key)  # unpickling the callbacks may import transformers
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if env.is_world_process_zero else logging.WARNING,
-        format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
-    )
     clean = False
     try:
         if options.dry_run:
             announce_run(args, env, build_run(args, env))
         else:
-            result = train(args, env, assemble_callbacks(args))
-            if env.is_world_process_zero:
-                result.write(args.ckpt_output_dir / "result.json")
+            job(args, env)
         clean = True
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too

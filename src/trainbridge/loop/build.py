@@ -21,6 +21,7 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.user_collate import collate_with
 from trainbridge.modeling import (
@@ -84,6 +85,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     model = load_model(args)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     padded = use_padded_batches(model, args)
+    install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device), args.loss_chunk_tokens)
     collate = _collate_fn(model, tokenizer, padded, args.data_collator)
     # compute_metrics needs one row per validation sample: validation batches are then padded (same loss)
     eval_padded = padded or args.compute_metrics is not None
@@ -128,4 +130,5 @@ def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool, data_colla
         return functools.partial(collate_with, data_collator, pad_token_id=pad_id)
     if padded:
         return functools.partial(collate_padded, pad_token_id=pad_id)
-    return functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model))
+    return functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
+                             flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import signal
 import time
 from collections.abc import Sequence
@@ -29,12 +30,14 @@ from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
-from trainbridge.data import StepPlan, token_loss_sum
+from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
+from trainbridge.data.collate import CollatedBatch
 from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.loop.summary import announce_run
+from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
@@ -77,12 +80,14 @@ class TrainingLoop:
         # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
         self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
-        self._num_parameters = components.num_parameters
         self._loss_since_log = 0.0
         self._last_logged_step = 0
         self._total_loss = 0.0
         self._steps_this_run = 0
-        self._step_loss_sum = 0.0
+        # The step's loss sum and grad norm stay on the device until the step's agreement reads them.
+        self._step_loss_sum: float | torch.Tensor = 0.0
+        self._step_grad_norm: float | torch.Tensor = math.nan
+        self._step_local_tokens = 1
         self._step_start = 0.0
         self._last_saved_step = -1
         self._stop_training = False
@@ -96,6 +101,7 @@ class TrainingLoop:
         ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
         ctx.tokenizer = self.tokenizer
+        ctx.num_parameters = components.num_parameters
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
@@ -125,9 +131,10 @@ class TrainingLoop:
                         self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
-                self.callbacks.drain()
                 raise
-        self.callbacks.drain()
+            finally:
+                self.callbacks.drain()
+                self.callbacks.close(ctx)
         return self._result(runtime)
 
     def _run_epoch(self) -> None:
@@ -139,9 +146,13 @@ class TrainingLoop:
             if ctx.global_step >= ctx.max_steps:
                 break
             self._train_step(step_plan)
-            # DECISION POINT: the step's one collective — agreed control plus the loss and input sums.
-            agreed, (loss_sum, input_tokens) = self._agree(extras=[self._step_loss_sum, self._step_input_tokens])
-            self._account_step(step_plan, loss_sum)
+            # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
+            # its one host-device synchronisation (the loss and grad norm ride in it from the device).
+            agreed, (loss_sum, input_tokens, local_loss_sum, grad_norm) = self._agree(
+                extras=[self._step_loss_sum, self._step_input_tokens],
+                own=[self._step_loss_sum, self._step_grad_norm],
+            )
+            self._account_step(step_plan, loss_sum, local_loss_sum, grad_norm)
             ctx.input_tokens_seen += int(input_tokens)
             flags = self._log_evaluate_save(agreed)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
@@ -153,11 +164,17 @@ class TrainingLoop:
         ctx.step_in_epoch = 0
 
     def _train_step(self, step: StepPlan) -> None:
-        """One optimizer step: every micro-batch of this rank, then clip, step, schedule."""
+        """One optimizer step: every micro-batch of this rank, then clip, step, schedule.
+
+        Nothing here waits for the device: token counts come from the step plan, the batch moves to the
+        device without blocking, and the loss and the grad norm stay device tensors until the step's
+        agreement reads them (``ctx.local_loss`` / ``ctx.grad_norm`` convert on a callback's read)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
+        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)  # a user's collator's labels
+                       for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
@@ -165,13 +182,13 @@ class TrainingLoop:
         for i, cpu_batch in enumerate(micro_batches):
             ctx.micro_step = i
             is_last = i == len(micro_batches) - 1
-            batch = {k: v.to(self.env.device, non_blocking=True) for k, v in cpu_batch.items()}
+            batch = _to_device(cpu_batch, self.env.device)
             with engine.micro_batch(is_last):
                 fire(Event.BEFORE_FORWARD, ctx, batch=batch)
-                with engine.autocast():
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch)
+                with engine.autocast(), sample_segments(cpu_batch):
+                    token_sum, n_tokens = token_loss_sum(engine.module, batch, num_tokens=loss_tokens[i])
                 loss = token_sum * scale
-                ctx.local_loss = float(token_sum.detach()) / n_tokens if n_tokens else 0.0
+                ctx.local_loss = token_sum.detach() / n_tokens if n_tokens else 0.0
                 fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
                 fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
                 engine.backward(loss)
@@ -180,15 +197,20 @@ class TrainingLoop:
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
         ctx.tokens_seen += step.num_tokens  # every rank's, from the plan: known without a collective
-        ctx.grad_norm = engine.clip_grad_norm(self.args.max_grad_norm)
+        grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
+        ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
         ctx.learning_rate = engine.current_lr()
         engine.optimizer_step()
+        if grad_norm is None:  # DeepSpeed clips inside its step and reports the norm after it
+            grad_norm = ctx.grad_norm = engine.reported_grad_norm()
         fire(Event.OPTIMIZER_STEP, ctx)
         engine.scheduler_step()
         engine.zero_grad()
-        self._step_loss_sum = float(loss_sum)
-        ctx.local_loss = self._step_loss_sum / max(sum(self._local_loss_tokens(step)), 1)
+        self._step_loss_sum = loss_sum
+        self._step_grad_norm = grad_norm if grad_norm is not None else math.nan
+        self._step_local_tokens = max(sum(loss_tokens), 1)
+        ctx.local_loss = loss_sum / self._step_local_tokens
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
@@ -225,22 +247,29 @@ class TrainingLoop:
         if self.eval_batches is None:
             raise RuntimeError("evaluation requested but no validation data is configured")
         start = time.time()
-        loss_sum, loss_tokens, steps = 0.0, 0, 0
+        loss_tokens, steps = 0, 0
+        device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
             for indices, cpu_batch in self.eval_batches.indexed():
-                batch = {k: v.to(self.env.device) for k, v in cpu_batch.items()}
-                with engine.autocast():
-                    logits = forward_logits(engine.module, batch)
-                token_sum, n_tokens = logits_loss_sum(logits, batch["labels"])
-                if predictions is not None:
+                batch = _to_device(cpu_batch, self.env.device)
+                n_tokens = _cpu_loss_tokens(cpu_batch)
+                logits = None
+                with engine.autocast(), sample_segments(cpu_batch):
+                    if predictions is None:
+                        token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
+                    else:  # full logits are needed for the predictions
+                        logits = forward_logits(engine.module, batch)
+                        token_sum, _ = logits_loss_sum(logits, batch["labels"], n_tokens)
+                if predictions is not None and logits is not None:
                     predictions.add(indices, batch, logits)
-                loss_sum += float(token_sum)
+                device_loss_sum += token_sum.detach().to(torch.float64)
                 loss_tokens += n_tokens
                 steps += 1
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
+        loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
         # collective: every rank's validation loss sum and token count, in one all_reduce
         total_sum, total_tokens, total_samples = self.env.sum_floats(
             [loss_sum, loss_tokens, self.eval_batches.num_samples_local]
@@ -325,9 +354,12 @@ class TrainingLoop:
         }
 
     # ================================================================== bookkeeping
-    def _agree(self, extras: Sequence[float] = ()) -> tuple[AgreedControl, list[float]]:
-        """Agree pending control requests across ranks (one collective); abort on a fatal callback error."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras)
+    def _agree(
+        self, extras: Sequence[float | torch.Tensor] = (), own: Sequence[float | torch.Tensor] = ()
+    ) -> tuple[AgreedControl, list[float]]:
+        """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
+        Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
+        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras, own)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
@@ -344,12 +376,15 @@ class TrainingLoop:
             )
         return agreed, sums
 
-    def _local_loss_tokens(self, step: StepPlan) -> list[int]:
-        samples = self.train_batches.samples
-        return [samples[i].loss_tokens for group in step.micro_batches[self.env.rank] for i in group]
+    def _micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
+        """Loss tokens of each of this rank's micro-batches in ``step``, from the samples (CPU-side)."""
+        return self.train_batches.micro_batch_loss_tokens(step)
 
-    def _account_step(self, step: StepPlan, global_loss_sum: float) -> None:
+    def _account_step(self, step: StepPlan, global_loss_sum: float, local_loss_sum: float,
+                      grad_norm: float) -> None:
         ctx = self.context
+        ctx.local_loss = local_loss_sum / self._step_local_tokens
+        ctx.grad_norm = None if math.isnan(grad_norm) else grad_norm
         ctx.loss = global_loss_sum / max(step.loss_tokens, 1)
         ctx.loss_tokens_seen += step.loss_tokens
         ctx.step_time_s = time.perf_counter() - self._step_start
@@ -382,7 +417,7 @@ class TrainingLoop:
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-            "total_flos": float(6 * self._num_parameters * ctx.tokens_seen),
+            "total_flos": ctx.total_flos,
             "train_loss": self._total_loss / max(steps, 0.001),
             "epoch": ctx.epoch,
         }
@@ -413,6 +448,17 @@ class TrainingLoop:
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
             merged_model=str(self._merged) if self._merged else None,
         )
+
+
+def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
+    """Loss tokens of a batch still on the CPU (counted there: no device synchronisation)."""
+    return int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
+    ``max_length_*``) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
 
 
 @contextmanager

@@ -83,6 +83,10 @@ def announce_run(args: TrainingArgs, env: DistributedEnv, components: RunCompone
         print(format_run_plan(args, env, components), flush=True)
 
 
+PLAN_SAMPLE_STEPS = 64
+"""Steps of the first epoch's plan the per-step averages are taken over."""
+
+
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -99,7 +103,8 @@ def _stats_line(stats: LoadStats, args: TrainingArgs) -> str:
 
 
 def _lengths(batches: Any) -> list[int]:
-    return [int(sample.length) for sample in batches.samples] if batches is not None else []
+    # the source's length column (a memory-mapped dataset is never read sample by sample here)
+    return batches.samples.lengths.tolist() if batches is not None else []
 
 
 def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComponents) -> str:
@@ -126,7 +131,7 @@ def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComp
     cap = f" (max_steps={args.max_steps})" if args.max_steps else ""
     rows.append(("steps", f"{steps:,} per epoch, {components.max_steps:,} in total over "
                           f"{components.num_epochs} epoch{'s' if components.num_epochs != 1 else ''}{cap}"))
-    plan_steps = components.train_batches.plan.steps
+    plan_steps = components.train_batches.plan.steps[:PLAN_SAMPLE_STEPS]  # steps are packed when read
     if plan_steps:
         tokens = sum(step.num_tokens for step in plan_steps) / len(plan_steps)
         micro = sum(step.micro_batches_per_rank for step in plan_steps) / len(plan_steps)

@@ -9,7 +9,7 @@ from trainbridge.modeling.padding_free import (
     model_supports_padding_free,
     packed_row_tokens,
 )
-from trainbridge.modeling.varlen_attention import enable_varlen_sdpa
+from trainbridge.modeling.varlen_attention import enable_varlen_sdpa, sample_segments
 
 __all__ = [
     "PACKED_ROW_TOKENS",
@@ -17,4 +17,5 @@ __all__ = [
     "enable_varlen_sdpa",
     "model_supports_padding_free",
     "packed_row_tokens",
+    "sample_segments",
 ]

@@ -38,12 +38,12 @@ def adapter_weight_names(model: Any) -> set[str] | None:
     return None if mapping is None else set(mapping.values())
 
 
-def adapter_state_for_model(model: Any, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The weights of an ``adapter_model.safetensors`` under ``model``'s own keys; None when the method needs
-    PEFT's ``set_peft_model_state_dict`` (prompt learning).  ``KeyError`` names weights that do not fit."""
+def adapter_state_for_model(model: Any, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of an ``adapter_model.safetensors`` under ``model``'s own keys.  ``KeyError`` names weights
+    that do not fit; ``ValueError`` for a model whose adapter is not a set of its own weights."""
     mapping = adapter_key_map(model)
     if mapping is None:
-        return None
+        raise ValueError(f"{type(model).__name__}: no adapter weights in the model's state dict to load into")
     unknown = sorted(set(saved) - set(mapping))
     missing = sorted(set(mapping) - set(saved))
     if unknown or missing:

@@ -76,6 +76,9 @@ def load_model(args: TrainingArgs) -> PreTrainedModel:
     if args.peft_config is not None:
         model = apply_peft(model, args.peft_config)
     if is_peft_model(model):
+        if model.active_peft_config.is_prompt_learning:  # type: ignore[union-attr]
+            raise ValueError(f"model: a {type(model.active_peft_config).__name__} adapter (prompt learning) is not "
+                             "supported; use an adapter method (LoRA, DoRA, IA3, ...)")
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         logger.info("PEFT: %d of %d parameters trainable (%.2f%%)", trainable, total, 100.0 * trainable / max(total, 1))

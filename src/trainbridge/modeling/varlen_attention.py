@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -66,6 +68,43 @@ class _SegmentCache:
 
 _segments = _SegmentCache()
 
+_known_bounds: list[list[int]] | None = None
+"""Boundaries of the forward running inside ``sample_segments`` (from the batch's Python metadata)."""
+
+
+@contextmanager
+def sample_segments(batch: Mapping[str, Any]) -> Iterator[None]:
+    """Tell the per-sample attention where the samples of ``batch`` start, for the forward run inside.
+
+    The boundaries come from CPU-side metadata: the collator's ``seq_lens`` (``data.collate.CollatedBatch``)
+    for packed rows, or "every row is one sample" for a batch with neither ``position_ids`` nor an
+    ``attention_mask`` (stacked equal-length rows).  Without it the attention reads them from the
+    device ``position_ids`` (``nonzero().tolist()``: one host-device synchronisation per forward).
+    A padded batch (``attention_mask``) sets nothing: it takes transformers' masked path.
+    """
+    global _known_bounds
+    seq_lens = getattr(batch, "seq_lens", None)
+    input_ids = batch.get("input_ids")
+    bounds: list[list[int]] | None = None
+    if seq_lens is not None:
+        bounds = [[0, *itertools.accumulate(row)] for row in seq_lens]
+    elif "position_ids" not in batch and "attention_mask" not in batch and isinstance(input_ids, torch.Tensor):
+        bounds = [[0, input_ids.shape[1]]] * input_ids.shape[0]
+    previous, _known_bounds = _known_bounds, bounds
+    try:
+        yield
+    finally:
+        _known_bounds = previous
+
+
+def _bounds_for(position_ids: torch.Tensor, rows: int, length: int) -> list[list[int]]:
+    """The known boundaries when they fit this call (``rows`` rows of ``length``), else read them from
+    ``position_ids``."""
+    known = _known_bounds
+    if known is not None and len(known) == rows and all(row[-1] == length for row in known):
+        return known
+    return _segments.bounds(position_ids)
+
 
 def varlen_sdpa_attention_forward(
     module: torch.nn.Module,
@@ -94,9 +133,10 @@ def varlen_sdpa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # Boundaries of the tensor every layer receives (the cache hits from the second layer on); one
-    # shared row of position_ids (the model's default arange for stacked rows) applies to every row.
-    bounds = _segments.bounds(position_ids)
+    # Boundaries known from the batch (``sample_segments``), else of the tensor every layer receives
+    # (the cache hits from the second layer on); one shared row of position_ids (the model's default
+    # arange for stacked rows) applies to every row.
+    bounds = _bounds_for(position_ids, query.shape[0], query.shape[2])
     if len(bounds) != query.shape[0]:
         bounds = bounds * query.shape[0]
     dropout_p = dropout if module.training else 0.0

@@ -12,10 +12,15 @@ micro-batches and calls, in this order::
 
 The loss handed to ``backward`` is ``sum_token_CE / global_loss_tokens * world_size``; every backend here
 *averages* gradients over ranks (DDP and FSDP2 natively, DeepSpeed with ``scale_wrt_gas=False``), so the
-gradient is the global per-token mean whatever the split.  Gradients are synchronised once per optimizer
-step: DDP ``no_sync`` and FSDP2 ``set_requires_gradient_sync(False)`` on non-last micro-batches, DeepSpeed
-through ``set_gradient_accumulation_boundary`` (ZeRO-2/3 still reduce-scatter every micro-batch: that is
+gradient is the global per-token mean whatever the split.  DDP synchronises gradients once per optimizer
+step (``no_sync`` on non-last micro-batches).  FSDP2 reduce-scatters every micro-batch's gradients into
+its sharded fp32 gradients by default (``fsdp_gradient_sync='every_micro_batch'``: no unsharded gradient
+is ever kept; ``'last_micro_batch'`` accumulates unsharded and reduce-scatters once).  DeepSpeed marks the
+boundary with ``set_gradient_accumulation_boundary`` (ZeRO-2/3 reduce-scatter every micro-batch: that is
 how they partition gradients).
+
+No host-device synchronisation in the step: ``clip_grad_norm`` returns the norm as a device tensor; the
+loop reads it, with the loss, in the step's one reduction (``core.control.agree_control``).
 
 With one process (``world_size == 1``) every backend runs the bare model (no wrapper, plain AdamW); the
 arithmetic is the same and ``describe()`` says so.  With more ranks ``verify()`` asserts the configured
@@ -30,6 +35,7 @@ parameters with fp32 master weights in the optimizer (as the Hugging Face Traine
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
@@ -70,12 +76,16 @@ def build_optimizer(
     """torch AdamW over ``model``'s trainable parameters: one group with ``weight_decay``, one without.
 
     Uses torch's fused AdamW kernel (several times faster than the per-parameter loop on CPU; Trainer's
-    default too) when ``allow_fused`` and every parameter is a plain floating-point tensor on CPU or
-    CUDA.  FSDP2's DTensor shards and DeepSpeed's flat partitions keep the default implementation.
+    default too) when ``allow_fused`` and every parameter is a floating-point tensor on CPU or CUDA:
+    plain parameters, or FSDP2's DTensor shards (DTensor dispatches ``_fused_adamw_`` shard-locally).
     """
+    from torch.distributed.tensor import DTensor
+
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fused = allow_fused and all(
-        type(p) is nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda") for _, p in named
+        (type(p) is nn.Parameter or isinstance(p, DTensor))
+        and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for _, p in named
     )
     groups = [
         {"params": [p for n, p in named if n in decay_names], "weight_decay": args.weight_decay},
@@ -95,8 +105,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_
     return get_scheduler(
         args.lr_scheduler,
         optimizer=optimizer,
-        num_warmup_steps=args.warmup_steps,
+        num_warmup_steps=args.warmup_steps or math.ceil(args.warmup_ratio * total_steps),
         num_training_steps=total_steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
     )
 
 
@@ -124,6 +135,8 @@ class TrainingEngine(ABC):
         self.lr_scheduler = lr_scheduler
         self.args = args
         self.env = env
+        self.precision = args.mixed_precision_for(env.device.type)
+        """``args.mixed_precision`` resolved for this device (``auto`` -> ``bf16`` on CUDA, ``no`` on CPU)."""
 
     # ------------------------------------------------------------------ the step
     @abstractmethod
@@ -134,17 +147,24 @@ class TrainingEngine(ABC):
         """Back-propagate the (already normalised) loss; gradients accumulate until the optimizer step."""
         loss.backward()
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Total L2 gradient norm before clipping (same on every rank); clips to ``max_norm`` unless None."""
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        """Total L2 gradient norm before clipping, a 0-dim tensor on the device (same on every rank; no
+        host synchronisation); clips to ``max_norm`` unless None.  ``None`` when the backend clips inside
+        its own step (DeepSpeed): then ``reported_grad_norm`` gives it after ``optimizer_step``."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         if max_norm is None:
             norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params])
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return self._norm_to_float(norm)
+        return self._full_norm(norm)
 
-    def _norm_to_float(self, norm: torch.Tensor) -> float:
-        return float(norm)
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm.detach()
+
+    def reported_grad_norm(self) -> torch.Tensor | float | None:
+        """The pre-clip norm the backend measured in ``optimizer_step`` (only where ``clip_grad_norm`` is
+        None: DeepSpeed)."""
+        return None
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients."""
@@ -163,9 +183,9 @@ class TrainingEngine(ABC):
         return float(self.lr_scheduler.get_last_lr()[0])
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """bf16 autocast for forward/loss when ``mixed_precision='bf16'`` and the wrapper does not already
+        """bf16 autocast for forward/loss when ``mixed_precision`` resolves to bf16 and the wrapper does not already
         run in bf16; a null context otherwise."""
-        if self.args.mixed_precision == "bf16" and not self._wrapper_handles_precision():
+        if self.precision == "bf16" and not self._wrapper_handles_precision():
             return torch.autocast(device_type=self.env.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -301,16 +321,20 @@ class FSDP2Engine(TrainingEngine):
         super().__init__(*args, **kwargs)
         self.sharded_modules = sharded_modules
         self.mixed_precision_policy = mixed_precision_policy
+        self.sync_every_micro_batch = self.args.fsdp_gradient_sync == "every_micro_batch"
 
     def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
-        """``set_requires_gradient_sync(is_last)``: reduce-scatter only after the step's last backward."""
-        self.module.set_requires_gradient_sync(is_last)
+        """Reduce-scatter this micro-batch's gradients into the sharded gradients (default), or, with
+        ``fsdp_gradient_sync='last_micro_batch'``, only after the step's last backward."""
+        self.module.set_requires_gradient_sync(is_last or self.sync_every_micro_batch)
+        self.module.set_is_last_backward(is_last)
         return contextlib.nullcontext()
 
-    def _norm_to_float(self, norm: torch.Tensor) -> float:
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        # collective (DTensor redistribution of a partial norm): stays on the device, no host sync
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     def _wrapper_handles_precision(self) -> bool:
         return self.mixed_precision_policy
@@ -364,8 +388,10 @@ class FSDP2Engine(TrainingEngine):
 
     def describe(self) -> str:
         """E.g. ``fsdp2 (fully_shard) world=2 device=cpu, 3 sharded modules``."""
-        precision = ", bf16 MixedPrecisionPolicy" if self.mixed_precision_policy else ""
-        return f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules{precision}"
+        precision = ", bf16 MixedPrecisionPolicy (fp32 reduce)" if self.mixed_precision_policy else ""
+        sync = "reduce-scatter every micro-batch" if self.sync_every_micro_batch else "reduce-scatter per step"
+        return (f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules, {sync}, "
+                f"reshard_after_forward={self.args.fsdp_reshard_after_forward}{precision}")
 
     def _verify_wrapper(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -402,29 +428,23 @@ class DeepSpeedEngine(TrainingEngine):
         """``engine.backward(loss, scale_wrt_gas=False)``: the loop's loss is already normalised."""
         self.module.backward(loss, scale_wrt_gas=False)
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Pre-clip norm of the (partitioned) gradients, from the ZeRO optimizer's own norm computation.
-
-        The clipping itself is DeepSpeed's ``gradient_clipping`` (set from ``args.max_grad_norm`` at build
-        time), applied inside ``optimizer_step``; a different ``max_norm`` here is an error.  DeepSpeed has
-        no public pre-step norm, so this calls the ZeRO optimizers' norm methods (``scaled_global_norm``,
-        ``_get_norm_groups``, DeepSpeed 0.19); tests/distributed/test_engines.py pins the value to the norm
-        DeepSpeed itself reports after the step.
-        """
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        """None: DeepSpeed measures the norm and clips inside its step (``gradient_clipping``, set from
+        ``args.max_grad_norm`` at build time; a different ``max_norm`` here is an error); read the norm
+        from ``reported_grad_norm`` after ``optimizer_step`` (as transformers' Trainer does), not
+        recomputed."""
         configured = self.args.max_grad_norm
         if max_norm != configured:
             raise ValueError(
                 f"deepspeed clips inside its step with gradient_clipping={configured} (args.max_grad_norm); "
                 f"clip_grad_norm was called with max_norm={max_norm}"
             )
-        zero = self.module.optimizer
-        if self.zero_stage == 3:
-            from deepspeed.runtime.utils import combine_grad_norm_groups
+        return None
 
-            norm = combine_grad_norm_groups(zero._get_norm_groups())
-        else:
-            norm = zero.scaled_global_norm()
-        return float(norm) / float(zero.loss_scale)
+    def reported_grad_norm(self) -> torch.Tensor | float | None:
+        """``engine.get_global_grad_norm()``: the pre-clip norm DeepSpeed computed in its last step."""
+        norm = self.module.get_global_grad_norm()
+        return norm.detach() if isinstance(norm, torch.Tensor) else norm
 
     def optimizer_step(self) -> None:
         """``engine.step()`` at the boundary: clip, optimizer step, and DeepSpeed's own ``zero_grad``."""
@@ -494,8 +514,9 @@ class DeepSpeedEngine(TrainingEngine):
 
     def describe(self) -> str:
         """E.g. ``deepspeed ZeRO-2 world=2 device=cpu``."""
-        precision = ", bf16" if self.args.mixed_precision == "bf16" else ""
-        return f"deepspeed ZeRO-{self.zero_stage} {self._where()}{precision}"
+        precision = ", bf16" if self.precision == "bf16" else ""
+        optimizer = type(getattr(self.module.optimizer, "optimizer", self.module.optimizer)).__name__
+        return f"deepspeed ZeRO-{self.zero_stage} {self._where()}{precision}, {optimizer}"
 
     def _verify_wrapper(self) -> None:
         from deepspeed import DeepSpeedEngine as DSEngine
@@ -518,6 +539,8 @@ def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv
     on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps."""
     decay_names = decay_parameter_names(model)
     backend = args.distributed_backend
+    if args.compile:
+        compile_decoder_layers(model)
     if env.world_size == 1:
         cast(nn.Module, model).to(env.device)
         optimizer = build_optimizer(model, args, decay_names)
@@ -537,6 +560,10 @@ def _build_ddp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, 
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
+        # DDP broadcasts the buffers from rank 0 at construction; re-broadcasting them before every
+        # forward (the default) is one more collective per micro-batch for nothing here: a causal LM's
+        # buffers (rotary frequencies, masks) are constants, never updated by training.
+        broadcast_buffers=False,
     )
     optimizer = build_optimizer(model, args, decay_names)
     return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
@@ -548,6 +575,47 @@ def _sharding_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
+def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
+    """``torch.compile`` each decoder layer in place (``nn.Module.compile``), before any wrapping (as
+    torchtitan orders it: compile, then ``fully_shard``); returns how many were compiled."""
+    layers = _sharding_units(model)
+    for layer in layers:
+        layer.compile(**compile_kwargs)
+    return len(layers)
+
+
+def _model_method(model: nn.Module, name: str) -> Any:
+    method = getattr(model, name, None)
+    return method() if callable(method) else None
+
+
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
+def fsdp_unit_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The modules FSDP2 shards as their own units, in forward order, before the root:
+
+    the input embeddings, each decoder layer, and the final norm together with the output layer (they
+    run back to back, so one all-gather serves both).  Tied input/output embeddings share a weight,
+    which must stay in one unit: then both stay with the root.
+    """
+    decoder_layers = _sharding_units(model)
+    embed = _model_method(model, "get_input_embeddings")
+    head = _model_method(model, "get_output_embeddings")
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    groups: list[tuple[str, list[nn.Module]]] = []
+    if isinstance(embed, nn.Module) and not tied and any(True for _ in embed.parameters()):
+        groups.append(("embeddings", [embed]))
+    groups += [(f"decoder layer {i}", [layer]) for i, layer in enumerate(decoder_layers)]
+    if isinstance(head, nn.Module) and not tied:
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)),
+                    None)
+        groups.append(("norm + output layer" if norm is not None else "output layer",
+                       [norm, head] if norm is not None else [head]))
+    return groups
+
+
 def _build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
                 decay_names: set[str]) -> FSDP2Engine:
     from torch.distributed.device_mesh import init_device_mesh
@@ -557,34 +625,53 @@ def _build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv,
     # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
     # so no rank ever holds the whole model on the GPU.
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    use_mp_policy = args.mixed_precision == "bf16" and env.device.type == "cuda"
+    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda"
     kwargs: dict[str, Any] = {"mesh": mesh}
     if use_mp_policy:
+        # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = _sharding_units(model)
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    groups = fsdp_unit_groups(model)
+    for i, (_, modules) in enumerate(groups):
+        # The last unit's backward follows its forward at once: keep its parameters gathered.
+        reshard = args.fsdp_reshard_after_forward and i < len(groups) - 1
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=args.fsdp_reshard_after_forward, **kwargs)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
-    optimizer = build_optimizer(model, args, decay_names, allow_fused=False)
+    optimizer = build_optimizer(model, args, decay_names)
     return FSDP2Engine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env,
-                       sharded_modules=len(units) + 1, mixed_precision_policy=use_mp_policy)
+                       sharded_modules=len(groups) + 1, mixed_precision_policy=use_mp_policy)
+
+
+DEEPSPEED_BUCKET_ELEMENTS = 200_000_000
+"""Elements per ZeRO reduce / all-gather bucket (DeepSpeed's default is 5e8; 2e8 is what large-model
+recipes use to bound the bucket memory, 2 x 400 MB in bf16)."""
 
 
 def deepspeed_config(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
     """The explicit DeepSpeed config: one sample per micro-batch, the boundary set by the engine per step
-    (so ``gradient_accumulation_steps`` is 1), clipping from ``max_grad_norm``, bf16 if configured."""
+    (so ``gradient_accumulation_steps`` is 1), clipping from ``max_grad_norm``, bf16 if configured;
+    ZeRO with contiguous gradients and bounded buckets, and on CUDA communication overlapped with the
+    backward (``overlap_comm``)."""
+    zero: dict[str, Any] = {
+        "stage": args.deepspeed_zero_stage,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
+        "allgather_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
+        "overlap_comm": env.device.type == "cuda",
+    }
+    if args.deepspeed_zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = DEEPSPEED_BUCKET_ELEMENTS
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": env.world_size,
         "gradient_clipping": args.max_grad_norm or 0.0,
-        "zero_optimization": {"stage": args.deepspeed_zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
-    if args.mixed_precision == "bf16":
+    if args.mixed_precision_for(env.device.type) == "bf16":
         config["bf16"] = {"enabled": True}
     return config
 
@@ -616,10 +703,25 @@ def _build_deepspeed(model: PreTrainedModel, args: TrainingArgs, env: Distribute
     # Joins the process group DistributedEnv already started (gloo on CPU, NCCL on CUDA).
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
     cast(nn.Module, model).to(env.device)
-    optimizer = build_optimizer(model, args, decay_names, allow_fused=False)
+    optimizer = (_deepspeed_fused_adam(deepspeed, model, args, decay_names) if env.device.type == "cuda"
+                 else build_optimizer(model, args, decay_names, allow_fused=False))
     # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
     scheduler = build_scheduler(optimizer, args, total_steps)
     ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(args, env), dist_init_required=False
     )
     return DeepSpeedEngine(ds_engine, model, ds_optimizer, scheduler, args, env, zero_stage=args.deepspeed_zero_stage)
+
+
+def _deepspeed_fused_adam(deepspeed: Any, model: nn.Module, args: TrainingArgs, decay_names: set[str]) -> Any:
+    """``deepspeed.ops.adam.FusedAdam`` in AdamW mode, with the same two parameter groups as
+    ``build_optimizer`` (its CUDA multi-tensor kernel; what DeepSpeed's own configs pick on GPUs)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay_names], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0},
+    ]
+    return FusedAdam([g for g in groups if g["params"]], lr=args.learning_rate,
+                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adam_w_mode=True)

@@ -14,9 +14,7 @@ plain ``python script.py``: it reads the authenticated payload (a ``FacadeJob``)
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -29,11 +27,12 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.run_dir import result_file
 from trainbridge.launch.assembly import assemble_callbacks
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
-from trainbridge.launch.worker import exit_after_success
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV
+from trainbridge.launch.worker import exit_after_success, run_worker
 from trainbridge.loop.build import build_run
-from trainbridge.loop.loop import TrainingInterrupted, TrainingLoop
+from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 
 STATE_FILE = "trainer_state.json"
@@ -112,7 +111,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
         export_model(loop, job.run_dir / FINAL_MODEL_DIR)
         state = recorder.state()
         if env.is_world_process_zero:
-            result.write(job.args.ckpt_output_dir / "result.json")
+            result.write(result_file(job.args.ckpt_output_dir))
             (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
         return JobOutcome(loop=loop, result=result, state=state)
     if job.kind == "evaluate":
@@ -124,7 +123,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
         if env.is_world_process_zero:
             # the launcher expects a result from every job; an evaluation trained no step
             job.args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
-            RunResult(global_step=0, epoch=0.0, max_steps=0).write(job.args.ckpt_output_dir / "result.json")
+            RunResult(global_step=0, epoch=0.0, max_steps=0).write(result_file(job.args.ckpt_output_dir))
             with (job.run_dir / EVAL_FILE).open("wb") as handle:
                 pickle.dump({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
                             handle)
@@ -158,30 +157,15 @@ def job_environment(job: FacadeJob) -> str:
 @record
 def main(argv: list[str] | None = None) -> int:
     """The worker of a self-launched facade job (started by ``run_training(..., worker_module=...)``)."""
-    parser = argparse.ArgumentParser(prog="python -m trainbridge.trainer.runner")
-    parser.add_argument("--payload", required=True)
-    payload_path = parser.parse_args(argv).payload
-    key = os.environ.pop(PAYLOAD_KEY_ENV, None)
     spec = json.loads(os.environ.get(JOB_ENV, "{}"))
-    if not key or not spec:
+    if not spec or PAYLOAD_KEY_ENV not in os.environ:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV}/{JOB_ENV} not set: this worker is started by trainbridge.Trainer")
-    args = read_payload(payload_path, key)
-    job = FacadeJob(kind=spec["kind"], args=args, run_dir=Path(spec["run_dir"]),
-                    keep_predictions=bool(spec.get("keep_predictions")))
-    env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if env.is_world_process_zero else logging.WARNING,
-        format=f"[rank{env.rank}] %(levelname)s %(name)s: %(message)s",
-    )
-    clean = False
-    try:
-        run_job(job, env)
-        clean = True
-    except TrainingInterrupted as exc:
-        raise RuntimeError(f"worker interrupted: {exc}") from exc
-    finally:
-        env.teardown(clean)
-    return 0
+
+    def job(args: TrainingArgs, env: DistributedEnv) -> None:
+        run_job(FacadeJob(kind=spec["kind"], args=args, run_dir=Path(spec["run_dir"]),
+                          keep_predictions=bool(spec.get("keep_predictions"))), env)
+
+    return run_worker(argv, "trainbridge.trainer.runner", job)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,18 @@ def train_step(engine: TrainingEngine, batches: list[torch.Tensor], global_token
         engine.backward(ce / global_tokens * scale)
         ce_total += float(ce.detach())
     if engine.kind != "deepspeed":  # deepspeed clips in its step with the configured norm only
-        measured = engine.clip_grad_norm(None)
-    norm = engine.clip_grad_norm(max_norm)
-    if engine.kind != "deepspeed" and abs(measured - norm) > 1e-6 * max(norm, 1.0):
-        raise AssertionError(f"clip_grad_norm(None) measured {measured}, clip_grad_norm({max_norm}) saw {norm}")
+        measured = float(engine.clip_grad_norm(None))  # type: ignore[arg-type]
+    device_norm = engine.clip_grad_norm(max_norm)
+    if engine.kind != "deepspeed":
+        assert isinstance(device_norm, torch.Tensor) and device_norm.device == engine.env.device, device_norm
+        norm = float(device_norm)
+        if abs(measured - norm) > 1e-6 * max(norm, 1.0):
+            raise AssertionError(f"clip_grad_norm(None) measured {measured}, clip_grad_norm({max_norm}) saw {norm}")
+    else:
+        assert device_norm is None  # DeepSpeed clips in its step and reports the norm after it
     engine.optimizer_step()
+    if device_norm is None:
+        norm = float(engine.reported_grad_norm())  # type: ignore[arg-type]
     engine.scheduler_step()
     engine.zero_grad()
     return ce_total, norm
@@ -105,6 +112,7 @@ def main(spec: dict[str, Any]) -> None:
         distributed_backend=spec["backend"],
         deepspeed_zero_stage=spec["zero_stage"],
         mixed_precision=spec.get("mixed_precision", "no"),
+        fsdp_gradient_sync=spec.get("fsdp_gradient_sync", "every_micro_batch"),
         learning_rate=1e-2,
         weight_decay=0.1,
         lr_scheduler="linear",
@@ -160,6 +168,10 @@ def main(spec: dict[str, Any]) -> None:
     reference_weights = {n: p.detach().float() for n, p in reference.unwrapped.named_parameters()}
     result["weights_sha"] = sha(weights)
     result["max_diff_vs_reference"] = max_diff(weights, reference_weights)
+    if env.is_world_process_zero:
+        torch.save(weights, out_dir / "final_weights.pt")
+    if engine.kind == "fsdp":
+        result["optimizer_fused"] = all(g.get("fused") for g in engine.optimizer.param_groups)
 
     # Checkpoint at step STEPS, then one more step: the uninterrupted continuation.
     manager = CheckpointManager(args.ckpt_output_dir, env, save_total_limit=None)

@@ -1,0 +1,233 @@
+"""Tokenise once, share, reuse: the Arrow cache of a tokenised data file.
+
+``open_tokenized(path, tokenizer, options)`` returns the file's samples as a memory-mapped
+``ArrowSamples``.  The cache folder is ``<cache_dir>/<key>``, where the key hashes the input's
+fingerprint (path, size and modification time of its files), the tokenizer (its full serialisation and
+special tokens), the chat template, and every option that changes the result (``DataOptions.key``).
+
+* Hit: the folder exists -> its Arrow files are memory-mapped (``pyarrow``; nothing is tokenised, and
+  ``datasets`` is not even imported).
+* Miss: the first process to take the key's file lock builds it -- ``datasets.map`` over the rows with
+  ``num_proc`` processes (``records.RowEncoder``) into a temporary folder, renamed into place when
+  complete, so a crash never leaves a half cache -- and the others wait for the lock, then map it.
+  The launcher's preflight builds it in the parent before any worker starts; workers then all hit.
+
+Bad rows fail the build (``DataFormatError``: the first bad row by file and line/row, counts by reason,
+a few more examples); no cache is written for a file with bad rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trainbridge.data.dataset import DataFormatError, LoadStats
+from trainbridge.data.inputs import describe_columns, fingerprint, read_input
+from trainbridge.data.records import (
+    KNOWN_COLUMNS,
+    STATUS_BLANK,
+    STATUS_ERROR,
+    STATUS_NO_LOSS,
+    STATUS_OK,
+    STATUS_OVERLONG,
+    DataOptions,
+    RowEncoder,
+    output_features,
+)
+from trainbridge.data.samples import ArrowSamples
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+"""Bumped whenever the cached columns or their meaning change (part of the key)."""
+
+MAX_EXAMPLES = 5
+"""Bad rows quoted in a ``DataFormatError`` beyond the first."""
+
+PROGRESS_MIN_ROWS = 50_000
+"""Tokenising fewer rows shows no progress bar."""
+
+ROWS_PER_PROCESS = 20_000
+"""Tokenisation uses at most one process per this many rows (starting processes costs more than small
+files take)."""
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str | None:
+    """A hash of everything in the tokenizer that changes token ids: its serialisation and special tokens."""
+    if tokenizer is None:
+        return None
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True).encode())
+    digest.update(str(tokenizer.eos_token_id).encode())
+    return digest.hexdigest()
+
+
+def cache_key(path: Path, tokenizer: PreTrainedTokenizerBase | None, chat_template: str | None,
+              options: DataOptions) -> str:
+    """The cache key of ``path`` tokenised with ``tokenizer``/``chat_template`` under ``options``."""
+    payload = {
+        "format": CACHE_FORMAT,
+        "input": fingerprint(path),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "chat_template": chat_template,
+        "options": options.key(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
+                   chat_template: str | None, cache_dir: Path) -> tuple[ArrowSamples, LoadStats]:
+    """The samples of ``path``, from the cache (built first if missing, under a file lock)."""
+    started = time.perf_counter()
+    key = cache_key(path, tokenizer, chat_template, options)
+    target = cache_dir / key
+    hit = (target / "meta.json").is_file()
+    if not hit:
+        from filelock import FileLock
+
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(cache_dir / f"{key}.lock")):
+            if not (target / "meta.json").is_file():
+                _build(path, tokenizer, options, chat_template, target)
+    samples, stats = _load(target)
+    stats.cache_hit = hit
+    stats.seconds = time.perf_counter() - started
+    return samples, stats
+
+
+# ---------------------------------------------------------------------------------------------- build
+def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
+           chat_template: str | None, target: Path) -> None:
+    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        with _quiet_progress(True):
+            raw = read_input(path, scratch / "raw")
+        dataset = raw.dataset
+        if not raw.jsonl:
+            dataset = dataset.select_columns(_input_columns(path, describe_columns(dataset), options))
+        encoder = RowEncoder(str(path), raw.jsonl, tokenizer, options, chat_template)
+        num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
+        with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
+            result = dataset.map(
+                encoder, batched=True, batch_size=512, with_indices=True, remove_columns=dataset.column_names,
+                features=output_features(), num_proc=num_proc if num_proc > 1 else None,
+                cache_file_name=str(scratch / "data.arrow"), load_from_cache_file=False,
+                new_fingerprint=target.name, desc=f"tokenizing {path.name}",
+            )
+        table = result.data.table
+        status = table.column("status").to_numpy()
+        _raise_bad_rows(path, raw.jsonl, table, status)
+        stats = _stats(path, table, status)
+        if stats.samples == 0:
+            raise ValueError(
+                f"no usable samples in {path}: {stats.lines} lines, {stats.dropped_overlong} dropped as longer "
+                f"than max_seq_len={options.max_seq_len}, {stats.empty_skipped} without loss tokens"
+            )
+        files = [Path(entry["filename"]).name for entry in result.cache_files]
+        meta = {"format": 1, "source": str(path), "files": files, "stats": asdict(stats), "options": options.key()}
+        (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
+        del result, table, dataset, raw
+        shutil.rmtree(scratch / "raw", ignore_errors=True)
+        os.replace(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def _quiet_progress(quiet: bool) -> Iterator[None]:
+    """``datasets``' progress bars off (when ``quiet``) for the block, then as they were."""
+    from datasets.utils import logging as datasets_logging
+
+    was = datasets_logging.is_progress_bar_enabled()
+    if quiet:
+        datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            datasets_logging.enable_progress_bar()
+
+
+def _input_columns(path: Path, columns: list[str], options: DataOptions) -> list[str]:
+    """The dataset's columns rows are read from; raises ``DataFormatError`` when none is usable."""
+    mapped = dict(options.columns)
+    for ours, theirs in options.columns:
+        if theirs not in columns:
+            raise DataFormatError(path, None, f"data_columns maps {ours!r} to column {theirs!r}, which {path.name} "
+                                  f"does not have (its columns: {columns})")
+    wanted = [mapped.get(name, name) for name in KNOWN_COLUMNS]
+    selected = [c for c in columns if c in wanted]
+    if not any(c in selected for c in (mapped.get(n, n) for n in ("input_ids", "messages", "prompt", "text"))):
+        raise DataFormatError(
+            path, None, f"no usable column: expected 'input_ids', 'messages', 'prompt'+'completion' or 'text', "
+            f"found {columns}; map other names with data_columns, e.g. data_columns: {{messages: {columns[0] if columns else 'conversations'}}}"
+        )
+    return selected
+
+
+def _raise_bad_rows(path: Path, jsonl: bool, table: pa.Table, status: np.ndarray) -> None:
+    bad = np.flatnonzero(status == STATUS_ERROR)
+    if not len(bad):
+        return
+    import pyarrow as pa
+
+    reasons = Counter(table.column("reason").take(pa.array(bad)).to_pylist())
+    errors = table.column("error").take(pa.array(bad[: MAX_EXAMPLES + 1])).to_pylist()
+    first = int(bad[0])
+    problem = errors[0].split(": ", 1)[1]
+    raise DataFormatError(path, first + 1 if jsonl else None, problem, row=None if jsonl else first,
+                          counts=dict(reasons), examples=errors[1:])
+
+
+def _stats(path: Path, table: pa.Table, status: np.ndarray) -> LoadStats:
+    counts = np.bincount(status.astype(np.int64), minlength=5)
+    ok = status == STATUS_OK
+    truncated = table.column("truncated").to_numpy(zero_copy_only=False)
+    return LoadStats(
+        path=str(path),
+        lines=int(len(status) - counts[STATUS_BLANK]),
+        samples=int(counts[STATUS_OK]),
+        dropped_overlong=int(counts[STATUS_OVERLONG]),
+        truncated=int(np.count_nonzero(truncated)),
+        empty_skipped=int(counts[STATUS_NO_LOSS]),
+        tokens=int(table.column("length").to_numpy()[ok].sum()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- load
+def _load(target: Path) -> tuple[ArrowSamples, LoadStats]:
+    """Memory-map the cache's Arrow files; read the ``status``/``length``/``loss_tokens`` columns only."""
+    import pyarrow as pa
+
+    meta: dict[str, Any] = json.loads((target / "meta.json").read_text())
+    tables = [pa.ipc.open_stream(pa.memory_map(str(target / name))).read_all() for name in meta["files"]]
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    rows = np.flatnonzero(table.column("status").to_numpy() == STATUS_OK)
+    lengths = table.column("length").to_numpy()[rows]
+    loss_tokens = table.column("loss_tokens").to_numpy()[rows]
+    stats = LoadStats(**meta["stats"])
+    stats.cache = str(target)
+    return ArrowSamples(table, rows, lengths, loss_tokens), stats

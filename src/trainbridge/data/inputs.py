@@ -1,0 +1,123 @@
+"""Local data inputs, read with ``datasets`` (Arrow, memory-mapped).
+
+``data_path`` may be:
+
+* a JSONL file (``.jsonl``, or ``.json`` holding one object per line): read line by line as raw text
+  (``datasets``' ``text`` builder), so each record is parsed by ``records.RowEncoder`` and a bad line is
+  named ``file:line`` (Arrow's JSON reader would fail the whole file, and would fill missing keys of
+  nested objects such as tool-call arguments with nulls);
+* a JSON file holding an array of objects;
+* a parquet file, an Arrow file (``.arrow``, as ``Dataset.save_to_disk``/``datasets`` caches write them);
+* a folder written by ``Dataset.save_to_disk`` (``DatasetDict`` folders: name the split's subfolder).
+
+``fingerprint`` describes the input cheaply (path, size and modification time of every file) for the
+tokenisation cache key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+
+
+class DataInputError(ValueError):
+    """A data path cannot be read as a dataset; the message names the path and what to do."""
+
+
+@dataclass(frozen=True)
+class RawInput:
+    """The rows of one input: a ``datasets.Dataset`` and whether its rows are raw JSONL lines."""
+
+    dataset: Dataset
+    jsonl: bool
+
+
+def input_kind(path: Path) -> str:
+    """``jsonl``, ``json``, ``parquet``, ``arrow`` or ``disk`` (a ``save_to_disk`` folder); raises otherwise."""
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise DataInputError(f"{path} is a DatasetDict folder with splits {splits}; give the split's "
+                                 f"folder, e.g. {path / (splits[0] if splits else 'train')}")
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            return "disk"
+        raise DataInputError(f"{path} is a folder but not one written by Dataset.save_to_disk "
+                             "(no state.json / dataset_info.json)")
+    if not path.is_file():
+        raise DataInputError(f"data path {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return "json" if _first_char(path) == "[" else "jsonl"
+    if suffix in SUFFIXES:
+        return suffix[1:]
+    return "jsonl"  # today's behaviour: any other file is JSON Lines
+
+
+def _first_char(path: Path) -> str:
+    with path.open("rb") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return chr(stripped[0])
+    return ""
+
+
+def fingerprint(path: Path) -> list[tuple[str, int, int]]:
+    """``(absolute path, size, mtime_ns)`` of the input's files (all files of a folder, sorted)."""
+    path = path.resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def read_input(path: Path, scratch: Path) -> RawInput:
+    """Open ``path`` as a ``datasets.Dataset``; conversions (JSONL/JSON/parquet to Arrow) go to ``scratch``."""
+    from datasets import Dataset, load_dataset, load_from_disk
+
+    kind = input_kind(path)
+    try:
+        if kind == "disk":
+            loaded = load_from_disk(str(path))
+            if not isinstance(loaded, Dataset):
+                raise DataInputError(f"{path} holds a {type(loaded).__name__}; give one split's folder")
+            return RawInput(loaded, jsonl=False)
+        if kind == "arrow":
+            return RawInput(Dataset.from_file(str(path)), jsonl=False)
+        if kind == "jsonl":
+            if path.stat().st_size == 0:
+                return RawInput(Dataset.from_dict({"text": []}), jsonl=True)
+            dataset = load_dataset("text", data_files=str(path), split="train", cache_dir=str(scratch))
+            return RawInput(dataset, jsonl=True)
+        builder = "json" if kind == "json" else "parquet"
+        dataset = load_dataset(builder, data_files=str(path), split="train", cache_dir=str(scratch))
+        return RawInput(dataset, jsonl=False)
+    except DataInputError:
+        raise
+    except Exception as exc:
+        raise DataInputError(f"{path}: cannot read it as {kind} data: {type(exc).__name__}: {_cause(exc)}") from exc
+
+
+def _cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc)
+
+
+def default_cache_dir() -> Path:
+    """``$TRAINBRIDGE_DATA_CACHE``, else ``$XDG_CACHE_HOME/trainbridge/data`` (``~/.cache/trainbridge/data``)."""
+    if os.environ.get("TRAINBRIDGE_DATA_CACHE"):
+        return Path(os.environ["TRAINBRIDGE_DATA_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trainbridge" / "data"
+
+
+def describe_columns(dataset: Any) -> list[str]:
+    """Column names of a dataset, for messages."""
+    return list(getattr(dataset, "column_names", []) or [])

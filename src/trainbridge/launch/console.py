@@ -1,0 +1,90 @@
+"""The console of a run: one progress bar and one log line per event from rank 0, library noise once;
+and ``console_to``, which sends a process's console (and its children's) to a log file.
+
+Three sources of noise are cut here, all before the libraries are imported (their start-up messages
+are printed at import time):
+
+- transformers' own bars ("Loading weights", "Writing model shards") on every rank, through the
+  ``huggingface_hub`` switch transformers reads (``HF_HUB_DISABLE_PROGRESS_BARS``); the training bar
+  (ours, or transformers' ``ProgressCallback`` with HF callbacks) is not one of them;
+- DeepSpeed's "Setting accelerator to CPU" banner, printed whenever transformers imports DeepSpeed on
+  a machine without a GPU, also in runs that do not use DeepSpeed: ``DS_ACCELERATOR=cpu`` states
+  what DeepSpeed would detect anyway (set only where no GPU is used, never over the user's value);
+- library warnings and transformers' log messages, printed once per rank: ranks other than 0 keep
+  errors only (rank 0 prints the same warnings).
+
+Worker log lines carry ``[rankN]`` once: torchrun prefixes the teed ranks (local rank 1 and up), so
+only local rank 0, which writes to the console directly, adds its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process can use; 0 without importing torch where no GPU driver is present."""
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def quiet_environment(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables to add to ``base`` (default ``os.environ``) so libraries stay quiet in a run on
+    ``device`` (``TrainingArgs.device``); variables ``base`` already sets are left to the user."""
+    base = os.environ if base is None else base
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if device == "cpu" or visible_gpu_count() == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    return {key: value for key, value in env.items() if key not in base}
+
+
+def quiet_this_process(device: str) -> None:
+    """``quiet_environment`` applied to this process (the parent, before it imports transformers)."""
+    os.environ.update(quiet_environment(device))
+
+
+def configure_worker_console(rank: int, local_rank: int) -> None:
+    """Logging and warnings of one worker; call before importing transformers."""
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    prefix = f"[rank{rank}] " if local_rank == 0 else ""  # torchrun prefixes the other local ranks
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"{prefix}%(levelname)s %(name)s: %(message)s",
+    )
+
+
+@contextlib.contextmanager
+def console_to(path: str | Path) -> Iterator[None]:
+    """Redirect this process's stdout/stderr *file descriptors* to ``path`` (appended) for the block.
+
+    File descriptors, not ``sys.stdout``: subprocesses started inside the block (torchrun, its workers)
+    inherit them, so their output lands in the same file.  Python's streams are flushed on the way in
+    and out so nothing written before or inside the block is lost or misplaced.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with Path(path).open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
