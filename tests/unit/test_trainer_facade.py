@@ -271,3 +271,42 @@ def test_instructlab_field_names_get_our_names(tmp_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match=r"random_seed: use seed=.*is_padding_free: use packing="):
         TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", random_seed=1,
                      is_padding_free=True)
+
+
+# ---------------------------------------------------------------------------- in place, one rank
+def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set (a launched worker of a 1-process job): the loop runs in this
+    process on the datasets written as Arrow; evaluate/predict/save_model work after training."""
+    from trainbridge.demos.tiny_model import arithmetic_problems
+
+    model, tok = tiny
+    model = transformers.AutoModelForCausalLM.from_config(model.config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    texts = [p + a for p, a in arithmetic_problems(24, seed=1)]
+    train = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), batched=True,
+                                                            remove_columns=["text"])
+    val = train.select(range(5))
+    seen: list[int] = []
+
+    def compute_metrics(p: Any) -> dict[str, float]:
+        seen.append(len(p.label_ids))
+        return {"rows": float(len(p.label_ids))}
+
+    args = _hf_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1, save_steps=3,
+                    eval_strategy="steps", eval_steps=3, learning_rate=1e-2, disable_tqdm=True)
+    # set after TrainingArguments, which would otherwise start accelerate's process group for this test
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics)
+    out = trainer.train()
+    assert out.global_step == 3 and out.training_loss > 0
+    assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model trained
+    assert trainer.state.global_step == 3 and any("eval_rows" in e for e in trainer.state.log_history)
+    assert trainer.evaluate()["eval_rows"] == 5
+    prediction = trainer.predict(val)
+    assert prediction.label_ids.shape[0] == 5 and "test_rows" in prediction.metrics
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "checkpoint-3").is_dir()

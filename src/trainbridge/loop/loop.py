@@ -28,6 +28,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.errors import TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
@@ -41,13 +42,6 @@ from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingInterrupted(BaseException):
-    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
-
-    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
-    callback isolation (``except Exception``) must not swallow it."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -318,7 +312,7 @@ class TrainingLoop:
         args, ctx = self.args, self.context
         if args.resume_from_checkpoint is None:
             return
-        path = self.checkpoints.latest() if args.resume_from_checkpoint == "auto" else Path(args.resume_from_checkpoint)
+        path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
             logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return

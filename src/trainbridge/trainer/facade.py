@@ -507,7 +507,7 @@ class Trainer:
         if env is not None:
             env.barrier()
         layout = json.loads((folder / "layout.json").read_text())
-        data_file = folder / "data" / "data.jsonl"
+        data_file = folder / "data"
         layout.update(data_path=str(data_file), val_data_path=str(data_file))
         args = self._training_args(layout, env.world_size if env else self_launch_nproc(), None)
         updates: dict[str, Any] = {

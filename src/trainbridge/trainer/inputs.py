@@ -122,14 +122,18 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
 
 
 def write_dataset(rows: Any, folder: Path) -> Path:
-    """Write ``rows`` into ``folder`` for the workers; returns the ``data_path`` to give them.
+    """Write ``rows`` into ``folder`` with ``Dataset.save_to_disk`` (Arrow); returns the ``data_path``.
 
-    Written as JSON lines of token ids (or raw columns), the format the data layer reads.
+    The data layer (``trainbridge.data.inputs``) memory-maps the folder in every worker: rows are not
+    pickled and not held in Python lists per rank.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "data.jsonl"
-    rows.to_json(str(path), lines=True, force_ascii=False)
-    return path
+    import shutil
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    rows.save_to_disk(str(folder))
+    return folder
 
 
 def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
