@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 
 from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
@@ -106,7 +107,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
     return RunComponents(
         tokenizer=tokenizer, engine=engine, train_batches=train_batches, eval_batches=eval_batches,
-        checkpoints=CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit),
+        checkpoints=CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit,
+                                      fingerprint=run_fingerprint(args.model_path, args.data_path, model.config)),
         max_steps=max_steps, num_parameters=num_parameters, padded=padded, data_stats=data.stats,
     )
 

@@ -28,6 +28,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.errors import TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
@@ -41,13 +42,6 @@ from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingInterrupted(BaseException):
-    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
-
-    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
-    callback isolation (``except Exception``) must not swallow it."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -196,6 +190,7 @@ class TrainingLoop:
             loss_sum += token_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
+        ctx.tokens_seen += step.num_tokens  # every rank's, from the plan: known without a collective
         grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
         ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
@@ -213,7 +208,6 @@ class TrainingLoop:
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
-        ctx.tokens_seen += step.num_tokens
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
@@ -318,7 +312,7 @@ class TrainingLoop:
         args, ctx = self.args, self.context
         if args.resume_from_checkpoint is None:
             return
-        path = self.checkpoints.latest() if args.resume_from_checkpoint == "auto" else Path(args.resume_from_checkpoint)
+        path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
             logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return

@@ -48,6 +48,8 @@ class RunResult(BaseModel):
     """Wall time of the training loop."""
     resumed_from: str | None = None
     """Checkpoint the run resumed from."""
+    restarts: int = 0
+    """How many times the launcher restarted the job after a worker failed (``max_restarts``)."""
     merged_model: str | None = None
     """Folder of the merged PEFT model (``merge_adapter_at_end``), loadable with ``AutoModelForCausalLM``."""
 
