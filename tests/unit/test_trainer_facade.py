@@ -299,6 +299,8 @@ def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, 
         monkeypatch.setenv(name, value)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics)
+    untrained = trainer.evaluate()  # standalone, before any training
+    assert untrained["eval_rows"] == 5 and "eval_loss" in untrained
     out = trainer.train()
     assert out.global_step == 3 and out.training_loss > 0
     assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
