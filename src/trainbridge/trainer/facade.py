@@ -382,8 +382,12 @@ class Trainer:
             self.model = unwrapped
             return
         state = unwrapped.state_dict()
-        if any(type(t).__name__ == "DTensor" for t in state.values()):
-            self.model = unwrapped  # sharded (FSDP2): Trainer's model is the sharded module too
+        mine = self.model.state_dict()
+        sharded = any(type(t).__name__ == "DTensor" for t in state.values()) or any(
+            key in mine and tuple(mine[key].shape) != tuple(value.shape) for key, value in state.items()
+        )
+        if sharded:
+            self.model = unwrapped  # FSDP2 / ZeRO-3 shards: Trainer's model is the sharded module too
             return
         self.model.load_state_dict(state, strict=False)
 
