@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
-from trainbridge.launch.console import configure_worker_console
+from trainbridge.launch.console import configure_worker_console, keep_one_rank_prefix
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV
 
 # The loop, the callbacks and transformers are imported inside the functions below, after
@@ -62,7 +62,9 @@ def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs,
     from trainbridge.loop.summary import announce_run
 
     args = read_payload(payload_path, key)  # unpickling the callbacks may import transformers
+    hook_before = sys.excepthook
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
+    keep_one_rank_prefix(hook_before, int(os.environ.get("LOCAL_RANK", "0")))
     clean = False
     try:
         if options.dry_run:
