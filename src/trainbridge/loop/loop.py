@@ -190,6 +190,7 @@ class TrainingLoop:
             loss_sum += token_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
+        ctx.tokens_seen += step.num_tokens  # every rank's, from the plan: known without a collective
         grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
         ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
@@ -207,7 +208,6 @@ class TrainingLoop:
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
-        ctx.tokens_seen += step.num_tokens
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)

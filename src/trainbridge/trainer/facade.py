@@ -382,8 +382,12 @@ class Trainer:
             self.model = unwrapped
             return
         state = unwrapped.state_dict()
-        if any(type(t).__name__ == "DTensor" for t in state.values()):
-            self.model = unwrapped  # sharded (FSDP2): Trainer's model is the sharded module too
+        mine = self.model.state_dict()
+        sharded = any(type(t).__name__ == "DTensor" for t in state.values()) or any(
+            key in mine and tuple(mine[key].shape) != tuple(value.shape) for key, value in state.items()
+        )
+        if sharded:
+            self.model = unwrapped  # FSDP2 / ZeRO-3 shards: Trainer's model is the sharded module too
             return
         self.model.load_state_dict(state, strict=False)
 
@@ -507,7 +511,7 @@ class Trainer:
         if env is not None:
             env.barrier()
         layout = json.loads((folder / "layout.json").read_text())
-        data_file = folder / "data" / "data.jsonl"
+        data_file = folder / "data"
         layout.update(data_path=str(data_file), val_data_path=str(data_file))
         args = self._training_args(layout, env.world_size if env else self_launch_nproc(), None)
         updates: dict[str, Any] = {
