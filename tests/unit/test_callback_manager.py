@@ -18,7 +18,8 @@ from trainbridge.core.manager import CallbackManager, CallbackSetupError
 
 @pytest.fixture
 def context(run_files: dict[str, Path]) -> TrainingContext:
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"],
+                        ckpt_output_dir=run_files["out"])
     return TrainingContext(args=args, env=DistributedEnv())
 
 
@@ -38,7 +39,8 @@ def test_dispatch_in_registration_order_with_kwargs(context):
     manager = CallbackManager([Recorder("a", log), Recorder("b", log)])
     manager.fire(Event.STEP_END, context)
     manager.fire(Event.LOG, context, logs={"loss": 1.0})
-    assert log == [("a", "step_end"), ("b", "step_end"), ("a", "log", {"loss": 1.0}), ("b", "log", {"loss": 1.0})]
+    assert log == [("a", "step_end"), ("b", "step_end"),
+                   ("a", "log", {"loss": 1.0}), ("b", "log", {"loss": 1.0})]
 
 
 def test_index_holds_only_overriding_callbacks(context):
@@ -107,7 +109,8 @@ class Boom(Callback):
 
 def test_setup_error_fails_before_first_step_naming_the_callback(context):
     manager = CallbackManager([Boom({"train_begin"})])
-    with pytest.raises(CallbackSetupError, match=r"callback Boom failed in on_train_begin on rank 0: ValueError: boom"):
+    with pytest.raises(CallbackSetupError,
+                       match=r"callback Boom failed in on_train_begin on rank 0: ValueError: boom"):
         manager.fire(Event.TRAIN_BEGIN, context)
 
 
@@ -173,7 +176,8 @@ class SlowObserver(Callback):
     def on_log(self, context, **kwargs):
         self.release.wait(5)
         self.thread_names.add(threading.current_thread().name)
-        self.seen.append((context.global_step, kwargs["logs"]["loss"], context.model, dict(context.user_state)))
+        self.seen.append((context.global_step, kwargs["logs"]["loss"], context.model,
+                          dict(context.user_state)))
         try:
             context.request_stop_training()
         except RuntimeError as exc:
@@ -255,7 +259,8 @@ def test_states_come_back_when_a_callback_is_added_or_the_order_changes(context,
     added.state_id = "new"  # a new callback of an existing class, told apart by its state_id
     restored_counter, restored_other = Counter(), Other()
     with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
-        keys = CallbackManager([added, restored_other, Recorder("y", []), restored_counter]).load_state_dict(saved)
+        manager = CallbackManager([added, restored_other, Recorder("y", []), restored_counter])
+        keys = manager.load_state_dict(saved)
     assert sorted(keys) == sorted(["Counter", Other.__qualname__])
     assert (restored_counter.n, restored_other.n, added.n) == (3, 5, 0)
     assert [r.getMessage() for r in caplog.records] == [
@@ -344,7 +349,8 @@ def test_close_runs_once_per_callback_on_this_rank_and_isolates_errors(context, 
     class RankZero(Closing):
         rank_zero_only = True
 
-    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")], is_world_process_zero=False)
+    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")],
+                              is_world_process_zero=False)
     with caplog.at_level(logging.ERROR, logger="trainbridge.core.manager"):
         manager.close(context)
         manager.close(context)

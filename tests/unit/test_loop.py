@@ -63,9 +63,11 @@ def args_for(tmp_path: Path, tiny_llama: Path):
 
     def make(out: str = "out", **overrides: Any) -> TrainingArgs:
         values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / out,
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file,
+            ckpt_output_dir=tmp_path / out,
             max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
-            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
+            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            seed=7,
         )
         values.update(overrides)
         return TrainingArgs(**values)
@@ -111,7 +113,8 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
 
 def test_resume_in_process_continues_exactly(args_for):
     full_args = args_for("full", save_strategy="steps", save_steps=3)
-    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()],
+                        build_run(full_args, DistributedEnv()))
     full_result = full.run()
 
     cut_args = args_for("cut", save_strategy="steps", save_steps=3)
@@ -167,7 +170,8 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     class Added(StepCounter):
         """Registered between save and resume, ahead of the others: positions shift, keys do not."""
 
-    schedule, restored_counter, tracker, added = ScheduleCallback(), StepCounter(), BestCheckpointTracker(), Added()
+    schedule, restored_counter = ScheduleCallback(), StepCounter()
+    tracker, added = BestCheckpointTracker(), Added()
     with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
         second = run([added, schedule, restored_counter, tracker], max_steps=6, resume_from_checkpoint="auto")
     assert second.context.resumed_from == latest
@@ -176,7 +180,8 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     assert tracker.state_dict()["best_global_step"] in (2, 4, 6)
     assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
     assert [r.getMessage() for r in caplog.records] == [
-        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"]
+        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): "
+        "it starts fresh"]
 
 
 @pytest.mark.parametrize("crash", [False, True])
@@ -197,7 +202,8 @@ def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
 
     args = args_for(max_steps=3)
     metrics, closing = MetricsFileCallback(), Closing()
-    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing,
+                                                 *([CrashAt(2)] if crash else [])],
                         build_run(args, DistributedEnv()))
     if crash:
         with pytest.raises(Crash):
@@ -221,7 +227,8 @@ class ScriptedEvalLoss(Callback):
 
 def _run(args: TrainingArgs, *callbacks: Callback) -> tuple[TrainingLoop, EventLog]:
     log = EventLog()
-    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks, log, BestCheckpointTracker()],
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks, log,
+                                                 BestCheckpointTracker()],
                         build_run(args, DistributedEnv()))
     loop.run()
     return loop, log
