@@ -387,7 +387,21 @@ class TrainingArgs(BaseModel):
     load_best_model_at_end: bool = False
     """Load the best checkpoint's weights into the model when training ends."""
     resume_from_checkpoint: Literal["auto"] | Path | None = None
-    """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` (if any); a path resumes from it."""
+    """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` that verifies against its
+    manifest (a corrupt one is skipped with a warning naming it); a path resumes from it (it must verify)."""
+    resume_allow_mismatch: bool = False
+    """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
+    training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
+    save_on_interrupt: bool = False
+    """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
+    boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.
+    A second SIGTERM, or ``save_on_interrupt_timeout_s`` without reaching a step boundary, stops at once."""
+    save_on_interrupt_timeout_s: float = Field(default=25.0, gt=0)
+    """How long ``save_on_interrupt`` may take to reach the next step boundary after SIGTERM before the worker
+    gives up and stops without saving (torchrun kills workers 30 s after its own SIGTERM)."""
+    external_control: bool = True
+    """Obey ``trainbridge control RUN_DIR save|stop|evaluate|log`` from another shell: rank 0 checks the run
+    folder's ``control/`` requests at every step end and they are agreed like any callback request."""
     report_to: list[str] = Field(default_factory=list)
     """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
     include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
@@ -737,7 +751,9 @@ class TorchrunArgs(BaseModel):
     master_port: int | None = Field(default=None, gt=0, lt=65536)
     """Port on ``master_addr``; None picks a free port (single node only)."""
     max_restarts: int = Field(default=0, ge=0)
-    """torchrun's worker-group restarts before the job fails."""
+    """Restarts of the whole job after a worker fails, before the run fails.  The launcher restarts it
+    itself (a fresh torchrun, rendezvous and port: torchrun's in-place restart is unreliable with gloo),
+    resuming from the newest complete checkpoint in ``ckpt_output_dir``; ``RunResult.restarts`` counts them."""
 
     @field_validator("nnodes")
     @classmethod

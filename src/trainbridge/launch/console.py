@@ -24,9 +24,8 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 
 def visible_gpu_count() -> int:
@@ -64,15 +63,6 @@ def configure_worker_console(rank: int, local_rank: int) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"{prefix}%(levelname)s %(name)s: %(message)s",
     )
-
-
-def keep_one_rank_prefix(hook_before: Callable[..., Any], local_rank: int) -> None:
-    """Call right after the process group starts.  torch's ``init_process_group`` wraps
-    ``sys.excepthook`` to prefix an uncaught traceback's lines with ``[rankN]:``; torchrun already
-    prefixes the lines of the ranks it tees (local rank 1 and up), so there the hook before is put back
-    (no ``[rank1]: [rank1]:``).  Local rank 0 writes to the console directly and keeps torch's prefix."""
-    if local_rank != 0:
-        sys.excepthook = hook_before
 
 
 @contextlib.contextmanager

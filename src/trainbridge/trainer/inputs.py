@@ -122,14 +122,33 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
 
 
 def write_dataset(rows: Any, folder: Path) -> Path:
-    """Write ``rows`` into ``folder`` for the workers; returns the ``data_path`` to give them.
+    """Write ``rows`` into ``folder`` with ``Dataset.save_to_disk`` (Arrow); returns the ``data_path``.
 
-    Written as JSON lines of token ids (or raw columns), the format the data layer reads.
+    The data layer (``trainbridge.data.inputs``) memory-maps the folder in every worker: rows are not
+    pickled and not held in Python lists per rank.  When the folder already holds the same rows (same
+    Arrow bytes) it is left untouched, so a later ``train(resume_from_checkpoint=...)`` sees the same data
+    (checkpoints record a fingerprint of the training data) and the tokenisation cache is reused.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "data.jsonl"
-    rows.to_json(str(path), lines=True, force_ascii=False)
-    return path
+    import hashlib
+    import shutil
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fresh = folder.with_name(folder.name + ".writing")
+    shutil.rmtree(fresh, ignore_errors=True)
+    rows.save_to_disk(str(fresh))
+    digest = hashlib.sha256()
+    for arrow in sorted(fresh.glob("*.arrow")):
+        with arrow.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    marker = folder.with_name(folder.name + ".sha256")
+    if folder.is_dir() and marker.is_file() and marker.read_text() == digest.hexdigest():
+        shutil.rmtree(fresh)
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    fresh.rename(folder)
+    marker.write_text(digest.hexdigest())
+    return folder
 
 
 def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
