@@ -34,6 +34,9 @@ def collect_artifacts(run_dir: Path) -> dict[str, Any]:
         state_file = checkpoint / "trainer_state.json"
         if state_file.is_file():
             artifacts[f"{checkpoint.name}/trainer_state.json"] = normalised_trainer_state(state_file, out)
+    for exported in ("bema", "final_model"):  # models third-party callbacks save (compat.third_party, trl)
+        if (out / exported).is_dir():
+            artifacts[f"{exported}/ files"] = sorted(p.name for p in (out / exported).iterdir())
     for observation in sorted((out / OBSERVATIONS_DIR).glob("*.json")):
         artifacts[f"observation {observation.stem}"] = json.loads(observation.read_text())
     tags = tensorboard_tags(out)

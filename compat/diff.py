@@ -22,7 +22,7 @@ from compat.runners import RunOutcome
 from compat.scenarios import Scenario
 
 TRACE_FIELDS = ("epoch", "max_steps", "num_train_epochs", "logs", "metrics", "best_metric", "best_global_step",
-                "best_model_checkpoint", "kwargs")
+                "best_model_checkpoint", "kwargs", "none_kwargs", "num_input_tokens_seen")
 """Snapshot fields compared on aligned hooks (``control`` is compared flag by flag)."""
 
 
@@ -165,6 +165,12 @@ def compare(spec: Scenario, world_size: int, trainer: RunOutcome, trainbridge: R
     if trainbridge.status != "completed":
         differences.append(Difference(spec.name, world_size, "trainbridge run", "status", "completed",
                                       f"{trainbridge.status}: {trainbridge.error}"))
+    elif trainbridge.callback_errors != sorted(set(spec.expected_callback_errors)):
+        differences.append(Difference(spec.name, world_size, "trainbridge run", "callback_errors",
+                                      sorted(set(spec.expected_callback_errors)), trainbridge.callback_errors))
+    elif spec.expected_callback_errors:
+        comparison.findings.append(f"trainbridge isolated and reported {', '.join(trainbridge.callback_errors)}; "
+                                   "every other callback matched Trainer's run without it")
     if reference.status == "completed" and trainbridge.status == "completed":
         reference_ranks = reference.world_size
         phases = [""] + (["resume"] if spec.resume_from is not None else [])

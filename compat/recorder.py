@@ -94,6 +94,8 @@ def snapshot(event: str, args: TrainingArguments, state: TrainerState, control: 
         "best_model_checkpoint": relative_checkpoint(state.best_model_checkpoint, args.output_dir),
         "control": {flag: bool(getattr(control, flag)) for flag in CONTROL_FLAGS},
         "kwargs": sorted(kwargs),
+        "none_kwargs": sorted(name for name, value in kwargs.items() if value is None),
+        "num_input_tokens_seen": state.num_input_tokens_seen,
     }
 
 

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from transformers import TrainingArguments
-
 from compat.assets import SAMPLE_TOKENS, CompatAssets
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessProbe, TraceRecorder
 from compat.scenarios import Scenario
@@ -57,6 +55,8 @@ class RunOutcome:
     """The console log of the launch (Trainer scenarios sharing a launch share one)."""
     shared_launch: bool = False
     """Trainer only: the launch ran other scenarios too (``seconds`` is then the launch's average)."""
+    callback_errors: list[str] = field(default_factory=list)
+    """trainbridge only: the callback classes ``RunResult.callback_errors`` names (every phase, every rank)."""
 
     @property
     def output_dir(self) -> Path:
@@ -221,9 +221,11 @@ def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets,
         hf_values["resume_from_checkpoint"] = str(outcome.output_dir / f"checkpoint-{resume_from}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hf_args = TrainingArguments(**hf_values)
+        hf_args = spec.arguments_class()(**hf_values)
         trace_dir = outcome.trace_dir(phase)
         probe = AttributeAccessProbe(OBSERVED_CALLBACK_CLASSES, str(trace_dir))
+        callbacks = spec.callbacks()
+        callbacks[1:1] = spec.trainbridge_extra()
         args = training_args_from_hf(
             hf_args,
             model_path=assets.model,
@@ -232,7 +234,7 @@ def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets,
             effective_batch_size=spec.samples_per_step,
             max_seq_len=SAMPLE_TOKENS,
             max_batch_len=spec.max_batch_len(world_size),
-            callbacks=[probe, *spec.callbacks(), TraceRecorder(str(trace_dir)), probe.closer()],
+            callbacks=[probe, *callbacks, TraceRecorder(str(trace_dir)), probe.closer()],
         )
     if not phase:
         outcome.porting_warnings = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})
@@ -245,7 +247,9 @@ def _launch_trainbridge(spec: Scenario, world_size: int, assets: CompatAssets, o
         args = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
         with scoped_environment(integration_environment(outcome.run_dir)), \
                 console_to(outcome.run_dir / "console.log"):
-            run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
+            result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
+        if result is not None:
+            outcome.callback_errors = sorted({report.callback for report in result.callback_errors})
     except LaunchTimeoutError as exc:
         outcome.status, outcome.error = "timeout", str(exc)
     except Exception as exc:

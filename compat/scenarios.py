@@ -13,6 +13,7 @@ batch shrinks with the world size), so a scenario's step numbers mean the same a
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,14 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from compat.assets import EVAL_SAMPLES, SAMPLE_TOKENS, TRAIN_SAMPLES
+from compat.third_party import (
+    HookCounter,
+    LossWatchDog,
+    RaisesAtStepEnd,
+    ReadsSFTConfig,
+    SaveModelAtTrainEnd,
+    WeightsAtTrainEnd,
+)
 
 OBSERVATIONS_DIR = "observations"
 """Under a run's ``output_dir``: JSON files scenario callbacks write; compared exactly between runners."""
@@ -129,6 +138,20 @@ class Scenario:
     fast: tuple[int, ...] = (1,)
     trainer_fails: tuple[int, ...] = ()
     timeout_s: float = 240.0
+    config_class: str = "transformers:TrainingArguments"
+    """The ``TrainingArguments`` class both runners build the settings with (``module:Class``; a subclass
+    such as ``trl:SFTConfig``)."""
+    trainbridge_extra: Callable[[], list[TrainerCallback]] = list
+    """Callbacks inserted after the scenario's first callback in trainbridge runs only (a broken callback:
+    Trainer would crash, so its run without it is the reference every other callback must match)."""
+    expected_callback_errors: tuple[str, ...] = ()
+    """Callback classes trainbridge must report in ``RunResult.callback_errors`` (anything else is a
+    difference)."""
+
+    def arguments_class(self) -> type:
+        """The class named by ``config_class``."""
+        module, _, name = self.config_class.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def runs_alone(self) -> bool:
@@ -170,6 +193,14 @@ class Scenario:
 def _early_stopping() -> list[TrainerCallback]:
     # evaluations at steps 2, 4, 6, 8: best at step 4 (0.5), no improvement at 6 and 8 -> stop at 8
     return [ScriptedEvalLoss([0.9, 0.5, 0.7, 0.6, 0.4]), EarlyStoppingCallback(early_stopping_patience=2)]
+
+
+def _third_party_best() -> list[TrainerCallback]:
+    from trl import BEMACallback  # trl's own callback, unchanged (runs without a trainer object)
+
+    # evaluations at steps 2, 4, 6, 8: best at step 4 (0.5), so the best model is not the last one
+    return [ScriptedEvalLoss([0.9, 0.5, 0.7, 0.8]), BEMACallback(update_freq=2), ReadsSFTConfig(),
+            LossWatchDog(threshold=1e9), WeightsAtTrainEnd(), SaveModelAtTrainEnd()]
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -235,6 +266,30 @@ SCENARIOS: tuple[Scenario, ...] = (
          "eval_strategy": "steps", "eval_steps": 4, "max_steps": 8, "run_name": "compat"},
         fast=(),
         timeout_s=300.0,
+    ),
+    Scenario(
+        "third_party_best",
+        "trl SFTConfig settings (subclass fields read by a callback), load_best_model_at_end with the best "
+        "checkpoint (step 4) not the last (step 8): trl's BEMACallback, an axolotl-style loss watchdog, a "
+        "save-the-model-at-train-end callback and an observer of the weights in on_train_end; "
+        "include_num_input_tokens_seen='non_padding'",
+        {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "logging_steps": 2,
+         "metric_for_best_model": "eval_loss", "load_best_model_at_end": True, "max_steps": 8, "bf16": False,
+         "gradient_checkpointing": False, "learning_rate": 1e-3, "max_length": 64,
+         "dataset_text_field": "prompt", "include_num_input_tokens_seen": "non_padding"},
+        callbacks=_third_party_best,
+        config_class="trl:SFTConfig",
+        fast=(),
+    ),
+    Scenario(
+        "isolated_failure",
+        "one callback raising at every on_step_end among working ones (trainbridge only; Trainer, which would "
+        "crash, runs without it): the others receive every hook, the broken one is reported and switched off",
+        {"logging_steps": 2, "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "steps",
+         "save_steps": 4, "max_steps": 8},
+        callbacks=lambda: [HookCounter("before"), StepTally("tally"), HookCounter("after")],
+        trainbridge_extra=lambda: [RaisesAtStepEnd()],
+        expected_callback_errors=("RaisesAtStepEnd",),
     ),
     Scenario(
         "one_rank_stop",

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 
 from compat.assets import CompatAssets, TokenizedJsonl, collate_fixed_length
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessLog, TraceRecorder, access_path
@@ -35,7 +35,7 @@ def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
     log.install()
     rank = 0
     try:
-        args = TrainingArguments(**spec.training_arguments(job["out"], job["world_size"]))
+        args = spec.arguments_class()(**spec.training_arguments(job["out"], job["world_size"]))
         rank = args.process_index
         trainer = Trainer(
             model=AutoModelForCausalLM.from_pretrained(assets.model),

@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "PreflightError": "trainbridge.launch.launcher",
     "LaunchTimeoutError": "trainbridge.launch.launcher",
     "TrainingInterruptedError": "trainbridge.launch.launcher",
+    "RunFolderLockedError": "trainbridge.launch.launcher",
     "CallbackTransportError": "trainbridge.launch.transport",
     "register_by_value": "trainbridge.launch.transport",
 }
@@ -70,6 +71,7 @@ __all__ = [
     "LaunchError",
     "LaunchTimeoutError",
     "PreflightError",
+    "RunFolderLockedError",
     "RunResult",
     "TorchrunArgs",
     "Trainer",

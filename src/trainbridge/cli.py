@@ -1,4 +1,5 @@
-"""The ``trainbridge`` command: ``train CONFIG.yaml``, ``demo`` and ``plot RUN_DIR``.
+"""The ``trainbridge`` command: ``train CONFIG.yaml``, ``demo``, ``plot RUN_DIR`` and
+``control RUN_DIR save|stop|evaluate|log``.
 
 argparse lives only here; its result is turned into ``TrainingArgs``/``TorchrunArgs`` at once.
 Exit codes: 0 success, 1 a worker failed (or the run timed out), 2 invalid configuration or a failed
@@ -115,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
                             "and build the engine), then exit without training")
     train.add_argument("--set", dest="overrides", type=parse_override, action="append", default=[],
                        metavar="KEY=VALUE", help=_SET_HELP)
+
+    control = commands.add_parser("control", help="ask a running job to save, stop, evaluate or log")
+    control.add_argument("run_dir", type=Path, help="the running job's ckpt_output_dir")
+    control.add_argument("action", choices=["save", "stop", "evaluate", "log"], help="what to ask for")
 
     demo = commands.add_parser("demo", help="two-rank CPU fine-tune of a tiny local model (about a minute)")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"), help="where model, data and run go")
@@ -258,17 +263,31 @@ def _plot(options: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _control(options: argparse.Namespace) -> int:
+    from trainbridge.launch.control import NoRunningJobError, send_control
+
+    try:
+        print(f"trainbridge: {send_control(options.run_dir, options.action)}")
+    except NoRunningJobError as exc:
+        print(f"trainbridge: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainbridge`` command; returns the exit code."""
     options = _parser().parse_args(argv)
     if options.command == "plot":
         return _plot(options)
+    if options.command == "control":
+        return _control(options)
 
     from trainbridge.launch.launcher import LaunchError, PreflightError, TrainingInterruptedError
     from trainbridge.launch.transport import CallbackTransportError
 
     try:
         if options.command == "demo":
+            console.quiet_this_process("cpu")  # the demo's ranks run on CPU
             from trainbridge.demos.demo import run_demo
 
             run_demo(options.output_dir, options.nproc_per_node, options.max_steps, chat=options.chat)

@@ -79,12 +79,8 @@ def stub_worker(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def make_args(tmp_path, monkeypatch):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "1+1=2"}\n')
+def make_args(tmp_path, monkeypatch, run_files):
+    model, data = run_files["model"], run_files["train"]  # the preflight reads the data with its tokenizer
     module = types.ModuleType("tb_launcher_notebook")
     exec(textwrap.dedent(
         """
@@ -141,10 +137,12 @@ def test_timeout_stops_every_worker(make_args, stub_worker):
     assert _no_stub_processes_left() == []
 
 
-def test_worker_killed_without_error_file_still_fails_clearly(make_args, stub_worker):
-    with pytest.raises(WorkerFailedError, match="exited without an error file") as info:
+def test_worker_killed_by_a_signal_is_named_with_its_signal(make_args, stub_worker):
+    """The killed rank is the root cause (not the survivor torchrun stopped), with the signal that ended it."""
+    with pytest.raises(WorkerFailedError, match="SIGKILL") as info:
         run_training(make_args("killed-on-rank-1"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
-    assert info.value.rank is None
+    assert (info.value.rank, info.value.exit_code, info.value.signal_name) == (1, -9, "SIGKILL")
+    assert str(info.value).startswith("training failed on rank 1 (exit code -9): killed with SIGKILL")
     assert _no_stub_processes_left() == []
 
 
@@ -176,7 +174,7 @@ def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
     assert "trainbridge demo finished" in out
     # the demo ends with a picture of this real run's metrics (trainbridge plot)
     png = Path(result.metrics_file).with_name("metrics.png")
-    assert f"plot:             {png}" in out
+    assert f"plot:            {png}" in out
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
 
 

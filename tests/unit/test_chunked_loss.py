@@ -210,3 +210,17 @@ def test_compile_decoder_layers_keeps_the_loss() -> None:
     assert compile_decoder_layers(model, backend="eager") == 2
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert loss_and_grads(model, batch)[0] == pytest.approx(reference, rel=1e-6)
+
+
+def test_loss_head_on_a_peft_model() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    batch = collate_padding_free(make_samples([5, 9, 3]))
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    reference = loss_and_grads(model, batch)
+    assert install_loss_head(model, "chunked", chunk_tokens=4)
+    got = loss_and_grads(model, batch)
+    assert got[0] == pytest.approx(reference[0], rel=1e-6)
+    assert got[1].keys() == reference[1].keys() and got[1]  # the LoRA weights' gradients
+    for name in got[1]:
+        torch.testing.assert_close(got[1][name], reference[1][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -153,7 +153,7 @@ def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_arg
     assert all(key not in part for part in fake.command)
     assert fake.payload_mode == 0o600 and fake.dir_mode == 0o700
     assert fake.start_new_session
-    assert fake.command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert fake.command[:3] == [sys.executable, "-m", "trainbridge.launch.agent"]  # torchrun, tied to us
     assert fake.command[-4:] == ["-m", "trainbridge.launch.worker", "--payload", str(fake.payload)]
     assert fake.command[fake.command.index("--nproc-per-node") + 1] == "2"
     assert int(fake.command[fake.command.index("--master-port") + 1]) > 0

@@ -1,5 +1,6 @@
 """``trainbridge plot``: a PNG from a metrics file; clear errors when there is nothing to plot."""
 
+import importlib.util
 import json
 
 import pytest
@@ -8,6 +9,9 @@ from trainbridge import cli
 from trainbridge.report.plot import PlotError, plot_metrics, read_series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib (the 'plot' extra) is not installed"
+)
 
 
 def _write_metrics(path, steps=12):
@@ -21,6 +25,7 @@ def _write_metrics(path, steps=12):
     return path
 
 
+@needs_matplotlib
 def test_plot_command_writes_a_png_and_prints_its_path(tmp_path, capsys):
     _write_metrics(tmp_path / "metrics.jsonl")
     assert cli.main(["plot", str(tmp_path)]) == 0
@@ -35,6 +40,7 @@ def test_series_keep_step_and_skip_a_truncated_line(tmp_path):
     assert series["eval_loss"][0] == [4, 8, 12] and len(series["loss"][1]) == 12
 
 
+@needs_matplotlib
 def test_output_path_can_be_chosen(tmp_path):
     metrics = _write_metrics(tmp_path / "m.jsonl")
     assert plot_metrics(metrics, tmp_path / "sub" / "p.png") == tmp_path / "sub" / "p.png"

@@ -210,3 +210,136 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
     assert p.label_ids[:, 0].tolist() == [0, 3, 2, 3, 4]
     assert p.label_ids[0].tolist() == [0, -100, -100, -100]  # padding removed, then -100 to the common length
     assert (p.predictions == p.label_ids).all()
+
+
+# ---------------------------------------------------------------------------- porting mappings
+def _ported(tmp_path: Path, hf: TrainingArguments, **required: Any) -> TrainingArgs:
+    from trainbridge.hf.porting import training_args_from_hf
+
+    model_dir = tmp_path / "m"
+    if not model_dir.exists():
+        build_tiny_llama(model_dir)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    return training_args_from_hf(hf, model_path=model_dir, data_path=data, **required)
+
+
+def test_porting_maps_backend_schedule_warmup_and_checkpointing(tmp_path: Path) -> None:
+    hf = _hf_args(tmp_path, fsdp="full_shard", lr_scheduler_type="cosine_with_min_lr",
+                  lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0.25, gradient_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HFPortingWarning)
+        args = _ported(tmp_path, hf)
+    assert args.distributed_backend == "fsdp"
+    assert args.lr_scheduler == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    assert args.warmup_steps == 0 and args.warmup_ratio == 0.25  # a ratio of steps not known yet
+    assert args.gradient_checkpointing
+    ds = _ported(tmp_path, _hf_args(tmp_path, deepspeed={"zero_optimization": {"stage": 3}}))
+    assert ds.distributed_backend == "deepspeed" and ds.deepspeed_zero_stage == 3
+
+
+def test_warmup_ratio_resolves_against_the_run_steps(tmp_path: Path) -> None:
+    from trainbridge.parallel.engine import build_scheduler
+
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", warmup_ratio=0.25,
+                        lr_scheduler="linear", learning_rate=1.0)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, args, total_steps=8)
+    lrs = []
+    for _ in range(3):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [0.0, 0.5, 1.0]  # 2 warm-up steps of 8
+
+
+def test_trl_config_max_length_becomes_max_seq_len(tmp_path: Path) -> None:
+    trl = pytest.importorskip("trl")
+    hf = trl.SFTConfig(output_dir=str(tmp_path / "out"), max_length=64, report_to="none", use_cpu=True)
+    assert _ported(tmp_path, hf, max_batch_len=128).max_seq_len == 64
+
+
+def test_instructlab_field_names_get_our_names(tmp_path: Path) -> None:
+    import pydantic
+
+    model_dir = build_tiny_llama(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    with pytest.raises(pydantic.ValidationError, match=r"random_seed: use seed=.*is_padding_free: use packing="):
+        TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", random_seed=1,
+                     is_padding_free=True)
+
+
+# ---------------------------------------------------------------------------- in place, one rank
+def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set (a launched worker of a 1-process job): the loop runs in this
+    process on the datasets written as Arrow; evaluate/predict/save_model work after training."""
+    from trainbridge.demos.tiny_model import arithmetic_problems
+
+    model, tok = tiny
+    model = transformers.AutoModelForCausalLM.from_config(model.config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    texts = [p + a for p, a in arithmetic_problems(24, seed=1)]
+    train = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), batched=True,
+                                                            remove_columns=["text"])
+    val = train.select(range(5))
+    seen: list[int] = []
+
+    def compute_metrics(p: Any) -> dict[str, float]:
+        seen.append(len(p.label_ids))
+        return {"rows": float(len(p.label_ids))}
+
+    args = _hf_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1, save_steps=3,
+                    eval_strategy="steps", eval_steps=3, learning_rate=1e-2, disable_tqdm=True)
+    # set after TrainingArguments, which would otherwise start accelerate's process group for this test
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics)
+    untrained = trainer.evaluate()  # standalone, before any training
+    assert untrained["eval_rows"] == 5 and "eval_loss" in untrained
+    out = trainer.train()
+    assert out.global_step == 3 and out.training_loss > 0
+    assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model trained
+    assert trainer.state.global_step == 3 and any("eval_rows" in e for e in trainer.state.log_history)
+    assert trainer.evaluate()["eval_rows"] == 5
+    prediction = trainer.predict(val)
+    assert prediction.label_ids.shape[0] == 5 and "test_rows" in prediction.metrics
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "checkpoint-3").is_dir()
+    # resume_from_checkpoint=True: from the newest checkpoint, to the new max_steps
+    args.max_steps = 4
+    resumed = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train(resume_from_checkpoint=True)
+    assert resumed.global_step == 4
+
+
+def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from trainbridge.modeling.load import load_model
+
+    base, tok = tiny
+    fresh = transformers.AutoModelForCausalLM.from_config(base.config)
+    fresh.load_state_dict(base.state_dict())
+    model = peft.get_peft_model(fresh, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a non-trivial adapter, so loading it is visible
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.5)
+    path = inputs.write_model(model, tok, tmp_path / "model")
+    assert path.name == "adapter" and (path / "adapter_config.json").is_file()
+    saved_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "base")
+    assert set(saved_base.state_dict()) == set(base.state_dict())  # no lora/base_layer keys
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    loaded = load_model(TrainingArgs(model_path=path, data_path=data, ckpt_output_dir=tmp_path / "o"))
+    trainable = {n for n, p in loaded.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)

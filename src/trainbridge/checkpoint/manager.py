@@ -11,12 +11,14 @@ A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
 * the optimizer and scheduler state as the engine writes it (``optimizer.pt``, a DCP folder for FSDP2, a
   DeepSpeed folder for ZeRO) and ``scheduler.pt``;
 * any ``extra_files`` (e.g. the HF adapter's ``trainer_state.json``);
-* ``COMPLETE``: written last.
+* ``manifest.json``: every file's size and SHA-256, and the run's fingerprint (``checkpoint.manifest``);
+* ``COMPLETE``: written last, after every file was fsynced.
 
 Atomicity: everything is written into ``output_dir/.tmp-checkpoint-{step}`` (every rank writes its rank
 files there), the ranks agree that all writes succeeded, then rank 0 writes ``COMPLETE`` and renames the
 folder to its final name.  A crash mid-save leaves earlier checkpoints whole; a left-over temporary folder
-is never listed and is removed by the next save.  Re-saving an existing step renames the old folder aside,
+is never listed and is removed by the next save of the run that made it, or of a later run once its
+maker is gone (``.owner`` names it), never while another live run may still be writing it.  Re-saving an existing step renames the old folder aside,
 renames the new one in, then deletes the old one.  ``output_dir`` must be on a filesystem every rank sees
 (as for ``torch.distributed.checkpoint`` and DeepSpeed checkpoints).
 """
@@ -26,9 +28,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import random
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +41,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file
 
+from trainbridge.checkpoint.durability import disk_full_message, fsync_dir, is_disk_full, write_durably
+from trainbridge.checkpoint.manifest import (
+    fingerprint_mismatches,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
+from trainbridge.checkpoint.runlock import RUN_ID_ENV, process_is_alive
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
 from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
@@ -52,6 +64,8 @@ OLD_PREFIX = ".old-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
 COMPLETE_MARKER = "COMPLETE"
 TRAINING_STATE_FILE = "training_state.json"
+OWNER_FILE = ".owner"
+"""In a temporary checkpoint folder: the run id, host and pid of the process that writes it."""
 SAFE_WEIGHTS_FILE = "model.safetensors"
 SAFE_WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 MERGED_DIR = "merged"
@@ -83,10 +97,14 @@ class CheckpointManager:
     and deletes folders.
     """
 
-    def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None) -> None:
+    def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None,
+                 fingerprint: dict[str, Any] | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
         self.save_total_limit = save_total_limit
+        self.fingerprint = fingerprint or {}
+        """What this run's checkpoints belong to (``checkpoint.manifest.run_fingerprint``)."""
+        self.run_id = os.environ.get(RUN_ID_ENV, "")
 
     # ------------------------------------------------------------------ saving
     def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
@@ -103,10 +121,10 @@ class CheckpointManager:
             try:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
                 self._clean_leftovers()
-                tmp.mkdir()
+                self._make_owned_tmp(tmp)
             except Exception as exc:
                 error = exc
-        self._agree(error, f"preparing {tmp}")
+        self._agree(error, f"preparing {tmp}", final)
 
         # Collective for sharded engines: every rank takes part, rank 0 receives the full weights (of a PEFT
         # model: its adapter's weights only).
@@ -118,22 +136,39 @@ class CheckpointManager:
             torch.save(capture_rng_state(), tmp / f"rng_state_{self.env.rank}.pth")
         except Exception as exc:
             error = exc
-        self._agree(error, f"writing model, tokenizer and state files into {tmp}")
+        self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
 
         try:
             engine.save_training_state(tmp)
         except Exception as exc:
             error = exc
-        self._agree(error, f"writing optimizer/scheduler state into {tmp}")
+        self._agree(error, f"writing optimizer/scheduler state into {tmp}", final)
 
         if self.env.is_world_process_zero:
             try:
-                (tmp / COMPLETE_MARKER).write_text(f"{global_step}\n")
+                (tmp / OWNER_FILE).unlink(missing_ok=True)
+                write_manifest(tmp, self.fingerprint)  # hashes and fsyncs every file first
+                write_durably(tmp / COMPLETE_MARKER, f"{global_step}\n")
+                fsync_dir(tmp)
                 self._publish(tmp, final)
+                fsync_dir(self.output_dir)
             except Exception as exc:
                 error = exc
-        self._agree(error, f"publishing {final}")
+        self._agree(error, f"publishing {final}", final)
         return final
+
+    def _make_owned_tmp(self, tmp: Path) -> None:
+        """Create the temporary folder with an ``.owner`` file naming this run (rank 0)."""
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            owner = _read_owner(tmp)
+            raise CheckpointError(
+                f"{tmp} is being written by another live run ({owner}) into the same ckpt_output_dir; "
+                "two runs must not share a run folder"
+            ) from None
+        owner_record = {"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid()}
+        (tmp / OWNER_FILE).write_text(json.dumps(owner_record))
 
     def _write_rank_zero_files(self, engine: TrainingEngine, tokenizer: Any, tmp: Path,
                                full_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
@@ -174,15 +209,39 @@ class CheckpointManager:
                 else:
                     logger.warning("restoring %s, left aside by an interrupted re-save", final)
                     path.rename(final)
+            elif path.name.startswith(TMP_PREFIX) and not self._owned_by_us_or_dead(path):
+                logger.warning("leaving %s alone: another live run is writing it (%s)", path, _read_owner(path))
             elif path.name.startswith((TMP_PREFIX, DELETING_PREFIX)):
                 logger.warning("removing %s, left by an interrupted checkpoint save or deletion", path)
                 shutil.rmtree(path)
 
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """Collective ``all_reduce(MAX)`` of a failure flag: every rank raises if any rank failed."""
+    def _owned_by_us_or_dead(self, tmp: Path) -> bool:
+        """A temporary folder belongs to the run that made it: ours, or one whose writer is gone."""
+        try:
+            owner = json.loads((tmp / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            return True  # no owner file: an old-style or already-finished folder
+        if self.run_id and owner.get("run_id") == self.run_id:
+            return True
+        if owner.get("host") == socket.gethostname() and owner.get("pid") == os.getpid():
+            return True
+        return not process_is_alive(str(owner.get("host")), int(owner.get("pid", 0)))
+
+    def _agree(self, error: BaseException | None, what: str, checkpoint: Path | None = None) -> None:
+        """Collective ``all_reduce(MAX)`` of a failure flag: every rank raises if any rank failed.
+
+        On a failure rank 0 removes the partial temporary folder (the previous checkpoint is untouched);
+        a full disk is reported as such, naming the filesystem and the checkpoint."""
         flag = torch.tensor([1.0 if error is not None else 0.0], device=self.env.device)
         failed = float(self.env.all_reduce_max(flag).item()) > 0
+        if failed and checkpoint is not None and self.env.is_world_process_zero:
+            tmp = checkpoint.with_name(f"{TMP_PREFIX}{checkpoint_step(checkpoint)}")
+            if tmp.is_dir() and self._owned_by_us_or_dead(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
+            if checkpoint is not None and is_disk_full(error):
+                raise CheckpointError(f"rank {self.env.rank}: " + disk_full_message(
+                    self.output_dir, checkpoint, self.latest()) + f" ({type(error).__name__}: {error})") from error
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed while {what}: {error}") from error
         if failed:
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed on another rank while {what}")
@@ -229,6 +288,62 @@ class CheckpointManager:
         """The complete checkpoint with the highest step, or None (temporary and incomplete ones ignored)."""
         checkpoints = self.list_checkpoints()
         return checkpoints[-1] if checkpoints else None
+
+    def latest_verified(self) -> Path | None:
+        """The newest complete checkpoint whose files match its manifest; corrupt ones are skipped
+        with a warning naming them and what is wrong."""
+        for path in reversed(self.list_checkpoints()):
+            problems = verify_checkpoint(path)
+            if not problems:
+                return path
+            logger.warning("skipping corrupt checkpoint %s: %s", path, "; ".join(problems))
+        return None
+
+    def resume_path(self, resume_from: str | Path | None, allow_mismatch: bool = False) -> Path | None:
+        """The checkpoint to resume from for ``resume_from_checkpoint`` (collective).
+
+        ``auto``: the newest checkpoint that verifies (corrupt ones skipped, named in a warning), or None.
+        A path: it must be a complete checkpoint whose files verify.  Either way its fingerprint must
+        match this run's unless ``allow_mismatch``.  Rank 0 checks; every rank gets its answer."""
+        if resume_from is None:
+            return None
+        outcome: dict[str, Any] = {}
+        if self.env.is_world_process_zero:
+            try:
+                found = self._choose_resume(resume_from, allow_mismatch)
+                outcome["path"] = str(found) if found is not None else None
+            except Exception as exc:
+                outcome["error"] = str(exc)
+        outcome = self.env.broadcast_object(outcome)
+        if "error" in outcome:
+            raise CheckpointError(outcome["error"])
+        return Path(outcome["path"]) if outcome.get("path") else None
+
+    def _choose_resume(self, resume_from: str | Path, allow_mismatch: bool) -> Path | None:
+        if str(resume_from) == "auto":
+            path = self.latest_verified()
+            if path is None:
+                return None
+        else:
+            path = Path(resume_from)
+            if not path.is_dir() or not is_complete_checkpoint(path):
+                raise CheckpointError(
+                    f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a "
+                    f"{CHECKPOINT_PREFIX}<step> folder with a {COMPLETE_MARKER} marker)"
+                )
+            problems = verify_checkpoint(path)
+            if problems:
+                raise CheckpointError(f"resume_from_checkpoint: checkpoint {path} is corrupt: {'; '.join(problems)}")
+        manifest = read_manifest(path) or {}
+        mismatches = fingerprint_mismatches(manifest.get("fingerprint") or {}, self.fingerprint)
+        if mismatches and not allow_mismatch:
+            raise CheckpointError(
+                f"resume_from_checkpoint: checkpoint {path} belongs to another run: {'; '.join(mismatches)}. "
+                "Set resume_allow_mismatch=True to resume from it anyway"
+            )
+        if mismatches:
+            logger.warning("resuming from %s despite: %s (resume_allow_mismatch=True)", path, "; ".join(mismatches))
+        return path
 
     def rotate(self, protected: set[Path] | frozenset[Path] = frozenset()) -> list[Path]:
         """Keep at most ``save_total_limit`` checkpoints; returns those deleted, on every rank.
@@ -310,6 +425,14 @@ class CheckpointManager:
             logger.warning("rank %d: %s not found; RNG states not restored", self.env.rank, file)
             return
         restore_rng_state(torch.load(file, map_location="cpu", weights_only=True))
+
+
+def _read_owner(tmp: Path) -> str:
+    try:
+        owner = json.loads((tmp / OWNER_FILE).read_text())
+        return f"run {owner.get('run_id') or '?'}, pid {owner.get('pid')} on {owner.get('host')}"
+    except (OSError, ValueError):
+        return "owner unknown"
 
 
 # ---------------------------------------------------------------------- weights

@@ -26,6 +26,7 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
+from trainbridge.core.instructlab_names import check_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
 
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
@@ -291,10 +292,18 @@ class TrainingArgs(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant_with_warmup"
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
     """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
@@ -378,7 +387,21 @@ class TrainingArgs(BaseModel):
     load_best_model_at_end: bool = False
     """Load the best checkpoint's weights into the model when training ends."""
     resume_from_checkpoint: Literal["auto"] | Path | None = None
-    """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` (if any); a path resumes from it."""
+    """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` that verifies against its
+    manifest (a corrupt one is skipped with a warning naming it); a path resumes from it (it must verify)."""
+    resume_allow_mismatch: bool = False
+    """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
+    training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
+    save_on_interrupt: bool = False
+    """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
+    boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.
+    A second SIGTERM, or ``save_on_interrupt_timeout_s`` without reaching a step boundary, stops at once."""
+    save_on_interrupt_timeout_s: float = Field(default=25.0, gt=0)
+    """How long ``save_on_interrupt`` may take to reach the next step boundary after SIGTERM before the worker
+    gives up and stops without saving (torchrun kills workers 30 s after its own SIGTERM)."""
+    external_control: bool = True
+    """Obey ``trainbridge control RUN_DIR save|stop|evaluate|log`` from another shell: rank 0 checks the run
+    folder's ``control/`` requests at every step end and they are agreed like any callback request."""
     report_to: list[str] = Field(default_factory=list)
     """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
     include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
@@ -423,6 +446,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        check_instructlab_names(data)  # instructlab's names get a message naming ours
         data = dict(data)
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
@@ -727,7 +751,9 @@ class TorchrunArgs(BaseModel):
     master_port: int | None = Field(default=None, gt=0, lt=65536)
     """Port on ``master_addr``; None picks a free port (single node only)."""
     max_restarts: int = Field(default=0, ge=0)
-    """torchrun's worker-group restarts before the job fails."""
+    """Restarts of the whole job after a worker fails, before the run fails.  The launcher restarts it
+    itself (a fresh torchrun, rendezvous and port: torchrun's in-place restart is unreliable with gloo),
+    resuming from the newest complete checkpoint in ``ckpt_output_dir``; ``RunResult.restarts`` counts them."""
 
     @field_validator("nnodes")
     @classmethod

@@ -52,7 +52,8 @@ class TrainingContext:
     samples_seen: int = 0
     """Training samples consumed, all ranks together (updated at ``on_step_end``)."""
     tokens_seen: int = 0
-    """Input tokens consumed (non-padding), all ranks together (updated at ``on_step_end``, from the plan)."""
+    """Input tokens consumed (non-padding), all ranks together (from the plan, once the step's micro-batches
+    have run: ``on_pre_optimizer_step`` onwards includes the step)."""
     loss_tokens_seen: int = 0
     """Loss-counted tokens (labels != -100), all ranks together."""
     num_parameters: int = 0

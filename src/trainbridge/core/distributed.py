@@ -115,6 +115,12 @@ class DistributedEnv:
             dist.destroy_process_group()
         self.started_group = False
 
+    def shutdown(self) -> None:
+        """Leave the process group whoever started it (``Trainer.end()`` at the end of a script whose
+        ``TrainingArguments`` already started it): a barrier (collective), then destroy it."""
+        self.started_group = self.started_group or (dist.is_available() and dist.is_initialized())
+        self.teardown(clean=True)
+
     # ------------------------------------------------------------------ named collectives
     def barrier(self) -> None:
         """Collective ``barrier``: every rank waits for all (used around checkpoint writes)."""

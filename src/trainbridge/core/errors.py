@@ -1,5 +1,5 @@
 """Callback errors: the failure policy (``CallbackErrorLedger``) and what it reports about a callback
-that raised (``CallbackErrorReport``)."""
+that raised (``CallbackErrorReport``); ``TrainingInterrupted`` (a worker was told to stop by a signal)."""
 
 from __future__ import annotations
 
@@ -98,3 +98,10 @@ class CallbackErrorLedger:
                                 first_error=r.first_error)
             for _, r in items
         ]
+
+
+class TrainingInterrupted(BaseException):
+    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
+    callback isolation (``except Exception``) must not swallow it."""

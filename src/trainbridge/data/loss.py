@@ -238,6 +238,9 @@ def install_loss_head(
     ``nn.Linear``, keeps the standard loss (with a warning).  Call before wrapping the model."""
     if implementation == "standard":
         return False
+    get_base = getattr(model, "get_base_model", None)  # a PEFT model: its base model's forward and head
+    if callable(get_base):
+        model = get_base()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, torch.nn.Linear) or not _logits_come_straight_from(type(model), head, model):

@@ -114,6 +114,6 @@ def _plot(result: RunResult) -> None:
     if result.metrics_file is None:
         return
     try:
-        print(f"  plot:             {plot_metrics(result.metrics_file)}", flush=True)
+        print(f"  {'plot:':<17}{plot_metrics(result.metrics_file)}", flush=True)
     except PlotError as exc:
-        print(f"  plot:             not written ({exc})", file=sys.stderr, flush=True)
+        print(f"  {'plot:':<17}not written ({exc})", file=sys.stderr, flush=True)

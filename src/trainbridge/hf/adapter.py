@@ -7,13 +7,31 @@ transformers' own ``CallbackHandler`` (so the flag resets before each hook, the 
 it: ``DefaultFlowCallback``, then ``report_to``'s integration callbacks, then the user's, then
 ``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``).
 
-Event mapping: each native event with an HF twin (``trainbridge.core.events.hf_hook_for``) calls that hook
-of the handler.  ``TrainerState`` is refreshed from the ``TrainingContext`` before every hook
-(``global_step``, ``epoch``, ``max_steps``, ``num_input_tokens_seen``, ``total_flos`` from
-``TrainingContext.total_flos``, ``best_metric``/``best_global_step`` from the native best-checkpoint
-tracker, which runs after user callbacks as Trainer's ``_determine_best_metric`` runs after
-``on_evaluate``).  ``on_log`` appends ``{**logs, "step": global_step}`` to
-``state.log_history`` as ``Trainer.log`` does.
+Event mapping: the adapter ``handles`` every event with a Hugging Face twin
+(``trainbridge.core.events.HF_EVENTS``) and ``run_event`` calls the handler's hook of the same name; only
+init end, train begin, log, evaluate, save and train end have code of their own.  ``TrainerState`` is
+refreshed from the ``TrainingContext`` before every hook (``global_step``, ``epoch``, ``max_steps``,
+``num_input_tokens_seen`` under ``include_num_input_tokens_seen`` as Trainer counts it, ``total_flos``
+from ``TrainingContext.total_flos``, ``best_metric``/``best_global_step``
+from the native best-checkpoint tracker, which runs after user callbacks as Trainer's
+``_determine_best_metric`` runs after ``on_evaluate``).  ``on_log`` appends ``{**logs, "step":
+global_step}`` to ``state.log_history`` as ``Trainer.log`` does (with ``num_input_tokens_seen`` and, for
+training logs, ``train_tokens_per_second`` when tokens are counted).  With ``load_best_model_at_end`` the
+loop has loaded the best weights before ``on_train_end``, as ``Trainer._finalize_training``.
+
+Keyword arguments are Trainer's: at ``on_init_end`` the optimizer, scheduler and dataloaders are ``None``
+(Trainer creates them in ``train()``), and ``eval_dataloader`` is ``None`` until the first evaluation.
+
+``args`` is a real ``TrainingArguments``; when the settings were ported from one (``TrainingArgs.hf_args``:
+trl's ``SFTConfig``, ``DPOConfig``...), an instance of that class with all its fields, only the fields
+this run owns replaced (``trainbridge.hf.arguments``).
+
+Isolation per callback: each HF callback (the ``report_to`` integrations included) is isolated on its own
+under the run's policy (``callback_error_policy``, ``callback_max_consecutive_errors``): an error is
+logged once, counted, and after that many errors in a row in hooks it implements that callback alone is
+switched off, while the others keep receiving every hook; ``RunResult.callback_errors`` names its class.
+Under ``fatal`` its error stops every rank and fails the run.  An error in ``on_init_end`` or
+``on_train_begin`` fails the run before the first step, as any callback's does.
 
 Control, both ways:
 
@@ -35,6 +53,11 @@ Differences from Trainer (documented, deliberate):
   so ``PrinterCallback`` popping ``total_flos`` does not change what native callbacks see;
   ``on_evaluate`` receives the native ``metrics`` dict itself, so an HF callback that rewrites a
   metric changes best-model tracking, as it does under Trainer.
+- ``include_num_input_tokens_seen``: Trainer gathers the count per micro-batch.  ``non_padding`` comes
+  from the plan and includes the whole step from ``on_pre_optimizer_step`` on (at ``on_substep_end`` it
+  does not include the step's earlier micro-batches yet); ``all`` (padding included) is summed over ranks
+  in the step's one collective, after ``on_step_end``, so hooks up to ``on_step_end`` see the previous
+  step's count and every later hook the current one.
 - Resume: callback states are restored in place (Trainer removes the restored callbacks and appends
   them at the end of the list); several callbacks of one class store their current states (Trainer
   appends to the stored list on every save and so restores the oldest ones).
@@ -314,8 +337,10 @@ class HuggingFaceCallbackAdapter(Callback):
     def _evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
         metrics = kwargs["metrics"]
         self._evaluated = True
-        # Trainer.log(metrics) sets metrics["epoch"] = state.epoch on the very dict on_evaluate receives
+        # Trainer.log(metrics) sets these on the very dict on_evaluate receives
         metrics["epoch"] = self._state().epoch
+        if context.args.include_num_input_tokens_seen != "no":
+            metrics["num_input_tokens_seen"] = self._state().num_input_tokens_seen
         self._call(context, "on_evaluate", metrics=metrics)
 
     def _save(self, context: TrainingContext, **kwargs: Any) -> None:

@@ -147,7 +147,7 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "gradient_accumulation_steps": 1,
         "seed": args.seed,
         "data_seed": args.seed,
-        "bf16": args.mixed_precision == "bf16",
+        "bf16": args.mixed_precision_for(env.device.type) == "bf16",  # "auto": what the engines run
         "use_cpu": env.device.type == "cpu",
         "logging_strategy": args.logging_strategy,
         "logging_steps": args.logging_steps,

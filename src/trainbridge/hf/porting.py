@@ -26,7 +26,7 @@ class HFPortingWarning(UserWarning):
     """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
 
 
-SUPPORTED_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+SUPPORTED_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr")
 
 # Fields carried over to TrainingArgs (explicitly, in `_carried_over`).
 CARRIED_OVER = frozenset({
@@ -36,7 +36,9 @@ CARRIED_OVER = frozenset({
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
     "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
     "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
+    "lr_scheduler_kwargs", "fsdp", "deepspeed", "gradient_checkpointing", "gradient_checkpointing_kwargs",
     "activation_checkpointing", "activation_checkpointing_kwargs", "include_num_input_tokens_seen",
+    "include_for_metrics",
 })
 
 # TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
@@ -55,10 +57,9 @@ RENAMED: dict[str, str] = {
 NOT_WARNED = frozenset({
     "do_train", "do_eval", "do_predict", "local_rank", "accelerator_config", "dataloader_pin_memory",
     "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
-    "skip_memory_metrics", "gradient_checkpointing",
-    "gradient_checkpointing_kwargs", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
+    "skip_memory_metrics", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
     "hub_always_push", "hub_revision", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "fsdp_config", "lr_scheduler_kwargs", "optim_args",
+    "trackio_static_space_id", "fsdp_config", "optim_args",
 })
 
 # Why a field has no meaning here, for the fields users set most.
@@ -73,7 +74,8 @@ EXPLANATIONS: dict[str, str] = {
         "as the token budget needs)"
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
-    "fp16": "only bf16 mixed precision is supported (mixed_precision='bf16')",
+    "fp16": ("fp16 mixed precision (with loss scaling) is not implemented; the run trains in float32. "
+             "Set bf16=True (mixed_precision='bf16') for mixed precision"),
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
@@ -154,7 +156,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "max_steps": max_steps,
         "learning_rate": hf.learning_rate,
         "lr_scheduler": scheduler,
-        "warmup_steps": _absolute_steps("warmup_steps", hf.warmup_steps, max_steps, allow_zero=True),
+        **_warmup(hf.warmup_steps, max_steps),
+        "lr_scheduler_kwargs": _scheduler_kwargs(hf.lr_scheduler_kwargs),
         "weight_decay": hf.weight_decay,
         "adam_beta1": hf.adam_beta1,
         "adam_beta2": hf.adam_beta2,
@@ -190,6 +193,12 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
             data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:
         data["device"] = "cpu"
+    data.update(_backend(hf))
+    max_length = getattr(hf, "max_length", None)  # trl's SFTConfig and other subclasses
+    if isinstance(max_length, int) and max_length > 0:
+        data["max_seq_len"] = max_length
+    if getattr(hf, "include_for_metrics", None):
+        data["include_for_metrics"] = [m for m in hf.include_for_metrics if m in ("inputs", "loss")]
     if hf.eval_steps is not None:
         data["eval_steps"] = _absolute_steps("eval_steps", hf.eval_steps, max_steps)
     if data["save_strategy"] == "steps":
@@ -202,6 +211,47 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
     if logging_dir:
         data["logging_dir"] = Path(logging_dir)
     return data
+
+
+def _warmup(value: float, max_steps: int | None) -> dict[str, Any]:
+    """``warmup_steps``, or ``warmup_ratio`` for a ratio (``< 1``) when ``max_steps`` is not known yet."""
+    if 0 < value < 1 and max_steps is None:
+        return {"warmup_steps": 0, "warmup_ratio": float(value)}
+    return {"warmup_steps": _absolute_steps("warmup_steps", value, max_steps, allow_zero=True)}
+
+
+def _scheduler_kwargs(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """``lr_scheduler_kwargs`` as a dict (TrainingArguments also accepts a JSON string)."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        import json
+
+        parsed = json.loads(value)
+        if not isinstance(parsed, dict):
+            raise ValueError(f"TrainingArguments.lr_scheduler_kwargs={value!r}: expected a JSON object")
+        return parsed
+    return dict(value)
+
+
+def _backend(hf: TrainingArguments) -> dict[str, Any]:
+    """``distributed_backend`` (and the ZeRO stage) from ``fsdp`` / ``deepspeed``."""
+    if hf.deepspeed:
+        config: Any = hf.deepspeed
+        if isinstance(config, str | Path) and Path(config).is_file():
+            import json
+
+            config = json.loads(Path(config).read_text())
+        stage = config.get("zero_optimization", {}).get("stage") if isinstance(config, dict) else None
+        out: dict[str, Any] = {"distributed_backend": "deepspeed"}
+        if stage in (1, 2, 3):
+            out["deepspeed_zero_stage"] = stage
+        elif stage is not None:
+            raise ValueError(f"TrainingArguments.deepspeed: ZeRO stage {stage!r} is not supported (1, 2 or 3)")
+        return out
+    if hf.fsdp:
+        return {"distributed_backend": "fsdp"}
+    return {}
 
 
 def _absolute_steps(name: str, value: float, max_steps: int | None, allow_zero: bool = False) -> int:

@@ -12,8 +12,10 @@ from typing import Any
 
 from trainbridge.callbacks import (
     BestCheckpointTracker,
+    ExternalControl,
     MetricsFileCallback,
     ProgressBarCallback,
+    SaveOnInterrupt,
     ScheduleCallback,
 )
 from trainbridge.core.callback import Callback, FunctionCallback
@@ -25,8 +27,9 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
 
     ``ScheduleCallback`` first (like transformers' DefaultFlowCallback), then the user's callbacks in
     registration order — all Hugging Face ones driven by one adapter placed where the first of them
-    was — then event functions, then best-checkpoint tracking, the metrics file and, when no adapter
-    brings transformers' own progress callback, the native progress bar.
+    was — then event functions, then best-checkpoint tracking, the metrics file, outside control
+    (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no adapter brings
+    transformers' own progress callback, the native progress bar.
     """
     user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
     hf = _hf_callbacks(user)
@@ -48,6 +51,10 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
         ordered.append(adapter)
     functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.event_functions.items() for fn in fns]
     tail: list[Callback] = [BestCheckpointTracker(), MetricsFileCallback()]
+    if args.external_control:
+        tail.append(ExternalControl())
+    if args.save_on_interrupt:
+        tail.append(SaveOnInterrupt())
     if adapter is None:
         tail.append(ProgressBarCallback())
     return [ScheduleCallback(), *ordered, *functions, *tail]

@@ -4,22 +4,28 @@ The parent process never trains.  It validates the configuration, runs the prefl
 callback can travel to the workers, ``CallbackSpec``s construct, native callbacks accept the config),
 writes the authenticated payload (``trainbridge.launch.transport``) and launches::
 
-    python -m torch.distributed.run --nnodes .. --nproc-per-node .. <rendezvous> --log-dir <private dir>
+    python -m trainbridge.launch.agent --nnodes .. --nproc-per-node .. <rendezvous> --log-dir <private dir>
         --tee 1:3,... -m trainbridge.launch.worker --payload <file>
 
-with the payload key in ``TRAINBRIDGE_PAYLOAD_KEY``.  Worker output streams live: local rank 0
+(``trainbridge.launch.agent`` is torchrun tied to this process, see ``launch.lifeline``) with the payload
+key in ``TRAINBRIDGE_PAYLOAD_KEY``.  Before anything starts the run folder is locked
+(``checkpoint.runlock``: a second run into the same ``ckpt_output_dir`` fails naming the first) and the
+inputs are checked (``launch.checks``).  Worker output streams live: local rank 0
 writes straight to the console (so a progress bar behaves), the other ranks' lines are prefixed
 ``[rankN]:`` by torchrun.  When a worker fails, torchrun stops the others and the ``@record`` error
 file of the first failing rank becomes a ``WorkerFailedError`` naming the rank, the exception and its
-traceback.  SIGINT/SIGTERM in the parent are forwarded to torchrun; ``timeout_s`` bounds the whole
-run; either way the worker process tree is gone before ``run_training`` returns or raises.
+traceback (``launch.failures`` tells the cause from its consequences).  With ``max_restarts`` the
+launcher itself restarts a failed job (a fresh torchrun, rendezvous and port) resuming from the newest
+complete checkpoint.  SIGINT/SIGTERM in the parent are forwarded to torchrun; ``timeout_s`` bounds the
+whole run; either way the worker process tree is gone before ``run_training`` returns or raises, and
+if the launcher itself is killed, torchrun and the workers die with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
+import logging
 import os
 import shutil
 import signal
@@ -36,13 +42,38 @@ from typing import Any
 
 import psutil
 
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.core.distributed import launched_worker
+from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import result_file
+from trainbridge.launch import lifeline
+from trainbridge.launch.agent import FAILURES_FILE_ENV
 from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
+from trainbridge.launch.errors import (
+    LaunchError,
+    LaunchTimeoutError,
+    PreflightError,
+    RunFolderLockedError,
+    TrainingInterruptedError,
+    WorkerFailedError,
+)
+from trainbridge.launch.failures import worker_failure
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
 from trainbridge.loop.result import RunResult
+
+__all__ = [
+    "LaunchError", "LaunchTimeoutError", "PreflightError", "RunFolderLockedError", "TrainingInterruptedError",
+    "WorkerFailedError", "build_torchrun_command", "build_worker_environment", "free_port", "preflight",
+    "run_training", "worker_failure",
+]
+
+logger = logging.getLogger(__name__)
+
+AGENT_MODULE = "trainbridge.launch.agent"
+"""Module the launcher runs as torchrun (``torch.distributed.run`` tied to the launcher)."""
 
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
@@ -55,56 +86,6 @@ _RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 _POLL_INTERVAL_S = 0.2
 
 
-class LaunchError(RuntimeError):
-    """The run could not be launched or did not produce a result."""
-
-
-class PreflightError(LaunchError):
-    """A check before launch failed; no worker was started."""
-
-
-class WorkerFailedError(LaunchError):
-    """A worker failed; torchrun stopped the others.  Names the first failing rank and its error."""
-
-    def __init__(
-        self,
-        rank: int | None,
-        exit_code: int | None,
-        message: str,
-        *,
-        traceback: str | None = None,
-        local_rank: int | None = None,
-    ) -> None:
-        self.rank = rank
-        self.exit_code = exit_code
-        self.message = message
-        self.traceback = traceback
-        self.local_rank = local_rank
-        if rank is not None:
-            who = f"rank {rank}"
-        elif local_rank is not None:
-            who = f"local rank {local_rank} on this node"
-        else:
-            who = "a worker"
-        code = f"exit code {exit_code}" if exit_code is not None else "exit code unknown"
-        text = f"training failed on {who} ({code}): {message}"
-        if traceback:
-            text += f"\n\nTraceback on {who}:\n{traceback.rstrip()}"
-        super().__init__(text)
-
-
-class LaunchTimeoutError(LaunchError, TimeoutError):
-    """The run exceeded ``timeout_s``; every worker was stopped."""
-
-
-class TrainingInterruptedError(LaunchError):
-    """The parent received SIGINT/SIGTERM; it was forwarded to torchrun and every worker was stopped."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"training interrupted by {signal.Signals(signum).name}; all workers were stopped")
-
-
 # ----------------------------------------------------------------------------- preflight
 def preflight(args: TrainingArgs) -> None:
     """Every check that can fail before launch, in the parent (raises ``PreflightError``).
@@ -112,11 +93,15 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``); the data reads and tokenises
-    into its cache (``_check_data``: bad rows named by file and line, before any worker starts).
+    (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
+    checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
+    (``_check_data``: bad rows named by file and line, before any worker starts).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
+    problems = input_problems(args)
+    if problems:
+        raise PreflightError("\n".join(problems))
     if args.peft_config is not None:  # imported only then: the modeling layer pulls in transformers
         from trainbridge.modeling.load import check_model_setup
 
@@ -181,7 +166,7 @@ def build_torchrun_command(
 ) -> list[str]:
     """The torchrun command line (the payload path is on it; the payload and its key never are)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         "--nnodes", str(torchrun_args.nnodes),
         "--nproc-per-node", str(torchrun_args.nproc_per_node),
     ]
@@ -203,7 +188,9 @@ def build_torchrun_command(
             "--master-addr", torchrun_args.master_addr,
             "--master-port", str(port),
         ]
-    command += ["--max-restarts", str(torchrun_args.max_restarts), "--log-dir", str(log_dir)]
+    # torchrun's in-place restart is unreliable with gloo (connectFullMesh refused after a restart);
+    # the launcher restarts the whole job itself instead (``run_training``).
+    command += ["--max-restarts", "0", "--log-dir", str(log_dir)]
     if torchrun_args.nproc_per_node > 1:
         # Local rank 0 keeps the real console (progress bars work); the others are teed with a prefix.
         command += ["--tee", ",".join(f"{rank}:3" for rank in range(1, torchrun_args.nproc_per_node))]
@@ -250,106 +237,6 @@ def build_worker_environment(
     path = _worker_import_path() + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     return env
-
-
-# ----------------------------------------------------------------------------- failure report
-def _load_error_file(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _error_fields(data: Mapping[str, Any]) -> tuple[str, str | None, int, int | None]:
-    """``(message, traceback, timestamp, error_code)`` of a torchelastic error file."""
-    raw = data.get("message")
-    if isinstance(raw, str):
-        return raw, None, 0, None
-    body: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    raw_extra = body.get("extraInfo")
-    extra: dict[str, Any] = raw_extra if isinstance(raw_extra, dict) else {}
-    timestamp = str(extra.get("timestamp", ""))
-    code = str(body.get("errorCode", ""))
-    return (
-        str(body.get("message", "unknown error")),
-        extra.get("py_callstack"),
-        int(timestamp) if timestamp.isdigit() else 0,
-        int(code) if code.lstrip("-").isdigit() else None,
-    )
-
-
-def worker_failure(
-    log_dir: Path, torchrun_error_file: Path, torchrun_args: TorchrunArgs, returncode: int
-) -> LaunchError:
-    """Turn what torchrun left behind into the error to raise.
-
-    Per-rank error files live in ``log_dir/<run>/attempt_<n>/<local_rank>/error.json`` (newest attempt
-    wins); the first failure is the one torchrun copied into its own error file, else the earliest.
-    """
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: int(p.name.rpartition("_")[2]))
-    per_rank: dict[int, dict[str, Any]] = {}
-    if attempts:
-        for error_file in attempts[-1].glob("*/error.json"):
-            data = _load_error_file(error_file)
-            if data is not None and error_file.parent.name.isdigit():
-                per_rank[int(error_file.parent.name)] = data
-    root = _load_error_file(torchrun_error_file)
-    if not per_rank:
-        if root is not None:
-            message, trace, _, _ = _error_fields(root)
-            return LaunchError(f"torchrun failed (exit code {returncode}): {message}\n{trace or ''}".rstrip())
-        logged = _traceback_from_stderr_logs(attempts[-1]) if attempts else None
-        if logged is not None:
-            local_rank, trace = logged
-            return WorkerFailedError(
-                _global_rank(torchrun_args, local_rank), None, trace.rstrip().splitlines()[-1],
-                traceback=trace, local_rank=local_rank,
-            )
-        return WorkerFailedError(
-            None, None,
-            "a worker exited without an error file (it failed before its @record entry point ran, was "
-            f"killed by a signal or ran out of memory); torchrun exited with {returncode} and its summary "
-            "above names the rank",
-        )
-
-    def first(item: tuple[int, dict[str, Any]]) -> tuple[int, int]:
-        message, trace, timestamp, _ = _error_fields(item[1])
-        if root is not None and _error_fields(root)[:3] == (message, trace, timestamp):
-            return (0, 0)
-        return (1, timestamp)
-
-    local_rank, data = min(per_rank.items(), key=first)
-    message, trace, _, _ = _error_fields(data)
-    exit_code = _error_fields(root)[3] if root is not None else None
-    return WorkerFailedError(
-        _global_rank(torchrun_args, local_rank), exit_code, message, traceback=trace, local_rank=local_rank
-    )
-
-
-def _global_rank(torchrun_args: TorchrunArgs, local_rank: int) -> int | None:
-    """Global rank of ``local_rank`` on this node, when it can be known from the launch arguments."""
-    if not torchrun_args.rdzv_endpoint:
-        return torchrun_args.node_rank * torchrun_args.nproc_per_node + local_rank
-    if str(torchrun_args.nnodes) == "1":
-        return local_rank
-    return None  # c10d assigns node ranks at rendezvous time; only the local rank is known here
-
-
-def _traceback_from_stderr_logs(attempt_dir: Path) -> tuple[int, str] | None:
-    """``(local_rank, traceback)`` of the first teed worker stderr that ends in a Python traceback.
-
-    Covers failures before the ``@record`` entry point runs (e.g. an import error), which leave no
-    error file.  Only teed ranks (local rank 1 and up) have a log file.
-    """
-    for log in sorted(attempt_dir.glob("*/stderr.log"), key=lambda p: p.parent.name):
-        if not log.parent.name.isdigit():
-            continue
-        text = log.read_text(errors="replace")
-        start = text.rfind("Traceback (most recent call last):")
-        if start >= 0:
-            return int(log.parent.name), text[start:]
-    return None
 
 
 # ----------------------------------------------------------------------------- process supervision
@@ -469,8 +356,9 @@ def run_training(
     Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
     place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
-    launch, nothing started), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
+    launch, nothing started; ``RunFolderLockedError`` when another live run uses ``ckpt_output_dir``), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
+    A worker failure is retried ``max_restarts`` times (``RunResult.restarts`` counts them).
 
     Returns None only on a node of a multi-node run that does not host rank 0 and cannot see its
     ``result.json`` (no shared file system).  ``worker_module`` replaces ``trainbridge.launch.worker`` (tests).
@@ -490,34 +378,94 @@ def run_training(
         launch = torchrun_args
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
-    args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+    problem = check_output_dir(args.ckpt_output_dir)
+    if problem:
+        raise PreflightError(problem)
     result_path = result_file(args.ckpt_output_dir)
-    if not dry_run:
+    if dry_run:  # builds the run and prints its plan; writes nothing into the run folder
+        preflight(args)
+        _launch_once(args, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
+        return None
+    try:
+        lock = RunLock(args.ckpt_output_dir, job=_job_key(launch)).acquire()
+    except RunFolderBusy as exc:
+        raise RunFolderLockedError(str(exc)) from None
+    try:
         result_path.unlink(missing_ok=True)
-    preflight(args)
+        preflight(args)
+        restarts = _run_with_restarts(args, launch, timeout_s, worker_module, lock.run_id)
+    finally:
+        lock.release()
+    if result_path.is_file():
+        result = RunResult.read(result_path)
+        if restarts:
+            result.restarts = restarts
+            result.write(result_path)
+        return result
+    hosts_rank_zero = launch.node_rank == 0 if not launch.rdzv_endpoint else str(launch.nnodes) == "1"
+    if hosts_rank_zero:
+        raise LaunchError(f"torchrun exited cleanly but rank 0 wrote no result at {result_path}")
+    return None
 
+
+def _job_key(launch: TorchrunArgs) -> str | None:
+    """What the launchers of one multi-node job share (they lock the run folder together); None: unique."""
+    if launch.rdzv_endpoint:
+        return f"c10d:{launch.rdzv_endpoint}:{launch.rdzv_id or ''}"
+    if str(launch.nnodes) != "1":
+        return f"static:{launch.master_addr}:{launch.master_port}"
+    return None
+
+
+def _run_with_restarts(
+    args: TrainingArgs, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str
+) -> int:
+    """Launch; after a worker failure, launch again (up to ``max_restarts``) from the newest checkpoint
+    that verifies.  Returns how many restarts happened; raises the last failure when they run out."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    restarts = 0
+    attempt_args = args
+    while True:
+        remaining = timeout_s if deadline is None or not restarts else max(deadline - time.monotonic(), 1.0)
+        try:
+            _launch_once(attempt_args, launch, remaining, worker_module, run_id, restarts)
+            return restarts
+        except WorkerFailedError as failure:
+            if restarts >= launch.max_restarts:
+                raise
+            restarts += 1
+            resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None).latest_verified()
+            if resume is not None:
+                attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
+            first_line = str(failure).splitlines()[0]
+            print(f"trainbridge: {first_line}\ntrainbridge: restart {restarts}/{launch.max_restarts}: a fresh "
+                  f"torchrun and rendezvous, resuming from {resume or attempt_args.resume_from_checkpoint or 'the start'}",
+                  file=sys.stderr, flush=True)
+
+
+def _launch_once(
+    args: TrainingArgs, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str,
+    restarts: int, dry_run: bool = False,
+) -> None:
+    """One torchrun job; raises ``WorkerFailedError`` (or another ``LaunchError``) when it fails."""
     private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
     try:
         payload_path, key = write_payload(args, private_dir)
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
+        failures_file = private_dir / "failures.json"
         command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
                                          ["--dry-run"] if dry_run else None)
         env = build_worker_environment(launch, key, torchrun_error_file)
         env.update(quiet_environment(args.device, env))
+        env[lifeline.LAUNCHER_ENV] = lifeline.launcher_token()
+        env[RUN_ID_ENV] = run_id
+        env[FAILURES_FILE_ENV] = str(failures_file)
         sys.stdout.flush()
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)
         returncode = _supervise(process, timeout_s)
         if returncode != 0:
-            raise worker_failure(log_dir, torchrun_error_file, launch, returncode)
+            raise worker_failure(log_dir, torchrun_error_file, launch, returncode, failures_file, restarts)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
-    if dry_run:
-        return None
-    if result_path.is_file():
-        return RunResult.read(result_path)
-    hosts_rank_zero = launch.node_rank == 0 if not launch.rdzv_endpoint else str(launch.nnodes) == "1"
-    if hosts_rank_zero:
-        raise LaunchError(f"torchrun exited cleanly but rank 0 wrote no result at {result_path}")
-    return None

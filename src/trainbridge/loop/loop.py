@@ -28,6 +28,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.errors import TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
@@ -41,13 +42,6 @@ from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingInterrupted(BaseException):
-    """The worker received SIGTERM (torchrun shutting the job down, or a scheduler pre-empting it).
-
-    A ``BaseException``, like ``KeyboardInterrupt``: the signal can arrive while a callback runs, and
-    callback isolation (``except Exception``) must not swallow it."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -173,7 +167,8 @@ class TrainingLoop:
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
-        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)  # a user's collator's labels
+        # a user's collator's batch counts its own labels
+        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)
                        for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
@@ -196,6 +191,7 @@ class TrainingLoop:
             loss_sum += token_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
+        ctx.tokens_seen += step.num_tokens  # every rank's, from the plan: known without a collective
         grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
         ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
@@ -213,7 +209,6 @@ class TrainingLoop:
         ctx.global_step += 1
         ctx.step_in_epoch += 1
         ctx.samples_seen += step.num_samples
-        ctx.tokens_seen += step.num_tokens
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
@@ -318,9 +313,10 @@ class TrainingLoop:
         args, ctx = self.args, self.context
         if args.resume_from_checkpoint is None:
             return
-        path = self.checkpoints.latest() if args.resume_from_checkpoint == "auto" else Path(args.resume_from_checkpoint)
+        path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
-            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
+            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh",
+                        args.ckpt_output_dir)
             return
         state = self.checkpoints.load(path, self.engine)
         ctx.global_step = state["global_step"]
@@ -335,7 +331,8 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
+        self.callbacks.load_state_dict(state.get("callbacks", {}),
+                                       restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
@@ -359,7 +356,8 @@ class TrainingLoop:
     ) -> tuple[AgreedControl, list[float]]:
         """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
         Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras, own)
+        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names,
+                                     extras, own)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
@@ -371,8 +369,9 @@ class TrainingLoop:
         if ControlFlag.ABORT in agreed:
             local = agreed.local_reasons.get(ControlFlag.ABORT)
             raise CallbackFatalError(
-                f"callback error under callback_error_policy='fatal' on {agreed.describe(ControlFlag.ABORT)}; "
-                f"every rank stopped at step {self.context.global_step}" + (f" (this rank: {local})" if local else "")
+                f"callback error under callback_error_policy='fatal' on "
+                f"{agreed.describe(ControlFlag.ABORT)}; every rank stopped at step {self.context.global_step}"
+                + (f" (this rank: {local})" if local else "")
             )
         return agreed, sums
 
@@ -427,8 +426,8 @@ class TrainingLoop:
     def _result(self, runtime: float) -> RunResult:
         ctx = self.context
         # collective: every rank's isolated callback errors, for the result
-        errors = [r for rank_errors in self.env.all_gather_objects(self.callbacks.error_reports(self.env.rank))
-                  for r in rank_errors]
+        gathered = self.env.all_gather_objects(self.callbacks.error_reports(self.env.rank))
+        errors = [r for rank_errors in gathered for r in rank_errors]
         stopped_early = ctx.agreed.stop_training and ctx.global_step < ctx.max_steps
         return RunResult(
             global_step=ctx.global_step,
@@ -458,7 +457,8 @@ def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
 def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
     ``max_length_*``) as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in cpu_batch.items()}
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """``RunResult``: what a finished run reports back to ``run_training``'s caller.
 
-Rank 0 writes it to ``trainbridge.core.run_dir.result_file(ckpt_output_dir)`` (``result.json``); the launcher reads it back.
+Rank 0 writes it to ``trainbridge.core.run_dir.result_file(ckpt_output_dir)`` (``result.json``); the
+launcher reads it back.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class RunResult(BaseModel):
     """Wall time of the training loop."""
     resumed_from: str | None = None
     """Checkpoint the run resumed from."""
+    restarts: int = 0
+    """How many times the launcher restarted the job after a worker failed (``max_restarts``)."""
     merged_model: str | None = None
     """Folder of the merged PEFT model (``merge_adapter_at_end``), loadable with ``AutoModelForCausalLM``."""
 

@@ -35,6 +35,7 @@ parameters with fp32 master weights in the optimizer (as the Hugging Face Traine
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
@@ -104,8 +105,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_
     return get_scheduler(
         args.lr_scheduler,
         optimizer=optimizer,
-        num_warmup_steps=args.warmup_steps,
+        num_warmup_steps=args.warmup_steps or math.ceil(args.warmup_ratio * total_steps),
         num_training_steps=total_steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
     )
 
 

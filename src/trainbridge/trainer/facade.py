@@ -113,6 +113,8 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
+        self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
+        self._fallback_tokenizer: Any = None
         self.state = TrainerState()
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -151,18 +153,18 @@ class Trainer:
                     "callback (trainbridge.Callback on_before_forward/on_after_forward, or a "
                     "transformers.TrainerCallback) or shape the loss through 'labels'."
                 )
-        unknown = sorted(set(kwargs) - {"peft_config", "formatting_func"})
+        unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:
             raise TypeError(f"Trainer.__init__() got unexpected keyword arguments {unknown}")
+        if kwargs.get("quantization_config") is not None:
+            raise UnsupportedTrainerFeatureError(
+                "quantization_config: quantized (k-bit) base models are not supported by the facade; train in "
+                "full or bf16 precision (TrainingArgs.model_kwargs dtype), with a LoRA adapter for memory."
+            )
         if kwargs.get("formatting_func") is not None:
             raise UnsupportedTrainerFeatureError(
                 "formatting_func: format the rows before the Trainer (dataset.map) into 'text', 'messages' or "
                 "'prompt'/'completion' columns; trainbridge tokenises those itself."
-            )
-        if kwargs.get("peft_config") is not None:
-            raise UnsupportedTrainerFeatureError(
-                "peft_config: pass a model wrapped with peft.get_peft_model (PEFT support in the facade follows "
-                "the PEFT issue)."
             )
 
     # Trainer methods a subclass may override; an override is rejected at construction (see above).
@@ -214,7 +216,13 @@ class Trainer:
 
     # ================================================================== run folder
     def _tokenizer(self) -> Any:
+        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the
+        tokenizer saved beside the model the script loaded, if its folder has one."""
         tok = self.processing_class
+        if tok is None and self._fallback_tokenizer is None and self.model is not None:
+            self._fallback_tokenizer = _tokenizer_beside(self.model)
+        if tok is None:
+            tok = self._fallback_tokenizer
         return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
 
     def _write_model(self) -> tuple[Path, Path | None]:
@@ -231,8 +239,9 @@ class Trainer:
         return source, None
 
     def _write_data(self, dataset: Any, name: str, what: str) -> tuple[Path, int | None]:
-        rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice,
-                                            getattr(self._tokenizer(), "pad_token_id", None))
+        collator_tokenizer = getattr(self.data_collator, "tokenizer", None)  # the collator pads with its own
+        pad_id = getattr(collator_tokenizer or self._tokenizer(), "pad_token_id", None)
+        rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice, pad_id)
         return inputs.write_dataset(rows, self.run_dir / name), longest
 
     def _single_eval_dataset(self) -> Any:
@@ -289,6 +298,11 @@ class Trainer:
             "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics,
             "data_collator": None if self._collator_choice.reproduced else self.data_collator,
         }
+        if self._peft_config is not None:
+            fields["peft_config"] = self._peft_config
+        model_kwargs = getattr(self.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
+        if self._model_source is not None and isinstance(model_kwargs, dict):
+            fields["model_kwargs"] = _model_kwargs(model_kwargs)
         if resume is True:
             fields["resume_from_checkpoint"] = "auto"
         elif resume:
@@ -299,6 +313,13 @@ class Trainer:
             data["callbacks"] = [*self.args.callbacks, *self.callbacks]
             return TrainingArgs.model_validate(data)
         hf = self.args
+        # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+        # progress bar, and each checkpoint gets trainer_state.json as under Trainer
+        from transformers import TrainerCallback
+
+        if not any(isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback))
+                   for c in self.callbacks):
+            fields["callbacks"] = [*self.callbacks, TrainerCallback()]
         per_device = int(hf.per_device_train_batch_size)
         accumulation = int(hf.gradient_accumulation_steps)
         fields["effective_batch_size"] = per_device * accumulation * world_size
@@ -307,8 +328,6 @@ class Trainer:
         max_seq_len = int(longest or max_len or 512)
         fields["max_seq_len"] = max_seq_len
         fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
-        if getattr(hf, "include_for_metrics", None):
-            fields["include_for_metrics"] = [m for m in hf.include_for_metrics if m in ("inputs", "loss")]
         if resume is None:
             fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
         return training_args_from_hf(hf, **fields)
@@ -334,6 +353,8 @@ class Trainer:
         self._set_state(state)
         metrics = dict(next((e for e in reversed(state["log_history"]) if "train_runtime" in e), {}))
         metrics.pop("step", None)
+        # Trainer's default printer / progress callback pops total_flos from these metrics in on_log
+        metrics.pop("total_flos", None)
         return TrainOutput(result.global_step, float(result.train_loss if result.train_loss is not None else 0.0), metrics)
 
     def _train_in_place(self, resume: Any) -> JobOutcome:
@@ -363,8 +384,12 @@ class Trainer:
             self.model = unwrapped
             return
         state = unwrapped.state_dict()
-        if any(type(t).__name__ == "DTensor" for t in state.values()):
-            self.model = unwrapped  # sharded (FSDP2): Trainer's model is the sharded module too
+        mine = self.model.state_dict()
+        sharded = any(type(t).__name__ == "DTensor" for t in state.values()) or any(
+            key in mine and tuple(mine[key].shape) != tuple(value.shape) for key, value in state.items()
+        )
+        if sharded:
+            self.model = unwrapped  # FSDP2 / ZeRO-3 shards: Trainer's model is the sharded module too
             return
         self.model.load_state_dict(state, strict=False)
 
@@ -404,6 +429,13 @@ class Trainer:
         from trainbridge.checkpoint.manager import fill_tied_weights, read_safetensors_weights
 
         self._weights_dir = folder
+        adapter_file = folder / "adapter_model.safetensors"
+        if adapter_file.is_file() and self.model is not None and hasattr(self.model, "peft_config"):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.model, load_file(str(adapter_file)))
+            return
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
@@ -451,6 +483,7 @@ class Trainer:
         from transformers.trainer_utils import PredictionOutput
 
         metrics, gathered = self._evaluate_job(test_dataset, keep_predictions=True)
+        metrics.pop("epoch", None)  # Trainer.predict reports no epoch (evaluate() does, through log())
         if gathered is None:
             raise RuntimeError("predict: no predictions came back from the evaluation job")
         return PredictionOutput(predictions=gathered.predictions, label_ids=gathered.label_ids,
@@ -480,7 +513,7 @@ class Trainer:
         if env is not None:
             env.barrier()
         layout = json.loads((folder / "layout.json").read_text())
-        data_file = folder / "data" / "data.jsonl"
+        data_file = folder / "data"
         layout.update(data_path=str(data_file), val_data_path=str(data_file))
         args = self._training_args(layout, env.world_size if env else self_launch_nproc(), None)
         updates: dict[str, Any] = {
@@ -521,8 +554,13 @@ class Trainer:
                 self.model = AutoModelForCausalLM.from_pretrained(self._model_source)
             target.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(target)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(target)
+            tokenizer = self.processing_class or self._tokenizer()
+            if tokenizer is None and self._model_source is not None and (self._model_source / "tokenizer_config.json").is_file():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
+            if tokenizer is not None:
+                tokenizer.save_pretrained(target)
         if self.is_world_process_zero():
             torch.save(self.args, target / "training_args.bin")
 
@@ -610,6 +648,18 @@ class Trainer:
         return _CallbackList(self.callbacks)
 
     # ================================================================== misc Trainer API
+    @property
+    def accelerator(self) -> Any:
+        """A stand-in for scripts calling ``trainer.accelerator.print`` / ``.is_main_process``."""
+        return _ProcessPrinter(self)
+
+    def end(self) -> None:
+        """Finish: under a launcher, leave the process group (every rank calls it, as Trainer's ``end``)."""
+        if self._env is not None:
+            self._env.shutdown()
+            self._env = None
+            self._loop = None
+
     def get_train_dataloader(self) -> Any:
         raise UnsupportedTrainerFeatureError(
             "get_train_dataloader: batches are planned by token budget inside the workers; there is no "
@@ -626,6 +676,57 @@ class Trainer:
     @property
     def is_fsdp_enabled(self) -> bool:
         return bool(getattr(self.args, "fsdp", None))
+
+
+def _tokenizer_beside(model: Any) -> Any:
+    """``AutoTokenizer`` of the local folder ``model`` was loaded from (a PEFT model: its base), or None."""
+    from transformers import AutoTokenizer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    if not source or not Path(source).is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
+def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """trl's ``model_init_kwargs`` as ``TrainingArgs.model_kwargs`` (None values dropped, dtypes as names)."""
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    dtype = out.get("dtype", out.pop("torch_dtype", None))
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+class _ProcessPrinter:
+    """``trainer.accelerator`` for scripts that use it to print or to ask for the main process."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._trainer.is_world_process_zero()
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._trainer.is_local_process_zero()
+
+    @property
+    def num_processes(self) -> int:
+        env = self._trainer._env
+        return env.world_size if env is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        if self._trainer._env is not None:
+            self._trainer._env.barrier()
 
 
 class _CallbackList:

@@ -122,20 +122,79 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
 
 
 def write_dataset(rows: Any, folder: Path) -> Path:
-    """Write ``rows`` into ``folder`` for the workers; returns the ``data_path`` to give them.
+    """Write ``rows`` into ``folder`` with ``Dataset.save_to_disk`` (Arrow); returns the ``data_path``.
 
-    Written as JSON lines of token ids (or raw columns), the format the data layer reads.
+    The data layer (``trainbridge.data.inputs``) memory-maps the folder in every worker: rows are not
+    pickled and not held in Python lists per rank.  When the folder already holds the same rows (same
+    Arrow bytes) it is left untouched, so a later ``train(resume_from_checkpoint=...)`` sees the same data
+    (checkpoints record a fingerprint of the training data) and the tokenisation cache is reused.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "data.jsonl"
-    rows.to_json(str(path), lines=True, force_ascii=False)
-    return path
+    import hashlib
+    import shutil
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fresh = folder.with_name(folder.name + ".writing")
+    shutil.rmtree(fresh, ignore_errors=True)
+    rows.save_to_disk(str(fresh))
+    digest = hashlib.sha256()
+    for arrow in sorted(fresh.glob("*.arrow")):
+        with arrow.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    marker = folder.with_name(folder.name + ".sha256")
+    if folder.is_dir() and marker.is_file() and marker.read_text() == digest.hexdigest():
+        shutil.rmtree(fresh)
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    fresh.rename(folder)
+    marker.write_text(digest.hexdigest())
+    return folder
 
 
 def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
-    """Save ``model`` (``save_pretrained``) and ``tokenizer`` into ``folder``; returns the folder."""
+    """Save ``model`` and ``tokenizer`` into ``folder``; returns the ``model_path`` for the workers.
+
+    A plain model is saved with ``save_pretrained`` (resized embeddings, changed config and all).  A
+    ``peft.PeftModel`` is saved as its base model without the adapter layers (``folder/base``, the
+    in-memory base: resized embeddings kept) plus its adapter (``folder/adapter``, PEFT's layout, whose
+    ``adapter_config.json`` points at that base); the workers load the adapter folder, trainable.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    if _is_peft_model(model):
+        target = _write_peft_model(model, folder)
+    else:
+        model.save_pretrained(folder)
+        target = folder
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(folder)
-    return folder
+        tokenizer.save_pretrained(target)
+        if target != folder:
+            tokenizer.save_pretrained(folder / "base")
+    return target
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _write_peft_model(model: Any, folder: Path) -> Path:
+    import json
+
+    base = model.get_base_model()
+    adapter_names = set(model.peft_config)
+    clean: dict[str, torch.Tensor] = {}
+    for key, value in base.state_dict().items():
+        parts = key.split(".")
+        if any(part.startswith("lora_") or part in adapter_names for part in parts):
+            continue  # adapter weights (lora_A/lora_B/lora_magnitude_vector..., per adapter name)
+        clean[key.replace(".base_layer.", ".")] = value
+    base.save_pretrained(folder / "base", state_dict=clean)
+    model.save_pretrained(folder / "adapter")
+    for config_file in (folder / "adapter").rglob("adapter_config.json"):
+        config = json.loads(config_file.read_text())
+        config["base_model_name_or_path"] = str((folder / "base").resolve())
+        config_file.write_text(json.dumps(config, indent=2))
+    return folder / "adapter"

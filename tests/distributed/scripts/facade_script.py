@@ -71,17 +71,27 @@ trainer = Trainer(
     model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-    callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
+    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
 )
 result = trainer.train()
 metrics = trainer.evaluate()
+prediction = trainer.predict(val)
+trainer.save_model(str(out / "final"))
 if trainer.is_world_process_zero():
     summary = {
         "global_step": result.global_step, "train_metrics": sorted(result.metrics),
         "eval_metrics": metrics, "best": trainer.state.best_model_checkpoint,
         "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
         "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+        "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
+        "final_files": sorted(f.name for f in (out / "final").iterdir()),
+        "predict": {"shape": list(prediction.predictions.shape), "metrics": sorted(prediction.metrics),
+                    "labels_rows": len(prediction.label_ids)},
+        "state": {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
+                  "epoch": trainer.state.epoch},
         "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("SUMMARY", json.dumps(summary, default=str))
+trainer.end()  # transformers >= 5.18: finish trackers, leave the process group

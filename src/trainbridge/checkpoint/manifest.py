@@ -1,0 +1,148 @@
+"""Checkpoints you can trust: a manifest of every file's size and SHA-256, and the run's fingerprint.
+
+Rank 0 writes ``manifest.json`` after every rank's files are in the temporary folder and before the
+``COMPLETE`` marker; hashing reads each file once and fsyncs it on the way.  At resume,
+``verify_checkpoint`` re-checks sizes and checksums: a truncated ``model.safetensors`` or an emptied
+optimizer file is named instead of failing deep inside a loader.  Checkpoints written before
+manifests existed verify as before (marker only).
+
+The **fingerprint** (``run_fingerprint``) records what the checkpoint belongs to: the model's
+architecture and configuration (hashed), the base model folder and the training data (path, size and
+a hash of its first MiB).  ``fingerprint_mismatches`` lists what differs from the current run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainbridge.checkpoint.durability import fsync_dir, write_durably
+
+MANIFEST_FILE = "manifest.json"
+"""Name of the manifest inside a checkpoint folder."""
+_CHUNK = 8 * 2**20
+_IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                        "_commit_hash", "_attn_implementation_autoset", "attn_implementation"}
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Hash and fsync every file in ``folder``, then write ``manifest.json`` durably."""
+    files = {}
+    for path in _files(folder):
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size,
+                                                      "sha256": _sha256(path, fsync=True)}
+    for sub in sorted({p.parent for p in _files(folder)} | {folder}):
+        fsync_dir(sub)
+    manifest = {"version": 1, "files": files, "fingerprint": dict(fingerprint or {})}
+    write_durably(folder / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of a checkpoint, or None when it has none (older checkpoints)."""
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else None
+
+
+def verify_checkpoint(folder: Path, checksums: bool = True) -> list[str]:
+    """What is wrong with a checkpoint's files (empty when it verifies).  Missing, resized or changed
+    files are named; a checkpoint without a manifest has nothing to verify."""
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as exc:
+        return [str(exc)]
+    if manifest is None:
+        return []
+    problems = []
+    for name, expected in sorted(manifest.get("files", {}).items()):
+        path = Path(folder) / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            problems.append(f"{name} has {size} bytes, the manifest recorded {expected.get('size')}")
+        elif checksums and _sha256(path) != expected.get("sha256"):
+            problems.append(f"{name} does not match its recorded SHA-256")
+    return problems
+
+
+# ---------------------------------------------------------------------- fingerprint
+def _data_fingerprint(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir():  # a datasets folder: its file names and sizes
+        entries = sorted((p.relative_to(path).as_posix(), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+        return {"path": str(path.resolve()), "sha256": hashlib.sha256(json.dumps(entries).encode()).hexdigest()}
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(2**20)
+        size = path.stat().st_size
+    except OSError:
+        return {"path": str(path.resolve())}
+    return {"path": str(path.resolve()), "size": size, "head_sha256": hashlib.sha256(head).hexdigest()}
+
+
+def config_digest(config: Any) -> str:
+    """A hash of a model configuration (``PretrainedConfig`` or dict), ignoring bookkeeping keys."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    clean = {k: v for k, v in data.items() if k not in _IGNORED_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def run_fingerprint(model_path: Path | None, data_path: Path | None, config: Any) -> dict[str, Any]:
+    """What a checkpoint of this run belongs to: architecture, config hash, base model (None for a
+    ``model_init`` model), data."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return {
+        "model_type": data.get("model_type"),
+        "architectures": data.get("architectures"),
+        "config_sha256": config_digest(data),
+        "base_model": str(Path(model_path).resolve()) if model_path is not None else None,
+        "data": _data_fingerprint(data_path),
+    }
+
+
+def fingerprint_mismatches(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences between a checkpoint's fingerprint and the current run's."""
+    if not recorded:
+        return []
+    problems = []
+    if recorded.get("model_type") != current.get("model_type") or \
+            recorded.get("architectures") != current.get("architectures"):
+        problems.append(f"model architecture {recorded.get('model_type')}/{recorded.get('architectures')} "
+                        f"!= this run's {current.get('model_type')}/{current.get('architectures')}")
+    elif recorded.get("config_sha256") != current.get("config_sha256"):
+        problems.append("model configuration differs (same architecture, other sizes or settings)")
+    if recorded.get("base_model") != current.get("base_model"):
+        problems.append(f"base model {recorded.get('base_model')} != this run's {current.get('base_model')}")
+    old_data, new_data = recorded.get("data"), current.get("data")
+    if old_data and new_data and old_data != new_data:
+        problems.append(f"training data differs (checkpoint: {old_data.get('path')}, this run: {new_data.get('path')})")
+    return problems
+

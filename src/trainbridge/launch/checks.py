@@ -1,0 +1,133 @@
+"""Checks of the run's inputs in the parent, before launch: each fails in a second with one clear line
+instead of ~20 s later inside every worker with a page of tracebacks.
+
+* ``ckpt_output_dir`` can be created and written;
+* ``model_path`` holds a causal language model (its ``config.json`` names one transformers can load
+  with ``AutoModelForCausalLM``);
+* an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
+* the data files can be read and look like their format (the first lines of a JSON-lines file are
+  JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from trainbridge.checkpoint.manager import COMPLETE_MARKER, is_complete_checkpoint
+from trainbridge.checkpoint.manifest import verify_checkpoint
+from trainbridge.core.config import TrainingArgs, peft_adapter_base
+
+SNIFF_LINES = 5
+"""How many non-blank lines of a JSON-lines data file are parsed before launch."""
+_JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines", ""}
+
+
+def check_output_dir(path: Path) -> str | None:
+    """None when ``path`` exists (created if needed) and is writable, else what is wrong."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
+            pass
+    except OSError as exc:
+        return f"ckpt_output_dir: {str(path)!r} is not writable: {exc.strerror or exc}"
+    return None
+
+
+def check_causal_lm(model_path: Path | None) -> str | None:
+    """None when ``model_path/config.json`` describes a causal LM (or there is no such folder to check:
+    ``model_init``, or a PEFT adapter folder, whose base model is checked by ``check_model_setup``)."""
+    if model_path is None or peft_adapter_base(model_path) is not None:
+        return None
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"model_path: cannot read {model_path / 'config.json'}: {exc}"
+    if not isinstance(config, dict):
+        return f"model_path: {model_path / 'config.json'} is not a JSON object"
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return None
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in architectures):
+        return None
+    model_type = config.get("model_type")
+    if not architectures and model_type:  # rare: no architectures recorded; ask transformers (slow import)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return None
+    what = f"model_type {model_type!r}" + (f", architectures {architectures}" if architectures else "")
+    return (f"model_path: {str(model_path)!r} is not a causal language model ({what}); trainbridge fine-tunes "
+            "models AutoModelForCausalLM can load (e.g. Llama, Qwen, Mistral)")
+
+
+def check_resume_path(args: TrainingArgs) -> str | None:
+    """None unless an explicit ``resume_from_checkpoint`` is missing, incomplete or corrupt."""
+    resume = args.resume_from_checkpoint
+    if resume is None or str(resume) == "auto":
+        return None
+    path = Path(resume)
+    if not path.exists():
+        return f"resume_from_checkpoint: {str(path)!r} does not exist"
+    if not is_complete_checkpoint(path):
+        return (f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a checkpoint-<step> "
+                f"folder with a {COMPLETE_MARKER} marker); use 'auto' to take the newest complete one")
+    problems = verify_checkpoint(path, checksums=False)
+    if problems:
+        return f"resume_from_checkpoint: checkpoint {str(path)!r} is corrupt: {'; '.join(problems)}"
+    return None
+
+
+def check_data_file(field: str, path: Path | None) -> str | None:
+    """None when the data file can be read and its first lines look like its format."""
+    if path is None or Path(path).is_dir():
+        return None
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(1 << 20)
+    except OSError as exc:
+        return f"{field}: cannot read {str(path)!r}: {exc.strerror or exc}"
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return None if head[:4] == b"PAR1" else f"{field}: {str(path)!r} is not a parquet file (no PAR1 magic)"
+    if suffix == ".json":
+        first = head.lstrip()[:1]
+        return None if first in (b"[", b"{") else f"{field}: {str(path)!r} does not start with a JSON array or object"
+    if suffix not in _JSONL_SUFFIXES:
+        return None  # formats the data layer reads itself (arrow, ...)
+    lines = head.splitlines()
+    complete = lines if len(head) < (1 << 20) else lines[:-1]  # the last line may be cut by the 1 MiB read
+    seen = 0
+    for number, raw in enumerate(complete, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return f"{field}: {path}:{number}: not a JSON line ({exc}); expected one JSON object per line"
+        if not isinstance(record, dict):
+            return f"{field}: {path}:{number}: expected a JSON object, got {type(record).__name__}"
+        seen += 1
+        if seen >= SNIFF_LINES:
+            break
+    if seen == 0 and not complete:
+        return f"{field}: {str(path)!r} is empty"
+    return None
+
+
+def input_problems(args: TrainingArgs) -> list[str]:
+    """Every problem found, in the order above (empty when the run may launch)."""
+    found = [
+        check_output_dir(args.ckpt_output_dir),
+        check_causal_lm(args.model_path),
+        check_resume_path(args),
+        check_data_file("data_path", args.data_path),
+        check_data_file("val_data_path", args.val_data_path),
+    ]
+    return [problem for problem in found if problem]
+

@@ -1,0 +1,32 @@
+"""``trainbridge control RUN_DIR save|stop|evaluate|log``: ask a running job to act, from another shell.
+
+The request is a file in ``RUN_DIR/control/`` (``callbacks.external_control``), taken by rank 0 at the
+next step end and agreed across ranks like any callback request.  A request is only written when a
+live run holds ``RUN_DIR`` (its lock, ``checkpoint.runlock``), so none waits to surprise a later run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainbridge.callbacks.external_control import ACTIONS, write_request
+from trainbridge.checkpoint.runlock import live_holders
+
+
+class NoRunningJobError(RuntimeError):
+    """No live run holds the run folder: there is nobody to ask."""
+
+
+def send_control(run_dir: Path, action: str) -> str:
+    """Drop the request and return a one-line confirmation (``NoRunningJobError`` when no run is live)."""
+    if action not in ACTIONS:
+        raise ValueError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NoRunningJobError(f"{run_dir} is not a folder (give the run's ckpt_output_dir)")
+    running = live_holders(run_dir)
+    if not running:
+        raise NoRunningJobError(f"no running trainbridge job holds {run_dir}; nothing was requested")
+    path = write_request(run_dir, action)
+    return (f"asked {running[0].describe()} to {action} at its next step end (request {path.name}; "
+            "ExternalControl needs external_control=True, the default)")

@@ -1,0 +1,93 @@
+"""A Trainer script with only its import changed, both ways users launch it, against transformers.Trainer.
+
+``scripts/facade_script.py`` (tiny Llama, ``datasets`` rows, ``DataCollatorForLanguageModeling``,
+``compute_metrics`` with ``preprocess_logits_for_metrics``, best-model tracking on ``accuracy``, early
+stopping, ``evaluate``/``predict``/``save_model`` after training) runs as ``torchrun --nproc_per_node=2``
+(the loop runs in place on each rank) and as ``python script.py`` (the facade launches 2 workers), and
+under real ``transformers.Trainer`` with torchrun as the reference.  37 validation rows on 2 ranks leave
+an uneven last batch: the gathered predictions must hold each row exactly once, in dataset order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainbridge.launch.launcher import free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "facade_script.py"
+
+
+def _run(command: list[str], out: Path, **env: str) -> dict:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        full_env.pop(name, None)
+    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def _torchrun(script_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(free_port()), str(SCRIPT), *script_args]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("facade") / "real"
+    return _run(_torchrun([str(out), "real"]), out)
+
+
+def _check_against_reference(ours: dict, reference: dict) -> None:
+    problems = []
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            problems.append(what)
+
+    # compute_metrics saw every validation row once, in dataset order (uneven last batch on 2 ranks)
+    check(ours["eval_metrics"]["eval_num_rows"] == 37, f"rows {ours['eval_metrics']}")
+    check(ours["eval_metrics"]["eval_row_checksum"] == ours["expected_checksum"], "row order")
+    check(reference["eval_metrics"]["eval_row_checksum"] == reference["expected_checksum"], "reference row order")
+    # the same outputs as transformers.Trainer: metric keys, steps, early stop, checkpoint layout
+    check(ours["train_metrics"] == reference["train_metrics"], f"train metrics {ours['train_metrics']} "
+          f"!= {reference['train_metrics']}")
+    check(sorted(ours["eval_metrics"]) == sorted(reference["eval_metrics"]), f"eval metrics {ours['eval_metrics']}")
+    check(ours["global_step"] == reference["global_step"] == 8, f"early stop {ours['global_step']} "
+          f"{reference['global_step']}")  # at the 2nd evaluation
+    check(ours["checkpoints"] == reference["checkpoints"] == ["checkpoint-4", "checkpoint-8"],
+          f"checkpoints {ours['checkpoints']} {reference['checkpoints']}")
+    check(set(reference["log_keys"]) <= set(ours["log_keys"]), f"log keys {ours['log_keys']} {reference['log_keys']}")
+    check(ours["state"]["global_step"] == 8 and ours["state"]["best_metric"] is not None, f"state {ours['state']}")
+    check(Path(ours["best"]).name in ours["checkpoints"], f"best {ours['best']}")
+    for key in ("shape", "metrics", "labels_rows"):
+        check(ours["predict"][key] == reference["predict"][key],
+              f"predict {key}: {ours['predict'][key]} != {reference['predict'][key]}")
+    missing = sorted(set(reference["checkpoint_files"]) - set(ours["checkpoint_files"]) - {"training_args.bin"})
+    check(not missing, f"checkpoint files missing: {missing}")
+    missing = sorted(set(reference["final_files"]) - set(ours["final_files"]))
+    check(not missing, f"save_model files missing: {missing}")
+    assert not problems, problems
+
+
+def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = _run(_torchrun([str(out)]), out)
+    _check_against_reference(ours, reference)
+    # one training, not one per rank: the metrics file holds each logged step once
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == sorted(set(steps))
+
+
+def test_python_script_launches_its_workers(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = _run([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    _check_against_reference(ours, reference)
