@@ -1,4 +1,4 @@
-"""Data pipeline at scale: tokenise-once cache, cached start-up, per-rank memory, against today's loader and TRL.
+"""Data pipeline at scale: tokenise-once cache, cached start-up, per-rank memory, vs today's loader and TRL.
 
     python benchmarks/data_pipeline.py [--samples 1000000] [--ranks 1 2] [--num-proc 2]
                                        [--baseline-samples N] [--trl-samples N] [--work DIR]
@@ -37,9 +37,44 @@ from pathlib import Path
 from typing import Any
 
 WORDS = (
-    "what", "is", "the", "sum", "of", "and", "plus", "minus", "times", "number", "answer", "please",
-    "tell", "me", "how", "many", "apples", "pears", "are", "there", "in", "a", "box", "if", "we", "add",
-    "more", "take", "away", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+    "what",
+    "is",
+    "the",
+    "sum",
+    "of",
+    "and",
+    "plus",
+    "minus",
+    "times",
+    "number",
+    "answer",
+    "please",
+    "tell",
+    "me",
+    "how",
+    "many",
+    "apples",
+    "pears",
+    "are",
+    "there",
+    "in",
+    "a",
+    "box",
+    "if",
+    "we",
+    "add",
+    "more",
+    "take",
+    "away",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
 )
 
 
@@ -74,10 +109,16 @@ def child_tokenize(work: Path, num_proc: int) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tok")
     start = time.perf_counter()
-    source, stats = open_dataset(work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024, num_proc=num_proc),
-                                 work / "cache")
-    return {"seconds": time.perf_counter() - start, "samples": len(source), "tokens": stats.tokens,
-            "cache_hit": stats.cache_hit, "cache": stats.cache}
+    source, stats = open_dataset(
+        work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024, num_proc=num_proc), work / "cache"
+    )
+    return {
+        "seconds": time.perf_counter() - start,
+        "samples": len(source),
+        "tokens": stats.tokens,
+        "cache_hit": stats.cache_hit,
+        "cache": stats.cache,
+    }
 
 
 def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
@@ -90,14 +131,31 @@ def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tok")
     imported = rss_uss()
-    source, stats = open_dataset(work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024), work / "cache")
-    batches = TrainBatches(source, collate_padding_free, effective_batch_size=64, world_size=world, rank=rank,
-                           max_batch_len=4096, seed=0, padded=False)
+    source, stats = open_dataset(
+        work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024), work / "cache"
+    )
+    batches = TrainBatches(
+        source,
+        collate_padding_free,
+        effective_batch_size=64,
+        world_size=world,
+        rank=rank,
+        max_batch_len=4096,
+        seed=0,
+        padded=False,
+    )
     first = batches.micro_batches(batches.plan.steps[0])
     after = rss_uss()
-    return {"cache_hit": stats.cache_hit, "samples": len(source), "micro_batches": len(first),
-            "rss_mb": after[0], "uss_mb": after[1], "rss_before_mb": before[0],
-            "data_rss_mb": after[0] - imported[0], "data_uss_mb": after[1] - imported[1]}
+    return {
+        "cache_hit": stats.cache_hit,
+        "samples": len(source),
+        "micro_batches": len(first),
+        "rss_mb": after[0],
+        "uss_mb": after[1],
+        "rss_before_mb": before[0],
+        "data_rss_mb": after[0] - imported[0],
+        "data_uss_mb": after[1] - imported[1],
+    }
 
 
 def child_today(work: Path) -> dict[str, Any]:
@@ -117,8 +175,14 @@ def child_today(work: Path) -> dict[str, Any]:
     loss_tokens = [s.loss_tokens for s in samples]
     seconds = time.perf_counter() - start
     after = rss_uss()
-    return {"seconds": seconds, "samples": len(samples), "tokens": sum(lengths), "loss": sum(loss_tokens),
-            "rss_mb": after[0], "data_rss_mb": after[0] - imported[0]}
+    return {
+        "seconds": seconds,
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "loss": sum(loss_tokens),
+        "rss_mb": after[0],
+        "data_rss_mb": after[0] - imported[0],
+    }
 
 
 def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
@@ -127,22 +191,26 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tok")
     template = str(tokenizer.chat_template)
-    marked = template.replace("{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}"
-                              "{% endif %}", "{% if message['role'] == 'assistant' %}{% generation %}"
-                              "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
-                              "{{ message['content'] }}{% endif %}")
+    marked = template.replace(
+        "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
+        "{{ message['content'] }}{% endif %}",
+    )
     assert "generation" in marked, "the tiny template changed; update the marked copy"
     tokenizer.chat_template = marked
     datasets.disable_progress_bars()
     start = time.perf_counter()
-    dataset = datasets.load_dataset("json", data_files=str(work / "chat.jsonl"), split="train",
-                                    cache_dir=str(work / "hf-cache"))
+    dataset = datasets.load_dataset(
+        "json", data_files=str(work / "chat.jsonl"), split="train", cache_dir=str(work / "hf-cache")
+    )
     if count < len(dataset):
         dataset = dataset.select(range(count))
 
     def tokenize(example: dict[str, Any]) -> dict[str, Any]:
-        out = tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            example["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
@@ -194,8 +262,12 @@ def main() -> None:
     generate(work / "chat.jsonl", options.samples)
     build_tokenizer(work / "tok")
     size_mb = (work / "chat.jsonl").stat().st_size / 2**20
-    report: dict[str, Any] = {"samples": options.samples, "jsonl_mb": round(size_mb, 1),
-                              "generate_s": round(time.perf_counter() - start, 1), "num_proc": options.num_proc}
+    report: dict[str, Any] = {
+        "samples": options.samples,
+        "jsonl_mb": round(size_mb, 1),
+        "generate_s": round(time.perf_counter() - start, 1),
+        "num_proc": options.num_proc,
+    }
     print(json.dumps(report), flush=True)
 
     first = result_of(run_child(["--work", str(work), "--child", "tokenize", str(options.num_proc)], env))
@@ -207,8 +279,10 @@ def main() -> None:
 
     for world in options.ranks:
         spawned = time.perf_counter()
-        children = [run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
-                    for r in range(world)]
+        children = [
+            run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
+            for r in range(world)
+        ]
         results = [result_of(c) for c in children]
         wall = time.perf_counter() - spawned
         assert all(r["cache_hit"] for r in results), "cached start-up tokenised"
@@ -222,7 +296,9 @@ def main() -> None:
     if baseline:
         _write_pretokenized(Path(first["cache"]), work / "pretokenized.jsonl", baseline)
         spawned = time.perf_counter()
-        children = [run_child(["--work", str(work), "--child", "today"], env) for _ in range(max(options.ranks))]
+        children = [
+            run_child(["--work", str(work), "--child", "today"], env) for _ in range(max(options.ranks))
+        ]
         results = [result_of(c) for c in children]
         report["today_samples"] = baseline
         report[f"today_startup_s_{max(options.ranks)}_ranks"] = round(time.perf_counter() - spawned, 1)
@@ -231,7 +307,9 @@ def main() -> None:
 
     trl = options.trl_samples if options.trl_samples is not None else options.samples
     if trl:
-        result = result_of(run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env))
+        result = result_of(
+            run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
+        )
         report["trl_samples"] = trl
         report["trl_prepare_s"] = round(result["seconds"], 1)
         print(json.dumps({"trl": result}), flush=True)

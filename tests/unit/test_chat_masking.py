@@ -20,29 +20,57 @@ from trainbridge.data.chat import ChatEncoder, ChatTemplateError, normalize_mess
 from trainbridge.data.records import DataOptions
 from trainbridge.demos.tiny_model import build_tokenizer
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-           "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 NL = "{{ '\n' }}"
 """A newline in a template (transformers renders with trim_blocks: a newline right after a tag goes)."""
 
 CHATML = (
-    "{%- if messages[0].role != 'system' %}<|im_start|>system" + NL + "You are helpful.<|im_end|>" + NL
+    "{%- if messages[0].role != 'system' %}<|im_start|>system"
+    + NL
+    + "You are helpful.<|im_end|>"
+    + NL
     + "{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}<|im_start|>assistant" + NL + "{{ m.content }}"
-    "{%- for call in m.tool_calls or [] %}<tool_call>" + NL + "{{ call.function | tojson }}" + NL + "</tool_call>"
-    "{%- endfor %}<|im_end|>" + NL
-    + "{%- elif m.role == 'tool' %}<|im_start|>user" + NL + "<tool_response>{{ m.content }}</tool_response>"
-    "<|im_end|>" + NL
-    + "{%- else %}<|im_start|>{{ m.role }}" + NL + "{{ m.content }}<|im_end|>" + NL + "{%- endif %}"
+    "{%- for call in m.tool_calls or [] %}<tool_call>"
+    + NL
+    + "{{ call.function | tojson }}"
+    + NL
+    + "</tool_call>"
+    "{%- endfor %}<|im_end|>"
+    + NL
+    + "{%- elif m.role == 'tool' %}<|im_start|>user"
+    + NL
+    + "<tool_response>{{ m.content }}</tool_response>"
+    "<|im_end|>"
+    + NL
+    + "{%- else %}<|im_start|>{{ m.role }}"
+    + NL
+    + "{{ m.content }}<|im_end|>"
+    + NL
+    + "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant" + NL + "{%- endif %}"
 )
 
 LLAMA3_MARKED = (
     "<|begin_of_text|>"
-    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>" + NL + NL
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+    + NL
+    + NL
     + "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}<|eot_id|>{% endgeneration %}"
     "{%- else %}{{ m.content }}<|eot_id|>{%- endif %}"
     "{%- endfor %}"
@@ -55,9 +83,20 @@ QWEN3 = (
     "{%- endfor %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}<|im_start|>assistant" + NL + "{%- if m.reasoning_content and "
-    "loop.index0 > ns.last_query %}<think>" + NL + "{{ m.reasoning_content }}" + NL + "</think>" + NL + NL
-    + "{%- endif %}{{ m.content }}<|im_end|>" + NL
-    + "{%- else %}<|im_start|>{{ m.role }}" + NL + "{{ m.content }}<|im_end|>" + NL + "{%- endif %}"
+    "loop.index0 > ns.last_query %}<think>"
+    + NL
+    + "{{ m.reasoning_content }}"
+    + NL
+    + "</think>"
+    + NL
+    + NL
+    + "{%- endif %}{{ m.content }}<|im_end|>"
+    + NL
+    + "{%- else %}<|im_start|>{{ m.role }}"
+    + NL
+    + "{{ m.content }}<|im_end|>"
+    + NL
+    + "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant" + NL + "{%- endif %}"
 )
@@ -65,8 +104,10 @@ QWEN3 = (
 QWEN3_MARKED = QWEN3.replace(
     "<|im_start|>assistant" + NL + "{%- if m.reasoning_content",
     "<|im_start|>assistant" + NL + "{% generation %}{%- if m.reasoning_content",
-).replace("{{ m.content }}<|im_end|>" + NL + "{%- else %}",
-          "{{ m.content }}<|im_end|>" + NL + "{% endgeneration %}{%- else %}")
+).replace(
+    "{{ m.content }}<|im_end|>" + NL + "{%- else %}",
+    "{{ m.content }}<|im_end|>" + NL + "{% endgeneration %}{%- else %}",
+)
 assert QWEN3_MARKED.count("generation %}") == 2
 
 CONVERSATION = [
@@ -85,12 +126,22 @@ def bpe() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = [json.dumps(CONVERSATION), "assistant user system It is What is And plus two three", CHATML, QWEN3] * 20
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        json.dumps(CONVERSATION),
+        "assistant user system It is What is And plus two three",
+        CHATML,
+        QWEN3,
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|begin_of_text|>",
-                                   eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
 
 
 def trained_text(tokenizer: PreTrainedTokenizerFast, labels: list[int]) -> list[str]:
@@ -106,20 +157,32 @@ def trained_text(tokenizer: PreTrainedTokenizerFast, labels: list[int]) -> list[
     return [tokenizer.decode(run) for run in runs]
 
 
-def encode(tokenizer: PreTrainedTokenizerFast, template: str, messages: list[dict], train_on: str = "all",
-           **kwargs: object) -> tuple[list[int], list[int]]:
+def encode(
+    tokenizer: PreTrainedTokenizerFast,
+    template: str,
+    messages: list[dict],
+    train_on: str = "all",
+    **kwargs: object,
+) -> tuple[list[int], list[int]]:
     encoder = ChatEncoder(tokenizer, template, train_on)  # type: ignore[arg-type]
     input_ids, labels = encoder.encode(normalize_messages(messages), **kwargs)  # type: ignore[arg-type]
-    assert input_ids == tokenizer.apply_chat_template(normalize_messages(messages), chat_template=template,
-                                                      tokenize=True, return_dict=True, **kwargs)["input_ids"]
+    assert (
+        input_ids
+        == tokenizer.apply_chat_template(
+            normalize_messages(messages), chat_template=template, tokenize=True, return_dict=True, **kwargs
+        )["input_ids"]
+    )
     return input_ids, labels
 
 
 def test_chatml_prefix_spans_with_default_system_and_tool_calls(bpe: PreTrainedTokenizerFast) -> None:
     messages = [
         {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "add", "arguments": {"a": 2, "b": 2}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}],
+        },
         {"role": "tool", "content": "4"},
         {"role": "assistant", "content": "It is 4."},
     ]
@@ -142,36 +205,61 @@ def test_generation_markers_give_the_assistant_spans(bpe: PreTrainedTokenizerFas
 def test_template_dropping_earlier_reasoning_fails_on_all_turns_and_works_on_the_last(
     bpe: PreTrainedTokenizerFast,
 ) -> None:
-    with pytest.raises(ChatTemplateError, match=r"renders the conversation up to assistant message 1 differently"):
+    with pytest.raises(
+        ChatTemplateError, match=r"renders the conversation up to assistant message 1 differently"
+    ):
         encode(bpe, QWEN3, CONVERSATION)
     _, last = encode(bpe, QWEN3, CONVERSATION, train_on="last")
     assert trained_text(bpe, last) == ["<think>\nthree plus three\n</think>\n\nIt is 6.<|im_end|>\n"]
     # the same template with generation markers trains on both turns as the full conversation renders them
     _, marked = encode(bpe, QWEN3_MARKED, CONVERSATION)
-    assert trained_text(bpe, marked) == ["It is 4.<|im_end|>\n",
-                                         "<think>\nthree plus three\n</think>\n\nIt is 6.<|im_end|>\n"]
+    assert trained_text(bpe, marked) == [
+        "It is 4.<|im_end|>\n",
+        "<think>\nthree plus three\n</think>\n\nIt is 6.<|im_end|>\n",
+    ]
 
 
 def test_tiny_tokenizer_template(tmp_path: Path) -> None:
     tokenizer = build_tokenizer(tmp_path)
-    messages = [{"role": "user", "content": "1+2=?"}, {"role": "assistant", "content": "3"},
-                {"role": "user", "content": "plus 4?"}, {"role": "assistant", "content": "7"}]
+    messages = [
+        {"role": "user", "content": "1+2=?"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "plus 4?"},
+        {"role": "assistant", "content": "7"},
+    ]
     input_ids, labels = encode(tokenizer, str(tokenizer.chat_template), messages)
-    assert tokenizer.decode(input_ids) == "<s>user: 1+2=?\nassistant: 3</s>\nuser: plus 4?\nassistant: 7</s>\n"
+    assert (
+        tokenizer.decode(input_ids) == "<s>user: 1+2=?\nassistant: 3</s>\nuser: plus 4?\nassistant: 7</s>\n"
+    )
     assert trained_text(tokenizer, labels) == ["3</s>\n", "7</s>\n"]
 
 
-@pytest.mark.parametrize(("messages", "message"), [
-    ([{"role": "user", "content": "hi"}], "no assistant message"),
-    ([{"role": "assistant", "content": "hi"}], "roles out of order: message 0 is 'assistant'"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
-     "roles out of order: message 1 is a second 'user'"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "assistant", "content": "c"}],
-     "only the first message may be"),
-    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "'tool' after 'user'"),
-    ([{"role": "robot", "content": "a"}], "role 'robot'"),
-    ("hello", "must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "user", "content": "hi"}], "no assistant message"),
+        ([{"role": "assistant", "content": "hi"}], "roles out of order: message 0 is 'assistant'"),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "c"},
+            ],
+            "roles out of order: message 1 is a second 'user'",
+        ),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": "b"},
+                {"role": "assistant", "content": "c"},
+            ],
+            "only the first message may be",
+        ),
+        ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "'tool' after 'user'"),
+        ([{"role": "robot", "content": "a"}], "role 'robot'"),
+        ("hello", "must be a non-empty list"),
+    ],
+)
 def test_bad_conversations_are_named(messages: object, message: str) -> None:
     with pytest.raises(ChatTemplateError, match=message):
         normalize_messages(messages)
@@ -182,12 +270,24 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
-def test_messages_jsonl_and_parquet_give_the_same_samples(tmp_path: Path, bpe: PreTrainedTokenizerFast) -> None:
+def test_messages_jsonl_and_parquet_give_the_same_samples(
+    tmp_path: Path, bpe: PreTrainedTokenizerFast
+) -> None:
     """Through ``datasets``, Arrow fills keys missing from some messages with nulls; they are dropped."""
     bpe.chat_template = CHATML
-    rows = [{"messages": CONVERSATION[:2]},
-            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}]}]
+    rows = [
+        {"messages": CONVERSATION[:2]},
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}],
+                },
+            ]
+        },
+    ]
     jsonl = write_jsonl(tmp_path / "chat.jsonl", rows)
     parquet = tmp_path / "chat.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(parquet))
@@ -198,16 +298,26 @@ def test_messages_jsonl_and_parquet_give_the_same_samples(tmp_path: Path, bpe: P
     assert '"arguments": {"a": 2}}' in bpe.decode(from_parquet.fetch([1])[0].input_ids)
 
 
-def test_bad_chat_rows_fail_before_training_with_file_line_and_counts(tmp_path: Path,
-                                                                      bpe: PreTrainedTokenizerFast) -> None:
+def test_bad_chat_rows_fail_before_training_with_file_line_and_counts(
+    tmp_path: Path, bpe: PreTrainedTokenizerFast
+) -> None:
     bpe.chat_template = QWEN3
-    rows = [{"messages": CONVERSATION[:2]}, {"messages": [{"role": "user", "content": "hi"}]},
-            {"messages": CONVERSATION}, {"messages": CONVERSATION[1:]}]
+    rows = [
+        {"messages": CONVERSATION[:2]},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": CONVERSATION},
+        {"messages": CONVERSATION[1:]},
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(DataFormatError, match=r"chat\.jsonl:2: the conversation has no assistant message") as info:
+    with pytest.raises(
+        DataFormatError, match=r"chat\.jsonl:2: the conversation has no assistant message"
+    ) as info:
         open_dataset(path, bpe, DataOptions(max_seq_len=512), tmp_path / "cache")
-    assert info.value.counts == {"no assistant message": 1, "template re-renders earlier turns": 1,
-                                 "roles out of order": 1}
+    assert info.value.counts == {
+        "no assistant message": 1,
+        "template re-renders earlier turns": 1,
+        "roles out of order": 1,
+    }
     assert "chat.jsonl:3: the chat template renders" in str(info.value)
     # last-turn training accepts the re-rendering template; the other two rows stay bad
     with pytest.raises(DataFormatError) as info:
@@ -215,8 +325,9 @@ def test_bad_chat_rows_fail_before_training_with_file_line_and_counts(tmp_path: 
     assert info.value.counts == {"no assistant message": 1, "roles out of order": 1}
 
 
-def test_no_chat_template_and_system_prompt_and_prompt_completion(tmp_path: Path,
-                                                                  bpe: PreTrainedTokenizerFast) -> None:
+def test_no_chat_template_and_system_prompt_and_prompt_completion(
+    tmp_path: Path, bpe: PreTrainedTokenizerFast
+) -> None:
     bpe.chat_template = None
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[:2]}])
     with pytest.raises(DataFormatError, match=r"chat\.jsonl:1: the tokenizer has no chat template"):
@@ -225,13 +336,19 @@ def test_no_chat_template_and_system_prompt_and_prompt_completion(tmp_path: Path
     options = DataOptions(max_seq_len=512, chat_template=LLAMA3_MARKED, system_prompt="Be brief.")
     source, _ = open_dataset(path, bpe, options, tmp_path / "cache")
     assert bpe.decode(source.fetch([0])[0].input_ids).startswith(
-        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    )
     # prompt/completion: strings (loss on the completion + EOS) and conversational (loss on the completion)
-    path = write_jsonl(tmp_path / "pc.jsonl", [
-        {"prompt": "What is 2+2?", "completion": " It is 4."},
-        {"prompt": [{"role": "user", "content": "What is 2+2?"}],
-         "completion": [{"role": "assistant", "content": "It is 4."}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "pc.jsonl",
+        [
+            {"prompt": "What is 2+2?", "completion": " It is 4."},
+            {
+                "prompt": [{"role": "user", "content": "What is 2+2?"}],
+                "completion": [{"role": "assistant", "content": "It is 4."}],
+            },
+        ],
+    )
     source, _ = open_dataset(path, bpe, options, tmp_path / "cache")
     plain, chat = source.fetch([0, 1])
     assert trained_text(bpe, list(plain.labels)) == [" It is 4.<|endoftext|>"]

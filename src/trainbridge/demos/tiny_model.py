@@ -203,7 +203,8 @@ def arithmetic_conversations(n: int, seed: int, max_operand: int = 99) -> list[d
         messages = [{"role": "user", "content": f"{a}+{b}=?"}, {"role": "assistant", "content": str(a + b)}]
         if rng.random() < 0.5:
             c = rng.randint(0, max_operand)
-            messages += [{"role": "user", "content": f"plus {c}?"}, {"role": "assistant", "content": str(a + b + c)}]
+            messages += [{"role": "user", "content": f"plus {c}?"},
+                         {"role": "assistant", "content": str(a + b + c)}]
         if rng.random() < 0.25:
             messages.insert(0, {"role": "system", "content": "you add numbers."})
         samples.append({"messages": messages})
