@@ -709,6 +709,9 @@ class TrainingArgs(BaseModel):
                     "logging_dir", "metrics_file"):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
+        template = data.get("chat_template")
+        if isinstance(template, str) and "{" not in template and (base / template).is_file():
+            data["chat_template"] = str(base / template)  # a template file next to the YAML
         if isinstance(data.get("resume_from_checkpoint"), str) and data["resume_from_checkpoint"] != "auto":
             if not Path(data["resume_from_checkpoint"]).is_absolute():
                 data["resume_from_checkpoint"] = str(base / data["resume_from_checkpoint"])
