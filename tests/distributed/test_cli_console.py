@@ -46,6 +46,12 @@ class Marker(Callback):
 
 class QuietHF(TrainerCallback):
     pass
+
+
+class FailsOnRankOne(Callback):
+    def on_train_begin(self, context, **kwargs):
+        if context.rank == 1:
+            raise ValueError("boom-" + "on-rank-1")
 '''
 
 
@@ -136,3 +142,16 @@ def test_console_of_a_real_run(project, with_hf_callback):
     for row in ("steps:", "4/4 (completed)", "training loss:", "(first log) ->", "final loss:", "metrics file:",
                 "wall time:"):
         assert row in summary, row
+
+
+def test_a_worker_error_is_reported_with_its_root_cause_and_single_rank_prefixes(project):
+    folder, cwd = project
+    config = yaml.safe_load((folder / "run.yaml").read_text())
+    config["callbacks"] = [{"class": "my_callbacks:FailsOnRankOne"}]
+    (folder / "run.yaml").write_text(yaml.safe_dump(config))
+    proc = _run(cwd, str(folder / "run.yaml"), "--nproc-per-node", "2", "--set", "max_steps=2")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "[rank1]: [rank1]" not in text
+    final = [line for line in proc.stderr.splitlines() if line.startswith("trainbridge: training failed")]
+    assert len(final) == 1 and "rank 1" in final[0] and "ValueError: boom-on-rank-1" in final[0], text

@@ -90,12 +90,16 @@ def test_kill_9_of_a_worker_restarts_the_job_from_its_checkpoint_to_the_same_wei
     assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
 
 
-def test_without_restarts_the_killed_rank_is_named_not_the_survivor(assets, tmp_path):
-    """Also: sys.exit(0) in a callback is a failure of that rank, and no doubled [rankN]: prefixes."""
+def test_sys_exit_in_a_callback_fails_its_rank_and_the_error_is_shown_once(assets, tmp_path, capfd):
+    """sys.exit(0) on rank 1 mid-run is a failure of rank 1 (not a clean exit leaving rank 0 in a
+    collective); each worker prints one line, without doubled [rankN]: prefixes."""
     with pytest.raises(WorkerFailedError) as info:
         run_training(base_args(assets, tmp_path / "exit", callbacks=[ExitZero(1, 2)], max_steps=6), TWO,
                      timeout_s=300)
     assert info.value.rank == 1 and "sys.exit(0) was called during training on rank 1" in info.value.message
+    err = capfd.readouterr().err
+    assert "[rank1]: trainbridge worker rank 1 failed: RuntimeError: sys.exit(0)" in err
+    assert "[rank1]: [rank1]:" not in err and "Traceback" not in err
 
 
 def test_sigterm_saves_at_the_next_step_and_outside_control_is_obeyed(assets, tmp_path, capfd):

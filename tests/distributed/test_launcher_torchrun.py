@@ -79,12 +79,8 @@ def stub_worker(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def make_args(tmp_path, monkeypatch):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "llama"}')
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "1+1=2"}\n')
+def make_args(tmp_path, monkeypatch, run_files):
+    model, data = run_files["model"], run_files["train"]  # the preflight reads the data with its tokenizer
     module = types.ModuleType("tb_launcher_notebook")
     exec(textwrap.dedent(
         """

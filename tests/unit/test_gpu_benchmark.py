@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -30,3 +31,17 @@ def test_one_b_model_size_and_cpu_refusal(capsys: pytest.CaptureFixture[str]) ->
         with pytest.raises(SystemExit):
             gpu.main([])
         assert "--smoke" in capsys.readouterr().err
+
+
+def test_summary_of_a_clock(tmp_path: Path) -> None:
+    gpu = load_gpu_benchmark()
+    options = gpu.Options(smoke=True, size="tiny", steps=6, batch_tokens=100, min_len=32, max_len=128,
+                          nproc=2, attn="sdpa", peak_tflops=1.0, workdir=str(tmp_path))
+    times = [0.0, 5.0, 6.0, 7.0, 8.0, 9.5]  # the first intervals are warm-up
+    record = {"times": times, "syncs": [9, 9, 1, 1, 1, 2], "peak_memory_bytes": 2**30, "tokens_seen": 1200}
+    (tmp_path / "gpu-clock-rank0.json").write_text(json.dumps(record))
+    row = gpu.summarise("tb_ddp", tmp_path, options, parameters=1000)
+    assert row["step_p50_s"] == 1.0 and row["step_p95_s"] == 1.5
+    assert row["tokens_per_s_per_gpu"] == 1200 / 6 / 1.0 / 2
+    assert row["peak_memory_gib"] == 1.0 and row["syncs_per_step"] == 1
+    assert "tb_ddp" in gpu.report([row], options, "python benchmarks/gpu.py")

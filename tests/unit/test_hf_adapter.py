@@ -69,10 +69,14 @@ class Recorder(TrainerCallback):
         self.seen.append((hook, args, state, control, kwargs))
 
     def on_init_end(self, args, state, control, **kw): self._record("on_init_end", args, state, control, kw)
-    def on_train_begin(self, args, state, control, **kw): self._record("on_train_begin", args, state, control, kw)
-    def on_epoch_begin(self, args, state, control, **kw): self._record("on_epoch_begin", args, state, control, kw)
-    def on_step_begin(self, args, state, control, **kw): self._record("on_step_begin", args, state, control, kw)
-    def on_substep_end(self, args, state, control, **kw): self._record("on_substep_end", args, state, control, kw)
+    def on_train_begin(self, args, state, control, **kw):
+        self._record("on_train_begin", args, state, control, kw)
+    def on_epoch_begin(self, args, state, control, **kw):
+        self._record("on_epoch_begin", args, state, control, kw)
+    def on_step_begin(self, args, state, control, **kw):
+        self._record("on_step_begin", args, state, control, kw)
+    def on_substep_end(self, args, state, control, **kw):
+        self._record("on_substep_end", args, state, control, kw)
     def on_pre_optimizer_step(self, args, state, control, **kw):
         self._record("on_pre_optimizer_step", args, state, control, kw)
     def on_optimizer_step(self, args, state, control, **kw):
@@ -144,7 +148,8 @@ class AtStepEnd(Callback):
 
 def write_samples(path: Path, n: int) -> Path:
     """``n`` pre-tokenised 4-token samples (one micro-batch each under ``make_args``' token budget)."""
-    path.write_text("".join(json.dumps({"input_ids": [1, 5 + i % 60, 6 + i % 60, 7]}) + "\n" for i in range(n)))
+    path.write_text("".join(json.dumps({"input_ids": [1, 5 + i % 60, 6 + i % 60,
+                                                      7]}) + "\n" for i in range(n)))
     return path
 
 
@@ -179,7 +184,8 @@ def fire(loop: TrainingLoop, event: Event, **kwargs: Any) -> None:
     loop.callbacks.fire(event, loop.context, **kwargs)
 
 
-def adapter_context(files: dict[str, Path], adapter: HuggingFaceCallbackAdapter, **overrides: Any) -> TrainingLoop:
+def adapter_context(files: dict[str, Path], adapter: HuggingFaceCallbackAdapter,
+                    **overrides: Any) -> TrainingLoop:
     """A built loop whose adapter has had ``on_init_end`` and ``on_train_begin``."""
     loop = make_loop(make_args(files, **overrides), [adapter])
     fire(loop, Event.INIT_END)
@@ -218,7 +224,8 @@ def transformers_trainer_calls(output_dir: Path) -> list[tuple[Any, ...]]:
 def expected_trainer_hooks() -> list[str]:
     """The same schedule derived by hand from Trainer's rules (docs/design.md)."""
     def step(n: int) -> list[str]:
-        return ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
+        return ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
+                "on_step_end"]
     evaluation = ["on_prediction_step", "on_prediction_step", "on_log", "on_evaluate"]
     return [
         "on_init_end", "on_train_begin",
@@ -283,7 +290,8 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
 def test_callback_handler_builds_trainers_callback_list(files):
     pytest.importorskip("tensorboard", reason="report_to=['tensorboard'] needs the tensorboard package")
     adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback], report_to=["tensorboard"])
-    loop = adapter_context(files, adapter, logging_dir=files["out"] / "tb", eval_strategy="steps", eval_steps=1,
+    loop = adapter_context(files, adapter, logging_dir=files["out"] / "tb", eval_strategy="steps",
+                           eval_steps=1,
                            metric_for_best_model="eval_loss")
     names = [type(cb) for cb in adapter.handler.callbacks]
     assert names == [DefaultFlowCallback, TensorBoardCallback, EarlyStoppingCallback, PrinterCallback]
@@ -326,7 +334,8 @@ def test_flags_set_by_callbacks_become_named_native_requests(files):
     assert reasons[ControlFlag.SAVE] == "SetFlagAt set control.should_save in on_step_end"
     # the loop acted on every agreed request at step 1: logged, evaluated, saved, stopped
     assert loop.context.global_step == 1 and len(probe.seen) == 1
-    assert "eval_loss" in loop.context.metrics and loop.checkpoints.list_checkpoints() == [files["out"] / "checkpoint-1"]
+    assert "eval_loss" in loop.context.metrics
+    assert loop.checkpoints.list_checkpoints() == [files["out"] / "checkpoint-1"]
     assert loop.context.stop_reason == (
         "stop_training requested by rank 0 (HuggingFaceCallbackAdapter: "
         "SetFlagAt set control.should_training_stop in on_step_end)"
@@ -467,7 +476,8 @@ def test_resume_without_restoring_callback_states_restarts_the_counter(files):
 def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(files):
     stopper = EarlyStoppingCallback(early_stopping_patience=3)
     adapter = HuggingFaceCallbackAdapter([stopper])
-    loop = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
+    loop = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1,
+                           metric_for_best_model="eval_loss")
     stopper.early_stopping_patience_counter = 2
     adapter.control.should_save = True
     loop.context.global_step, loop.context.epoch = 3, 0.75
@@ -492,7 +502,8 @@ def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(file
 def test_adapter_is_picklable_before_init_and_validates_config(files):
     adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2), Recorder], report_to=["tensorboard"])
     clone = cloudpickle.loads(cloudpickle.dumps(adapter))
-    assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback, Recorder]
+    assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback,
+                                                                                    Recorder]
     stopping = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2)])
     with pytest.raises(ValueError, match="EarlyStoppingCallback requires metric_for_best_model"):
         stopping.validate(make_args(files, eval_strategy="steps", eval_steps=1))

@@ -63,9 +63,11 @@ def args_for(tmp_path: Path, tiny_llama: Path):
 
     def make(out: str = "out", **overrides: Any) -> TrainingArgs:
         values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / out,
+            model_path=tiny_llama, data_path=train_file, val_data_path=val_file,
+            ckpt_output_dir=tmp_path / out,
             max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
-            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
+            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            seed=7,
         )
         values.update(overrides)
         return TrainingArgs(**values)
@@ -111,7 +113,8 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
 
 def test_resume_in_process_continues_exactly(args_for):
     full_args = args_for("full", save_strategy="steps", save_steps=3)
-    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()],
+                        build_run(full_args, DistributedEnv()))
     full_result = full.run()
 
     cut_args = args_for("cut", save_strategy="steps", save_steps=3)
@@ -167,7 +170,8 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     class Added(StepCounter):
         """Registered between save and resume, ahead of the others: positions shift, keys do not."""
 
-    schedule, restored_counter, tracker, added = ScheduleCallback(), StepCounter(), BestCheckpointTracker(), Added()
+    schedule, restored_counter = ScheduleCallback(), StepCounter()
+    tracker, added = BestCheckpointTracker(), Added()
     with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
         second = run([added, schedule, restored_counter, tracker], max_steps=6, resume_from_checkpoint="auto")
     assert second.context.resumed_from == latest
@@ -176,7 +180,8 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     assert tracker.state_dict()["best_global_step"] in (2, 4, 6)
     assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
     assert [r.getMessage() for r in caplog.records] == [
-        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"]
+        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): "
+        "it starts fresh"]
 
 
 @pytest.mark.parametrize("crash", [False, True])
@@ -197,7 +202,8 @@ def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
 
     args = args_for(max_steps=3)
     metrics, closing = MetricsFileCallback(), Closing()
-    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing,
+                                                 *([CrashAt(2)] if crash else [])],
                         build_run(args, DistributedEnv()))
     if crash:
         with pytest.raises(Crash):
@@ -207,3 +213,49 @@ def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
     assert closing.closed == [(2 if crash else 3, True)]  # after on_train_end / on_exception, once
     assert metrics._file is None  # the metrics file is closed either way
     assert len(args.resolved_metrics_file.read_text().splitlines()) == (2 if crash else 4)
+
+
+class ScriptedEvalLoss(Callback):
+    """Overwrites ``metrics["eval_loss"]`` with the next scripted value (runs before the best tracker)."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def on_evaluate(self, context: TrainingContext, metrics: dict[str, float], **kwargs: Any) -> None:
+        metrics["eval_loss"] = self.values.pop(0)
+
+
+def _run(args: TrainingArgs, *callbacks: Callback) -> tuple[TrainingLoop, EventLog]:
+    log = EventLog()
+    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks, log,
+                                                 BestCheckpointTracker()],
+                        build_run(args, DistributedEnv()))
+    loop.run()
+    return loop, log
+
+
+def test_a_save_requested_in_on_evaluate_happens_at_that_step(args_for):
+    # save_strategy='best': the tracker requests the save in on_evaluate; the agreement right after the
+    # evaluation makes it happen at the evaluated step, not one agreement too late (or never).
+    args = args_for(max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="best",
+                    metric_for_best_model="eval_loss", save_final_checkpoint=False)
+    loop, log = _run(args, ScriptedEvalLoss([1.0, 0.5, 0.7]))
+    assert [p.name for p in loop.checkpoints.list_checkpoints()] == ["checkpoint-2", "checkpoint-4"]
+    assert [step for event, step in log.events if event == "on_save"] == [2, 4]
+
+
+def test_requests_made_at_epoch_end_are_carried_out_at_that_epoch_end(args_for):
+    args = args_for(max_steps=None, num_epochs=2, eval_strategy="epoch", save_strategy="epoch",
+                    save_final_checkpoint=False)
+    loop, log = _run(args)
+    assert [step for event, step in log.events if event == "on_evaluate"] == [6, 12]
+    assert [p.name for p in loop.checkpoints.list_checkpoints()] == ["checkpoint-6", "checkpoint-12"]
+
+
+def test_rotation_keeps_the_best_checkpoint(args_for):
+    args = args_for(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                    save_total_limit=1, metric_for_best_model="eval_loss")
+    loop, _ = _run(args, ScriptedEvalLoss([1.0, 2.0, 3.0, 4.0]))
+    out = args.ckpt_output_dir
+    assert loop.context.best_checkpoint == out / "checkpoint-1"
+    assert loop.checkpoints.list_checkpoints() == [out / "checkpoint-1", out / "checkpoint-4"]

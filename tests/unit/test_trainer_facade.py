@@ -299,6 +299,8 @@ def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, 
         monkeypatch.setenv(name, value)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics)
+    untrained = trainer.evaluate()  # standalone, before any training
+    assert untrained["eval_rows"] == 5 and "eval_loss" in untrained
     out = trainer.train()
     assert out.global_step == 3 and out.training_loss > 0
     assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
@@ -310,3 +312,34 @@ def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, 
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
+    # resume_from_checkpoint=True: from the newest checkpoint, to the new max_steps
+    args.max_steps = 4
+    resumed = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train(resume_from_checkpoint=True)
+    assert resumed.global_step == 4
+
+
+def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from trainbridge.modeling.load import load_model
+
+    base, tok = tiny
+    fresh = transformers.AutoModelForCausalLM.from_config(base.config)
+    fresh.load_state_dict(base.state_dict())
+    model = peft.get_peft_model(fresh, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a non-trivial adapter, so loading it is visible
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.5)
+    path = inputs.write_model(model, tok, tmp_path / "model")
+    assert path.name == "adapter" and (path / "adapter_config.json").is_file()
+    saved_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "base")
+    assert set(saved_base.state_dict()) == set(base.state_dict())  # no lora/base_layer keys
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    loaded = load_model(TrainingArgs(model_path=path, data_path=data, ckpt_output_dir=tmp_path / "o"))
+    trainable = {n for n, p in loaded.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)

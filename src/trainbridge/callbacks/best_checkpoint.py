@@ -30,7 +30,8 @@ class BestCheckpointTracker(Callback):
         metrics = kwargs.get("metrics") or {}
         name = args.best_metric_name
         if name not in metrics:
-            raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics {sorted(metrics)}")
+            raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics "
+                           f"{sorted(metrics)}")
         value = float(metrics[name])
         best = context.best_metric
         if best is None:

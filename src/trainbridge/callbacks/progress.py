@@ -32,7 +32,8 @@ class ProgressBarCallback(Callback):
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         if not context.args.disable_tqdm:
-            self._bar = tqdm(total=context.max_steps, initial=context.global_step, desc="train", dynamic_ncols=True)
+            self._bar = tqdm(total=context.max_steps, initial=context.global_step, desc="train",
+                             dynamic_ncols=True)
 
     def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
         if self._bar is not None:

@@ -389,6 +389,9 @@ class TrainingArgs(BaseModel):
     resume_from_checkpoint: Literal["auto"] | Path | None = None
     """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` that verifies against its
     manifest (a corrupt one is skipped with a warning naming it); a path resumes from it (it must verify)."""
+    checkpoint_checksums: bool = True
+    """Record every checkpoint file's SHA-256 in its ``manifest.json`` and check them at resume (hashing reads
+    every byte, about 1 GB/s); ``False`` records and checks file sizes only (very large checkpoints)."""
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""

@@ -146,7 +146,8 @@ class CallbackManager:
                 f"callback {name} failed in {event.value} on rank {context.rank}: "
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             ) from exc
-        action = self._errors.failed(entry.index, name, event.value, exc, context.rank, fatal_allowed=not observer)
+        action = self._errors.failed(entry.index, name, event.value, exc, context.rank,
+                                     fatal_allowed=not observer)
         if action == "abort":
             context.requests.request(ControlFlag.ABORT, entry.index, f"{name} raised in {event.value}: {exc}")
         elif action == "disable":
@@ -260,8 +261,8 @@ class CallbackManager:
                 cb.load_state_dict(states[key])
                 restored.append(key)
             elif _is_stateful(cb):
-                logger.warning("the checkpoint holds no state for callback %s (state key %r): it starts fresh",
-                               cb.name, key)
+                logger.warning("the checkpoint holds no state for callback %s (state key %r): "
+                               "it starts fresh", cb.name, key)
         for key in states:
             if key not in self._state_keys:
                 logger.warning("the checkpoint holds a state for %r, which no configured callback has as its "
@@ -349,7 +350,9 @@ def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
     every value is new or immutable, so the loop's later changes cannot reach it."""
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
-        if isinstance(value, dict) and all(isinstance(v, int | float | str | bool | None) for v in value.values()):
+        scalars = isinstance(value, dict) and all(isinstance(v, int | float | str | bool | None)
+                                                  for v in value.values())
+        if scalars:
             out[key] = dict(value)
         elif hasattr(value, "detach"):
             out[key] = float(value.detach().float().mean()) if value.numel() else None

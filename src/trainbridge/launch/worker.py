@@ -3,8 +3,8 @@
 The composition root of a worker: it reads the HMAC-checked payload (``trainbridge.launch.transport``),
 starts the distributed seam, assembles the callbacks (``trainbridge.launch.assembly``), runs the loop,
 and has rank 0 write ``result.json``; ``run_worker`` is that start and end around any job (the
-facade's worker, ``trainbridge.trainer.runner``, runs its jobs through it).  ``@record`` makes torchrun write this rank's error (type,
-message, traceback) to an error file the launcher reads.
+facade's worker, ``trainbridge.trainer.runner``, runs its jobs through it).  ``@record`` makes torchrun
+write this rank's error (type, message, traceback) to an error file the launcher reads.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
         result.write(result_file(args.ckpt_output_dir))
 
 
-def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
+def run_worker(argv: list[str] | None, module: str,
+               job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
     """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
-    by ``--payload``, start the distributed seam (console configured per rank first), and tear the group down
-    (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan instead."""
+    by ``--payload``, start the distributed seam (console configured per rank first), and tear the group
+    down (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan
+    instead."""
     lifeline.install()  # die with torchrun and with the launcher
     parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("--payload", required=True, help="payload file written by run_training")

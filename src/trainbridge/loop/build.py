@@ -86,7 +86,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     model = load_model(args)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     padded = use_padded_batches(model, args)
-    install_loss_head(model, resolve_loss_implementation(args.loss_implementation, env.device), args.loss_chunk_tokens)
+    loss_implementation = resolve_loss_implementation(args.loss_implementation, env.device)
+    install_loss_head(model, loss_implementation, args.loss_chunk_tokens)
     collate = _collate_fn(model, tokenizer, padded, args.data_collator)
     # compute_metrics needs one row per validation sample: validation batches are then padded (same loss)
     eval_padded = padded or args.compute_metrics is not None
@@ -107,8 +108,11 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
     return RunComponents(
         tokenizer=tokenizer, engine=engine, train_batches=train_batches, eval_batches=eval_batches,
-        checkpoints=CheckpointManager(args.ckpt_output_dir, env, args.save_total_limit,
-                                      fingerprint=run_fingerprint(args.model_path, args.data_path, model.config)),
+        checkpoints=CheckpointManager(
+            args.ckpt_output_dir, env, args.save_total_limit,
+            fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
+            checksums=args.checkpoint_checksums,
+        ),
         max_steps=max_steps, num_parameters=num_parameters, padded=padded, data_stats=data.stats,
     )
 

@@ -167,7 +167,8 @@ class TrainingLoop:
         self._step_start = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
         micro_batches = self.train_batches.micro_batches(step)
-        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)  # a user's collator's labels
+        # a user's collator's batch counts its own labels
+        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)
                        for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
         ctx.micro_steps_in_step = len(micro_batches)
         scale = self.env.world_size / max(step.loss_tokens, 1)
@@ -314,7 +315,8 @@ class TrainingLoop:
             return
         path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
-            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
+            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh",
+                        args.ckpt_output_dir)
             return
         state = self.checkpoints.load(path, self.engine)
         ctx.global_step = state["global_step"]
@@ -329,7 +331,8 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
+        self.callbacks.load_state_dict(state.get("callbacks", {}),
+                                       restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
@@ -353,7 +356,8 @@ class TrainingLoop:
     ) -> tuple[AgreedControl, list[float]]:
         """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
         Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names, extras, own)
+        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names,
+                                     extras, own)
         self.context.agreed = agreed
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
@@ -365,8 +369,9 @@ class TrainingLoop:
         if ControlFlag.ABORT in agreed:
             local = agreed.local_reasons.get(ControlFlag.ABORT)
             raise CallbackFatalError(
-                f"callback error under callback_error_policy='fatal' on {agreed.describe(ControlFlag.ABORT)}; "
-                f"every rank stopped at step {self.context.global_step}" + (f" (this rank: {local})" if local else "")
+                f"callback error under callback_error_policy='fatal' on "
+                f"{agreed.describe(ControlFlag.ABORT)}; every rank stopped at step {self.context.global_step}"
+                + (f" (this rank: {local})" if local else "")
             )
         return agreed, sums
 
@@ -421,8 +426,8 @@ class TrainingLoop:
     def _result(self, runtime: float) -> RunResult:
         ctx = self.context
         # collective: every rank's isolated callback errors, for the result
-        errors = [r for rank_errors in self.env.all_gather_objects(self.callbacks.error_reports(self.env.rank))
-                  for r in rank_errors]
+        gathered = self.env.all_gather_objects(self.callbacks.error_reports(self.env.rank))
+        errors = [r for rank_errors in gathered for r in rank_errors]
         stopped_early = ctx.agreed.stop_training and ctx.global_step < ctx.max_steps
         return RunResult(
             global_step=ctx.global_step,
@@ -452,7 +457,8 @@ def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
 def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
     ``max_length_*``) as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in cpu_batch.items()}
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """``RunResult``: what a finished run reports back to ``run_training``'s caller.
 
-Rank 0 writes it to ``trainbridge.core.run_dir.result_file(ckpt_output_dir)`` (``result.json``); the launcher reads it back.
+Rank 0 writes it to ``trainbridge.core.run_dir.result_file(ckpt_output_dir)`` (``result.json``); the
+launcher reads it back.
 """
 
 from __future__ import annotations

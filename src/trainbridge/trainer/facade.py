@@ -313,11 +313,13 @@ class Trainer:
             data["callbacks"] = [*self.args.callbacks, *self.callbacks]
             return TrainingArgs.model_validate(data)
         hf = self.args
-        # Trainer's own default callback (the printer or the progress bar): it prints as Trainer does, and
-        # through the HF adapter each checkpoint gets trainer_state.json as under Trainer
-        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+        # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+        # progress bar, and each checkpoint gets trainer_state.json as under Trainer
+        from transformers import TrainerCallback
 
-        fields["callbacks"] = [PrinterCallback if hf.disable_tqdm else ProgressCallback, *self.callbacks]
+        if not any(isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback))
+                   for c in self.callbacks):
+            fields["callbacks"] = [*self.callbacks, TrainerCallback()]
         per_device = int(hf.per_device_train_batch_size)
         accumulation = int(hf.gradient_accumulation_steps)
         fields["effective_batch_size"] = per_device * accumulation * world_size
@@ -382,8 +384,12 @@ class Trainer:
             self.model = unwrapped
             return
         state = unwrapped.state_dict()
-        if any(type(t).__name__ == "DTensor" for t in state.values()):
-            self.model = unwrapped  # sharded (FSDP2): Trainer's model is the sharded module too
+        mine = self.model.state_dict()
+        sharded = any(type(t).__name__ == "DTensor" for t in state.values()) or any(
+            key in mine and tuple(mine[key].shape) != tuple(value.shape) for key, value in state.items()
+        )
+        if sharded:
+            self.model = unwrapped  # FSDP2 / ZeRO-3 shards: Trainer's model is the sharded module too
             return
         self.model.load_state_dict(state, strict=False)
 
@@ -548,8 +554,13 @@ class Trainer:
                 self.model = AutoModelForCausalLM.from_pretrained(self._model_source)
             target.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(target)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(target)
+            tokenizer = self.processing_class or self._tokenizer()
+            if tokenizer is None and self._model_source is not None and (self._model_source / "tokenizer_config.json").is_file():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
+            if tokenizer is not None:
+                tokenizer.save_pretrained(target)
         if self.is_world_process_zero():
             torch.save(self.args, target / "training_args.bin")
 

@@ -125,14 +125,29 @@ def write_dataset(rows: Any, folder: Path) -> Path:
     """Write ``rows`` into ``folder`` with ``Dataset.save_to_disk`` (Arrow); returns the ``data_path``.
 
     The data layer (``trainbridge.data.inputs``) memory-maps the folder in every worker: rows are not
-    pickled and not held in Python lists per rank.
+    pickled and not held in Python lists per rank.  When the folder already holds the same rows (same
+    Arrow bytes) it is left untouched, so a later ``train(resume_from_checkpoint=...)`` sees the same data
+    (checkpoints record a fingerprint of the training data) and the tokenisation cache is reused.
     """
+    import hashlib
     import shutil
 
-    if folder.exists():
-        shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    rows.save_to_disk(str(folder))
+    fresh = folder.with_name(folder.name + ".writing")
+    shutil.rmtree(fresh, ignore_errors=True)
+    rows.save_to_disk(str(fresh))
+    digest = hashlib.sha256()
+    for arrow in sorted(fresh.glob("*.arrow")):
+        with arrow.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    marker = folder.with_name(folder.name + ".sha256")
+    if folder.is_dir() and marker.is_file() and marker.read_text() == digest.hexdigest():
+        shutil.rmtree(fresh)
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    fresh.rename(folder)
+    marker.write_text(digest.hexdigest())
     return folder
 
 
