@@ -126,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=2,
                       help="CPU worker processes")
     demo.add_argument("--max-steps", type=int, help="optimizer steps (default 200)")
+    demo.add_argument("--chat", action="store_true",
+                      help="train on the shipped chat data set (messages, loss on assistant turns only)")
 
     plot = commands.add_parser(
         "plot", help="plot a run's metrics.jsonl to a PNG (needs the 'plot' extra: matplotlib)",
@@ -288,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.quiet_this_process("cpu")  # the demo's ranks run on CPU
             from trainbridge.demos.demo import run_demo
 
-            run_demo(options.output_dir, options.nproc_per_node, options.max_steps)
+            run_demo(options.output_dir, options.nproc_per_node, options.max_steps, chat=options.chat)
             return EXIT_OK
         return _train(options)
     except (PreflightError, CallbackTransportError) as exc:

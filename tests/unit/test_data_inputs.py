@@ -160,3 +160,21 @@ def test_arrow_source_feeds_the_same_batches_as_in_memory_samples(tmp_path: Path
         assert list(EvalBatches(arrow, list, **kwargs)) == list(EvalBatches(memory, list, **kwargs))  # type: ignore[arg-type]
     held = arrow.subset(np.array([3, 1]))
     assert held.fetch([0, 1]) == [memory[3], memory[1]]
+
+
+def test_yaml_chat_template_file_and_data_folder_paths(tmp_path: Path) -> None:
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.data.sources import data_options
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    datasets.Dataset.from_dict(ROWS).save_to_disk(str(tmp_path / "disk"))
+    (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    (tmp_path / "run.yaml").write_text("model_path: model\ndata_path: disk\nckpt_output_dir: out\n"
+                                       "chat_template: chat.jinja\ndata_columns: {messages: conversations}\n")
+    args = TrainingArgs.from_yaml(tmp_path / "run.yaml")
+    options = data_options(args)
+    assert options.chat_template == "{{ messages }}"
+    assert options.columns == (("messages", "conversations"),)
+    with pytest.raises(ValueError, match="data_columns"):
+        TrainingArgs.from_yaml(tmp_path / "run.yaml", data_columns={"msgs": "conversations"})

@@ -137,6 +137,19 @@ def test_auto_resume_skips_a_corrupt_latest_checkpoint_naming_it(args, caplog, d
     assert f"skipping corrupt checkpoint {second}" in caplog.text
     with pytest.raises(CheckpointError, match=rf"checkpoint {second} is corrupt: .* bytes, the manifest recorded"):
         manager.resume_path(second)
+    sizes_only = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None, fingerprint, checksums=False)
+    assert sizes_only.resume_path("auto") == first  # sizes alone catch a truncated or emptied file
+
+
+def test_same_size_corruption_is_caught_by_the_checksum_unless_checksums_are_off(args):  # noqa: F811
+    manager, first, second = _two_checkpoints(args, None)
+    with open(second / "model.safetensors", "r+b") as handle:
+        handle.seek(-4, 2)
+        handle.write(b"\x00\x01\x02\x03")
+    assert manager.resume_path("auto") == first
+    assert "model.safetensors does not match its recorded SHA-256" in verify_checkpoint(second)[0]
+    unchecked = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None, checksums=False)
+    assert unchecked.resume_path("auto") == second
 
 
 def test_checkpoint_of_another_model_or_data_is_refused_unless_allowed(args, tmp_path):  # noqa: F811

@@ -98,13 +98,15 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None,
-                 fingerprint: dict[str, Any] | None = None) -> None:
+                 fingerprint: dict[str, Any] | None = None, checksums: bool = True) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
         self.save_total_limit = save_total_limit
         self.fingerprint = fingerprint or {}
         """What this run's checkpoints belong to (``checkpoint.manifest.run_fingerprint``)."""
         self.run_id = os.environ.get(RUN_ID_ENV, "")
+        self.checksums = checksums
+        """SHA-256 of every file in the manifest, checked at resume (``checkpoint_checksums``)."""
 
     # ------------------------------------------------------------------ saving
     def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
@@ -147,7 +149,7 @@ class CheckpointManager:
         if self.env.is_world_process_zero:
             try:
                 (tmp / OWNER_FILE).unlink(missing_ok=True)
-                write_manifest(tmp, self.fingerprint)  # hashes and fsyncs every file first
+                write_manifest(tmp, self.fingerprint, self.checksums)  # hashes and fsyncs every file first
                 write_durably(tmp / COMPLETE_MARKER, f"{global_step}\n")
                 fsync_dir(tmp)
                 self._publish(tmp, final)
@@ -293,7 +295,7 @@ class CheckpointManager:
         """The newest complete checkpoint whose files match its manifest; corrupt ones are skipped
         with a warning naming them and what is wrong."""
         for path in reversed(self.list_checkpoints()):
-            problems = verify_checkpoint(path)
+            problems = verify_checkpoint(path, self.checksums)
             if not problems:
                 return path
             logger.warning("skipping corrupt checkpoint %s: %s", path, "; ".join(problems))
@@ -331,7 +333,7 @@ class CheckpointManager:
                     f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a "
                     f"{CHECKPOINT_PREFIX}<step> folder with a {COMPLETE_MARKER} marker)"
                 )
-            problems = verify_checkpoint(path)
+            problems = verify_checkpoint(path, self.checksums)
             if problems:
                 raise CheckpointError(f"resume_from_checkpoint: checkpoint {path} is corrupt: {'; '.join(problems)}")
         manifest = read_manifest(path) or {}

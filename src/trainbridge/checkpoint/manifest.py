@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainbridge.checkpoint.durability import fsync_dir, write_durably
+from trainbridge.checkpoint.durability import fsync_dir, fsync_file, write_durably
 
 MANIFEST_FILE = "manifest.json"
 """Name of the manifest inside a checkpoint folder."""
@@ -43,12 +43,18 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Hash and fsync every file in ``folder``, then write ``manifest.json`` durably."""
-    files = {}
+def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None,
+                   checksums: bool = True) -> dict[str, Any]:
+    """Hash (unless ``checksums`` is off) and fsync every file in ``folder``, then write ``manifest.json``
+    durably."""
+    files: dict[str, dict[str, Any]] = {}
     for path in _files(folder):
-        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size,
-                                                      "sha256": _sha256(path, fsync=True)}
+        entry: dict[str, Any] = {"size": path.stat().st_size}
+        if checksums:
+            entry["sha256"] = _sha256(path, fsync=True)
+        else:
+            fsync_file(path)
+        files[path.relative_to(folder).as_posix()] = entry
     for sub in sorted({p.parent for p in _files(folder)} | {folder}):
         fsync_dir(sub)
     manifest = {"version": 1, "files": files, "fingerprint": dict(fingerprint or {})}
@@ -86,7 +92,7 @@ def verify_checkpoint(folder: Path, checksums: bool = True) -> list[str]:
         size = path.stat().st_size
         if size != expected.get("size"):
             problems.append(f"{name} has {size} bytes, the manifest recorded {expected.get('size')}")
-        elif checksums and _sha256(path) != expected.get("sha256"):
+        elif checksums and expected.get("sha256") and _sha256(path) != expected["sha256"]:
             problems.append(f"{name} does not match its recorded SHA-256")
     return problems
 

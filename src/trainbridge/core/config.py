@@ -389,6 +389,9 @@ class TrainingArgs(BaseModel):
     resume_from_checkpoint: Literal["auto"] | Path | None = None
     """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` that verifies against its
     manifest (a corrupt one is skipped with a warning naming it); a path resumes from it (it must verify)."""
+    checkpoint_checksums: bool = True
+    """Record every checkpoint file's SHA-256 in its ``manifest.json`` and check them at resume (hashing reads
+    every byte, about 1 GB/s); ``False`` records and checks file sizes only (very large checkpoints)."""
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
@@ -706,6 +709,9 @@ class TrainingArgs(BaseModel):
                     "logging_dir", "metrics_file"):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
+        template = data.get("chat_template")
+        if isinstance(template, str) and "{" not in template and (base / template).is_file():
+            data["chat_template"] = str(base / template)  # a template file next to the YAML
         if isinstance(data.get("resume_from_checkpoint"), str) and data["resume_from_checkpoint"] != "auto":
             if not Path(data["resume_from_checkpoint"]).is_absolute():
                 data["resume_from_checkpoint"] = str(base / data["resume_from_checkpoint"])

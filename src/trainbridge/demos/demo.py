@@ -1,6 +1,8 @@
 """``trainbridge demo``: a complete two-rank CPU fine-tune of a tiny local Llama, in about a minute.
 
-Builds the model and tokenizer from a config (no hub), writes a learnable addition data set, then
+Builds the model and tokenizer from a config (no hub), writes a learnable addition data set (or, with
+``chat=True`` / ``trainbridge demo --chat``, uses the shipped chat data set ``demos/data/chat_*.jsonl``:
+conversations rendered with the tokenizer's chat template, loss on the assistant turns only), then
 runs ``run_training`` with two DDP ranks on CPU: evaluation and checkpoints every few steps, a
 Hugging Face ``EarlyStoppingCallback`` agreed across ranks, TensorBoard logging when installed, and
 a summary showing the loss falling, and a plot of the run's metrics (``trainbridge plot``).
@@ -27,7 +29,12 @@ DEMO_TRAIN_SAMPLES = 2000
 DEMO_VAL_SAMPLES = 200
 
 
-def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS) -> TrainingArgs:
+CHAT_DATA = Path(__file__).parent / "data"
+"""The shipped chat data set: ``chat_train.jsonl`` (2,000 conversations) and ``chat_val.jsonl`` (200),
+written by ``tiny_model.write_chat_dataset`` (seeds 1 and 2)."""
+
+
+def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS, chat: bool = False) -> TrainingArgs:
     """Build the demo's model and data under ``output_dir`` and return its ``TrainingArgs``.
 
     The run directory ``output_dir/run`` is emptied first: the demo always starts from step 0.
@@ -38,8 +45,11 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS) -> Tra
     if not (model_dir / "config.json").is_file():
         build_tiny_llama(model_dir, seed=0)
     data_dir = output_dir / "data"
-    train_file = write_arithmetic_dataset(data_dir / "train.jsonl", DEMO_TRAIN_SAMPLES, seed=1)
-    val_file = write_arithmetic_dataset(data_dir / "val.jsonl", DEMO_VAL_SAMPLES, seed=2)
+    if chat:
+        train_file, val_file = CHAT_DATA / "chat_train.jsonl", CHAT_DATA / "chat_val.jsonl"
+    else:
+        train_file = write_arithmetic_dataset(data_dir / "train.jsonl", DEMO_TRAIN_SAMPLES, seed=1)
+        val_file = write_arithmetic_dataset(data_dir / "val.jsonl", DEMO_VAL_SAMPLES, seed=2)
     run_dir = output_dir / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     interval = max(1, max_steps // 4)
@@ -48,7 +58,7 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS) -> Tra
         data_path=train_file,
         val_data_path=val_file,
         ckpt_output_dir=run_dir,
-        max_seq_len=32,
+        max_seq_len=96 if chat else 32,
         max_batch_len=1024,
         effective_batch_size=32,
         max_steps=max_steps,
@@ -81,12 +91,14 @@ def run_demo(
     output_dir: str | Path = "demo_output",
     nproc_per_node: int = 2,
     max_steps: int | None = None,
+    chat: bool = False,
 ) -> RunResult:
     """Build the tiny model and data in ``output_dir``, train with ``nproc_per_node`` CPU ranks, print a summary."""
     output_dir = Path(output_dir).resolve()
     start = time.monotonic()
-    args = demo_training_args(output_dir, max_steps or DEMO_MAX_STEPS)
-    print(f"trainbridge demo: tiny Llama + addition data in {output_dir}, {nproc_per_node} CPU ranks", flush=True)
+    args = demo_training_args(output_dir, max_steps or DEMO_MAX_STEPS, chat=chat)
+    what = "chat data (assistant-only loss)" if chat else "addition data"
+    print(f"trainbridge demo: tiny Llama + {what} in {output_dir}, {nproc_per_node} CPU ranks", flush=True)
     result = run_training(args, TorchrunArgs(nproc_per_node=nproc_per_node))
     if result is None:
         raise RuntimeError("the demo runs on one node, so rank 0's result must be here")

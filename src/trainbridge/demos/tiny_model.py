@@ -26,6 +26,17 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*=?:.,\n"
 """Every character the tokenizer knows (one token each); anything else is ``<unk>``."""
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""The tiny tokenizer's chat template: ``<s>user: 12+35=?\nassistant: 47</s>\n``; no generation markers,
+so assistant spans are found by rendering growing prefixes (``trainbridge.data.chat``)."""
+
 
 @dataclass(frozen=True)
 class TinyLlamaSize:
@@ -49,7 +60,8 @@ def build_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
     """Build the character-level tokenizer, save it to ``directory`` and load it back with ``AutoTokenizer``.
 
     One token per character of ``CHARACTERS`` plus ``<pad> <s> </s> <unk>``; encoding adds ``<s>``
-    in front (like Llama), decoding joins characters back without separators.
+    in front (like Llama), decoding joins characters back without separators; ``CHAT_TEMPLATE`` renders
+    conversations.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -71,6 +83,7 @@ def build_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         model_max_length=4096,
     )
+    wrapped.chat_template = CHAT_TEMPLATE
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(directory)
@@ -174,4 +187,33 @@ def write_arithmetic_dataset(
             "labels": [-100] * len(prompt_ids) + answer_ids,
         }))
     path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def arithmetic_conversations(n: int, seed: int, max_operand: int = 99) -> list[dict[str, object]]:
+    """``n`` deterministic chat samples: one or two addition questions, the assistant answering each.
+
+    ``{"messages": [{"role": "user", "content": "12+35=?"}, {"role": "assistant", "content": "47"},
+    ...]}``; a quarter carry a system message, the second question adds to the first answer.
+    """
+    rng = random.Random(seed)
+    samples: list[dict[str, object]] = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        messages = [{"role": "user", "content": f"{a}+{b}=?"}, {"role": "assistant", "content": str(a + b)}]
+        if rng.random() < 0.5:
+            c = rng.randint(0, max_operand)
+            messages += [{"role": "user", "content": f"plus {c}?"},
+                         {"role": "assistant", "content": str(a + b + c)}]
+        if rng.random() < 0.25:
+            messages.insert(0, {"role": "system", "content": "you add numbers."})
+        samples.append({"messages": messages})
+    return samples
+
+
+def write_chat_dataset(path: str | Path, n: int, seed: int) -> Path:
+    """Write ``arithmetic_conversations(n, seed)`` as JSONL (the demo's chat data set is this, shipped)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(sample) + "\n" for sample in arithmetic_conversations(n, seed)))
     return path

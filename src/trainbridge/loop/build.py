@@ -111,6 +111,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
         checkpoints=CheckpointManager(
             args.ckpt_output_dir, env, args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
+            checksums=args.checkpoint_checksums,
         ),
         max_steps=max_steps, num_parameters=num_parameters, padded=padded, data_stats=data.stats,
     )

@@ -1,0 +1,336 @@
+"""Data pipeline at scale: tokenise-once cache, cached start-up, per-rank memory, vs today's loader and TRL.
+
+    python benchmarks/data_pipeline.py [--samples 1000000] [--ranks 1 2] [--num-proc 2]
+                                       [--baseline-samples N] [--trl-samples N] [--work DIR]
+
+Generates ``--samples`` synthetic chat conversations (1-3 user/assistant turns over a small word list, a
+quarter with a system message) as JSONL and the tiny tokenizer with its chat template, then measures,
+each in fresh processes:
+
+* **first run**: ``open_dataset`` on an empty cache -- read with ``datasets``, rendered with the chat
+  template, assistant masks by growing prefixes, ``--num-proc`` processes, written as Arrow;
+* **cached start-up** with R ranks (each ``--ranks`` value): R processes started together, each loading
+  the tokenizer, opening the cached data (memory-mapped), planning epoch 0 and collating its first
+  step's micro-batches, as a worker's set-up does; wall time from spawn to ready, and per-rank RSS /
+  USS (unique set: memory not shared with other processes -- mapped cache pages are shared);
+* **today's loader** (before the cache): every rank parses a pre-tokenised JSONL of the same samples
+  into Python ``Sample`` tuples (``--baseline-samples``, default all);
+* **datasets + TRL's preparation**: ``load_dataset("json")`` then ``map`` of
+  ``apply_chat_template(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)`` -- what
+  trl's ``SFTTrainer`` does with ``assistant_only_loss`` (a marked copy of the template) -- with the same
+  processes (``--trl-samples``, default all; 0 skips).
+
+Prints one JSON object per measurement and a summary.  Run under the shared lock on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+WORDS = (
+    "what",
+    "is",
+    "the",
+    "sum",
+    "of",
+    "and",
+    "plus",
+    "minus",
+    "times",
+    "number",
+    "answer",
+    "please",
+    "tell",
+    "me",
+    "how",
+    "many",
+    "apples",
+    "pears",
+    "are",
+    "there",
+    "in",
+    "a",
+    "box",
+    "if",
+    "we",
+    "add",
+    "more",
+    "take",
+    "away",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+)
+
+
+def generate(path: Path, count: int, seed: int = 0) -> None:
+    """``count`` synthetic conversations as JSONL (characters the tiny tokenizer knows)."""
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for _ in range(count):
+            messages = []
+            if rng.random() < 0.25:
+                messages.append({"role": "system", "content": "you are a helpful assistant."})
+            for _ in range(rng.randint(1, 3)):
+                question = " ".join(rng.choices(WORDS, k=rng.randint(3, 12))) + "?"
+                answer = " ".join(rng.choices(WORDS, k=rng.randint(2, 16))) + "."
+                messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+
+
+def rss_uss() -> tuple[float, float]:
+    import psutil
+
+    info = psutil.Process().memory_full_info()
+    return info.rss / 2**20, info.uss / 2**20
+
+
+# ------------------------------------------------------------------------------------------ children
+def child_tokenize(work: Path, num_proc: int) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from trainbridge.data import open_dataset
+    from trainbridge.data.records import DataOptions
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    start = time.perf_counter()
+    source, stats = open_dataset(
+        work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024, num_proc=num_proc), work / "cache"
+    )
+    return {
+        "seconds": time.perf_counter() - start,
+        "samples": len(source),
+        "tokens": stats.tokens,
+        "cache_hit": stats.cache_hit,
+        "cache": stats.cache,
+    }
+
+
+def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
+    before = rss_uss()
+    from transformers import AutoTokenizer
+
+    from trainbridge.data import collate_padding_free, open_dataset
+    from trainbridge.data.loader import TrainBatches
+    from trainbridge.data.records import DataOptions
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    imported = rss_uss()
+    source, stats = open_dataset(
+        work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024), work / "cache"
+    )
+    batches = TrainBatches(
+        source,
+        collate_padding_free,
+        effective_batch_size=64,
+        world_size=world,
+        rank=rank,
+        max_batch_len=4096,
+        seed=0,
+        padded=False,
+    )
+    first = batches.micro_batches(batches.plan.steps[0])
+    after = rss_uss()
+    return {
+        "cache_hit": stats.cache_hit,
+        "samples": len(source),
+        "micro_batches": len(first),
+        "rss_mb": after[0],
+        "uss_mb": after[1],
+        "rss_before_mb": before[0],
+        "data_rss_mb": after[0] - imported[0],
+        "data_uss_mb": after[1] - imported[1],
+    }
+
+
+def child_today(work: Path) -> dict[str, Any]:
+    """The loader before the cache: every rank parses the whole pre-tokenised JSONL into tuples."""
+    import torch  # noqa: F401  (today's workers had torch imported before loading)
+
+    from trainbridge.data import Sample
+
+    imported = rss_uss()
+    start = time.perf_counter()
+    samples = []
+    with (work / "pretokenized.jsonl").open("rb") as handle:
+        for raw in handle:
+            record = json.loads(raw)
+            samples.append(Sample(tuple(record["input_ids"]), tuple(record["labels"])))
+    lengths = [s.length for s in samples]
+    loss_tokens = [s.loss_tokens for s in samples]
+    seconds = time.perf_counter() - start
+    after = rss_uss()
+    return {
+        "seconds": seconds,
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "loss": sum(loss_tokens),
+        "rss_mb": after[0],
+        "data_rss_mb": after[0] - imported[0],
+    }
+
+
+def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    template = str(tokenizer.chat_template)
+    marked = template.replace(
+        "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
+        "{{ message['content'] }}{% endif %}",
+    )
+    assert "generation" in marked, "the tiny template changed; update the marked copy"
+    tokenizer.chat_template = marked
+    datasets.disable_progress_bars()
+    start = time.perf_counter()
+    dataset = datasets.load_dataset(
+        "json", data_files=str(work / "chat.jsonl"), split="train", cache_dir=str(work / "hf-cache")
+    )
+    if count < len(dataset):
+        dataset = dataset.select(range(count))
+
+    def tokenize(example: dict[str, Any]) -> dict[str, Any]:
+        out = tokenizer.apply_chat_template(
+            example["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
+
+    dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
+    return {"seconds": time.perf_counter() - start, "samples": len(dataset), "rss_mb": rss_uss()[0]}
+
+
+# ------------------------------------------------------------------------------------------ parent
+def run_child(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def result_of(process: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"child failed ({process.returncode}): {out[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=1_000_000)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--baseline-samples", type=int)
+    parser.add_argument("--trl-samples", type=int)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/trainbridge-data-bench"))
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    work = options.work
+    if options.child:
+        kind, *rest = options.child
+        if kind == "tokenize":
+            result = child_tokenize(work, int(rest[0]))
+        elif kind == "startup":
+            result = child_startup(work, int(rest[0]), int(rest[1]))
+        elif kind == "today":
+            result = child_today(work)
+        else:
+            result = child_trl(work, int(rest[0]), int(rest[1]))
+        print(json.dumps(result), flush=True)
+        return
+
+    from trainbridge.demos.tiny_model import build_tokenizer
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    generate(work / "chat.jsonl", options.samples)
+    build_tokenizer(work / "tok")
+    size_mb = (work / "chat.jsonl").stat().st_size / 2**20
+    report: dict[str, Any] = {
+        "samples": options.samples,
+        "jsonl_mb": round(size_mb, 1),
+        "generate_s": round(time.perf_counter() - start, 1),
+        "num_proc": options.num_proc,
+    }
+    print(json.dumps(report), flush=True)
+
+    first = result_of(run_child(["--work", str(work), "--child", "tokenize", str(options.num_proc)], env))
+    report["first_run_tokenise_s"] = round(first["seconds"], 1)
+    report["tokens"] = first["tokens"]
+    cache_mb = sum(f.stat().st_size for f in Path(first["cache"]).iterdir()) / 2**20
+    report["cache_mb"] = round(cache_mb, 1)
+    print(json.dumps({"first_run": first, "cache_mb": cache_mb}), flush=True)
+
+    for world in options.ranks:
+        spawned = time.perf_counter()
+        children = [
+            run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
+            for r in range(world)
+        ]
+        results = [result_of(c) for c in children]
+        wall = time.perf_counter() - spawned
+        assert all(r["cache_hit"] for r in results), "cached start-up tokenised"
+        report[f"cached_startup_s_{world}_ranks"] = round(wall, 2)
+        report[f"per_rank_rss_mb_{world}_ranks"] = [round(r["rss_mb"]) for r in results]
+        report[f"per_rank_uss_mb_{world}_ranks"] = [round(r["uss_mb"]) for r in results]
+        report[f"per_rank_data_uss_mb_{world}_ranks"] = [round(r["data_uss_mb"]) for r in results]
+        print(json.dumps({"world": world, "wall_s": wall, "ranks": results}), flush=True)
+
+    baseline = options.baseline_samples if options.baseline_samples is not None else options.samples
+    if baseline:
+        _write_pretokenized(Path(first["cache"]), work / "pretokenized.jsonl", baseline)
+        spawned = time.perf_counter()
+        children = [
+            run_child(["--work", str(work), "--child", "today"], env) for _ in range(max(options.ranks))
+        ]
+        results = [result_of(c) for c in children]
+        report["today_samples"] = baseline
+        report[f"today_startup_s_{max(options.ranks)}_ranks"] = round(time.perf_counter() - spawned, 1)
+        report["today_per_rank_data_rss_mb"] = [round(r["data_rss_mb"]) for r in results]
+        print(json.dumps({"today": results}), flush=True)
+
+    trl = options.trl_samples if options.trl_samples is not None else options.samples
+    if trl:
+        result = result_of(
+            run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
+        )
+        report["trl_samples"] = trl
+        report["trl_prepare_s"] = round(result["seconds"], 1)
+        print(json.dumps({"trl": result}), flush=True)
+    print("SUMMARY " + json.dumps(report), flush=True)
+
+
+def _write_pretokenized(cache: Path, path: Path, count: int) -> None:
+    """The cache's samples as today's pre-tokenised JSONL (``input_ids``, ``labels``)."""
+    import pyarrow as pa
+
+    meta = json.loads((cache / "meta.json").read_text())
+    written = 0
+    with path.open("w") as handle:
+        for name in meta["files"]:
+            table = pa.ipc.open_stream(pa.memory_map(str(cache / name))).read_all()
+            for batch in table.select(["input_ids", "labels", "status"]).to_batches(10_000):
+                for ids, labels, status in zip(*(batch.column(i).to_pylist() for i in range(3))):
+                    if status == 0 and written < count:
+                        handle.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+                        written += 1
+
+
+if __name__ == "__main__":
+    main()
