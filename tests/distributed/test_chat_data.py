@@ -45,7 +45,7 @@ def test_two_ranks_train_on_chat_messages_from_the_cache(
     args = base_args(
         assets,
         tmp_path / "run1",
-        max_seq_len=64,
+        max_seq_len=128,
         max_batch_len=256,
         max_steps=6,
         data_cache_dir=chat_assets["cache"],
