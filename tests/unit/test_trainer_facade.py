@@ -343,3 +343,15 @@ def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> N
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops_it() -> None:
+    """run_clm.py's ``train_results.json`` holds ``total_flos`` under real Trainer (ProgressCallback, the
+    default, pops from a copy); with ``disable_tqdm`` Trainer's PrinterCallback pops it from the returned dict."""
+    from trainbridge.trainer.facade import _train_metrics
+
+    history = [{"loss": 1.0, "step": 2},
+               {"train_runtime": 0.5, "train_loss": 1.0, "total_flos": 8.0, "epoch": 1.0, "step": 2}]
+    assert _train_metrics(history, disable_tqdm=False) == {"train_runtime": 0.5, "train_loss": 1.0,
+                                                           "total_flos": 8.0, "epoch": 1.0}
+    assert "total_flos" not in _train_metrics(history, disable_tqdm=True)

@@ -351,10 +351,7 @@ class Trainer:
             result, state = self._train_launched(resume_from_checkpoint)
         assert result is not None and state is not None
         self._set_state(state)
-        metrics = dict(next((e for e in reversed(state["log_history"]) if "train_runtime" in e), {}))
-        metrics.pop("step", None)
-        # Trainer's default printer / progress callback pops total_flos from these metrics in on_log
-        metrics.pop("total_flos", None)
+        metrics = _train_metrics(state["log_history"], bool(getattr(self.args, "disable_tqdm", False)))
         return TrainOutput(result.global_step, float(result.train_loss if result.train_loss is not None else 0.0), metrics)
 
     def _train_in_place(self, resume: Any) -> JobOutcome:
@@ -741,6 +738,17 @@ def _prefixed(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:
             key = f"{prefix}_{key[len('eval_'):]}"
         out[key] = value
     return out
+
+
+def _train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict[str, Any]:
+    """The metrics ``Trainer.train()`` returns: its final log entry without ``step``. ``total_flos`` stays in
+    (``train_results.json`` of example scripts has it) unless ``disable_tqdm``: then Trainer's ``PrinterCallback``
+    pops it in ``on_log`` from the very dict ``train()`` returns (``ProgressCallback`` pops from a copy)."""
+    metrics = dict(next((e for e in reversed(log_history) if "train_runtime" in e), {}))
+    metrics.pop("step", None)
+    if disable_tqdm:
+        metrics.pop("total_flos", None)
+    return metrics
 
 
 def _has_checkpoint(output_dir: Path) -> bool:
