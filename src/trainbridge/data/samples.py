@@ -47,47 +47,10 @@ class SampleSource(Protocol):
         ...
 
 
-class InMemorySamples:
-    """A ``SampleSource`` over a sequence of ``Sample``s."""
+class _LengthColumns:
+    """The two integer columns every source keeps: ``lengths`` and ``loss_tokens``, one entry a sample."""
 
-    def __init__(self, samples: Sequence[Sample]):
-        self.samples = samples
-        self._lengths = np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples))
-        self._loss = np.fromiter((s.loss_tokens for s in samples), dtype=np.int64, count=len(samples))
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    @property
-    def loss_tokens(self) -> np.ndarray:
-        return self._loss
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> Sample:
-        return self.samples[index]
-
-    def fetch(self, indices: Sequence[int]) -> list[Sample]:
-        return [self.samples[i] for i in indices]
-
-    def subset(self, indices: np.ndarray) -> InMemorySamples:
-        return InMemorySamples([self.samples[int(i)] for i in indices])
-
-
-class ArrowSamples:
-    """A ``SampleSource`` over rows ``rows`` of an Arrow table with ``input_ids``/``labels`` list columns.
-
-    ``lengths``/``loss_tokens`` are given (read once from the table's columns); ``fetch`` takes the
-    micro-batch's rows from the (memory-mapped) table, so only those samples become Python objects.
-    """
-
-    def __init__(self, table: pa.Table, rows: np.ndarray, lengths: np.ndarray, loss_tokens: np.ndarray):
-        if not len(rows) == len(lengths) == len(loss_tokens):
-            raise ValueError(f"{len(rows)} rows, {len(lengths)} lengths, {len(loss_tokens)} loss_tokens")
-        self.table = table
-        self.rows = np.asarray(rows, dtype=np.int64)
+    def __init__(self, lengths: np.ndarray, loss_tokens: np.ndarray):
         self._lengths = np.asarray(lengths, dtype=np.int64)
         self._loss = np.asarray(loss_tokens, dtype=np.int64)
 
@@ -100,7 +63,42 @@ class ArrowSamples:
         return self._loss
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._lengths)
+
+
+class InMemorySamples(_LengthColumns):
+    """A ``SampleSource`` over a sequence of ``Sample``s."""
+
+    def __init__(self, samples: Sequence[Sample]):
+        self.samples = samples
+        super().__init__(
+            np.fromiter((s.length for s in samples), dtype=np.int64, count=len(samples)),
+            np.fromiter((s.loss_tokens for s in samples), dtype=np.int64, count=len(samples)),
+        )
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[index]
+
+    def fetch(self, indices: Sequence[int]) -> list[Sample]:
+        return [self.samples[i] for i in indices]
+
+    def subset(self, indices: np.ndarray) -> InMemorySamples:
+        return InMemorySamples([self.samples[int(i)] for i in indices])
+
+
+class ArrowSamples(_LengthColumns):
+    """A ``SampleSource`` over rows ``rows`` of an Arrow table with ``input_ids``/``labels`` list columns.
+
+    ``lengths``/``loss_tokens`` are given (read once from the table's columns); ``fetch`` takes the
+    micro-batch's rows from the (memory-mapped) table, so only those samples become Python objects.
+    """
+
+    def __init__(self, table: pa.Table, rows: np.ndarray, lengths: np.ndarray, loss_tokens: np.ndarray):
+        if not len(rows) == len(lengths) == len(loss_tokens):
+            raise ValueError(f"{len(rows)} rows, {len(lengths)} lengths, {len(loss_tokens)} loss_tokens")
+        self.table = table
+        self.rows = np.asarray(rows, dtype=np.int64)
+        super().__init__(lengths, loss_tokens)
 
     def __getitem__(self, index: int) -> Sample:
         return self.fetch([index])[0]
