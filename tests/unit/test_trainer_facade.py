@@ -369,3 +369,20 @@ def test_evaluate_reports_the_trainers_epoch_not_the_evaluation_jobs(tiny: Any, 
     after = {"loss": 1.0, "epoch": 0.0}
     trainer._log_evaluation(after)
     assert after["epoch"] == 0.6667 and trainer.state.log_history[-1]["epoch"] == 0.6667
+
+
+def test_state_after_training_keeps_the_last_checkpoints_stateful_callbacks(tiny: Any, tmp_path: Path) -> None:
+    """Trainer's ``save_state()`` after training writes the ``stateful_callbacks`` (TrainerControl, early
+    stopping) of its last checkpoint; the facade's state read them back from the newest checkpoint."""
+    import json
+
+    model, tok = tiny
+    trainer = Trainer(model=model, args=_hf_args(tmp_path), processing_class=tok)
+    for step, flag in ((3, False), (6, True)):
+        folder = trainer.output_dir / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "COMPLETE").write_text("")
+        control = {"TrainerControl": {"args": {"should_training_stop": flag}, "attributes": {}}}
+        (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": control}))
+    trainer._set_state({"global_step": 6, "log_history": []})
+    assert trainer.state.stateful_callbacks["TrainerControl"]["args"]["should_training_stop"] is True
