@@ -450,7 +450,7 @@ class Trainer:
             if hasattr(state, key):
                 setattr(state, key, value)
         if not state.stateful_callbacks:  # Trainer's state keeps what its last checkpoint saved
-            state.stateful_callbacks = _last_stateful_callbacks(self.output_dir)
+            state.stateful_callbacks = _last_stateful_callbacks(self.output_dir)  # type: ignore[assignment]
         state.train_batch_size = getattr(self.args, "per_device_train_batch_size", None)
         state.is_world_process_zero = self.is_world_process_zero()
         state.is_local_process_zero = self.is_local_process_zero()
