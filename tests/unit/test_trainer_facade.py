@@ -357,3 +357,17 @@ def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops
     assert _train_metrics(history, disable_tqdm=False) == {"train_runtime": 0.5, "train_loss": 1.0,
                                                            "total_flos": 8.0, "epoch": 1.0}
     assert "total_flos" not in _train_metrics(history, disable_tqdm=True)
+
+
+def test_evaluate_reports_the_trainers_epoch_not_the_evaluation_jobs(tiny: Any, tmp_path: Path) -> None:
+    """run_clm.py under ``python`` evaluates after training in a separate job (epoch 0.0 there); Trainer
+    reports ``state.epoch`` (0 before any training, as a fresh ``TrainerState``)."""
+    model, tok = tiny
+    trainer = Trainer(model=model, args=_hf_args(tmp_path), processing_class=tok)
+    fresh = {"loss": 1.0, "epoch": 0.5}
+    trainer._log_evaluation(fresh)
+    assert fresh["epoch"] == 0
+    trainer.state.epoch = 0.6667
+    after = {"loss": 1.0, "epoch": 0.0}
+    trainer._log_evaluation(after)
+    assert after["epoch"] == 0.6667 and trainer.state.log_history[-1]["epoch"] == 0.6667

@@ -535,6 +535,10 @@ class Trainer:
         return dict(out["metrics"]), out["predictions"]
 
     def _log_evaluation(self, metrics: dict[str, Any]) -> None:
+        # as Trainer.log: the epoch is this trainer's state's, not the separate evaluation job's own 0.0
+        metrics.pop("epoch", None)
+        if self.state.epoch is not None:
+            metrics["epoch"] = self.state.epoch
         self.state.log_history.append({**metrics, "step": self.state.global_step})
 
     # ================================================================== saving
