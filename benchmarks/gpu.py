@@ -10,13 +10,15 @@ into micro-batches of ``--batch-tokens`` (4,096) tokens per GPU, bf16, one micro
 
 Configurations (``--only`` picks some), each a fresh ``torchrun`` over ``--nproc`` GPUs:
 
-| key | what runs |
-|---|---|
-| ``tb_ddp`` | ``run_training``, DDP, defaults: ``mixed_precision='auto'`` (bf16), ``loss_implementation='auto'`` (Liger if installed, else chunked), padding-free rows with flash-attention kwargs |
-| ``tb_ddp_chunked`` | the same with ``loss_implementation='chunked'`` (torch, no Liger) |
-| ``tb_fsdp`` | ``run_training``, FSDP2 (units: embeddings, layers, norm+lm_head; reduce-scatter per micro-batch) |
-| ``trainer_flat`` | ``Trainer`` (bf16, ``DataCollatorWithFlattening``, same attention kernel), batch size tuned to the same tokens per step, DDP |
-| ``trainer_flat_liger`` | the same with ``use_liger_kernel=True`` (if Liger-Kernel is installed) |
+- ``tb_ddp``: ``run_training``, DDP, defaults: ``mixed_precision='auto'`` (bf16),
+  ``loss_implementation='auto'`` (Liger if installed, else chunked), padding-free rows with
+  flash-attention kwargs
+- ``tb_ddp_chunked``: the same with ``loss_implementation='chunked'`` (torch, no Liger)
+- ``tb_fsdp``: ``run_training``, FSDP2 (units: embeddings, layers, norm+lm_head; reduce-scatter per
+  micro-batch)
+- ``trainer_flat``: ``Trainer`` (bf16, ``DataCollatorWithFlattening``, same attention kernel), batch size
+  tuned to the same tokens per step, DDP
+- ``trainer_flat_liger``: the same with ``use_liger_kernel=True`` (if Liger-Kernel is installed)
 
 Measured on rank 0 (``GpuClock``, a ``TrainerCallback`` every run carries): step-end times after a
 ``torch.cuda.synchronize()`` (tokens/s per GPU over steps 3..N, step time p50/p95), non-padding tokens,
@@ -238,7 +240,8 @@ def summarise(key: str, out: Path, options: Options, parameters: int) -> dict[st
 
 def report(rows: list[dict[str, Any]], options: Options, command: str) -> str:
     lines = [f"```\n{command}\n```", "",
-             f"- {options.nproc} x {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU rank (smoke)'}, "
+             f"- {options.nproc} x "
+             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU rank (smoke)'}, "
              f"torch {torch.__version__}, attention {options.attn}, Liger {'yes' if HAS_LIGER else 'no'}",
              f"- Llama {options.size}, {options.steps} steps, {options.batch_tokens} tokens per micro-batch per GPU",
              "", "| configuration | tokens/s per GPU | MFU | peak memory (GiB) | step p50 (s) | step p95 (s) | "

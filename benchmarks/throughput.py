@@ -311,7 +311,9 @@ def _ratio(value: float, reference: Measurement | None, metric: Metric) -> str:
 
 def results_table(results: Results, metric: Metric) -> list[str]:
     """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric``."""
-    bare, default, tuned, padded = (results.best(k, metric) for k in ("bare", "trainer_default", "trainer_tuned", "trainer_padded_var"))
+    bare, default, tuned, padded = (
+        results.best(k, metric) for k in ("bare", "trainer_default", "trainer_tuned", "trainer_padded_var")
+    )
     lines = [
         f"| data | configuration | {METRIC_UNITS[metric]} | vs bare | vs Trainer default | vs Trainer tuned "
         "| vs Trainer padded | start → step 1 (s) |",
@@ -426,7 +428,8 @@ def results_section(results: Results, command: str, facts: list[str], steps: int
 
 def write_report(path: Path, section: str) -> None:
     """Replace the result markers' content in ``path`` (create the file with a heading if missing)."""
-    text = path.read_text() if path.exists() else "# Throughput benchmark\n\n" + RESULTS_BEGIN + "\n" + RESULTS_END + "\n"
+    text = (path.read_text() if path.exists()
+            else "# Throughput benchmark\n\n" + RESULTS_BEGIN + "\n" + RESULTS_END + "\n")
     start, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
     if start < 0 or end < start:
         text = text.rstrip() + "\n\n" + section + "\n"
@@ -483,7 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             results.add(measurement)
             print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} "
-                  f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  start->step1 {measurement.start_to_first_step_s:5.1f} s  "
+                  f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  "
+                  f"start->step1 {measurement.start_to_first_step_s:5.1f} s  "
                   f"wall {measurement.wall_s:5.1f} s", flush=True)
     command = "python benchmarks/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     section = results_section(results, command.strip(), facts, options.steps, options.repeats)

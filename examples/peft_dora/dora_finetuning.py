@@ -24,7 +24,9 @@ def training_args(options: argparse.Namespace) -> TrainingArgs:
         use_dora=options.use_dora,
         r=options.lora_r,
         lora_alpha=options.lora_alpha,
-        target_modules=options.lora_target_modules.split(",") if options.lora_target_modules else DEFAULT_TARGET_MODULES,
+        target_modules=(
+            options.lora_target_modules.split(",") if options.lora_target_modules else DEFAULT_TARGET_MODULES
+        ),
         lora_dropout=options.lora_dropout,
         bias="none",
         task_type="CAUSAL_LM",

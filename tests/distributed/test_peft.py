@@ -2,8 +2,9 @@
 
 Per backend, two runs: a straight one (checkpoints at steps 4 and 8) and one resumed from its
 ``checkpoint-4`` into another folder.  Checked: the loss falls; the frozen base weights at the end are
-bit-identical to the model on disk (fsdp with gradient checkpointing on); every checkpoint is an adapter in PEFT's layout that
-``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as the straight one.
+bit-identical to the model on disk (fsdp with gradient checkpointing on); every checkpoint is an adapter
+in PEFT's layout that ``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as
+the straight one.
 The ddp case also checks ``load_best_model_at_end`` (the best adapter, made the step-4 one by
 ``greater_is_better=True``, is what is merged), the merged
 export (``AutoModelForCausalLM``, same logits as base + adapter) and that a ``TrainerCallback`` gets the

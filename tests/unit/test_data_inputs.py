@@ -156,7 +156,8 @@ def test_arrow_source_feeds_the_same_batches_as_in_memory_samples(tmp_path: Path
         a = TrainBatches(arrow, list, effective_batch_size=8, seed=3, **kwargs)  # type: ignore[arg-type]
         b = TrainBatches(memory, list, effective_batch_size=8, seed=3, **kwargs)  # type: ignore[arg-type]
         assert list(a) == list(b)
-        assert [a.micro_batch_loss_tokens(s) for s in a.plan.steps] == [b.micro_batch_loss_tokens(s) for s in b.plan.steps]
+        assert ([a.micro_batch_loss_tokens(s) for s in a.plan.steps]
+                == [b.micro_batch_loss_tokens(s) for s in b.plan.steps])
         assert list(EvalBatches(arrow, list, **kwargs)) == list(EvalBatches(memory, list, **kwargs))  # type: ignore[arg-type]
     held = arrow.subset(np.array([3, 1]))
     assert held.fetch([0, 1]) == [memory[3], memory[1]]

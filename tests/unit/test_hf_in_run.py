@@ -223,7 +223,8 @@ def test_num_input_tokens_seen_follows_include_num_input_tokens_seen(args_for, c
     args = args_for(packing="padded", include_num_input_tokens_seen=counting, callbacks=[seen, native])
     run(args)
     assert native.tokens_seen > 0 and native.input_tokens_seen > native.tokens_seen  # padded rows
-    expected = {"no": 0, "non_padding": native.tokens_seen, "all": native.input_tokens_seen}[args.include_num_input_tokens_seen]
+    expected_by_mode = {"no": 0, "non_padding": native.tokens_seen, "all": native.input_tokens_seen}
+    expected = expected_by_mode[args.include_num_input_tokens_seen]
     assert seen.at_train_end == expected
     assert len(set(seen.at_step_end)) == (1 if counting == "no" else 4)  # counted at every step
     if counting == "non_padding":  # known from the plan: at on_step_end it includes that step, as under Trainer

@@ -274,7 +274,9 @@ def test_instructlab_field_names_get_our_names(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- in place, one rank
-def test_train_evaluate_predict_in_place_on_one_rank(tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_evaluate_predict_in_place_on_one_rank(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set (a launched worker of a 1-process job): the loop runs in this
     process on the datasets written as Arrow; evaluate/predict/save_model work after training."""
     from trainbridge.demos.tiny_model import arithmetic_problems

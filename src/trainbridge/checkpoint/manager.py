@@ -18,9 +18,10 @@ Atomicity: everything is written into ``output_dir/.tmp-checkpoint-{step}`` (eve
 files there), the ranks agree that all writes succeeded, then rank 0 writes ``COMPLETE`` and renames the
 folder to its final name.  A crash mid-save leaves earlier checkpoints whole; a left-over temporary folder
 is never listed and is removed by the next save of the run that made it, or of a later run once its
-maker is gone (``.owner`` names it), never while another live run may still be writing it.  Re-saving an existing step renames the old folder aside,
-renames the new one in, then deletes the old one.  ``output_dir`` must be on a filesystem every rank sees
-(as for ``torch.distributed.checkpoint`` and DeepSpeed checkpoints).
+maker is gone (``.owner`` names it), never while another live run may still be writing it.  Re-saving
+an existing step renames the old folder aside, renames the new one in, then deletes the old one.
+``output_dir`` must be on a filesystem every rank sees (as for
+``torch.distributed.checkpoint`` and DeepSpeed checkpoints).
 """
 
 from __future__ import annotations

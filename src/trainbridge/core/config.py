@@ -211,9 +211,10 @@ class TrainingArgs(BaseModel):
     ``trust_remote_code``, and any other ``from_pretrained`` keyword)."""
     peft_config: Any = None
     """A ``peft.PeftConfig`` (e.g. ``peft.LoraConfig(r=8, target_modules=[...])``), or its dict form in
-    YAML (``peft_type`` defaults to ``LORA``, ``task_type`` to ``CAUSAL_LM``).  The adapter is applied in every worker before DDP/FSDP2/
-    DeepSpeed wrapping and before the optimizer is built: only adapter parameters train and hold optimizer
-    state, and checkpoints hold the adapter in PEFT's layout.  Needs ``pip install 'trainbridge[peft]'``."""
+    YAML (``peft_type`` defaults to ``LORA``, ``task_type`` to ``CAUSAL_LM``).  The adapter is applied in
+    every worker before DDP/FSDP2/DeepSpeed wrapping and before the optimizer is built: only adapter
+    parameters train and hold optimizer state, and checkpoints hold the adapter in PEFT's layout.
+    Needs ``pip install 'trainbridge[peft]'``."""
     merge_adapter_at_end: bool = False
     """With a PEFT model: when training ends, merge the final adapter (the best one under
     ``load_best_model_at_end``) into the base weights (``merge_and_unload``) and write the merged model in
@@ -367,7 +368,8 @@ class TrainingArgs(BaseModel):
     """``fn(logits, labels) -> predictions`` applied to each validation batch on its rank before the
     predictions are kept (e.g. ``logits.argmax(-1)``), as in ``transformers.Trainer``."""
     include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
-    """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss`` (``EvalPrediction.inputs``/``.losses``)."""
+    """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss``
+    (``EvalPrediction.inputs``/``.losses``)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     """When to checkpoint: every ``save_steps``/``save_samples``, each epoch end, on a new best metric, or never."""
     save_steps: int | None = Field(default=None, gt=0)
@@ -609,7 +611,9 @@ class TrainingArgs(BaseModel):
                 )
             task = getattr(config, "task_type", None)
             if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
-                raise ValueError(f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)")
+                raise ValueError(
+                    f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)"
+                )
             if getattr(config, "inference_mode", False):
                 raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
                                  "set inference_mode=False")
@@ -621,7 +625,9 @@ class TrainingArgs(BaseModel):
                 )
         is_peft = config is not None or adapter_base is not None
         if self.merge_adapter_at_end and not is_peft and self.model_init is None:
-            raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
+            raise ValueError(
+                "merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)"
+            )
         if self.gradient_checkpointing_kwargs != {"use_reentrant": False} and not self.gradient_checkpointing:
             raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
         if self.model_kwargs.quantized():

@@ -183,7 +183,8 @@ def _input_columns(path: Path, columns: list[str], options: DataOptions) -> list
     if not any(c in selected for c in (mapped.get(n, n) for n in ("input_ids", "messages", "prompt", "text"))):
         raise DataFormatError(
             path, None, f"no usable column: expected 'input_ids', 'messages', 'prompt'+'completion' or 'text', "
-            f"found {columns}; map other names with data_columns, e.g. data_columns: {{messages: {columns[0] if columns else 'conversations'}}}"
+            f"found {columns}; map other names with data_columns, "
+            f"e.g. data_columns: {{messages: {columns[0] if columns else 'conversations'}}}"
         )
     return selected
 

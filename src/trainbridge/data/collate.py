@@ -11,8 +11,9 @@ passed -- ``data.loss.token_loss_sum`` calls the model that way.
 Eager and sdpa attention have no varlen kernel: they mask the packed samples apart with a
 block-diagonal mask over the whole row, so a row of ``T`` tokens costs ``T^2`` in attention.  The loop
 switches sdpa models to ``VARLEN_SDPA`` (``data.varlen_attention``: one causal sdpa per sample) where
-that is exact; for the rest (eager, and sdpa models it does not apply to) it passes ``row_tokens=PACKED_ROW_TOKENS`` (``packed_row_tokens``) and a larger micro-batch is
-spread over several balanced packed rows (``benchmarks/packed_rows.py`` measures the difference).
+that is exact; for the rest (eager, and sdpa models it does not apply to) it passes
+``row_tokens=PACKED_ROW_TOKENS`` (``packed_row_tokens``) and a larger micro-batch is spread over several
+balanced packed rows (``benchmarks/packed_rows.py`` measures the difference).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 ``TrainBatches`` turns the global epoch plan (``data.plan.plan_epoch``, built from the source's length
 columns) into this rank's micro-batch tensors, step by step, fetching each micro-batch's samples from
-the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches`` splits the validation set across ranks and packs
-it to the token budget, padding with dummy micro-batches so every rank runs the same number of
-forwards (sharded models all-gather parameters in forward).
+the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches`` splits the validation
+set across ranks and packs it to the token budget, padding with dummy micro-batches so every rank runs
+the same number of forwards (sharded models all-gather parameters in forward).
 """
 
 from __future__ import annotations

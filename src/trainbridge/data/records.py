@@ -261,7 +261,8 @@ class _Bad:
 
 
 def _chat_reason(message: str) -> str:
-    for needle, reason in (("no assistant message", "no assistant message"), ("roles out of order", "roles out of order"),
+    for needle, reason in (("no assistant message", "no assistant message"),
+                           ("roles out of order", "roles out of order"),
                            ("has role", "unknown role"), ("renders", "template re-renders earlier turns"),
                            ("chat template failed", "chat template failed"), ("no chat template", "no chat template")):
         if needle in message:

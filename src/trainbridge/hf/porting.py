@@ -188,7 +188,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
     checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
     if checkpointing:
         data["gradient_checkpointing"] = True
-        kwargs = getattr(hf, "activation_checkpointing_kwargs", None) or getattr(hf, "gradient_checkpointing_kwargs", None)
+        kwargs = (getattr(hf, "activation_checkpointing_kwargs", None)
+                  or getattr(hf, "gradient_checkpointing_kwargs", None))
         if kwargs:
             data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:

@@ -356,7 +356,8 @@ def run_training(
     Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
     place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
-    launch, nothing started; ``RunFolderLockedError`` when another live run uses ``ckpt_output_dir``), ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
+    launch, nothing started; ``RunFolderLockedError`` when another live run uses ``ckpt_output_dir``),
+    ``WorkerFailedError`` (a rank failed: rank, exit code, error, traceback),
     ``LaunchTimeoutError`` (``timeout_s`` exceeded) or ``TrainingInterruptedError`` (SIGINT/SIGTERM).
     A worker failure is retried ``max_restarts`` times (``RunResult.restarts`` counts them).
 
@@ -439,7 +440,8 @@ def _run_with_restarts(
                 attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
             first_line = str(failure).splitlines()[0]
             print(f"trainbridge: {first_line}\ntrainbridge: restart {restarts}/{launch.max_restarts}: a fresh "
-                  f"torchrun and rendezvous, resuming from {resume or attempt_args.resume_from_checkpoint or 'the start'}",
+                  f"torchrun and rendezvous, resuming from "
+                  f"{resume or attempt_args.resume_from_checkpoint or 'the start'}",
                   file=sys.stderr, flush=True)
 
 

@@ -131,7 +131,8 @@ def saved_vocab_size(adapter_dir: Path) -> int | None:
         return None
     with safe_open(str(file), framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            if key.endswith("embed_tokens.weight") or key.endswith("wte.weight") or key.endswith("word_embeddings.weight"):
+            if (key.endswith("embed_tokens.weight") or key.endswith("wte.weight")
+                    or key.endswith("word_embeddings.weight")):
                 return int(handle.get_slice(key).get_shape()[0])
     return None
 

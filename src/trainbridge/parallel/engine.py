@@ -522,7 +522,9 @@ class DeepSpeedEngine(TrainingEngine):
         from deepspeed import DeepSpeedEngine as DSEngine
 
         if not isinstance(self.module, DSEngine):
-            raise RuntimeError(f"rank {self.env.rank}: deepspeed configured but the model is {type(self.module).__name__}")
+            raise RuntimeError(
+                f"rank {self.env.rank}: deepspeed configured but the model is {type(self.module).__name__}"
+            )
         stage = self.module.zero_optimization_stage()
         if stage != self.zero_stage:
             raise RuntimeError(f"rank {self.env.rank}: DeepSpeed runs ZeRO stage {stage}, configured {self.zero_stage}")

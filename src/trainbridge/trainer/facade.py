@@ -352,7 +352,8 @@ class Trainer:
         assert result is not None and state is not None
         self._set_state(state)
         metrics = _train_metrics(state["log_history"], bool(getattr(self.args, "disable_tqdm", False)))
-        return TrainOutput(result.global_step, float(result.train_loss if result.train_loss is not None else 0.0), metrics)
+        train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
+        return TrainOutput(result.global_step, train_loss, metrics)
 
     def _train_in_place(self, resume: Any) -> JobOutcome:
         env = self._start_env()
@@ -558,7 +559,8 @@ class Trainer:
             target.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(target)
             tokenizer = self.processing_class or self._tokenizer()
-            if tokenizer is None and self._model_source is not None and (self._model_source / "tokenizer_config.json").is_file():
+            if (tokenizer is None and self._model_source is not None
+                    and (self._model_source / "tokenizer_config.json").is_file()):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
