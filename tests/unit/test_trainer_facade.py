@@ -388,3 +388,20 @@ def test_state_after_training_keeps_the_last_checkpoints_stateful_callbacks(tiny
         (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": control}))
     trainer._set_state({"global_step": 6, "log_history": []})
     assert trainer.state.stateful_callbacks["TrainerControl"]["args"]["should_training_stop"] is True
+
+
+@pytest.mark.parametrize(("counting", "expected"), [("no", 0), ("all", 64), ("non_padding", 48)])
+def test_recorded_num_input_tokens_seen_counts_only_as_trainer_does(counting: str, expected: int) -> None:
+    """run_clm.py's ``trainer_state.json``: Trainer leaves ``num_input_tokens_seen`` at 0 unless
+    ``include_num_input_tokens_seen`` asks for ``all`` positions or ``non_padding`` tokens."""
+    from types import SimpleNamespace
+
+    from trainbridge.trainer.runner import StateRecorder
+
+    args = SimpleNamespace(include_num_input_tokens_seen=counting, logging_steps=1, eval_steps=1, save_steps=1)
+    context = SimpleNamespace(args=args, epoch=1.0, global_step=2, max_steps=2, num_epochs=1, tokens_seen=48,
+                              input_tokens_seen=64, logs={}, best_metric=None, best_global_step=None,
+                              best_checkpoint=None)
+    recorder = StateRecorder()
+    recorder.on_train_end(context)  # type: ignore[arg-type]
+    assert recorder.state()["num_input_tokens_seen"] == expected

@@ -125,6 +125,15 @@ AGREED_CONTROL_FLAGS: dict[ControlFlag, str] = {
 }
 
 
+def trainer_tokens_seen(context: TrainingContext, untouched: int = 0) -> int:
+    """``TrainerState.num_input_tokens_seen`` as Trainer counts it under ``include_num_input_tokens_seen``:
+    ``untouched`` (``no``: Trainer leaves it, 0 or restored), every input position of every rank, padding
+    included (``all``), or real tokens (``non_padding``)."""
+    counting = context.args.include_num_input_tokens_seen
+    if counting == "no":
+        return untouched
+    return context.input_tokens_seen if counting == "all" else context.tokens_seen
+
 class HuggingFaceCallbackError(RuntimeError):
     """A ``transformers.TrainerCallback`` raised; the message names the callback and the hook."""
 
@@ -452,10 +461,7 @@ class HuggingFaceCallbackAdapter(Callback):
         """``TrainerState.num_input_tokens_seen`` under ``include_num_input_tokens_seen``, as Trainer counts:
         0 (``no``), every input position of every rank, padding included (``all``), or real tokens
         (``non_padding``)."""
-        counting = context.args.include_num_input_tokens_seen
-        if counting == "no":
-            return self._state().num_input_tokens_seen  # untouched, as Trainer leaves it (0; or restored)
-        return context.input_tokens_seen if counting == "all" else context.tokens_seen
+        return trainer_tokens_seen(context, untouched=self._state().num_input_tokens_seen)
 
     def _fold_agreed(self, context: TrainingContext) -> None:
         """OR the latest agreed decision into control, once per decision."""

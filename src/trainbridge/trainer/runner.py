@@ -28,6 +28,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
+from trainbridge.hf.adapter import trainer_tokens_seen
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV
 from trainbridge.launch.worker import exit_after_success, run_worker
@@ -64,7 +65,7 @@ class StateRecorder(Callback):
             "logging_steps": args.logging_steps,
             "eval_steps": args.eval_steps,
             "save_steps": args.save_steps,
-            "num_input_tokens_seen": context.tokens_seen,
+            "num_input_tokens_seen": trainer_tokens_seen(context),  # 0 unless include_num_input_tokens_seen
             "total_flos": float(context.logs.get("total_flos", 0.0)),
             "best_metric": context.best_metric,
             "best_global_step": context.best_global_step,
