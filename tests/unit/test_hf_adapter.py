@@ -277,7 +277,7 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     state = recorder.seen[-1][2]
     assert state.global_step == 2 and state.max_steps == 2 and state.num_train_epochs == 1
     assert state.logging_steps == 1 and state.eval_steps == 2
-    num_parameters = sum(p.numel() for p in ctx.unwrapped_model.parameters())
+    num_parameters = ctx.unwrapped_model.num_parameters(exclude_embeddings=True)  # as Trainer
     assert ctx.tokens_seen == 2 * 2 * 4  # 2 steps x 2 samples x 4 tokens
     assert state.num_input_tokens_seen == 0  # include_num_input_tokens_seen="no", Trainer's default
     assert state.total_flos == 6 * num_parameters * ctx.tokens_seen

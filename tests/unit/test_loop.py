@@ -83,7 +83,8 @@ def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
     assert components.engine.kind == "local" and components.engine.unwrapped.training
     assert components.steps_per_epoch == 6 and components.max_steps == 6 and components.num_epochs == 1
     assert components.eval_batches is not None and components.data_stats[0].lines == 48
-    assert components.num_parameters == sum(p.numel() for p in components.engine.unwrapped.parameters())
+    # the FLOPs estimate counts parameters as Trainer does: input embeddings left out
+    assert components.num_parameters == components.engine.unwrapped.num_parameters(exclude_embeddings=True)
     log = EventLog()
     loop = TrainingLoop(args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
     attributes = set(vars(loop))

@@ -405,3 +405,14 @@ def test_recorded_num_input_tokens_seen_counts_only_as_trainer_does(counting: st
     recorder = StateRecorder()
     recorder.on_train_end(context)  # type: ignore[arg-type]
     assert recorder.state()["num_input_tokens_seen"] == expected
+
+
+def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) -> None:
+    """run_clm.py: Trainer's ``total_flos`` is 6 x tokens x ``num_parameters(exclude_embeddings=True)``."""
+    from trainbridge.core.context import flops_parameters
+
+    model, _ = tiny
+    embeddings = model.get_input_embeddings().weight.numel()
+    assert flops_parameters(model) == model.num_parameters(exclude_embeddings=True)
+    assert flops_parameters(model) == sum(p.numel() for p in model.parameters()) - embeddings
+    assert flops_parameters(torch.nn.Linear(2, 3)) == 9

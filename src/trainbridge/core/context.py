@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
 
 
+def flops_parameters(model: Any) -> int:
+    """Parameters counted by the ``total_flos`` estimate: as ``transformers.Trainer.floating_point_ops``,
+    the input embeddings are left out (``num_parameters(exclude_embeddings=True)``) where the model has it."""
+    if callable(getattr(model, "num_parameters", None)):
+        return int(model.num_parameters(exclude_embeddings=True))
+    return sum(p.numel() for p in model.parameters())
+
+
 @dataclass
 class TrainingContext:
     """The state of the run, shared by the loop and every callback on one rank."""
