@@ -84,7 +84,9 @@ def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
     assert components.steps_per_epoch == 6 and components.max_steps == 6 and components.num_epochs == 1
     assert components.eval_batches is not None and components.data_stats[0].lines == 48
     # the FLOPs estimate counts parameters as Trainer does: input embeddings left out
-    assert components.num_parameters == components.engine.unwrapped.num_parameters(exclude_embeddings=True)
+    unwrapped = components.engine.unwrapped
+    assert components.num_parameters == unwrapped.num_parameters()
+    assert components.flops_parameters == unwrapped.num_parameters(exclude_embeddings=True)
     log = EventLog()
     loop = TrainingLoop(args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
     attributes = set(vars(loop))

@@ -66,6 +66,8 @@ class TrainingContext:
     """Loss-counted tokens (labels != -100), all ranks together."""
     num_parameters: int = 0
     """Parameters of the model being trained, counted before wrapping (always)."""
+    flops_parameters: int = 0
+    """Parameters the FLOPs estimate counts (input embeddings left out, as Trainer's ``floating_point_ops``)."""
     input_tokens_seen: int = 0
     """Input positions fed to the model (``input_ids`` elements, padding included), all ranks together
     (updated after the step's agreement, which sums it over ranks: at ``on_step_end`` it does not include
@@ -143,9 +145,9 @@ class TrainingContext:
     # ------------------------------------------------------------------ derived
     @property
     def total_flos(self) -> float:
-        """Estimated training floating-point operations so far: ``6 x num_parameters x tokens_seen``
+        """Estimated training floating-point operations so far: ``6 x flops_parameters x tokens_seen``
         (forward and backward, as ``transformers.Trainer``'s ``total_flos`` estimate)."""
-        return float(6 * self.num_parameters * self.tokens_seen)
+        return float(6 * self.flops_parameters * self.tokens_seen)
 
     # ------------------------------------------------------------------ values kept on the device
     # The loop keeps the loss and the gradient norm on the device until the step's one reduction

@@ -61,7 +61,9 @@ class RunComponents:
     max_steps: int
     """Optimizer steps the run takes unless stopped: ``max_steps`` or ``num_epochs`` epochs."""
     num_parameters: int
-    """Parameters of the unwrapped model (for the FLOPs estimate)."""
+    """Parameters of the unwrapped model, every one (the run plan shows it)."""
+    flops_parameters: int
+    """Parameters the FLOPs estimate counts: input embeddings left out, as Trainer (``flops_parameters``)."""
     padded: bool
     """True for padded batches, False for padding-free packed rows."""
     data_stats: list[LoadStats]
@@ -103,7 +105,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
         if data.val else None
     )
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
-    num_parameters = flops_parameters(model)
+    num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    flops_params = flops_parameters(model)
     engine = build_engine(model, args, env, total_steps=max_steps)
     engine.verify()
     logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
@@ -114,7 +117,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
             checksums=args.checkpoint_checksums,
         ),
-        max_steps=max_steps, num_parameters=num_parameters, padded=padded, data_stats=data.stats,
+        max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=padded,
+        data_stats=data.stats,
     )
 
 

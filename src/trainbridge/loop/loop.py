@@ -96,6 +96,7 @@ class TrainingLoop:
         ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
         ctx.tokenizer = self.tokenizer
         ctx.num_parameters = components.num_parameters
+        ctx.flops_parameters = components.flops_parameters
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run

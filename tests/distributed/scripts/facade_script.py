@@ -7,6 +7,7 @@ records which samples it saw.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,3 +96,9 @@ if trainer.is_world_process_zero():
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("SUMMARY", json.dumps(summary, default=str))
 trainer.end()  # transformers >= 5.18: finish trackers, leave the process group
+# Leave without C++ static teardown: torch's gloo threads can abort a finished process while the
+# interpreter finalises ("terminate called without an active exception"), under real Trainer as here;
+# trainbridge's own workers leave the same way (launch.worker.exit_after_success).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
