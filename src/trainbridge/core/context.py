@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
 
 
+def count_parameters(model: Any, trainable_only: bool = False) -> int:
+    """Parameters of ``model`` (``ds_numel`` under DeepSpeed ZeRO-3, where ``numel()`` is 0 on a shard)."""
+    return sum(
+        int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad or not trainable_only
+    )
+
+
 def flops_parameters(model: Any) -> int:
     """Parameters counted by the ``total_flos`` estimate: as ``transformers.Trainer.floating_point_ops``,
     the input embeddings are left out (``num_parameters(exclude_embeddings=True)``) where the model has it."""

@@ -20,7 +20,7 @@ import transformers
 
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
-from trainbridge.core.context import flops_parameters
+from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
@@ -105,7 +105,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
         if data.val else None
     )
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
-    num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    num_parameters = count_parameters(model)
     flops_params = flops_parameters(model)
     engine = build_engine(model, args, env, total_steps=max_steps)
     engine.verify()

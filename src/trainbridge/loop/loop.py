@@ -111,7 +111,7 @@ class TrainingLoop:
                 ctx.train_start_time = time.time()
                 fire(Event.TRAIN_BEGIN, ctx)
                 if self.args.eval_on_start:
-                    self._evaluate()
+                    self.evaluate()
                     self._agree()  # DECISION POINT: after the start-up evaluation
                 while ctx.epoch_index < ctx.num_epochs and not self._stop_training:
                     self._run_epoch()
@@ -222,7 +222,7 @@ class TrainingLoop:
             self.callbacks.fire(Event.LOG, self.context, logs=self._training_logs())
             ran = True
         if ControlFlag.EVALUATE in flags:
-            self._evaluate()
+            self.evaluate()
             after_eval, _ = self._agree()  # DECISION POINT: after on_evaluate (early stopping, best save)
             flags |= after_eval.flags
             ran = True
@@ -237,7 +237,7 @@ class TrainingLoop:
             self.context.stop_reason = f"stop_training requested by {self._stop_requesters}"
         return flags
 
-    def _evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         """Validation loss over every rank's share, reduced by token count; fires the eval events."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         if self.eval_batches is None:

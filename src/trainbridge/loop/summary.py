@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.checkpoint.manager import CHECKPOINT_PREFIX
+from trainbridge.core.context import count_parameters
 from trainbridge.loop.result import RunResult
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComp
     """What the run is about to do: model, data, steps, effective batch, parallelism, outputs."""
     model = components.engine.unwrapped
     params = list(model.parameters())
-    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in params if p.requires_grad)
+    trainable = count_parameters(model, trainable_only=True)
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "n/a"
     precision = ", bf16 autocast" if args.mixed_precision == "bf16" else ""
     rows = [("model", f"{type(model).__name__} from {args.model_path}: {_count(components.num_parameters)} "

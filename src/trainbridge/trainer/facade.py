@@ -470,7 +470,7 @@ class Trainer:
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         if eval_dataset is None and self._loop is not None and self._loop.eval_batches is not None:
-            metrics = dict(self._loop._evaluate())  # in place, the run's own set: callbacks see it
+            metrics = dict(self._loop.evaluate())  # in place, the run's own set: callbacks see it
         else:
             metrics, _ = self._evaluate_job(dataset, keep_predictions=False)
         self._log_evaluation(metrics)

@@ -119,7 +119,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
         loop = TrainingLoop(job.args, env, callbacks or [], build_run(job.args, env))
         if job.keep_predictions and loop.predictions is None:
             raise RuntimeError("predict: the evaluation job was built without a prediction collector")
-        metrics = loop._evaluate()
+        metrics = loop.evaluate()
         predictions = loop.predictions.last if loop.predictions is not None else None
         if env.is_world_process_zero:
             # the launcher expects a result from every job; an evaluation trained no step
