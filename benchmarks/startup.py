@@ -68,7 +68,7 @@ class PhaseClock(Callback):
 '''
 
 CLI_WRAPPER = '''
-import sys, time, json
+import atexit, sys, time, json
 t0 = time.time()
 import trainbridge.cli as cli
 import trainbridge.launch.launcher as launcher
@@ -78,10 +78,10 @@ def popen(*args, **kwargs):
     stamps["torchrun_start"] = time.time()
     return _popen(*args, **kwargs)
 launcher.subprocess.Popen = popen
-code = cli.main(sys.argv[2:])
-stamps["end"] = time.time()
-open(sys.argv[1], "w").write(json.dumps(stamps))
-sys.exit(code)
+stamps_file = sys.argv[1]
+atexit.register(lambda: open(stamps_file, "w").write(json.dumps(dict(stamps, end=time.time()))))
+sys.argv = ["trainbridge", *sys.argv[2:]]
+sys.exit(cli.main())  # as the console script runs it: main() reads sys.argv and ends the process
 '''
 
 TRAINER_JOB = '''

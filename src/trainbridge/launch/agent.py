@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 from trainbridge.launch import lifeline
+from trainbridge.launch.process_exit import exit_now
 
 FAILURES_FILE_ENV = "TRAINBRIDGE_FAILURES_FILE"
 """Where the agent writes the failures of the worker group (JSON list), for the launcher."""
@@ -60,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # torchrun has stopped its workers and closed its store: nothing is left to tear down

@@ -42,7 +42,6 @@ from typing import Any
 
 import psutil
 
-from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
@@ -52,6 +51,7 @@ from trainbridge.launch.agent import FAILURES_FILE_ENV
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
+from trainbridge.launch.data_check import check_data
 from trainbridge.launch.errors import (
     LaunchError,
     LaunchTimeoutError,
@@ -95,7 +95,8 @@ def preflight(args: TrainingArgs) -> None:
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
     checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
-    (``_check_data``: bad rows named by file and line, before any worker starts).
+    (``launch.data_check``: bad rows named by file and line, before any worker starts; skipped when the
+    same inputs passed before).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -129,24 +130,7 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
-    _check_data(args)
-
-
-def _check_data(args: TrainingArgs) -> None:
-    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
-    launch, named by file and line, and the workers find the tokenised cache built."""
-    from trainbridge.data.sources import load_run_data  # imported here: the data layer pulls in torch
-    from trainbridge.modeling.load import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(args)
-    except Exception as exc:
-        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
-                             f"{type(exc).__name__}: {exc}") from exc
-    try:
-        load_run_data(args, tokenizer)
-    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
-        raise PreflightError(f"data: {exc}") from exc
+    check_data(args)
 
 
 # ----------------------------------------------------------------------------- command and environment
@@ -435,6 +419,8 @@ def _run_with_restarts(
             if restarts >= launch.max_restarts:
                 raise
             restarts += 1
+            from trainbridge.checkpoint.manager import CheckpointManager  # here: it imports the model layer
+
             resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None).latest_verified()
             if resume is not None:
                 attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
