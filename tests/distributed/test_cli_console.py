@@ -155,3 +155,11 @@ def test_a_worker_error_is_reported_with_its_root_cause_and_single_rank_prefixes
     assert "[rank1]: [rank1]" not in text
     final = [line for line in proc.stderr.splitlines() if line.startswith("trainbridge: training failed")]
     assert len(final) == 1 and "rank 1" in final[0] and "ValueError: boom-on-rank-1" in final[0], text
+    # torchrun's own report (its log lines, the ChildFailedError "Root Cause" summary) is in the run's launch
+    # log, which the error names, not on the console
+    for torchrun_text in ("multiprocessing/api.py", "failed (exitcode", "Root Cause", "worker group failed"):
+        assert torchrun_text not in text, torchrun_text
+    log = folder / "out" / "logs" / "launch.log"
+    assert f"Full log (torchrun's own report, every rank's error): {log}" in proc.stderr, text
+    logged = log.read_text()
+    assert "Root Cause (first observed failure)" in logged and "boom-on-rank-1" in logged
