@@ -144,8 +144,9 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
         num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
         with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
             result = dataset.map(
-                encoder, batched=True, batch_size=MAP_BATCH_SIZE, with_indices=True, remove_columns=dataset.column_names,
-                features=output_features(), num_proc=num_proc if num_proc > 1 else None,
+                encoder, batched=True, batch_size=MAP_BATCH_SIZE, with_indices=True,
+                remove_columns=dataset.column_names, features=output_features(),
+                num_proc=num_proc if num_proc > 1 else None,
                 cache_file_name=str(scratch / "data.arrow"), load_from_cache_file=False,
                 new_fingerprint=target.name, desc=f"tokenizing {path.name}",
             )
