@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir = options.workdir.resolve()
     paths = _prepare(workdir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load_before = os.getloadavg()
     runs: dict[str, list[dict[str, float]]] = {"trainbridge train": [], "torchrun + Trainer": []}
     imports: dict[str, list[float]] = {"trainbridge worker imports": [], "Trainer script imports": [],
                                        "trainbridge train --help": []}
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                          "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
                          "    c.main(['train', '--help'])"))
     print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
-          f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"- python {platform.python_version()}; {options.repeats} interleaved repetitions; median (min..max) s\n")
     phases = list(runs["trainbridge train"][0])
     print(f"| phase | {' | '.join(runs)} |\n|---|{'---|' * len(runs)}")

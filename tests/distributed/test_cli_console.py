@@ -108,9 +108,11 @@ def test_dry_run_plan_matches_the_config_and_trains_nothing(project):
             f"max_seq_len={MAX_SEQ_LEN}, 2 without loss tokens") in plan
     assert f"{total:,} in {len(LENGTHS)} samples; length mean {total / len(LENGTHS):.1f}, max {max(LENGTHS)}" in plan
     assert f"{steps} per epoch, {2 * steps} in total over 2 epochs" in plan
-    assert re.search(r"effective batch: +8 samples, ~", plan)
+    assert re.search(rf"effective batch: +8 samples, ~{total / steps:,.0f} tokens per step \(all ranks\)", plan)
     assert re.search(r"parallelism: +ddp, world size 2 \(gloo, cpu\)", plan)
     assert re.search(rf"metrics: +{re.escape(str(folder / 'out' / 'metrics.jsonl'))}", plan)
+    checkpoints = re.escape(str(folder / "out" / "checkpoint-"))
+    assert re.search(rf"checkpoints: +{checkpoints}<step> \(save_strategy=no\)", plan)
     assert out.count("trainbridge: run plan") == 1
     assert "resolved configuration" in out and "max_seq_len: 32" in out and "nothing was trained" in out
     assert not (folder / "out" / "metrics.jsonl").exists() and not list((folder / "out").glob("checkpoint-*"))
