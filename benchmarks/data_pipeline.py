@@ -14,7 +14,7 @@ each in fresh processes:
   (memory-mapped), planning epoch 0 and collating its first step's micro-batches, as a worker's set-up
   does; wall time from spawn to ready, the data part alone (open + plan + first step), and per-rank
   RSS / USS / PSS / anonymous memory (see ``memory``), in total and for the data alone (after set-up
-  minus after the imports of torch, transformers and trainbridge.data and the tokenizer);
+  minus after the imports of torch, transformers, pyarrow and trainbridge.data and the tokenizer);
 * **today's loader** (before the cache): every rank parses a pre-tokenised JSONL of the same samples
   into Python ``Sample`` tuples (``--baseline-samples``, default all);
 * **datasets + TRL's preparation**: ``load_dataset("json")`` then ``map`` of
@@ -138,7 +138,8 @@ def child_tokenize(work: Path, num_proc: int) -> dict[str, Any]:
 def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
     """A worker's data set-up, timed by phase; memory of the data alone = after set-up minus after imports."""
     started = time.perf_counter()
-    import torch  # noqa: F401  (a worker has torch and transformers imported before it touches data)
+    import pyarrow.ipc  # noqa: F401  (libraries, a fixed cost: imported before the "data alone" baseline;
+    import torch  # noqa: F401  a worker has torch and transformers imported before it touches data)
     from transformers import AutoTokenizer
 
     from trainbridge.data import collate_padding_free, open_dataset
@@ -357,9 +358,11 @@ def _write_pretokenized(cache: Path, path: Path, count: int) -> None:
             table = pa.ipc.open_stream(pa.memory_map(str(cache / name))).read_all()
             for batch in table.select(["input_ids", "labels", "status"]).to_batches(10_000):
                 for ids, labels, status in zip(*(batch.column(i).to_pylist() for i in range(3))):
-                    if status == 0 and written < count:
+                    if status == 0:
                         handle.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
                         written += 1
+                        if written == count:
+                            return
 
 
 if __name__ == "__main__":
