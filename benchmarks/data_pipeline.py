@@ -17,7 +17,8 @@ each in fresh processes:
   minus after the imports of torch, transformers, pyarrow and trainbridge.data and the tokenizer);
 * **today's loader** (before the cache): every rank parses a pre-tokenised JSONL of the same samples
   into Python ``Sample`` tuples (``--baseline-samples``, default all);
-* **datasets + TRL's preparation**: ``load_dataset("json")`` then ``map`` of
+* **datasets + TRL's preparation** (of the first ``--trl-samples`` conversations, in their own file):
+  ``load_dataset("json")`` then ``map`` of
   ``apply_chat_template(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)`` -- what
   trl's ``SFTTrainer`` does with ``assistant_only_loss`` (a marked copy of the template) -- with the same
   processes (``--trl-samples``, default all; 0 skips).
@@ -224,10 +225,10 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
     datasets.disable_progress_bars()
     start = time.perf_counter()
     dataset = datasets.load_dataset(
-        "json", data_files=str(work / "chat.jsonl"), split="train", cache_dir=str(work / "hf-cache")
+        "json", data_files=str(work / "trl.jsonl"), split="train", cache_dir=str(work / "hf-cache")
     )
-    if count < len(dataset):
-        dataset = dataset.select(range(count))
+    assert len(dataset) == count
+    loaded = time.perf_counter()
 
     def tokenize(example: dict[str, Any]) -> dict[str, Any]:
         out = tokenizer.apply_chat_template(
@@ -236,7 +237,9 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
-    return {"seconds": time.perf_counter() - start, "samples": len(dataset), "rss_mb": memory()["rss"]}
+    done = time.perf_counter()
+    return {"seconds": done - start, "load_s": loaded - start, "map_s": done - loaded, "samples": len(dataset),
+            "rss_mb": memory()["rss"]}
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -337,11 +340,15 @@ def main() -> None:
 
     trl = options.trl_samples if options.trl_samples is not None else options.samples
     if trl:
+        with (work / "chat.jsonl").open() as source, (work / "trl.jsonl").open("w") as head:
+            head.writelines(line for _, line in zip(range(trl), source))
         result = result_of(
             run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
         )
         report["trl_samples"] = trl
         report["trl_prepare_s"] = round(result["seconds"], 1)
+        report["trl_load_s"] = round(result["load_s"], 1)
+        report["trl_map_s"] = round(result["map_s"], 1)
         print(json.dumps({"trl": result}), flush=True)
     report["loadavg_end"] = loadavg()
     print("SUMMARY " + json.dumps(report), flush=True)
