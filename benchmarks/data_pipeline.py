@@ -23,6 +23,10 @@ each in fresh processes:
   trl's ``SFTTrainer`` does with ``assistant_only_loss`` (a marked copy of the template) -- with the same
   processes (``--trl-samples``, default all; 0 skips).
 
+* **CPU per conversation** (``--cpu-samples``, one process, no ``datasets``, ``time.process_time``, so
+  less disturbed by other load): trainbridge's map function on raw JSON lines with the prefix-rendering
+  template and with a ``{% generation %}``-marked copy, and TRL's per-row ``apply_chat_template``.
+
 Prints one JSON object per measurement and a summary.  Run under the shared lock on a shared machine.
 """
 
@@ -208,20 +212,53 @@ def child_today(work: Path) -> dict[str, Any]:
     }
 
 
-def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
-    import datasets
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
-    template = str(tokenizer.chat_template)
+def marked_template(template: str) -> str:
+    """The tiny tokenizer's template with ``{% generation %}`` around assistant text (what TRL needs)."""
     marked = template.replace(
         "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
         "{% if message['role'] == 'assistant' %}{% generation %}"
         "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
         "{{ message['content'] }}{% endif %}",
     )
-    assert "generation" in marked, "the tiny template changed; update the marked copy"
-    tokenizer.chat_template = marked
+    assert marked != template, "the tiny template changed; update the marked copy"
+    return marked
+
+
+def child_cpu(work: Path, count: int) -> dict[str, Any]:
+    """CPU time per conversation in one process, no ``datasets``: trainbridge's map function (JSON line ->
+    masked ids, the prefix-rendering template and a marked one) against TRL's per-row preparation."""
+    from transformers import AutoTokenizer
+
+    from trainbridge.data.cache import MAP_BATCH_SIZE
+    from trainbridge.data.records import DataOptions, RowEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    template = str(tokenizer.chat_template)
+    with (work / "chat.jsonl").open() as handle:
+        lines = [line for _, line in zip(range(count), handle)]
+    out: dict[str, Any] = {"samples": len(lines)}
+    for name, chosen in (("trainbridge_prefixes", template), ("trainbridge_marked", marked_template(template))):
+        encoder = RowEncoder("chat.jsonl", True, tokenizer, DataOptions(max_seq_len=1024), chosen)
+        start = time.process_time()
+        for first in range(0, len(lines), MAP_BATCH_SIZE):
+            batch = lines[first : first + MAP_BATCH_SIZE]
+            encoder({"text": batch}, list(range(first, first + len(batch))))
+        out[f"{name}_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    tokenizer.chat_template = marked_template(template)
+    start = time.process_time()
+    for line in lines:
+        tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    out["trl_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    return out
+
+
+def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    tokenizer.chat_template = marked_template(str(tokenizer.chat_template))
     datasets.disable_progress_bars()
     start = time.perf_counter()
     dataset = datasets.load_dataset(
@@ -261,6 +298,8 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--baseline-samples", type=int)
     parser.add_argument("--trl-samples", type=int)
+    parser.add_argument("--cpu-samples", type=int, default=20_000,
+                        help="conversations for the one-process CPU-time comparison (0 skips)")
     parser.add_argument("--repeats", type=int, default=3, help="cached start-ups per rank count")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trainbridge-data-bench"))
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -274,6 +313,8 @@ def main() -> None:
             result = child_startup(work, int(rest[0]), int(rest[1]))
         elif kind == "today":
             result = child_today(work)
+        elif kind == "cpu":
+            result = child_cpu(work, int(rest[0]))
         else:
             result = child_trl(work, int(rest[0]), int(rest[1]))
         print(json.dumps(result), flush=True)
@@ -350,6 +391,12 @@ def main() -> None:
         report["trl_load_s"] = round(result["load_s"], 1)
         report["trl_map_s"] = round(result["map_s"], 1)
         print(json.dumps({"trl": result}), flush=True)
+    if options.cpu_samples:
+        result = result_of(run_child(["--work", str(work), "--child", "cpu", str(options.cpu_samples)], env))
+        report.update({key: round(value) if key.endswith("_us") else value for key, value in result.items()
+                       if key != "samples"})
+        report["cpu_samples"] = result["samples"]
+        print(json.dumps({"cpu": result}), flush=True)
     report["loadavg_end"] = loadavg()
     print("SUMMARY " + json.dumps(report), flush=True)
 
