@@ -14,13 +14,18 @@ each in fresh processes:
   (memory-mapped), planning epoch 0 and collating its first step's micro-batches, as a worker's set-up
   does; wall time from spawn to ready, the data part alone (open + plan + first step), and per-rank
   RSS / USS / PSS / anonymous memory (see ``memory``), in total and for the data alone (after set-up
-  minus after the imports of torch, transformers and trainbridge.data and the tokenizer);
+  minus after the imports of torch, transformers, pyarrow and trainbridge.data and the tokenizer);
 * **today's loader** (before the cache): every rank parses a pre-tokenised JSONL of the same samples
   into Python ``Sample`` tuples (``--baseline-samples``, default all);
-* **datasets + TRL's preparation**: ``load_dataset("json")`` then ``map`` of
+* **datasets + TRL's preparation** (of the first ``--trl-samples`` conversations, in their own file):
+  ``load_dataset("json")`` then ``map`` of
   ``apply_chat_template(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)`` -- what
   trl's ``SFTTrainer`` does with ``assistant_only_loss`` (a marked copy of the template) -- with the same
   processes (``--trl-samples``, default all; 0 skips).
+
+* **CPU per conversation** (``--cpu-samples``, one process, no ``datasets``, ``time.process_time``, so
+  less disturbed by other load): trainbridge's map function on raw JSON lines with the prefix-rendering
+  template and with a ``{% generation %}``-marked copy, and TRL's per-row ``apply_chat_template``.
 
 Prints one JSON object per measurement and a summary.  Run under the shared lock on a shared machine.
 """
@@ -138,7 +143,8 @@ def child_tokenize(work: Path, num_proc: int) -> dict[str, Any]:
 def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
     """A worker's data set-up, timed by phase; memory of the data alone = after set-up minus after imports."""
     started = time.perf_counter()
-    import torch  # noqa: F401  (a worker has torch and transformers imported before it touches data)
+    import pyarrow.ipc  # noqa: F401  (libraries, a fixed cost: imported before the "data alone" baseline;
+    import torch  # noqa: F401  a worker has torch and transformers imported before it touches data)
     from transformers import AutoTokenizer
 
     from trainbridge.data import collate_padding_free, open_dataset
@@ -206,27 +212,60 @@ def child_today(work: Path) -> dict[str, Any]:
     }
 
 
-def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
-    import datasets
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
-    template = str(tokenizer.chat_template)
+def marked_template(template: str) -> str:
+    """The tiny tokenizer's template with ``{% generation %}`` around assistant text (what TRL needs)."""
     marked = template.replace(
         "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
         "{% if message['role'] == 'assistant' %}{% generation %}"
         "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
         "{{ message['content'] }}{% endif %}",
     )
-    assert "generation" in marked, "the tiny template changed; update the marked copy"
-    tokenizer.chat_template = marked
+    assert marked != template, "the tiny template changed; update the marked copy"
+    return marked
+
+
+def child_cpu(work: Path, count: int) -> dict[str, Any]:
+    """CPU time per conversation in one process, no ``datasets``: trainbridge's map function (JSON line ->
+    masked ids, the prefix-rendering template and a marked one) against TRL's per-row preparation."""
+    from transformers import AutoTokenizer
+
+    from trainbridge.data.cache import MAP_BATCH_SIZE
+    from trainbridge.data.records import DataOptions, RowEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    template = str(tokenizer.chat_template)
+    with (work / "chat.jsonl").open() as handle:
+        lines = [line for _, line in zip(range(count), handle)]
+    out: dict[str, Any] = {"samples": len(lines)}
+    for name, chosen in (("trainbridge_prefixes", template), ("trainbridge_marked", marked_template(template))):
+        encoder = RowEncoder("chat.jsonl", True, tokenizer, DataOptions(max_seq_len=1024), chosen)
+        start = time.process_time()
+        for first in range(0, len(lines), MAP_BATCH_SIZE):
+            batch = lines[first : first + MAP_BATCH_SIZE]
+            encoder({"text": batch}, list(range(first, first + len(batch))))
+        out[f"{name}_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    tokenizer.chat_template = marked_template(template)
+    start = time.process_time()
+    for line in lines:
+        tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    out["trl_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    return out
+
+
+def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    tokenizer.chat_template = marked_template(str(tokenizer.chat_template))
     datasets.disable_progress_bars()
     start = time.perf_counter()
     dataset = datasets.load_dataset(
-        "json", data_files=str(work / "chat.jsonl"), split="train", cache_dir=str(work / "hf-cache")
+        "json", data_files=str(work / "trl.jsonl"), split="train", cache_dir=str(work / "hf-cache")
     )
-    if count < len(dataset):
-        dataset = dataset.select(range(count))
+    assert len(dataset) == count
+    loaded = time.perf_counter()
 
     def tokenize(example: dict[str, Any]) -> dict[str, Any]:
         out = tokenizer.apply_chat_template(
@@ -235,7 +274,9 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
-    return {"seconds": time.perf_counter() - start, "samples": len(dataset), "rss_mb": memory()["rss"]}
+    done = time.perf_counter()
+    return {"seconds": done - start, "load_s": loaded - start, "map_s": done - loaded, "samples": len(dataset),
+            "rss_mb": memory()["rss"]}
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -257,6 +298,8 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--baseline-samples", type=int)
     parser.add_argument("--trl-samples", type=int)
+    parser.add_argument("--cpu-samples", type=int, default=20_000,
+                        help="conversations for the one-process CPU-time comparison (0 skips)")
     parser.add_argument("--repeats", type=int, default=3, help="cached start-ups per rank count")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trainbridge-data-bench"))
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -270,6 +313,8 @@ def main() -> None:
             result = child_startup(work, int(rest[0]), int(rest[1]))
         elif kind == "today":
             result = child_today(work)
+        elif kind == "cpu":
+            result = child_cpu(work, int(rest[0]))
         else:
             result = child_trl(work, int(rest[0]), int(rest[1]))
         print(json.dumps(result), flush=True)
@@ -336,12 +381,22 @@ def main() -> None:
 
     trl = options.trl_samples if options.trl_samples is not None else options.samples
     if trl:
+        with (work / "chat.jsonl").open() as source, (work / "trl.jsonl").open("w") as head:
+            head.writelines(line for _, line in zip(range(trl), source))
         result = result_of(
             run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
         )
         report["trl_samples"] = trl
         report["trl_prepare_s"] = round(result["seconds"], 1)
+        report["trl_load_s"] = round(result["load_s"], 1)
+        report["trl_map_s"] = round(result["map_s"], 1)
         print(json.dumps({"trl": result}), flush=True)
+    if options.cpu_samples:
+        result = result_of(run_child(["--work", str(work), "--child", "cpu", str(options.cpu_samples)], env))
+        report.update({key: round(value) if key.endswith("_us") else value for key, value in result.items()
+                       if key != "samples"})
+        report["cpu_samples"] = result["samples"]
+        print(json.dumps({"cpu": result}), flush=True)
     report["loadavg_end"] = loadavg()
     print("SUMMARY " + json.dumps(report), flush=True)
 
@@ -357,9 +412,11 @@ def _write_pretokenized(cache: Path, path: Path, count: int) -> None:
             table = pa.ipc.open_stream(pa.memory_map(str(cache / name))).read_all()
             for batch in table.select(["input_ids", "labels", "status"]).to_batches(10_000):
                 for ids, labels, status in zip(*(batch.column(i).to_pylist() for i in range(3))):
-                    if status == 0 and written < count:
+                    if status == 0:
                         handle.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
                         written += 1
+                        if written == count:
+                            return
 
 
 if __name__ == "__main__":

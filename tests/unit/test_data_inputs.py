@@ -216,6 +216,9 @@ def test_cache_key_covers_the_tokenizer_and_template(tmp_path: Path, tokenizer: 
     assert base != cache_module.cache_key(path, None, None, options())
     assert base != cache_module.cache_key(path, tokenizer, "{{ messages }}", options())
     assert base != cache_module.cache_key(path, tokenizer, None, options(overlong_policy="truncate"))
+    for changed in ({"max_seq_len": 9}, {"columns": (("messages", "conversations"),)}, {"chat_train_on": "last"},
+                    {"system_prompt": "Be brief."}, {"chat_template": "{{ messages }}"}):
+        assert base != cache_module.cache_key(path, tokenizer, None, options(**changed)), changed
 
 
 def test_arrow_source_feeds_the_same_batches_as_in_memory_samples(tmp_path: Path) -> None:

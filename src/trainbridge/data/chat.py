@@ -339,7 +339,8 @@ class ChatEncoder:
                assistant_from: int = 0) -> tuple[list[int], list[int]]:
         """``input_ids`` and ``labels`` (``-100`` outside the assistant spans) of one conversation."""
         text, spans = self.spans(messages, tools, assistant_from)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                     return_attention_mask=False, return_token_type_ids=False)
         return _labelled(list(encoded["input_ids"]), encoded["offset_mapping"], spans)
 
     def encode_batch(self, items: list[ChatItem]) -> list[tuple[list[int], list[int]] | ChatTemplateError]:
@@ -355,7 +356,8 @@ class ChatEncoder:
                 out.append(([], []))
                 texts.append(result[0])
         if texts:
-            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                                     return_attention_mask=False, return_token_type_ids=False)
             for k, ids, offsets in zip(good, encoded["input_ids"], encoded["offset_mapping"]):
                 result = spans[k]
                 assert not isinstance(result, ChatTemplateError)
