@@ -313,7 +313,9 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model trained
     assert trainer.state.global_step == 3 and any("eval_rows" in e for e in trainer.state.log_history)
     recorder.events.clear()
+    logged = len(trainer.state.log_history)
     assert trainer.evaluate()["eval_rows"] == 5  # in place on the run's own set: the loop fires the events
+    assert len(trainer.state.log_history) == logged + 1  # one log entry, as Trainer.evaluate()
     assert [name for name, *_ in recorder.events] == ["on_log", "on_evaluate"]
     assert isinstance(recorder.events[-1][3], TrainingArguments) and recorder.events[-1][1]["epoch"] > 0
     prediction = trainer.predict(val)

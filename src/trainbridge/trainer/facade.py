@@ -456,8 +456,8 @@ class Trainer:
 
         state = TrainerState()
         for key, value in recorded.items():
-            if hasattr(state, key):
-                setattr(state, key, value)
+            if hasattr(state, key):  # lists copied: in place, the run's recorder keeps its own log_history
+                setattr(state, key, list(value) if isinstance(value, list) else value)
         if not state.stateful_callbacks:  # Trainer's state keeps what its last checkpoint saved
             state.stateful_callbacks = _last_stateful_callbacks(self.output_dir)  # type: ignore[assignment]
         state.train_batch_size = getattr(self.args, "per_device_train_batch_size", None)

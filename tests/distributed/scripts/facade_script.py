@@ -1,9 +1,10 @@
 """A transformers.Trainer script with its import changed to trainbridge's facade (used by the facade tests).
 
-Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real]`` or ``python facade_script.py OUT [real]``;
-``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data built
-in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
-records which samples it saw.
+Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real] [dict]`` or ``python facade_script.py OUT
+[real] [dict]``; ``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data
+built in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
+records which samples it saw.  ``dict``: ``eval_dataset={"a": 37 rows, "b": 11 rows}`` with
+``metric_for_best_model="a_accuracy"`` (Trainer evaluates each set in turn, ``eval_<name>_`` metrics).
 """
 
 import json
@@ -21,13 +22,14 @@ from transformers import (
     TrainingArguments,
 )
 
-if len(sys.argv) > 2 and sys.argv[2] == "real":
+if "real" in sys.argv[2:]:
     from transformers import Trainer
 else:
     from trainbridge import Trainer
 
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
 
+EVAL_DICT = "dict" in sys.argv[2:]
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
 if not (model_dir / "config.json").exists():
@@ -65,11 +67,13 @@ args = TrainingArguments(
     output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
     learning_rate=3e-3, lr_scheduler_type="constant", num_train_epochs=2, logging_steps=2,
     eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
-    per_device_eval_batch_size=5, metric_for_best_model="accuracy", load_best_model_at_end=True,
+    per_device_eval_batch_size=5, metric_for_best_model="a_accuracy" if EVAL_DICT else "accuracy",
+    load_best_model_at_end=True,
     report_to="none", use_cpu=True, seed=3, disable_tqdm=True,
 )
 trainer = Trainer(
-    model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
+    model=model, args=args, train_dataset=train, eval_dataset={"a": val, "b": rows(11, 4)} if EVAL_DICT else val,
+    processing_class=tokenizer,
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
@@ -84,6 +88,8 @@ if trainer.is_world_process_zero():
         "global_step": result.global_step, "train_metrics": sorted(result.metrics),
         "eval_metrics": metrics, "best": trainer.state.best_model_checkpoint,
         "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+        "eval_log_steps": [[e["step"], sorted(k for k in e if k.startswith("eval_"))]
+                           for e in trainer.state.log_history if any(k.startswith("eval_") for k in e)],
         "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
         "final_files": sorted(f.name for f in (out / "final").iterdir()),
