@@ -262,15 +262,45 @@ def test_trl_config_max_length_becomes_max_seq_len(tmp_path: Path) -> None:
     assert _ported(tmp_path, hf, max_batch_len=128).max_seq_len == 64
 
 
-def test_instructlab_field_names_get_our_names(tmp_path: Path) -> None:
+def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
+    """instructlab-training's README TrainingArgs(...) validates with its names: exact equivalents are translated
+    (one warning each), data_output_dir is dropped; names needing a decision fail naming ours."""
     import pydantic
+
+    from trainbridge.core.instructlab_names import InstructlabNameWarning
 
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    with pytest.raises(pydantic.ValidationError, match=r"random_seed: use seed=.*is_padding_free: use packing="):
-        TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", random_seed=1,
-                     is_padding_free=True)
+    base = dict(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
+    with pytest.warns(InstructlabNameWarning, match="random_seed is instructlab-training's name: use seed="):
+        args = TrainingArgs(**base, random_seed=1, is_padding_free=True, num_warmup_steps=5,
+                            data_output_dir=str(tmp_path / "x"), keep_last_checkpoint_only=True)
+    assert (args.seed, args.packing, args.warmup_steps, args.save_total_limit) == (1, "padding_free", 5, 1)
+    with pytest.raises(pydantic.ValidationError, match=r"lora: use peft_config=.*mock_data: use nothing"):
+        TrainingArgs(**base, lora={"rank": 4}, mock_data=True)
+    with pytest.raises(pydantic.ValidationError, match=r"random_seed .* and seed .* are both given; keep only seed"):
+        TrainingArgs(**base, random_seed=1, seed=2)
+
+
+def test_run_training_takes_instructlabs_torch_args_keyword(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+
+    def stop(args: TrainingArgs) -> None:
+        seen.append(args)
+        raise launcher.PreflightError("stop here")
+
+    monkeypatch.setattr(launcher, "preflight", stop)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = TrainingArgs(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
+    with pytest.raises(launcher.PreflightError):
+        launcher.run_training(torch_args=TorchrunArgs(nproc_per_node=2), train_args=args)
+    assert seen == [args]
+    with pytest.raises(TypeError, match="not both"):
+        launcher.run_training(args, TorchrunArgs(), torch_args=TorchrunArgs())
 
 
 # ---------------------------------------------------------------------------- in place, one rank

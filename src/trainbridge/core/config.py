@@ -26,7 +26,7 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
-from trainbridge.core.instructlab_names import check_instructlab_names
+from trainbridge.core.instructlab_names import translate_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
 
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
@@ -456,8 +456,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        check_instructlab_names(data)  # instructlab's names get a message naming ours
-        data = dict(data)
+        data = translate_instructlab_names(data)  # instructlab's names: translated, or an error naming ours
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
             functions.setdefault(event_from_name(str(getattr(key, "value", key))), []).extend(
@@ -790,7 +789,7 @@ class TorchrunArgs(BaseModel):
     node_rank: int = Field(default=0, ge=0)
     """This node's rank (static rendezvous)."""
     rdzv_id: str | None = None
-    """Rendezvous job id (c10d rendezvous)."""
+    """Rendezvous job id (c10d rendezvous); an integer (instructlab's ``rdzv_id=123``) is taken as its text."""
     rdzv_endpoint: str | None = None
     """``host:port`` of the rendezvous (c10d); when set, master_addr/master_port are not used."""
     rdzv_backend: str = "c10d"
@@ -803,6 +802,11 @@ class TorchrunArgs(BaseModel):
     """Restarts of the whole job after a worker fails, before the run fails.  The launcher restarts it
     itself (a fresh torchrun, rendezvous and port: torchrun's in-place restart is unreliable with gloo),
     resuming from the newest complete checkpoint in ``ckpt_output_dir``; ``RunResult.restarts`` counts them."""
+
+    @field_validator("rdzv_id", mode="before")
+    @classmethod
+    def _rdzv_id_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("nnodes")
     @classmethod
