@@ -70,7 +70,9 @@ def translate_instructlab_names(data: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name} (instructlab's name) and {', '.join(clash)} (trainbridge's) are both given; "
                              f"keep only {', '.join(clash)}")
         out.update(fields)
-        warnings.warn(f"{name} is instructlab-training's name: use {INSTRUCTLAB_FIELDS[name]}",
-                      InstructlabNameWarning, stacklevel=2)
+        hint = INSTRUCTLAB_FIELDS[name]
+        message = (f"{name} is instructlab-training's name: use {hint}" if fields else
+                   f"{name} (instructlab-training) is ignored here: {hint.removeprefix('nothing: ')}")
+        warnings.warn(message, InstructlabNameWarning, stacklevel=2)
     return out
 
