@@ -9,16 +9,23 @@ each in fresh processes:
 
 * **first run**: ``open_dataset`` on an empty cache -- read with ``datasets``, rendered with the chat
   template, assistant masks by growing prefixes, ``--num-proc`` processes, written as Arrow;
-* **cached start-up** with R ranks (each ``--ranks`` value): R processes started together, each loading
-  the tokenizer, opening the cached data (memory-mapped), planning epoch 0 and collating its first
-  step's micro-batches, as a worker's set-up does; wall time from spawn to ready, and per-rank RSS /
-  USS (unique set: memory not shared with other processes -- mapped cache pages are shared);
+* **cached start-up** with R ranks (each ``--ranks`` value, ``--repeats`` times): R processes started
+  together, each importing torch/transformers and loading the tokenizer, opening the cached data
+  (memory-mapped), planning epoch 0 and collating its first step's micro-batches, as a worker's set-up
+  does; wall time from spawn to ready, the data part alone (open + plan + first step), and per-rank
+  RSS / USS / PSS / anonymous memory (see ``memory``), in total and for the data alone (after set-up
+  minus after the imports of torch, transformers, pyarrow and trainbridge.data and the tokenizer);
 * **today's loader** (before the cache): every rank parses a pre-tokenised JSONL of the same samples
   into Python ``Sample`` tuples (``--baseline-samples``, default all);
-* **datasets + TRL's preparation**: ``load_dataset("json")`` then ``map`` of
+* **datasets + TRL's preparation** (of the first ``--trl-samples`` conversations, in their own file):
+  ``load_dataset("json")`` then ``map`` of
   ``apply_chat_template(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)`` -- what
   trl's ``SFTTrainer`` does with ``assistant_only_loss`` (a marked copy of the template) -- with the same
   processes (``--trl-samples``, default all; 0 skips).
+
+* **CPU per conversation** (``--cpu-samples``, one process, no ``datasets``, ``time.process_time``, so
+  less disturbed by other load): trainbridge's map function on raw JSON lines with the prefix-rendering
+  template and with a ``{% generation %}``-marked copy, and TRL's per-row ``apply_chat_template``.
 
 Prints one JSON object per measurement and a summary.  Run under the shared lock on a shared machine.
 """
@@ -93,11 +100,23 @@ def generate(path: Path, count: int, seed: int = 0) -> None:
             handle.write(json.dumps({"messages": messages}) + "\n")
 
 
-def rss_uss() -> tuple[float, float]:
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: timings need them beside)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def memory() -> dict[str, float]:
+    """This process's memory in MB: ``rss``; ``uss`` (pages no other process maps -- a mapped cache page
+    counts here while one rank alone has touched it); ``pss`` (shared pages divided among the processes
+    mapping them); ``anon`` (anonymous memory: what the process allocated itself, never shared)."""
     import psutil
 
     info = psutil.Process().memory_full_info()
-    return info.rss / 2**20, info.uss / 2**20
+    out = {"rss": info.rss / 2**20, "uss": info.uss / 2**20, "pss": info.pss / 2**20}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            out["anon"] = int(line.split()[1]) / 1024
+    return out
 
 
 # ------------------------------------------------------------------------------------------ children
@@ -122,7 +141,10 @@ def child_tokenize(work: Path, num_proc: int) -> dict[str, Any]:
 
 
 def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
-    before = rss_uss()
+    """A worker's data set-up, timed by phase; memory of the data alone = after set-up minus after imports."""
+    started = time.perf_counter()
+    import pyarrow.ipc  # noqa: F401  (libraries, a fixed cost: imported before the "data alone" baseline;
+    import torch  # noqa: F401  a worker has torch and transformers imported before it touches data)
     from transformers import AutoTokenizer
 
     from trainbridge.data import collate_padding_free, open_dataset
@@ -130,10 +152,10 @@ def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
     from trainbridge.data.records import DataOptions
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tok")
-    imported = rss_uss()
-    source, stats = open_dataset(
-        work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024), work / "cache"
-    )
+    imported_at = time.perf_counter()
+    imported = memory()
+    source, stats = open_dataset(work / "chat.jsonl", tokenizer, DataOptions(max_seq_len=1024), work / "cache")
+    opened_at = time.perf_counter()
     batches = TrainBatches(
         source,
         collate_padding_free,
@@ -144,17 +166,21 @@ def child_startup(work: Path, rank: int, world: int) -> dict[str, Any]:
         seed=0,
         padded=False,
     )
+    planned_at = time.perf_counter()
     first = batches.micro_batches(batches.plan.steps[0])
-    after = rss_uss()
+    done_at = time.perf_counter()
+    after = memory()
     return {
         "cache_hit": stats.cache_hit,
         "samples": len(source),
         "micro_batches": len(first),
-        "rss_mb": after[0],
-        "uss_mb": after[1],
-        "rss_before_mb": before[0],
-        "data_rss_mb": after[0] - imported[0],
-        "data_uss_mb": after[1] - imported[1],
+        "imports_s": imported_at - started,
+        "open_s": opened_at - imported_at,
+        "plan_s": planned_at - opened_at,
+        "first_step_s": done_at - planned_at,
+        **{f"{kind}_mb": value for kind, value in after.items()},
+        **{f"imported_{kind}_mb": value for kind, value in imported.items()},
+        **{f"data_{kind}_mb": after[kind] - imported[kind] for kind in after},
     }
 
 
@@ -164,7 +190,7 @@ def child_today(work: Path) -> dict[str, Any]:
 
     from trainbridge.data import Sample
 
-    imported = rss_uss()
+    imported = memory()
     start = time.perf_counter()
     samples = []
     with (work / "pretokenized.jsonl").open("rb") as handle:
@@ -174,15 +200,57 @@ def child_today(work: Path) -> dict[str, Any]:
     lengths = [s.length for s in samples]
     loss_tokens = [s.loss_tokens for s in samples]
     seconds = time.perf_counter() - start
-    after = rss_uss()
+    after = memory()
     return {
         "seconds": seconds,
         "samples": len(samples),
         "tokens": sum(lengths),
         "loss": sum(loss_tokens),
-        "rss_mb": after[0],
-        "data_rss_mb": after[0] - imported[0],
+        "rss_mb": after["rss"],
+        "data_rss_mb": after["rss"] - imported["rss"],
+        "data_anon_mb": after["anon"] - imported["anon"],
     }
+
+
+def marked_template(template: str) -> str:
+    """The tiny tokenizer's template with ``{% generation %}`` around assistant text (what TRL needs)."""
+    marked = template.replace(
+        "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
+        "{{ message['content'] }}{% endif %}",
+    )
+    assert marked != template, "the tiny template changed; update the marked copy"
+    return marked
+
+
+def child_cpu(work: Path, count: int) -> dict[str, Any]:
+    """CPU time per conversation in one process, no ``datasets``: trainbridge's map function (JSON line ->
+    masked ids, the prefix-rendering template and a marked one) against TRL's per-row preparation."""
+    from transformers import AutoTokenizer
+
+    from trainbridge.data.cache import MAP_BATCH_SIZE
+    from trainbridge.data.records import DataOptions, RowEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    template = str(tokenizer.chat_template)
+    with (work / "chat.jsonl").open() as handle:
+        lines = [line for _, line in zip(range(count), handle)]
+    out: dict[str, Any] = {"samples": len(lines)}
+    for name, chosen in (("trainbridge_prefixes", template), ("trainbridge_marked", marked_template(template))):
+        encoder = RowEncoder("chat.jsonl", True, tokenizer, DataOptions(max_seq_len=1024), chosen)
+        start = time.process_time()
+        for first in range(0, len(lines), MAP_BATCH_SIZE):
+            batch = lines[first : first + MAP_BATCH_SIZE]
+            encoder({"text": batch}, list(range(first, first + len(batch))))
+        out[f"{name}_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    tokenizer.chat_template = marked_template(template)
+    start = time.process_time()
+    for line in lines:
+        tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    out["trl_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
+    return out
 
 
 def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
@@ -190,22 +258,14 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tok")
-    template = str(tokenizer.chat_template)
-    marked = template.replace(
-        "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}",
-        "{% if message['role'] == 'assistant' %}{% generation %}"
-        "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
-        "{{ message['content'] }}{% endif %}",
-    )
-    assert "generation" in marked, "the tiny template changed; update the marked copy"
-    tokenizer.chat_template = marked
+    tokenizer.chat_template = marked_template(str(tokenizer.chat_template))
     datasets.disable_progress_bars()
     start = time.perf_counter()
     dataset = datasets.load_dataset(
-        "json", data_files=str(work / "chat.jsonl"), split="train", cache_dir=str(work / "hf-cache")
+        "json", data_files=str(work / "trl.jsonl"), split="train", cache_dir=str(work / "hf-cache")
     )
-    if count < len(dataset):
-        dataset = dataset.select(range(count))
+    assert len(dataset) == count
+    loaded = time.perf_counter()
 
     def tokenize(example: dict[str, Any]) -> dict[str, Any]:
         out = tokenizer.apply_chat_template(
@@ -214,7 +274,9 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
-    return {"seconds": time.perf_counter() - start, "samples": len(dataset), "rss_mb": rss_uss()[0]}
+    done = time.perf_counter()
+    return {"seconds": done - start, "load_s": loaded - start, "map_s": done - loaded, "samples": len(dataset),
+            "rss_mb": memory()["rss"]}
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -236,6 +298,9 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--baseline-samples", type=int)
     parser.add_argument("--trl-samples", type=int)
+    parser.add_argument("--cpu-samples", type=int, default=20_000,
+                        help="conversations for the one-process CPU-time comparison (0 skips)")
+    parser.add_argument("--repeats", type=int, default=3, help="cached start-ups per rank count")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trainbridge-data-bench"))
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -248,6 +313,8 @@ def main() -> None:
             result = child_startup(work, int(rest[0]), int(rest[1]))
         elif kind == "today":
             result = child_today(work)
+        elif kind == "cpu":
+            result = child_cpu(work, int(rest[0]))
         else:
             result = child_trl(work, int(rest[0]), int(rest[1]))
         print(json.dumps(result), flush=True)
@@ -267,6 +334,7 @@ def main() -> None:
         "jsonl_mb": round(size_mb, 1),
         "generate_s": round(time.perf_counter() - start, 1),
         "num_proc": options.num_proc,
+        "loadavg_start": loadavg(),
     }
     print(json.dumps(report), flush=True)
 
@@ -278,19 +346,24 @@ def main() -> None:
     print(json.dumps({"first_run": first, "cache_mb": cache_mb}), flush=True)
 
     for world in options.ranks:
-        spawned = time.perf_counter()
-        children = [
-            run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
-            for r in range(world)
-        ]
-        results = [result_of(c) for c in children]
-        wall = time.perf_counter() - spawned
-        assert all(r["cache_hit"] for r in results), "cached start-up tokenised"
-        report[f"cached_startup_s_{world}_ranks"] = round(wall, 2)
-        report[f"per_rank_rss_mb_{world}_ranks"] = [round(r["rss_mb"]) for r in results]
-        report[f"per_rank_uss_mb_{world}_ranks"] = [round(r["uss_mb"]) for r in results]
-        report[f"per_rank_data_uss_mb_{world}_ranks"] = [round(r["data_uss_mb"]) for r in results]
-        print(json.dumps({"world": world, "wall_s": wall, "ranks": results}), flush=True)
+        walls, data_s = [], []
+        for _ in range(options.repeats):
+            spawned = time.perf_counter()
+            children = [
+                run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
+                for r in range(world)
+            ]
+            results = [result_of(c) for c in children]
+            walls.append(time.perf_counter() - spawned)
+            data_s.append(max(r["open_s"] + r["plan_s"] + r["first_step_s"] for r in results))
+            assert all(r["cache_hit"] for r in results), "cached start-up tokenised"
+            print(json.dumps({"world": world, "wall_s": walls[-1], "loadavg": loadavg(), "ranks": results}),
+                  flush=True)
+        report[f"cached_startup_s_{world}_ranks"] = [round(w, 2) for w in walls]
+        report[f"cached_startup_data_s_{world}_ranks"] = [round(d, 3) for d in data_s]
+        for kind in ("rss", "uss", "pss", "anon"):
+            report[f"per_rank_{kind}_mb_{world}_ranks"] = [round(r[f"{kind}_mb"]) for r in results]
+            report[f"per_rank_data_{kind}_mb_{world}_ranks"] = [round(r[f"data_{kind}_mb"], 1) for r in results]
 
     baseline = options.baseline_samples if options.baseline_samples is not None else options.samples
     if baseline:
@@ -303,16 +376,28 @@ def main() -> None:
         report["today_samples"] = baseline
         report[f"today_startup_s_{max(options.ranks)}_ranks"] = round(time.perf_counter() - spawned, 1)
         report["today_per_rank_data_rss_mb"] = [round(r["data_rss_mb"]) for r in results]
+        report["today_per_rank_s"] = [round(r["seconds"], 1) for r in results]
         print(json.dumps({"today": results}), flush=True)
 
     trl = options.trl_samples if options.trl_samples is not None else options.samples
     if trl:
+        with (work / "chat.jsonl").open() as source, (work / "trl.jsonl").open("w") as head:
+            head.writelines(line for _, line in zip(range(trl), source))
         result = result_of(
             run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
         )
         report["trl_samples"] = trl
         report["trl_prepare_s"] = round(result["seconds"], 1)
+        report["trl_load_s"] = round(result["load_s"], 1)
+        report["trl_map_s"] = round(result["map_s"], 1)
         print(json.dumps({"trl": result}), flush=True)
+    if options.cpu_samples:
+        result = result_of(run_child(["--work", str(work), "--child", "cpu", str(options.cpu_samples)], env))
+        report.update({key: round(value) if key.endswith("_us") else value for key, value in result.items()
+                       if key != "samples"})
+        report["cpu_samples"] = result["samples"]
+        print(json.dumps({"cpu": result}), flush=True)
+    report["loadavg_end"] = loadavg()
     print("SUMMARY " + json.dumps(report), flush=True)
 
 
@@ -327,9 +412,11 @@ def _write_pretokenized(cache: Path, path: Path, count: int) -> None:
             table = pa.ipc.open_stream(pa.memory_map(str(cache / name))).read_all()
             for batch in table.select(["input_ids", "labels", "status"]).to_batches(10_000):
                 for ids, labels, status in zip(*(batch.column(i).to_pylist() for i in range(3))):
-                    if status == 0 and written < count:
+                    if status == 0:
                         handle.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
                         written += 1
+                        if written == count:
+                            return
 
 
 if __name__ == "__main__":

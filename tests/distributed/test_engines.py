@@ -116,6 +116,18 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         assert result["local_shard_fraction"] < 0.75, "a rank holds (almost) all parameters: not sharded"
     assert sum(r["local_shard_fraction"] for r in results) == pytest.approx(1.0)
     assert "optimizer_dcp" in results[0]["checkpoint_files"]
+    # fsdp_load_on_rank0: rank 1 built a meta skeleton and got every weight and buffer from rank 0
+    for result in results:
+        untied, tied = result["from_rank0"]
+        assert untied["skeleton_was_meta"] == (result["rank"] == 1)
+        for found in (untied, tied):
+            assert found["param_max_diff"] == 0.0, found
+            assert found["buffer_max_diff"] == 0.0, found
+            assert found["tied"] == found["tied_in_reference"]
+        assert tied["tied"]
+        assert tied["loss"] == tied["reference_loss"], tied
+        assert tied["norm"] == tied["reference_norm"], tied
+        assert tied["after_step_max_diff"] == 0.0, tied
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")

@@ -367,3 +367,42 @@ def test_shipped_chat_data_is_the_generators_and_loads_for_the_demo(tmp_path: Pa
     data = load_run_data(args, build_tokenizer(tmp_path / "tok"), report=False)
     assert (len(data.train), len(data.val or [])) == (2000, 200)
     assert data.stats[0].dropped_overlong == 0
+
+
+RAISING = CHATML + "{%- if messages | length > 4 %}{{ raise_exception('conversation too long') }}{%- endif %}"
+"""ChatML that refuses conversations of more than four messages (one bad row in an otherwise good batch)."""
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_MARKED, QWEN3, QWEN3_MARKED, RAISING, "tiny"])
+@pytest.mark.parametrize("train_on", ["all", "last"])
+def test_batched_encoding_equals_one_conversation_at_a_time(
+    tmp_path: Path, bpe: PreTrainedTokenizerFast, template: str, train_on: str
+) -> None:
+    """``encode_batch`` (renders batched, one tokenizer call) gives each row exactly ``encode``'s result or error."""
+    tokenizer = build_tokenizer(tmp_path) if template == "tiny" else bpe
+    template = str(tokenizer.chat_template) if template == "tiny" else template
+    long = [*CONVERSATION, {"role": "user", "content": "And 4+4?"}, {"role": "assistant", "content": "It is 8."}]
+    items = [
+        (CONVERSATION, None, 0),
+        (CONVERSATION[:2], None, 0),
+        (long, None, 0),  # RAISING refuses it; QWEN3 re-renders its earlier turns
+        (CONVERSATION, TOOLS, 0),  # tools: rendered on its own
+        (CONVERSATION, None, 2),  # prompt/completion: trained on the completion only
+        ([{"role": "user", "content": "hi"}], None, 0),  # no assistant message
+        ([{"role": "system", "content": "Be brief."}, *CONVERSATION[:2]], None, 0),
+    ]
+    encoder = ChatEncoder(tokenizer, template, train_on)  # type: ignore[arg-type]
+
+    def one(item: tuple[list[dict], object, int]) -> object:
+        try:
+            return encoder.encode(list(item[0]), item[1], assistant_from=item[2])
+        except ChatTemplateError as exc:
+            return f"error: {exc}"
+
+    expected = [one(item) for item in items]
+    batched = [f"error: {r}" if isinstance(r, ChatTemplateError) else r
+               for r in encoder.encode_batch([(list(m), t, a) for m, t, a in items])]
+    assert batched == expected
+    assert sum(isinstance(r, tuple) for r in expected) >= 3  # most rows encode; the comparison is not of errors

@@ -123,16 +123,90 @@ def test_second_open_hits_the_cache_without_tokenising(tmp_path: Path, monkeypat
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("tokenised again")
 
+    def no_scan(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a column was read to open the cache")
+
     monkeypatch.setattr(cache_module, "_build", no_build)
+    monkeypatch.setattr(cache_module, "_column", no_scan)  # lengths and counts come from the index and meta
     second, stats = open_dataset(path, None, options(), tmp_path / "cache")
-    assert stats.cache_hit and stats.samples == 2
+    assert (stats.cache_hit, stats.samples, stats.dropped_overlong, stats.lines) == (True, 2, 1, 3)
     assert every_sample(second) == every_sample(first)
+    assert second.lengths.tolist() == [4, 3] and second.loss_tokens.tolist() == [3, 2]
     # another option, or a changed file, is another key: built again
     with pytest.raises(AssertionError, match="tokenised again"):
         open_dataset(path, None, options(max_seq_len=16), tmp_path / "cache")
     path.write_text(path.read_text() + json.dumps({"input_ids": [1, 2]}) + "\n")
     with pytest.raises(AssertionError, match="tokenised again"):
         open_dataset(path, None, options(), tmp_path / "cache")
+
+
+def test_cache_key_notices_content_changes_that_keep_size_and_mtime(tmp_path: Path) -> None:
+    """The input fingerprint hashes a bounded sample of the file: an edit inside a hashed block is noticed
+    even when size and modification time are restored; a large file is not read whole."""
+    from trainbridge.data import inputs
+
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"input_ids": [1, 2, 3]}) + "\n"
+    path.write_text(line * (2 * inputs.SAMPLE_BLOCKS * inputs.SAMPLE_BLOCK_BYTES // len(line)))
+    stat = path.stat()
+    base = cache_module.cache_key(path, None, None, options())
+    data = bytearray(path.read_bytes())
+    data[-4] = ord("4")  # the last block is always hashed: [1, 2, 3] -> [1, 2, 4] on the last line
+    path.write_bytes(bytes(data))
+    import os
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert cache_module.cache_key(path, None, None, options()) != base
+    # bounded: a file of 2 x 1 MiB has at most SAMPLE_BLOCKS x SAMPLE_BLOCK_BYTES of it read
+    read: list[int] = []
+    real_open = Path.open
+
+    class Counting:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()  # type: ignore[attr-defined]
+
+        def seek(self, offset: int) -> int:
+            return self.handle.seek(offset)  # type: ignore[attr-defined,no-any-return]
+
+        def read(self, size: int = -1) -> bytes:
+            data: bytes = self.handle.read(size)  # type: ignore[attr-defined]
+            read.append(len(data))
+            return data
+
+    def counting_open(self: Path, *args: object, **kwargs: object) -> Counting:
+        return Counting(real_open(self, *args, **kwargs))  # type: ignore[call-overload]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "open", counting_open)
+        inputs.fingerprint(path)
+    assert read and all(0 < n <= inputs.SAMPLE_BLOCK_BYTES for n in read)
+    assert sum(read) <= inputs.SAMPLE_BLOCKS * inputs.SAMPLE_BLOCK_BYTES
+
+
+def test_arrow_samples_fetch_rows_across_chunks() -> None:
+    """``fetch`` reads rows out of every chunk of a multi-chunk table (as multi-process tokenisation writes)."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 50, size=int(n)).tolist() for n in rng.integers(1, 9, size=30)]
+    batches = [pa.record_batch({"input_ids": pa.array(rows[a:b], pa.list_(pa.int32())),
+                                "labels": pa.array([[-100, *r[1:]] for r in rows[a:b]], pa.list_(pa.int32()))})
+               for a, b in ((0, 7), (7, 8), (8, 20), (20, 30))]
+    table = pa.Table.from_batches(batches)
+    kept = np.array([0, 6, 7, 8, 19, 20, 29, 3])
+    source = ArrowSamples(table, kept, np.array([len(rows[i]) for i in kept]), np.zeros(len(kept)))
+    expected = [Sample(tuple(rows[i]), (-100, *rows[i][1:])) for i in kept]
+    assert source.fetch(range(len(kept))) == expected
+    assert source.fetch([7, 0, 7]) == [expected[7], expected[0], expected[7]]
+    assert source.subset(np.array([6, 2])).fetch([0, 1]) == [expected[6], expected[2]]
+    assert source.fetch([]) == []
 
 
 def test_cache_key_covers_the_tokenizer_and_template(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
@@ -142,6 +216,9 @@ def test_cache_key_covers_the_tokenizer_and_template(tmp_path: Path, tokenizer: 
     assert base != cache_module.cache_key(path, None, None, options())
     assert base != cache_module.cache_key(path, tokenizer, "{{ messages }}", options())
     assert base != cache_module.cache_key(path, tokenizer, None, options(overlong_policy="truncate"))
+    for changed in ({"max_seq_len": 9}, {"columns": (("messages", "conversations"),)}, {"chat_train_on": "last"},
+                    {"system_prompt": "Be brief."}, {"chat_template": "{{ messages }}"}):
+        assert base != cache_module.cache_key(path, tokenizer, None, options(**changed)), changed
 
 
 def test_arrow_source_feeds_the_same_batches_as_in_memory_samples(tmp_path: Path) -> None:

@@ -5,8 +5,12 @@
 fingerprint (path, size and modification time of its files), the tokenizer (its full serialisation and
 special tokens), the chat template, and every option that changes the result (``DataOptions.key``).
 
-* Hit: the folder exists -> its Arrow files are memory-mapped (``pyarrow``; nothing is tokenised, and
-  ``datasets`` is not even imported).
+* Hit: the folder exists -> its Arrow files and its sample index are memory-mapped (``pyarrow``,
+  ``numpy``; nothing is tokenised, no column is read, and ``datasets`` is not even imported).  Opening
+  costs the same for a thousand samples or a million: the index (``index.npy``: table row, length and
+  loss tokens of every kept sample, int64) and the counts by fate (``meta.json``) were written when the
+  cache was built, so start-up neither scans rows nor counts kept and dropped samples; the pages are the
+  page cache's, shared by every rank on the machine.
 * Miss: the first process to take the key's file lock builds it -- ``datasets.map`` over the rows with
   ``num_proc`` processes (``records.RowEncoder``) into a temporary folder, renamed into place when
   complete, so a crash never leaves a half cache -- and the others wait for the lock, then map it.
@@ -54,14 +58,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Bumped whenever the cached columns or their meaning change (part of the key)."""
 
 MAX_EXAMPLES = 5
 """Bad rows quoted in a ``DataFormatError`` beyond the first."""
 
+INDEX_FILE = "index.npy"
+"""The cache's sample index: a ``(3, samples)`` int64 array -- table row, length, loss tokens -- of the
+kept samples, in file order."""
+
 PROGRESS_MIN_ROWS = 50_000
 """Tokenising fewer rows shows no progress bar."""
+
+MAP_BATCH_SIZE = 4096
+"""Rows per ``datasets.map`` batch -- one template/tokenizer call each -- and per record batch of the
+cache: opening a cache walks every record batch's header, and each header read maps a few pages of the
+file into the process (~60 KB), so 4096-row batches keep that to ~15 MB for a million samples
+(``datasets``' default of 1000 rows made it ~150 MB, and as many reads from a cold disk)."""
 
 ROWS_PER_PROCESS = 20_000
 """Tokenisation uses at most one process per this many rows (starting processes costs more than small
@@ -132,13 +146,15 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
         num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
         with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
             result = dataset.map(
-                encoder, batched=True, batch_size=512, with_indices=True, remove_columns=dataset.column_names,
-                features=output_features(), num_proc=num_proc if num_proc > 1 else None,
+                encoder, batched=True, batch_size=MAP_BATCH_SIZE, writer_batch_size=MAP_BATCH_SIZE,
+                with_indices=True, remove_columns=dataset.column_names, features=output_features(),
+                num_proc=num_proc if num_proc > 1 else None,
                 cache_file_name=str(scratch / "data.arrow"), load_from_cache_file=False,
                 new_fingerprint=target.name, desc=f"tokenizing {path.name}",
             )
-        table = result.data.table
-        status = table.column("status").to_numpy()
+        files = [Path(entry["filename"]).name for entry in result.cache_files]
+        table = _open_table(scratch, files)  # as _load will see it: the index's rows are this table's
+        status = _column(table, "status")
         _raise_bad_rows(path, raw.jsonl, table, status)
         stats = _stats(path, table, status)
         if stats.samples == 0:
@@ -146,8 +162,11 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
                 f"no usable samples in {path}: {stats.lines} lines, {stats.dropped_overlong} dropped as longer "
                 f"than max_seq_len={options.max_seq_len}, {stats.empty_skipped} without loss tokens"
             )
-        files = [Path(entry["filename"]).name for entry in result.cache_files]
-        meta = {"format": 1, "source": str(path), "files": files, "stats": asdict(stats), "options": options.key()}
+        rows = np.flatnonzero(status == STATUS_OK)
+        index = np.stack([rows, _column(table, "length")[rows], _column(table, "loss_tokens")[rows]]).astype(np.int64)
+        np.save(scratch / INDEX_FILE, index)
+        meta = {"format": CACHE_FORMAT, "source": str(path), "files": files, "stats": asdict(stats),
+                "options": options.key()}
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         del result, table, dataset, raw
         shutil.rmtree(scratch / "raw", ignore_errors=True)
@@ -206,7 +225,7 @@ def _raise_bad_rows(path: Path, jsonl: bool, table: pa.Table, status: np.ndarray
 def _stats(path: Path, table: pa.Table, status: np.ndarray) -> LoadStats:
     counts = np.bincount(status.astype(np.int64), minlength=5)
     ok = status == STATUS_OK
-    truncated = table.column("truncated").to_numpy(zero_copy_only=False)
+    truncated = _column(table, "truncated")
     return LoadStats(
         path=str(path),
         lines=int(len(status) - counts[STATUS_BLANK]),
@@ -214,21 +233,30 @@ def _stats(path: Path, table: pa.Table, status: np.ndarray) -> LoadStats:
         dropped_overlong=int(counts[STATUS_OVERLONG]),
         truncated=int(np.count_nonzero(truncated)),
         empty_skipped=int(counts[STATUS_NO_LOSS]),
-        tokens=int(table.column("length").to_numpy()[ok].sum()),
+        tokens=int(_column(table, "length")[ok].sum()),
     )
 
 
 # ---------------------------------------------------------------------------------------------- load
-def _load(target: Path) -> tuple[ArrowSamples, LoadStats]:
-    """Memory-map the cache's Arrow files; read the ``status``/``length``/``loss_tokens`` columns only."""
+def _open_table(folder: Path, files: list[str]) -> pa.Table:
+    """The cache's Arrow files as one table, memory-mapped (zero copy: nothing is read until used)."""
     import pyarrow as pa
 
+    tables = [pa.ipc.open_stream(pa.memory_map(str(folder / name))).read_all() for name in files]
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    """A scalar column as one numpy array (chunk by chunk; build time only)."""
+    chunks = [chunk.to_numpy(zero_copy_only=False) for chunk in table.column(name).chunks]
+    return np.concatenate(chunks) if chunks else np.zeros(0)
+
+
+def _load(target: Path) -> tuple[ArrowSamples, LoadStats]:
+    """Memory-map the cache's Arrow files and its sample index; the counts come from ``meta.json``."""
     meta: dict[str, Any] = json.loads((target / "meta.json").read_text())
-    tables = [pa.ipc.open_stream(pa.memory_map(str(target / name))).read_all() for name in meta["files"]]
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    rows = np.flatnonzero(table.column("status").to_numpy() == STATUS_OK)
-    lengths = table.column("length").to_numpy()[rows]
-    loss_tokens = table.column("loss_tokens").to_numpy()[rows]
+    table = _open_table(target, meta["files"])
+    index = np.load(target / INDEX_FILE, mmap_mode="r")
     stats = LoadStats(**meta["stats"])
     stats.cache = str(target)
-    return ArrowSamples(table, rows, lengths, loss_tokens), stats
+    return ArrowSamples(table, index[0], index[1], index[2]), stats

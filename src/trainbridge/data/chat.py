@@ -21,7 +21,7 @@ re-renders earlier turns and has no generation markers).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -120,8 +120,22 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+ChatItem = tuple[list[dict[str, Any]], Any, int]
+"""One conversation to encode: ``(messages, tools, assistant_from)`` (see ``ChatEncoder.spans``)."""
+
+Render = Callable[[int, bool], str]
+"""``render(count, add_generation_prompt)``: the text of the conversation's first ``count`` messages."""
+
+
 class ChatEncoder:
-    """Renders conversations with one template and computes assistant spans (see the module docstring)."""
+    """Renders conversations with one template and computes assistant spans (see the module docstring).
+
+    ``encode`` handles one conversation; ``encode_batch`` a ``datasets.map`` batch of them, with the
+    same result per conversation (``tests/unit/test_chat_masking.py`` compares the two): the template
+    renders of the batch go through one ``apply_chat_template`` call per kind (prompt / turn) and the
+    texts through one tokenizer call, and a conversation that fails gets its ``ChatTemplateError``
+    instead of a result, so one bad row does not fail its batch.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, train_on: ChatTrainOn = "all"):
         if train_on not in ("all", "last"):
@@ -142,6 +156,36 @@ class ChatEncoder:
             raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
         return str(text)
 
+    def _render_many(self, conversations: list[list[dict[str, Any]]], tools: list[Any],
+                     add_generation_prompt: bool) -> list[str | ChatTemplateError]:
+        """``_render`` of each conversation; those without tools in one template call (each alone if it fails)."""
+        out: list[str | ChatTemplateError] = [ChatTemplateError("not rendered")] * len(conversations)
+        plain = [k for k, t in enumerate(tools) if t is None and conversations[k]]
+        if plain:
+            try:
+                texts = self.tokenizer.apply_chat_template(
+                    [conversations[k] for k in plain], chat_template=self.template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                )
+                for k, text in zip(plain, texts):
+                    out[k] = str(text)
+            except Exception:  # some conversation of the batch fails: render each alone to say which
+                plain = []
+        done = set(plain)
+        for k, conversation in enumerate(conversations):
+            if k not in done:
+                try:
+                    out[k] = self._render(conversation, tools[k], add_generation_prompt)
+                except ChatTemplateError as exc:
+                    out[k] = exc
+        return out
+
+    def _targets(self, messages: list[dict[str, Any]], assistant_from: int) -> list[int]:
+        targets = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= assistant_from]
+        if not targets:
+            raise ChatTemplateError("the conversation has no assistant message to train on")
+        return targets
+
     def spans(self, messages: list[dict[str, Any]], tools: Any = None,
               assistant_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans to train on, in order.
@@ -149,46 +193,132 @@ class ChatEncoder:
         Only assistant messages at index ``>= assistant_from`` are trained on (prompt/completion pairs
         train on the completion's); ``train_on="last"`` keeps the last of them.
         """
-        targets = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= assistant_from]
-        if not targets:
-            raise ChatTemplateError("the conversation has no assistant message to train on")
+        targets = self._targets(messages, assistant_from)
         if self.markers:
-            return self._spans_from_markers(messages, tools, targets)
-        return self._spans_from_prefixes(messages, tools, targets)
+            rendered = self._render_marked([messages], [tools])[0]
+            if isinstance(rendered, ChatTemplateError):
+                raise rendered
+            return rendered[0], self._spans_from_markers(messages, rendered[1], targets)
 
-    def _spans_from_markers(self, messages: list[dict[str, Any]], tools: Any,
-                            targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
+        def render(count: int, add_generation_prompt: bool) -> str:
+            return self._render(messages[:count], tools, add_generation_prompt)
+
+        return self._spans_from_prefixes(messages, render, targets)
+
+    def spans_batch(self, items: list[ChatItem]) -> list[tuple[str, list[tuple[int, int]]] | ChatTemplateError]:
+        """``spans`` of each conversation, rendered in batches; a failing one gets its error instead."""
+        out: list[tuple[str, list[tuple[int, int]]] | ChatTemplateError] = []
+        targets: list[list[int]] = []
+        for messages, _, assistant_from in items:
+            try:
+                targets.append(self._targets(messages, assistant_from))
+            except ChatTemplateError as exc:
+                targets.append([])
+                out.append(exc)
+            else:
+                out.append(ChatTemplateError("not rendered"))
+        live = [k for k, t in enumerate(targets) if t]
+        if self.markers:
+            marked = self._render_marked([items[k][0] for k in live], [items[k][1] for k in live])
+            for k, rendered in zip(live, marked):
+                try:
+                    if isinstance(rendered, ChatTemplateError):
+                        raise rendered
+                    out[k] = (rendered[0], self._spans_from_markers(items[k][0], rendered[1], targets[k]))
+                except ChatTemplateError as exc:
+                    out[k] = exc
+            return out
+        # every render the prefix check needs, two template calls for the whole batch
+        needed = {(k, count, prompt) for k in live for count, prompt in self._prefix_renders(items[k][0], targets[k])}
+        texts: dict[tuple[int, int, bool], str | ChatTemplateError] = {}
+        for prompt in (True, False):
+            keys = sorted(key for key in needed if key[2] == prompt)
+            texts.update(zip(keys, self._render_many([items[k][0][:count] for k, count, _ in keys],
+                                                     [items[k][1] for k, _, _ in keys], prompt)))
+        for k in live:
+            def render(count: int, add_generation_prompt: bool, k: int = k) -> str:
+                text = texts.get((k, count, add_generation_prompt))
+                if text is None:  # not foreseen by _prefix_renders: render it now
+                    return self._render(items[k][0][:count], items[k][1], add_generation_prompt)
+                if isinstance(text, ChatTemplateError):
+                    raise text
+                return text
+
+            try:
+                out[k] = self._spans_from_prefixes(items[k][0], render, targets[k])
+            except ChatTemplateError as exc:
+                out[k] = exc
+        return out
+
+    def _render_marked(self, conversations: list[list[dict[str, Any]]], tools: list[Any]
+                       ) -> list[tuple[str, list[tuple[int, int]]] | ChatTemplateError]:
+        """Text and ``{% generation %}`` spans of each conversation (``tools[k]`` its tools); those without
+        tools in one template call (each alone if it fails)."""
         from transformers.utils import chat_template_utils
 
         render: Any = chat_template_utils.render_jinja_template  # returns (texts, generation spans)
-        try:
-            rendered, indices = render(
-                conversations=[messages], tools=tools, chat_template=self.template,
-                return_assistant_tokens_mask=True, **self.tokenizer.special_tokens_map,
-            )
-        except Exception as exc:
-            raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
-        text, spans = rendered[0], [tuple(span) for span in indices[0]]
+
+        def call(group: list[list[dict[str, Any]]], group_tools: Any) -> list[tuple[str, list[tuple[int, int]]]]:
+            try:
+                rendered, indices = render(
+                    conversations=group, tools=group_tools, chat_template=self.template,
+                    return_assistant_tokens_mask=True, **self.tokenizer.special_tokens_map,
+                )
+            except Exception as exc:
+                raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+            return [(str(text), [(int(a), int(b)) for a, b in spans]) for text, spans in zip(rendered, indices)]
+
+        plain = [k for k, t in enumerate(tools) if t is None]
+        batched: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        if len(plain) > 1:
+            try:
+                batched = dict(zip(plain, call([conversations[k] for k in plain], None)))
+            except ChatTemplateError:  # some conversation of the batch fails: render each alone to say which
+                batched = {}
+        out: list[tuple[str, list[tuple[int, int]]] | ChatTemplateError] = []
+        for k, conversation in enumerate(conversations):
+            if k in batched:
+                out.append(batched[k])
+                continue
+            try:
+                out.append(call([conversation], tools[k])[0])
+            except ChatTemplateError as exc:
+                out.append(exc)
+        return out
+
+    def _spans_from_markers(self, messages: list[dict[str, Any]], generation: list[tuple[int, int]],
+                            targets: list[int]) -> list[tuple[int, int]]:
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if len(spans) != len(assistants):
+        if len(generation) != len(assistants):
             raise ChatTemplateError(
-                f"the chat template's {{% generation %}} blocks mark {len(spans)} spans for {len(assistants)} "
+                f"the chat template's {{% generation %}} blocks mark {len(generation)} spans for {len(assistants)} "
                 "assistant messages; the markers must wrap each assistant message once"
             )
-        chosen = [span for i, span in zip(assistants, spans) if i in targets]
+        chosen = [span for i, span in zip(assistants, generation) if i in targets]
         if self.train_on == "last":
             chosen = chosen[-1:]
-        return text, [(int(a), int(b)) for a, b in chosen]
+        return chosen
 
-    def _spans_from_prefixes(self, messages: list[dict[str, Any]], tools: Any,
+    def _prefix_renders(self, messages: list[dict[str, Any]], targets: list[int]) -> list[tuple[int, bool]]:
+        """The ``(count, add_generation_prompt)`` renders ``_spans_from_prefixes`` asks for."""
+        if self.train_on == "last":
+            targets = targets[-1:]
+        needed = [(len(messages), False)]
+        for index in targets:
+            needed.append((index, True))
+            if index != len(messages) - 1:
+                needed.append((index + 1, False))
+        return needed
+
+    def _spans_from_prefixes(self, messages: list[dict[str, Any]], render: Render,
                              targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
         if self.train_on == "last":
             targets = targets[-1:]
-        full = self._render(messages, tools, add_generation_prompt=False)
+        full = render(len(messages), False)
         spans = []
         for index in targets:
-            prompt = self._render(messages[:index], tools, add_generation_prompt=True)
-            turn = full if index == len(messages) - 1 else self._render(messages[: index + 1], tools, False)
+            prompt = render(index, True)
+            turn = full if index == len(messages) - 1 else render(index + 1, False)
             for name, prefix in (("the prompt before", prompt), ("the conversation up to", turn)):
                 if not full.startswith(prefix):
                     at = next((k for k, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
@@ -209,12 +339,38 @@ class ChatEncoder:
                assistant_from: int = 0) -> tuple[list[int], list[int]]:
         """``input_ids`` and ``labels`` (``-100`` outside the assistant spans) of one conversation."""
         text, spans = self.spans(messages, tools, assistant_from)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = list(encoded["input_ids"])
-        starts = np.fromiter((start for start, _ in encoded["offset_mapping"]), dtype=np.int64,
-                             count=len(input_ids))
-        trained = np.zeros(len(input_ids), dtype=bool)
-        for begin, end in spans:
-            trained |= (starts >= begin) & (starts < end)
-        labels = np.where(trained, np.asarray(input_ids, dtype=np.int64), -100).tolist()
-        return input_ids, labels
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                     return_attention_mask=False, return_token_type_ids=False)
+        return _labelled(list(encoded["input_ids"]), encoded["offset_mapping"], spans)
+
+    def encode_batch(self, items: list[ChatItem]) -> list[tuple[list[int], list[int]] | ChatTemplateError]:
+        """``encode`` of each conversation (renders batched, one tokenizer call); a failing one gets its error."""
+        spans = self.spans_batch(items)
+        good = [k for k, s in enumerate(spans) if not isinstance(s, ChatTemplateError)]
+        out: list[tuple[list[int], list[int]] | ChatTemplateError] = []
+        texts: list[str] = []
+        for result in spans:
+            if isinstance(result, ChatTemplateError):
+                out.append(result)
+            else:
+                out.append(([], []))
+                texts.append(result[0])
+        if texts:
+            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                                     return_attention_mask=False, return_token_type_ids=False)
+            for k, ids, offsets in zip(good, encoded["input_ids"], encoded["offset_mapping"]):
+                result = spans[k]
+                assert not isinstance(result, ChatTemplateError)
+                out[k] = _labelled(list(ids), offsets, result[1])
+        return out
+
+
+def _labelled(input_ids: list[int], offsets: Sequence[tuple[int, int]],
+              spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``input_ids`` and their labels: a token is trained on when its first character lies in a span."""
+    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(input_ids))
+    trained = np.zeros(len(input_ids), dtype=bool)
+    for begin, end in spans:
+        trained |= (starts >= begin) & (starts < end)
+    labels = np.where(trained, np.asarray(input_ids, dtype=np.int64), -100).tolist()
+    return input_ids, labels

@@ -10,12 +10,13 @@
 * a parquet file, an Arrow file (``.arrow``, as ``Dataset.save_to_disk``/``datasets`` caches write them);
 * a folder written by ``Dataset.save_to_disk`` (``DatasetDict`` folders: name the split's subfolder).
 
-``fingerprint`` describes the input cheaply (path, size and modification time of every file) for the
-tokenisation cache key.
+``fingerprint`` describes the input cheaply for the tokenisation cache key (see its docstring for what
+it does and does not notice).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -70,11 +71,45 @@ def _first_char(path: Path) -> str:
     return ""
 
 
-def fingerprint(path: Path) -> list[tuple[str, int, int]]:
-    """``(absolute path, size, mtime_ns)`` of the input's files (all files of a folder, sorted)."""
+SAMPLE_BLOCKS = 16
+"""Blocks of each input file hashed into its fingerprint (evenly spaced, first and last included)."""
+
+SAMPLE_BLOCK_BYTES = 64 * 1024
+"""Size of each hashed block: at most 1 MiB of every file is read, however large it is."""
+
+
+def fingerprint(path: Path) -> list[tuple[str, int, int, str]]:
+    """``(absolute path, size, mtime_ns, sample hash)`` of the input's files (all files of a folder, sorted).
+
+    Cost is bounded, whatever the size of the data: a stat and ``SAMPLE_BLOCKS`` blocks of
+    ``SAMPLE_BLOCK_BYTES`` per file (the start-up of a cached run must not read gigabytes to find its
+    cache).  The trade-off: any change of size or modification time, and any change inside a hashed
+    block, makes a new key; an edit that keeps the size, restores the modification time (``touch -r``,
+    ``cp -p``, ``rsync -t``) and falls between the hashed blocks is not noticed -- change the file's
+    name or clear the cache folder after such an edit.  Hashing every byte would notice it, at ~1 s per
+    GB on every start-up.
+    """
     path = path.resolve()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    out = []
+    for file in files:
+        status = file.stat()
+        out.append((str(file), status.st_size, status.st_mtime_ns, _sample_hash(file, status.st_size)))
+    return out
+
+
+def _sample_hash(file: Path, size: int) -> str:
+    """sha256 of ``SAMPLE_BLOCKS`` evenly spaced blocks of ``file`` (all of it when it is small)."""
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            digest.update(handle.read())
+        else:
+            last = size - SAMPLE_BLOCK_BYTES
+            for k in range(SAMPLE_BLOCKS):
+                handle.seek(last * k // (SAMPLE_BLOCKS - 1))
+                digest.update(handle.read(SAMPLE_BLOCK_BYTES))
+    return digest.hexdigest()
 
 
 def read_input(path: Path, scratch: Path) -> RawInput:

@@ -87,7 +87,7 @@ class RowEncoder:
         else:
             names = list(batch)
             records = [{self.rename.get(n, n): batch[n][k] for n in names} for k in range(len(indices))]
-        texts = self._tokenize_text_rows(records)
+        batched = {**self._tokenize_text_rows(records), **self._encode_chat_rows(records)}
         for position, (row, record) in enumerate(zip(indices, records)):
             try:
                 if record is None:
@@ -95,8 +95,10 @@ class RowEncoder:
                     continue
                 if isinstance(record, _Bad):
                     raise _RowError(record.reason, record.problem)
-                input_ids, labels = texts[position] if position in texts else self._encode(record)
-                self._finish(out, input_ids, labels)
+                result = batched[position] if position in batched else self._encode(record)
+                if isinstance(result, _RowError):
+                    raise result
+                self._finish(out, *result)
             except _RowError as exc:
                 self._emit(out, [], [], STATUS_ERROR, exc.reason, f"{self.where(row)}: {exc.problem}")
         return out
@@ -117,8 +119,8 @@ class RowEncoder:
     def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
         if record.get("input_ids") is not None:
             return _pretokenized(record)
-        if record.get("messages") is not None:
-            return self._messages(record)
+        if _is_chat(record):
+            raise AssertionError("chat rows are encoded in batches")  # pragma: no cover
         if record.get("prompt") is not None or record.get("completion") is not None:
             return self._prompt_completion(record)
         if "text" in record and record["text"] is not None:
@@ -173,13 +175,37 @@ class RowEncoder:
             self._chat = ChatEncoder(tokenizer, self.chat_template, self.options.chat_train_on)
         return self._chat
 
-    def _messages(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
-        encoder = self._chat_encoder()
+    def _encode_chat_rows(self, records: list[Any]) -> dict[int, tuple[list[int], list[int]] | _RowError]:
+        """Encode the batch's chat rows (``messages``, or message-list ``prompt``/``completion``) together:
+        ``{position: (input_ids, labels) or the row's error}`` (``ChatEncoder.encode_batch``)."""
+        positions = [k for k, r in enumerate(records) if isinstance(r, dict) and _is_chat(r)]
+        if not positions:
+            return {}
         try:
-            messages = normalize_messages(record["messages"], self.options.system_prompt)
-            return encoder.encode(messages, record.get("tools"))
-        except ChatTemplateError as exc:
-            raise _RowError(_chat_reason(str(exc)), str(exc)) from None
+            encoder = self._chat_encoder()
+        except _RowError as exc:
+            return {k: exc for k in positions}
+        result: dict[int, tuple[list[int], list[int]] | _RowError] = {}
+        items: list[tuple[list[dict[str, Any]], Any, int]] = []
+        encoded_at: list[int] = []
+        for k in positions:
+            record = records[k]
+            try:
+                if record.get("messages") is not None:
+                    messages, first = normalize_messages(record["messages"], self.options.system_prompt), 0
+                else:  # prompt and completion message lists: one conversation, trained on the completion
+                    completion = list(record["completion"])
+                    messages = normalize_messages(list(record["prompt"]) + completion, self.options.system_prompt)
+                    first = len(messages) - len(completion)
+            except ChatTemplateError as exc:
+                result[k] = _RowError(_chat_reason(str(exc)), str(exc))
+                continue
+            items.append((messages, record.get("tools"), first))
+            encoded_at.append(k)
+        for k, encoded in zip(encoded_at, encoder.encode_batch(items)):
+            result[k] = _RowError(_chat_reason(str(encoded)), str(encoded)) \
+                if isinstance(encoded, ChatTemplateError) else encoded
+        return result
 
     def _prompt_completion(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
         prompt, completion = record.get("prompt"), record.get("completion")
@@ -190,14 +216,6 @@ class RowEncoder:
             if tokenizer.eos_token_id is not None:
                 completion_ids.append(tokenizer.eos_token_id)
             return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
-        if isinstance(prompt, list) and isinstance(completion, list):
-            encoder = self._chat_encoder()
-            try:
-                messages = normalize_messages(list(prompt) + list(completion), self.options.system_prompt)
-                first = len(messages) - len(completion)
-                return encoder.encode(messages, record.get("tools"), assistant_from=first)
-            except ChatTemplateError as exc:
-                raise _RowError(_chat_reason(str(exc)), str(exc)) from None
         raise _RowError("bad prompt/completion", "'prompt' and 'completion' must both be strings or both lists of "
                         f"messages, got {_describe(prompt)} and {_describe(completion)}")
 
@@ -246,6 +264,14 @@ def output_features() -> Any:
 def loss_token_count(labels: list[int]) -> int:
     """Positions ``t >= 1`` with a label (position 0 is never predicted by the shifted causal-LM loss)."""
     return len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
+
+
+def _is_chat(record: dict[str, Any]) -> bool:
+    """Whether a (non pre-tokenized) row is a conversation: ``messages``, or message-list prompt/completion."""
+    return record.get("input_ids") is None and (
+        record.get("messages") is not None
+        or (isinstance(record.get("prompt"), list) and isinstance(record.get("completion"), list))
+    )
 
 
 class _RowError(Exception):

@@ -89,8 +89,11 @@ class InMemorySamples(_LengthColumns):
 class ArrowSamples(_LengthColumns):
     """A ``SampleSource`` over rows ``rows`` of an Arrow table with ``input_ids``/``labels`` list columns.
 
-    ``lengths``/``loss_tokens`` are given (read once from the table's columns); ``fetch`` takes the
-    micro-batch's rows from the (memory-mapped) table, so only those samples become Python objects.
+    ``lengths``/``loss_tokens`` are given (the cache stores them as a memory-mapped index, so opening a
+    million-sample cache reads no column); ``fetch`` slices the micro-batch's rows out of the
+    (memory-mapped) table's flat value buffers, so only those samples become Python objects and a fetch
+    costs the same whatever the size of the table (``Table.take`` on a chunked list column concatenates
+    the chunks first, which would read the whole column for every micro-batch).
     """
 
     def __init__(self, table: pa.Table, rows: np.ndarray, lengths: np.ndarray, loss_tokens: np.ndarray):
@@ -98,24 +101,68 @@ class ArrowSamples(_LengthColumns):
             raise ValueError(f"{len(rows)} rows, {len(lengths)} lengths, {len(loss_tokens)} loss_tokens")
         self.table = table
         self.rows = np.asarray(rows, dtype=np.int64)
+        self._chunks = _ChunkedLists(table)
         super().__init__(lengths, loss_tokens)
 
     def __getitem__(self, index: int) -> Sample:
         return self.fetch([index])[0]
 
     def fetch(self, indices: Sequence[int]) -> list[Sample]:
-        import pyarrow as pa
-
-        if len(indices) == 0:
-            return []
-        taken = self.table.take(pa.array(self.rows[np.asarray(indices, dtype=np.int64)]))
-        input_ids = taken.column("input_ids").to_pylist()
-        labels = taken.column("labels").to_pylist()
-        return [Sample(tuple(ids), tuple(lab)) for ids, lab in zip(input_ids, labels)]
+        rows = self.rows[np.asarray(indices, dtype=np.int64)] if len(indices) else ()
+        return [Sample(*self._chunks.row(int(row))) for row in rows]
 
     def subset(self, indices: np.ndarray) -> ArrowSamples:
         indices = np.asarray(indices, dtype=np.int64)
-        return ArrowSamples(self.table, self.rows[indices], self._lengths[indices], self._loss[indices])
+        subset = ArrowSamples.__new__(ArrowSamples)
+        subset.table, subset.rows, subset._chunks = self.table, self.rows[indices], self._chunks
+        _LengthColumns.__init__(subset, self._lengths[indices], self._loss[indices])
+        return subset
+
+
+class _ChunkedLists:
+    """Row ``i`` of a table's ``input_ids``/``labels`` list columns, read from the chunks' flat buffers.
+
+    A chunk's offsets and values become numpy views (no copy: the pages stay the memory map's) the first
+    time one of its rows is read; a row is found by bisecting the chunks' first-row numbers.
+    """
+
+    COLUMNS = ("input_ids", "labels")
+
+    def __init__(self, table: pa.Table):
+        columns = [table.column(name) for name in self.COLUMNS]
+        sizes = [len(chunk) for chunk in columns[0].chunks]
+        if any([len(c) for c in column.chunks] != sizes for column in columns[1:]):  # not as the cache writes
+            table = table.combine_chunks()
+            columns = [table.column(name) for name in self.COLUMNS]
+            sizes = [len(chunk) for chunk in columns[0].chunks]
+        self._columns = columns
+        self._starts = np.cumsum([0, *sizes], dtype=np.int64)
+        self._views: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def _view(self, chunk: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        views = self._views.get(chunk)
+        if views is None:
+            views = []
+            for column in self._columns:
+                array = column.chunk(chunk)
+                views.append((_numpy_view(array.offsets), _numpy_view(array.values)))
+            self._views[chunk] = views
+        return views
+
+    def row(self, row: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(input_ids, labels)`` of table row ``row``."""
+        chunk = int(np.searchsorted(self._starts, row, side="right")) - 1
+        local = row - int(self._starts[chunk])
+        ids, labels = (tuple(values[offsets[local]:offsets[local + 1]].tolist())
+                       for offsets, values in self._view(chunk))
+        return ids, labels
+
+
+def _numpy_view(array: pa.Array) -> np.ndarray:
+    """An integer Arrow array (no nulls) as a numpy view of its data buffer (``Array.to_numpy`` would import
+    pandas, a second of start-up)."""
+    dtype = np.dtype(f"int{array.type.bit_width}")
+    return np.frombuffer(array.buffers()[1], dtype=dtype)[array.offset : array.offset + len(array)]
 
 
 def as_source(samples: SampleSource | Sequence[Sample]) -> SampleSource:

@@ -32,7 +32,7 @@ from trainbridge.modeling import (
     model_supports_padding_free,
     packed_row_tokens,
 )
-from trainbridge.modeling.load import load_model, load_tokenizer
+from trainbridge.modeling.load import load_model, load_tokenizer, loads_on_rank0_only
 from trainbridge.parallel.engine import TrainingEngine, build_engine
 
 if TYPE_CHECKING:
@@ -89,9 +89,15 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     transformers.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
-    model = load_model(args)
+    # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
+    from_rank0 = loads_on_rank0_only(args, env.world_size)
+    model = load_model(args, skeleton=from_rank0 and not env.is_world_process_zero)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    padded = use_padded_batches(model, args)
+    padded = use_padded_batches(model, args, probe=not (from_rank0 and not env.is_world_process_zero))
+    if from_rank0:  # collective: the attention rank 0's probe chose (a skeleton cannot run the probe)
+        chosen = env.broadcast_object(model.config._attn_implementation)
+        if model.config._attn_implementation != chosen:
+            model.set_attn_implementation(chosen)
     loss_implementation = resolve_loss_implementation(args.loss_implementation, env.device)
     install_loss_head(model, loss_implementation, args.loss_chunk_tokens)
     collate = _collate_fn(model, tokenizer, padded, args.data_collator)
@@ -115,7 +121,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
     flops_params = flops_parameters(model)
-    engine = build_engine(model, args, env, total_steps=max_steps)
+    engine = build_engine(model, args, env, total_steps=max_steps, weights_from_rank0=from_rank0)
     engine.verify()
     logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
     return RunComponents(
@@ -130,15 +136,16 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     )
 
 
-def use_padded_batches(model: PreTrainedModel, args: TrainingArgs) -> bool:
+def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool = True) -> bool:
     """Padded or padding-free batches for ``model`` under ``args.packing``; registers the per-sample
-    varlen attention when padding-free rows will use it."""
+    varlen attention when padding-free rows will use it (``probe=False``: without the start-up probe,
+    for a meta-device skeleton that takes rank 0's probed choice afterwards)."""
     supported = model_supports_padding_free(model)
     if args.packing == "padding_free" and not supported:
         raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
     padded = args.packing == "padded" or (args.packing == "auto" and not supported)
     padded = padded or args.data_collator is not None  # a user's collator pads
-    if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len):
+    if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len, probe=probe):
         logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
     return padded
 

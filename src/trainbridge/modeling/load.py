@@ -14,6 +14,7 @@ export: base + adapter folder -> ``merge_and_unload`` -> Hugging Face layout).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from pathlib import Path
@@ -57,16 +58,32 @@ def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(args: TrainingArgs) -> PreTrainedModel:
+def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
+    """Whether rank 0 alone reads the weights and the other ranks build a meta-device skeleton
+    (``fsdp_load_on_rank0``): FSDP2 with several ranks, a plain ``model_path`` model (no ``model_init``,
+    no PEFT adapter or ``peft_config``, not quantized).  The same answer on every rank."""
+    return (
+        args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
+        and args.model_init is None and args.peft_config is None and args.model_path is not None
+        and peft_adapter_base(args.model_path) is None and not args.model_kwargs.quantized()
+    )
+
+
+def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
     """The model to train, built in this worker: loaded (or ``model_init``), gradient checkpointing on,
     PEFT adapter applied.  Not yet moved to a device or wrapped.  Typed as a ``PreTrainedModel``: a
-    ``PeftModel`` offers the same interface the engines and checkpoints use (``save_pretrained``, ``config``)."""
+    ``PeftModel`` offers the same interface the engines and checkpoints use (``save_pretrained``, ``config``).
+
+    ``skeleton`` (ranks other than 0 when ``loads_on_rank0_only``): the same model built from its config
+    on the meta device, no weight read; the engine materialises it and fills it from rank 0."""
     if args.model_init is not None:
         model = call_model_init(args.model_init)
     else:
         assert args.model_path is not None  # validated: model_path or model_init
         base = peft_adapter_base(args.model_path)
-        if base is None:
+        if skeleton:
+            model = build_skeleton(args.model_path, args.model_kwargs)
+        elif base is None:
             model = load_base_model(args.model_path, args.model_kwargs)
         else:
             model = load_adapter(load_base_model(base, args.model_kwargs), args.model_path, trainable=True)
@@ -106,6 +123,30 @@ def load_base_model(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedMo
 
     # Absolute, so adapter_config.json of every checkpoint names a base model that loads from any folder.
     return AutoModelForCausalLM.from_pretrained(str(Path(path).resolve()), **model_kwargs.from_pretrained_kwargs())
+
+
+def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
+    """The model of ``path`` built from its ``config.json`` on the meta device (no weights read, no memory):
+    the same classes, parameter names, shapes and dtype as ``load_base_model`` gives, for a rank that
+    receives its weights from rank 0 (``parallel.engine``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = model_kwargs.from_pretrained_kwargs()
+    config = AutoConfig.from_pretrained(str(Path(path).resolve()), trust_remote_code=model_kwargs.trust_remote_code)
+    dtype = kwargs.pop("dtype")
+    if dtype == "auto":  # as saved, as from_pretrained reads it
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    build_kwargs = {k: kwargs[k] for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **build_kwargs)
+    model.eval()  # as from_pretrained returns it
+    if model.can_generate():
+        from transformers import GenerationConfig
+
+        with contextlib.suppress(OSError):  # as from_pretrained: the saved generation config, if any
+            model.generation_config = GenerationConfig.from_pretrained(str(Path(path).resolve()))
+    return cast("PreTrainedModel", model)
 
 
 def load_adapter(base: nn.Module, adapter_dir: Path, trainable: bool) -> nn.Module:

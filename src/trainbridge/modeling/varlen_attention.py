@@ -180,13 +180,14 @@ def register_varlen_sdpa() -> None:
     AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
 
 
-def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
+def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int, probe: bool = True) -> bool:
     """Switch ``model`` from ``sdpa`` to ``VARLEN_SDPA`` when that gives the same results; say whether.
 
     Left as it is (``False``): any attention implementation other than sdpa, a model that does not
     keep packed samples apart, sliding-window or chunked attention that could act within
     ``max_seq_len``, or a probe (one packed row of three samples, evaluation mode, no gradient) whose
-    logits differ between the two implementations.
+    logits differ between the two implementations.  ``probe=False`` skips the probe (a meta-device
+    skeleton has no weights to run it with; its caller then takes the probed choice of rank 0).
     """
     model = unwrap_peft(model)
     if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
@@ -194,7 +195,7 @@ def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int) -> bool:
     if not model_supports_padding_free(model) or _has_local_attention(model.config, max_seq_len):
         return False
     register_varlen_sdpa()
-    if not _probe_matches(model):
+    if probe and not _probe_matches(model):
         logger.warning("varlen sdpa: %s gives different logits than sdpa; keeping sdpa", type(model).__name__)
         return False
     model.set_attn_implementation(VARLEN_SDPA)

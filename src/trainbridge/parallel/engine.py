@@ -317,10 +317,13 @@ class FSDP2Engine(TrainingEngine):
 
     kind = "fsdp"
 
-    def __init__(self, *args: Any, sharded_modules: int, mixed_precision_policy: bool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sharded_modules: int, mixed_precision_policy: bool,
+                 weights_from_rank0: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sharded_modules = sharded_modules
         self.mixed_precision_policy = mixed_precision_policy
+        self.weights_from_rank0 = weights_from_rank0
+        """The weights were read on rank 0 only and broadcast into the shards (``fsdp_load_on_rank0``)."""
         self.sync_every_micro_batch = self.args.fsdp_gradient_sync == "every_micro_batch"
 
     def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
@@ -391,7 +394,8 @@ class FSDP2Engine(TrainingEngine):
         precision = ", bf16 MixedPrecisionPolicy (fp32 reduce)" if self.mixed_precision_policy else ""
         sync = "reduce-scatter every micro-batch" if self.sync_every_micro_batch else "reduce-scatter per step"
         return (f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules, {sync}, "
-                f"reshard_after_forward={self.args.fsdp_reshard_after_forward}{precision}")
+                f"reshard_after_forward={self.args.fsdp_reshard_after_forward}{precision}"
+                f"{', weights read on rank 0 and broadcast' if self.weights_from_rank0 else ''}")
 
     def _verify_wrapper(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -536,9 +540,14 @@ class DeepSpeedEngine(TrainingEngine):
 
 
 # ====================================================================== builder
-def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int) -> TrainingEngine:
+def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
+                 weights_from_rank0: bool = False) -> TrainingEngine:
     """Move ``model`` to ``env.device``, wrap it for ``args.distributed_backend``, and create AdamW (no decay
-    on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps."""
+    on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps.
+
+    ``weights_from_rank0`` (FSDP2 only, every rank passes the same value): rank 0's ``model`` holds the
+    weights, the other ranks' ``model`` is a meta-device skeleton of it (``modeling.load.build_skeleton``);
+    after ``fully_shard`` rank 0 broadcasts every shard and buffer (``_fill_from_rank0``)."""
     decay_names = decay_parameter_names(model)
     backend = args.distributed_backend
     if args.compile:
@@ -550,7 +559,9 @@ def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv
     if backend == "ddp":
         return _build_ddp(model, args, env, total_steps, decay_names)
     if backend == "fsdp":
-        return _build_fsdp(model, args, env, total_steps, decay_names)
+        return _build_fsdp(model, args, env, total_steps, decay_names, weights_from_rank0)
+    if weights_from_rank0:
+        raise ValueError(f"weights_from_rank0: only FSDP2 fills a skeleton from rank 0, not {backend}")
     return _build_deepspeed(model, args, env, total_steps, decay_names)
 
 
@@ -619,7 +630,7 @@ def fsdp_unit_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
 
 
 def _build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
-                decay_names: set[str]) -> FSDP2Engine:
+                decay_names: set[str], weights_from_rank0: bool = False) -> FSDP2Engine:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -632,16 +643,58 @@ def _build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv,
     if use_mp_policy:
         # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
     groups = fsdp_unit_groups(model)
     for i, (_, modules) in enumerate(groups):
         # The last unit's backward follows its forward at once: keep its parameters gathered.
         reshard = args.fsdp_reshard_after_forward and i < len(groups) - 1
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=args.fsdp_reshard_after_forward, **kwargs)
+    if weights_from_rank0:
+        _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
     optimizer = build_optimizer(model, args, decay_names)
     return FSDP2Engine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env,
-                       sharded_modules=len(groups) + 1, mixed_precision_policy=use_mp_policy)
+                       sharded_modules=len(groups) + 1, mixed_precision_policy=use_mp_policy,
+                       weights_from_rank0=weights_from_rank0)
+
+
+def _tensor_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of every parameter and buffer (duplicates of tied weights included)."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+
+
+def _rank0_full_state(model: nn.Module, env: DistributedEnv) -> dict[str, torch.Tensor] | None:
+    """Before ``fully_shard``: rank 0's full state dict (references, no copy), None elsewhere, after
+    checking that every rank's model (a skeleton off rank 0) has rank 0's tensors (collective)."""
+    layout = _tensor_layout(model)
+    expected = env.broadcast_object(layout)  # collective: rank 0's names, shapes and dtypes
+    if layout != expected:
+        differing = sorted(set(layout) ^ set(expected))[:5]
+        raise RuntimeError(f"rank {env.rank}: the model built from the config differs from rank 0's loaded model "
+                           f"(first differences: {differing}); set fsdp_load_on_rank0=False")
+    if not env.is_world_process_zero:
+        if not all(t.is_meta for t in model.parameters()):
+            raise RuntimeError(f"rank {env.rank}: weights_from_rank0 expects a meta-device skeleton off rank 0")
+        return None
+    return model.state_dict()
+
+
+def _fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, env: DistributedEnv) -> None:
+    """After ``fully_shard``: allocate the skeleton ranks' shards and buffers on the device, then
+    broadcast rank 0's weights into every rank's shards (``set_model_state_dict`` with
+    ``broadcast_from_rank0``, one tensor at a time: no rank holds more than one full tensor it does not
+    own) and every buffer, persistent or not (rotary ``inv_freq`` is not in the state dict).  Tied
+    weights are one parameter and stay one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not env.is_world_process_zero:
+        model.to_empty(device=env.device)
+    set_model_state_dict(model, cast(dict[str, Any], full_state or {}),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)  # collective: one per buffer (a handful: rotary frequencies)
 
 
 DEEPSPEED_BUCKET_ELEMENTS = 200_000_000

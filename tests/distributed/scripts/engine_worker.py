@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.modeling.load import build_skeleton
 from trainbridge.parallel.engine import TrainingEngine, build_engine
 
 STEPS = 3
@@ -88,6 +89,36 @@ def local_full_weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     }
 
 
+def check_weights_from_rank0(model_dir: Path, args: TrainingArgs, env: DistributedEnv, every_rank: TrainingEngine,
+                             batches: list[list[torch.Tensor]], global_tokens: int, total_steps: int,
+                             step: bool = False) -> dict[str, Any]:
+    """FSDP2 built from rank 0's weights (the other ranks from a meta skeleton) vs ``every_rank`` (every rank
+    loaded them): parameters, buffers, tied weights, and (``step``: on both, once) a step's loss."""
+    model = (AutoModelForCausalLM.from_pretrained(model_dir) if env.is_world_process_zero
+             else build_skeleton(model_dir, args.model_kwargs))
+    skeleton_was_meta = all(p.is_meta for p in model.parameters())
+    engine = build_engine(model, args, env, total_steps, weights_from_rank0=True)
+    unwrapped = engine.unwrapped
+    found: dict[str, Any] = {
+        "skeleton_was_meta": skeleton_was_meta,
+        "param_max_diff": max_diff(local_full_weights(engine), local_full_weights(every_rank)),
+        "buffer_max_diff": max(float((a - b).abs().max()) for a, b in
+                               zip(unwrapped.buffers(), every_rank.unwrapped.buffers(), strict=True)),
+        "tied": unwrapped.get_output_embeddings().weight is unwrapped.get_input_embeddings().weight,
+        "tied_in_reference": (every_rank.unwrapped.get_output_embeddings().weight
+                              is every_rank.unwrapped.get_input_embeddings().weight),
+    }
+    if step:
+        ce, norm = train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
+        reference_ce, reference_norm = train_step(every_rank, batches[env.rank], global_tokens, env.world_size,
+                                                  args.max_grad_norm)
+        found["loss"] = env.sum_floats([ce])[0]
+        found["reference_loss"] = env.sum_floats([reference_ce])[0]
+        found["norm"], found["reference_norm"] = norm, reference_norm
+        found["after_step_max_diff"] = max_diff(local_full_weights(engine), local_full_weights(every_rank))
+    return found
+
+
 def sha(weights: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(weights):
@@ -147,6 +178,21 @@ def main(spec: dict[str, Any]) -> None:
         result["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
         full_numel = sum(p.numel() for p in params)
         result["local_shard_fraction"] = sum(p.to_local().numel() for p in params) / full_numel
+
+    if engine.kind == "fsdp":
+        result["from_rank0"] = [check_weights_from_rank0(Path(spec["model_dir"]), args, env, engine, batches,
+                                                         global_tokens, total_steps)]
+        tied_dir = out_dir / "tied_model"
+        if env.is_world_process_zero:
+            config = AutoConfig.from_pretrained(spec["model_dir"])
+            config.tie_word_embeddings = True
+            torch.manual_seed(1)
+            AutoModelForCausalLM.from_config(config).save_pretrained(tied_dir)
+        env.barrier()
+        torch.manual_seed(0)
+        tied = build_engine(AutoModelForCausalLM.from_pretrained(tied_dir), args, env, total_steps)
+        result["from_rank0"].append(check_weights_from_rank0(tied_dir, args, env, tied, batches, global_tokens,
+                                                             total_steps, step=True))
 
     # Single-process reference: all ranks' micro-batches through one plain model.
     reference = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, DistributedEnv(),
