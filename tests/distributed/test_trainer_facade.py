@@ -72,6 +72,9 @@ def _check_against_reference(ours: dict, reference: dict) -> None:
               f"predict {key}: {ours['predict'][key]} != {reference['predict'][key]}")
     missing = sorted(set(reference["checkpoint_files"]) - set(ours["checkpoint_files"]))
     check(not missing, f"checkpoint files missing: {missing}")
+    # evaluate()/predict() after training: the script's callbacks get Trainer's events, rank 0's state on rank 0
+    check(ours["events_after_training"] == reference["events_after_training"],
+          f"events after training {ours['events_after_training']} != {reference['events_after_training']}")
     missing = sorted(set(reference["final_files"]) - set(ours["final_files"]))
     check(not missing, f"save_model files missing: {missing}")
     assert not problems, problems

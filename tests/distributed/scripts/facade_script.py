@@ -19,6 +19,7 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     EarlyStoppingCallback,
+    TrainerCallback,
     TrainingArguments,
 )
 
@@ -63,6 +64,29 @@ def compute_metrics(eval_pred):
             "row_checksum": float(np.sum(np.arange(len(first)) * np.array(first)))}
 
 
+class EventsAfterTraining(TrainerCallback):
+    """The on_log / on_evaluate / on_predict calls this process's instance gets once ``recording`` is set (after
+    train(): Trainer's evaluate() logs and fires on_evaluate, predict() fires on_predict), with the state's
+    is_world_process_zero."""
+
+    def __init__(self):
+        self.recording, self.events = False, []
+
+    def _record(self, name, state, values):
+        if self.recording:
+            self.events.append([name, state.is_world_process_zero, sorted(k for k in values if k != "epoch")])
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._record("on_log", state, logs)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self._record("on_evaluate", state, metrics)
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        self._record("on_predict", state, metrics)
+
+
+after_training = EventsAfterTraining()
 args = TrainingArguments(
     output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
     learning_rate=3e-3, lr_scheduler_type="constant", num_train_epochs=2, logging_steps=2,
@@ -77,9 +101,10 @@ trainer = Trainer(
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
-    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
+    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0), after_training],
 )
 result = trainer.train()
+after_training.recording = True
 metrics = trainer.evaluate()
 prediction = trainer.predict(val)
 trainer.save_model(str(out / "final"))
@@ -95,6 +120,7 @@ if trainer.is_world_process_zero():
         "final_files": sorted(f.name for f in (out / "final").iterdir()),
         "predict": {"shape": list(prediction.predictions.shape), "metrics": sorted(prediction.metrics),
                     "labels_rows": len(prediction.label_ids)},
+        "events_after_training": after_training.events,
         "state": {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
                   "epoch": trainer.state.epoch},
         "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
