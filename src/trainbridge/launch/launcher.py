@@ -334,11 +334,13 @@ def run_training(
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
     dry_run: bool = False,
+    torch_args: TorchrunArgs | Mapping[str, Any] | None = None,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
     ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
-    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart).
+    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart), and its
+    keyword ``torch_args=``.
     Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
     place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
@@ -352,6 +354,10 @@ def run_training(
     ``dry_run``: the workers build the run (model, data, engine), rank 0 prints its plan, and nothing is
     trained; returns None.
     """
+    if torch_args is not None:  # instructlab's keyword: run_training(torch_args=..., train_args=...)
+        if torchrun_args is not None:
+            raise TypeError("run_training: give torchrun_args or torch_args (instructlab's name), not both")
+        torchrun_args = torch_args
     if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
         train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
     if train_args is None:
