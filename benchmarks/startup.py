@@ -68,7 +68,7 @@ class PhaseClock(Callback):
 '''
 
 CLI_WRAPPER = '''
-import sys, time, json
+import atexit, sys, time, json
 t0 = time.time()
 import trainbridge.cli as cli
 import trainbridge.launch.launcher as launcher
@@ -78,10 +78,10 @@ def popen(*args, **kwargs):
     stamps["torchrun_start"] = time.time()
     return _popen(*args, **kwargs)
 launcher.subprocess.Popen = popen
-code = cli.main(sys.argv[2:])
-stamps["end"] = time.time()
-open(sys.argv[1], "w").write(json.dumps(stamps))
-sys.exit(code)
+stamps_file = sys.argv[1]
+atexit.register(lambda: open(stamps_file, "w").write(json.dumps(dict(stamps, end=time.time()))))
+sys.argv = ["trainbridge", *sys.argv[2:]]
+sys.exit(cli.main())  # as the console script runs it: main() reads sys.argv and ends the process
 '''
 
 TRAINER_JOB = '''
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir = options.workdir.resolve()
     paths = _prepare(workdir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load_before = os.getloadavg()
     runs: dict[str, list[dict[str, float]]] = {"trainbridge train": [], "torchrun + Trainer": []}
     imports: dict[str, list[float]] = {"trainbridge worker imports": [], "Trainer script imports": [],
                                        "trainbridge train --help": []}
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                          "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
                          "    c.main(['train', '--help'])"))
     print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
-          f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"- python {platform.python_version()}; {options.repeats} interleaved repetitions; median (min..max) s\n")
     phases = list(runs["trainbridge train"][0])
     print(f"| phase | {' | '.join(runs)} |\n|---|{'---|' * len(runs)}")

@@ -275,7 +275,22 @@ def _control(options: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``trainbridge`` command; returns the exit code."""
+    """Entry point of the ``trainbridge`` command; returns the exit code.
+
+    Without ``argv`` it is the program itself (the console script, ``python -m trainbridge``): it reads
+    ``sys.argv`` and ends the process when the command is done (``launch.process_exit.exit_now``: exit
+    handlers run and the streams are flushed, the interpreter's slow teardown of torch and transformers
+    is skipped).  With ``argv`` (tests, embedding) it returns the exit code.
+    """
+    code = _run_command(argv)
+    if argv is None:
+        from trainbridge.launch.process_exit import exit_now
+
+        exit_now(code)
+    return code
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
     options = _parser().parse_args(argv)
     if options.command == "plot":
         return _plot(options)

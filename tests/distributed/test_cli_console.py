@@ -108,9 +108,11 @@ def test_dry_run_plan_matches_the_config_and_trains_nothing(project):
             f"max_seq_len={MAX_SEQ_LEN}, 2 without loss tokens") in plan
     assert f"{total:,} in {len(LENGTHS)} samples; length mean {total / len(LENGTHS):.1f}, max {max(LENGTHS)}" in plan
     assert f"{steps} per epoch, {2 * steps} in total over 2 epochs" in plan
-    assert re.search(r"effective batch: +8 samples, ~", plan)
+    assert re.search(rf"effective batch: +8 samples, ~{total / steps:,.0f} tokens per step \(all ranks\)", plan)
     assert re.search(r"parallelism: +ddp, world size 2 \(gloo, cpu\)", plan)
     assert re.search(rf"metrics: +{re.escape(str(folder / 'out' / 'metrics.jsonl'))}", plan)
+    checkpoints = re.escape(str(folder / "out" / "checkpoint-"))
+    assert re.search(rf"checkpoints: +{checkpoints}<step> \(save_strategy=no\)", plan)
     assert out.count("trainbridge: run plan") == 1
     assert "resolved configuration" in out and "max_seq_len: 32" in out and "nothing was trained" in out
     assert not (folder / "out" / "metrics.jsonl").exists() and not list((folder / "out").glob("checkpoint-*"))
@@ -155,3 +157,11 @@ def test_a_worker_error_is_reported_with_its_root_cause_and_single_rank_prefixes
     assert "[rank1]: [rank1]" not in text
     final = [line for line in proc.stderr.splitlines() if line.startswith("trainbridge: training failed")]
     assert len(final) == 1 and "rank 1" in final[0] and "ValueError: boom-on-rank-1" in final[0], text
+    # torchrun's own report (its log lines, the ChildFailedError "Root Cause" summary) is in the run's launch
+    # log, which the error names, not on the console
+    for torchrun_text in ("multiprocessing/api.py", "failed (exitcode", "Root Cause", "worker group failed"):
+        assert torchrun_text not in text, torchrun_text
+    log = folder / "out" / "logs" / "launch.log"
+    assert f"Full log (torchrun's own report, every rank's error): {log}" in proc.stderr, text
+    logged = log.read_text()
+    assert "Root Cause (first observed failure)" in logged and "boom-on-rank-1" in logged

@@ -130,6 +130,26 @@ def test_help_imports_neither_torch_nor_pydantic():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_program_ends_its_process_at_once_keeping_exit_handlers_and_output(tmp_path):
+    """``main()`` run as the program (no argv) leaves through ``exit_now``: the exit code is the command's,
+    exit handlers ran and buffered output was flushed, and nothing after ``main()`` runs (the interpreter's
+    slow teardown of torch and transformers is skipped)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('exit handler ran'))\n"
+            "from trainbridge.cli import main\n"
+            f"sys.argv = ['trainbridge', 'plot', {str(tmp_path / 'no-such-run')!r}]\n"
+            "print('buffered before the end')\n"
+            "main()\n"
+            "print('after main')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == cli.EXIT_INVALID, done.stderr
+    assert done.stdout.splitlines() == ["buffered before the end", "exit handler ran"]
+    assert "no-such-run" in done.stderr
+
+
 def test_torchrun_spelling_of_nproc_per_node_is_accepted(config, launches):
     assert cli.main(["train", str(config), "--nproc_per_node", "3", "--master_port", "29998"]) == 0
     assert launches.calls[0][1] == TorchrunArgs(nproc_per_node=3, master_port=29998)

@@ -147,6 +147,28 @@ def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fiel
     assert config.per_device_train_batch_size == 2  # the user's object is left alone
 
 
+def test_every_checkpoint_holds_training_args_bin_when_ported_from_training_arguments(args_for, sft_config):
+    """As ``Trainer._save_checkpoint``: ``training_args.bin`` (the callbacks' TrainingArguments, torch.save) in
+    every checkpoint of a run ported from TrainingArguments; a run of native settings writes none."""
+    config = sft_config(max_length=77, max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1,
+                        bf16=False, learning_rate=3e-3, lr_scheduler_type="constant")
+    base = args_for()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HFPortingWarning)
+        args = training_args_from_hf(config, model_path=base.model_path, data_path=base.data_path,
+                                     max_seq_len=32, max_batch_len=64, effective_batch_size=8, disable_tqdm=True,
+                                     callbacks=[TrainerCallback()])
+    run(args)
+    for step in (1, 2):
+        saved = torch.load(args.ckpt_output_dir / f"checkpoint-{step}" / "training_args.bin", weights_only=False)
+        assert type(saved) is SFTConfig and saved.max_length == 77 and saved.output_dir == config.output_dir
+    native = args_for(max_steps=1, save_strategy="steps", save_steps=1, callbacks=[TrainerCallback()],
+                      ckpt_output_dir=base.ckpt_output_dir.parent / "native")
+    run(native)
+    assert (native.ckpt_output_dir / "checkpoint-1" / "trainer_state.json").is_file()
+    assert not (native.ckpt_output_dir / "checkpoint-1" / "training_args.bin").exists()
+
+
 def test_a_default_trl_config_ports_without_warnings(sft_config, args_for):
     base = args_for()
     with warnings.catch_warnings(record=True) as caught:

@@ -203,6 +203,32 @@ def test_worker_failure_names_rank_error_and_traceback(train_args, fake_torchrun
     assert 'File "loop.py", line 9' in str(error)
 
 
+def test_failure_names_the_launch_log_holding_torchrun_report_and_every_traceback(train_args, fake_torchrun):
+    def fails_and_logs(fake):
+        with open(fake.env["TRAINBRIDGE_LAUNCH_LOG"], "a") as log:  # what the agent sends there
+            log.write("E torch.distributed.elastic: failed (exitcode: 1) local_rank: 1\n")
+        return _fail_with_error_files(fake)
+
+    fake_torchrun.outcome = fails_and_logs
+    with pytest.raises(WorkerFailedError) as info:
+        run_training(train_args, TorchrunArgs(nproc_per_node=2))
+    log = Path(train_args["ckpt_output_dir"]) / "logs" / "launch.log"
+    assert info.value.log_file == str(log)
+    assert str(info.value).startswith("training failed on rank 1 (exit code 1): ValueError: bad batch on purpose")
+    assert str(info.value).endswith(f"Full log (torchrun's own report, every rank's error): {log}")
+    text = log.read_text()
+    assert "trainbridge launch: torchrun --nnodes 1 --nproc-per-node 2" in text
+    assert text.index("failed (exitcode: 1) local_rank: 1") < text.index("trainbridge: training failed on rank 1")
+    assert 'File "loop.py", line 9' in text
+
+
+def test_a_dry_run_writes_no_launch_log(train_args, fake_torchrun):
+    fake_torchrun.outcome = lambda fake: 0
+    assert run_training(train_args, TorchrunArgs(nproc_per_node=2), dry_run=True) is None
+    assert "TRAINBRIDGE_LAUNCH_LOG" not in fake_torchrun.launches[0].env
+    assert not (Path(train_args["ckpt_output_dir"]) / "logs").exists()
+
+
 def test_failure_before_record_is_read_from_teed_stderr(train_args, fake_torchrun):
     def import_error(fake):
         rank_dir = fake.log_dir / "none_abc" / "attempt_0" / "1"

@@ -262,15 +262,45 @@ def test_trl_config_max_length_becomes_max_seq_len(tmp_path: Path) -> None:
     assert _ported(tmp_path, hf, max_batch_len=128).max_seq_len == 64
 
 
-def test_instructlab_field_names_get_our_names(tmp_path: Path) -> None:
+def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
+    """instructlab-training's README TrainingArgs(...) validates with its names: exact equivalents are translated
+    (one warning each), data_output_dir is dropped; names needing a decision fail naming ours."""
     import pydantic
+
+    from trainbridge.core.instructlab_names import InstructlabNameWarning
 
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    with pytest.raises(pydantic.ValidationError, match=r"random_seed: use seed=.*is_padding_free: use packing="):
-        TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", random_seed=1,
-                     is_padding_free=True)
+    base = dict(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
+    with pytest.warns(InstructlabNameWarning, match="random_seed is instructlab-training's name: use seed="):
+        args = TrainingArgs(**base, random_seed=1, is_padding_free=True, num_warmup_steps=5,
+                            data_output_dir=str(tmp_path / "x"), keep_last_checkpoint_only=True)
+    assert (args.seed, args.packing, args.warmup_steps, args.save_total_limit) == (1, "padding_free", 5, 1)
+    with pytest.raises(pydantic.ValidationError, match=r"lora: use peft_config=.*mock_data: use nothing"):
+        TrainingArgs(**base, lora={"rank": 4}, mock_data=True)
+    with pytest.raises(pydantic.ValidationError, match=r"random_seed .* and seed .* are both given; keep only seed"):
+        TrainingArgs(**base, random_seed=1, seed=2)
+
+
+def test_run_training_takes_instructlabs_torch_args_keyword(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+
+    def stop(args: TrainingArgs) -> None:
+        seen.append(args)
+        raise launcher.PreflightError("stop here")
+
+    monkeypatch.setattr(launcher, "preflight", stop)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = TrainingArgs(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
+    with pytest.raises(launcher.PreflightError):
+        launcher.run_training(torch_args=TorchrunArgs(nproc_per_node=2), train_args=args)
+    assert seen == [args]
+    with pytest.raises(TypeError, match="not both"):
+        launcher.run_training(args, TorchrunArgs(), torch_args=TorchrunArgs())
 
 
 # ---------------------------------------------------------------------------- in place, one rank
@@ -299,18 +329,28 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     # set after TrainingArguments, which would otherwise start accelerate's process group for this test
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(name, value)
+    recorder = EventRecorder()
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
-                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics)
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics,
+                      callbacks=[recorder])
     untrained = trainer.evaluate()  # standalone, before any training
     assert untrained["eval_rows"] == 5 and "eval_loss" in untrained
+    assert [name for name, *_ in recorder.events] == ["on_log", "on_evaluate"]  # as Trainer.evaluate()
+    assert recorder.events[-1][1]["eval_rows"] == 5 and recorder.events[-1][2]  # rank 0's state
     out = trainer.train()
     assert out.global_step == 3 and out.training_loss > 0
     assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model trained
     assert trainer.state.global_step == 3 and any("eval_rows" in e for e in trainer.state.log_history)
-    assert trainer.evaluate()["eval_rows"] == 5
+    recorder.events.clear()
+    logged = len(trainer.state.log_history)
+    assert trainer.evaluate()["eval_rows"] == 5  # in place on the run's own set: the loop fires the events
+    assert len(trainer.state.log_history) == logged + 1  # one log entry, as Trainer.evaluate()
+    assert [name for name, *_ in recorder.events] == ["on_log", "on_evaluate"]
+    assert isinstance(recorder.events[-1][3], TrainingArguments) and recorder.events[-1][1]["epoch"] > 0
     prediction = trainer.predict(val)
     assert prediction.label_ids.shape[0] == 5 and "test_rows" in prediction.metrics
+    assert recorder.events[-1][:2] == ("on_predict", prediction.metrics)
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
@@ -359,18 +399,80 @@ def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops
     assert "total_flos" not in _train_metrics(history, disable_tqdm=True)
 
 
-def test_evaluate_reports_the_trainers_epoch_not_the_evaluation_jobs(tiny: Any, tmp_path: Path) -> None:
-    """run_clm.py under ``python`` evaluates after training in a separate job (epoch 0.0 there); Trainer
-    reports ``state.epoch`` (0 before any training, as a fresh ``TrainerState``)."""
+class EventRecorder(transformers.TrainerCallback):
+    """The events a TrainerCallback receives, with what state and args it is handed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any], bool, Any]] = []
+
+    def _record(self, name: str, args: Any, state: Any, values: Any) -> None:
+        self.events.append((name, dict(values or {}), state.is_world_process_zero, args))
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self._record("on_log", args, state, logs)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._record("on_evaluate", args, state, metrics)
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._record("on_predict", args, state, metrics)
+
+
+def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside training, Trainer's evaluate() logs (epoch: the trainer's state's, not the evaluation job's 0.0;
+    log_history; on_log) then fires on_evaluate; predict() fires on_predict; a dict evaluates each set. The
+    script's callbacks get the Trainer's args and state (rank 0 here: is_world_process_zero True)."""
     model, tok = tiny
-    trainer = Trainer(model=model, args=_hf_args(tmp_path), processing_class=tok)
-    fresh = {"loss": 1.0, "epoch": 0.5}
-    trainer._log_evaluation(fresh)
-    assert fresh["epoch"] == 0
+    recorder = EventRecorder()
+    args = _hf_args(tmp_path)
+    trainer = Trainer(model=model, args=args, processing_class=tok, callbacks=[recorder])
+    job = {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.0}
+    monkeypatch.setattr(trainer, "_evaluate_job", lambda dataset, keep_predictions: (
+        dict(job), PredictionCollectorResult() if keep_predictions else None))
     trainer.state.epoch = 0.6667
-    after = {"loss": 1.0, "epoch": 0.0}
-    trainer._log_evaluation(after)
-    assert after["epoch"] == 0.6667 and trainer.state.log_history[-1]["epoch"] == 0.6667
+    trainer.state.global_step = 6
+    metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2]}])
+    assert metrics == {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.6667}
+    assert trainer.state.log_history[-1] == {**metrics, "step": 6}
+    assert [(name, values) for name, values, _, _ in recorder.events] == [("on_log", metrics), ("on_evaluate", metrics)]
+    assert all(zero and hf_args is args for _, _, zero, hf_args in recorder.events)
+    recorder.events.clear()
+    both = trainer.evaluate(eval_dataset={"a": [{"input_ids": [1]}], "b": [{"input_ids": [2]}]})
+    assert set(both) == {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_runtime", "epoch"}
+    assert [(name, sorted(values)) for name, values, _, _ in recorder.events] == [
+        (hook, ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime"]) for s in "ab" for hook in ("on_log", "on_evaluate")]
+    recorder.events.clear()
+    output = trainer.predict([{"input_ids": [1, 2]}])
+    assert output.metrics == {"test_loss": 2.0, "test_runtime": 0.1}
+    assert [(name, values) for name, values, _, _ in recorder.events] == [("on_predict", output.metrics)]
+    recorder.events.clear()
+    trainer.log({"custom": 1.0})  # Trainer.log outside training: epoch added, on_log fired
+    assert recorder.events[0][:2] == ("on_log", {"custom": 1.0, "epoch": 0.6667})
+
+
+class PredictionCollectorResult:
+    predictions = np.zeros((1, 2))
+    label_ids = np.zeros((1, 2))
+
+
+def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: Path) -> None:
+    """During training a dict ``eval_dataset`` is evaluated set by set (``eval_data_paths``), as Trainer does;
+    one dataset stays ``val_data_path``."""
+    model, tok = tiny
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [2, 3, 4, 5]]})
+    args = _hf_args(tmp_path, eval_strategy="steps", eval_steps=1, metric_for_best_model="b_loss", max_steps=2)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset={"a": rows, "b": rows.select([0])},
+                      processing_class=tok)
+    write = trainer._prepare(1, None)
+    write()
+    ported = trainer._build_args()
+    assert ported.val_data_path is None and list(ported.eval_data_paths) == ["a", "b"]
+    assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4
+    single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
+    single._prepare(1, None)()
+    assert single._build_args().val_data_path is not None and single._build_args().eval_data_paths == {}
 
 
 def test_state_after_training_keeps_the_last_checkpoints_stateful_callbacks(tiny: Any, tmp_path: Path) -> None:

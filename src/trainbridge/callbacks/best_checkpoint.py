@@ -5,6 +5,7 @@ Trainer, whose ``_determine_best_metric`` runs after ``on_evaluate``).  Requests
 best under ``save_strategy='best'`` and records the best checkpoint (protected from rotation); with
 ``load_best_model_at_end`` the loop loads its weights before any ``on_train_end``
 (``TrainingLoop._load_best_model``, as ``Trainer._finalize_training``), so every callback sees them.
+With named validation sets (``eval_data_paths``) the metric is read at the ``on_evaluate`` of its own set.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class BestCheckpointTracker(Callback):
             return
         metrics = kwargs.get("metrics") or {}
         name = args.best_metric_name
+        owner = args.best_metric_eval_set
+        if owner is not None and f"eval_{owner}_loss" not in metrics:
+            return  # named validation sets: this on_evaluate is another set's (each has eval_<set>_loss)
         if name not in metrics:
             raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics "
                            f"{sorted(metrics)}")

@@ -111,11 +111,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
-             extra_files: dict[str, str] | None = None) -> Path:
+             extra_files: dict[str, str | bytes] | None = None) -> Path:
         """Write ``checkpoint-{global_step}`` atomically and return its path (collective).
 
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
-        JSON-serialisable; ``extra_files`` maps file names to text written beside it.
+        JSON-serialisable; ``extra_files`` maps file names to text (or bytes) written beside it.
         """
         final = checkpoint_dir(self.output_dir, global_step)
         tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
@@ -175,7 +175,7 @@ class CheckpointManager:
 
     def _write_rank_zero_files(self, engine: TrainingEngine, tokenizer: Any, tmp: Path,
                                full_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
-                               extra_files: dict[str, str]) -> None:
+                               extra_files: dict[str, str | bytes]) -> None:
         if full_state is None:
             raise CheckpointError(f"{type(engine).__name__}.full_model_state_dict() returned None on rank 0")
         engine.unwrapped.save_pretrained(tmp, state_dict=full_state)
@@ -187,7 +187,10 @@ class CheckpointManager:
             raise CheckpointError(f"training_state is not JSON-serialisable: {exc}") from exc
         (tmp / TRAINING_STATE_FILE).write_text(text)
         for name, content in extra_files.items():
-            (tmp / name).write_text(content)
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                (tmp / name).write_text(content)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Rename ``tmp`` to ``final``; an existing ``final`` is renamed aside first and deleted after."""

@@ -141,8 +141,9 @@ class Callback:
         not: called once on each rank where the callback runs, after ``on_train_end`` or ``on_exception``
         and after non-blocking observers drained (as Composer's ``Callback.close``)."""
 
-    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
-        """Extra text files (name -> content) written into each checkpoint directory, atomically with it."""
+    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str | bytes]:
+        """Extra files (name -> text, or bytes for a binary file) written into each checkpoint directory,
+        atomically with it."""
         return {}
 
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:

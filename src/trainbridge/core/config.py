@@ -26,7 +26,7 @@ from pydantic import (
 
 from trainbridge.core import config_errors
 from trainbridge.core.events import Event, event_from_name
-from trainbridge.core.instructlab_names import check_instructlab_names
+from trainbridge.core.instructlab_names import translate_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
 
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
@@ -234,6 +234,11 @@ class TrainingArgs(BaseModel):
     turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
     val_data_path: Path | None = None
     """Validation data in the same formats; exclusive with ``validation_split``."""
+    eval_data_paths: dict[str, Path] = Field(default_factory=dict)
+    """Several named validation sets ``{name: path}`` (same formats), as ``transformers.Trainer`` with a dict
+    ``eval_dataset``: each evaluation evaluates every set in turn, each with its own ``on_log``/``on_evaluate``
+    and metrics prefixed ``eval_<name>_``; ``metric_for_best_model`` names one set's metric (``eval_<name>_loss``
+    or ``<name>_loss``).  Exclusive with ``val_data_path`` and ``validation_split``."""
     data_columns: dict[DataColumn, str] = Field(default_factory=dict)
     """Read differently named columns: ``{ours: theirs}``, e.g. ``{messages: conversations}``; ours is one
     of input_ids, labels, attention_mask, messages, tools, prompt, completion, text."""
@@ -458,8 +463,7 @@ class TrainingArgs(BaseModel):
     def _collect_flat_event_functions(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        check_instructlab_names(data)  # instructlab's names get a message naming ours
-        data = dict(data)
+        data = translate_instructlab_names(data)  # instructlab's names: translated, or an error naming ours
         functions: dict[Event, list[Any]] = {}
         for key, value in (data.pop("event_functions", None) or {}).items():
             functions.setdefault(event_from_name(str(getattr(key, "value", key))), []).extend(
@@ -570,15 +574,35 @@ class TrainingArgs(BaseModel):
             raise ValueError(f"data file {str(value)!r} does not exist")
         return value
 
+    @field_validator("eval_data_paths")
+    @classmethod
+    def _named_eval_files_exist(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for name, path in value.items():
+            if not name:
+                raise ValueError("a validation set needs a non-empty name (its metrics are eval_<name>_...)")
+            if not path.exists():
+                raise ValueError(f"validation set {name!r}: data file {str(path)!r} does not exist")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainingArgs:
         self._check_model_fields()
         if self.val_data_path is not None and self.validation_split > 0:
             raise ValueError("give val_data_path or validation_split, not both")
+        if self.eval_data_paths and (self.val_data_path is not None or self.validation_split > 0):
+            raise ValueError("eval_data_paths: give named validation sets or val_data_path/validation_split, "
+                             "not both (name the single set too: eval_data_paths={'main': ..., ...})")
         if self.eval_strategy == "steps" and self.eval_steps is None:
             raise ValueError("eval_steps: required when eval_strategy='steps'")
-        if self.eval_strategy != "no" and self.val_data_path is None and self.validation_split == 0:
-            raise ValueError("eval_strategy: evaluation needs val_data_path or validation_split > 0")
+        if (self.eval_strategy != "no" and self.val_data_path is None and self.validation_split == 0
+                and not self.eval_data_paths):
+            raise ValueError("eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0")
+        if self.eval_data_paths and self.tracks_best_metric and self.best_metric_eval_set is None:
+            raise ValueError(
+                f"metric_for_best_model: {self.metric_for_best_model!r} is not a metric of a named validation set; "
+                f"with eval_data_paths every metric is eval_<name>_<metric>, e.g. "
+                f"'eval_{next(iter(self.eval_data_paths))}_loss' (sets: {', '.join(self.eval_data_paths)})"
+            )
         if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ValueError("save_strategy: 'best' needs an eval_strategy other than 'no'")
         if self.load_best_model_at_end:
@@ -663,6 +687,13 @@ class TrainingArgs(BaseModel):
         return name if name.startswith("eval_") else f"eval_{name}"
 
     @property
+    def best_metric_eval_set(self) -> str | None:
+        """With ``eval_data_paths``: the set whose evaluation reports ``best_metric_name`` (the longest name
+        that prefixes it as ``eval_<name>_``), else None."""
+        owners = [n for n in self.eval_data_paths if self.best_metric_name.startswith(f"eval_{n}_")]
+        return max(owners, key=len) if owners else None
+
+    @property
     def best_metric_greater_is_better(self) -> bool:
         """``greater_is_better`` with transformers' default (False for losses, True otherwise)."""
         if self.greater_is_better is not None:
@@ -725,6 +756,9 @@ class TrainingArgs(BaseModel):
         template = data.get("chat_template")
         if isinstance(template, str) and "{" not in template and (base / template).is_file():
             data["chat_template"] = str(base / template)  # a template file next to the YAML
+        if isinstance(data.get("eval_data_paths"), dict):
+            data["eval_data_paths"] = {name: str(base / p) if isinstance(p, str) and not Path(p).is_absolute() else p
+                                       for name, p in data["eval_data_paths"].items()}
         if isinstance(data.get("resume_from_checkpoint"), str) and data["resume_from_checkpoint"] != "auto":
             if not Path(data["resume_from_checkpoint"]).is_absolute():
                 data["resume_from_checkpoint"] = str(base / data["resume_from_checkpoint"])
@@ -739,6 +773,8 @@ class TrainingArgs(BaseModel):
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):
                 data[key] = str(Path(value).resolve())
+        if self.eval_data_paths:
+            data["eval_data_paths"] = {name: str(p.resolve()) for name, p in self.eval_data_paths.items()}
         specs = [c.model_dump(by_alias=True) for c in self.callbacks if isinstance(c, CallbackSpec)]
         if specs:
             data["callbacks"] = specs
@@ -760,7 +796,7 @@ class TorchrunArgs(BaseModel):
     node_rank: int = Field(default=0, ge=0)
     """This node's rank (static rendezvous)."""
     rdzv_id: str | None = None
-    """Rendezvous job id (c10d rendezvous)."""
+    """Rendezvous job id (c10d rendezvous); an integer (instructlab's ``rdzv_id=123``) is taken as its text."""
     rdzv_endpoint: str | None = None
     """``host:port`` of the rendezvous (c10d); when set, master_addr/master_port are not used."""
     rdzv_backend: str = "c10d"
@@ -773,6 +809,11 @@ class TorchrunArgs(BaseModel):
     """Restarts of the whole job after a worker fails, before the run fails.  The launcher restarts it
     itself (a fresh torchrun, rendezvous and port: torchrun's in-place restart is unreliable with gloo),
     resuming from the newest complete checkpoint in ``ckpt_output_dir``; ``RunResult.restarts`` counts them."""
+
+    @field_validator("rdzv_id", mode="before")
+    @classmethod
+    def _rdzv_id_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("nnodes")
     @classmethod

@@ -287,9 +287,9 @@ class CallbackManager:
                 out[key] = state  # reported as unclaimed
         return out
 
-    def checkpoint_files(self, context: TrainingContext) -> dict[str, str]:
+    def checkpoint_files(self, context: TrainingContext) -> dict[str, str | bytes]:
         """Extra files every callback wants written into a checkpoint."""
-        files: dict[str, str] = {}
+        files: dict[str, str | bytes] = {}
         for cb in self.callbacks:
             files.update(cb.checkpoint_files(context))
         return files

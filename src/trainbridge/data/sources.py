@@ -3,9 +3,9 @@
 ``load_run_data(args, tokenizer)`` is the data layer's one entry for the builder
 (``trainbridge.loop.build``; the launcher's preflight calls it in the parent first through
 ``check_training_data``, so bad rows fail before launch and the workers find the cache built).  It
-reads ``data_path``/``val_data_path`` through the tokenisation cache (``data.cache``), holds out
-``validation_split`` by index, and logs the start-up summary.  New input formats are added here (or
-below it), never in the loop.
+reads ``data_path``/``val_data_path`` (or the named ``eval_data_paths``) through the tokenisation cache
+(``data.cache``), holds out ``validation_split`` by index, and logs the start-up summary.  New input
+formats are added here (or below it), never in the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,13 +38,19 @@ class RunData:
     train: SampleSource
     val: SampleSource | None
     stats: list[LoadStats]
-    """One entry per file read: the training file, then the validation file if one is configured."""
+    """One entry per file read: the training file, then the validation file(s) if configured."""
+    named_val: dict[str, SampleSource] = field(default_factory=dict)
+    """The named validation sets of ``eval_data_paths``, in their order (``val`` is then None)."""
 
     def summary(self, max_seq_len: int) -> str:
         """The start-up summary: one line per data file, and the validation split if any."""
         lines = [f"data: {s.describe(max_seq_len)}" for s in self.stats]
-        lines.append(f"data: {len(self.train)} training samples, "
-                     f"{len(self.val) if self.val is not None else 0} validation samples")
+        if self.named_val:
+            sets = ", ".join(f"{name}: {len(source)}" for name, source in self.named_val.items())
+            lines.append(f"data: {len(self.train)} training samples, validation sets ({sets} samples)")
+        else:
+            lines.append(f"data: {len(self.train)} training samples, "
+                         f"{len(self.val) if self.val is not None else 0} validation samples")
         return "\n".join(lines)
 
 
@@ -100,7 +106,11 @@ def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None,
     elif args.validation_split > 0:
         train_rows, val_rows = validation_indices(len(train), args.validation_split, args.seed)
         source, val = train.subset(train_rows), train.subset(val_rows)
-    data = RunData(source, val, all_stats)
+    named: dict[str, SampleSource] = {}
+    for name, path in args.eval_data_paths.items():
+        named[name], named_stats = open_dataset(path, tokenizer, options, cache_dir)
+        all_stats.append(named_stats)
+    data = RunData(source, val, all_stats, named)
     if report:
         for line in data.summary(args.max_seq_len).splitlines():
             logger.info("%s", line)

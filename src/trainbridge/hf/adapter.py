@@ -66,6 +66,7 @@ Differences from Trainer (documented, deliberate):
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
+import torch
 from transformers import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
@@ -104,6 +106,8 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"
 """The file transformers' Trainer writes its state to in each checkpoint (same name and format here)."""
+TRAINING_ARGS_NAME = "training_args.bin"
+"""The file transformers' Trainer pickles its ``TrainingArguments`` to, in each checkpoint and ``save_model``."""
 
 # TrainerControl flag -> the native request it becomes.
 CONTROL_FLAG_REQUESTS: dict[str, ControlFlag] = {
@@ -372,16 +376,25 @@ class HuggingFaceCallbackAdapter(Callback):
     }
 
     # ------------------------------------------------------------------ checkpoint and resume
-    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str]:
+    def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str | bytes]:
         """``trainer_state.json`` as ``Trainer._save_checkpoint`` writes it (best checkpoint and the
-        states of ``ExportableState`` callbacks and of ``TrainerControl`` brought up to date)."""
+        states of ``ExportableState`` callbacks and of ``TrainerControl`` brought up to date) and, when the
+        run's settings came from a ``TrainingArguments`` (``TrainingArgs.hf_args``: the facade, a ported
+        script), ``training_args.bin`` as ``Trainer._save`` writes it into every checkpoint (``torch.save``
+        of the arguments the callbacks see)."""
         if self.state is None:
             return {}
         self._sync_state(context)
         self._fold_agreed(context)  # the agreed SAVE is part of the control state Trainer saves
         self._update_best_model_checkpoint(context)
         self._update_stateful_callbacks()
-        return {TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
+        files: dict[str, str | bytes] = {
+            TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
+        if context.args.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
+            buffer = io.BytesIO()
+            torch.save(self._require()[0], buffer)
+            files[TRAINING_ARGS_NAME] = buffer.getvalue()
+        return files
 
     def state_dict(self) -> Mapping[str, Any] | None:
         """The TrainerState as a dict (with up-to-date callback states); None before ``on_init_end``."""

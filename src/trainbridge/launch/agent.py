@@ -7,12 +7,20 @@ Exactly ``torch.distributed.run`` (torchrun), with two additions:
 * when workers fail, every failure torchrun observed (rank, exit code or signal, error file, time) is
   written as JSON to ``TRAINBRIDGE_FAILURES_FILE``, so the launcher can name the rank that failed
   first and its real error (``trainbridge.launch.failures``) instead of reading torchrun's console
-  summary.  The long ``ChildFailedError`` traceback is not printed: the launcher reports the failure once.
+  summary;
+* torchrun's own report goes to the run's launch log (``TRAINBRIDGE_LAUNCH_LOG``, ``logs/launch.log``
+  in the run folder), not the console: its log lines ("Sending process N closing signal SIGTERM",
+  "failed (exitcode: 1) local_rank: 0 ..."), and on a failure its ``ChildFailedError`` summary (the
+  "Root Cause (first observed failure)" table).  The launcher reports the failure once, naming the log.
+  Without a launch log (a dry run) torchrun's lines stay on the console and the failure is one line.
+
+The workers' own output is untouched: they inherit the console (local rank 0) or are teed (the others).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -21,9 +29,26 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 from trainbridge.launch import lifeline
+from trainbridge.launch.process_exit import exit_now
 
 FAILURES_FILE_ENV = "TRAINBRIDGE_FAILURES_FILE"
 """Where the agent writes the failures of the worker group (JSON list), for the launcher."""
+LAUNCH_LOG_ENV = "TRAINBRIDGE_LAUNCH_LOG"
+"""The run's launch log, which torchrun's own report is appended to instead of the console."""
+TORCHRUN_LOGGER = "torch.distributed"
+"""The logger torchrun's agent logs under (torch gives it its own stderr handler)."""
+
+
+def log_torchrun_to(path: str | Path) -> logging.Handler:
+    """Send torchrun's log records (INFO and up: launch configuration, rendezvous, worker starts and exits,
+    failures) to ``path`` (appended) instead of stderr; returns the handler."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    torchrun_logger = logging.getLogger(TORCHRUN_LOGGER)
+    torchrun_logger.handlers = [handler]
+    torchrun_logger.propagate = False
+    torchrun_logger.setLevel(logging.INFO)
+    return handler
 
 
 def failure_records(error: ChildFailedError) -> list[dict[str, object]]:
@@ -45,19 +70,26 @@ def failure_records(error: ChildFailedError) -> list[dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run torchrun; on a worker-group failure write the failures file and return 1."""
+    """Run torchrun (its report into the launch log when there is one); on a worker-group failure write the
+    failures file and return 1."""
     lifeline.install()
+    launch_log = os.environ.get(LAUNCH_LOG_ENV)
+    if launch_log:
+        log_torchrun_to(launch_log)
     try:
         torchrun_main(argv)
     except ChildFailedError as error:
         target = os.environ.get(FAILURES_FILE_ENV)
         if target:
             Path(target).write_text(json.dumps(failure_records(error), indent=2))
-        print(f"trainbridge: worker group failed ({len(error.failures)} rank(s) observed failing)",
-              file=sys.stderr, flush=True)
+        summary = f"worker group failed ({len(error.failures)} rank(s) observed failing)"
+        if launch_log:
+            logging.getLogger(TORCHRUN_LOGGER).error("%s; torchrun's summary:\n%s", summary, error)
+        else:
+            print(f"trainbridge: {summary}", file=sys.stderr, flush=True)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # torchrun has stopped its workers and closed its store: nothing is left to tear down

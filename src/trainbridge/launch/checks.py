@@ -128,6 +128,7 @@ def input_problems(args: TrainingArgs) -> list[str]:
         check_resume_path(args),
         check_data_file("data_path", args.data_path),
         check_data_file("val_data_path", args.val_data_path),
+        *(check_data_file(f"eval_data_paths[{name!r}]", path) for name, path in args.eval_data_paths.items()),
     ]
     return [problem for problem in found if problem]
 

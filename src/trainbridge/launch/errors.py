@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class LaunchError(RuntimeError):
     """The run could not be launched or did not produce a result."""
+
+    log_file: str | None = None
+    """The run's launch log (torchrun's own report, every rank's error in full), when there is one."""
+
+    def name_log_file(self, path: str | Path) -> None:
+        """Record ``path`` as the launch log and say so at the end of the message."""
+        self.log_file = str(path)
+        self.args = (f"{self.args[0] if self.args else ''}\n\nFull log (torchrun's own report, every rank's "
+                     f"error): {path}",)
 
 
 class PreflightError(LaunchError):

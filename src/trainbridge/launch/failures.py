@@ -173,8 +173,8 @@ def worker_failure(
         return WorkerFailedError(
             None, None,
             "a worker exited without an error file (it failed before its @record entry point ran, was "
-            f"killed by a signal or ran out of memory); torchrun exited with {returncode} and its summary "
-            "above names the rank", restarts=restarts,
+            f"killed by a signal or ran out of memory); torchrun exited with {returncode} and its own report "
+            "(the launch log named below, or the console above) names the rank", restarts=restarts,
         )
 
     def first(item: tuple[int, dict[str, Any]]) -> tuple[int, int, int]:

@@ -14,7 +14,9 @@ inputs are checked (``launch.checks``).  Worker output streams live: local rank 
 writes straight to the console (so a progress bar behaves), the other ranks' lines are prefixed
 ``[rankN]:`` by torchrun.  When a worker fails, torchrun stops the others and the ``@record`` error
 file of the first failing rank becomes a ``WorkerFailedError`` naming the rank, the exception and its
-traceback (``launch.failures`` tells the cause from its consequences).  With ``max_restarts`` the
+traceback (``launch.failures`` tells the cause from its consequences), raised once; torchrun's own
+report (its log lines, its "Root Cause" summary) and the error in full go to the run's launch log
+(``logs/launch.log`` in ``ckpt_output_dir``), which the error names, not to the console.  With ``max_restarts`` the
 launcher itself restarts a failed job (a fresh torchrun, rendezvous and port) resuming from the newest
 complete checkpoint.  SIGINT/SIGTERM in the parent are forwarded to torchrun; ``timeout_s`` bounds the
 whole run; either way the worker process tree is gone before ``run_training`` returns or raises, and
@@ -42,16 +44,16 @@ from typing import Any
 
 import psutil
 
-from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
-from trainbridge.core.run_dir import result_file
+from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
-from trainbridge.launch.agent import FAILURES_FILE_ENV
+from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
+from trainbridge.launch.data_check import check_data
 from trainbridge.launch.errors import (
     LaunchError,
     LaunchTimeoutError,
@@ -95,7 +97,8 @@ def preflight(args: TrainingArgs) -> None:
     config (``Callback.validate``); every callback and event function survives pickling
     (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
     checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
-    (``_check_data``: bad rows named by file and line, before any worker starts).
+    (``launch.data_check``: bad rows named by file and line, before any worker starts; skipped when the
+    same inputs passed before).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -129,24 +132,7 @@ def preflight(args: TrainingArgs) -> None:
             raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
                                  f"{type(exc).__name__}: {exc}") from exc
     check_transportable(args)
-    _check_data(args)
-
-
-def _check_data(args: TrainingArgs) -> None:
-    """Read (and on a cache miss tokenise) the data with the run's tokenizer, so a bad row fails before
-    launch, named by file and line, and the workers find the tokenised cache built."""
-    from trainbridge.data.sources import load_run_data  # imported here: the data layer pulls in torch
-    from trainbridge.modeling.load import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(args)
-    except Exception as exc:
-        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
-                             f"{type(exc).__name__}: {exc}") from exc
-    try:
-        load_run_data(args, tokenizer)
-    except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
-        raise PreflightError(f"data: {exc}") from exc
+    check_data(args)
 
 
 # ----------------------------------------------------------------------------- command and environment
@@ -348,11 +334,13 @@ def run_training(
     timeout_s: float | None = None,
     worker_module: str = WORKER_MODULE,
     dry_run: bool = False,
+    torch_args: TorchrunArgs | Mapping[str, Any] | None = None,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
     ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
-    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart).
+    argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart), and its
+    keyword ``torch_args=``.
     Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
     place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
@@ -366,6 +354,10 @@ def run_training(
     ``dry_run``: the workers build the run (model, data, engine), rank 0 prints its plan, and nothing is
     trained; returns None.
     """
+    if torch_args is not None:  # instructlab's keyword: run_training(torch_args=..., train_args=...)
+        if torchrun_args is not None:
+            raise TypeError("run_training: give torchrun_args or torch_args (instructlab's name), not both")
+        torchrun_args = torch_args
     if isinstance(train_args, TorchrunArgs) or isinstance(torchrun_args, TrainingArgs):
         train_args, torchrun_args = torchrun_args, train_args  # instructlab's order: (TorchrunArgs, TrainingArgs)
     if train_args is None:
@@ -435,6 +427,8 @@ def _run_with_restarts(
             if restarts >= launch.max_restarts:
                 raise
             restarts += 1
+            from trainbridge.checkpoint.manager import CheckpointManager  # here: it imports the model layer
+
             resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None).latest_verified()
             if resume is not None:
                 attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
@@ -463,11 +457,46 @@ def _launch_once(
         env[lifeline.LAUNCHER_ENV] = lifeline.launcher_token()
         env[RUN_ID_ENV] = run_id
         env[FAILURES_FILE_ENV] = str(failures_file)
+        launch_log = None if dry_run else _start_launch_log(args, launch, restarts)  # a dry run writes nothing
+        if launch_log is not None:
+            env[LAUNCH_LOG_ENV] = str(launch_log)
         sys.stdout.flush()
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)
-        returncode = _supervise(process, timeout_s)
-        if returncode != 0:
-            raise worker_failure(log_dir, torchrun_error_file, launch, returncode, failures_file, restarts)
+        try:
+            returncode = _supervise(process, timeout_s)
+            if returncode != 0:
+                raise worker_failure(log_dir, torchrun_error_file, launch, returncode, failures_file, restarts)
+        except LaunchError as error:
+            if launch_log is not None and _append_to_log(launch_log, f"trainbridge: {error}\n"):
+                error.name_log_file(launch_log)
+            raise
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -> Path | None:
+    """The run's launch log with this launch's header appended (torchrun's report follows); None when the
+    run folder cannot take it (torchrun then reports on the console)."""
+    if str(launch.nnodes) == "1":
+        node = None
+    else:
+        node = socket.gethostname() if launch.rdzv_endpoint else f"node{launch.node_rank}"
+    path = launch_log_file(args.ckpt_output_dir, node)
+    header = (f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
+              f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "
+              f"--nproc-per-node {launch.nproc_per_node}, launcher pid {os.getpid()} =====\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if _append_to_log(path, header) else None
+
+
+def _append_to_log(path: Path, text: str) -> bool:
+    try:
+        with path.open("a", encoding="utf-8") as log:
+            log.write(text)
+    except OSError:
+        return False
+    return True

@@ -10,11 +10,10 @@ write this rank's error (type, message, traceback) to an error file the launcher
 from __future__ import annotations
 
 import argparse
-import atexit
-import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -23,6 +22,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.console import configure_worker_console
+from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV
 
 # The loop, the callbacks and transformers are imported inside the functions below, after
@@ -103,20 +103,15 @@ def _one_line_excepthook(rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
-def exit_after_success(code: int) -> None:
-    """Leave a worker whose run finished and whose result is written, skipping C++ static teardown.
+def exit_after_success(code: int) -> NoReturn:
+    """Leave a worker whose run finished and whose result is written (``launch.process_exit.exit_now``).
 
     torch's gloo communication threads can abort a process while the interpreter finalises
     ("terminate called without an active exception"; seen here under transformers.Trainer too), which
-    would turn a finished run into a failed one.  Python's exit handlers still run (reporting
-    integrations flush and close there), the streams are flushed, then the process exits at once.
+    would turn a finished run into a failed one; and that teardown is slow.  Python's exit handlers still
+    run (reporting integrations flush and close there), the streams are flushed, then the process exits.
     """
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
+    exit_now(code)
 
 if __name__ == "__main__":
     exit_after_success(main() or 0)  # @record types main() as returning int | None

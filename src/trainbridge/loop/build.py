@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import transformers
@@ -68,6 +68,9 @@ class RunComponents:
     """True for padded batches, False for padding-free packed rows."""
     data_stats: list[LoadStats]
     """What loading the training (then validation) data read and skipped."""
+    named_eval_batches: dict[str, EvalBatches] = field(default_factory=dict)
+    """This rank's micro-batches of each named validation set (``eval_data_paths``; ``eval_batches`` is then
+    None), evaluated in turn at each evaluation."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -110,6 +113,11 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
                     max_batch_len=args.max_batch_len, padded=eval_padded)
         if data.val else None
     )
+    named_eval_batches = {
+        name: EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
+                          max_batch_len=args.max_batch_len, padded=eval_padded)
+        for name, source in data.named_val.items()
+    }
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
     flops_params = flops_parameters(model)
@@ -124,7 +132,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             checksums=args.checkpoint_checksums,
         ),
         max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=padded,
-        data_stats=data.stats,
+        data_stats=data.stats, named_eval_batches=named_eval_batches,
     )
 
 

@@ -33,6 +33,7 @@ from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.data.loader import EvalBatches
 from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
@@ -71,6 +72,7 @@ class TrainingLoop:
         self.engine = components.engine
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
+        self.named_eval_batches = components.named_eval_batches
         # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
         self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
@@ -93,7 +95,8 @@ class TrainingLoop:
         ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
         ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
         ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
-        ctx.train_dataloader, ctx.eval_dataloader = self.train_batches, self.eval_batches
+        ctx.train_dataloader = self.train_batches
+        ctx.eval_dataloader = self.eval_batches or next(iter(self.named_eval_batches.values()), None)
         ctx.tokenizer = self.tokenizer
         ctx.num_parameters = components.num_parameters
         ctx.flops_parameters = components.flops_parameters
@@ -238,17 +241,31 @@ class TrainingLoop:
         return flags
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss over every rank's share, reduced by token count; fires the eval events."""
-        ctx, fire, engine = self.context, self.callbacks.fire, self.engine
+        """Evaluate the validation set (``eval_`` metrics) or, with named sets (``eval_data_paths``), each set
+        in turn (``eval_<name>_`` metrics, each with its own ``on_log``/``on_evaluate``, as Trainer evaluates a
+        dict ``eval_dataset``); returns the metrics of every set."""
+        if self.named_eval_batches:
+            metrics: dict[str, float] = {}
+            for name, batches in self.named_eval_batches.items():
+                metrics.update(self._evaluate_set(batches, f"eval_{name}", earlier=metrics))
+            return metrics
         if self.eval_batches is None:
             raise RuntimeError("evaluation requested but no validation data is configured")
+        return self._evaluate_set(self.eval_batches, "eval")
+
+    def _evaluate_set(self, eval_batches: EvalBatches, prefix: str,
+                      earlier: dict[str, float] | None = None) -> dict[str, float]:
+        """Validation loss of one set over every rank's share, reduced by token count; fires the eval events
+        with this set's metrics (``ctx.metrics`` also holds the ``earlier`` sets' of this evaluation)."""
+        ctx, fire, engine = self.context, self.callbacks.fire, self.engine
+        ctx.eval_dataloader = eval_batches
         start = time.time()
         loss_tokens, steps = 0, 0
         device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
-            for indices, cpu_batch in self.eval_batches.indexed():
+            for indices, cpu_batch in eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
                 n_tokens = _cpu_loss_tokens(cpu_batch)
                 logits = None
@@ -268,18 +285,19 @@ class TrainingLoop:
         loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
         # collective: every rank's validation loss sum and token count, in one all_reduce
         total_sum, total_tokens, total_samples = self.env.sum_floats(
-            [loss_sum, loss_tokens, self.eval_batches.num_samples_local]
+            [loss_sum, loss_tokens, eval_batches.num_samples_local]
         )
         runtime = max(time.time() - start, 1e-9)
+        computed = predictions.compute(self.env) if predictions is not None else {}
         metrics = {
-            "eval_loss": total_sum / max(total_tokens, 1.0),
-            **(predictions.compute(self.env) if predictions is not None else {}),
-            "eval_runtime": round(runtime, 4),
-            "eval_samples_per_second": round(total_samples / runtime, 3),
-            "eval_steps_per_second": round(steps / runtime, 3),
+            f"{prefix}_loss": total_sum / max(total_tokens, 1.0),
+            **{f"{prefix}_{key.removeprefix('eval_')}": value for key, value in computed.items()},
+            f"{prefix}_runtime": round(runtime, 4),
+            f"{prefix}_samples_per_second": round(total_samples / runtime, 3),
+            f"{prefix}_steps_per_second": round(steps / runtime, 3),
             "epoch": ctx.epoch,
         }
-        ctx.metrics = dict(metrics)
+        ctx.metrics = {**(earlier or {}), **metrics}
         fire(Event.LOG, ctx, logs=metrics)
         fire(Event.EVALUATE, ctx, metrics=metrics)
         return metrics

@@ -44,6 +44,7 @@ from trainbridge.trainer.runner import (
     job_environment,
     run_job,
 )
+from trainbridge.trainer.script_events import ScriptEvents
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -116,6 +117,8 @@ class Trainer:
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
         self._fallback_tokenizer: Any = None
         self.state = TrainerState()
+        self._script_events = ScriptEvents()
+        self.control = self._script_events.control
         self._env: DistributedEnv | None = None
         self._loop: Any = None
         self._weights_dir: Path | None = None
@@ -244,17 +247,21 @@ class Trainer:
         rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice, pad_id)
         return inputs.write_dataset(rows, self.run_dir / name), longest
 
-    def _single_eval_dataset(self) -> Any:
+    def _write_eval_data(self) -> dict[str, Any]:
+        """The layout entries of the Trainer's ``eval_dataset``: one dataset -> ``val_data_path``; a dict ->
+        ``eval_data_paths`` (each set evaluated in turn during training, ``eval_<name>_`` metrics)."""
         data = self.eval_dataset
-        if isinstance(data, Mapping) and not hasattr(data, "column_names"):
-            if len(data) != 1:
-                raise UnsupportedTrainerFeatureError(
-                    f"eval_dataset: a dict of {len(data)} datasets is evaluated during training as one set here; "
-                    "pass one dataset to the Trainer and call trainer.evaluate(eval_dataset=...) for the others "
-                    "(trainer.evaluate() with a dict evaluates each, prefixed eval_<name>_)"
-                )
-            return next(iter(data.values()))
-        return data
+        if data is None:
+            return {"val_data_path": None, "eval_data_paths": {}, "longest": None}
+        if _is_dataset_dict(data):
+            paths, longest_of_all = {}, 0
+            for i, (name, part) in enumerate(data.items()):
+                path, longest = self._write_data(part, f"eval-{i}", f"eval_dataset[{name!r}]")
+                paths[str(name)] = str(path)
+                longest_of_all = max(longest_of_all, longest or 0)
+            return {"val_data_path": None, "eval_data_paths": paths, "longest": longest_of_all or None}
+        path, longest = self._write_data(data, "eval", "eval_dataset")
+        return {"val_data_path": str(path), "eval_data_paths": {}, "longest": longest}
 
     def _prepare(self, world_size: int, resume: Any) -> Callable[[], None]:
         """``write``: writes the run folder (call it on the writing rank only); ``self._build_args()`` then
@@ -269,12 +276,11 @@ class Trainer:
             if self.train_dataset is None:
                 raise ValueError("Trainer: training requires a train_dataset")
             data_path, longest = self._write_data(self.train_dataset, "train", "train_dataset")
-            eval_data = self._single_eval_dataset()
-            val_path, val_longest = (self._write_data(eval_data, "eval", "eval_dataset")
-                                     if eval_data is not None else (None, None))
+            evals = self._write_eval_data()
             layout.update(model_path=str(model_path), tokenizer_path=str(tokenizer_path) if tokenizer_path else None,
-                          data_path=str(data_path), val_data_path=str(val_path) if val_path else None,
-                          longest=max(longest or 0, val_longest or 0) or None)
+                          data_path=str(data_path), val_data_path=evals["val_data_path"],
+                          eval_data_paths=evals["eval_data_paths"],
+                          longest=max(longest or 0, evals["longest"] or 0) or None)
             (self.run_dir / "layout.json").write_text(json.dumps(layout))
 
         def build() -> TrainingArgs:
@@ -298,6 +304,8 @@ class Trainer:
             "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics,
             "data_collator": None if self._collator_choice.reproduced else self.data_collator,
         }
+        if layout.get("eval_data_paths"):  # a dict eval_dataset: named sets, each evaluated in turn
+            fields["eval_data_paths"] = {name: Path(p) for name, p in layout["eval_data_paths"].items()}
         if self._peft_config is not None:
             fields["peft_config"] = self._peft_config
         model_kwargs = getattr(self.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
@@ -448,8 +456,8 @@ class Trainer:
 
         state = TrainerState()
         for key, value in recorded.items():
-            if hasattr(state, key):
-                setattr(state, key, value)
+            if hasattr(state, key):  # lists copied: in place, the run's recorder keeps its own log_history
+                setattr(state, key, list(value) if isinstance(value, list) else value)
         if not state.stateful_callbacks:  # Trainer's state keeps what its last checkpoint saved
             state.stateful_callbacks = _last_stateful_callbacks(self.output_dir)  # type: ignore[assignment]
         state.train_batch_size = getattr(self.args, "per_device_train_batch_size", None)
@@ -460,34 +468,44 @@ class Trainer:
     # ================================================================== evaluate / predict
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate (loss plus ``compute_metrics``) on ``eval_dataset`` or the Trainer's; also after training."""
+        """Evaluate (loss plus ``compute_metrics``) on ``eval_dataset`` or the Trainer's; also after training.
+        As Trainer: a dict evaluates each dataset (``<prefix>_<name>_`` keys); the metrics are logged
+        (``state.log_history``, ``on_log``) and ``on_evaluate`` fires (``trainer.script_events``)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        if isinstance(dataset, Mapping) and not hasattr(dataset, "column_names"):
-            metrics: dict[str, float] = {}
+        loop = self._loop
+        if eval_dataset is None and loop is not None and (loop.eval_batches is not None or loop.named_eval_batches):
+            # in place after training, the run's own sets: the loop logs and fires the events on every rank
+            metrics: dict[str, Any] = dict(loop.evaluate())
+            for part in _per_set(metrics, list(loop.named_eval_batches)):
+                self._record_log(_prefixed(part, metric_key_prefix))
+            return _prefixed(metrics, metric_key_prefix)
+        if _is_dataset_dict(dataset):
+            metrics = {}
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        if eval_dataset is None and self._loop is not None and self._loop.eval_batches is not None:
-            metrics = dict(self._loop.evaluate())  # in place, the run's own set: callbacks see it
-        else:
-            metrics, _ = self._evaluate_job(dataset, keep_predictions=False)
-        self._log_evaluation(metrics)
-        return _prefixed(metrics, metric_key_prefix)
+        job_metrics, _ = self._evaluate_job(dataset, keep_predictions=False)
+        job_metrics.pop("epoch", None)  # the separate job's own 0.0; log() sets the trainer's, as Trainer.log
+        metrics = _prefixed(job_metrics, metric_key_prefix)
+        self.log(metrics)
+        self._fire("on_evaluate", metrics=metrics)
+        return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> Any:
         """``PredictionOutput(predictions, label_ids, metrics)`` over ``test_dataset`` (every rank's share,
-        in dataset order)."""
+        in dataset order); ``on_predict`` fires, as under Trainer."""
         from transformers.trainer_utils import PredictionOutput
 
         metrics, gathered = self._evaluate_job(test_dataset, keep_predictions=True)
         metrics.pop("epoch", None)  # Trainer.predict reports no epoch (evaluate() does, through log())
         if gathered is None:
             raise RuntimeError("predict: no predictions came back from the evaluation job")
-        return PredictionOutput(predictions=gathered.predictions, label_ids=gathered.label_ids,
-                                metrics=_prefixed(metrics, metric_key_prefix))
+        metrics = _prefixed(metrics, metric_key_prefix)
+        self._fire("on_predict", metrics=metrics)
+        return PredictionOutput(predictions=gathered.predictions, label_ids=gathered.label_ids, metrics=metrics)
 
     def _evaluate_job(self, dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
         in_place = in_launched_worker()
@@ -536,12 +554,18 @@ class Trainer:
             out = pickle.load(handle)
         return dict(out["metrics"]), out["predictions"]
 
-    def _log_evaluation(self, metrics: dict[str, Any]) -> None:
-        # as Trainer.log: the epoch is this trainer's state's, not the separate evaluation job's own 0.0
-        metrics.pop("epoch", None)
+    def _record_log(self, logs: dict[str, Any]) -> None:
+        """Append ``logs`` to ``state.log_history`` as ``Trainer.log`` does (``epoch`` set on ``logs`` itself)."""
         if self.state.epoch is not None:
-            metrics["epoch"] = self.state.epoch
-        self.state.log_history.append({**metrics, "step": self.state.global_step})
+            logs["epoch"] = self.state.epoch
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+
+    def _fire(self, hook: str, **kwargs: Any) -> None:
+        """Fire a Trainer event outside training on the script's TrainerCallbacks (``script_events``)."""
+        self.state.is_world_process_zero = self.is_world_process_zero()
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self.control = self._script_events.fire(hook, self.args, self.state, self.callbacks, self.model,
+                                                self.processing_class, **kwargs)
 
     # ================================================================== saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -600,8 +624,10 @@ class Trainer:
             path.write_text(json.dumps(combined_metrics, indent=4, sort_keys=True))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Append ``logs`` to ``state.log_history`` (outside training; in training, callbacks log)."""
-        self.state.log_history.append({**logs, "epoch": self.state.epoch, "step": self.state.global_step})
+        """As ``Trainer.log`` outside training: ``epoch`` added, appended to ``state.log_history``, ``on_log``
+        fired on the script's callbacks (during training the loop logs)."""
+        self._record_log(logs)
+        self._fire("on_log", logs=logs)
 
     def create_model_card(self, language: str | None = None, license: str | None = None,
                           tags: str | list[str] | None = None, model_name: str | None = None,
@@ -737,6 +763,25 @@ class _ProcessPrinter:
 class _CallbackList:
     def __init__(self, callbacks: list[Any]) -> None:
         self.callbacks = callbacks
+
+
+def _is_dataset_dict(data: Any) -> bool:
+    """A dict of named datasets (Trainer's ``eval_dataset={name: dataset}``; a ``DatasetDict`` too, as Trainer)."""
+    return isinstance(data, Mapping)
+
+
+def _per_set(metrics: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
+    """An evaluation's metrics split into one dict per named set (``eval_<name>_...``, each with ``epoch``), as
+    each set's ``log()`` records them; ``[metrics]`` without named sets."""
+    if not names:
+        return [dict(metrics)]
+    by_length = sorted(names, key=len, reverse=True)  # 'a_b' before 'a': the longest name that prefixes a key
+    parts: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key, value in metrics.items():
+        owner = next((n for n in by_length if key.startswith(f"eval_{n}_")), None)
+        if owner is not None:
+            parts[owner][key] = value
+    return [{**parts[name], "epoch": metrics["epoch"]} if "epoch" in metrics else parts[name] for name in names]
 
 
 def _prefixed(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:

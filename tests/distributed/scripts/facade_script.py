@@ -1,9 +1,10 @@
 """A transformers.Trainer script with its import changed to trainbridge's facade (used by the facade tests).
 
-Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real]`` or ``python facade_script.py OUT [real]``;
-``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data built
-in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
-records which samples it saw.
+Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real] [dict]`` or ``python facade_script.py OUT
+[real] [dict]``; ``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data
+built in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
+records which samples it saw.  ``dict``: ``eval_dataset={"a": 37 rows, "b": 11 rows}`` with
+``metric_for_best_model="a_accuracy"`` (Trainer evaluates each set in turn, ``eval_<name>_`` metrics).
 """
 
 import json
@@ -18,16 +19,18 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     EarlyStoppingCallback,
+    TrainerCallback,
     TrainingArguments,
 )
 
-if len(sys.argv) > 2 and sys.argv[2] == "real":
+if "real" in sys.argv[2:]:
     from transformers import Trainer
 else:
     from trainbridge import Trainer
 
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
 
+EVAL_DICT = "dict" in sys.argv[2:]
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
 if not (model_dir / "config.json").exists():
@@ -61,21 +64,47 @@ def compute_metrics(eval_pred):
             "row_checksum": float(np.sum(np.arange(len(first)) * np.array(first)))}
 
 
+class EventsAfterTraining(TrainerCallback):
+    """The on_log / on_evaluate / on_predict calls this process's instance gets once ``recording`` is set (after
+    train(): Trainer's evaluate() logs and fires on_evaluate, predict() fires on_predict), with the state's
+    is_world_process_zero."""
+
+    def __init__(self):
+        self.recording, self.events = False, []
+
+    def _record(self, name, state, values):
+        if self.recording:
+            self.events.append([name, state.is_world_process_zero, sorted(k for k in values if k != "epoch")])
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._record("on_log", state, logs)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self._record("on_evaluate", state, metrics)
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        self._record("on_predict", state, metrics)
+
+
+after_training = EventsAfterTraining()
 args = TrainingArguments(
     output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
     learning_rate=3e-3, lr_scheduler_type="constant", num_train_epochs=2, logging_steps=2,
     eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
-    per_device_eval_batch_size=5, metric_for_best_model="accuracy", load_best_model_at_end=True,
+    per_device_eval_batch_size=5, metric_for_best_model="a_accuracy" if EVAL_DICT else "accuracy",
+    load_best_model_at_end=True,
     report_to="none", use_cpu=True, seed=3, disable_tqdm=True,
 )
 trainer = Trainer(
-    model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
+    model=model, args=args, train_dataset=train, eval_dataset={"a": val, "b": rows(11, 4)} if EVAL_DICT else val,
+    processing_class=tokenizer,
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
-    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
+    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0), after_training],
 )
 result = trainer.train()
+after_training.recording = True
 metrics = trainer.evaluate()
 prediction = trainer.predict(val)
 trainer.save_model(str(out / "final"))
@@ -84,11 +113,14 @@ if trainer.is_world_process_zero():
         "global_step": result.global_step, "train_metrics": sorted(result.metrics),
         "eval_metrics": metrics, "best": trainer.state.best_model_checkpoint,
         "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+        "eval_log_steps": [[e["step"], sorted(k for k in e if k.startswith("eval_"))]
+                           for e in trainer.state.log_history if any(k.startswith("eval_") for k in e)],
         "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
         "final_files": sorted(f.name for f in (out / "final").iterdir()),
         "predict": {"shape": list(prediction.predictions.shape), "metrics": sorted(prediction.metrics),
                     "labels_rows": len(prediction.label_ids)},
+        "events_after_training": after_training.events,
         "state": {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
                   "epoch": trainer.state.epoch},
         "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
