@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from trainbridge.core.context import TrainingContext
     from trainbridge.core.control import AgreedControl, ControlFlag
     from trainbridge.core.events import EVENT_MAP, Event
+    from trainbridge.core.instructlab_names import DeepSpeedOptions, LoraOptions
     from trainbridge.launch.launcher import (
         LaunchError,
         LaunchTimeoutError,
@@ -41,6 +42,8 @@ _EXPORTS: dict[str, str] = {
     "CallbackSpec": "trainbridge.core.config",
     "TorchrunArgs": "trainbridge.core.config",
     "TrainingArgs": "trainbridge.core.config",
+    "LoraOptions": "trainbridge.core.instructlab_names",  # instructlab-training's, translated to peft_config
+    "DeepSpeedOptions": "trainbridge.core.instructlab_names",
     "TrainingContext": "trainbridge.core.context",
     "AgreedControl": "trainbridge.core.control",
     "ControlFlag": "trainbridge.core.control",
@@ -66,10 +69,12 @@ __all__ = [
     "CallbackSpec",
     "CallbackTransportError",
     "ControlFlag",
+    "DeepSpeedOptions",
     "Event",
     "FunctionCallback",
     "LaunchError",
     "LaunchTimeoutError",
+    "LoraOptions",
     "PreflightError",
     "RunFolderLockedError",
     "RunResult",

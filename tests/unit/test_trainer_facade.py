@@ -277,8 +277,21 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
         args = TrainingArgs(**base, random_seed=1, is_padding_free=True, num_warmup_steps=5,
                             data_output_dir=str(tmp_path / "x"), keep_last_checkpoint_only=True)
     assert (args.seed, args.packing, args.warmup_steps, args.save_total_limit) == (1, "padding_free", 5, 1)
-    with pytest.raises(pydantic.ValidationError, match=r"lora: use peft_config=.*mock_data: use nothing"):
-        TrainingArgs(**base, lora={"rank": 4}, mock_data=True)
+    with pytest.raises(pydantic.ValidationError, match=r"fsdp_options: use distributed_backend=.*mock_data: use no"):
+        TrainingArgs(**base, fsdp_options={}, mock_data=True)
+    # instructlab's LoraOptions -> peft_config (None target_modules: every *_proj layer); rank 0: full fine-tuning
+    from trainbridge import DeepSpeedOptions, LoraOptions
+
+    with pytest.warns(InstructlabNameWarning, match="lora is instructlab-training's name: use peft_config="):
+        lora = TrainingArgs(**base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05),
+                            deepspeed_options=DeepSpeedOptions())
+    assert lora.peft_config is not None
+    assert (lora.peft_config.r, lora.peft_config.lora_alpha, lora.peft_config.target_modules) == (8, 16, r".*_proj")
+    assert lora.distributed_backend == "ddp"  # deepspeed_options configure DeepSpeed, they do not select it
+    with pytest.warns(InstructlabNameWarning):
+        assert TrainingArgs(**base, lora={"rank": 0}).peft_config is None
+    with pytest.raises(pydantic.ValidationError, match="cpu_offload_optimizer=True: optimizer CPU offload"):
+        TrainingArgs(**base, deepspeed_options=DeepSpeedOptions(cpu_offload_optimizer=True))
     with pytest.raises(pydantic.ValidationError, match=r"random_seed .* and seed .* are both given; keep only seed"):
         TrainingArgs(**base, random_seed=1, seed=2)
 

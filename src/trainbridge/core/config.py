@@ -349,8 +349,9 @@ class TrainingArgs(BaseModel):
     """FSDP2 with several ranks: only rank 0 reads the checkpoint; the other ranks build the model on the
     meta device (no memory, no disk read) and receive their shards from rank 0 after ``fully_shard``
     (``set_model_state_dict(..., broadcast_from_rank0=True)``, buffers broadcast too).  Models from
-    ``model_init``, PEFT models (``peft_config`` or an adapter folder) and quantized models are loaded on
-    every rank as before.  ``False``: every rank reads the full checkpoint."""
+    ``model_init``, PEFT models (``peft_config`` or an adapter folder) and models loaded with extra
+    ``model_kwargs`` (quantization, config overrides, ``revision``, ...) are loaded on every rank as
+    before.  ``False``: every rank reads the full checkpoint."""
     compile: bool = False
     """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)

@@ -61,11 +61,13 @@ def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
 def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
     """Whether rank 0 alone reads the weights and the other ranks build a meta-device skeleton
     (``fsdp_load_on_rank0``): FSDP2 with several ranks, a plain ``model_path`` model (no ``model_init``,
-    no PEFT adapter or ``peft_config``, not quantized).  The same answer on every rank."""
+    no PEFT adapter or ``peft_config``) loaded with the named ``model_kwargs`` only (an extra
+    ``from_pretrained`` keyword -- a quantization config, a config override, a revision -- could make the
+    model differ from the one its ``config.json`` builds).  The same answer on every rank."""
     return (
         args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
         and args.model_init is None and args.peft_config is None and args.model_path is not None
-        and peft_adapter_base(args.model_path) is None and not args.model_kwargs.quantized()
+        and peft_adapter_base(args.model_path) is None and not args.model_kwargs.model_extra
     )
 
 
