@@ -97,3 +97,19 @@ def test_each_set_is_evaluated_logged_and_tracked_in_turn(tmp_path: Path, tiny_l
     evals = [e for e in state["log_history"] if any(k.startswith("eval_") for k in e)]
     assert [(e["step"], "eval_a_loss" in e) for e in evals] == [(s, a) for s in (1, 2, 3) for a in (True, False)]
     assert state["best_metric"] == 1.0 and state["best_global_step"] == 1
+
+
+def test_yaml_resolves_named_set_paths_against_its_folder(run_files: dict[str, Path]) -> None:
+    folder = run_files["train"].parent
+    config = folder / "run.yaml"
+    config.write_text(f"model_path: model\ndata_path: train.jsonl\nckpt_output_dir: out\n"
+                      f"eval_data_paths:\n  a: val.jsonl\n  b: {run_files['train']}\n")
+    args = TrainingArgs.from_yaml(config)
+    assert args.eval_data_paths == {"a": folder / "val.jsonl", "b": run_files["train"]}
+    again = TrainingArgs.from_yaml(_written(args, folder / "again.yaml"))
+    assert again.eval_data_paths == {"a": (folder / "val.jsonl").resolve(), "b": run_files["train"].resolve()}
+
+
+def _written(args: TrainingArgs, path: Path) -> Path:
+    args.to_yaml(path)
+    return path
