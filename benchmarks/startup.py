@@ -1,6 +1,6 @@
 """Where a tiny job's wall time goes: ``trainbridge train`` vs ``torchrun`` + ``transformers.Trainer``.
 
-    python benchmarks/startup.py [--repeats 3] [--workdir /tmp/tb-startup]
+    python benchmarks/startup.py [--repeats 3] [--workdir /tmp/tb-startup] [--baseline-src OLD/src]
 
 The same tiny job both ways: the tiny Llama of ``trainbridge.demos.tiny_model``, 2 CPU gloo ranks,
 8 optimizer steps of 8 samples (4 per rank), no evaluation, no checkpoint, a log every 4 steps.
@@ -148,23 +148,25 @@ def _clocks(folder: Path) -> list[dict[str, float]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("clock-rank*.json"))]
 
 
-def _run(command: list[str], cwd: Path) -> float:
+def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> float:
     start = time.time()
-    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     wall = time.time() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return wall
 
 
-def run_trainbridge(workdir: Path) -> dict[str, float]:
+def run_trainbridge(workdir: Path, src: Path | None = None) -> dict[str, float]:
     out = workdir / "tb_out"
     for old in out.glob("clock-rank*.json"):
         old.unlink()
     stamps_file = workdir / "cli_stamps.json"
     launched = time.time()
+    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(src), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
     wall = _run([sys.executable, str(workdir / "cli_wrapper.py"), str(stamps_file), "train", "run.yaml",
-                 "--nproc-per-node", "2"], workdir)
+                 "--nproc-per-node", "2"], workdir, env)
     parent = json.loads(stamps_file.read_text())
     ranks = _clocks(out)
     return {
@@ -219,15 +221,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tb-startup"))
+    parser.add_argument("--baseline-src", type=Path,
+                        help="also time trainbridge from this source folder (e.g. an older commit's src/, "
+                             "from `git archive`), interleaved with the others: before/after in one table")
     options = parser.parse_args(argv)
     workdir = options.workdir.resolve()
     paths = _prepare(workdir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load_before = os.getloadavg()
     runs: dict[str, list[dict[str, float]]] = {"trainbridge train": [], "torchrun + Trainer": []}
+    if options.baseline_src:
+        runs = {"trainbridge train (baseline)": [], **runs}
     imports: dict[str, list[float]] = {"trainbridge worker imports": [], "Trainer script imports": [],
                                        "trainbridge train --help": []}
     for _ in range(options.repeats):  # interleaved, so a slow phase of the machine hits both
+        if options.baseline_src:
+            runs["trainbridge train (baseline)"].append(run_trainbridge(workdir, options.baseline_src.resolve()))
         runs["trainbridge train"].append(run_trainbridge(workdir))
         runs["torchrun + Trainer"].append(run_trainer(workdir, paths))
         imports["trainbridge worker imports"].append(_import_time(WORKER_IMPORTS))
@@ -242,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"- python {platform.python_version()}; {options.repeats} interleaved repetitions; median (min..max) s\n")
     phases = list(runs["trainbridge train"][0])
+    if options.baseline_src:
+        print(f"- baseline: trainbridge from {options.baseline_src}")
     print(f"| phase | {' | '.join(runs)} |\n|---|{'---|' * len(runs)}")
     for phase in phases:
         cells = []

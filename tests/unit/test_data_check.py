@@ -84,3 +84,13 @@ def test_a_tokenizer_without_a_local_folder_is_always_checked(args, tokenizer_lo
     data_check.check_data(args)
     data_check.check_data(args)
     assert len(tokenizer_loads) == 2
+
+
+def test_a_changed_named_evaluation_set_runs_the_check_again(args, run_files, tokenizer_loads):
+    args = args.model_copy(update={"val_data_path": None, "eval_data_paths": {"main": run_files["val"]}})
+    data_check.check_data(args)
+    data_check.check_data(args)
+    assert len(tokenizer_loads) == 1
+    run_files["val"].write_text('{"input_ids": [2, 3, 4, 5]}\n')
+    data_check.check_data(args)
+    assert len(tokenizer_loads) == 2

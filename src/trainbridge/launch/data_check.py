@@ -7,7 +7,8 @@ start-up on the shared 2-core machine, more than the rest of the parent's work t
 (``docs/benchmarks.md``, start-up section).  A check that passed leaves a note in the data cache,
 ``<data cache>/preflight/<key>.json``, whose key hashes everything the check's outcome depends on:
 
-- the data files (path, size and modification time of each, as the tokenisation cache keys them);
+- the data files, validation and named evaluation sets included (path, size and modification time of
+  each, as the tokenisation cache keys them);
 - the tokenizer folder's files (name, size, modification time: what ``from_pretrained`` reads);
 - the tokenisation options (``DataOptions.key``: length limit, overlong policy, columns, chat
   template and its text, system prompt, which turns train);
@@ -74,6 +75,7 @@ def _note_path(args: TrainingArgs) -> Path | None:
             "transformers": metadata.version("transformers"),
             "data": fingerprint(args.data_path),
             "val_data": fingerprint(args.val_data_path) if args.val_data_path is not None else None,
+            "eval_data": {name: fingerprint(path) for name, path in sorted(args.eval_data_paths.items())},
             "tokenizer": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                 for p in tokenizer_dir.iterdir() if p.is_file()),
             "options": data_options(args).key(),
