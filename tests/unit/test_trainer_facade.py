@@ -364,6 +364,11 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     prediction = trainer.predict(val)
     assert prediction.label_ids.shape[0] == 5 and "test_rows" in prediction.metrics
     assert recorder.events[-1][:2] == ("on_predict", prediction.metrics)
+    recorder.events.clear()  # a dict: one evaluation job over both sets, each logged and fired in turn
+    both = trainer.evaluate(eval_dataset={"x": val, "y": val.select(range(2))}, metric_key_prefix="dev")
+    assert (both["dev_x_rows"], both["dev_y_rows"]) == (5, 2) and "dev_y_loss" in both
+    assert [(name, "dev_x_loss" in values) for name, values, *_ in recorder.events] == [
+        ("on_log", True), ("on_evaluate", True), ("on_log", False), ("on_evaluate", False)]
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
@@ -442,8 +447,16 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     args = _hf_args(tmp_path)
     trainer = Trainer(model=model, args=args, processing_class=tok, callbacks=[recorder])
     job = {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.0}
-    monkeypatch.setattr(trainer, "_evaluate_job", lambda dataset, keep_predictions: (
-        dict(job), PredictionCollectorResult() if keep_predictions else None))
+    jobs: list[Any] = []
+
+    def evaluate_job(dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
+        jobs.append(dataset)
+        if isinstance(dataset, dict):  # one job over the named sets, as the loop reports them
+            return {**{f"eval_{n}_{k}": v for n in dataset for k, v in (("loss", 2.0), ("runtime", 0.1))},
+                    "epoch": 0.0}, None
+        return dict(job), PredictionCollectorResult() if keep_predictions else None
+
+    monkeypatch.setattr(trainer, "_evaluate_job", evaluate_job)
     trainer.state.epoch = 0.6667
     trainer.state.global_step = 6
     metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2]}])
@@ -454,6 +467,9 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     recorder.events.clear()
     both = trainer.evaluate(eval_dataset={"a": [{"input_ids": [1]}], "b": [{"input_ids": [2]}]})
     assert set(both) == {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_runtime", "epoch"}
+    assert len(jobs) == 2 and isinstance(jobs[-1], dict)  # one evaluation job for both sets
+    assert [sorted(e) for e in trainer.state.log_history[-2:]] == [
+        ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime", "step"] for s in "ab"]
     assert [(name, sorted(values)) for name, values, _, _ in recorder.events] == [
         (hook, ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime"]) for s in "ab" for hook in ("on_log", "on_evaluate")]
     recorder.events.clear()

@@ -482,9 +482,15 @@ class Trainer:
                 self._record_log(_prefixed(part, metric_key_prefix))
             return _prefixed(metrics, metric_key_prefix)
         if _is_dataset_dict(dataset):
+            # one evaluation job over the named sets; each set's metrics logged and fired in turn, as Trainer does
             metrics = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            job_metrics, _ = self._evaluate_job(dataset, keep_predictions=False) if dataset else ({}, None)
+            for part in _per_set(job_metrics, [str(name) for name in dataset]):
+                part.pop("epoch", None)
+                part = _prefixed(part, metric_key_prefix)
+                self.log(part)
+                self._fire("on_evaluate", metrics=part)
+                metrics.update(part)
             return metrics
         job_metrics, _ = self._evaluate_job(dataset, keep_predictions=False)
         job_metrics.pop("epoch", None)  # the separate job's own 0.0; log() sets the trainer's, as Trainer.log
@@ -521,18 +527,13 @@ class Trainer:
         elif writer:
             model_path, tok_path = self._write_model()
         if writer:
-            _, longest = self._write_data(dataset, "evaluate/data", "eval_dataset")
+            layout: dict[str, Any] = {"model_path": str(model_path), **self._write_evaluation_data(dataset)}
             if self._loop is None:
-                (folder / "layout.json").write_text(json.dumps({
-                    "model_path": str(model_path), "tokenizer_path": str(tok_path) if tok_path else None,
-                    "longest": longest}))
-            else:
-                (folder / "layout.json").write_text(json.dumps({"model_path": str(model_path), "longest": longest}))
+                layout["tokenizer_path"] = str(tok_path) if tok_path else None
+            (folder / "layout.json").write_text(json.dumps(layout))
         if env is not None:
             env.barrier()
         layout = json.loads((folder / "layout.json").read_text())
-        data_file = folder / "data"
-        layout.update(data_path=str(data_file), val_data_path=str(data_file))
         args = self._training_args(layout, env.world_size if env else self_launch_nproc(), None)
         updates: dict[str, Any] = {
             "eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False,
@@ -553,6 +554,20 @@ class Trainer:
         with (folder / EVAL_FILE).open("rb") as handle:
             out = pickle.load(handle)
         return dict(out["metrics"]), out["predictions"]
+
+    def _write_evaluation_data(self, dataset: Any) -> dict[str, Any]:
+        """The layout entries of an evaluation job's data: one dataset (``val_data_path``) or a dict of them
+        (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first (it is not trained)."""
+        if not _is_dataset_dict(dataset):
+            path, longest = self._write_data(dataset, "evaluate/data", "eval_dataset")
+            return {"data_path": str(path), "val_data_path": str(path), "longest": longest}
+        sets, longest_of_all = {}, 0
+        for i, (name, part) in enumerate(dataset.items()):
+            path, longest = self._write_data(part, f"evaluate/data-{i}", f"eval_dataset[{name!r}]")
+            sets[str(name)] = str(path)
+            longest_of_all = max(longest_of_all, longest or 0)
+        return {"data_path": next(iter(sets.values())), "val_data_path": None, "eval_data_paths": sets,
+                "longest": longest_of_all or None}
 
     def _record_log(self, logs: dict[str, Any]) -> None:
         """Append ``logs`` to ``state.log_history`` as ``Trainer.log`` does (``epoch`` set on ``logs`` itself)."""
