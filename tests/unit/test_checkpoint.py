@@ -99,7 +99,7 @@ def test_checkpoint_is_a_hugging_face_model_directory(args: TrainingArgs, tokeni
     assert json.loads((path / "training_state.json").read_text()) == state
     assert json.loads((path / "trainer_state.json").read_text()) == {"global_step": 1}
     for name in ("config.json", "generation_config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
-                 "rng_state_0.pth", COMPLETE_MARKER):
+                 "rng_state.pth", COMPLETE_MARKER):  # one process: Trainer's name
         assert (path / name).is_file(), name
     assert [p.name for p in args.ckpt_output_dir.iterdir()] == ["checkpoint-1"], "temporary folder left behind"
 
@@ -154,6 +154,12 @@ def test_rng_states_are_restored(args: TrainingArgs) -> None:
     torch.manual_seed(99)
     manager.restore_rng(path)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == drawn
+
+    # A one-process checkpoint written before Trainer's naming (rng_state_0.pth) still restores.
+    (path / "rng_state.pth").rename(path / "rng_state_0.pth")
+    torch.manual_seed(99)
+    manager.restore_rng(path)
+    assert float(torch.rand(1)) == drawn[2]
 
 
 def test_tied_embeddings_round_trip(args: TrainingArgs, tmp_path: Path) -> None:

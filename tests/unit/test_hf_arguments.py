@@ -99,3 +99,16 @@ def test_single_rank_is_not_parallel(files):
     hf = build_training_arguments(make_args(files), DistributedEnv())
     assert hf.parallel_mode == ParallelMode.NOT_PARALLEL
     assert (hf.world_size, hf.process_index) == (1, 0) and hf.should_save and hf.should_log
+
+
+def test_users_batch_fields_are_kept_when_they_describe_the_run(files, tmp_path):
+    """A ported script's per_device_train_batch_size / gradient_accumulation_steps stay as Trainer
+    records them when their product with the world size is the run's effective batch."""
+    user = TrainingArguments(output_dir=str(tmp_path / "u"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, use_cpu=True, report_to="none")
+    env = DistributedEnv(world_size=2, rank=0, local_rank=0, local_world_size=2)
+    same = build_training_arguments(make_args(files, effective_batch_size=16, hf_args=user), env)
+    assert (same.per_device_train_batch_size, same.gradient_accumulation_steps) == (2, 4)
+    assert same.train_batch_size == 2
+    other = build_training_arguments(make_args(files, effective_batch_size=12, hf_args=user), env)
+    assert (other.per_device_train_batch_size, other.gradient_accumulation_steps) == (6, 1)

@@ -7,7 +7,8 @@ A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
   instead, in PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``), loadable with
   ``PeftModel.from_pretrained`` (only the adapter's weights are gathered, never the frozen base);
 * ``training_state.json``: the loop's counters, sampler position and callback states;
-* ``rng_state_{rank}.pth``: each rank's python / numpy / torch CPU / CUDA generator states;
+* ``rng_state_{rank}.pth`` (``rng_state.pth`` for one process, as Trainer): each rank's python / numpy /
+  torch CPU / CUDA generator states;
 * the optimizer and scheduler state as the engine writes it (``optimizer.pt``, a DCP folder for FSDP2, a
   DeepSpeed folder for ZeRO) and ``scheduler.pt``;
 * any ``extra_files`` (e.g. the HF adapter's ``trainer_state.json``);
@@ -136,7 +137,7 @@ class CheckpointManager:
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(engine, tokenizer, tmp, full_state, training_state, extra_files or {})
             del full_state
-            torch.save(capture_rng_state(), tmp / f"rng_state_{self.env.rank}.pth")
+            torch.save(capture_rng_state(), tmp / rng_state_file_name(self.env.rank, self.env.world_size))
         except Exception as exc:
             error = exc
         self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
@@ -424,9 +425,12 @@ class CheckpointManager:
         engine.load_model_state_dict(state)
 
     def restore_rng(self, path: Path) -> None:
-        """Restore this rank's RNG states from ``rng_state_{rank}.pth`` (a warning if the file is missing,
-        e.g. after a change of world size)."""
-        file = Path(path) / f"rng_state_{self.env.rank}.pth"
+        """Restore this rank's RNG states from its ``rng_state_file_name`` file (a checkpoint of one process
+        from before Trainer's naming: ``rng_state_0.pth``; a warning if the file is missing, e.g. after a
+        change of world size)."""
+        file = Path(path) / rng_state_file_name(self.env.rank, self.env.world_size)
+        if not file.is_file() and self.env.world_size == 1:
+            file = Path(path) / rng_state_file_name(0, 2)
         if not file.is_file():
             logger.warning("rank %d: %s not found; RNG states not restored", self.env.rank, file)
             return
@@ -471,6 +475,12 @@ def fill_tied_weights(state: dict[str, torch.Tensor], model: torch.nn.Module) ->
 
 
 # ---------------------------------------------------------------------- RNG
+def rng_state_file_name(rank: int, world_size: int) -> str:
+    """A rank's RNG-state file in a checkpoint, named as Trainer names it: ``rng_state.pth`` for a run of
+    one process, ``rng_state_{rank}.pth`` otherwise."""
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
 def capture_rng_state() -> dict[str, Any]:
     """This process's python, numpy (if installed), torch CPU and CUDA generator states."""
     python_state = random.getstate()

@@ -46,9 +46,12 @@ the port normalises (step ratios become steps).  The device fields are seeded as
 
 Fields that differ from Trainer's meaning
 -----------------------------------------
-- ``per_device_train_batch_size`` is ``effective_batch_size // world_size`` (at least 1): trainbridge
-  batches by token budget (``max_batch_len``), so the rows per micro-batch vary; this is the average
-  number of samples per rank per optimizer step.
+- ``per_device_train_batch_size`` is ``effective_batch_size // world_size`` (at least 1) -- except
+  for the user's own ``TrainingArguments`` whose ``per_device_train_batch_size x
+  gradient_accumulation_steps x world size`` is the run's effective batch: those two fields keep the
+  user's values (they describe the same step).  trainbridge batches by token budget
+  (``max_batch_len``), so the rows per micro-batch vary; this is the average number of samples per
+  rank per optimizer step.
 - ``gradient_accumulation_steps`` is 1: the number of micro-batches per optimizer step varies with the
   token budget; every ``on_substep_end`` still fires as under Trainer.
 - ``save_steps`` is derived from ``save_samples`` when only that is set (samples per step =
@@ -99,10 +102,29 @@ def _onto_original(original: TrainingArguments, run: TrainingArguments, env: Dis
     the value of ``run`` where the two differ (see "The user's own TrainingArguments" above)."""
     hf_args = copy.deepcopy(original)
     _seed_process_state(hf_args, env, args)
+    kept = _BATCH_FIELDS if _same_effective_batch(original, args, env) else ()
     for name in OWNED_FIELDS:
+        if name in kept:
+            continue
         if name in _TRAINING_ARGUMENT_FIELDS and getattr(hf_args, name) != getattr(run, name):
             setattr(hf_args, name, getattr(run, name))
     return hf_args
+
+
+_BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+"""The fields that say how the optimizer step's samples split over ranks and micro-batches."""
+
+
+def _same_effective_batch(original: TrainingArguments, args: TrainingArgs, env: DistributedEnv) -> bool:
+    """Whether the user's ``per_device_train_batch_size x gradient_accumulation_steps x world size`` is
+    the run's ``effective_batch_size``: then their two fields describe this run (a ported script keeps
+    ``per_device_train_batch_size=2``, ``gradient_accumulation_steps=16`` as Trainer records them, e.g.
+    in ``trainer_state.json``'s ``train_batch_size``), and they are kept."""
+    per_device = getattr(original, "per_device_train_batch_size", None)
+    accumulation = getattr(original, "gradient_accumulation_steps", None)
+    if not isinstance(per_device, int) or not isinstance(accumulation, int):
+        return False
+    return per_device * accumulation * env.world_size == args.effective_batch_size
 
 
 OWNED_FIELDS: tuple[str, ...] = (
