@@ -145,6 +145,7 @@ def test_fatal_policy_stops_both_ranks_cleanly_and_fails_the_run(assets, tmp_pat
         run_training(args, TWO, timeout_s=240)
     assert time.monotonic() - start < 240
     assert "RaiseOnRank" in str(info.value)
+    assert info.value.rank == 1  # every rank raised; the root cause is the rank whose callback did
 
 
 def test_setup_error_on_one_rank_fails_before_the_first_step_naming_rank_and_callback(assets, tmp_path):

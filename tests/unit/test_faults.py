@@ -27,7 +27,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import ControlFlag
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.errors import TrainingInterrupted
+from trainbridge.core.errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.launch import launcher, lifeline
 from trainbridge.launch.checks import check_data_file, input_problems
 from trainbridge.launch.errors import PreflightError, RunFolderLockedError
@@ -285,6 +285,21 @@ def test_the_killed_rank_is_the_root_cause_and_the_survivor_a_consequence(tmp_pa
     records.append({"rank": 2, "local_rank": 2, "pid": 12, "exitcode": 1, "signal": None, "error_file": str(real),
                     "timestamp": 102, "message": "ValueError: bad batch"})
     assert root_cause(records).rank == 2  # a real Python error outranks a signal and a consequence
+
+
+def test_fatal_callback_error_on_every_rank_names_the_rank_it_happened_on(tmp_path):
+    """Every rank raises CallbackFatalError for an agreed abort; the rank whose callback raised (its error
+    carries its own reason) is the root cause, even when another rank's error is older."""
+    records = []
+    for rank, own in ((0, ""), (1, f"{OWN_CAUSE_MARKER}Boom raised in on_step_end: no)")):
+        error_file = tmp_path / f"error{rank}.json"
+        message = ("CallbackFatalError: callback error under callback_error_policy='fatal' on rank 1 (Boom); "
+                   f"every rank stopped at step 3{own}")
+        error_file.write_text(json.dumps({"message": {
+            "message": message, "extraInfo": {"py_callstack": "tb", "timestamp": str(100 + rank)}}}))
+        records.append({"rank": rank, "local_rank": rank, "pid": 10 + rank, "exitcode": 1, "signal": None,
+                        "error_file": str(error_file), "timestamp": 100 + rank, "message": message})
+    assert root_cause(records).rank == 1
 
 
 # ----------------------------------------------------------------------------- outside control

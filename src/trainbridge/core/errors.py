@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict
 
 logger = logging.getLogger("trainbridge.core.manager")
 
+OWN_CAUSE_MARKER = " (this rank: "
+"""In an error every rank raises for one agreed failure (a ``fatal`` callback error), the text that only
+the rank where it happened adds, followed by its own reason: the launcher picks that rank as the root
+cause (``launch.failures``)."""
+
 
 class CallbackErrorReport(BaseModel):
     """Errors one callback raised under the ``isolate`` policy, on one rank."""

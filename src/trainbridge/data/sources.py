@@ -2,7 +2,7 @@
 
 ``load_run_data(args, tokenizer)`` is the data layer's one entry for the builder
 (``trainbridge.loop.build``; the launcher's preflight calls it in the parent first through
-``check_training_data``, so bad rows fail before launch and the workers find the cache built).  It
+``launch.data_check.check_data``, so bad rows fail before launch and the workers find the cache built).  It
 reads ``data_path``/``val_data_path`` (or the named ``eval_data_paths``) through the tokenisation cache
 (``data.cache``), holds out ``validation_split`` by index, and logs the start-up summary.  New input
 formats are added here (or below it), never in the loop.

@@ -10,9 +10,10 @@ file); here the root cause is chosen:
 2. else a death by a signal other than SIGTERM/SIGINT, or a non-zero exit without an error file;
 3. else the earliest consequence;
 
-ties broken by time.  The others are listed after it, one line each.  Without a failures file (the
-agent itself failed, or torchrun failed before starting workers) the per-rank error files and teed
-stderr logs are read as before.
+ties broken by the rank that names itself as the cause of an error every rank raised (a ``fatal``
+callback error agreed across ranks: ``core.errors.OWN_CAUSE_MARKER``), then by time.  The others are
+listed after it, one line each.  Without a failures file (the agent itself failed, or torchrun failed
+before starting workers) the per-rank error files and teed stderr logs are read as before.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.core.config import TorchrunArgs
+from trainbridge.core.errors import OWN_CAUSE_MARKER
 from trainbridge.launch.errors import LaunchError, WorkerFailedError
 
 _CONSEQUENCE = re.compile(
@@ -102,7 +104,8 @@ def _rank_label(record: Mapping[str, Any]) -> str:
 def root_cause(records: list[dict[str, Any]], log_dir: Path | None = None, restarts: int = 0) -> WorkerFailedError:
     """The ``WorkerFailedError`` for the failures the agent recorded (at least one)."""
     described = [(record, *_describe(record)) for record in records]
-    described.sort(key=lambda item: (_tier(item[0], item[1]), int(item[0].get("timestamp", 0)), item[0]["rank"]))
+    described.sort(key=lambda item: (_tier(item[0], item[1]), OWN_CAUSE_MARKER not in item[1],
+                                     int(item[0].get("timestamp", 0)), item[0]["rank"]))
     root, message, trace = described[0]
     consequences = [f"{_rank_label(r)}: {m.strip().splitlines()[0] if m.strip() else m}" for r, m, _ in described[1:]]
     reported = {int(r["rank"]) for r, _, _ in described}

@@ -28,7 +28,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.errors import TrainingInterrupted
+from trainbridge.core.errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
@@ -390,7 +390,7 @@ class TrainingLoop:
             raise CallbackFatalError(
                 f"callback error under callback_error_policy='fatal' on "
                 f"{agreed.describe(ControlFlag.ABORT)}; every rank stopped at step {self.context.global_step}"
-                + (f" (this rank: {local})" if local else "")
+                + (f"{OWN_CAUSE_MARKER}{local})" if local else "")
             )
         return agreed, sums
 
