@@ -9,6 +9,7 @@ records which samples it saw.  ``dict``: ``eval_dataset={"a": 37 rows, "b": 11 r
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,8 +34,15 @@ from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
 EVAL_DICT = "dict" in sys.argv[2:]
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
-if not (model_dir / "config.json").exists():
-    build_tiny_llama(model_dir)
+if not model_dir.exists():
+    # Every rank runs this script: each builds into its own folder and the first rename publishes it
+    # (a rank reading a half-written tokenizer file of another failed once in CI).
+    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
+    build_tiny_llama(staging)
+    try:
+        staging.rename(model_dir)
+    except OSError:  # another rank published first
+        shutil.rmtree(staging)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 
