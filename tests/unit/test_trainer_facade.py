@@ -123,7 +123,10 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
 
 
 # ---------------------------------------------------------------------------- run_training
-def test_run_training_accepts_instructlab_argument_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def stopped_at_preflight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TrainingArgs, list[Any]]:
+    """Run arguments, and the list of arguments ``run_training`` reached preflight with (where it stops)
+    outside a launched worker."""
     seen: list[Any] = []
 
     def stop(args: TrainingArgs) -> None:
@@ -133,10 +136,14 @@ def test_run_training_accepts_instructlab_argument_order(tmp_path: Path, monkeyp
     monkeypatch.setattr(launcher, "preflight", stop)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
+    args = TrainingArgs(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
+    return args, seen
+
+
+def test_run_training_accepts_instructlab_argument_order(stopped_at_preflight: tuple[TrainingArgs, list[Any]]) -> None:
+    args, seen = stopped_at_preflight
     with pytest.raises(launcher.PreflightError):
         launcher.run_training(TorchrunArgs(nproc_per_node=2), args)
     assert seen == [args]
@@ -296,19 +303,10 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
         TrainingArgs(**base, random_seed=1, seed=2)
 
 
-def test_run_training_takes_instructlabs_torch_args_keyword(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[Any] = []
-
-    def stop(args: TrainingArgs) -> None:
-        seen.append(args)
-        raise launcher.PreflightError("stop here")
-
-    monkeypatch.setattr(launcher, "preflight", stop)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
+def test_run_training_takes_instructlabs_torch_args_keyword(
+    stopped_at_preflight: tuple[TrainingArgs, list[Any]],
+) -> None:
+    args, seen = stopped_at_preflight
     with pytest.raises(launcher.PreflightError):
         launcher.run_training(torch_args=TorchrunArgs(nproc_per_node=2), train_args=args)
     assert seen == [args]

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -103,15 +102,5 @@ def _one_line_excepthook(rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
-def exit_after_success(code: int) -> NoReturn:
-    """Leave a worker whose run finished and whose result is written (``launch.process_exit.exit_now``).
-
-    torch's gloo communication threads can abort a process while the interpreter finalises
-    ("terminate called without an active exception"; seen here under transformers.Trainer too), which
-    would turn a finished run into a failed one; and that teardown is slow.  Python's exit handlers still
-    run (reporting integrations flush and close there), the streams are flushed, then the process exits.
-    """
-    exit_now(code)
-
 if __name__ == "__main__":
-    exit_after_success(main() or 0)  # @record types main() as returning int | None
+    exit_now(main() or 0)  # @record types main() as returning int | None

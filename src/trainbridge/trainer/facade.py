@@ -33,6 +33,7 @@ import torch
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.adapter import is_hf_callback
 from trainbridge.trainer import inputs
 from trainbridge.trainer.launch_env import in_launched_worker, self_launch_nproc
 from trainbridge.trainer.runner import (
@@ -325,8 +326,7 @@ class Trainer:
         # progress bar, and each checkpoint gets trainer_state.json as under Trainer
         from transformers import TrainerCallback
 
-        if not any(isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback))
-                   for c in self.callbacks):
+        if not any(is_hf_callback(c) for c in self.callbacks):
             fields["callbacks"] = [*self.callbacks, TrainerCallback()]
         per_device = int(hf.per_device_train_batch_size)
         accumulation = int(hf.gradient_accumulation_steps)

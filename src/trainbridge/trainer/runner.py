@@ -30,8 +30,9 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.hf.adapter import trainer_tokens_seen
 from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV
-from trainbridge.launch.worker import exit_after_success, run_worker
+from trainbridge.launch.worker import run_worker
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
@@ -170,4 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_after_success(main() or 0)
+    exit_now(main() or 0)

@@ -22,12 +22,13 @@ from transformers import (
     DefaultFlowCallback,
     PrinterCallback,
     ProgressCallback,
-    TrainerCallback,
     TrainerControl,
     TrainerState,
     TrainingArguments,
 )
 from transformers.trainer_callback import CallbackHandler
+
+from trainbridge.hf.adapter import is_hf_callback
 
 
 class ScriptEvents:
@@ -54,8 +55,7 @@ class ScriptEvents:
         """transformers' handler over Trainer's default callbacks and the script's (rebuilt when the script
         added or removed one: instances are kept, classes instantiated once per build)."""
         if self._handler is None or self._built_from != list(callbacks):
-            hf = [c for c in callbacks
-                  if isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback))]
+            hf = [c for c in callbacks if is_hf_callback(c)]
             handler = CallbackHandler([DefaultFlowCallback, *hf], model, processing_class, None, None)
             handler.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
             self._handler, self._built_from = handler, list(callbacks)

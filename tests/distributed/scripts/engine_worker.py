@@ -258,9 +258,9 @@ def main(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    from trainbridge.launch.worker import exit_after_success
+    from trainbridge.launch.process_exit import exit_now
 
     main(json.loads(sys.argv[1]))
     # as trainbridge's own worker: skip C++ static teardown, where gloo's threads can abort a finished
     # process ("terminate called without an active exception"; seen once on this test under load)
-    exit_after_success(0)
+    exit_now(0)

@@ -138,7 +138,7 @@ if trainer.is_world_process_zero():
 trainer.end()  # transformers >= 5.18: finish trackers, leave the process group
 # Leave without C++ static teardown: torch's gloo threads can abort a finished process while the
 # interpreter finalises ("terminate called without an active exception"), under real Trainer as here;
-# trainbridge's own workers leave the same way (launch.worker.exit_after_success).
+# trainbridge's own workers leave the same way (launch.process_exit.exit_now).
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)
