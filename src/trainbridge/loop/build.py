@@ -91,9 +91,10 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size)
-    model = load_model(args, skeleton=from_rank0 and not env.is_world_process_zero)
+    skeleton = from_rank0 and not env.is_world_process_zero
+    model = load_model(args, skeleton=skeleton)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    padded = use_padded_batches(model, args, probe=not (from_rank0 and not env.is_world_process_zero))
+    padded = use_padded_batches(model, args, probe=not skeleton)
     if from_rank0:  # collective: the attention rank 0's probe chose (a skeleton cannot run the probe)
         chosen = env.broadcast_object(model.config._attn_implementation)
         if model.config._attn_implementation != chosen:
