@@ -248,21 +248,26 @@ class Trainer:
         rows, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), self._collator_choice, pad_id)
         return inputs.write_dataset(rows, self.run_dir / name), longest
 
+    def _write_eval_sets(self, data: Any, name: str) -> tuple[str | None, dict[str, str], int | None]:
+        """Write evaluation data as Arrow: one dataset into ``name`` -> ``(its path, {}, longest)``; a dict
+        (Trainer's named sets) each into ``name-{i}`` -> ``(None, {set: path}, longest of all)``."""
+        if not _is_dataset_dict(data):
+            path, longest = self._write_data(data, name, "eval_dataset")
+            return str(path), {}, longest
+        paths, longest_of_all = {}, 0
+        for i, (set_name, part) in enumerate(data.items()):
+            path, longest = self._write_data(part, f"{name}-{i}", f"eval_dataset[{set_name!r}]")
+            paths[str(set_name)] = str(path)
+            longest_of_all = max(longest_of_all, longest or 0)
+        return None, paths, longest_of_all or None
+
     def _write_eval_data(self) -> dict[str, Any]:
         """The layout entries of the Trainer's ``eval_dataset``: one dataset -> ``val_data_path``; a dict ->
         ``eval_data_paths`` (each set evaluated in turn during training, ``eval_<name>_`` metrics)."""
-        data = self.eval_dataset
-        if data is None:
+        if self.eval_dataset is None:
             return {"val_data_path": None, "eval_data_paths": {}, "longest": None}
-        if _is_dataset_dict(data):
-            paths, longest_of_all = {}, 0
-            for i, (name, part) in enumerate(data.items()):
-                path, longest = self._write_data(part, f"eval-{i}", f"eval_dataset[{name!r}]")
-                paths[str(name)] = str(path)
-                longest_of_all = max(longest_of_all, longest or 0)
-            return {"val_data_path": None, "eval_data_paths": paths, "longest": longest_of_all or None}
-        path, longest = self._write_data(data, "eval", "eval_dataset")
-        return {"val_data_path": str(path), "eval_data_paths": {}, "longest": longest}
+        path, sets, longest = self._write_eval_sets(self.eval_dataset, "eval")
+        return {"val_data_path": path, "eval_data_paths": sets, "longest": longest}
 
     def _prepare(self, world_size: int, resume: Any) -> Callable[[], None]:
         """``write``: writes the run folder (call it on the writing rank only); ``self._build_args()`` then
@@ -558,16 +563,11 @@ class Trainer:
     def _write_evaluation_data(self, dataset: Any) -> dict[str, Any]:
         """The layout entries of an evaluation job's data: one dataset (``val_data_path``) or a dict of them
         (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first (it is not trained)."""
-        if not _is_dataset_dict(dataset):
-            path, longest = self._write_data(dataset, "evaluate/data", "eval_dataset")
-            return {"data_path": str(path), "val_data_path": str(path), "longest": longest}
-        sets, longest_of_all = {}, 0
-        for i, (name, part) in enumerate(dataset.items()):
-            path, longest = self._write_data(part, f"evaluate/data-{i}", f"eval_dataset[{name!r}]")
-            sets[str(name)] = str(path)
-            longest_of_all = max(longest_of_all, longest or 0)
+        path, sets, longest = self._write_eval_sets(dataset, "evaluate/data")
+        if path is not None:
+            return {"data_path": path, "val_data_path": path, "longest": longest}
         return {"data_path": next(iter(sets.values())), "val_data_path": None, "eval_data_paths": sets,
-                "longest": longest_of_all or None}
+                "longest": longest}
 
     def _record_log(self, logs: dict[str, Any]) -> None:
         """Append ``logs`` to ``state.log_history`` as ``Trainer.log`` does (``epoch`` set on ``logs`` itself)."""
