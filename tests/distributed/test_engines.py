@@ -75,6 +75,8 @@ def assert_trained_like_reference(results: list[dict[str, Any]], describe_prefix
         assert result["training_state"] == {"global_step": 3, "rank_count": 2}
         assert result["resumed_lr_matches"]
         assert result["resume_max_diff"] == 0.0
+        # HF-layout weights exported in bf16 from fp32 training: resume is exact all the same
+        assert result["bf16_resume_max_diff"] == 0.0
         assert result["latest"].endswith("checkpoint-3")
         assert result["rotated_away"] == ["checkpoint-3"]
         assert result["after_rotation"] == ["checkpoint-4"]
@@ -83,6 +85,7 @@ def assert_trained_like_reference(results: list[dict[str, Any]], describe_prefix
     assert rank0["weights_sha"] == rank1["weights_sha"], "ranks ended with different full weights"
     assert rank0["from_pretrained_max_diff"] == 0.0
     assert rank1["full_state_on_other_rank"] is False
+    assert rank0["bf16_export_dtypes"] == ["torch.bfloat16"]
     files = set(rank0["checkpoint_files"])
     assert {"COMPLETE", "config.json", "model.safetensors", "training_state.json", "scheduler.pt",
             "rng_state_0.pth", "rng_state_1.pth", "note.txt"} <= files
@@ -92,6 +95,9 @@ def test_ddp_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
     results = run_engine_worker(tiny_model, tmp_path, "ddp")
     assert_trained_like_reference(results, "ddp (DistributedDataParallel) world=2 device=cpu")
     assert "optimizer.pt" in results[0]["checkpoint_files"]
+    # DDP keeps the fp32 weights in dcp/ only beside a lower-precision export
+    assert "dcp" in results[0]["bf16_checkpoint_files"] and "dcp" not in results[0]["checkpoint_files"]
+    assert results[0]["model_state_in_dcp"] == {"plain": False, "bf16": True}
 
 
 def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
@@ -115,7 +121,12 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         assert result["all_params_dtensor"]
         assert result["local_shard_fraction"] < 0.75, "a rank holds (almost) all parameters: not sharded"
     assert sum(r["local_shard_fraction"] for r in results) == pytest.approx(1.0)
-    assert "optimizer_dcp" in results[0]["checkpoint_files"]
+    # the model's shards sit in dcp/ with the optimizer's and resume reads them (resume_max_diff above);
+    # a checkpoint from before (optimizer_dcp/ only) still resumes exactly, its weights from the HF files
+    assert "dcp" in results[0]["checkpoint_files"]
+    for result in results:
+        assert result["model_state_in_dcp"] == {"plain": True, "bf16": True}
+        assert result["legacy_resume_max_diff"] == 0.0
     # fsdp_load_on_rank0: rank 1 built a meta skeleton and got every weight and buffer from rank 0
     for result in results:
         untied, tied = result["from_rank0"]
@@ -140,6 +151,9 @@ def test_deepspeed_engine(tiny_model: tuple[Path, Path], tmp_path: Path, zero_st
         # matches the single-process reference (assert_trained_like_reference).
         assert result["deepspeed_reported_norm"] == pytest.approx(result["grad_norms"][-1], rel=1e-6)
     assert "deepspeed" in results[0]["checkpoint_files"]
+    # DeepSpeed's own folder holds the fp32 masters: resume is exact from a bf16 export without dcp/
+    assert results[0]["model_state_in_dcp"] == {"plain": False, "bf16": False}
+    assert "dcp" not in results[0]["bf16_checkpoint_files"]
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -88,6 +89,24 @@ def test_kill_9_of_a_worker_restarts_the_job_from_its_checkpoint_to_the_same_wei
     assert plain.restarts == 0 and plain.resumed_from is None
     resumed = load_file(tmp_path / "killed" / "checkpoint-6" / "model.safetensors")
     uninterrupted = load_file(tmp_path / "plain" / "checkpoint-6" / "model.safetensors")
+    assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
+
+
+def test_kill_9_while_an_async_checkpoint_is_pending_resumes_from_the_previous_one(assets, tmp_path):
+    """checkpoint_async: rank 1 is killed at step 5's end, while checkpoint-4 (begun at step 4, its dcp/
+    part written in the background) is not yet published; checkpoint-2 is whole, the restarted job
+    resumes from it, and its final weights equal an uninterrupted run's (synchronous saves)."""
+    settings = dict(max_steps=6, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16")
+    result = run_training(base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 5)], checkpoint_async=True,
+                                    **settings), TorchrunArgs(nproc_per_node=2, max_restarts=1), timeout_s=400)
+    assert result.restarts == 1 and result.global_step == 6
+    assert Path(result.resumed_from or "").name == "checkpoint-2"
+    plain = run_training(base_args(assets, tmp_path / "plain", **settings), TWO, timeout_s=300)
+    assert plain.final_loss == result.final_loss
+    killed_dir, plain_dir = tmp_path / "killed" / "checkpoint-6", tmp_path / "plain" / "checkpoint-6"
+    assert verify_checkpoint(killed_dir) == []
+    resumed, uninterrupted = load_file(killed_dir / "model.safetensors"), load_file(plain_dir / "model.safetensors")
+    assert {t.dtype for t in resumed.values()} == {torch.bfloat16}
     assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
 
 

@@ -14,7 +14,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError, CheckpointManager
+from trainbridge.checkpoint.manager import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    CheckpointManager,
+    read_safetensors_weights,
+)
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.parallel.engine import TrainingEngine, build_engine
@@ -202,7 +207,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_whole(args: TrainingArgs, mon
     first_weights = weights(engine)
     train_step(engine, seed=2)
 
-    def disk_full(directory: Path) -> None:
+    def disk_full(directory: Path, **kwargs: object) -> None:
         raise OSError("No space left on device")
 
     monkeypatch.setattr(engine, "save_training_state", disk_full)
@@ -277,3 +282,77 @@ def test_rotation_ignores_incomplete_folders(tmp_path: Path) -> None:
     manager.rotate()
     assert manager.list_checkpoints() == [newest]
     assert incomplete.exists()
+
+
+# ---------------------------------------------------------------------- export dtype
+def test_bf16_export_of_fp32_training_resumes_exactly_from_the_sharded_state(args: TrainingArgs) -> None:
+    from safetensors.torch import load_file
+
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    train_step(engine, seed=2)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None,
+                                weights_dtype=torch.bfloat16)
+    path = manager.save(engine, None, 2, {"global_step": 2}, {})
+    saved = weights(engine)
+    train_step(engine, seed=3)
+    uninterrupted = weights(engine)
+
+    # the HF-layout weights really are bf16, say so in config.json, and load with from_pretrained
+    assert {t.dtype for t in load_file(path / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = AutoModelForCausalLM.from_pretrained(path)
+    assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+    assert_same_weights(exported.state_dict(), {k: v.to(torch.bfloat16) for k, v in saved.items()})
+    assert (path / "dcp" / ".metadata").is_file(), "the fp32 weights are kept beside the bf16 export"
+
+    resumed = new_engine(args)
+    manager.load(path, resumed)
+    assert_same_weights(weights(resumed), saved)
+    train_step(resumed, seed=3)
+    assert_same_weights(weights(resumed), uninterrupted)
+
+    # restoring weights alone (load_best_model_at_end, ctx.restore_model_weights) reads them exactly too
+    weights_only = new_engine(args)
+    manager.load_model_weights(path, weights_only)
+    assert_same_weights(weights(weights_only), saved)
+
+    # guard: the bf16 files alone would not have resumed exactly
+    from_export = new_engine(args)
+    from_export.load_model_state_dict(read_safetensors_weights(path))
+    assert any(not torch.equal(a, b) for a, b in zip(weights(from_export).values(), saved.values()))
+
+
+def test_an_export_in_the_parameters_dtype_keeps_no_extra_copy(args: TrainingArgs) -> None:
+    engine = new_engine(args)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None,
+                                weights_dtype=torch.float32)
+    path = manager.save(engine, None, 1, {}, {})
+    assert not (path / "dcp").exists()
+    assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_checkpoint_weights_dtype_auto_is_what_the_model_folder_records(args: TrainingArgs, tmp_path: Path) -> None:
+    from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
+
+    fp32 = AutoModelForCausalLM.from_pretrained(args.model_path)
+    assert checkpoint_weights_dtype(args, fp32) == torch.float32  # the tiny model records float32
+    bf16_folder = tmp_path / "bf16"
+    fp32.to(torch.bfloat16).save_pretrained(bf16_folder)
+    assert json.loads((bf16_folder / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(bf16_folder, dtype="float32")  # trained in fp32
+    bf16_args = args.model_copy(update={"model_path": bf16_folder})
+    assert checkpoint_weights_dtype(bf16_args, loaded) == torch.bfloat16
+    assert checkpoint_weights_dtype(bf16_args.model_copy(update={"checkpoint_weights_dtype": "float32"}),
+                                    loaded) == torch.float32
+    # no folder (model_init): the parameters' dtype
+    assert checkpoint_weights_dtype(args.model_copy(update={"model_path": None}), loaded) == torch.float32
+
+
+def test_only_a_narrowing_export_counts_as_lossy() -> None:
+    from trainbridge.checkpoint.weights_dtype import exports_lossy
+
+    fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert exports_lossy(fp32, torch.bfloat16) and exports_lossy(bf16, torch.float16)
+    assert not exports_lossy(bf16, torch.float32) and not exports_lossy(fp32, torch.float32)
+    assert not exports_lossy(fp32, None)

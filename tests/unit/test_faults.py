@@ -202,7 +202,7 @@ def test_disk_full_names_the_disk_and_the_checkpoint_and_keeps_the_previous(args
     manager, _, second = _two_checkpoints(args, None)
     engine = new_engine(args)
 
-    def no_space(tmp):
+    def no_space(tmp, **kwargs):
         raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                            'message: "No space left on device" })')  # what safetensors raises
 

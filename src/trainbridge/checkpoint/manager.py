@@ -9,20 +9,29 @@ A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
 * ``training_state.json``: the loop's counters, sampler position and callback states;
 * ``rng_state_{rank}.pth`` (``rng_state.pth`` for one process, as Trainer): each rank's python / numpy /
   torch CPU / CUDA generator states;
-* the optimizer and scheduler state as the engine writes it (``optimizer.pt``, a DCP folder for FSDP2, a
-  DeepSpeed folder for ZeRO) and ``scheduler.pt``;
+* the optimizer and scheduler state as the engine writes it (``optimizer.pt``, the DCP folder ``dcp/`` for
+  FSDP2, a DeepSpeed folder for ZeRO) and ``scheduler.pt``;
+* ``dcp/`` (``torch.distributed.checkpoint``) also holds the model's own weights, in their training dtype,
+  whenever the HF-layout files are not those weights: always under FSDP2 (each rank writes and, at resume,
+  reads only its shards), and under DDP / one process when the export dtype (``checkpoint_weights_dtype``,
+  ``checkpoint.weights_dtype``: by default the original checkpoint's, e.g. bf16 for fp32 training) is lower
+  than the parameters'.  Resume then loads the weights from ``dcp/`` and is exact; otherwise (and for a PEFT
+  adapter, and DeepSpeed, whose folder holds its fp32 masters) from the HF-layout files;
 * any ``extra_files`` (e.g. the HF adapter's ``trainer_state.json``);
 * ``manifest.json``: every file's size and SHA-256, and the run's fingerprint (``checkpoint.manifest``);
 * ``COMPLETE``: written last, after every file was fsynced.
 
 Atomicity: everything is written into ``output_dir/.tmp-checkpoint-{step}`` (every rank writes its rank
 files there), the ranks agree that all writes succeeded, then rank 0 writes ``COMPLETE`` and renames the
-folder to its final name.  A crash mid-save leaves earlier checkpoints whole; a left-over temporary folder
-is never listed and is removed by the next save of the run that made it, or of a later run once its
-maker is gone (``.owner`` names it), never while another live run may still be writing it.  Re-saving
-an existing step renames the old folder aside, renames the new one in, then deletes the old one.
-``output_dir`` must be on a filesystem every rank sees (as for
-``torch.distributed.checkpoint`` and DeepSpeed checkpoints).
+folder to its final name.  ``save`` is ``begin_save`` then ``finish_save``; between the two the ``dcp/``
+part may still be written in the background (``checkpoint_async``: ``PendingCheckpoint``), and the
+checkpoint is only published once every rank's background write finished.  A crash mid-save (or
+mid-background-write) leaves earlier checkpoints whole; a left-over temporary folder is never listed
+and is removed by the next save of the run that made it, or of a later run once its maker is gone
+(``.owner`` names it), never while another live run may still be writing it.  Re-saving an existing
+step renames the old folder aside, renames the new one in, then deletes the old one.  ``output_dir``
+must be on a filesystem every rank sees (as for ``torch.distributed.checkpoint`` and DeepSpeed
+checkpoints).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,6 +62,7 @@ from trainbridge.checkpoint.manifest import (
     write_manifest,
 )
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, process_is_alive
+from trainbridge.checkpoint.weights_dtype import cast_for_export, exports_lossy
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
 from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
@@ -92,6 +104,23 @@ def is_complete_checkpoint(path: Path) -> bool:
     return _CHECKPOINT_NAME.match(path.name) is not None and (path / COMPLETE_MARKER).is_file()
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint begun by ``begin_save`` and not yet published by ``finish_save``."""
+
+    step: int
+    tmp: Path
+    """The temporary folder every file went into."""
+    final: Path
+    """Where ``finish_save`` renames it to."""
+    background_write: Future[Any] | None = None
+    """This rank's ``dcp/`` write still going on in the background (``dcp.async_save``), or None."""
+
+    def written(self) -> bool:
+        """True once this rank's background write has ended (successfully or not)."""
+        return self.background_write is None or self.background_write.done()
+
+
 class CheckpointManager:
     """Writes, finds, rotates and loads the checkpoints of one run in ``output_dir``.
 
@@ -100,7 +129,8 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None,
-                 fingerprint: dict[str, Any] | None = None, checksums: bool = True) -> None:
+                 fingerprint: dict[str, Any] | None = None, checksums: bool = True,
+                 weights_dtype: torch.dtype | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
         self.save_total_limit = save_total_limit
@@ -109,6 +139,8 @@ class CheckpointManager:
         self.run_id = os.environ.get(RUN_ID_ENV, "")
         self.checksums = checksums
         """SHA-256 of every file in the manifest, checked at resume (``checkpoint_checksums``)."""
+        self.weights_dtype = weights_dtype
+        """dtype of the HF-layout weights written (``checkpoint.weights_dtype``); None: the parameters'."""
 
     # ------------------------------------------------------------------ saving
     def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
@@ -118,6 +150,13 @@ class CheckpointManager:
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
         JSON-serialisable; ``extra_files`` maps file names to text (or bytes) written beside it.
         """
+        return self.finish_save(self.begin_save(engine, tokenizer, global_step, training_state, extra_files))
+
+    def begin_save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
+                   extra_files: dict[str, str | bytes] | None = None, background: bool = False) -> PendingCheckpoint:
+        """Write everything of ``checkpoint-{global_step}`` into its temporary folder (collective); with
+        ``background`` the ``dcp/`` part goes on being written by DCP's writer thread when this returns.
+        Publish it with ``finish_save``.  A failure on any rank raises ``CheckpointError`` on every rank."""
         final = checkpoint_dir(self.output_dir, global_step)
         tmp = self.output_dir / f"{TMP_PREFIX}{global_step}"
         error: BaseException | None = None
@@ -142,19 +181,36 @@ class CheckpointManager:
             error = exc
         self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
 
+        peft = is_peft_model(engine.unwrapped)
+        model_state = not peft and (engine.sharded_model or exports_lossy(engine.unwrapped, self.weights_dtype))
+        background_write = None
         try:
-            engine.save_training_state(tmp)
+            background_write = engine.save_training_state(tmp, model_state=model_state, background=background)
         except Exception as exc:
             error = exc
         self._agree(error, f"writing optimizer/scheduler state into {tmp}", final)
+        return PendingCheckpoint(global_step, tmp, final, background_write)
 
+    def finish_save(self, pending: PendingCheckpoint) -> Path:
+        """Wait for this rank's background write, agree that every rank's succeeded, then publish the
+        checkpoint (``manifest.json``, ``COMPLETE``, renamed into place; collective) and return its path.
+        A failed write on any rank: every rank raises ``CheckpointError`` and the temporary folder is
+        removed; earlier checkpoints are untouched."""
+        tmp, final, global_step = pending.tmp, pending.final, pending.step
+        error: BaseException | None = None
+        if pending.background_write is not None:
+            try:
+                pending.background_write.result()
+            except Exception as exc:
+                error = exc
+            self._agree(error, f"writing the sharded state into {tmp} in the background", final)
         if self.env.is_world_process_zero:
             try:
                 (tmp / OWNER_FILE).unlink(missing_ok=True)
                 write_manifest(tmp, self.fingerprint, self.checksums)  # hashes and fsyncs every file first
                 write_durably(tmp / COMPLETE_MARKER, f"{global_step}\n")
                 fsync_dir(tmp)
-                self._publish(tmp, final)
+                self._rename_into_place(tmp, final)
                 fsync_dir(self.output_dir)
             except Exception as exc:
                 error = exc
@@ -179,7 +235,11 @@ class CheckpointManager:
                                extra_files: dict[str, str | bytes]) -> None:
         if full_state is None:
             raise CheckpointError(f"{type(engine).__name__}.full_model_state_dict() returned None on rank 0")
-        engine.unwrapped.save_pretrained(tmp, state_dict=full_state)
+        if self.weights_dtype is not None and not is_peft_model(engine.unwrapped):
+            save_pretrained_as(engine.unwrapped, tmp, cast_for_export(full_state, self.weights_dtype),
+                               self.weights_dtype)
+        else:  # a PEFT adapter is written in its training dtype
+            engine.unwrapped.save_pretrained(tmp, state_dict=full_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         try:
@@ -193,7 +253,7 @@ class CheckpointManager:
             else:
                 (tmp / name).write_text(content)
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _rename_into_place(self, tmp: Path, final: Path) -> None:
         """Rename ``tmp`` to ``final``; an existing ``final`` is renamed aside first and deleted after."""
         if not final.exists():
             tmp.rename(final)
@@ -257,8 +317,8 @@ class CheckpointManager:
     def export_merged(self, engine: TrainingEngine, tokenizer: Any, load_base: Callable[[], Any]) -> Path:
         """Write the live PEFT model merged into its base (``merge_and_unload``) in Hugging Face layout to
         ``output_dir/merged`` (collective; rank 0 writes).  The adapter's weights are gathered from the
-        engine, applied to a fresh base model from ``load_base()`` on CPU and merged; the folder appears
-        whole (written beside it, then renamed in)."""
+        engine, applied to a fresh base model from ``load_base()`` on CPU and merged, and written in
+        ``weights_dtype``; the folder appears whole (written beside it, then renamed in)."""
         final = self.output_dir / MERGED_DIR
         error: BaseException | None = None
         state = engine.full_model_state_dict(adapter_weight_names(engine.unwrapped))  # collective
@@ -271,7 +331,7 @@ class CheckpointManager:
                     shutil.rmtree(tmp)
                 with tempfile.TemporaryDirectory(dir=self.output_dir, prefix=".tmp-adapter-") as adapter_dir:
                     engine.unwrapped.save_pretrained(adapter_dir, state_dict=state)
-                    merge_adapter(load_base(), Path(adapter_dir), tmp)
+                    merge_adapter(load_base(), Path(adapter_dir), tmp, self.weights_dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 if final.exists():
@@ -392,8 +452,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: Path, engine: TrainingEngine) -> dict[str, Any]:
-        """Load a checkpoint into ``engine`` (collective): model weights, optimizer and scheduler state, and
-        this rank's RNG state.  Returns the ``training_state`` dict saved with it."""
+        """Load a checkpoint into ``engine`` (collective): model weights (from ``dcp/`` when the checkpoint
+        holds them there, each rank reading its own shards; else the HF-layout files), optimizer and
+        scheduler state, and this rank's RNG state.  Returns the ``training_state`` dict saved with it."""
         path = Path(path)
         if not path.is_dir() or not is_complete_checkpoint(path):
             raise CheckpointError(
@@ -407,7 +468,9 @@ class CheckpointManager:
 
     def load_model_weights(self, path: Path, engine: TrainingEngine) -> None:
         """Load only the model weights of checkpoint ``path`` into the live model on every rank (collective):
-        the full model, or for a PEFT model its adapter (the frozen base is left as it is)."""
+        the full model, or for a PEFT model its adapter (the frozen base is left as it is).  The model's own
+        weights from ``dcp/`` when the checkpoint holds them (each rank reading its shards, in the training
+        dtype: exact even beside a bf16 export), else the HF-layout weights, read in full on every rank."""
         path = Path(path)
         adapter_file = path / ADAPTER_WEIGHTS_FILE
         if is_peft_model(engine.unwrapped) != adapter_file.is_file():
@@ -416,6 +479,8 @@ class CheckpointManager:
                 f"trains {'a PEFT model' if is_peft_model(engine.unwrapped) else 'a full model'}; resume or restore "
                 "from a checkpoint of the same kind of run"
             )
+        if engine.load_model_state(path):
+            return
         if adapter_file.is_file():
             saved = load_file(str(adapter_file), device="cpu")
             engine.load_model_state_dict(adapter_state_for_model(engine.unwrapped, saved), strict=False)
@@ -446,6 +511,17 @@ def _read_owner(tmp: Path) -> str:
 
 
 # ---------------------------------------------------------------------- weights
+def save_pretrained_as(model: Any, folder: Path, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """``model.save_pretrained(folder, state_dict=state)`` with ``config.json`` recording ``dtype`` (the dtype
+    of ``state``; ``save_pretrained`` would record the live parameters' dtype), so that
+    ``from_pretrained(folder, dtype="auto")`` loads it as written."""
+    model.save_pretrained(folder, state_dict=state)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def read_safetensors_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The full state dict saved by ``save_pretrained`` in ``directory`` (single file or sharded), on CPU."""
     index = directory / SAFE_WEIGHTS_INDEX_FILE

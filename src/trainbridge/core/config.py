@@ -406,6 +406,21 @@ class TrainingArgs(BaseModel):
     checkpoint_checksums: bool = True
     """Record every checkpoint file's SHA-256 in its ``manifest.json`` and check them at resume (hashing reads
     every byte, about 1 GB/s); ``False`` records and checks file sizes only (very large checkpoints)."""
+    checkpoint_weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the Hugging Face-layout model weights (``model.safetensors``) written into checkpoints and the
+    merged export.  ``auto``: the dtype the model folder's ``config.json`` records (what the original
+    checkpoint was: a Llama trained in fp32 from a bf16 checkpoint exports bf16, half the disk), else the
+    parameters' dtype.  Resume stays exact whatever this is: when the export is of another dtype than the
+    parameters, the parameters themselves are kept in the checkpoint's sharded state (``dcp/``) and resume
+    reads them from there.  A PEFT adapter is written in its training dtype."""
+    checkpoint_async: bool = False
+    """Write intermediate checkpoints' sharded state (``dcp/``: FSDP2's model and optimizer shards, or the
+    full-precision weights beside a lower-precision export) in the background with
+    ``torch.distributed.checkpoint.async_save`` while training goes on; the rest is written at once.  The
+    checkpoint is published (``COMPLETE``, renamed into place, rotation) and ``on_save`` fires at the first
+    step end at which every rank's background write has finished, so ``on_save`` comes some steps later than
+    under Trainer.  The final checkpoint and saves at a stop or interrupt stay synchronous.  DeepSpeed's own
+    folder and DDP's ``optimizer.pt`` are always written synchronously."""
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""

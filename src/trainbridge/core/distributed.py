@@ -51,6 +51,7 @@ class DistributedEnv:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     started_group: bool = False
+    _checkpoint_group: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_distributed(self) -> bool:
@@ -114,12 +115,27 @@ class DistributedEnv:
                 dist.barrier()
             dist.destroy_process_group()
         self.started_group = False
+        self._checkpoint_group = None
 
     def shutdown(self) -> None:
         """Leave the process group whoever started it (``Trainer.end()`` at the end of a script whose
         ``TrainingArguments`` already started it): a barrier (collective), then destroy it."""
         self.started_group = self.started_group or (dist.is_available() and dist.is_initialized())
         self.teardown(clean=True)
+
+    def checkpoint_group(self) -> Any:
+        """The process group of background checkpoint writes (``dcp.async_save``), None on one process.
+
+        A second gloo group over every rank, created once by the first call (collective: every rank makes
+        the call at the same point, the first asynchronous save).  DCP's writer thread runs its planning
+        collectives on it while the training thread goes on using the default group: two threads must
+        never interleave collectives on one group, and DCP's background write needs a CPU backend.
+        """
+        if not self.is_distributed:
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")  # collective: once per run
+        return self._checkpoint_group
 
     # ------------------------------------------------------------------ named collectives
     def barrier(self) -> None:

@@ -70,6 +70,7 @@ import io
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
@@ -101,6 +102,7 @@ from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import HF_EVENTS, Event
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.hf.arguments import build_training_arguments
+from trainbridge.hf.porting import HFPortingWarning
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +276,15 @@ class HuggingFaceCallbackAdapter(Callback):
         missing = [name for name in integrations if name not in available]
         if missing:
             raise ValueError(f"report_to: {', '.join(missing)} requested but not installed")
+        saving = sorted({_callback_class(cb).__name__ for cb in self.callbacks
+                         if getattr(_callback_class(cb), "on_save", None) is not TrainerCallback.on_save})
+        if args.checkpoint_async and saving:
+            warnings.warn(
+                f"checkpoint_async=True: on_save of {', '.join(saving)} fires when the checkpoint is published, "
+                "at the first step end after its background write finished, so later than under Trainer: "
+                "state.global_step is then past the checkpoint's step; read the folder from the "
+                "checkpoint's own step (checkpoint_path / the newest checkpoint-N), not from "
+                "state.global_step, or set checkpoint_async=False", HFPortingWarning, stacklevel=2)
         if any(_callback_class(cb) is EarlyStoppingCallback for cb in self.callbacks):
             if args.metric_for_best_model is None and not args.load_best_model_at_end:
                 raise ValueError("callbacks: EarlyStoppingCallback requires metric_for_best_model to be set")

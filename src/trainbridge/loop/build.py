@@ -20,6 +20,7 @@ import transformers
 
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
+from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -130,7 +131,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
         checkpoints=CheckpointManager(
             args.ckpt_output_dir, env, args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
-            checksums=args.checkpoint_checksums,
+            checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
         ),
         max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=padded,
         data_stats=data.stats, named_eval_batches=named_eval_batches,

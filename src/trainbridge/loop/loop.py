@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainbridge.checkpoint.manager import PendingCheckpoint
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -86,6 +87,8 @@ class TrainingLoop:
         self._step_local_tokens = 1
         self._step_start = 0.0
         self._last_saved_step = -1
+        # checkpoint_async: the checkpoint begun and not yet published (its dcp/ part written in the background)
+        self._pending_checkpoint: PendingCheckpoint | None = None
         self._stop_training = False
         self._stop_requesters = ""
         self._step_input_tokens = 0
@@ -120,6 +123,7 @@ class TrainingLoop:
                     self._run_epoch()
                 if self.args.save_final_checkpoint and self._last_saved_step != ctx.global_step:
                     self._save()
+                self._publish_checkpoint()  # one still written in the background: waited for, then published
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 self._load_best_model()
@@ -146,12 +150,15 @@ class TrainingLoop:
             self._train_step(step_plan)
             # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
             # its one host-device synchronisation (the loss and grad norm ride in it from the device).
-            agreed, (loss_sum, input_tokens, local_loss_sum, grad_norm) = self._agree(
-                extras=[self._step_loss_sum, self._step_input_tokens],
+            # The same collective counts the ranks whose background checkpoint write is still going on.
+            agreed, (loss_sum, input_tokens, unwritten, local_loss_sum, grad_norm) = self._agree(
+                extras=[self._step_loss_sum, self._step_input_tokens, self._checkpoint_unwritten()],
                 own=[self._step_loss_sum, self._step_grad_norm],
             )
             self._account_step(step_plan, loss_sum, local_loss_sum, grad_norm)
             ctx.input_tokens_seen += int(input_tokens)
+            if self._pending_checkpoint is not None and unwritten == 0:
+                self._publish_checkpoint()  # every rank's background write has finished: publish, on_save
             flags = self._log_evaluate_save(agreed)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
@@ -230,7 +237,9 @@ class TrainingLoop:
             flags |= after_eval.flags
             ran = True
         if ControlFlag.SAVE in flags:
-            self._save()
+            # checkpoint_async: in the background, unless the run is stopping (then written at once)
+            self._save(background=self.args.checkpoint_async and ControlFlag.STOP_TRAINING not in flags
+                       and not self._stop_training)
             ran = True
         if ran:
             after, _ = self._agree()  # DECISION POINT: requests made in on_log / on_save
@@ -302,20 +311,39 @@ class TrainingLoop:
         fire(Event.EVALUATE, ctx, metrics=metrics)
         return metrics
 
-    def _save(self) -> Path:
-        """Write a checkpoint atomically (collective), rotate old ones, fire ``on_save``."""
+    def _save(self, background: bool = False) -> None:
+        """Write a checkpoint atomically (collective), then publish it (``_publish_checkpoint``).  With
+        ``background`` (``checkpoint_async``) its ``dcp/`` part is still being written when this returns;
+        it is published at the first step end at which every rank's write has finished.  A checkpoint
+        still pending from an earlier save is published first (its write waited for)."""
         ctx = self.context
-        path = self.checkpoints.save(
-            self.engine, self.tokenizer, ctx.global_step,
-            training_state=self._training_state(), extra_files=self.callbacks.checkpoint_files(ctx),
+        self._publish_checkpoint()
+        self._pending_checkpoint = self.checkpoints.begin_save(
+            self.engine, self.tokenizer, ctx.global_step, training_state=self._training_state(),
+            extra_files=self.callbacks.checkpoint_files(ctx), background=background,
         )
         self._last_saved_step = ctx.global_step
+        if self._pending_checkpoint.background_write is None:  # nothing left in the background
+            self._publish_checkpoint()
+
+    def _checkpoint_unwritten(self) -> float:
+        """1.0 while this rank's background checkpoint write is still going on, else 0.0."""
+        pending = self._pending_checkpoint
+        return 0.0 if pending is None or pending.written() else 1.0
+
+    def _publish_checkpoint(self) -> None:
+        """Publish the pending checkpoint, if any (collective; waits for its background write): ``COMPLETE``,
+        renamed into place, then ``on_save`` naming it, and rotation of old ones."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None:
+            return
+        ctx = self.context
+        path = self.checkpoints.finish_save(pending)
         ctx.last_checkpoint = path
         self.callbacks.fire(Event.SAVE, ctx, checkpoint_path=path)
         protected = {ctx.best_checkpoint} if ctx.best_checkpoint is not None else set()
         self.checkpoints.rotate(protected)
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        return path
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights, loaded (on every rank) before any

@@ -234,10 +234,13 @@ def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     return load_base_model(peft_adapter_base(args.model_path) or args.model_path, args.model_kwargs)
 
 
-def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path) -> Path:
+def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path, dtype: torch.dtype | None = None) -> Path:
     """Apply the adapter of ``adapter_dir`` to ``base``, ``merge_and_unload``, and write the merged model to
-    ``output_dir`` with ``save_pretrained`` (Hugging Face layout).  Returns ``output_dir``."""
+    ``output_dir`` with ``save_pretrained`` (Hugging Face layout), in ``dtype`` when given (merged in the
+    base's dtype first).  Returns ``output_dir``."""
     model = load_adapter(base, adapter_dir, trainable=False)
     merged = model.merge_and_unload()  # type: ignore[operator]
+    if dtype is not None:
+        merged = merged.to(dtype)
     merged.save_pretrained(output_dir)
     return output_dir

@@ -37,7 +37,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -57,7 +60,12 @@ if TYPE_CHECKING:
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
-FSDP_OPTIMIZER_DIR = "optimizer_dcp"
+SHARDED_STATE_DIR = "dcp"
+"""The checkpoint's ``torch.distributed.checkpoint`` folder: each rank's shards of the model's own
+(training-precision) weights under ``model``, and FSDP2's optimizer shards under ``optimizer``."""
+LEGACY_FSDP_OPTIMIZER_DIR = "optimizer_dcp"
+"""FSDP2 checkpoints written before the model went into ``dcp/``: the optimizer shards only (read, never
+written)."""
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
 
@@ -125,6 +133,9 @@ class TrainingEngine(ABC):
     """
 
     kind = "base"
+    sharded_model = False
+    """Each rank holds only its shards of the weights (FSDP2): checkpoints then always keep the model's
+    shards in ``dcp/`` and resume reads them there, never the full HF-layout weights on every rank."""
 
     def __init__(self, module: Any, unwrapped: PreTrainedModel, optimizer: Any, lr_scheduler: Any,
                  args: TrainingArgs, env: DistributedEnv) -> None:
@@ -210,20 +221,68 @@ class TrainingEngine(ABC):
         exist in the model."""
         _load_into(self.unwrapped, state, strict)
 
-    def save_training_state(self, directory: Path) -> None:
-        """Write optimizer and scheduler state into ``directory`` (collective: every rank calls it).
+    def save_training_state(self, directory: Path, model_state: bool = False,
+                            background: bool = False) -> Future[Any] | None:
+        """Write optimizer and scheduler state into ``directory`` (collective: every rank calls it); with
+        ``model_state`` also the model's own weights, in their training dtype, into ``dcp/``
+        (``SHARDED_STATE_DIR``; DCP de-duplicates replicated tensors, so rank 0 writes them once).
 
         Replicated optimizers (DDP, one process) are written once by rank 0 as ``optimizer.pt``.
+        ``background``: the ``dcp/`` part is written by ``dcp.async_save`` (staged to CPU memory first, so
+        training may go on) and the returned future completes when this rank's part is on disk; None
+        when nothing is left to write.
         """
         if self.env.is_world_process_zero:
             torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         self._save_scheduler(directory)
+        if model_state:
+            return self._write_dcp({"model": self._model_state()}, directory / SHARDED_STATE_DIR, background)
+        return None
+
+    def has_model_state(self, directory: Path) -> bool:
+        """Whether checkpoint ``directory`` holds the model's own weights in its sharded state ``dcp/``."""
+        return _dcp_has_model(directory / SHARDED_STATE_DIR)
+
+    def load_model_state(self, directory: Path) -> bool:
+        """Load the model's own weights from checkpoint ``directory``'s ``dcp/`` when it holds them
+        (collective; each rank reads its own shards) and return True; False (nothing loaded) otherwise:
+        then the HF-layout weights are the model's."""
+        if not self.has_model_state(directory):
+            return False
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": self._model_state()}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=directory / SHARDED_STATE_DIR,  # collective; only the model's entries
+                     no_dist=not self.env.is_distributed)
+        self._set_model_state(state["model"])
+        return True
 
     def load_training_state(self, directory: Path) -> None:
-        """Restore what ``save_training_state`` wrote (every rank calls it)."""
+        """Restore the optimizer and scheduler state ``save_training_state`` wrote (every rank calls it)."""
         path = _require_file(directory / OPTIMIZER_FILE)
         self.optimizer.load_state_dict(torch.load(path, map_location=self.env.device, weights_only=True))
         self._load_scheduler(directory)
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model's own state for DCP: live tensors in their training dtype (FSDP2: this rank's shards)."""
+        return cast(dict[str, Any], self.unwrapped.state_dict())
+
+    def _set_model_state(self, state: dict[str, Any]) -> None:
+        _load_into(self.unwrapped, state, strict=True)
+
+    def _write_dcp(self, state: dict[str, Any], path: Path, background: bool) -> Future[Any] | None:
+        """``dcp.save`` of ``state`` into ``path`` (collective), or with ``background`` ``dcp.async_save``
+        over the checkpoint process group (``DistributedEnv.checkpoint_group``): returns its future."""
+        import torch.distributed.checkpoint as dcp
+
+        if background:
+            # collective (staging and planning start here); the write goes on in DCP's writer thread
+            return cast(Future[Any], dcp.async_save(state, checkpoint_id=path, no_dist=not self.env.is_distributed,
+                                                    process_group=self.env.checkpoint_group()))
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=path, no_dist=not self.env.is_distributed)  # collective
+        return None
 
     def _save_scheduler(self, directory: Path) -> None:
         if self.env.is_world_process_zero:
@@ -263,6 +322,24 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], strict: bool) 
     result = module.load_state_dict(state, strict=strict)
     if result.unexpected_keys:
         raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)}")
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load without a process group; one process is what we mean then."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _dcp_has_model(path: Path) -> bool:
+    """Whether the DCP folder ``path`` exists and holds entries under ``model``."""
+    if not (path / ".metadata").is_file():
+        return False
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(key.startswith("model.") for key in metadata.state_dict_metadata)
 
 
 def _require_file(path: Path) -> Path:
@@ -316,6 +393,7 @@ class FSDP2Engine(TrainingEngine):
     """torch FSDP2: ``fully_shard`` on each decoder layer, then on the root; parameters are DTensor shards."""
 
     kind = "fsdp"
+    sharded_model = True
 
     def __init__(self, *args: Any, sharded_modules: int, mixed_precision_policy: bool,
                  weights_from_rank0: bool = False, **kwargs: Any) -> None:
@@ -369,25 +447,41 @@ class FSDP2Engine(TrainingEngine):
         set_model_state_dict(self.module, cast(dict[str, Any], state),
                              options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def save_training_state(self, directory: Path) -> None:
-        """Sharded optimizer state via ``torch.distributed.checkpoint`` (each rank writes its shards)."""
-        import torch.distributed.checkpoint as dcp
+    def save_training_state(self, directory: Path, model_state: bool = False,
+                            background: bool = False) -> Future[Any] | None:
+        """Sharded optimizer state, and with ``model_state`` the model's sharded weights (training dtype),
+        in one ``torch.distributed.checkpoint`` folder ``dcp/``: each rank writes its own shards."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        dcp.save({"optimizer": get_optimizer_state_dict(self.module, self.optimizer)},
-                 checkpoint_id=directory / FSDP_OPTIMIZER_DIR)
+        state: dict[str, Any] = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        if model_state:
+            state["model"] = self._model_state()
         self._save_scheduler(directory)
+        return self._write_dcp(state, directory / SHARDED_STATE_DIR, background)
 
     def load_training_state(self, directory: Path) -> None:
-        """Read the sharded optimizer state back into this rank's shards."""
+        """Each rank reads its own optimizer shards back (the model's: ``load_model_state``); a checkpoint
+        from before ``dcp/`` (``optimizer_dcp/``, the optimizer only) is read too."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        path = _require_file(directory / FSDP_OPTIMIZER_DIR)
-        state = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
-        dcp.load(state, checkpoint_id=path)
+        path = directory / SHARDED_STATE_DIR
+        if not path.exists():
+            path = _require_file(directory / LEGACY_FSDP_OPTIMIZER_DIR)
+        state: dict[str, Any] = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        dcp.load(state, checkpoint_id=path)  # collective: each rank reads the shards it owns
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         self._load_scheduler(directory)
+
+    def _model_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return cast(dict[str, Any], get_model_state_dict(self.module))  # this rank's DTensor shards
+
+    def _set_model_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state)
 
     def describe(self) -> str:
         """E.g. ``fsdp2 (fully_shard) world=2 device=cpu, 3 sharded modules``."""
@@ -501,10 +595,22 @@ class DeepSpeedEngine(TrainingEngine):
             _load_into(self.unwrapped, state, strict)
         self.module.optimizer.refresh_fp32_params()
 
-    def save_training_state(self, directory: Path) -> None:
-        """``engine.save_checkpoint`` (each rank writes its ZeRO partition) plus ``scheduler.pt``."""
+    def save_training_state(self, directory: Path, model_state: bool = False,
+                            background: bool = False) -> Future[Any] | None:
+        """``engine.save_checkpoint`` (each rank writes its ZeRO partition, the fp32 master weights
+        included, so ``model_state`` asks nothing more) plus ``scheduler.pt``; always synchronous."""
         self.module.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
         self._save_scheduler(directory)
+        return None
+
+    def has_model_state(self, directory: Path) -> bool:
+        """False: resume loads the HF-layout weights first, then DeepSpeed's folder overwrites the module
+        and its fp32 master partitions (``load_training_state``), so resume is exact whatever the export."""
+        return False
+
+    def load_model_state(self, directory: Path) -> bool:
+        """False: DeepSpeed keeps no ``dcp/`` (see ``has_model_state``)."""
+        return False
 
     def load_training_state(self, directory: Path) -> None:
         """``engine.load_checkpoint`` of the ZeRO partitions (module + optimizer) plus the scheduler."""

@@ -133,6 +133,25 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
 
+def write_legacy_fsdp_checkpoint(engine: TrainingEngine, checkpoint: Path, root: Path,
+                                 env: DistributedEnv) -> Path:
+    """A copy of ``checkpoint`` in the layout written before the model's shards went into ``dcp/``: the
+    optimizer shards alone in ``optimizer_dcp/`` (resume must read the weights from the HF files)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    legacy = root / checkpoint.name
+    if env.is_world_process_zero:
+        shutil.copytree(checkpoint, legacy, ignore=shutil.ignore_patterns("dcp"))
+    env.barrier()
+    dcp.save({"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)},
+             checkpoint_id=legacy / "optimizer_dcp")
+    env.barrier()
+    return legacy
+
+
 def main(spec: dict[str, Any]) -> None:
     env = DistributedEnv.initialize(device="cpu", timeout_s=120)
     out_dir = Path(spec["out_dir"])
@@ -223,6 +242,11 @@ def main(spec: dict[str, Any]) -> None:
     manager = CheckpointManager(args.ckpt_output_dir, env, save_total_limit=None)
     checkpoint = manager.save(engine, None, STEPS, {"global_step": STEPS, "rank_count": env.world_size},
                               {"note.txt": "hello"})
+    # The same state with the HF-layout weights exported in bf16 (the training weights are fp32).
+    bf16_manager = CheckpointManager(out_dir / "bf16", env, save_total_limit=None, weights_dtype=torch.bfloat16)
+    bf16_checkpoint = bf16_manager.save(engine, None, STEPS, {"global_step": STEPS}, {})
+    if engine.kind == "fsdp":
+        legacy_checkpoint = write_legacy_fsdp_checkpoint(engine, checkpoint, out_dir / "legacy", env)
     saved_state = engine.full_model_state_dict()
     lr_at_checkpoint = engine.current_lr()
     train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
@@ -236,6 +260,22 @@ def main(spec: dict[str, Any]) -> None:
     result["resumed_lr_matches"] = resumed.current_lr() == lr_at_checkpoint
     train_step(resumed, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
     result["resume_max_diff"] = max_diff(local_full_weights(resumed), continued)
+    # where resume reads the weights: the checkpoint's own shards (FSDP2, a lower-precision export) or not
+    result["model_state_in_dcp"] = {"plain": resumed.has_model_state(checkpoint),
+                                    "bf16": resumed.has_model_state(bf16_checkpoint)}
+    resumed_from = {"bf16": bf16_checkpoint, **({"legacy": legacy_checkpoint} if engine.kind == "fsdp" else {})}
+    for name, path in resumed_from.items():  # each from the original weights again
+        torch.manual_seed(0)
+        again = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, env, total_steps)
+        manager.load(path, again)
+        train_step(again, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
+        result[f"{name}_resume_max_diff"] = max_diff(local_full_weights(again), continued)
+    if env.is_world_process_zero:
+        from safetensors.torch import load_file
+
+        result["bf16_export_dtypes"] = sorted({str(t.dtype) for t in
+                                               load_file(bf16_checkpoint / "model.safetensors").values()})
+        result["bf16_checkpoint_files"] = sorted(p.name for p in bf16_checkpoint.iterdir())
     result["latest"] = str(manager.latest())
 
     if env.is_world_process_zero:

@@ -1,0 +1,153 @@
+"""``checkpoint_async``: intermediate checkpoints whose ``dcp/`` part is written in the background, published
+(and ``on_save`` fired) at the first step end at which the write has finished; the real loop in process.
+
+The tiny model trains in fp32 and exports bf16 here (``checkpoint_weights_dtype='bfloat16'``), so every
+checkpoint has a ``dcp/`` part (the fp32 weights) to write in the background.
+"""
+
+from __future__ import annotations
+
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from trainbridge.callbacks import ScheduleCallback
+from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.demos.tiny_model import write_arithmetic_dataset
+from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
+from trainbridge.hf.porting import HFPortingWarning
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
+
+
+class Crash(BaseException):
+    """Cuts a run short like a killed job."""
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+class Saves(Callback):
+    """(step at which on_save fired, checkpoint name, whether it was complete on disk then)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str, bool]] = []
+
+    def on_save(self, context: TrainingContext, checkpoint_path: Path, **kwargs: Any) -> None:
+        path = Path(checkpoint_path)
+        self.seen.append((context.global_step, path.name, (path / COMPLETE_MARKER).is_file()))
+        assert context.last_checkpoint == path
+
+
+@pytest.fixture
+def args_for(tmp_path: Path, tiny_llama: Path):
+    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
+
+    def make(out: str, **overrides: Any) -> TrainingArgs:
+        values: dict[str, Any] = dict(
+            model_path=tiny_llama, data_path=train_file, ckpt_output_dir=tmp_path / out, max_seq_len=32,
+            max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant", max_steps=6,
+            logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=7,
+            checkpoint_weights_dtype="bfloat16", checkpoint_async=True,
+        )
+        values.update(overrides)
+        return TrainingArgs(**values)
+
+    return make
+
+
+def _loop(args: TrainingArgs, *callbacks: Callback) -> TrainingLoop:
+    return TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks], build_run(args, DistributedEnv()))
+
+
+def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the_previous_exactly(args_for):
+    saves = Saves()
+    full = _loop(args_for("full"), saves)
+    full.run()
+    # checkpoint-2 and -4 are published at a later step end (never before the step after the save); the
+    # final checkpoint-6 is written at once.  Each on_save names a complete, published checkpoint.
+    names = [name for _, name, _ in saves.seen]
+    assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all(complete for _, _, complete in saves.seen)
+    fired_at = {name: step for step, name, _ in saves.seen}
+    assert fired_at["checkpoint-2"] >= 3 and fired_at["checkpoint-4"] >= 5 and fired_at["checkpoint-6"] == 6
+    out = full.args.ckpt_output_dir
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".tmp"))) == [
+        "checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+    # Killed at step 5's start: checkpoint-4 was begun at step 4 and cannot be published before step 5
+    # ends, so it is not there; checkpoint-2 is whole and the run resumes from it to the same weights.
+    cut = _loop(args_for("cut"), CrashAt(4))
+    with pytest.raises(Crash):
+        cut.run()
+    cut_out = cut.args.ckpt_output_dir
+    assert [p.name for p in cut.checkpoints.list_checkpoints()] == ["checkpoint-2"]
+    assert not (cut_out / "checkpoint-4").exists()
+    resumed = _loop(args_for("cut", resume_from_checkpoint="auto"))
+    result = resumed.run()
+    assert result.resumed_from == str(cut_out / "checkpoint-2") and result.global_step == 6
+    assert result.final_loss == full.context.loss
+    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for):
+    loop = _loop(args_for("failing"))
+    engine = loop.engine
+    real_write = engine._write_dcp
+    calls: list[bool] = []
+
+    def write(state: dict[str, Any], path: Path, background: bool) -> Future[Any] | None:
+        calls.append(background)
+        if len(calls) == 1:
+            return real_write(state, path, background)
+        failed: Future[Any] = Future()
+        failed.set_exception(OSError("the background writer failed"))
+        return failed
+
+    engine._write_dcp = write  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match="in the background: the background writer failed"):
+        loop.run()
+    assert calls == [True, True]
+    out = loop.args.ckpt_output_dir
+    assert [p.name for p in loop.checkpoints.list_checkpoints()] == ["checkpoint-2"]
+    assert not (out / ".tmp-checkpoint-4").exists(), "the failed checkpoint's temporary folder is removed"
+
+
+def test_off_by_default_a_checkpoint_is_published_and_on_save_fired_at_its_step(args_for):
+    saves = Saves()
+    _loop(args_for("sync", checkpoint_async=False), saves).run()
+    assert saves.seen == [(2, "checkpoint-2", True), (4, "checkpoint-4", True), (6, "checkpoint-6", True)]
+
+
+def test_hf_callbacks_with_on_save_are_warned_about_under_checkpoint_async(args_for):
+    class Uploads(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            pass
+
+    class Logs(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            pass
+
+    adapter = HuggingFaceCallbackAdapter([Uploads(), Logs()], report_to=[])
+    with pytest.warns(HFPortingWarning, match=r"on_save of Uploads fires when the checkpoint is published"):
+        adapter.validate(args_for("warned"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HFPortingWarning)
+        adapter.validate(args_for("quiet", checkpoint_async=False))
+        HuggingFaceCallbackAdapter([Logs()], report_to=[]).validate(args_for("no-on-save"))
