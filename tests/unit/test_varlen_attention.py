@@ -3,6 +3,7 @@ switched on only where exact, transparent for padded batches, generation and che
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -146,3 +147,108 @@ def test_sample_boundaries_are_computed_once_per_forward(monkeypatch: pytest.Mon
     for batch, reference in zip((stacked, packed), references, strict=True):
         assert_same(loss_and_grads(model, batch), reference)
     assert computed == [(1, 7), (1, sum(LENGTHS))]
+
+
+# ---------------------------------------------------------------- torch's varlen kernel (CUDA, half precision)
+def _reference_varlen_kernel(calls: list[dict[str, object]]):
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with its layout: ``[T, H, D]`` inputs cut at
+    ``cu_seq``; causal attention per segment.  Records each call's arguments."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+               enable_gqa=False):
+        cuts = cu_seq_q.tolist()
+        calls.append({"cu_seq": cuts, "same_cu": cu_seq_k is cu_seq_q, "max": (max_q, max_k),
+                      "window": window_size, "gqa": enable_gqa, "dtype": cu_seq_q.dtype})
+        pieces = [
+            F.scaled_dot_product_attention(query[a:b].transpose(0, 1), key[a:b].transpose(0, 1),
+                                           value[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                           enable_gqa=enable_gqa).transpose(0, 1)
+            for a, b in itertools.pairwise(cuts)
+        ]
+        return torch.cat(pieces)
+
+    return kernel
+
+
+@pytest.mark.parametrize("row_tokens", [None, 20], ids=["one-row", "balanced-rows"])
+def test_torch_varlen_kernel_gets_every_sample_in_one_call(row_tokens: int | None,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel applies (CUDA, bf16) the rows are flattened and cut at ``cu_seq`` from the batch's own
+    sample lengths: one kernel call per layer, causal, GQA heads passed on, same loss and gradients as sdpa."""
+    from trainbridge.modeling import varlen_attention
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(varlen_attention, "torch_varlen_kernel", lambda: _reference_varlen_kernel(calls))
+    monkeypatch.setattr(varlen_attention, "_kernel_applies", lambda query, dropout_p: True)
+    batch = collate_padding_free(make_samples(LENGTHS), row_tokens=row_tokens)
+    model = tiny_llama("sdpa")
+    reference = loss_and_grads(model, batch)
+    assert enable_varlen_sdpa(model, max_seq_len=64, probe=False)
+    calls.clear()
+    with varlen_attention.sample_segments(batch):
+        got = loss_and_grads(model, batch)
+    assert_same(got, reference)
+    assert len(calls) == model.config.num_hidden_layers
+    rows, length = batch["input_ids"].shape
+    expected = [r * length + start for r, row in enumerate(batch.seq_lens)
+                for start in [0, *itertools.accumulate(row)][:-1]] + [rows * length]
+    assert calls[0]["cu_seq"] == expected
+    assert calls[0]["same_cu"] and calls[0]["dtype"] == torch.int32
+    assert calls[0]["max"] == (max(max(row) for row in batch.seq_lens),) * 2
+    assert calls[0]["window"] == (-1, 0) and calls[0]["gqa"] is True
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_per_sample_sdpa(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from trainbridge.modeling import varlen_attention
+
+    def unsupported(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    monkeypatch.setattr(varlen_attention, "torch_varlen_kernel", lambda: unsupported)
+    monkeypatch.setattr(varlen_attention, "_kernel_applies",
+                        lambda query, dropout_p: varlen_attention._kernel_works is not False)
+    monkeypatch.setattr(varlen_attention, "_kernel_works", None)
+    batch = collate_padding_free(make_samples(LENGTHS))
+    model = tiny_llama("sdpa")
+    reference = loss_and_grads(model, batch)
+    assert enable_varlen_sdpa(model, max_seq_len=64, probe=False)
+    with caplog.at_level("WARNING"):
+        assert_same(loss_and_grads(model, batch), reference)
+    assert varlen_attention._kernel_works is False
+    assert "Ampere" in caplog.text
+
+
+def test_the_kernel_applies_only_on_cuda_in_half_precision_without_dropout() -> None:
+    from trainbridge.modeling.varlen_attention import _kernel_applies
+
+    assert not _kernel_applies(torch.zeros(1, 2, 4, 8), 0.0)  # CPU
+    assert not _kernel_applies(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16), 0.0)  # CPU, bf16
+    if torch.cuda.is_available():
+        cuda = torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16)
+        assert not _kernel_applies(cuda.float(), 0.0)
+        assert not _kernel_applies(cuda, 0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="torch's varlen flash kernel needs a CUDA GPU with compute capability >= 8.0")
+def test_torch_varlen_kernel_on_a_gpu_matches_per_sample_sdpa() -> None:
+    """On a real GPU: bf16 loss and gradients through the kernel equal the per-sample sdpa path's."""
+    from trainbridge.modeling import varlen_attention
+
+    batch = {k: v.cuda() for k, v in collate_padding_free(make_samples(LENGTHS)).items()}
+    model = tiny_llama("sdpa").cuda().to(torch.bfloat16)
+    assert enable_varlen_sdpa(model, max_seq_len=64, probe=False)
+    bounds = [[0, *itertools.accumulate(LENGTHS)]]
+    q = torch.randn(1, 4, sum(LENGTHS), 8, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, sum(LENGTHS), 8, device="cuda", dtype=torch.bfloat16)
+    assert varlen_attention._kernel_applies(q, 0.0)
+    fast = varlen_attention._torch_varlen_forward(q, k, k, bounds, None, True)
+    slow = varlen_attention._per_sample_forward(q, k, k, bounds, 0.0, None, True)
+    torch.testing.assert_close(fast, slow, rtol=2e-2, atol=2e-2)
+    loss, _ = token_loss_sum(model, batch)
+    loss.backward()
+    assert varlen_attention._kernel_works is True

@@ -6,7 +6,11 @@ mask, so attention costs ``T^2`` for the row and sdpa runs its masked kernel.  F
 kernel avoids that on CUDA; nothing does on CPU.  ``VARLEN_SDPA`` is an attention implementation,
 registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``, that runs one
 causal ``scaled_dot_product_attention`` per sample of the row instead: attention costs the sum of the
-samples' squared lengths, no mask is built, and the result is the same as the masked row's.
+samples' squared lengths, no mask is built, and the result is the same as the masked row's.  On a CUDA
+GPU in half precision (bf16 training) the whole row goes instead through torch's own variable-length
+flash kernel (``torch.nn.attention.varlen.varlen_attn``) in one call, cut at ``cu_seq`` built from the
+same CPU-side boundaries; the per-sample sdpa calls are the fallback (CPU, fp32, attention dropout, a GPU
+the kernel does not support).
 
 ``enable_varlen_sdpa`` switches a model from ``sdpa`` to it only when that is exact: the model keeps
 packed samples apart (``modeling.padding_free.model_supports_padding_free``), has no sliding-window or chunked
@@ -19,12 +23,13 @@ attention implementation), so saved models load anywhere.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -141,11 +146,20 @@ def varlen_sdpa_attention_forward(
         bounds = bounds * query.shape[0]
     dropout_p = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
+    if _kernel_applies(query, dropout_p):
+        return _torch_varlen_forward(query, key, value, bounds, scaling, gqa), None
+    return _per_sample_forward(query, key, value, bounds, dropout_p, scaling, gqa), None
+
+
+def _per_sample_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]],
+                        dropout_p: float, scaling: float | None, gqa: bool) -> torch.Tensor:
+    """One causal sdpa call per sample (the fallback where torch's varlen kernel does not run: CPU, fp32,
+    dropout); returns ``[B, T, H, D]``."""
     if all(len(row) == 2 for row in bounds):  # one sample per row: plain causal attention, one call
         output = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa
         )
-        return output.transpose(1, 2).contiguous(), None
+        return output.transpose(1, 2).contiguous()
     # torch.split, not slicing: the backward of a split is one concatenation, while every slice's
     # backward writes a zero tensor of the whole row (quadratic in the number of samples).
     rows = []
@@ -161,7 +175,96 @@ def varlen_sdpa_attention_forward(
         ]
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     output = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
-    return output.transpose(1, 2).contiguous(), None
+    return output.transpose(1, 2).contiguous()
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_MAX_HEAD_DIM = 256
+_kernel_works: bool | None = None
+"""Whether torch's varlen kernel ran in this process: None before its first call; False once that first
+call raised (a GPU or build the kernel does not support), and the per-sample path serves every later call."""
+
+
+@functools.lru_cache(maxsize=1)
+def torch_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """torch's own variable-length attention (``torch.nn.attention.varlen.varlen_attn``: the flash
+    kernel shipped inside torch, CUDA only), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return cast(Callable[..., torch.Tensor], varlen_attn)
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_capable(device_index: int) -> bool:
+    """The flash kernel needs compute capability 8.0 or newer (A100, H100, ...); no device sync."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def _kernel_applies(query: torch.Tensor, dropout_p: float) -> bool:
+    """Whether this call runs torch's varlen kernel: CUDA, half precision (as under bf16 training), no
+    attention dropout (the kernel has none), a head size the kernel takes, and the kernel present."""
+    return (
+        _kernel_works is not False
+        and query.is_cuda
+        and query.dtype in _KERNEL_DTYPES
+        and dropout_p == 0.0
+        and query.shape[-1] <= _KERNEL_MAX_HEAD_DIM
+        and torch_varlen_kernel() is not None
+        and _flash_capable(query.device.index or 0)
+    )
+
+
+class _CumulativeLengths:
+    """``cu_seq`` of the last boundaries seen, on the device: built once per forward (every layer gets the
+    same boundaries object), from Python integers, copied host-to-device without waiting."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, int, torch.device] | None = None
+        self._value: tuple[torch.Tensor, int] = (torch.zeros(1, dtype=torch.int32), 0)
+
+    def get(self, bounds: list[list[int]], length: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``(cu_seq, longest sample)`` of rows of ``length`` tokens flattened one after another."""
+        if self._key is not None and self._key[0] is bounds and self._key[1:] == (length, device):
+            return self._value
+        starts = [row_index * length + start for row_index, row in enumerate(bounds) for start in row[:-1]]
+        longest = max(end - start for row in bounds for start, end in itertools.pairwise(row))
+        host = torch.tensor([*starts, len(bounds) * length], dtype=torch.int32,
+                            pin_memory=device.type == "cuda")
+        self._key, self._value = (bounds, length, device), (host.to(device, non_blocking=True), longest)
+        return self._value
+
+
+_cumulative = _CumulativeLengths()
+
+
+def _torch_varlen_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]],
+                          scaling: float | None, gqa: bool) -> torch.Tensor:
+    """Every sample of every row in one call of torch's varlen kernel: the rows are flattened into one
+    ``[B*T, H, D]`` sequence cut at ``cu_seq``; returns ``[B, T, H, D]``.  If the kernel's first call in
+    this process raises (other than out of memory), this process keeps the per-sample path, with a warning."""
+    global _kernel_works
+    batch, heads, length, head_dim = query.shape
+    cu_seq, longest = _cumulative.get(bounds, length, query.device)
+
+    def flat(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.transpose(1, 2).reshape(batch * length, tensor.shape[1], head_dim)
+
+    kernel = cast(Callable[..., torch.Tensor], torch_varlen_kernel())
+    try:
+        output = kernel(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest,
+                        scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        if _kernel_works:
+            raise
+        _kernel_works = False
+        logger.warning("torch's varlen attention kernel does not run here (%s); using per-sample sdpa", exc)
+        return _per_sample_forward(query, key, value, bounds, 0.0, scaling, gqa)
+    _kernel_works = True
+    return output.view(batch, length, heads, head_dim)
 
 
 def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
