@@ -77,6 +77,8 @@ def assert_trained_like_reference(results: list[dict[str, Any]], describe_prefix
         assert result["resume_max_diff"] == 0.0
         # HF-layout weights exported in bf16 from fp32 training: resume is exact all the same
         assert result["bf16_resume_max_diff"] == 0.0
+        # the same written with dcp.async_save while the next step trained, published after it
+        assert result["async_resume_max_diff"] == 0.0
         assert result["latest"].endswith("checkpoint-3")
         assert result["rotated_away"] == ["checkpoint-3"]
         assert result["after_rotation"] == ["checkpoint-4"]
@@ -98,6 +100,7 @@ def test_ddp_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
     # DDP keeps the fp32 weights in dcp/ only beside a lower-precision export
     assert "dcp" in results[0]["bf16_checkpoint_files"] and "dcp" not in results[0]["checkpoint_files"]
     assert results[0]["model_state_in_dcp"] == {"plain": False, "bf16": True}
+    assert all(r["async_background_write"] for r in results)
 
 
 def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
@@ -126,6 +129,7 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
     assert "dcp" in results[0]["checkpoint_files"]
     for result in results:
         assert result["model_state_in_dcp"] == {"plain": True, "bf16": True}
+        assert result["async_background_write"]
         assert result["legacy_resume_max_diff"] == 0.0
     # fsdp_load_on_rank0: rank 1 built a meta skeleton and got every weight and buffer from rank 0
     for result in results:
@@ -153,6 +157,7 @@ def test_deepspeed_engine(tiny_model: tuple[Path, Path], tmp_path: Path, zero_st
     assert "deepspeed" in results[0]["checkpoint_files"]
     # DeepSpeed's own folder holds the fp32 masters: resume is exact from a bf16 export without dcp/
     assert results[0]["model_state_in_dcp"] == {"plain": False, "bf16": False}
+    assert not any(r["async_background_write"] for r in results)  # DeepSpeed's folder: always synchronous
     assert "dcp" not in results[0]["bf16_checkpoint_files"]
 
 

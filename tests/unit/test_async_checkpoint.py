@@ -89,6 +89,8 @@ def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the
     out = full.args.ckpt_output_dir
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".tmp"))) == [
         "checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    # written in the background, the optimizer state is in dcp/; the synchronous final one keeps optimizer.pt
+    assert not (out / "checkpoint-2" / "optimizer.pt").exists() and (out / "checkpoint-6" / "optimizer.pt").exists()
 
     # Killed at step 5's start: checkpoint-4 was begun at step 4 and cannot be published before step 5
     # ends, so it is not there; checkpoint-2 is whole and the run resumes from it to the same weights.

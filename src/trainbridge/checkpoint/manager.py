@@ -9,8 +9,9 @@ A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
 * ``training_state.json``: the loop's counters, sampler position and callback states;
 * ``rng_state_{rank}.pth`` (``rng_state.pth`` for one process, as Trainer): each rank's python / numpy /
   torch CPU / CUDA generator states;
-* the optimizer and scheduler state as the engine writes it (``optimizer.pt``, the DCP folder ``dcp/`` for
-  FSDP2, a DeepSpeed folder for ZeRO) and ``scheduler.pt``;
+* the optimizer and scheduler state as the engine writes it (``optimizer.pt``; the DCP folder ``dcp/`` for
+  FSDP2, and for every engine in a checkpoint written in the background; a DeepSpeed folder for ZeRO) and
+  ``scheduler.pt``;
 * ``dcp/`` (``torch.distributed.checkpoint``) also holds the model's own weights, in their training dtype,
   whenever the HF-layout files are not those weights: always under FSDP2 (each rank writes and, at resume,
   reads only its shards), and under DDP / one process when the export dtype (``checkpoint_weights_dtype``,

@@ -414,13 +414,14 @@ class TrainingArgs(BaseModel):
     parameters, the parameters themselves are kept in the checkpoint's sharded state (``dcp/``) and resume
     reads them from there.  A PEFT adapter is written in its training dtype."""
     checkpoint_async: bool = False
-    """Write intermediate checkpoints' sharded state (``dcp/``: FSDP2's model and optimizer shards, or the
-    full-precision weights beside a lower-precision export) in the background with
-    ``torch.distributed.checkpoint.async_save`` while training goes on; the rest is written at once.  The
-    checkpoint is published (``COMPLETE``, renamed into place, rotation) and ``on_save`` fires at the first
-    step end at which every rank's background write has finished, so ``on_save`` comes some steps later than
-    under Trainer.  The final checkpoint and saves at a stop or interrupt stay synchronous.  DeepSpeed's own
-    folder and DDP's ``optimizer.pt`` are always written synchronously."""
+    """Write intermediate checkpoints' sharded state (``dcp/``: the optimizer state -- under DDP / one
+    process it then goes there instead of ``optimizer.pt`` -- and the model's shards or full-precision
+    weights) in the background with ``torch.distributed.checkpoint.async_save`` while training goes on;
+    the rest (HF-layout weights, tokenizer, loop state) is written at once.  The checkpoint is published
+    (``COMPLETE``, renamed into place, rotation) and ``on_save`` fires at the first step end at which every
+    rank's background write has finished, so ``on_save`` comes later than under Trainer.  The final
+    checkpoint and saves at a stop or interrupt stay synchronous.  DeepSpeed writes its own folder
+    synchronously."""
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""

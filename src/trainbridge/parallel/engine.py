@@ -228,20 +228,23 @@ class TrainingEngine(ABC):
         (``SHARDED_STATE_DIR``; DCP de-duplicates replicated tensors, so rank 0 writes them once).
 
         Replicated optimizers (DDP, one process) are written once by rank 0 as ``optimizer.pt``.
-        ``background``: the ``dcp/`` part is written by ``dcp.async_save`` (staged to CPU memory first, so
-        training may go on) and the returned future completes when this rank's part is on disk; None
-        when nothing is left to write.
+        ``background`` (``checkpoint_async``): the optimizer state goes into ``dcp/`` too, and ``dcp/`` is
+        written by ``dcp.async_save`` (staged to CPU memory first, so training may go on); the returned
+        future completes when this rank's part is on disk.  None when nothing is left to write.
         """
-        if self.env.is_world_process_zero:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": self._model_state()} if model_state else {}
+        if background:
+            state["optimizer"] = get_optimizer_state_dict(self.unwrapped, self.optimizer)
+        elif self.env.is_world_process_zero:
             torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         self._save_scheduler(directory)
-        if model_state:
-            return self._write_dcp({"model": self._model_state()}, directory / SHARDED_STATE_DIR, background)
-        return None
+        return self._write_dcp(state, directory / SHARDED_STATE_DIR, background) if state else None
 
     def has_model_state(self, directory: Path) -> bool:
         """Whether checkpoint ``directory`` holds the model's own weights in its sharded state ``dcp/``."""
-        return _dcp_has_model(directory / SHARDED_STATE_DIR)
+        return _dcp_has(directory / SHARDED_STATE_DIR, "model")
 
     def load_model_state(self, directory: Path) -> bool:
         """Load the model's own weights from checkpoint ``directory``'s ``dcp/`` when it holds them
@@ -259,9 +262,20 @@ class TrainingEngine(ABC):
         return True
 
     def load_training_state(self, directory: Path) -> None:
-        """Restore the optimizer and scheduler state ``save_training_state`` wrote (every rank calls it)."""
-        path = _require_file(directory / OPTIMIZER_FILE)
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.env.device, weights_only=True))
+        """Restore the optimizer and scheduler state ``save_training_state`` wrote (every rank calls it):
+        ``optimizer.pt``, or the optimizer's entries in ``dcp/`` (a background save)."""
+        if _dcp_has(directory / SHARDED_STATE_DIR, "optimizer"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            state = {"optimizer": get_optimizer_state_dict(self.unwrapped, self.optimizer)}
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=directory / SHARDED_STATE_DIR,  # collective
+                         no_dist=not self.env.is_distributed)
+            set_optimizer_state_dict(self.unwrapped, self.optimizer, state["optimizer"])
+        else:
+            path = _require_file(directory / OPTIMIZER_FILE)
+            self.optimizer.load_state_dict(torch.load(path, map_location=self.env.device, weights_only=True))
         self._load_scheduler(directory)
 
     def _model_state(self) -> dict[str, Any]:
@@ -332,14 +346,14 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _dcp_has_model(path: Path) -> bool:
-    """Whether the DCP folder ``path`` exists and holds entries under ``model``."""
+def _dcp_has(path: Path, entry: str) -> bool:
+    """Whether the DCP folder ``path`` exists and holds entries under ``entry`` (``model``, ``optimizer``)."""
     if not (path / ".metadata").is_file():
         return False
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(key.startswith("model.") for key in metadata.state_dict_metadata)
+    return any(key.startswith(f"{entry}.") for key in metadata.state_dict_metadata)
 
 
 def _require_file(path: Path) -> Path:

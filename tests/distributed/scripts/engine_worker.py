@@ -247,10 +247,16 @@ def main(spec: dict[str, Any]) -> None:
     bf16_checkpoint = bf16_manager.save(engine, None, STEPS, {"global_step": STEPS}, {})
     if engine.kind == "fsdp":
         legacy_checkpoint = write_legacy_fsdp_checkpoint(engine, checkpoint, out_dir / "legacy", env)
+    # checkpoint_async: the dcp/ part is written in the background while the next step trains (below);
+    # published after it, it must still hold the state of step STEPS.
+    async_manager = CheckpointManager(out_dir / "async", env, save_total_limit=None, weights_dtype=torch.bfloat16)
+    pending = async_manager.begin_save(engine, None, STEPS, {"global_step": STEPS}, {}, background=True)
+    result["async_background_write"] = pending.background_write is not None
     saved_state = engine.full_model_state_dict()
     lr_at_checkpoint = engine.current_lr()
     train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
     continued = local_full_weights(engine)
+    async_checkpoint = async_manager.finish_save(pending)
 
     # Resume: a fresh model from the original weights, the checkpoint loaded, the same step.
     torch.manual_seed(0)
@@ -263,7 +269,8 @@ def main(spec: dict[str, Any]) -> None:
     # where resume reads the weights: the checkpoint's own shards (FSDP2, a lower-precision export) or not
     result["model_state_in_dcp"] = {"plain": resumed.has_model_state(checkpoint),
                                     "bf16": resumed.has_model_state(bf16_checkpoint)}
-    resumed_from = {"bf16": bf16_checkpoint, **({"legacy": legacy_checkpoint} if engine.kind == "fsdp" else {})}
+    resumed_from = {"bf16": bf16_checkpoint, "async": async_checkpoint,
+                    **({"legacy": legacy_checkpoint} if engine.kind == "fsdp" else {})}
     for name, path in resumed_from.items():  # each from the original weights again
         torch.manual_seed(0)
         again = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, env, total_steps)
