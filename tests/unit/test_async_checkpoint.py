@@ -153,3 +153,19 @@ def test_hf_callbacks_with_on_save_are_warned_about_under_checkpoint_async(args_
         warnings.simplefilter("error", HFPortingWarning)
         adapter.validate(args_for("quiet", checkpoint_async=False))
         HuggingFaceCallbackAdapter([Logs()], report_to=[]).validate(args_for("no-on-save"))
+
+
+def test_a_peft_run_saves_its_adapter_and_optimizer_in_the_background_and_resumes_exactly(args_for):
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    full = _loop(args_for("peft", peft_config=lora, max_steps=4, checkpoint_weights_dtype="auto"))
+    full.run()
+    second = full.args.ckpt_output_dir / "checkpoint-2"
+    assert (second / "adapter_model.safetensors").is_file() and not (second / "optimizer.pt").exists()
+    assert (second / "dcp" / ".metadata").is_file()  # the adapter's optimizer state, written in the background
+    resumed = _loop(args_for("peft-resumed", peft_config=lora, max_steps=4, checkpoint_weights_dtype="auto",
+                             resume_from_checkpoint=second))
+    result = resumed.run()
+    assert result.resumed_from == str(second) and result.final_loss == full.context.loss
+    trained = [(n, p) for n, p in full.engine.unwrapped.named_parameters() if p.requires_grad]
+    again = dict(resumed.engine.unwrapped.named_parameters())
+    assert trained and all(torch.equal(p, again[n]) for n, p in trained)

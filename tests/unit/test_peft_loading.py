@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -275,3 +276,20 @@ def test_lora_run_in_process_saves_adapters_resumes_exactly_and_merges(assets, t
     ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, live(input_ids=ids).logits, atol=1e-5)
+
+
+def test_the_merged_export_is_written_in_checkpoint_weights_dtype(assets, tmp_path):
+    from safetensors.torch import load_file
+
+    from trainbridge.callbacks import ScheduleCallback
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingLoop
+
+    args = args_for(assets, tmp_path, peft_config=LORA, max_seq_len=32, max_batch_len=64, effective_batch_size=8,
+                    max_steps=1, save_strategy="no", save_final_checkpoint=False, disable_tqdm=True,
+                    merge_adapter_at_end=True, checkpoint_weights_dtype="bfloat16")
+    result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], build_run(args, DistributedEnv())).run()
+    merged = Path(result.merged_model or "")
+    assert {t.dtype for t in load_file(merged / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"

@@ -328,6 +328,7 @@ class CheckpointManager:
                 if not is_peft_model(engine.unwrapped):
                     raise CheckpointError(f"merged export: {type(engine.unwrapped).__name__} is not a PEFT model")
                 tmp = self.output_dir / f".tmp-{MERGED_DIR}"
+                self.output_dir.mkdir(parents=True, exist_ok=True)  # a run that saved no checkpoint
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 with tempfile.TemporaryDirectory(dir=self.output_dir, prefix=".tmp-adapter-") as adapter_dir:
