@@ -69,9 +69,17 @@ class FlagsOnOneRank(TrainerCallback):
         self.epoch_end_stop.append(control.should_training_stop)
 
     def on_train_end(self, args, state, control, **kwargs):
+        from accelerate.logging import get_logger
+        from accelerate.state import AcceleratorState, PartialState
+
+        get_logger(__name__).info("accelerate's logger works (it needs a PartialState)")  # raises without one
         record = {"global_step": state.global_step, "saves": self.saves, "epoch_end_stop": self.epoch_end_stop,
                   "train_end_stop": control.should_training_stop, "world_size": args.world_size,
-                  "is_world_process_zero": state.is_world_process_zero}
+                  "is_world_process_zero": state.is_world_process_zero,
+                  # what Trainer's Accelerator leaves in accelerate's process-wide state
+                  "accelerate": [PartialState().process_index, PartialState().num_processes,
+                                 PartialState().is_main_process, AcceleratorState().distributed_type.value,
+                                 AcceleratorState().mixed_precision, AcceleratorState().deepspeed_plugin is None]}
         (Path(args.output_dir) / f"hf-rank{args.process_index}.json").write_text(json.dumps(record))
 
 
@@ -166,6 +174,7 @@ def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(assets, tmp
         # rank 0's own callbacks never asked to stop, yet its control shows the agreed stop, as under Trainer
         assert record["epoch_end_stop"] == [True] and record["train_end_stop"] is True
         assert record["is_world_process_zero"] is (rank == 0)
+        assert record["accelerate"] == [rank, 2, rank == 0, "MULTI_CPU", "no", True]
 
 
 # ============================================================================ report_to integrations

@@ -257,3 +257,65 @@ def test_num_input_tokens_seen_follows_include_num_input_tokens_seen(args_for, c
     else:  # as Trainer.log: every log carries the count, training logs a token throughput too
         assert all(logs["num_input_tokens_seen"] > 0 for logs in seen.logged)
         assert all("train_tokens_per_second" in logs for logs in training_logs)
+
+
+# ============================================================================ accelerate's process-wide state
+class ReadsAccelerateState(TrainerCallback):
+    """What callbacks written for Trainer read from accelerate (Trainer's Accelerator has set it up)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from accelerate.logging import get_logger
+        from accelerate.state import AcceleratorState, PartialState
+
+        get_logger(__name__).info("logged through accelerate")  # needs a PartialState, else raises
+        self.seen.append((PartialState().process_index, PartialState().num_processes, PartialState().is_main_process,
+                          str(PartialState().device), AcceleratorState().mixed_precision,
+                          AcceleratorState().deepspeed_plugin, AcceleratorState().distributed_type.value))
+
+
+@pytest.fixture
+def no_accelerate_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_callbacks_find_accelerate_state_set_up_as_under_trainer_and_it_is_released_after(args_for,
+                                                                                         no_accelerate_state):
+    from accelerate.state import PartialState
+
+    reader = ReadsAccelerateState()
+    result = run(args_for(callbacks=[reader]))
+    assert result.callback_errors == []
+    assert reader.seen and set(reader.seen) == {(0, 1, True, "cpu", "no", None, "NO")}
+    assert AcceleratorState._shared_state == {} and PartialState._shared_state == {}, "left behind after the run"
+
+
+def test_trl_sync_ref_model_callback_mixes_the_reference_model_in(args_for, tiny_llama, no_accelerate_state):
+    """trl's SyncRefModelCallback (unchanged) reads ``AcceleratorState().deepspeed_plugin`` every
+    ``ref_model_sync_steps``: it must run and move the reference model towards the trained one."""
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    before = weights_digest(ref)
+    config = DPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", sync_ref_model=True,
+                       ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+    result = run(args_for(callbacks=[SyncRefModelCallback(ref_model=ref, accelerator=None)], hf_args=config))
+    assert result.callback_errors == []
+    assert weights_digest(ref) != before
+
+
+def test_an_existing_accelerator_state_is_left_as_it_is(args_for, no_accelerate_state):
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)
+    state_before = dict(AcceleratorState._shared_state)
+    reader = ReadsAccelerateState()
+    run(args_for(callbacks=[reader]))
+    assert AcceleratorState._shared_state == state_before
+    assert reader.seen and reader.seen[0][:4] == (0, 1, True, "cpu")

@@ -101,6 +101,7 @@ from trainbridge.core.control import ControlFlag
 from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import HF_EVENTS, Event
 from trainbridge.core.run_dir import checkpoint_dir
+from trainbridge.hf.accelerate_state import SharedAccelerateState, share_accelerate_state
 from trainbridge.hf.arguments import build_training_arguments
 from trainbridge.hf.porting import HFPortingWarning
 
@@ -246,6 +247,8 @@ class HuggingFaceCallbackAdapter(Callback):
         self._context: TrainingContext | None = None
         self._evaluated = False
         self._tokens_at_train_begin = 0
+        self._accelerate: SharedAccelerateState | None = None
+        """accelerate's shared state as this adapter filled it for the run (released by ``close``)."""
 
     # ------------------------------------------------------------------ dispatch: the event map routes
     def handles(self, event: Event) -> bool:
@@ -291,6 +294,12 @@ class HuggingFaceCallbackAdapter(Callback):
             if args.eval_strategy == "no":
                 raise ValueError("callbacks: EarlyStoppingCallback requires eval_strategy 'steps' or 'epoch'")
 
+    def close(self, context: TrainingContext) -> None:
+        """Empty accelerate's shared state again if this adapter filled it (``hf.accelerate_state``)."""
+        shared, self._accelerate = self._accelerate, None
+        if shared is not None:
+            shared.release()
+
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:
         """The errors of each HF callback, isolated and counted on its own (named by its class)."""
         return self._errors.reports(rank)
@@ -305,6 +314,8 @@ class HuggingFaceCallbackAdapter(Callback):
         self._errors = CallbackErrorLedger(context.args.callback_error_policy,
                                            context.args.callback_max_consecutive_errors)
         self.args = build_training_arguments(context.args, context.env)
+        # as Trainer's Accelerator leaves it: PartialState() / AcceleratorState() describe this run
+        self._accelerate = share_accelerate_state(context.env, context.args)
         model = context.unwrapped_model if context.unwrapped_model is not None else context.model
         self.args.report_to = self._integrations()
         defaults: list[Any] = [DefaultFlowCallback, *get_reporting_integration_callbacks(self.args.report_to)]
