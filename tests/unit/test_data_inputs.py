@@ -256,3 +256,26 @@ def test_yaml_chat_template_file_and_data_folder_paths(tmp_path: Path) -> None:
     assert options.columns == (("messages", "conversations"),)
     with pytest.raises(ValueError, match="data_columns"):
         TrainingArgs.from_yaml(tmp_path / "run.yaml", data_columns={"msgs": "conversations"})
+
+
+def test_loaders_give_callbacks_the_dataset_as_tokenised_rows(tmp_path: Path) -> None:
+    """``train_dataloader.dataset`` / ``eval_dataloader.dataset`` (read by Trainer callbacks): every sample as a
+    ``{"input_ids", "labels"}`` row, from the arrow cache as from memory; ``batch_size`` None (token budget)."""
+    rows = [[1, 5, 6], [1, 7], [1, 8, 9, 10]]
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_dict({"input_ids": rows}).to_parquet(str(path))
+    arrow, _ = open_dataset(path, None, options(max_seq_len=32), tmp_path / "cache")
+    memory = InMemorySamples([Sample(tuple(r), (-100, *r[1:])) for r in rows])
+    for source in (arrow, memory):
+        train = TrainBatches(source, list, effective_batch_size=2, seed=3, world_size=2, rank=1,  # type: ignore[arg-type]
+                             max_batch_len=64, padded=False)
+        evaluation = EvalBatches(source, list, world_size=2, rank=1, max_batch_len=64, padded=False)  # type: ignore[arg-type]
+        for loader in (train, evaluation):
+            assert loader.batch_size is None
+            dataset = loader.dataset
+            assert len(dataset) == 3
+            assert [row["input_ids"] for row in dataset] == rows
+            assert dataset[-1] == {"input_ids": rows[2], "labels": list(source.fetch([2])[0].labels)}
+            assert dataset[0:2] == [dataset[0], dataset[1]]
+            with pytest.raises(IndexError):
+                dataset[3]

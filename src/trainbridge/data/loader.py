@@ -22,6 +22,26 @@ from trainbridge.data.samples import SampleSource, as_source
 Collate = Callable[[Sequence[Sample]], dict[str, torch.Tensor]]
 
 
+class SampleRows(Sequence[dict[str, list[int]]]):
+    """The samples of a loader as rows of a tokenised dataset (``{"input_ids": [...], "labels": [...]}``),
+    as ``train_dataloader.dataset[i]`` reads under Trainer; each row is fetched when it is read."""
+
+    def __init__(self, samples: SampleSource) -> None:
+        self._samples = samples
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        position = int(index) + len(self) if int(index) < 0 else int(index)
+        if not 0 <= position < len(self):
+            raise IndexError(f"sample {index} out of range ({len(self)} samples)")
+        sample = self._samples.fetch([position])[0]
+        return {"input_ids": list(sample.input_ids), "labels": list(sample.labels)}
+
+
 class TrainBatches:
     """This rank's micro-batches for each optimizer step of an epoch (same plan on every rank)."""
 
@@ -36,6 +56,10 @@ class TrainBatches:
         )
         self.steps_per_epoch = steps_per_epoch(len(self.samples), effective_batch_size)
         self.plan: EpochPlan = self.set_epoch(0)
+        self.dataset = SampleRows(self.samples)
+        """Every training sample (all ranks'), as ``DataLoader.dataset`` gives it to callbacks."""
+        self.batch_size: int | None = None
+        """None, as for a ``DataLoader`` driven by a batch sampler: micro-batches follow a token budget."""
 
     def set_epoch(self, epoch: int) -> EpochPlan:
         """Plan ``epoch`` (deterministic from the seed and the epoch number)."""
@@ -77,6 +101,10 @@ class EvalBatches:
             counts.append(len(groups))
         self.groups: list[list[int]] = groups_by_rank[rank] + [[] for _ in range(max(counts) - counts[rank])]
         self.num_samples_local = len(mine)
+        self.dataset = SampleRows(self.samples)
+        """Every validation sample (all ranks'), as ``DataLoader.dataset`` gives it to callbacks."""
+        self.batch_size: int | None = None
+        """None: micro-batches follow the token budget (see ``TrainBatches.batch_size``)."""
 
     def __len__(self) -> int:
         return len(self.groups)
