@@ -80,6 +80,14 @@ class FlagsOnOneRank(TrainerCallback):
                   "accelerate": [PartialState().process_index, PartialState().num_processes,
                                  PartialState().is_main_process, AcceleratorState().distributed_type.value,
                                  AcceleratorState().mixed_precision, AcceleratorState().deepspeed_plugin is None]}
+        from accelerate import Accelerator
+        from accelerate.utils import gather_object
+
+        PartialState().wait_for_everyone()  # a barrier on the run's process group
+        accelerator = Accelerator()  # built on top of the run's state, as some callbacks do
+        record["accelerator"] = [accelerator.num_processes, accelerator.process_index,
+                                 gather_object([args.process_index]),
+                                 type(accelerator.unwrap_model(kwargs["model"])).__name__]
         (Path(args.output_dir) / f"hf-rank{args.process_index}.json").write_text(json.dumps(record))
 
 
@@ -175,6 +183,7 @@ def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(assets, tmp
         assert record["epoch_end_stop"] == [True] and record["train_end_stop"] is True
         assert record["is_world_process_zero"] is (rank == 0)
         assert record["accelerate"] == [rank, 2, rank == 0, "MULTI_CPU", "no", True]
+        assert record["accelerator"] == [2, rank, [0, 1], "LlamaForCausalLM"]
 
 
 # ============================================================================ report_to integrations
