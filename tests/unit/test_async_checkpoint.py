@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
 from trainbridge.core.callback import Callback
@@ -27,19 +28,6 @@ from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
-
-
-class Crash(BaseException):
-    """Cuts a run short like a killed job."""
-
-
-class CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
-        if context.global_step == self.step:
-            raise Crash(f"crash at step {self.step}")
 
 
 class Saves(Callback):
