@@ -252,12 +252,8 @@ class TrainingEngine(ABC):
         then the HF-layout weights are the model's."""
         if not self.has_model_state(directory):
             return False
-        import torch.distributed.checkpoint as dcp
-
         state = {"model": self._model_state()}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=directory / SHARDED_STATE_DIR,  # collective; only the model's entries
-                     no_dist=not self.env.is_distributed)
+        self._read_dcp(state, directory / SHARDED_STATE_DIR)  # only the model's entries
         self._set_model_state(state["model"])
         return True
 
@@ -265,14 +261,7 @@ class TrainingEngine(ABC):
         """Restore the optimizer and scheduler state ``save_training_state`` wrote (every rank calls it):
         ``optimizer.pt``, or the optimizer's entries in ``dcp/`` (a background save)."""
         if _dcp_has(directory / SHARDED_STATE_DIR, "optimizer"):
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-            state = {"optimizer": get_optimizer_state_dict(self.unwrapped, self.optimizer)}
-            with _single_process_quiet():
-                dcp.load(state, checkpoint_id=directory / SHARDED_STATE_DIR,  # collective
-                         no_dist=not self.env.is_distributed)
-            set_optimizer_state_dict(self.unwrapped, self.optimizer, state["optimizer"])
+            self._read_dcp_optimizer(directory / SHARDED_STATE_DIR, self.unwrapped)
         else:
             path = _require_file(directory / OPTIMIZER_FILE)
             self.optimizer.load_state_dict(torch.load(path, map_location=self.env.device, weights_only=True))
@@ -297,6 +286,23 @@ class TrainingEngine(ABC):
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=path, no_dist=not self.env.is_distributed)  # collective
         return None
+
+    def _read_dcp(self, state: dict[str, Any], path: Path) -> None:
+        """``dcp.load`` of ``state``'s entries from the DCP folder ``path``, in place (collective: each rank
+        reads the entries, or shards, it holds)."""
+        import torch.distributed.checkpoint as dcp
+
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not self.env.is_distributed)
+
+    def _read_dcp_optimizer(self, path: Path, module: nn.Module) -> None:
+        """The optimizer's entries of the DCP folder ``path`` into ``self.optimizer``, whose parameters are
+        ``module``'s (the bare model, or FSDP2's sharded module; collective)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(module, self.optimizer)}
+        self._read_dcp(state, path)
+        set_optimizer_state_dict(module, self.optimizer, state["optimizer"])
 
     def _save_scheduler(self, directory: Path) -> None:
         if self.env.is_world_process_zero:
@@ -476,15 +482,10 @@ class FSDP2Engine(TrainingEngine):
     def load_training_state(self, directory: Path) -> None:
         """Each rank reads its own optimizer shards back (the model's: ``load_model_state``); a checkpoint
         from before ``dcp/`` (``optimizer_dcp/``, the optimizer only) is read too."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
         path = directory / SHARDED_STATE_DIR
         if not path.exists():
             path = _require_file(directory / LEGACY_FSDP_OPTIMIZER_DIR)
-        state: dict[str, Any] = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
-        dcp.load(state, checkpoint_id=path)  # collective: each rank reads the shards it owns
-        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        self._read_dcp_optimizer(path, self.module)  # each rank reads the shards it owns
         self._load_scheduler(directory)
 
     def _model_state(self) -> dict[str, Any]:
@@ -620,10 +621,6 @@ class DeepSpeedEngine(TrainingEngine):
     def has_model_state(self, directory: Path) -> bool:
         """False: resume loads the HF-layout weights first, then DeepSpeed's folder overwrites the module
         and its fp32 master partitions (``load_training_state``), so resume is exact whatever the export."""
-        return False
-
-    def load_model_state(self, directory: Path) -> bool:
-        """False: DeepSpeed keeps no ``dcp/`` (see ``has_model_state``)."""
         return False
 
     def load_training_state(self, directory: Path) -> None:
