@@ -279,8 +279,7 @@ class HuggingFaceCallbackAdapter(Callback):
         missing = [name for name in integrations if name not in available]
         if missing:
             raise ValueError(f"report_to: {', '.join(missing)} requested but not installed")
-        saving = sorted({_callback_class(cb).__name__ for cb in self.callbacks
-                         if getattr(_callback_class(cb), "on_save", None) is not TrainerCallback.on_save})
+        saving = sorted({_callback_class(cb).__name__ for cb in self.callbacks if _implements(cb, "on_save")})
         if args.checkpoint_async and saving:
             warnings.warn(
                 f"checkpoint_async=True: on_save of {', '.join(saving)} fires when the checkpoint is published, "
@@ -595,12 +594,14 @@ def is_hf_callback(obj: Any) -> bool:
 _IMPLEMENTS: dict[tuple[type, str], bool] = {}
 
 
-def _implements(callback: TrainerCallback, hook: str) -> bool:
-    """Whether ``callback``'s class implements ``hook`` itself (not ``TrainerCallback``'s no-op)."""
-    key = (type(callback), hook)
+def _implements(callback: Any, hook: str) -> bool:
+    """Whether ``callback``'s class (or ``callback``, a class) implements ``hook`` itself (not
+    ``TrainerCallback``'s no-op)."""
+    cls = _callback_class(callback)
+    key = (cls, hook)
     known = _IMPLEMENTS.get(key)
     if known is None:
-        known = _IMPLEMENTS[key] = getattr(type(callback), hook, None) is not getattr(TrainerCallback, hook, None)
+        known = _IMPLEMENTS[key] = getattr(cls, hook, None) is not getattr(TrainerCallback, hook, None)
     return known
 
 
