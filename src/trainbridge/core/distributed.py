@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class RankZeroError(RuntimeError):
+    """What every rank raises when rank 0 failed a step that ``DistributedEnv.on_rank_zero`` ran for all."""
+
+    def __init__(self, what: str, cause: str):
+        super().__init__(f"rank 0 failed {what}: {cause}")
+        self.what = what
+        self.cause = cause
+
 
 LAUNCHER_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 """Set by torchrun (and ``accelerate launch``, torchrun under ``srun``) in every worker process."""
@@ -142,6 +154,32 @@ class DistributedEnv:
         """Collective ``barrier``: every rank waits for all (used around checkpoint writes)."""
         if self.is_distributed:
             dist.barrier()
+
+    def on_rank_zero(
+        self, action: Callable[[], T], what: str, error: Callable[[str], BaseException] | None = None
+    ) -> T:
+        """Rank 0 runs ``action``; every rank returns its (picklable) result or raises (collective).
+
+        The one pattern for "rank 0 writes or decides, the others wait": the outcome, value or failure,
+        is broadcast, so a failure on rank 0 fails every rank at once instead of leaving them waiting in a
+        barrier until the collective timeout.  Rank 0 re-raises its own exception; the other ranks raise
+        ``error(message)`` (default ``RankZeroError``), the message naming rank 0, ``what`` and the cause.
+        """
+        outcome: dict[str, Any] = {}
+        own: BaseException | None = None
+        if self.is_world_process_zero:
+            try:
+                outcome["value"] = action()
+            except Exception as exc:
+                own = exc
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+        outcome = self.broadcast_object(outcome)
+        if "error" in outcome:
+            if own is not None and error is None:
+                raise own
+            message = str(RankZeroError(what, outcome["error"]))
+            raise (error(message) if error is not None else RankZeroError(what, outcome["error"])) from own
+        return outcome["value"]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Collective ``all_reduce(SUM)`` in place; returns the tensor (identity on one rank)."""
