@@ -678,22 +678,17 @@ class TrainingArgs(BaseModel):
         if self.gradient_checkpointing_kwargs != {"use_reentrant": False} and not self.gradient_checkpointing:
             raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
         if self.model_kwargs.quantized():
-            import torch
+            import importlib.util
 
-            if self.device == "cpu" or not torch.cuda.is_available():
-                raise ValueError(
-                    "model_kwargs.quantization_config: a quantized (bitsandbytes, QLoRA) base model needs CUDA, and "
-                    f"this run is on CPU (device={self.device!r}, CUDA available: {torch.cuda.is_available()}); "
-                    "drop the quantization keywords or run on a GPU"
-                )
-            if self.distributed_backend == "fsdp" or (
-                self.distributed_backend == "deepspeed" and self.deepspeed_zero_stage == 3
-            ):
-                raise ValueError(
-                    "model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be sharded by "
-                    f"{self.distributed_backend}{'' if self.distributed_backend == 'fsdp' else ' ZeRO-3'} here; "
-                    "use ddp or deepspeed ZeRO-1/2"
-                )
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError("model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
+                                 "pip install 'trainbridge[qlora]'")
+            if not is_peft and self.model_init is None:
+                raise ValueError("model_kwargs.quantization_config: a quantized base model trains through an adapter "
+                                 "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords")
+            if self.distributed_backend == "deepspeed" and self.deepspeed_zero_stage == 3:
+                raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be partitioned "
+                                 "by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) or ZeRO-1/2")
 
     # ----------------------------------------------------------------- derived values
     @property

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
+from trainbridge.modeling import quantization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -68,6 +69,7 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
         args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
         and args.model_init is None and args.peft_config is None and args.model_path is not None
         and peft_adapter_base(args.model_path) is None and not args.model_kwargs.model_extra
+        and quantization.saved_quantization(args.model_path) is None
     )
 
 
@@ -86,9 +88,10 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         if skeleton:
             model = build_skeleton(args.model_path, args.model_kwargs)
         elif base is None:
-            model = load_base_model(args.model_path, args.model_kwargs)
+            model = prepare_quantized(load_base_model(args.model_path, args.model_kwargs, args.device), args)
         else:
-            model = load_adapter(load_base_model(base, args.model_kwargs), args.model_path, trainable=True)
+            model = prepare_quantized(load_base_model(base, args.model_kwargs, args.device), args)
+            model = load_adapter(model, args.model_path, trainable=True)
             logger.info("model: base %s with the PEFT adapter of %s (trainable)", base, args.model_path)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
@@ -119,12 +122,30 @@ def call_model_init(model_init: Any) -> nn.Module:
     return model
 
 
-def load_base_model(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(path, **model_kwargs)``."""
+def load_base_model(path: Path | str, model_kwargs: ModelKwargs, device: str = "auto") -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path, **model_kwargs)``; a quantised model is loaded straight
+    onto this rank's device (``device``: ``TrainingArgs.device``)."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = model_kwargs.from_pretrained_kwargs()
+    kwargs.update(quantized_placement(path, model_kwargs, device))
     # Absolute, so adapter_config.json of every checkpoint names a base model that loads from any folder.
-    return AutoModelForCausalLM.from_pretrained(str(Path(path).resolve()), **model_kwargs.from_pretrained_kwargs())
+    return AutoModelForCausalLM.from_pretrained(str(Path(path).resolve()), **kwargs)
+
+
+def quantized_placement(path: Path | str, model_kwargs: ModelKwargs, device: str) -> dict[str, Any]:
+    """``{"device_map": {"": this rank's device}}`` for a quantised model (bitsandbytes quantises where it
+    loads, and a quantised model is not moved afterwards); ``{}`` for a plain one."""
+    if not (model_kwargs.quantized() or quantization.saved_quantization(path)):
+        return {}
+    quantization.require_bitsandbytes("a quantized base model (model_kwargs.quantization_config)")
+    return {"device_map": {"": quantization.load_device(device)}}
+
+
+def prepare_quantized(model: nn.Module, args: TrainingArgs) -> nn.Module:
+    """A quantised base: ``peft.prepare_model_for_kbit_training`` (frozen, its non-quantised weights in fp32;
+    gradient checkpointing is switched on after, as for any model); any other model unchanged."""
+    return quantization.prepare_for_training(model) if quantization.is_quantized(model) else model
 
 
 def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
