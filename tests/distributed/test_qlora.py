@@ -2,7 +2,8 @@
 
 Through ``run_training`` (``model_kwargs.quantization_config``): the loss falls, every checkpoint holds the
 adapter and the adapter's optimizer state only (never the quantised base), and a run resumed from
-``checkpoint-4`` ends with the same adapter as the straight run.  Through the ``Trainer`` facade
+``checkpoint-4`` ends with the same adapter as the straight run; ``merge_adapter_at_end`` merges into the
+full-precision base.  Through the ``Trainer`` facade
 (``scripts/qlora_script.py``, a 4-bit ``PeftModel`` passed in): under ``torchrun`` on 2 ranks and as
 ``python script.py`` on 1, the script's own model gets the trained adapter back.
 """
@@ -48,8 +49,8 @@ def losses(result) -> list[float]:
 def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(assets, tmp_path):
     common = dict(model_kwargs={"quantization_config": four_bit()}, peft_config=LORA, learning_rate=1e-2,
                   gradient_checkpointing=True, max_steps=8, logging_steps=2, save_strategy="steps", save_steps=4)
-    straight = run_training(base_args(assets, tmp_path / "straight", **common), TorchrunArgs(nproc_per_node=2),
-                            timeout_s=420)
+    straight = run_training(base_args(assets, tmp_path / "straight", merge_adapter_at_end=True, **common),
+                            TorchrunArgs(nproc_per_node=2), timeout_s=420)
     curve = losses(straight)
     assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
 
@@ -64,6 +65,8 @@ def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(ass
 
     base = AutoModelForCausalLM.from_pretrained(assets["model"], quantization_config=four_bit())
     assert PeftModel.from_pretrained(base, checkpoint).get_base_model().is_loaded_in_4bit
+    merged = AutoModelForCausalLM.from_pretrained(straight.merged_model)  # into the full-precision base
+    assert not getattr(merged, "is_loaded_in_4bit", False) and merged.dtype == torch.float32
 
     resumed = run_training(
         base_args(assets, tmp_path / "resumed", resume_from_checkpoint=tmp_path / "straight" / "checkpoint-4",

@@ -247,12 +247,16 @@ def check_model_setup(args: TrainingArgs) -> None:
 
 def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
-    returns is unloaded) or from ``model_path`` (an adapter folder's base model)."""
+    returns is unloaded) or from ``model_path`` (an adapter folder's base model), not quantised by
+    ``model_kwargs`` (the adapter is merged into the full-precision weights)."""
     if args.model_init is not None:
         model = call_model_init(args.model_init)
         return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
     assert args.model_path is not None
-    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, args.model_kwargs)
+    kwargs = args.model_kwargs
+    if kwargs.quantized():  # merged into the full-precision weights the quantised base was made from
+        kwargs = ModelKwargs.model_validate({k: v for k, v in kwargs.model_dump().items() if k != "quantization_config"})
+    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, kwargs)
 
 
 def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path, dtype: torch.dtype | None = None) -> Path:
