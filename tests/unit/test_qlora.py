@@ -1,5 +1,5 @@
 """Quantised (bitsandbytes 4-bit) base models, in process: loading, the facade's write of a 4-bit PEFT model,
-errors before launch, and which packed weights FSDP2 may shard."""
+errors before launch, and the packed weights FSDP2 finds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors import safe_open
 from trainbridge.core.config import TrainingArgs
 from trainbridge.modeling import quantization
 from trainbridge.modeling.load import load_model
+from trainbridge.parallel.engine import packed_quantized_weights
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -46,6 +47,12 @@ def test_a_4bit_base_loads_frozen_with_only_the_adapter_trainable(tiny_llama, ru
     assert all(p.dtype == torch.float32 for p in model.parameters() if type(p).__name__ != "Params4bit")
     assert model.get_base_model().is_gradient_checkpointing
     ids = torch.tensor([[1, 5, 9, 12]])
+    layouts = [(p.shape, p.dtype) for p in packed]
+    model.eval()
+    with torch.no_grad():  # bitsandbytes' CPU inference repack stays off: FSDP2 shards the layout loaded
+        model(input_ids=ids)
+    model.train()
+    assert [(p.shape, p.dtype) for p in packed] == layouts
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
 
@@ -75,7 +82,7 @@ def test_the_facade_writes_a_4bit_peft_model_that_loads_back_whole(tiny_llama, t
 
 def test_quantized_model_kwargs_are_checked_before_launch(run_files, monkeypatch):
     args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()})  # valid on CPU
-    with pytest.raises(ValidationError, match="trains through an adapter .*set peft_config"):
+    with pytest.raises(ValidationError, match=r"trains through an adapter .*set peft_config"):
         args_for(run_files, model_kwargs={"quantization_config": four_bit()})
     with pytest.raises(ValidationError, match="ZeRO-3"):
         args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()},
@@ -83,7 +90,8 @@ def test_quantized_model_kwargs_are_checked_before_launch(run_files, monkeypatch
     with pytest.raises(ValidationError, match=r"model_kwargs.load_in_4bit: .*BitsAndBytesConfig\(load_in_4bit=True\)"):
         args_for(run_files, peft_config=LORA, model_kwargs={"load_in_4bit": True})
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ValidationError, match=r"needs bitsandbytes; pip install 'trainbridge\[qlora\]'"):
         args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()})
 
@@ -111,6 +119,5 @@ def test_fsdp2_shards_packed_weights_only_in_float_storage(tiny_llama, storage, 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=four_bit(**extra))
     packed = {p for p in model.parameters() if type(p).__name__ == "Params4bit"}
     assert packed
-    ignored = quantization.fsdp_ignored_params(model)
-    assert ignored == (set() if sharded else packed)
-    assert quantization.packed_float_storage(model) == ({storage} if sharded else set())
+    found = packed_quantized_weights(model)
+    assert set(found) == packed and all(p.is_floating_point() == sharded for p in found)

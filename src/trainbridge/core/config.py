@@ -691,8 +691,9 @@ class TrainingArgs(BaseModel):
                 raise ValueError("model_kwargs.quantization_config: a quantized base model trains through an adapter "
                                  "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords")
             if self.distributed_backend == "deepspeed" and self.deepspeed_zero_stage == 3:
-                raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be partitioned "
-                                 "by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) or ZeRO-1/2")
+                raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be "
+                                 "partitioned by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) "
+                                 "or ZeRO-1/2")
 
     # ----------------------------------------------------------------- derived values
     @property

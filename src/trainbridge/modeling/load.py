@@ -255,7 +255,8 @@ def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     assert args.model_path is not None
     kwargs = args.model_kwargs
     if kwargs.quantized():  # merged into the full-precision weights the quantised base was made from
-        kwargs = ModelKwargs.model_validate({k: v for k, v in kwargs.model_dump().items() if k != "quantization_config"})
+        plain = {k: v for k, v in kwargs.model_dump().items() if k != "quantization_config"}
+        kwargs = ModelKwargs.model_validate(plain)
     return load_base_model(peft_adapter_base(args.model_path) or args.model_path, kwargs)
 
 

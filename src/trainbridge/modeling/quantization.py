@@ -1,18 +1,12 @@
 """Quantised (bitsandbytes 4-bit / 8-bit) base models: QLoRA.
 
-A base model is quantised when ``model_kwargs`` carries a ``quantization_config`` (or ``load_in_4bit`` /
-``load_in_8bit``), or when its folder's ``config.json`` was saved quantised (a 4-bit model handed to the
-``Trainer`` facade is written that way).  It is loaded on this rank's device (bitsandbytes quantises
-while loading; a quantised model is never moved across devices afterwards), then
-``peft.prepare_model_for_kbit_training`` freezes it and upcasts its non-quantised weights to fp32;
-gradient checkpointing is switched on as for any model, and the LoRA adapter goes on top.  Only the adapter trains, so only the
-adapter (and its optimizer state) is ever saved: the quantised base is read from its folder again on
-resume.
-
-Under FSDP2 the packed 4-bit weights are sharded like any other weight when their storage is a float
-dtype (``bnb_4bit_quant_storage``, the FSDP-QLoRA recipe); weights packed in ``uint8`` stay whole on every
-rank (``fully_shard``'s ``ignored_params``).  bitsandbytes keeps each layer's quantisation state on the
-module and re-attaches it to the gathered weight in the forward.
+A base model is quantised when ``model_kwargs`` carries a ``quantization_config``, or when its folder's
+``config.json`` was saved quantised (a 4-bit model handed to the ``Trainer`` facade is written that way).
+It is loaded on this rank's device (bitsandbytes quantises while loading; a quantised model is not moved
+afterwards), then ``peft.prepare_model_for_kbit_training`` freezes it and upcasts its other weights to
+fp32; gradient checkpointing and the LoRA adapter follow as for any model.  Only the adapter trains, so
+only the adapter and its optimizer state are saved: the quantised base is read from its folder again on
+resume.  How FSDP2 shards the packed weights: ``parallel.engine.packed_quantized_weights``.
 """
 
 from __future__ import annotations
@@ -70,6 +64,12 @@ def prepare_for_training(model: nn.Module) -> nn.Module:
     from peft import prepare_model_for_kbit_training
 
     prepared: nn.Module = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for module in prepared.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            # bitsandbytes repacks a 4-bit weight for its CPU inference kernel on the first no-grad forward in
+            # eval mode (a set-up probe, an evaluation): the weight turns into another uint8 layout, which
+            # FSDP2 can no longer shard.  A model in training keeps the layout it was loaded with.
+            module.support_avx512bf16_for_cpu = False  # type: ignore[assignment]
     return prepared
 
 
@@ -88,17 +88,3 @@ def state_dict_honoured(model: Any) -> Iterator[None]:
         yield
     finally:
         model.hf_quantizer = quantizer
-
-
-def fsdp_ignored_params(model: nn.Module) -> set[nn.Parameter]:
-    """Packed 4-bit / 8-bit weights FSDP2 cannot shard (integer storage: ``uint8`` packing, the default):
-    they stay whole and replicated on every rank.  Empty when every packed weight uses a float
-    ``bnb_4bit_quant_storage``."""
-    return {p for p in model.parameters()
-            if type(p).__name__ in ("Params4bit", "Int8Params") and not p.is_floating_point()}
-
-
-def packed_float_storage(model: nn.Module) -> set[torch.dtype]:
-    """The float storage dtypes of ``model``'s packed 4-bit weights (FSDP2 shards these; a mixed-precision
-    cast of the parameters would corrupt them, so none is applied)."""
-    return {p.dtype for p in model.parameters() if type(p).__name__ == "Params4bit" and p.is_floating_point()}
