@@ -319,11 +319,11 @@ def _plot(options: argparse.Namespace) -> int:
 
 
 def _control(options: argparse.Namespace) -> int:
-    from trainbridge.launch.control import NoRunningJobError, send_control
+    from trainbridge.launch.control import ControlRequestError, send_control
 
     try:
         print(f"trainbridge: {send_control(options.run_dir, options.action)}")
-    except NoRunningJobError as exc:
+    except ControlRequestError as exc:
         print(f"trainbridge: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

@@ -143,15 +143,19 @@ def replace_text(root: str | Path, relative: str | Path, text: str, file_mode: i
 
 
 def make_run_folder(path: str | Path, share_with_group: bool = False) -> bool:
-    """Create ``path`` (and missing parents) with the run folder's mode; True when this call created it."""
+    """Create ``path`` and its missing parents with the run folder's mode (0700, or 0750 shared with the
+    group), whatever the umask; True when this call created ``path``."""
     path = Path(path)
-    if path.exists():
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
     dir_mode = modes(share_with_group)[0]
-    try:
-        os.mkdir(path, dir_mode)
-    except FileExistsError:
-        return False
-    os.chmod(path, dir_mode)
-    return True
+    missing = []
+    here = path
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, dir_mode)
+        except FileExistsError:
+            continue
+        os.chmod(folder, dir_mode)
+    return path in missing and path.is_dir()

@@ -47,7 +47,8 @@ TORCHRUN_LOGGER = "torch.distributed"
 def log_torchrun_to(path: str | Path) -> logging.Handler:
     """Send torchrun's log records (INFO and up: launch configuration, rendezvous, worker starts and exits,
     failures) to ``path`` (appended) instead of stderr; returns the handler."""
-    handler = logging.FileHandler(path, encoding="utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    handler = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8"))  # never through a link
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     torchrun_logger = logging.getLogger(TORCHRUN_LOGGER)
     torchrun_logger.handlers = [handler]

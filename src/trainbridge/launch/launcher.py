@@ -46,6 +46,7 @@ import psutil
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
+from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
@@ -515,17 +516,13 @@ def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -
     header = (f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
               f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "
               f"--nproc-per-node {launch.nproc_per_node}, launcher pid {os.getpid()} =====\n")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
     return path if _append_to_log(path, header) else None
 
 
 def _append_to_log(path: Path, text: str) -> bool:
+    """Append to a log inside the run folder, following no link (a planted one is refused, not written through)."""
     try:
-        with path.open("a", encoding="utf-8") as log:
-            log.write(text)
+        append_text(path.parent.parent, Path(path.parent.name) / path.name, text)
     except OSError:
         return False
     return True
