@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.launch.transport import register_by_value as register_by_value
     from trainbridge.loop.result import RunResult as RunResult
     from trainbridge.trainer import Trainer as Trainer
+    from trainbridge.trl import SFTTrainer as SFTTrainer
 
     __version__: str
 
@@ -40,8 +41,9 @@ _EXPORTS: dict[str, str] = {
     "TrainingArgs": "trainbridge.core.config",
     "TorchrunArgs": "trainbridge.core.config",
     "RunResult": "trainbridge.loop.result",
-    # transformers.Trainer's API on the same loop
+    # transformers.Trainer's (and trl's SFTTrainer's) API on the same loop
     "Trainer": "trainbridge.trainer",
+    "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "launch": 5,  # run_training, torchrun worker, transport, callback assembly
     "trainer": 6,  # the transformers.Trainer facade (runs the loop in place or through the launcher)
     "instructlab": 6,  # instructlab-training's names (from trainbridge.instructlab import ...)
+    "trl": 7,  # trl's trainers and configs on the facade (preference losses, packed log-probs)
     "demos": 7,  # demo and tiny models
     "cli": 8,  # the command line
 }
@@ -128,7 +129,7 @@ def test_every_package_has_a_layer() -> None:
         ("data", "import trainbridge.modeling.padding_free\n"),  # same layer, other package
         ("checkpoint", "def f():\n    from trainbridge.launch import launcher\n"),
         ("loop", "from trainbridge import hf\n"),
-        ("launch", "import trainbridge\n"),  # the public API re-exports the facade (layer 6)
+        ("demos", "import trainbridge\n"),  # the public API re-exports trl's trainer (layer 7)
         ("core", "from trainbridge import TrainingArgs, Trainer\n"),  # Trainer: trainbridge.trainer
         ("data", "from trainbridge import __version__\n"),
     ],
