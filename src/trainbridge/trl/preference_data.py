@@ -44,7 +44,7 @@ def _reference_context(policy: torch.nn.Module) -> AbstractContextManager[Any]:
     """The PEFT policy as its own reference: adapter disabled, or the ``ref`` adapter active."""
     from contextlib import contextmanager
 
-    peft_model = policy
+    peft_model: Any = policy
     while not hasattr(peft_model, "peft_config") and hasattr(peft_model, "module"):
         peft_model = peft_model.module  # DDP / DeepSpeed wrappers
     if not hasattr(peft_model, "disable_adapter"):
