@@ -19,18 +19,13 @@ from safetensors.torch import load_file
 
 from tests.distributed.conftest import free_port
 from tests.distributed.fault_callbacks import ControlThenTerminate, ExitZero, KillOnce
-from tests.distributed.training_fixtures import base_args, make_assets
+from tests.distributed.training_fixtures import base_args
 from trainbridge import TorchrunArgs, TrainingInterruptedError, WorkerFailedError, run_training
 from trainbridge.checkpoint.manifest import verify_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
 TWO = TorchrunArgs(nproc_per_node=2)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 def _env() -> dict[str, str]:
@@ -128,11 +123,8 @@ def test_sigterm_saves_at_the_next_step_and_outside_control_is_obeyed(assets, tm
     with pytest.raises(TrainingInterruptedError, match="SIGTERM"):
         run_training(args, TWO, timeout_s=400)
     checkpoints = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
-    assert len(checkpoints) == 2, checkpoints
-    control_step, interrupt_step = checkpoints
-    assert 2 <= control_step <= 4  # `trainbridge control out save` at step 2
-    assert 6 <= interrupt_step <= 8  # SIGTERM after step 6: at most a step or two lost
-    assert verify_checkpoint(out / f"checkpoint-{interrupt_step}") == []
+    assert checkpoints == [2, 6]  # `trainbridge control out save` taken at step 2; SIGTERM received at step 6
+    assert verify_checkpoint(out / "checkpoint-6") == []
     err = capfd.readouterr().err
     assert "trainbridge control save" in err and "save_on_interrupt" in err
     assert "[rank1]: [rank1]:" not in err

@@ -7,6 +7,7 @@ checkpoint has a ``dcp/`` part (the fp32 weights) to write in the background.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,12 +19,12 @@ from transformers import TrainerCallback
 
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
+from trainbridge.checkpoint import engine_state
 from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.demos.tiny_model import write_arithmetic_dataset
 from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.loop.build import build_run
@@ -43,20 +44,10 @@ class Saves(Callback):
 
 
 @pytest.fixture
-def args_for(tmp_path: Path, tiny_llama: Path):
-    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
-
-    def make(out: str, **overrides: Any) -> TrainingArgs:
-        values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, ckpt_output_dir=tmp_path / out, max_seq_len=32,
-            max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant", max_steps=6,
-            logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=7,
-            checkpoint_weights_dtype="bfloat16", checkpoint_async=True,
-        )
-        values.update(overrides)
-        return TrainingArgs(**values)
-
-    return make
+def args_for(args_for):
+    """The shared ``args_for`` (tests/unit/conftest.py), saving asynchronously every 2 steps in bf16."""
+    return functools.partial(args_for, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16",
+                             checkpoint_async=True)
 
 
 def _loop(args: TrainingArgs, *callbacks: Callback) -> TrainingLoop:
@@ -96,21 +87,20 @@ def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the
         assert torch.equal(a, b)
 
 
-def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for):
+def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for, monkeypatch):
     loop = _loop(args_for("failing"))
-    engine = loop.engine
-    real_write = engine._write_dcp
+    real_write = engine_state.write_dcp
     calls: list[bool] = []
 
-    def write(state: dict[str, Any], path: Path, background: bool) -> Future[Any] | None:
+    def write(state: dict[str, Any], path: Path, env: Any, background: bool) -> Future[Any] | None:
         calls.append(background)
         if len(calls) == 1:
-            return real_write(state, path, background)
+            return real_write(state, path, env, background)
         failed: Future[Any] = Future()
         failed.set_exception(OSError("the background writer failed"))
         return failed
 
-    engine._write_dcp = write  # type: ignore[method-assign]
+    monkeypatch.setattr(engine_state, "write_dcp", write)
     with pytest.raises(CheckpointError, match="in the background: the background writer failed"):
         loop.run()
     assert calls == [True, True]

@@ -10,10 +10,9 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from trainbridge.core.config import TrainingArgs
 from trainbridge.modeling import quantization
 from trainbridge.modeling.load import load_model
-from trainbridge.parallel.engine import packed_quantized_weights
+from trainbridge.parallel.fsdp import packed_quantized_weights
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -27,15 +26,8 @@ def four_bit(**kwargs):
                               **kwargs)
 
 
-def args_for(run_files, **overrides) -> TrainingArgs:
-    values = dict(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"],
-                  device="cpu")
-    values.update(overrides)
-    return TrainingArgs(**values)
-
-
-def test_a_4bit_base_loads_frozen_with_only_the_adapter_trainable(tiny_llama, run_files):
-    args = args_for(run_files, model_path=tiny_llama, peft_config=LORA, gradient_checkpointing=True,
+def test_a_4bit_base_loads_frozen_with_only_the_adapter_trainable(args_for):
+    args = args_for(device="cpu", peft_config=LORA, gradient_checkpointing=True,
                     model_kwargs={"quantization_config": four_bit()})
     model = load_model(args)
     assert quantization.is_quantized(model) and model.get_base_model().is_loaded_in_4bit
@@ -80,20 +72,20 @@ def test_the_facade_writes_a_4bit_peft_model_that_loads_back_whole(tiny_llama, t
     assert PeftModel.from_pretrained(base, target).get_base_model().is_loaded_in_4bit
 
 
-def test_quantized_model_kwargs_are_checked_before_launch(run_files, monkeypatch):
-    args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()})  # valid on CPU
+def test_quantized_model_kwargs_are_checked_before_launch(args_for, monkeypatch):
+    args_for(peft_config=LORA, model_kwargs={"quantization_config": four_bit()})  # valid on CPU
     with pytest.raises(ValidationError, match=r"trains through an adapter .*set peft_config"):
-        args_for(run_files, model_kwargs={"quantization_config": four_bit()})
+        args_for(model_kwargs={"quantization_config": four_bit()})
     with pytest.raises(ValidationError, match="ZeRO-3"):
-        args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()},
+        args_for(peft_config=LORA, model_kwargs={"quantization_config": four_bit()},
                  distributed_backend="deepspeed", deepspeed_zero_stage=3)
     with pytest.raises(ValidationError, match=r"model_kwargs.load_in_4bit: .*BitsAndBytesConfig\(load_in_4bit=True\)"):
-        args_for(run_files, peft_config=LORA, model_kwargs={"load_in_4bit": True})
+        args_for(peft_config=LORA, model_kwargs={"load_in_4bit": True})
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ValidationError, match=r"needs bitsandbytes; pip install 'trainbridge\[qlora\]'"):
-        args_for(run_files, peft_config=LORA, model_kwargs={"quantization_config": four_bit()})
+        args_for(peft_config=LORA, model_kwargs={"quantization_config": four_bit()})
 
 
 def test_a_missing_bitsandbytes_is_named_with_the_extra_to_install(monkeypatch):

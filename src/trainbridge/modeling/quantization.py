@@ -6,7 +6,7 @@ It is loaded on this rank's device (bitsandbytes quantises while loading; a quan
 afterwards), then ``peft.prepare_model_for_kbit_training`` freezes it and upcasts its other weights to
 fp32; gradient checkpointing and the LoRA adapter follow as for any model.  Only the adapter trains, so
 only the adapter and its optimizer state are saved: the quantised base is read from its folder again on
-resume.  How FSDP2 shards the packed weights: ``parallel.engine.packed_quantized_weights``.
+resume.  How FSDP2 shards the packed weights: ``parallel.fsdp.packed_quantized_weights``.
 """
 
 from __future__ import annotations
