@@ -20,8 +20,10 @@ from trainbridge.callbacks.external_control import ExternalControl, take_request
 from trainbridge.callbacks.interrupt import SaveOnInterrupt
 from trainbridge.checkpoint import durability
 from trainbridge.checkpoint import manager as manager_module
-from trainbridge.checkpoint.manager import OWNER_FILE, TMP_PREFIX, CheckpointError, CheckpointManager
-from trainbridge.checkpoint.manifest import MANIFEST_FILE, run_fingerprint, verify_checkpoint
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import MANIFEST_FILE, OWNER_FILE, TMP_PREFIX
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint, verify_checkpoint
 from trainbridge.checkpoint.runlock import LOCK_DIR_NAME, RunFolderBusy, RunLock, live_holders
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
