@@ -1,7 +1,7 @@
 """Checks of the run's inputs in the parent, before launch: each fails in a second with one clear line
 instead of ~20 s later inside every worker with a page of tracebacks.
 
-* ``ckpt_output_dir`` can be created and written;
+* ``ckpt_output_dir`` can be created and written (``check_output_dir``: once per launch, by its caller);
 * ``model_path`` holds a causal language model (its ``config.json`` names one transformers can load
   with ``AutoModelForCausalLM``);
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
@@ -25,16 +25,23 @@ _JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines", ""}
 
 
 def check_output_dir(path: Path) -> str | None:
-    """None when ``path`` exists (created if needed) and is writable, else what is wrong."""
+    """None when ``path`` exists (created if needed) and is writable, else what is wrong and what to do.
+
+    Run once per launch (``run_training``, or rank 0 of a run in place), before the run folder is locked."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is" if existing == path else f"would be inside {str(existing)!r}, which is"
+        return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
-    try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass
     except OSError as exc:
-        return f"ckpt_output_dir: {str(path)!r} is not writable: {exc.strerror or exc}"
+        where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
+        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}: {exc.strerror or exc}; "
+                "choose a folder you can write to.")
     return None
 
 
@@ -123,7 +130,6 @@ def check_data_file(field: str, path: Path | None) -> str | None:
 def input_problems(args: TrainingArgs) -> list[str]:
     """Every problem found, in the order above (empty when the run may launch)."""
     found = [
-        check_output_dir(args.ckpt_output_dir),
         check_causal_lm(args.model_path),
         check_resume_path(args),
         check_data_file("data_path", args.data_path),

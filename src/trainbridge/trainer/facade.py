@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.hf.adapter import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from trainbridge.trainer import inputs, jobs, results
-from trainbridge.trainer.launch_env import in_launched_worker
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
 
@@ -172,7 +171,7 @@ class Trainer:
         """True on global rank 0 (always, in the process that self-launches the workers)."""
         if self._env is not None:
             return self._env.is_world_process_zero
-        return int(os.environ.get("RANK", "0")) == 0 if in_launched_worker() else True
+        return int(os.environ.get("RANK", "0")) == 0 if launched_worker() else True
 
     def is_local_process_zero(self) -> bool:
         """True on each node's local rank 0."""
@@ -192,12 +191,16 @@ class Trainer:
         """The run folder (``output_dir/.trainbridge``)."""
         return self._folder.root
 
+    def _device(self) -> str:
+        """``TrainingArgs.device`` of the run: ``cpu`` under ``use_cpu``, else the args' own or ``auto``."""
+        if getattr(self.args, "use_cpu", False):
+            return "cpu"
+        return self.args.device if isinstance(self.args, TrainingArgs) else "auto"
+
     def _start_env(self) -> DistributedEnv:
         if self._env is None:
-            device = "cpu" if getattr(self.args, "use_cpu", False) else getattr(self.args, "device", "auto")
             timeout_s: Any = getattr(self.args, "ddp_timeout", None) or getattr(self.args, "collective_timeout_s", 1800)
-            timeout = float(timeout_s)
-            self._env = DistributedEnv.initialize(device if device in ("auto", "cpu", "cuda") else "auto", timeout)
+            self._env = DistributedEnv.initialize(self._device(), float(timeout_s))
         return self._env
 
     # ================================================================== what the jobs read

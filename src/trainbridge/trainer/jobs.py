@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
+from trainbridge.core.distributed import launched_worker
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args, run_folder
-from trainbridge.trainer.launch_env import in_launched_worker, self_launch_nproc
 from trainbridge.trainer.runner import JOB_ENV, FacadeJob, JobOutcome, export_model, job_environment, run_job
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ RUNNER_MODULE = "trainbridge.trainer.runner"
 def train(trainer: Trainer, resume: Any) -> tuple[RunResult, dict[str, Any]]:
     """Train ``trainer``'s model -> ``(rank 0's result, the recorded TrainerState fields)``; afterwards
     ``trainer.model`` holds the trained (or, launched with ``load_best_model_at_end``, the best) weights."""
-    if in_launched_worker():
+    if launched_worker():
         outcome = _train_in_place(trainer, resume)
         assert outcome.result is not None and outcome.state is not None
         return outcome.result, outcome.state
@@ -45,7 +45,7 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
     """One evaluation of ``trainer``'s current model on ``dataset`` (one or a dict of named sets) ->
     ``(metrics, gathered predictions or None)``."""
     folder = trainer._folder.evaluation
-    env = trainer._start_env() if in_launched_worker() else None
+    env = trainer._start_env() if launched_worker() else None
     trained = None
     if trainer._loop is not None:  # in place after training: the current weights, written collectively
         export_model(trainer._loop, folder.model)
@@ -56,17 +56,28 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
         return run_folder.write_evaluation_inputs(folder, model, trainer._row_preparation(), dataset)
 
     layout = env.on_rank_zero(write, "writing the evaluation data") if env is not None else write()
-    world_size = env.world_size if env is not None else self_launch_nproc()
+    world_size = env.world_size if env is not None else world_size_of(launch_args(trainer))
     args = job_args.evaluation_args(job_args.training_args(trainer, layout, world_size, None), folder.job_output,
                                     keep_predictions)
     job = FacadeJob("evaluate", args, folder.root, keep_predictions=keep_predictions)
     if env is not None:
         outcome = run_job(job, env)
         return dict(outcome.metrics or {}), outcome.predictions
-    launch(job, trainer.torchrun_args or TorchrunArgs(nproc_per_node=self_launch_nproc()))
+    launch(job, launch_args(trainer))
     with folder.evaluation_file.open("rb") as handle:
         out = pickle.load(handle)
     return dict(out["metrics"]), out["predictions"]
+
+
+def launch_args(trainer: Trainer) -> TorchrunArgs:
+    """How a launched job starts: the Trainer's ``torchrun_args``, else ``default_nproc_per_node`` processes
+    for the Trainer's device (``use_cpu``: one, or ``$TRAINBRIDGE_NPROC_PER_NODE``)."""
+    return (trainer.torchrun_args or TorchrunArgs()).for_device(trainer._device())
+
+
+def world_size_of(torchrun_args: TorchrunArgs) -> int:
+    """The ranks ``torchrun_args`` start (elastic ``MIN:MAX`` nodes: the most)."""
+    return torchrun_args.nproc_per_node * int(str(torchrun_args.nnodes).split(":")[-1])
 
 
 def launch(job: FacadeJob, torchrun_args: TorchrunArgs) -> RunResult | None:
@@ -117,11 +128,11 @@ def _take_trained_weights(trainer: Trainer, outcome: JobOutcome) -> None:
 
 
 def _train_launched(trainer: Trainer, resume: Any) -> tuple[RunResult, dict[str, Any]]:
-    nproc = self_launch_nproc()
+    torchrun_args = launch_args(trainer)
     layout = _write_training_inputs(trainer)
-    args = job_args.training_args(trainer, layout, nproc, resume)
+    args = job_args.training_args(trainer, layout, world_size_of(torchrun_args), resume)
     folder: FacadeDir = trainer._folder
-    result = launch(FacadeJob("train", args, folder.root), trainer.torchrun_args or TorchrunArgs(nproc_per_node=nproc))
+    result = launch(FacadeJob("train", args, folder.root), torchrun_args)
     assert isinstance(result, RunResult)
     state = json.loads(folder.state_file.read_text())
     weights = folder.final_model
