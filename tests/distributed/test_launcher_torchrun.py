@@ -55,6 +55,8 @@ def main():
             os.kill(os.getpid(), 9)  # no Python exception, so no error file
         time.sleep(120)
     if args.run_name == "sleep":
+        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+        (args.ckpt_output_dir / f"sleeping-rank{rank}").write_text(str(os.getpid()))
         time.sleep(300)
     (function,) = [fn for fns in args.event_functions.values() for fn in fns]
     (callback,) = args.callbacks
@@ -147,15 +149,24 @@ def test_worker_killed_by_a_signal_is_named_with_its_signal(make_args, stub_work
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_worker, signum):
+def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_worker, signum, tmp_path):
+    """The signal comes once both workers run (whatever the machine's speed), from another thread."""
     handler_before = signal.getsignal(signum)
-    timer = threading.Timer(8, os.kill, (os.getpid(), signum))
-    timer.start()
+    out, stop = tmp_path / "out", threading.Event()
+
+    def signal_once_both_sleep():
+        while not stop.wait(0.1):
+            if all((out / f"sleeping-rank{r}").is_file() for r in (0, 1)):
+                os.kill(os.getpid(), signum)
+                return
+
+    thread = threading.Thread(target=signal_once_both_sleep, daemon=True)
+    thread.start()
     try:
         with pytest.raises(TrainingInterruptedError, match=signal.Signals(signum).name):
             run_training(make_args("sleep"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
     finally:
-        timer.cancel()
+        stop.set()
     assert _no_stub_processes_left() == []
     assert signal.getsignal(signum) is handler_before  # the parent's own handler is back
 
