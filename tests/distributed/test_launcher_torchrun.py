@@ -1,6 +1,6 @@
 """run_training with the real torchrun and a stub worker: payload in real workers, failures, timeout, SIGINT.
 
-The stub worker (written to a temporary folder that the launcher puts on the workers' PYTHONPATH)
+The stub worker (written to a temporary folder the test puts on the workers' PYTHONPATH)
 reads the real payload with the real key, then does what ``run_name`` says; rank 0 writes a
 ``RunResult`` like ``trainbridge.launch.worker`` does.  No training happens, so each test takes seconds.
 """
@@ -76,7 +76,9 @@ def stub_worker(tmp_path, monkeypatch):
     folder = tmp_path / "stub_code"
     folder.mkdir()
     (folder / "tb_stub_worker.py").write_text(STUB_WORKER)
-    monkeypatch.syspath_prepend(str(folder))  # the launcher mirrors this into the workers' PYTHONPATH
+    monkeypatch.syspath_prepend(str(folder))
+    # the worker module runs before any payload is read: the user's own PYTHONPATH must name its folder
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
     return "tb_stub_worker"
 
 

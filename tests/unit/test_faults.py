@@ -202,11 +202,11 @@ def test_disk_full_names_the_disk_and_the_checkpoint_and_keeps_the_previous(args
     manager, _, second = _two_checkpoints(args, None)
     engine = new_engine(args)
 
-    def no_space(tmp, **kwargs):
+    def no_space():
         raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                            'message: "No space left on device" })')  # what safetensors raises
 
-    monkeypatch.setattr(engine, "save_training_state", no_space)
+    monkeypatch.setattr(engine, "optimizer_state_dict", no_space)
     with pytest.raises(CheckpointError) as info:
         manager.save(engine, None, 3, {"global_step": 3}, {})
     text = str(info.value)
@@ -250,7 +250,7 @@ def test_inputs_that_would_fail_inside_the_workers_fail_before_launch(inputs, tm
 def test_unwritable_output_folder_is_a_preflight_error_and_one_cli_line(inputs, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(PreflightError, match="ckpt_output_dir = .*a-file/out': would be inside .* a file"):
+    with pytest.raises(PreflightError, match=r"ckpt_output_dir = .*a-file/out': would be inside .* a file"):
         launcher.run_training({**inputs, "ckpt_output_dir": blocker / "out"})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**{k: str(v) for k, v in inputs.items()}, "ckpt_output_dir": str(blocker / "o")}))

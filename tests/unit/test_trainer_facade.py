@@ -247,7 +247,7 @@ def test_porting_maps_backend_schedule_warmup_and_checkpointing(tmp_path: Path) 
 
 
 def test_warmup_ratio_resolves_against_the_run_steps(tmp_path: Path) -> None:
-    from trainbridge.parallel.engine import build_scheduler
+    from trainbridge.parallel.optim import build_scheduler
 
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"

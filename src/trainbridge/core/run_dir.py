@@ -37,6 +37,12 @@ def launch_log_file(output_dir: str | Path, node: str | None = None) -> Path:
     return Path(output_dir) / LOGS_DIR / (f"launch-{node}.log" if node else "launch.log")
 
 
+def results_file(output_dir: str | Path, split: str | None = None) -> Path:
+    """Metrics ``Trainer.save_metrics`` writes (the facade too): ``{split}_results.json``, or with no split the
+    combined ``all_results.json``."""
+    return Path(output_dir) / f"{split or 'all'}_results.json"
+
+
 FACADE_DIR = ".trainbridge"
 """The folder inside ``output_dir`` where ``trainbridge.Trainer`` writes its jobs' inputs and outputs."""
 FACADE_STATE_FILE = "trainer_state.json"

@@ -34,7 +34,8 @@ from trainbridge.modeling import (
     packed_row_tokens,
 )
 from trainbridge.modeling.load import load_model, load_tokenizer, loads_on_rank0_only
-from trainbridge.parallel.engine import TrainingEngine, build_engine
+from trainbridge.parallel.build import build_engine
+from trainbridge.parallel.engine import TrainingEngine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -9,7 +9,10 @@
 - ``script_events``: Trainer's events outside training, on the script's callbacks.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainbridge.trainer.facade import Trainer, UnsupportedTrainerFeatureError
 
 __all__ = ["Trainer", "UnsupportedTrainerFeatureError"]
 

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
-from trainbridge.core.run_dir import FacadeDir
-from trainbridge.hf.adapter import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from trainbridge.core.run_dir import FacadeDir, results_file
 from trainbridge.trainer import inputs, jobs, results
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
@@ -327,21 +327,23 @@ class Trainer:
             target.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(target)
             tokenizer = self.processing_class or self._tokenizer()
+            from transformers.tokenization_utils_base import TOKENIZER_CONFIG_FILE
+
             if (tokenizer is None and self._model_source is not None
-                    and (self._model_source / "tokenizer_config.json").is_file()):
+                    and (self._model_source / TOKENIZER_CONFIG_FILE).is_file()):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
             if tokenizer is not None:
                 tokenizer.save_pretrained(target)
         if self.is_world_process_zero():
-            torch.save(self.args, target / TRAINING_ARGS_NAME)
+            torch.save(self.args, target / TRAINING_ARGS_FILE)
 
     def save_state(self) -> None:
         """Write ``trainer_state.json`` to ``output_dir`` (rank 0)."""
         if self.is_world_process_zero():
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(str(self.output_dir / TRAINER_STATE_NAME))
+            self.state.save_to_json(str(self.output_dir / TRAINER_STATE_FILE))
 
     def metrics_format(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics formatted for humans, as ``Trainer.metrics_format``."""
@@ -360,9 +362,9 @@ class Trainer:
         if not self.is_world_process_zero():
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / f"{split}_results.json").write_text(json.dumps(metrics, indent=4, sort_keys=True))
+        results_file(self.output_dir, split).write_text(json.dumps(metrics, indent=4, sort_keys=True))
         if combined:
-            path = self.output_dir / "all_results.json"
+            path = results_file(self.output_dir)
             combined_metrics = json.loads(path.read_text()) if path.exists() else {}
             combined_metrics.update(metrics)
             path.write_text(json.dumps(combined_metrics, indent=4, sort_keys=True))

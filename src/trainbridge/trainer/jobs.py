@@ -17,6 +17,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainbridge.checkpoint.layout import ADAPTER_WEIGHTS_FILE
 from trainbridge.core.config import TorchrunArgs
 from trainbridge.core.distributed import launched_worker
 from trainbridge.core.run_dir import FacadeDir
@@ -147,7 +148,7 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
     from trainbridge.checkpoint.manager import fill_tied_weights, read_safetensors_weights
 
     trainer._weights_dir = folder
-    adapter_file = folder / "adapter_model.safetensors"
+    adapter_file = folder / ADAPTER_WEIGHTS_FILE
     if adapter_file.is_file() and trainer.model is not None and hasattr(trainer.model, "peft_config"):
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file

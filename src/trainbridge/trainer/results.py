@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainbridge.hf.adapter import TRAINER_STATE_NAME
+from trainbridge.checkpoint.layout import TRAINER_STATE_FILE
 
 
 def trainer_state(recorded: dict[str, Any], output_dir: Path, train_batch_size: int | None,
@@ -81,8 +81,8 @@ def _last_stateful_callbacks(output_dir: Path) -> dict[str, Any]:
 
     if not output_dir.is_dir():
         return {}
-    done = [p for p in output_dir.iterdir() if is_complete_checkpoint(p) and (p / TRAINER_STATE_NAME).is_file()]
+    done = [p for p in output_dir.iterdir() if is_complete_checkpoint(p) and (p / TRAINER_STATE_FILE).is_file()]
     if not done:
         return {}
     newest = max(done, key=checkpoint_step)
-    return dict(json.loads((newest / TRAINER_STATE_NAME).read_text()).get("stateful_callbacks") or {})
+    return dict(json.loads((newest / TRAINER_STATE_FILE).read_text()).get("stateful_callbacks") or {})
