@@ -8,6 +8,8 @@ isolation per HF callback, ``num_input_tokens_seen``.
 
 from __future__ import annotations
 
+import functools
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,6 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.manager import CallbackFatalError
-from trainbridge.demos.tiny_model import write_arithmetic_dataset
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.loop import train
@@ -32,20 +33,9 @@ from trainbridge.loop.result import RunResult
 
 
 @pytest.fixture
-def args_for(tmp_path: Path, tiny_llama: Path):
-    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 32, seed=1)
-    val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
-
-    def make(**overrides: Any) -> TrainingArgs:
-        values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / "out",
-            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant",
-            max_steps=4, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=7,
-        )
-        values.update(overrides)
-        return TrainingArgs(**values)
-
-    return make
+def args_for(args_for):
+    """The shared ``args_for`` (tests/unit/conftest.py), 4 steps by default."""
+    return functools.partial(args_for, max_steps=4)
 
 
 def run(args: TrainingArgs) -> RunResult:
@@ -218,6 +208,42 @@ def test_fatal_policy_stops_the_run_on_an_hf_callback_error(args_for):
     assert after.step_ends == 1  # the hook still reached the others; every rank stopped at that step
 
 
+# ============================================================================ resume restores TrainerState
+RUNTIME_KEYS = ("runtime", "per_second")
+
+
+def _history(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """``log_history`` without the wall-clock values (runtimes, throughputs); losses rounded."""
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
+             if not any(part in k for part in RUNTIME_KEYS)} for row in state["log_history"]]
+
+
+def test_run_training_resumed_with_hf_callbacks_has_the_state_of_one_uninterrupted_run(args_for, tmp_path):
+    """A run stopped at step 4 and resumed to step 8 ends with the ``TrainerState`` (``trainer_state.json``
+    of its last checkpoint) of the same run done at once: every row from step 1, the best metric and
+    checkpoint over both parts, ``total_flos``, ``num_input_tokens_seen`` and the early-stopping counter."""
+    from transformers import EarlyStoppingCallback
+
+    def args(out: str, max_steps: int, resume: str | None = None) -> TrainingArgs:
+        return args_for(ckpt_output_dir=tmp_path / out, max_steps=max_steps, eval_strategy="steps", eval_steps=2,
+                        save_strategy="steps", save_steps=2, metric_for_best_model="eval_loss",
+                        include_num_input_tokens_seen="non_padding", resume_from_checkpoint=resume,
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=9, early_stopping_threshold=9.0)])
+
+    run(args("once", 8))
+    run(args("twice", 4))
+    run(args("twice", 8, resume="auto"))
+    once, twice = (json.loads((tmp_path / out / "checkpoint-8" / "trainer_state.json").read_text())
+                   for out in ("once", "twice"))
+    assert [row["step"] for row in twice["log_history"]][:2] == [1, 2]
+    assert _history(twice) == _history(once)
+    for key in ("global_step", "best_metric", "best_global_step", "total_flos", "num_input_tokens_seen",
+                "stateful_callbacks"):
+        assert twice[key] == once[key], key
+    assert twice["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] == 3
+    assert Path(twice["best_model_checkpoint"]).name == Path(once["best_model_checkpoint"]).name
+
+
 # ============================================================================ num_input_tokens_seen
 class TokensSeen(TrainerCallback):
     def __init__(self) -> None:
@@ -252,6 +278,7 @@ def test_num_input_tokens_seen_follows_include_num_input_tokens_seen(args_for, c
     if counting == "non_padding":  # known from the plan: at on_step_end it includes that step, as under Trainer
         assert seen.at_step_end[-1] == expected
     training_logs = [logs for logs in seen.logged if "loss" in logs]
+    assert training_logs  # the checks below are not vacuous
     if counting == "no":
         assert all("num_input_tokens_seen" not in logs for logs in seen.logged)
     else:  # as Trainer.log: every log carries the count, training logs a token throughput too

@@ -288,7 +288,7 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match=r"fsdp_options: use distributed_backend=.*mock_data: use no"):
         TrainingArgs(**base, fsdp_options={}, mock_data=True)
     # instructlab's LoraOptions -> peft_config (None target_modules: every *_proj layer); rank 0: full fine-tuning
-    from trainbridge import DeepSpeedOptions, LoraOptions
+    from trainbridge.instructlab import DeepSpeedOptions, LoraOptions
 
     with pytest.warns(InstructlabNameWarning, match="lora is instructlab-training's name: use peft_config="):
         lora = TrainingArgs(**base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05),
@@ -499,40 +499,6 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
     single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
     ported = job_args.training_args(single, jobs._write_training_inputs(single), 1, None)
     assert ported.val_data_path is not None and ported.eval_data_paths == {}
-
-
-def test_state_after_training_keeps_the_last_checkpoints_stateful_callbacks(tiny: Any, tmp_path: Path) -> None:
-    """Trainer's ``save_state()`` after training writes the ``stateful_callbacks`` (TrainerControl, early
-    stopping) of its last checkpoint; the facade's state read them back from the newest checkpoint."""
-    import json
-
-    model, tok = tiny
-    trainer = Trainer(model=model, args=_hf_args(tmp_path), processing_class=tok)
-    for step, flag in ((3, False), (6, True)):
-        folder = trainer.output_dir / f"checkpoint-{step}"
-        folder.mkdir(parents=True)
-        (folder / "COMPLETE").write_text("")
-        control = {"TrainerControl": {"args": {"should_training_stop": flag}, "attributes": {}}}
-        (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": control}))
-    trainer._set_state({"global_step": 6, "log_history": []})
-    assert trainer.state.stateful_callbacks["TrainerControl"]["args"]["should_training_stop"] is True
-
-
-@pytest.mark.parametrize(("counting", "expected"), [("no", 0), ("all", 64), ("non_padding", 48)])
-def test_recorded_num_input_tokens_seen_counts_only_as_trainer_does(counting: str, expected: int) -> None:
-    """run_clm.py's ``trainer_state.json``: Trainer leaves ``num_input_tokens_seen`` at 0 unless
-    ``include_num_input_tokens_seen`` asks for ``all`` positions or ``non_padding`` tokens."""
-    from types import SimpleNamespace
-
-    from trainbridge.trainer.runner import StateRecorder
-
-    args = SimpleNamespace(include_num_input_tokens_seen=counting, logging_steps=1, eval_steps=1, save_steps=1)
-    context = SimpleNamespace(args=args, epoch=1.0, global_step=2, max_steps=2, num_epochs=1, tokens_seen=48,
-                              input_tokens_seen=64, logs={}, best_metric=None, best_global_step=None,
-                              best_checkpoint=None)
-    recorder = StateRecorder()
-    recorder.on_train_end(context)  # type: ignore[arg-type]
-    assert recorder.state()["num_input_tokens_seen"] == expected
 
 
 def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) -> None:

@@ -50,7 +50,7 @@ from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
-from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.assembly import NotACallbackError, assemble_callbacks, build_spec
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.data_check import check_data
@@ -122,7 +122,9 @@ def preflight(args: TrainingArgs) -> None:
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
-                callback = callback.build()
+                callback = build_spec(callback)
+            except NotACallbackError as exc:
+                raise PreflightError(f"{label}: {exc}") from None
             except Exception as exc:
                 raise PreflightError(
                     f"{label}: CallbackSpec {callback.class_path!r} failed to construct with kwargs "
@@ -218,9 +220,7 @@ def _install_folders() -> set[Path]:
 def _trainbridge_root() -> str | None:
     """The folder this ``trainbridge`` was imported from when it is not installed (a source checkout):
     the workers must run this copy (``-m trainbridge.launch.worker``) before any payload is read."""
-    import trainbridge
-
-    root = Path(trainbridge.__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # this file is <root>/trainbridge/launch/launcher.py
     install = _install_folders()
     return None if any(root == r or r in root.parents for r in install) else str(root)
 

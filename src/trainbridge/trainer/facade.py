@@ -248,8 +248,7 @@ class Trainer:
         return TrainOutput(result.global_step, train_loss, metrics)
 
     def _set_state(self, recorded: dict[str, Any]) -> None:
-        self.state = results.trainer_state(recorded, self.output_dir,
-                                           getattr(self.args, "per_device_train_batch_size", None),
+        self.state = results.trainer_state(recorded, getattr(self.args, "per_device_train_batch_size", None),
                                            self.is_world_process_zero(), self.is_local_process_zero())
 
     # ================================================================== evaluate / predict

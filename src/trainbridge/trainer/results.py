@@ -6,27 +6,20 @@ per named set and given the caller's ``metric_key_prefix``, each as ``transforme
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainbridge.checkpoint.layout import TRAINER_STATE_FILE
 
-
-def trainer_state(recorded: dict[str, Any], output_dir: Path, train_batch_size: int | None,
-                  world_zero: bool, local_zero: bool) -> Any:
-    """A ``transformers.TrainerState`` holding a train job's ``recorded`` fields; its ``stateful_callbacks``
-    those of the newest checkpoint in ``output_dir`` when the job recorded none (as Trainer's state keeps
-    what its last checkpoint saved)."""
+def trainer_state(recorded: dict[str, Any], train_batch_size: int | None, world_zero: bool, local_zero: bool) -> Any:
+    """A ``transformers.TrainerState`` holding a train job's ``recorded`` state (the HF adapter's, restored
+    from the checkpoint on resume as Trainer restores it), with this process's rank flags."""
     from transformers import TrainerState
 
     state = TrainerState()
     for key, value in recorded.items():
-        if hasattr(state, key):  # lists copied: in place, the run's recorder keeps its own log_history
-            setattr(state, key, list(value) if isinstance(value, list) else value)
-    if not state.stateful_callbacks:
-        state.stateful_callbacks = _last_stateful_callbacks(output_dir)  # type: ignore[assignment]
+        if hasattr(state, key):
+            setattr(state, key, value)
     state.train_batch_size = train_batch_size
     state.is_world_process_zero = world_zero
     state.is_local_process_zero = local_zero
@@ -73,16 +66,3 @@ def has_checkpoint(output_dir: Path) -> bool:
     from trainbridge.checkpoint.manager import is_complete_checkpoint
 
     return output_dir.is_dir() and any(is_complete_checkpoint(p) for p in output_dir.iterdir())
-
-
-def _last_stateful_callbacks(output_dir: Path) -> dict[str, Any]:
-    """``stateful_callbacks`` of the newest complete checkpoint's ``trainer_state.json`` ({} when none)."""
-    from trainbridge.checkpoint.manager import checkpoint_step, is_complete_checkpoint
-
-    if not output_dir.is_dir():
-        return {}
-    done = [p for p in output_dir.iterdir() if is_complete_checkpoint(p) and (p / TRAINER_STATE_FILE).is_file()]
-    if not done:
-        return {}
-    newest = max(done, key=checkpoint_step)
-    return dict(json.loads((newest / TRAINER_STATE_FILE).read_text()).get("stateful_callbacks") or {})
