@@ -320,6 +320,12 @@ class TrainingArgs(BaseModel):
     """AdamW epsilon."""
     max_grad_norm: float | None = Field(default=1.0, gt=0.0)
     """Gradient clipping norm; None disables clipping (the norm is still measured)."""
+    nonfinite_policy: Literal["error", "skip", "warn"] = "error"
+    """A step whose loss or gradient norm is NaN or infinite (seen in the step's agreement, no extra
+    collective): ``error`` stops the run naming the step, saving nothing for it and rotating nothing out, so
+    the last finite checkpoint survives; ``skip`` does not apply that step's update (reads the norm before
+    the optimizer step: one host-device synchronisation per step; not with ``deepspeed``, which steps
+    inside its engine) and leaves its loss out of the logged averages; ``warn`` only logs a warning."""
     seed: int = 42
     """Seed for model init side effects, data order and validation split."""
 
@@ -632,6 +638,9 @@ class TrainingArgs(BaseModel):
             if self.save_strategy == "steps" and self.eval_steps and self.save_steps:
                 if self.save_steps % self.eval_steps:
                     raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
+        if self.nonfinite_policy == "skip" and self.distributed_backend == "deepspeed":
+            raise ValueError("nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
+                             "applies its update inside its own step); use 'error' or 'warn'")
         if self.data_collator is not None and self.packing == "padding_free":
             raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
                              "micro-batches); leave packing='auto' or set data_collator=None")

@@ -35,6 +35,8 @@ from trainbridge.modeling import (
 )
 from trainbridge.modeling.load import load_model, load_tokenizer, loads_on_rank0_only
 from trainbridge.parallel.engine import TrainingEngine, build_engine
+from trainbridge.step.base import EvalSource, TrainSource, TrainStep
+from trainbridge.step.token_ce import TokenCrossEntropy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -53,9 +55,9 @@ class RunComponents:
     """The run's tokenizer (saved into every checkpoint; ``processing_class`` for HF callbacks)."""
     engine: TrainingEngine
     """The wrapped model, its optimizer and LR scheduler."""
-    train_batches: TrainBatches
-    """This rank's training micro-batches, step by step (``train_dataloader``)."""
-    eval_batches: EvalBatches | None
+    step: TrainStep
+    """The run's kind of optimizer step: how its batches are formed and what its loss is (``trainbridge.step``)."""
+    eval_batches: EvalSource | None
     """This rank's validation micro-batches, or None without validation data (``eval_dataloader``)."""
     checkpoints: CheckpointManager
     """Writes, rotates, finds and loads the run's checkpoints."""
@@ -69,9 +71,14 @@ class RunComponents:
     """True for padded batches, False for padding-free packed rows."""
     data_stats: list[LoadStats]
     """What loading the training (then validation) data read and skipped."""
-    named_eval_batches: dict[str, EvalBatches] = field(default_factory=dict)
+    named_eval_batches: dict[str, EvalSource] = field(default_factory=dict)
     """This rank's micro-batches of each named validation set (``eval_data_paths``; ``eval_batches`` is then
     None), evaluated in turn at each evaluation."""
+
+    @property
+    def train_batches(self) -> TrainSource:
+        """This rank's training micro-batches, step by step (``train_dataloader``): the step's."""
+        return self.step.train_batches
 
     @property
     def steps_per_epoch(self) -> int:
@@ -115,7 +122,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
                     max_batch_len=args.max_batch_len, padded=eval_padded)
         if data.val else None
     )
-    named_eval_batches = {
+    named_eval_batches: dict[str, EvalSource] = {
         name: EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
                           max_batch_len=args.max_batch_len, padded=eval_padded)
         for name, source in data.named_val.items()
@@ -127,7 +134,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     engine.verify()
     logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
     return RunComponents(
-        tokenizer=tokenizer, engine=engine, train_batches=train_batches, eval_batches=eval_batches,
+        tokenizer=tokenizer, engine=engine, step=TokenCrossEntropy(train_batches, args.max_batch_len, padded),
+        eval_batches=eval_batches,
         checkpoints=CheckpointManager(
             args.ckpt_output_dir, env, args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
