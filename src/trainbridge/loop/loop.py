@@ -303,7 +303,8 @@ class TrainingLoop:
             for indices, cpu_batch in eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
                 with engine.autocast(), sample_segments(cpu_batch):
-                    out = self.step.eval_batch(engine.module, batch, cpu_batch, outputs=predictions is not None)
+                    out = self.step.eval_batch(engine.module, batch, cpu_batch, outputs=predictions is not None,
+                                               rows=len(indices))
                 if predictions is not None:
                     predictions.add(indices, batch, out.predictions, out.labels)
                 device_loss_sum += out.loss_sum.detach().to(torch.float64)

@@ -94,8 +94,9 @@ class TrainStep(ABC):
 
     @abstractmethod
     def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool) -> EvalOutput:
-        """Loss sum and units of one validation batch (``outputs``: with predictions and labels)."""
+                   outputs: bool, rows: int = 0) -> EvalOutput:
+        """Loss sum and units of one validation batch (``outputs``: with predictions and labels); ``rows``
+        is the number of validation samples it holds (0 for a rank's dummy batch)."""
 
     def describe(self) -> str:
         """A few words for the start-up log."""

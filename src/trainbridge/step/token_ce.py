@@ -47,7 +47,7 @@ class TokenCrossEntropy(TrainStep):
         return token_loss_sum(model, batch, num_tokens=int(units))[0]
 
     def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool) -> EvalOutput:
+                   outputs: bool, rows: int = 0) -> EvalOutput:
         n_tokens = cpu_loss_tokens(cpu_batch)
         if not outputs:
             return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
