@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.parallel.engine import build_engine
+from trainbridge.parallel.build import build_engine
 
 
 def folder_bytes(path: Path) -> int:

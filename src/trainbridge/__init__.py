@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trainbridge.launch.transport import CallbackTransportError, register_by_value
     from trainbridge.loop.result import RunResult
     from trainbridge.trainer import Trainer
+    from trainbridge.trl import SFTTrainer
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "Event": "trainbridge.core.events",
     "RunResult": "trainbridge.loop.result",
     "Trainer": "trainbridge.trainer",  # transformers.Trainer's API on our loop
+    "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on our loop
     "run_training": "trainbridge.launch.launcher",
     "WorkerFailedError": "trainbridge.launch.launcher",
     "LaunchError": "trainbridge.launch.launcher",
@@ -78,6 +80,7 @@ __all__ = [
     "PreflightError",
     "RunFolderLockedError",
     "RunResult",
+    "SFTTrainer",
     "TorchrunArgs",
     "Trainer",
     "TrainingArgs",

@@ -90,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="train from a YAML config of TrainingArgs fields",
         description="Train from a YAML config of TrainingArgs fields.  Before training, rank 0 prints a "
                     "summary of the run (model, data, steps, batch, backend, output); --dry-run prints it "
-                    "with the resolved config and stops there.  Callback modules next to the config or in "
-                    "the working directory are importable by name ('my_callbacks:MyCallback').",
+                    "with the resolved config and stops there.  A callback module or model_init next to the "
+                    "config or in the working directory is importable by name ('my_callbacks:MyCallback') "
+                    "when no installed module has that name and the folder is writable only by you.",
     )
     train.add_argument("config", type=Path, help="YAML file of TrainingArgs fields")
     # torchrun's options, in both of its spellings (--nproc-per-node and --nproc_per_node)
@@ -147,16 +148,66 @@ def format_summary(result: Any, wall_time_s: float | None = None) -> str:
     return format_run_result(result, wall_time_s)
 
 
-def add_user_import_paths(config: Path) -> list[str]:
-    """Put the config's folder and the working directory at the front of ``sys.path`` (as ``python -m``
-    does for the working directory), so a callback module next to the config imports by name here and,
-    through the launcher's worker ``PYTHONPATH``, in every worker.  Returns the entries added."""
-    added = []
-    for folder in (Path.cwd(), config.resolve().parent):
-        entry = str(folder)
-        if entry not in sys.path and folder.is_dir():
-            sys.path.insert(0, entry)
-            added.append(entry)
+class UntrustedFolderError(ValueError):
+    """A module the config names would be imported from a folder that others can write to."""
+
+
+def _named_modules(config: Path, overrides: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field, top-level module)`` of every import path in the config: ``callbacks[i].class`` and
+    ``model_init`` (the YAML as written, then the ``--set`` overrides)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []  # the config's own loading reports it
+    if not isinstance(data, dict):
+        return []
+    data = {**data, **overrides}
+    found = []
+    callbacks = data.get("callbacks") or []
+    for index, item in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        path = item.get("class") if isinstance(item, dict) else item
+        if isinstance(path, str):
+            found.append((f"callbacks[{index}].class", path))
+    if isinstance(data.get("model_init"), str):
+        found.append(("model_init", data["model_init"]))
+    return [(field, path.partition(":")[0].split(".")[0]) for field, path in found if path.strip()]
+
+
+def add_user_import_paths(config: Path, overrides: dict[str, Any] | None = None) -> list[str]:
+    """Make the modules a config names by import path (``class:``, ``model_init:``) importable, and nothing else.
+
+    A module found where Python finds it anyway (installed, ``PYTHONPATH``) is used from there.  Otherwise
+    the config's folder, then the working directory, is searched; a folder holding it is appended to
+    ``sys.path`` (after site-packages: it cannot shadow an installed module) and reaches the workers in the
+    launcher's signed payload.  A folder that someone else could write to (``core.private_files``) is
+    refused (``UntrustedFolderError``, saying how to allow it).  Returns the folders added.
+    """
+    import importlib.util
+
+    from trainbridge.core.private_files import folder_problem
+
+    added: list[str] = []
+    for field, module in _named_modules(config, overrides or {}):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                continue
+        except (ImportError, ValueError):
+            pass
+        for folder in (config.resolve().parent, Path.cwd()):
+            if not ((folder / f"{module}.py").is_file() or (folder / module).is_dir()):
+                continue
+            problem = folder_problem(folder)
+            if problem:
+                raise UntrustedFolderError(
+                    f"{field}: module {module!r} would be imported from {folder}, but {problem}, so others could "
+                    f"put code there that runs as you; to allow it, make the folder writable only by you "
+                    f"(chmod go-w), or put it on PYTHONPATH yourself")
+            if str(folder) not in sys.path:
+                sys.path.append(str(folder))
+                added.append(str(folder))
+            break
     return added
 
 
@@ -232,7 +283,11 @@ def _train(options: argparse.Namespace) -> int:
 
     start = time.monotonic()
     console.quiet_this_process("auto")  # the parent never trains: no library start-up noise
-    add_user_import_paths(options.config)
+    try:
+        add_user_import_paths(options.config, dict(options.overrides))
+    except UntrustedFolderError as exc:
+        print(f"trainbridge: not launched: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     loaded = _load_config(options)
     if isinstance(loaded, str):
         print(f"trainbridge: {loaded}", file=sys.stderr)
@@ -264,11 +319,11 @@ def _plot(options: argparse.Namespace) -> int:
 
 
 def _control(options: argparse.Namespace) -> int:
-    from trainbridge.launch.control import NoRunningJobError, send_control
+    from trainbridge.launch.control import ControlRequestError, send_control
 
     try:
         print(f"trainbridge: {send_control(options.run_dir, options.action)}")
-    except NoRunningJobError as exc:
+    except ControlRequestError as exc:
         print(f"trainbridge: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

@@ -124,13 +124,11 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         assert result["all_params_dtensor"]
         assert result["local_shard_fraction"] < 0.75, "a rank holds (almost) all parameters: not sharded"
     assert sum(r["local_shard_fraction"] for r in results) == pytest.approx(1.0)
-    # the model's shards sit in dcp/ with the optimizer's and resume reads them (resume_max_diff above);
-    # a checkpoint from before (optimizer_dcp/ only) still resumes exactly, its weights from the HF files
+    # the model's shards sit in dcp/ with the optimizer's and resume reads them (resume_max_diff above)
     assert "dcp" in results[0]["checkpoint_files"]
     for result in results:
         assert result["model_state_in_dcp"] == {"plain": True, "bf16": True}
         assert result["async_background_write"]
-        assert result["legacy_resume_max_diff"] == 0.0
     # fsdp_load_on_rank0: rank 1 built a meta skeleton and got every weight and buffer from rank 0
     for result in results:
         untied, tied = result["from_rank0"]

@@ -128,11 +128,8 @@ def test_sigterm_saves_at_the_next_step_and_outside_control_is_obeyed(assets, tm
     with pytest.raises(TrainingInterruptedError, match="SIGTERM"):
         run_training(args, TWO, timeout_s=400)
     checkpoints = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
-    assert len(checkpoints) == 2, checkpoints
-    control_step, interrupt_step = checkpoints
-    assert 2 <= control_step <= 4  # `trainbridge control out save` at step 2
-    assert 6 <= interrupt_step <= 8  # SIGTERM after step 6: at most a step or two lost
-    assert verify_checkpoint(out / f"checkpoint-{interrupt_step}") == []
+    assert checkpoints == [2, 6]  # `trainbridge control out save` taken at step 2; SIGTERM received at step 6
+    assert verify_checkpoint(out / "checkpoint-6") == []
     err = capfd.readouterr().err
     assert "trainbridge control save" in err and "save_on_interrupt" in err
     assert "[rank1]: [rank1]:" not in err

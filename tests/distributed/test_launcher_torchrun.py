@@ -1,6 +1,6 @@
 """run_training with the real torchrun and a stub worker: payload in real workers, failures, timeout, SIGINT.
 
-The stub worker (written to a temporary folder that the launcher puts on the workers' PYTHONPATH)
+The stub worker (written to a temporary folder the test puts on the workers' PYTHONPATH)
 reads the real payload with the real key, then does what ``run_name`` says; rank 0 writes a
 ``RunResult`` like ``trainbridge.launch.worker`` does.  No training happens, so each test takes seconds.
 """
@@ -55,6 +55,8 @@ def main():
             os.kill(os.getpid(), 9)  # no Python exception, so no error file
         time.sleep(120)
     if args.run_name == "sleep":
+        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+        (args.ckpt_output_dir / f"sleeping-rank{rank}").write_text(str(os.getpid()))
         time.sleep(300)
     (function,) = [fn for fns in args.event_functions.values() for fn in fns]
     (callback,) = args.callbacks
@@ -74,7 +76,9 @@ def stub_worker(tmp_path, monkeypatch):
     folder = tmp_path / "stub_code"
     folder.mkdir()
     (folder / "tb_stub_worker.py").write_text(STUB_WORKER)
-    monkeypatch.syspath_prepend(str(folder))  # the launcher mirrors this into the workers' PYTHONPATH
+    monkeypatch.syspath_prepend(str(folder))
+    # the worker module runs before any payload is read: the user's own PYTHONPATH must name its folder
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
     return "tb_stub_worker"
 
 
@@ -147,15 +151,24 @@ def test_worker_killed_by_a_signal_is_named_with_its_signal(make_args, stub_work
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_worker, signum):
+def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_worker, signum, tmp_path):
+    """The signal comes once both workers run (whatever the machine's speed), from another thread."""
     handler_before = signal.getsignal(signum)
-    timer = threading.Timer(8, os.kill, (os.getpid(), signum))
-    timer.start()
+    out, stop = tmp_path / "out", threading.Event()
+
+    def signal_once_both_sleep():
+        while not stop.wait(0.1):
+            if all((out / f"sleeping-rank{r}").is_file() for r in (0, 1)):
+                os.kill(os.getpid(), signum)
+                return
+
+    thread = threading.Thread(target=signal_once_both_sleep, daemon=True)
+    thread.start()
     try:
         with pytest.raises(TrainingInterruptedError, match=signal.Signals(signum).name):
             run_training(make_args("sleep"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker)
     finally:
-        timer.cancel()
+        stop.set()
     assert _no_stub_processes_left() == []
     assert signal.getsignal(signum) is handler_before  # the parent's own handler is back
 

@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
+from trainbridge.checkpoint import engine_state
 from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
@@ -96,21 +97,20 @@ def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the
         assert torch.equal(a, b)
 
 
-def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for):
+def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for, monkeypatch):
     loop = _loop(args_for("failing"))
-    engine = loop.engine
-    real_write = engine._write_dcp
+    real_write = engine_state.write_dcp
     calls: list[bool] = []
 
-    def write(state: dict[str, Any], path: Path, background: bool) -> Future[Any] | None:
+    def write(state: dict[str, Any], path: Path, env: Any, background: bool) -> Future[Any] | None:
         calls.append(background)
         if len(calls) == 1:
-            return real_write(state, path, background)
+            return real_write(state, path, env, background)
         failed: Future[Any] = Future()
         failed.set_exception(OSError("the background writer failed"))
         return failed
 
-    engine._write_dcp = write  # type: ignore[method-assign]
+    monkeypatch.setattr(engine_state, "write_dcp", write)
     with pytest.raises(CheckpointError, match="in the background: the background writer failed"):
         loop.run()
     assert calls == [True, True]

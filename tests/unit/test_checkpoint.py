@@ -22,7 +22,8 @@ from trainbridge.checkpoint.manager import (
 )
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.parallel.engine import TrainingEngine, build_engine
+from trainbridge.parallel.build import build_engine
+from trainbridge.parallel.engine import TrainingEngine
 
 VOCAB = 48
 
@@ -207,10 +208,10 @@ def test_crash_mid_save_leaves_previous_checkpoint_whole(args: TrainingArgs, mon
     first_weights = weights(engine)
     train_step(engine, seed=2)
 
-    def disk_full(directory: Path, **kwargs: object) -> None:
+    def disk_full() -> None:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(engine, "save_training_state", disk_full)
+    monkeypatch.setattr(engine, "optimizer_state_dict", disk_full)
     with pytest.raises(CheckpointError, match="No space left on device"):
         manager.save(engine, None, 2, {"global_step": 2}, {})
     with pytest.raises(CheckpointError):  # re-saving step 1 fails too: the old checkpoint-1 must survive

@@ -14,7 +14,7 @@ from trainbridge.data.loss import (
     resolve_loss_implementation,
 )
 from trainbridge.modeling import enable_varlen_sdpa, sample_segments
-from trainbridge.parallel.engine import fsdp_unit_groups
+from trainbridge.parallel.fsdp import fsdp_unit_groups
 
 from .test_collate_loss import VOCAB, make_samples, tiny_llama
 
@@ -202,7 +202,7 @@ def test_cuda_defaults_keep_a_user_allocator_setting(monkeypatch: pytest.MonkeyP
 
 
 def test_compile_decoder_layers_keeps_the_loss() -> None:
-    from trainbridge.parallel.engine import compile_decoder_layers
+    from trainbridge.parallel.build import compile_decoder_layers
 
     batch = collate_padding_free(make_samples([5, 9, 3]))
     model = tiny_llama()

@@ -202,11 +202,11 @@ def test_disk_full_names_the_disk_and_the_checkpoint_and_keeps_the_previous(args
     manager, _, second = _two_checkpoints(args, None)
     engine = new_engine(args)
 
-    def no_space(tmp, **kwargs):
+    def no_space():
         raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                            'message: "No space left on device" })')  # what safetensors raises
 
-    monkeypatch.setattr(engine, "save_training_state", no_space)
+    monkeypatch.setattr(engine, "optimizer_state_dict", no_space)
     with pytest.raises(CheckpointError) as info:
         manager.save(engine, None, 3, {"global_step": 3}, {})
     text = str(info.value)

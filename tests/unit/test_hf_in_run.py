@@ -8,6 +8,7 @@ isolation per HF callback, ``num_input_tokens_seen``.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,42 @@ def test_fatal_policy_stops_the_run_on_an_hf_callback_error(args_for):
     with pytest.raises(CallbackFatalError, match="BrokenAtStepEnd"):
         run(args)
     assert after.step_ends == 1  # the hook still reached the others; every rank stopped at that step
+
+
+# ============================================================================ resume restores TrainerState
+RUNTIME_KEYS = ("runtime", "per_second")
+
+
+def _history(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """``log_history`` without the wall-clock values (runtimes, throughputs); losses rounded."""
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
+             if not any(part in k for part in RUNTIME_KEYS)} for row in state["log_history"]]
+
+
+def test_run_training_resumed_with_hf_callbacks_has_the_state_of_one_uninterrupted_run(args_for, tmp_path):
+    """A run stopped at step 4 and resumed to step 8 ends with the ``TrainerState`` (``trainer_state.json``
+    of its last checkpoint) of the same run done at once: every row from step 1, the best metric and
+    checkpoint over both parts, ``total_flos``, ``num_input_tokens_seen`` and the early-stopping counter."""
+    from transformers import EarlyStoppingCallback
+
+    def args(out: str, max_steps: int, resume: str | None = None) -> TrainingArgs:
+        return args_for(ckpt_output_dir=tmp_path / out, max_steps=max_steps, eval_strategy="steps", eval_steps=2,
+                        save_strategy="steps", save_steps=2, metric_for_best_model="eval_loss",
+                        include_num_input_tokens_seen="non_padding", resume_from_checkpoint=resume,
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=9, early_stopping_threshold=9.0)])
+
+    run(args("once", 8))
+    run(args("twice", 4))
+    run(args("twice", 8, resume="auto"))
+    once, twice = (json.loads((tmp_path / out / "checkpoint-8" / "trainer_state.json").read_text())
+                   for out in ("once", "twice"))
+    assert [row["step"] for row in twice["log_history"]][:2] == [1, 2]
+    assert _history(twice) == _history(once)
+    for key in ("global_step", "best_metric", "best_global_step", "total_flos", "num_input_tokens_seen",
+                "stateful_callbacks"):
+        assert twice[key] == once[key], key
+    assert twice["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] == 3
+    assert Path(twice["best_model_checkpoint"]).name == Path(once["best_model_checkpoint"]).name
 
 
 # ============================================================================ num_input_tokens_seen

@@ -5,7 +5,6 @@ starts nothing) or a fake stands in for torchrun and leaves what torchrun would 
 """
 
 import json
-import os
 import stat
 import sys
 import threading
@@ -29,7 +28,7 @@ from trainbridge.launch.transport import PAYLOAD_KEY_ENV, CallbackTransportError
 from trainbridge.loop.result import RunResult
 
 
-class NeedsAToken:
+class NeedsAToken(Callback):
     """Importable by path; its constructor fails like a callback missing a credential."""
 
     def __init__(self, token=None):
@@ -280,6 +279,8 @@ def test_worker_environment(tmp_path, monkeypatch):
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "err.json")
     assert int(env["OMP_NUM_THREADS"]) >= 1
-    assert str(extra.resolve()) in env["PYTHONPATH"].split(os.pathsep)
+    assert str(extra.resolve()) not in env.get("PYTHONPATH", "")  # it travels in the signed payload
+    assert str(extra.resolve()) in launcher.worker_import_path()
+    assert env["PYTHONSAFEPATH"] == "1"
     kept = build_worker_environment(TorchrunArgs(), "k", tmp_path / "e", base={"OMP_NUM_THREADS": "7"})
     assert kept["OMP_NUM_THREADS"] == "7"

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "report": 4,  # reports on finished runs read from disk (plots of metrics.jsonl)
     "launch": 5,  # run_training, torchrun worker, transport, callback assembly
     "trainer": 6,  # the transformers.Trainer facade (runs the loop in place or through the launcher)
+    "trl": 7,  # trl's trainers and configs on the facade (preference losses, packed log-probs)
     "demos": 7,  # demo and tiny models
     "cli": 8,  # the command line
 }

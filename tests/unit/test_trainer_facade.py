@@ -247,7 +247,7 @@ def test_porting_maps_backend_schedule_warmup_and_checkpointing(tmp_path: Path) 
 
 
 def test_warmup_ratio_resolves_against_the_run_steps(tmp_path: Path) -> None:
-    from trainbridge.parallel.engine import build_scheduler
+    from trainbridge.parallel.optim import build_scheduler
 
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
@@ -501,40 +501,6 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
     single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
     single._prepare(1, None)()
     assert single._build_args().val_data_path is not None and single._build_args().eval_data_paths == {}
-
-
-def test_state_after_training_keeps_the_last_checkpoints_stateful_callbacks(tiny: Any, tmp_path: Path) -> None:
-    """Trainer's ``save_state()`` after training writes the ``stateful_callbacks`` (TrainerControl, early
-    stopping) of its last checkpoint; the facade's state read them back from the newest checkpoint."""
-    import json
-
-    model, tok = tiny
-    trainer = Trainer(model=model, args=_hf_args(tmp_path), processing_class=tok)
-    for step, flag in ((3, False), (6, True)):
-        folder = trainer.output_dir / f"checkpoint-{step}"
-        folder.mkdir(parents=True)
-        (folder / "COMPLETE").write_text("")
-        control = {"TrainerControl": {"args": {"should_training_stop": flag}, "attributes": {}}}
-        (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": control}))
-    trainer._set_state({"global_step": 6, "log_history": []})
-    assert trainer.state.stateful_callbacks["TrainerControl"]["args"]["should_training_stop"] is True
-
-
-@pytest.mark.parametrize(("counting", "expected"), [("no", 0), ("all", 64), ("non_padding", 48)])
-def test_recorded_num_input_tokens_seen_counts_only_as_trainer_does(counting: str, expected: int) -> None:
-    """run_clm.py's ``trainer_state.json``: Trainer leaves ``num_input_tokens_seen`` at 0 unless
-    ``include_num_input_tokens_seen`` asks for ``all`` positions or ``non_padding`` tokens."""
-    from types import SimpleNamespace
-
-    from trainbridge.trainer.runner import StateRecorder
-
-    args = SimpleNamespace(include_num_input_tokens_seen=counting, logging_steps=1, eval_steps=1, save_steps=1)
-    context = SimpleNamespace(args=args, epoch=1.0, global_step=2, max_steps=2, num_epochs=1, tokens_seen=48,
-                              input_tokens_seen=64, logs={}, best_metric=None, best_global_step=None,
-                              best_checkpoint=None)
-    recorder = StateRecorder()
-    recorder.on_train_end(context)  # type: ignore[arg-type]
-    assert recorder.state()["num_input_tokens_seen"] == expected
 
 
 def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) -> None:

@@ -6,21 +6,29 @@ at each ``on_step_end`` (at most every ``POLL_INTERVAL_S``) it takes the request
 them) and makes the matching control request, which the step's agreement — the one collective the
 step already has — turns into the same decision on every rank.  A file needs no open port.
 
+Only the run's owner can ask: rank 0 creates ``control/`` with mode 0700 at ``on_train_begin``; a
+``control/`` that is a link or belongs to another user is not read; a request file owned by another user
+is ignored (logged and removed).  Nothing follows a link (``O_NOFOLLOW``), only files named like a
+request (``REQUEST_NAME``) are read or deleted, and a malformed one is reported and removed, never fatal.
 Requests left from an earlier run are discarded at ``on_train_begin``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.core.private_files import PRIVATE_DIR_MODE, open_in
 
 logger = logging.getLogger(__name__)
 
@@ -30,40 +38,118 @@ ACTIONS = ("save", "stop", "evaluate", "log")
 """What can be asked from outside."""
 POLL_INTERVAL_S = 1.0
 """Rank 0 looks for requests at a step end at most this often."""
+REQUEST_NAME = re.compile(r"^[0-9]+-[0-9]+-(save|stop|evaluate|log)\.json$")
+"""The names of request files (``{time_ns}-{pid}-{action}.json``); nothing else in ``control/`` is touched."""
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_MAX_REQUEST_BYTES = 4096
+
+
+class ControlFolderError(OSError):
+    """``control/`` cannot be used safely (a link, another user's, not a folder)."""
 
 
 def write_request(run_dir: Path, action: str) -> Path:
-    """Drop a request for ``action`` into ``run_dir/control/`` atomically; returns the file."""
+    """Drop a request for ``action`` into ``run_dir/control/`` atomically (no link followed; the folder is
+    created 0700 when missing); returns the file."""
     if action not in ACTIONS:
         raise ValueError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
-    folder = Path(run_dir) / CONTROL_DIR_NAME
-    folder.mkdir(exist_ok=True)
+    run_dir = Path(run_dir)
     name = f"{time.time_ns()}-{os.getpid()}-{action}"
-    tmp = folder / f".{name}.tmp"
-    tmp.write_text(json.dumps({"action": action, "host": socket.gethostname(), "pid": os.getpid(),
-                               "time": time.time()}))
-    final = folder / f"{name}.json"
-    tmp.rename(final)
-    return final
+    record = json.dumps({"action": action, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    tmp = Path(CONTROL_DIR_NAME) / f".{name}.tmp"
+    fd = open_in(run_dir, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(record)
+    folder = _open_folder(run_dir)
+    try:
+        os.rename(tmp.name, f"{name}.json", src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
+    return run_dir / CONTROL_DIR_NAME / f"{name}.json"
+
+
+def _open_folder(run_dir: Path) -> int:
+    """A descriptor of ``run_dir/control/``: not a link, a folder of this user (``ControlFolderError``)."""
+    path = Path(run_dir) / CONTROL_DIR_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ControlFolderError(f"{path} is a link or not a folder; it is not used ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        os.close(fd)
+        raise ControlFolderError(f"{path} belongs to uid {info.st_uid}, not to this run's user; it is not used")
+    return fd
+
+
+def prepare_folder(run_dir: Path) -> None:
+    """Create ``run_dir/control/`` with mode 0700 (or make an existing one of this user 0700)."""
+    path = Path(run_dir) / CONTROL_DIR_NAME
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, PRIVATE_DIR_MODE)
+    fd = _open_folder(run_dir)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != PRIVATE_DIR_MODE:
+            os.fchmod(fd, PRIVATE_DIR_MODE)
+    finally:
+        os.close(fd)
+
+
+def _read_request(folder: int, name: str, where: Path) -> str | None:
+    """The action of request file ``name`` (None, with a warning, when it is not a request of this user)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
+    except OSError as exc:
+        logger.warning("control request %s ignored: cannot be opened without following a link (%s)", where,
+                       exc.strerror)
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if info.st_uid != os.geteuid():
+            logger.warning("control request %s ignored: written by uid %d, not by this run's user", where,
+                           info.st_uid)
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            logger.warning("control request %s ignored: not a regular file", where)
+            return None
+        raw = handle.read(_MAX_REQUEST_BYTES + 1)
+    try:
+        data = json.loads(raw) if len(raw) <= _MAX_REQUEST_BYTES else None
+    except ValueError:
+        data = None
+    action = data.get("action") if isinstance(data, dict) else None
+    if action not in ACTIONS:
+        logger.warning("control request %s ignored: not a request written by `trainbridge control` (expected a "
+                       "JSON object with \"action\" one of %s)", where, ", ".join(ACTIONS))
+        return None
+    return str(action)
 
 
 def take_requests(run_dir: Path) -> list[str]:
-    """Read and delete every pending request in ``run_dir/control/``, oldest first."""
-    folder = Path(run_dir) / CONTROL_DIR_NAME
+    """Read and delete every pending request in ``run_dir/control/``, oldest first (problems are logged)."""
+    where = Path(run_dir) / CONTROL_DIR_NAME
     try:
-        names = sorted(entry.name for entry in os.scandir(folder) if entry.name.endswith(".json"))
-    except OSError:
+        folder = _open_folder(run_dir)
+    except FileNotFoundError:
+        return []
+    except ControlFolderError as exc:
+        logger.warning("trainbridge control: %s", exc)
         return []
     actions = []
-    for name in names:
-        path = folder / name
-        try:
-            action = json.loads(path.read_text()).get("action")
-            path.unlink()
-        except (OSError, ValueError):
-            continue
-        if action in ACTIONS:
-            actions.append(str(action))
+    try:
+        names = sorted(name for name in os.listdir(folder) if REQUEST_NAME.match(name))
+        for name in names:
+            action = _read_request(folder, name, where / name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+            if action is not None:
+                actions.append(action)
+    finally:
+        os.close(folder)
     return actions
 
 
@@ -75,6 +161,10 @@ class ExternalControl(Callback):
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         if context.is_world_process_zero:
+            try:
+                prepare_folder(context.args.ckpt_output_dir)
+            except OSError as exc:
+                logger.warning("trainbridge control will not reach this run: %s", exc)
             stale = take_requests(context.args.ckpt_output_dir)
             if stale:
                 logger.warning("discarding control requests left from an earlier run: %s", ", ".join(stale))

@@ -56,6 +56,20 @@ import torch
 from safetensors.torch import load_file
 
 from trainbridge.checkpoint.durability import disk_full_message, fsync_dir, is_disk_full, write_durably
+from trainbridge.checkpoint.engine_state import load_engine_state, load_model_state, save_engine_state
+from trainbridge.checkpoint.layout import (
+    ADAPTER_WEIGHTS_FILE,
+    COMPLETE_MARKER,
+    DELETING_PREFIX,
+    MERGED_DIR,
+    OLD_PREFIX,
+    OWNER_FILE,
+    SAFE_WEIGHTS_FILE,
+    SAFE_WEIGHTS_INDEX_FILE,
+    TMP_PREFIX,
+    TRAINING_STATE_FILE,
+    rng_state_file_name,
+)
 from trainbridge.checkpoint.manifest import (
     fingerprint_mismatches,
     read_manifest,
@@ -66,7 +80,7 @@ from trainbridge.checkpoint.runlock import RUN_ID_ENV, process_is_alive
 from trainbridge.checkpoint.weights_dtype import cast_for_export, exports_lossy
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX, checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_state_for_model, adapter_weight_names
-from trainbridge.modeling.load import ADAPTER_WEIGHTS_FILE, is_peft_model, merge_adapter
+from trainbridge.modeling.load import is_peft_model, merge_adapter
 
 if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
@@ -74,17 +88,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-checkpoint-"
-OLD_PREFIX = ".old-checkpoint-"
-DELETING_PREFIX = ".deleting-checkpoint-"
-COMPLETE_MARKER = "COMPLETE"
-TRAINING_STATE_FILE = "training_state.json"
-OWNER_FILE = ".owner"
-"""In a temporary checkpoint folder: the run id, host and pid of the process that writes it."""
-SAFE_WEIGHTS_FILE = "model.safetensors"
-SAFE_WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-MERGED_DIR = "merged"
-"""Folder (in ``output_dir``) of the merged export of a PEFT run (``merge_adapter_at_end``)."""
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -186,7 +189,7 @@ class CheckpointManager:
         model_state = not peft and (engine.sharded_model or exports_lossy(engine.unwrapped, self.weights_dtype))
         background_write = None
         try:
-            background_write = engine.save_training_state(tmp, model_state=model_state, background=background)
+            background_write = save_engine_state(engine, tmp, model_state=model_state, background=background)
         except Exception as exc:
             error = exc
         self._agree(error, f"writing optimizer/scheduler state into {tmp}", final)
@@ -464,7 +467,7 @@ class CheckpointManager:
                 f"{COMPLETE_MARKER} marker)"
             )
         self.load_model_weights(path, engine)
-        engine.load_training_state(path)
+        load_engine_state(engine, path)
         self.restore_rng(path)
         return json.loads((path / TRAINING_STATE_FILE).read_text())
 
@@ -481,7 +484,7 @@ class CheckpointManager:
                 f"trains {'a PEFT model' if is_peft_model(engine.unwrapped) else 'a full model'}; resume or restore "
                 "from a checkpoint of the same kind of run"
             )
-        if engine.load_model_state(path):
+        if load_model_state(engine, path):
             return
         if adapter_file.is_file():
             saved = load_file(str(adapter_file), device="cpu")
@@ -553,12 +556,6 @@ def fill_tied_weights(state: dict[str, torch.Tensor], model: torch.nn.Module) ->
 
 
 # ---------------------------------------------------------------------- RNG
-def rng_state_file_name(rank: int, world_size: int) -> str:
-    """A rank's RNG-state file in a checkpoint, named as Trainer names it: ``rng_state.pth`` for a run of
-    one process, ``rng_state_{rank}.pth`` otherwise."""
-    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
-
-
 def capture_rng_state() -> dict[str, Any]:
     """This process's python, numpy (if installed), torch CPU and CUDA generator states."""
     python_state = random.getstate()

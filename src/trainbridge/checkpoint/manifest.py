@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.checkpoint.durability import fsync_dir, fsync_file, write_durably
+from trainbridge.checkpoint.layout import MANIFEST_FILE
 
-MANIFEST_FILE = "manifest.json"
-"""Name of the manifest inside a checkpoint folder."""
 _CHUNK = 8 * 2**20
 _IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                         "_commit_hash", "_attn_implementation_autoset", "attn_implementation"}

@@ -35,7 +35,7 @@ from accelerate.utils import DeepSpeedPlugin, TorchDynamoPlugin
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.hf.arguments import process_state_for
-from trainbridge.parallel.engine import deepspeed_config
+from trainbridge.parallel.deepspeed import deepspeed_config
 
 
 @dataclass

@@ -424,6 +424,13 @@ class HuggingFaceCallbackAdapter(Callback):
         self._update_stateful_callbacks()
         return json.loads(json.dumps(dataclasses.asdict(self.state)))
 
+    def trainer_state(self) -> dict[str, Any] | None:
+        """The TrainerState as a JSON-ready dict, as ``trainer.state`` holds it after ``train()``: its
+        ``stateful_callbacks`` as the last checkpoint saved them; None before ``on_init_end``."""
+        if self.state is None:
+            return None
+        return json.loads(json.dumps(dataclasses.asdict(self.state)))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Keep a saved TrainerState; it replaces the fresh one at ``on_train_begin`` (and, when
         ``restore_callback_states``, restores ``ExportableState`` callbacks and ``TrainerControl``)."""

@@ -39,6 +39,7 @@ CARRIED_OVER = frozenset({
     "lr_scheduler_kwargs", "fsdp", "deepspeed", "gradient_checkpointing", "gradient_checkpointing_kwargs",
     "activation_checkpointing", "activation_checkpointing_kwargs", "include_num_input_tokens_seen",
     "include_for_metrics",
+    "max_length", "model_init_kwargs",  # trl's configs: max_seq_len, and the facade's from_pretrained kwargs
 })
 
 # TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).

@@ -12,7 +12,9 @@ Exactly ``torch.distributed.run`` (torchrun), with two additions:
   in the run folder), not the console: its log lines ("Sending process N closing signal SIGTERM",
   "failed (exitcode: 1) local_rank: 0 ..."), and on a failure its ``ChildFailedError`` summary (the
   "Root Cause (first observed failure)" table).  The launcher reports the failure once, naming the log.
-  Without a launch log (a dry run) torchrun's lines stay on the console and the failure is one line.
+  Without a launch log (a dry run) torchrun's lines stay on the console and the failure is one line;
+* the TCP store of torchrun's static rendezvous listens on the master address only (127.0.0.1 for a
+  single-node run), not on every interface (``bind_store_to_master_address``).
 
 The workers' own output is untouched: they inherit the console (local rank 0) or are teed (the others).
 """
@@ -22,10 +24,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 from torch.distributed.run import main as torchrun_main
 
 from trainbridge.launch import lifeline
@@ -42,13 +47,48 @@ TORCHRUN_LOGGER = "torch.distributed"
 def log_torchrun_to(path: str | Path) -> logging.Handler:
     """Send torchrun's log records (INFO and up: launch configuration, rendezvous, worker starts and exits,
     failures) to ``path`` (appended) instead of stderr; returns the handler."""
-    handler = logging.FileHandler(path, encoding="utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    handler = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8"))  # never through a link
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     torchrun_logger = logging.getLogger(TORCHRUN_LOGGER)
     torchrun_logger.handlers = [handler]
     torchrun_logger.propagate = False
     torchrun_logger.setLevel(logging.INFO)
     return handler
+
+
+def _listener(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host:port`` only (None when ``host`` is not an address of this machine)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def bind_store_to_master_address() -> None:
+    """Make torchrun's static rendezvous start its TCP store on a socket bound to the master address
+    (``TCPStore(master_listen_fd=...)``) instead of every interface; where that address cannot be bound
+    here, torchrun's default stands."""
+    original = static_tcp_rendezvous.TCPStore
+
+    def store(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+        if is_master and kwargs.get("master_listen_fd") is None:
+            sock = _listener(host, port)
+            if sock is not None:
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns and closes the descriptor
+        return original(host, port, *args, **kwargs)
+
+    static_tcp_rendezvous.TCPStore = store  # type: ignore[misc,assignment]
 
 
 def failure_records(error: ChildFailedError) -> list[dict[str, object]]:
@@ -73,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run torchrun (its report into the launch log when there is one); on a worker-group failure write the
     failures file and return 1."""
     lifeline.install()
+    bind_store_to_master_address()
     launch_log = os.environ.get(LAUNCH_LOG_ENV)
     if launch_log:
         log_torchrun_to(launch_log)

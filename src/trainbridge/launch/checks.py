@@ -1,7 +1,7 @@
 """Checks of the run's inputs in the parent, before launch: each fails in a second with one clear line
 instead of ~20 s later inside every worker with a page of tracebacks.
 
-* ``ckpt_output_dir`` can be created and written;
+* ``ckpt_output_dir`` can be created (private) and written, and nobody else can change what is in it;
 * ``model_path`` holds a model the loop can train (``check_trainable_model``): a causal language model, or
   a model whose forward takes labels and returns its own loss;
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
@@ -18,18 +18,28 @@ from pathlib import Path
 from trainbridge.checkpoint.manager import COMPLETE_MARKER, is_complete_checkpoint
 from trainbridge.checkpoint.manifest import verify_checkpoint
 from trainbridge.core.config import TrainingArgs, peft_adapter_base
+from trainbridge.core.private_files import folder_problem, make_run_folder
 
 SNIFF_LINES = 5
 """How many non-blank lines of a JSON-lines data file are parsed before launch."""
 _JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines", ""}
 
 
-def check_output_dir(path: Path) -> str | None:
-    """None when ``path`` exists (created if needed) and is writable, else what is wrong."""
+def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
+    """None when ``path`` exists (created if needed: 0700, or 0750 shared with its group) and is writable
+    and only this user could have put anything in it (``core.private_files.folder_problem``), else what is wrong."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_run_folder(path, share_with_group)
     except OSError as exc:
         return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
+    try:
+        problem = folder_problem(path)
+    except OSError as exc:
+        return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
+    if problem:
+        return (f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
+                "or load; to allow it, make it yours and writable only by you (chmod go-w), or choose another "
+                "ckpt_output_dir")
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass

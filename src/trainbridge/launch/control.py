@@ -1,19 +1,24 @@
 """``trainbridge control RUN_DIR save|stop|evaluate|log``: ask a running job to act, from another shell.
 
 The request is a file in ``RUN_DIR/control/`` (``callbacks.external_control``), taken by rank 0 at the
-next step end and agreed across ranks like any callback request.  A request is only written when a
-live run holds ``RUN_DIR`` (its lock, ``checkpoint.runlock``), so none waits to surprise a later run.
+next step end and agreed across ranks like any callback request (only from the run's own user).  A
+request is only written when a live run holds ``RUN_DIR`` (its lock, ``checkpoint.runlock``), so none
+waits to surprise a later run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainbridge.callbacks.external_control import ACTIONS, write_request
+from trainbridge.callbacks.external_control import ACTIONS, CONTROL_DIR_NAME, write_request
 from trainbridge.checkpoint.runlock import live_holders
 
 
-class NoRunningJobError(RuntimeError):
+class ControlRequestError(RuntimeError):
+    """The request could not be made (``trainbridge control`` exits 1 with this message)."""
+
+
+class NoRunningJobError(ControlRequestError):
     """No live run holds the run folder: there is nobody to ask."""
 
 
@@ -27,6 +32,10 @@ def send_control(run_dir: Path, action: str) -> str:
     running = live_holders(run_dir)
     if not running:
         raise NoRunningJobError(f"no running trainbridge job holds {run_dir}; nothing was requested")
-    path = write_request(run_dir, action)
+    try:
+        path = write_request(run_dir, action)
+    except OSError as exc:
+        raise ControlRequestError(f"cannot write a request into {run_dir / CONTROL_DIR_NAME}: {exc} (only the "
+                                  "run's own user can control it)") from None
     return (f"asked {running[0].describe()} to {action} at its next step end (request {path.name}; "
             "ExternalControl needs external_control=True, the default)")

@@ -35,7 +35,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -47,10 +46,11 @@ import psutil
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
+from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
-from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.launch.assembly import NotACallbackError, assemble_callbacks, build_spec
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.data_check import check_data
@@ -63,13 +63,19 @@ from trainbridge.launch.errors import (
     WorkerFailedError,
 )
 from trainbridge.launch.failures import worker_failure
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV, check_transportable, describe, write_payload
+from trainbridge.launch.transport import (
+    PAYLOAD_KEY_ENV,
+    check_transportable,
+    describe,
+    make_payload_folder,
+    write_payload,
+)
 from trainbridge.loop.result import RunResult
 
 __all__ = [
     "LaunchError", "LaunchTimeoutError", "PreflightError", "RunFolderLockedError", "TrainingInterruptedError",
     "WorkerFailedError", "build_torchrun_command", "build_worker_environment", "free_port", "preflight",
-    "run_training", "worker_failure",
+    "run_training", "worker_failure", "worker_import_path",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,7 +122,9 @@ def preflight(args: TrainingArgs) -> None:
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
-                callback = callback.build()
+                callback = build_spec(callback)
+            except NotACallbackError as exc:
+                raise PreflightError(f"{label}: {exc}") from None
             except Exception as exc:
                 raise PreflightError(
                     f"{label}: CallbackSpec {callback.class_path!r} failed to construct with kwargs "
@@ -184,16 +192,14 @@ def build_torchrun_command(
     return command
 
 
-def _worker_import_path() -> list[str]:
-    """The parent's ``sys.path`` entries that a fresh interpreter would not have (cwd, added folders).
+def worker_import_path() -> list[str]:
+    """The parent's ``sys.path`` entries that a fresh interpreter would not have (added folders).
 
-    Workers get them on ``PYTHONPATH`` so a class the parent imports by name (from a test folder, a
-    project folder added to ``sys.path``) is importable when the payload is unpickled.
+    They travel in the signed payload (``launch.transport``) and the workers append them after
+    site-packages, so a class the parent imports by name (from a test folder, a project folder added to
+    ``sys.path``) is importable when the payload is unpickled, and nothing there shadows an installed module.
     """
-    install = {
-        Path(p).resolve() for name in ("stdlib", "platstdlib", "purelib", "platlib")
-        if (p := sysconfig.get_paths().get(name))
-    }
+    install = _install_folders()
     entries: list[str] = []
     for entry in sys.path:
         path = Path(entry or os.getcwd()).resolve()
@@ -204,24 +210,50 @@ def _worker_import_path() -> list[str]:
     return entries
 
 
+def _install_folders() -> set[Path]:
+    return {
+        Path(p).resolve() for name in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(name))
+    }
+
+
+def _trainbridge_root() -> str | None:
+    """The folder this ``trainbridge`` was imported from when it is not installed (a source checkout):
+    the workers must run this copy (``-m trainbridge.launch.worker``) before any payload is read."""
+    import trainbridge
+
+    root = Path(trainbridge.__file__).resolve().parent.parent
+    install = _install_folders()
+    return None if any(root == r or r in root.parents for r in install) else str(root)
+
+
 def build_worker_environment(
     torchrun_args: TorchrunArgs,
     payload_key: str,
     torchrun_error_file: Path,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of torchrun and its workers: ``base`` (default ``os.environ``) plus ours."""
+    """The environment of torchrun and its workers: ``base`` (default ``os.environ``) plus ours.
+
+    ``PYTHONPATH`` is the user's own (plus this trainbridge's source folder when it is not installed);
+    ``PYTHONSAFEPATH`` keeps ``python -m`` from putting the working directory in front of site-packages.
+    """
     env = dict(os.environ if base is None else base)
     env[PAYLOAD_KEY_ENV] = payload_key
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONSAFEPATH"] = "1"
     # torchrun copies its root-cause worker's error file here (with the exit code) when a worker fails.
     env["TORCHELASTIC_ERROR_FILE"] = str(torchrun_error_file)
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _RANK_PREFIX_TEMPLATE)
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // torchrun_args.nproc_per_node))
-    path = _worker_import_path() + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    own = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    root = _trainbridge_root()
+    if root is not None and root not in own:
+        own.insert(0, root)
+    if own:
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(own))
     return env
 
 
@@ -444,9 +476,9 @@ def _launch_once(
     restarts: int, dry_run: bool = False,
 ) -> None:
     """One torchrun job; raises ``WorkerFailedError`` (or another ``LaunchError``) when it fails."""
-    private_dir = Path(tempfile.mkdtemp(prefix="trainbridge-"))
+    private_dir = make_payload_folder()
     try:
-        payload_path, key = write_payload(args, private_dir)
+        payload_path, key = write_payload(args, private_dir, worker_import_path())
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
         failures_file = private_dir / "failures.json"
@@ -486,17 +518,13 @@ def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -
     header = (f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
               f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "
               f"--nproc-per-node {launch.nproc_per_node}, launcher pid {os.getpid()} =====\n")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
     return path if _append_to_log(path, header) else None
 
 
 def _append_to_log(path: Path, text: str) -> bool:
+    """Append to a log inside the run folder, following no link (a planted one is refused, not written through)."""
     try:
-        with path.open("a", encoding="utf-8") as log:
-            log.write(text)
+        append_text(path.parent.parent, Path(path.parent.name) / path.name, text)
     except OSError:
         return False
     return True

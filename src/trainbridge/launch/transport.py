@@ -14,16 +14,26 @@ The file is written with mode 0600 inside a private (0700) directory and authent
 HMAC-SHA256 under a fresh random key that reaches the workers through the environment
 (``TRAINBRIDGE_PAYLOAD_KEY``), never through a command line.  ``read_payload`` verifies the MAC
 before unpickling, so a tampered or foreign file is never unpickled.
+
+The folders the parent imports user code from (its ``sys.path`` beyond the installation) travel in the
+signed part of the payload, not in ``PYTHONPATH``: the worker appends them to its ``sys.path`` after
+site-packages before unpickling, so a file in such a folder can name a class but never shadow an
+installed package, and nothing there runs at interpreter start (``sitecustomize``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import pickle
 import secrets
+import shutil
 import stat
+import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,6 +41,7 @@ from typing import Any
 import cloudpickle
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.launch import lifeline
 
 PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
 """Environment variable that carries the payload's HMAC key (hex) to the workers."""
@@ -38,7 +49,10 @@ PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
 PAYLOAD_FILE_NAME = "training_args.payload"
 """Name of the payload file inside the directory given to ``write_payload``."""
 
-_MAGIC = b"TRAINBRIDGE-PAYLOAD-1\n"
+PAYLOAD_DIR_PREFIX = "trainbridge-"
+"""A launch's private folder in the temporary directory: ``trainbridge-{pid}_{start time}-XXXXXX``."""
+
+_MAGIC = b"TRAINBRIDGE-PAYLOAD-2\n"
 _MAC_SIZE = hashlib.sha256().digest_size
 
 # Type names (as pickle reports them) of objects that cannot cross a process boundary, and what
@@ -170,14 +184,50 @@ def check_transportable(args: TrainingArgs) -> None:
         raise CallbackTransportError(f"TrainingArgs cannot be sent to the workers: {_explain(exc)}") from exc
 
 
+def make_payload_folder() -> Path:
+    """A fresh private (0700) folder for this launch's payload and torchrun's files, named after this
+    launcher (``lifeline.launcher_token``); first removes such folders left by this user's launchers that
+    are gone (SIGKILLed, so their ``finally`` never ran)."""
+    remove_stale_payload_folders()
+    token = lifeline.launcher_token().replace(":", "_")
+    return Path(tempfile.mkdtemp(prefix=f"{PAYLOAD_DIR_PREFIX}{token}-"))
+
+
+def remove_stale_payload_folders(where: str | Path | None = None) -> list[Path]:
+    """Remove the payload folders in ``where`` (default: the temporary directory) that belong to this
+    user and whose launcher no longer runs; returns them.  Links, other users' folders and folders of a
+    live launcher are left alone."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(where or tempfile.gettempdir()))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(PAYLOAD_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        token = entry.name[len(PAYLOAD_DIR_PREFIX):].rpartition("-")[0].replace("_", ":")
+        pid, _, started = token.partition(":")
+        try:
+            info = entry.stat(follow_symlinks=False)
+            float(started)
+        except (OSError, ValueError):
+            continue
+        if not pid.isdigit() or info.st_uid != os.geteuid() or lifeline.is_alive(token):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
 def _mac(key: str, body: bytes) -> bytes:
     return hmac.new(key.encode("utf-8"), body, hashlib.sha256).digest()
 
 
-def write_payload(args: TrainingArgs, directory: str | Path) -> tuple[Path, str]:
+def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequence[str] = ()) -> tuple[Path, str]:
     """Write ``args`` as an authenticated payload file in ``directory``; return ``(path, hex_key)``.
 
-    ``directory`` must be private to the current user (no group/other permissions, e.g. from
+    ``import_path``: folders the worker appends to ``sys.path`` (after site-packages) before unpickling,
+    signed with the rest.  ``directory`` must be private to the current user (no group/other permissions, e.g. from
     ``tempfile.mkdtemp``).  The file is created exclusively with mode 0600.  The key is a fresh
     ``secrets.token_hex(32)``; hand it to the workers via the ``TRAINBRIDGE_PAYLOAD_KEY`` environment
     variable, never on a command line.
@@ -188,7 +238,8 @@ def write_payload(args: TrainingArgs, directory: str | Path) -> tuple[Path, str]
         raise PermissionError(
             f"payload directory {str(directory)!r} has mode {mode:04o}; it must be private (0700)"
         )
-    body = cloudpickle.dumps(args)
+    header = json.dumps({"import_path": [str(p) for p in import_path]}).encode("utf-8")
+    body = len(header).to_bytes(4, "big") + header + cloudpickle.dumps(args)
     key = secrets.token_hex(32)
     path = directory / PAYLOAD_FILE_NAME
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -200,7 +251,8 @@ def write_payload(args: TrainingArgs, directory: str | Path) -> tuple[Path, str]
 def read_payload(path: str | Path, key: str) -> TrainingArgs:
     """Verify and load a payload written by ``write_payload``.
 
-    The HMAC is checked with ``hmac.compare_digest`` *before* anything is unpickled; a file that was
+    The HMAC is checked with ``hmac.compare_digest`` *before* anything is unpickled; the signed import
+    folders are then appended to ``sys.path``.  A file that was
     changed, truncated, written by someone else or checked with the wrong key raises
     ``PayloadIntegrityError``.
     """
@@ -214,7 +266,12 @@ def read_payload(path: str | Path, key: str) -> TrainingArgs:
             f"{path}: payload authentication failed (the file was modified or the key "
             f"in {PAYLOAD_KEY_ENV} is not the one it was written with); refusing to unpickle it"
         )
-    args = pickle.loads(body)
+    size = int.from_bytes(body[:4], "big")
+    header = json.loads(body[4:4 + size])
+    for entry in header["import_path"]:
+        if entry not in sys.path:
+            sys.path.append(entry)  # after site-packages: a user folder never shadows an installed module
+    args = pickle.loads(body[4 + size:])
     if not isinstance(args, TrainingArgs):
         raise PayloadIntegrityError(f"{path}: payload holds a {type(args).__name__}, not TrainingArgs")
     return args

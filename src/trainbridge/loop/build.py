@@ -36,7 +36,8 @@ from trainbridge.modeling import (
     packed_row_tokens,
 )
 from trainbridge.modeling.load import is_causal_lm, load_model, load_tokenizer, loads_on_rank0_only, unwrap_peft
-from trainbridge.parallel.engine import TrainingEngine, build_engine
+from trainbridge.parallel.build import build_engine
+from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
 from trainbridge.step.model_loss import (
     ModelLoss,

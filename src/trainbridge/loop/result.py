@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.private_files import replace_text
 
 
 class RunResult(BaseModel):
@@ -55,10 +56,8 @@ class RunResult(BaseModel):
     """Folder of the merged PEFT model (``merge_adapter_at_end``), loadable with ``AutoModelForCausalLM``."""
 
     def write(self, path: Path) -> None:
-        """Write as JSON (atomically)."""
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        tmp.replace(path)
+        """Write as JSON (atomically, 0600, following no link)."""
+        replace_text(path.parent, path.name, self.model_dump_json(indent=2))
 
     @classmethod
     def read(cls, path: Path) -> RunResult:

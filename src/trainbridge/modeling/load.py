@@ -183,7 +183,7 @@ def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
 def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
     """The model of ``path`` built from its ``config.json`` on the meta device (no weights read, no memory):
     the same classes, parameter names, shapes and dtype as ``load_base_model`` gives, for a rank that
-    receives its weights from rank 0 (``parallel.engine``)."""
+    receives its weights from rank 0 (``parallel.fsdp``)."""
     from transformers import AutoConfig
 
     kwargs = model_kwargs.from_pretrained_kwargs()

@@ -461,10 +461,8 @@ class Trainer:
 
         state = TrainerState()
         for key, value in recorded.items():
-            if hasattr(state, key):  # lists copied: in place, the run's recorder keeps its own log_history
-                setattr(state, key, list(value) if isinstance(value, list) else value)
-        if not state.stateful_callbacks:  # Trainer's state keeps what its last checkpoint saved
-            state.stateful_callbacks = _last_stateful_callbacks(self.output_dir)  # type: ignore[assignment]
+            if hasattr(state, key):
+                setattr(state, key, value)
         state.train_batch_size = getattr(self.args, "per_device_train_batch_size", None)
         state.is_world_process_zero = self.is_world_process_zero()
         state.is_local_process_zero = self.is_local_process_zero()
@@ -817,19 +815,6 @@ def _train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dic
     if disable_tqdm:
         metrics.pop("total_flos", None)
     return metrics
-
-
-def _last_stateful_callbacks(output_dir: Path) -> dict[str, Any]:
-    """``stateful_callbacks`` of the newest complete checkpoint's ``trainer_state.json`` ({} when none)."""
-    from trainbridge.checkpoint.manager import checkpoint_step, is_complete_checkpoint
-
-    if not output_dir.is_dir():
-        return {}
-    done = [p for p in output_dir.iterdir() if is_complete_checkpoint(p) and (p / "trainer_state.json").is_file()]
-    if not done:
-        return {}
-    newest = max(done, key=checkpoint_step)
-    return dict(json.loads((newest / "trainer_state.json").read_text()).get("stateful_callbacks") or {})
 
 
 def _has_checkpoint(output_dir: Path) -> bool:

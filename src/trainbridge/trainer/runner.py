@@ -2,9 +2,9 @@
 
 ``run_job(job, env)`` is the one function both ways call, on every rank:
 
-- ``train``: the training loop with the run's callbacks plus a ``StateRecorder``; afterwards the final
-  weights are written to ``final_model_dir`` (collective: sharded engines gather them) so the calling
-  process can load them, and rank 0 writes the recorded ``TrainerState`` fields.
+- ``train``: the training loop with the run's callbacks; afterwards the final weights are written to
+  ``final_model_dir`` (collective: sharded engines gather them) so the calling process can load them, and
+  rank 0 writes the HF adapter's ``TrainerState`` (restored from the checkpoint on resume, as Trainer's).
 - ``evaluate``: the loop's set-up and one evaluation (``compute_metrics`` included) without training;
   rank 0 writes the metrics and, for ``predict``, the gathered predictions.
 
@@ -23,12 +23,10 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
-from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
-from trainbridge.hf.adapter import trainer_tokens_seen
+from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV
@@ -38,47 +36,21 @@ from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 
 STATE_FILE = "trainer_state.json"
-"""``run_dir / STATE_FILE``: the recorded ``TrainerState`` fields, written by rank 0 after training."""
+"""``run_dir / STATE_FILE``: the ``TrainerState`` after training, written by rank 0."""
 EVAL_FILE = "evaluation.pkl"
 """``run_dir / EVAL_FILE``: metrics (and predictions) of an evaluation job, written by rank 0."""
 FINAL_MODEL_DIR = "final-model"
 """``run_dir / FINAL_MODEL_DIR``: the weights at the end of training (HF layout)."""
 
 
-class StateRecorder(Callback):
-    """Records what ``transformers.TrainerState`` holds after training: ``log_history`` (each log with
-    its ``step``, as ``Trainer.log`` appends it), steps, epochs and the best checkpoint."""
-
-    def __init__(self) -> None:
-        self.log_history: list[dict[str, Any]] = []
-        self.fields: dict[str, Any] = {}
-
-    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
-        self.log_history.append({**(kwargs.get("logs") or {}), "step": context.global_step})
-
-    def on_train_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        args = context.args
-        self.fields = {
-            "epoch": context.epoch,
-            "global_step": context.global_step,
-            "max_steps": context.max_steps,
-            "num_train_epochs": context.num_epochs,
-            "logging_steps": args.logging_steps,
-            "eval_steps": args.eval_steps,
-            "save_steps": args.save_steps,
-            "num_input_tokens_seen": trainer_tokens_seen(context),  # 0 unless include_num_input_tokens_seen
-            "total_flos": float(context.logs.get("total_flos", 0.0)),
-            "best_metric": context.best_metric,
-            "best_global_step": context.best_global_step,
-            "best_model_checkpoint": str(context.best_checkpoint) if context.best_checkpoint else None,
-        }
-
-    def state(self) -> dict[str, Any]:
-        """The recorded fields with ``log_history``."""
-        return {**self.fields, "log_history": self.log_history}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"log_history": [], "fields": {}}
+def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbackAdapter]:
+    """``callbacks`` and the HF adapter among them, whose ``TrainerState`` is the job's state (restored on
+    resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
+    adapter = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbackAdapter)), None)
+    if adapter is None:
+        adapter = HuggingFaceCallbackAdapter(progress=False)
+        callbacks = [*callbacks, adapter]
+    return callbacks, adapter
 
 
 @dataclass
@@ -106,12 +78,12 @@ class JobOutcome:
 def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = None) -> JobOutcome:
     """Run ``job`` on this rank (every rank calls it); see the module doc."""
     if job.kind == "train":
-        recorder = StateRecorder()
-        run_callbacks = [*(callbacks if callbacks is not None else assemble_callbacks(job.args)), recorder]
+        given = callbacks if callbacks is not None else assemble_callbacks(job.args)
+        run_callbacks, adapter = with_trainer_state(given)
         loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
         export_model(loop, job.run_dir / FINAL_MODEL_DIR)
-        state = recorder.state()
+        state = adapter.trainer_state() or {}
         if env.is_world_process_zero:
             result.write(result_file(job.args.ckpt_output_dir))
             (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))

@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from trainbridge.checkpoint.engine_state import has_model_state
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.modeling.load import build_skeleton
-from trainbridge.parallel.engine import TrainingEngine, build_engine
+from trainbridge.parallel.build import build_engine
+from trainbridge.parallel.engine import TrainingEngine
 
 STEPS = 3
 MICRO_BATCHES = 2
@@ -133,25 +135,6 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
 
-def write_legacy_fsdp_checkpoint(engine: TrainingEngine, checkpoint: Path, root: Path,
-                                 env: DistributedEnv) -> Path:
-    """A copy of ``checkpoint`` in the layout written before the model's shards went into ``dcp/``: the
-    optimizer shards alone in ``optimizer_dcp/`` (resume must read the weights from the HF files)."""
-    import shutil
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    legacy = root / checkpoint.name
-    if env.is_world_process_zero:
-        shutil.copytree(checkpoint, legacy, ignore=shutil.ignore_patterns("dcp"))
-    env.barrier()
-    dcp.save({"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)},
-             checkpoint_id=legacy / "optimizer_dcp")
-    env.barrier()
-    return legacy
-
-
 def main(spec: dict[str, Any]) -> None:
     env = DistributedEnv.initialize(device="cpu", timeout_s=120)
     out_dir = Path(spec["out_dir"])
@@ -245,8 +228,6 @@ def main(spec: dict[str, Any]) -> None:
     # The same state with the HF-layout weights exported in bf16 (the training weights are fp32).
     bf16_manager = CheckpointManager(out_dir / "bf16", env, save_total_limit=None, weights_dtype=torch.bfloat16)
     bf16_checkpoint = bf16_manager.save(engine, None, STEPS, {"global_step": STEPS}, {})
-    if engine.kind == "fsdp":
-        legacy_checkpoint = write_legacy_fsdp_checkpoint(engine, checkpoint, out_dir / "legacy", env)
     # checkpoint_async: the dcp/ part is written in the background while the next step trains (below);
     # published after it, it must still hold the state of step STEPS.
     async_manager = CheckpointManager(out_dir / "async", env, save_total_limit=None, weights_dtype=torch.bfloat16)
@@ -267,10 +248,9 @@ def main(spec: dict[str, Any]) -> None:
     train_step(resumed, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
     result["resume_max_diff"] = max_diff(local_full_weights(resumed), continued)
     # where resume reads the weights: the checkpoint's own shards (FSDP2, a lower-precision export) or not
-    result["model_state_in_dcp"] = {"plain": resumed.has_model_state(checkpoint),
-                                    "bf16": resumed.has_model_state(bf16_checkpoint)}
-    resumed_from = {"bf16": bf16_checkpoint, "async": async_checkpoint,
-                    **({"legacy": legacy_checkpoint} if engine.kind == "fsdp" else {})}
+    result["model_state_in_dcp"] = {"plain": has_model_state(resumed, checkpoint),
+                                    "bf16": has_model_state(resumed, bf16_checkpoint)}
+    resumed_from = {"bf16": bf16_checkpoint, "async": async_checkpoint}
     for name, path in resumed_from.items():  # each from the original weights again
         torch.manual_seed(0)
         again = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, env, total_steps)

@@ -1,0 +1,161 @@
+"""Folders and files on a shared machine: who could have changed them, and writes that follow no link.
+
+``folder_problem`` is an ssh ``StrictModes``-style check: the folder is owned by this user (or root)
+and nobody else can write it, and no parent up to ``/`` lets another user rename it away (a parent
+writable by others needs the sticky bit, as ``/tmp`` has).  It returns a one-line reason, or None.
+
+``open_in`` opens a file below a folder one component at a time with ``O_NOFOLLOW``, so a symbolic link
+planted anywhere below the folder is refused (``ELOOP``/``ENOTDIR``) instead of followed, and creates
+what is missing with the given modes, whatever the umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+GROUP_DIR_MODE = 0o750
+"""A run folder shared with its group (readable, not writable, by the group)."""
+GROUP_FILE_MODE = 0o640
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def modes(share_with_group: bool) -> tuple[int, int]:
+    """``(folder mode, file mode)`` for run-folder content: private, or readable by the group."""
+    return (GROUP_DIR_MODE, GROUP_FILE_MODE) if share_with_group else (PRIVATE_DIR_MODE, PRIVATE_FILE_MODE)
+
+
+def _owner_problem(path: Path, info: os.stat_result, uid: int) -> str | None:
+    if info.st_uid not in (uid, 0):
+        return f"{path} is owned by uid {info.st_uid}, not by you (uid {uid})"
+    return None
+
+
+def folder_problem(path: str | Path, uid: int | None = None) -> str | None:
+    """Why another user could have put or could change what is in ``path`` (None: nobody but you or root).
+
+    ``path`` itself: owned by ``uid`` (default: this process's) or root, not writable by group or
+    others.  Each parent: owned by ``uid`` or root, and writable by group or others only with the
+    sticky bit.  A symbolic link in the path is judged by what it points to (its target's folders).
+    """
+    uid = os.geteuid() if uid is None else uid
+    target = Path(os.path.realpath(path))
+    info = os.stat(target)
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{target} is not a folder"
+    problem = _owner_problem(target, info, uid)
+    if problem:
+        return problem
+    if info.st_mode & 0o022:
+        who = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
+        return f"{target} is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o})"
+    for parent in target.parents:
+        info = os.stat(parent)
+        problem = _owner_problem(parent, info, uid)
+        if problem:
+            return problem
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return (f"{parent}, a parent of {target}, is writable by others without the sticky bit "
+                    f"(mode {stat.S_IMODE(info.st_mode):04o}): they could replace what is inside")
+    return None
+
+
+def _refuse_link(exc: OSError, path: Path) -> OSError:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+        return OSError(exc.errno, f"{path}: a symbolic link (or not a folder) where a file or folder was "
+                                  "expected; refusing to follow it", str(path))
+    return exc
+
+
+@contextlib.contextmanager
+def _walk(root: Path, parts: tuple[str, ...], dir_mode: int) -> Iterator[int]:
+    """A descriptor of ``root/parts...`` (created with ``dir_mode`` when missing), no link followed below ``root``."""
+    fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        here = root
+        for part in parts:
+            here = here / part
+            try:
+                os.mkdir(part, dir_mode, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                created = False
+            try:
+                child = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise _refuse_link(exc, here) from None
+            os.close(fd)
+            fd = child
+            if created:
+                os.fchmod(fd, dir_mode)  # the mode asked for, whatever the umask
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def open_in(root: str | Path, relative: str | Path, flags: int, file_mode: int = PRIVATE_FILE_MODE,
+            dir_mode: int = PRIVATE_DIR_MODE) -> int:
+    """``os.open`` of ``root/relative`` following no symbolic link below ``root``; missing folders are
+    created with ``dir_mode`` and a created file gets ``file_mode`` (whatever the umask)."""
+    root, relative = Path(root), Path(relative)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"{relative} must be a plain path inside {root}")
+    with _walk(root, relative.parts[:-1], dir_mode) as parent:
+        try:
+            fd = os.open(relative.name, flags | _NOFOLLOW | _CLOEXEC, file_mode, dir_fd=parent)
+        except OSError as exc:
+            raise _refuse_link(exc, root / relative) from None
+    if flags & os.O_CREAT and os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, file_mode)  # the mode asked for, whatever the umask (or an older file's mode)
+    return fd
+
+
+def append_text(root: str | Path, relative: str | Path, text: str, file_mode: int = PRIVATE_FILE_MODE,
+                dir_mode: int = PRIVATE_DIR_MODE) -> None:
+    """Append ``text`` to ``root/relative`` (created when missing), following no link below ``root``."""
+    fd = open_in(root, relative, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode, dir_mode)
+    with os.fdopen(fd, "a", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def replace_text(root: str | Path, relative: str | Path, text: str, file_mode: int = PRIVATE_FILE_MODE,
+                 dir_mode: int = PRIVATE_DIR_MODE) -> None:
+    """Write ``root/relative`` atomically (a new temporary file renamed over it), following no link: a link
+    at the temporary name is removed, never written through; one at the final name is replaced."""
+    relative = Path(relative)
+    tmp = relative.with_name(f".{relative.name}.{os.getpid()}.tmp")
+    with _walk(Path(root), relative.parts[:-1], dir_mode) as parent:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp.name, dir_fd=parent)
+        fd = open_in(root, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode, dir_mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp.name, relative.name, src_dir_fd=parent, dst_dir_fd=parent)
+
+
+def make_run_folder(path: str | Path, share_with_group: bool = False) -> bool:
+    """Create ``path`` and its missing parents with the run folder's mode (0700, or 0750 shared with the
+    group), whatever the umask; True when this call created ``path``."""
+    path = Path(path)
+    dir_mode = modes(share_with_group)[0]
+    missing = []
+    here = path
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, dir_mode)
+        except FileExistsError:
+            continue
+        os.chmod(folder, dir_mode)
+    return path in missing and path.is_dir()

@@ -1,0 +1,21 @@
+"""trl's trainers on trainbridge's loop.
+
+- ``sft_trainer``: ``SFTTrainer`` (trl's constructor on the ``Trainer`` facade).
+- ``sft_data``: trl's SFT data preparation, run by trl, as samples for padding-free batches.
+- ``token_metrics``: trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``.
+- ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
+- ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
+"""
+
+from typing import Any
+
+__all__ = ["SFTTrainer"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: trl and the facade are heavy imports.
+    if name == "SFTTrainer":
+        from trainbridge.trl.sft_trainer import SFTTrainer
+
+        return SFTTrainer
+    raise AttributeError(f"module 'trainbridge.trl' has no attribute {name!r}")
