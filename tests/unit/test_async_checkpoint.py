@@ -20,7 +20,8 @@ from transformers import TrainerCallback
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.checkpoint import engine_state
-from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import COMPLETE_MARKER
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
