@@ -130,14 +130,14 @@ def check_data_file(field: str, path: Path | None) -> str | None:
             continue
         try:
             record = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return f"{field}: {path}:{number}: not a JSON line ({exc}); expected one JSON object per line"
         if not isinstance(record, dict):
             return f"{field}: {path}:{number}: expected a JSON object, got {type(record).__name__}"
         seen += 1
         if seen >= SNIFF_LINES:
             break
-    if seen == 0 and not complete:
+    if seen == 0 and not complete and not head.strip():  # (a first line longer than the read is not empty)
         return f"{field}: {str(path)!r} is empty"
     return None
 
