@@ -129,7 +129,8 @@ def _same_effective_batch(original: TrainingArguments, args: TrainingArgs, env: 
 
 OWNED_FIELDS: tuple[str, ...] = (
     "output_dir", "do_train", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type",
-    "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
+    "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "optim_args",
+    "max_grad_norm",
     "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "bf16", "use_cpu",
     "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
     "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
@@ -163,7 +164,8 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "adam_beta1": args.adam_beta1,
         "adam_beta2": args.adam_beta2,
         "adam_epsilon": args.adam_epsilon,
-        "optim": "adamw_torch",
+        "optim": args.optim,
+        "optim_args": ",".join(f"{k}={v}" for k, v in args.optim_args.items()) or None,
         "max_grad_norm": args.max_grad_norm if args.max_grad_norm is not None else 0.0,
         "per_device_train_batch_size": max(1, args.effective_batch_size // env.world_size),
         "gradient_accumulation_steps": 1,
