@@ -18,7 +18,7 @@ A checkpoint ``output_dir/checkpoint-{global_step}/`` holds:
   ``checkpoint.weights_dtype``: by default the original checkpoint's, e.g. bf16 for fp32 training) is lower
   than the parameters'.  Resume then loads the weights from ``dcp/`` and is exact; otherwise (and for a PEFT
   adapter, and DeepSpeed, whose folder holds its fp32 masters) from the HF-layout files;
-* any ``extra_files`` (e.g. the HF adapter's ``trainer_state.json``);
+* any ``extra_files`` (e.g. the ``trainer_state.json`` of HuggingFaceCallbacks);
 * ``manifest.json``: every file's size and SHA-256, and the run's fingerprint (``checkpoint.manifest``);
 * ``COMPLETE``: written last, after every file was fsynced.
 

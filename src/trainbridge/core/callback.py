@@ -4,7 +4,7 @@ The callback manager delivers every event through one method, ``run_event(event,
 which calls the hook of the same name, ``hook(context, **event_kwargs)`` (see
 ``trainbridge.core.events.EVENT_MAP`` for the keyword arguments of each event).  Only events a callback
 ``handles`` are delivered: by default, the hooks a subclass overrides.  A callback that routes events
-itself (the Hugging Face adapter) overrides ``run_event`` and ``handles`` instead of the hooks.
+itself (``HuggingFaceCallbacks``) overrides ``run_event`` and ``handles`` instead of the hooks.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Callback:
         return {}
 
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:
-        """Errors of callbacks this callback runs itself, isolated by it (the Hugging Face adapter isolates
+        """Errors of callbacks this callback runs itself, isolated by it (``HuggingFaceCallbacks`` isolates
         each ``TrainerCallback`` it drives); the manager adds them to the run's error report."""
         return []
 

@@ -2,7 +2,7 @@
 
 This module is the single source of truth for events.  The loop (``trainbridge.loop.loop``) fires each
 event at exactly one visible place; ``Callback.run_event`` dispatches it to the method of the same name;
-the Hugging Face adapter routes every event marked ``hf_twin`` to the ``transformers.TrainerCallback``
+``HuggingFaceCallbacks`` routes every event marked ``hf_twin`` to the ``transformers.TrainerCallback``
 hook of the same name (``on_save`` -> ``on_save``).
 
 ``tests/unit/test_events.py`` asserts that every ``on_*`` method of ``transformers.TrainerCallback``
@@ -48,7 +48,7 @@ class Event(str, Enum):
 @dataclass(frozen=True)
 class EventSpec:
     """Where an event fires, the keyword arguments it carries, and whether ``transformers.TrainerCallback``
-    has a hook of the same name that the Hugging Face adapter calls for it (``hf_twin``)."""
+    has a hook of the same name that ``HuggingFaceCallbacks`` calls for it (``hf_twin``)."""
 
     event: Event
     fires: str
@@ -122,7 +122,7 @@ HF_HOOKS_NOT_FIRED: dict[str, str] = {
 }
 
 HF_EVENTS: frozenset[Event] = frozenset(event for event, spec in EVENT_MAP.items() if spec.hf_twin)
-"""The events with a ``transformers.TrainerCallback`` twin: the Hugging Face adapter handles exactly these."""
+"""The events with a ``transformers.TrainerCallback`` twin: ``HuggingFaceCallbacks`` handles exactly these."""
 
 
 def event_from_name(name: str) -> Event:

@@ -59,7 +59,7 @@ Fields that differ from Trainer's meaning
 - ``deepspeed``/``fsdp`` stay unset even under those backends: setting them makes ``TrainingArguments``
   build accelerate plugins; the backend is recorded by ``trainbridge`` itself.
 - transformers 5 removed ``logging_dir``; it is set only on versions that still have the field (the HF
-  adapter points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
+  ``HuggingFaceCallbacks`` points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.hf.adapter import is_hf_callback
+from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer import inputs
 from trainbridge.trainer.launch_env import in_launched_worker, self_launch_nproc
 from trainbridge.trainer.runner import (
@@ -327,7 +327,7 @@ class Trainer:
             data["callbacks"] = [*self.args.callbacks, *self.callbacks]
             return TrainingArgs.model_validate(data)
         hf = self.args
-        # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+        # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
         # progress bar, and each checkpoint gets trainer_state.json as under Trainer
         from transformers import TrainerCallback
 
