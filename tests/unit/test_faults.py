@@ -18,10 +18,12 @@ from tests.unit.test_checkpoint import args, new_engine, save_tiny_llama, train_
 from trainbridge import cli
 from trainbridge.callbacks.external_control import ExternalControl, take_requests, write_request
 from trainbridge.callbacks.interrupt import SaveOnInterrupt
-from trainbridge.checkpoint import durability
+from trainbridge.checkpoint import durability, folders
 from trainbridge.checkpoint import manager as manager_module
-from trainbridge.checkpoint.manager import OWNER_FILE, TMP_PREFIX, CheckpointError, CheckpointManager
-from trainbridge.checkpoint.manifest import MANIFEST_FILE, run_fingerprint, verify_checkpoint
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import MANIFEST_FILE, OWNER_FILE, TMP_PREFIX
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint, verify_checkpoint
 from trainbridge.checkpoint.runlock import LOCK_DIR_NAME, RunFolderBusy, RunLock, live_holders
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -102,12 +104,10 @@ def test_temporary_checkpoint_of_a_live_run_is_left_alone(tmp_path, monkeypatch)
     for folder, pid in ((live, os.getppid()), (dead, DEAD_PID)):  # the parent: alive, not us
         folder.mkdir(parents=True)
         (folder / OWNER_FILE).write_text(json.dumps({"run_id": "other", "host": socket.gethostname(), "pid": pid}))
-    monkeypatch.setenv("TRAINBRIDGE_RUN_ID", "mine")
-    manager = CheckpointManager(out, DistributedEnv(), None)
-    manager._clean_leftovers()
+    folders.clean_leftovers(out, "mine")
     assert live.is_dir() and not dead.exists()
     with pytest.raises(CheckpointError, match="being written by another live run"):
-        manager._make_owned_tmp(live)
+        folders.make_owned_folder(live, "mine")
 
 
 # ----------------------------------------------------------------------------- manifest and fingerprint
@@ -233,14 +233,11 @@ def test_inputs_that_would_fail_inside_the_workers_fail_before_launch(inputs, tm
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
     csv = tmp_path / "train.csv.jsonl"
     csv.write_text("input_ids,labels\n1 2 3,1 2 3\n")
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
     cases = {
         "model_path": ({"model_path": bert}, r"is not a causal language model \(model_type 'bert'"),
         "resume": ({"resume_from_checkpoint": tmp_path / "out" / "checkpoint-9"},
                    "resume_from_checkpoint: .*checkpoint-9' does not exist"),
         "data": ({"data_path": csv}, r"data_path: .*train.csv.jsonl:1: not a JSON line"),
-        "output": ({"ckpt_output_dir": blocker / "out"}, "ckpt_output_dir: cannot create"),
     }
     for name, (change, expected) in cases.items():
         problems = input_problems(TrainingArgs(**{**inputs, **change}))
@@ -253,11 +250,11 @@ def test_inputs_that_would_fail_inside_the_workers_fail_before_launch(inputs, tm
 def test_unwritable_output_folder_is_a_preflight_error_and_one_cli_line(inputs, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(PreflightError, match="ckpt_output_dir: cannot create"):
+    with pytest.raises(PreflightError, match=r"ckpt_output_dir = .*a-file/out': would be inside .* a file"):
         launcher.run_training({**inputs, "ckpt_output_dir": blocker / "out"})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**{k: str(v) for k, v in inputs.items()}, "ckpt_output_dir": str(blocker / "o")}))
-    assert cli.main(["train", str(config)]) == cli.EXIT_INVALID
+    assert cli.main(["train", str(config), "--nproc-per-node", "1"]) == cli.EXIT_INVALID
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "ckpt_output_dir" in err
 

@@ -28,7 +28,7 @@ from trainbridge.launch.transport import PAYLOAD_KEY_ENV, CallbackTransportError
 from trainbridge.loop.result import RunResult
 
 
-class NeedsAToken:
+class NeedsAToken(Callback):
     """Importable by path; its constructor fails like a callback missing a credential."""
 
     def __init__(self, token=None):

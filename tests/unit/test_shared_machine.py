@@ -336,3 +336,28 @@ def test_another_user_cannot_plant_links_in_a_new_run_folder(shared_dir, run_fil
         os.umask(old)
     attempt = as_other_user(["sh", "-c", f"mkdir -p {out}/logs && ln -s /etc/passwd {out}/logs/launch.log"])
     assert attempt.returncode != 0 and "Permission denied" in attempt.stderr
+
+
+# ----------------------------------------------------------------------------- finding 6: a config is code
+def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run_files):
+    from trainbridge.launch.assembly import assemble_callbacks
+
+    marker = tmp_path / "ran"
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
+                        callbacks=[{"class": "subprocess:Popen", "kwargs": {"args": ["touch", str(marker)]}}])
+    with pytest.raises(launcher.PreflightError, match=r"callbacks\[0\]: class: 'subprocess:Popen' is the class "
+                                                      r"subprocess.Popen, not a subclass of trainbridge.Callback"):
+        launcher.preflight(args)
+    with pytest.raises(TypeError, match="it was not called"):
+        assemble_callbacks(args)  # what a worker runs
+    assert not marker.exists()
+
+
+def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
+    from trainbridge.launch.assembly import assemble_callbacks
+
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
+                        callbacks=[{"class": "transformers:EarlyStoppingCallback"},
+                                   {"class": "trainbridge.callbacks:MetricsFileCallback"}])
+    names = [type(c).__name__ for c in assemble_callbacks(args)]
+    assert "HuggingFaceCallbacks" in names and names.count("MetricsFileCallback") == 2
