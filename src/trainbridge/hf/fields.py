@@ -63,6 +63,9 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     FieldLink("activation_checkpointing_kwargs", None, to_hf=False),
     FieldLink("fsdp", None, to_hf=False),  # distributed_backend
     FieldLink("deepspeed", None, to_hf=False),  # distributed_backend and deepspeed_zero_stage
+    # fields of trl's configs, not TrainingArguments
+    FieldLink("max_length", None, to_hf=False),  # max_seq_len
+    FieldLink("model_init_kwargs", None, to_hf=False),  # the facade's from_pretrained kwargs
 )
 
 OWNED_FIELDS: tuple[str, ...] = tuple(link.hf for link in FIELD_LINKS if link.to_hf)
