@@ -361,3 +361,18 @@ def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
                                    {"class": "trainbridge.callbacks:MetricsFileCallback"}])
     names = [type(c).__name__ for c in assemble_callbacks(args)]
     assert "HuggingFaceCallbackAdapter" in names and names.count("MetricsFileCallback") == 2
+
+
+def test_a_group_project_folder_is_accepted_only_when_the_group_is_trusted(tmp_path):
+    from trainbridge.launch.checks import check_output_dir
+
+    project = tmp_path / "project"
+    project.mkdir()
+    project.chmod(0o2770)  # a group project folder: members may write, no sticky bit
+    problem = check_output_dir(project / "run") or ""
+    assert "writable by others without the sticky bit" in problem and "share_run_dir_with_group=true" in problem
+    assert not (project / "run").exists()  # a refused run folder is not left behind
+    assert check_output_dir(project / "run", share_with_group=True) is None
+    assert ((project / "run").stat().st_mode & 0o777) == 0o750
+    project.chmod(0o777)
+    assert "without the sticky bit" in (check_output_dir(project / "run", share_with_group=True) or "")

@@ -11,6 +11,7 @@ instead of ~20 s later inside every worker with a page of tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -29,17 +30,20 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     """None when ``path`` exists (created if needed: 0700, or 0750 shared with its group) and is writable
     and only this user could have put anything in it (``core.private_files.folder_problem``), else what is wrong."""
     try:
-        make_run_folder(path, share_with_group)
+        created = make_run_folder(path, share_with_group)
     except OSError as exc:
         return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
     try:
-        problem = folder_problem(path)
+        problem = folder_problem(path, trust_group=share_with_group)
     except OSError as exc:
         return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
     if problem:
+        for folder in reversed(created):  # a refused run leaves nothing behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return (f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-                "or load; to allow it, make it yours and writable only by you (chmod go-w), or choose another "
-                "ckpt_output_dir")
+                "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
+                "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true")
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass
