@@ -6,7 +6,7 @@ result = run_training(TrainingArgs(...), TorchrunArgs(nproc_per_node=2))
 ```
 
 Every public name is imported on first use (PEP 562), so ``import trainbridge`` (and the ``trainbridge``
-command's ``--help``) does not pay for torch; ``from trainbridge import X`` works as before.
+command's ``--help``) does not pay for torch.  instructlab-training's names are in ``trainbridge.instructlab``.
 """
 
 from __future__ import annotations
@@ -14,93 +14,70 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
-    from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-    from trainbridge.core.context import TrainingContext
-    from trainbridge.core.control import AgreedControl, ControlFlag
-    from trainbridge.core.events import EVENT_MAP, Event
-    from trainbridge.core.instructlab_names import DeepSpeedOptions, LoraOptions
-    from trainbridge.launch.launcher import (
-        LaunchError,
-        LaunchTimeoutError,
-        PreflightError,
-        TrainingInterruptedError,
-        WorkerFailedError,
-        run_training,
-    )
-    from trainbridge.launch.transport import CallbackTransportError, register_by_value
-    from trainbridge.loop.result import RunResult
-    from trainbridge.trainer import Trainer
-    from trainbridge.trl import SFTTrainer
+if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it matches _EXPORTS)
+    from trainbridge.core.callback import Callback as Callback
+    from trainbridge.core.callback import FunctionCallback as FunctionCallback
+    from trainbridge.core.callback import rank_zero_only as rank_zero_only
+    from trainbridge.core.config import CallbackSpec as CallbackSpec
+    from trainbridge.core.config import TorchrunArgs as TorchrunArgs
+    from trainbridge.core.config import TrainingArgs as TrainingArgs
+    from trainbridge.core.context import TrainingContext as TrainingContext
+    from trainbridge.core.events import Event as Event
+    from trainbridge.launch.errors import LaunchError as LaunchError
+    from trainbridge.launch.errors import PreflightError as PreflightError
+    from trainbridge.launch.errors import TrainingInterruptedError as TrainingInterruptedError
+    from trainbridge.launch.errors import WorkerFailedError as WorkerFailedError
+    from trainbridge.launch.launcher import run_training as run_training
+    from trainbridge.launch.transport import register_by_value as register_by_value
+    from trainbridge.loop.result import RunResult as RunResult
+    from trainbridge.trainer import Trainer as Trainer
+    from trainbridge.trl import SFTTrainer as SFTTrainer
 
-__version__ = "0.1.0"
+    __version__: str
 
 _EXPORTS: dict[str, str] = {
+    # launching a run and what it returns
+    "run_training": "trainbridge.launch.launcher",
+    "TrainingArgs": "trainbridge.core.config",
+    "TorchrunArgs": "trainbridge.core.config",
+    "RunResult": "trainbridge.loop.result",
+    # transformers.Trainer's (and trl's SFTTrainer's) API on the same loop
+    "Trainer": "trainbridge.trainer",
+    "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
+    # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",
     "rank_zero_only": "trainbridge.core.callback",
     "CallbackSpec": "trainbridge.core.config",
-    "TorchrunArgs": "trainbridge.core.config",
-    "TrainingArgs": "trainbridge.core.config",
-    "LoraOptions": "trainbridge.core.instructlab_names",  # instructlab-training's, translated to peft_config
-    "DeepSpeedOptions": "trainbridge.core.instructlab_names",
     "TrainingContext": "trainbridge.core.context",
-    "AgreedControl": "trainbridge.core.control",
-    "ControlFlag": "trainbridge.core.control",
-    "EVENT_MAP": "trainbridge.core.events",
     "Event": "trainbridge.core.events",
-    "RunResult": "trainbridge.loop.result",
-    "Trainer": "trainbridge.trainer",  # transformers.Trainer's API on our loop
-    "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on our loop
-    "run_training": "trainbridge.launch.launcher",
-    "WorkerFailedError": "trainbridge.launch.launcher",
-    "LaunchError": "trainbridge.launch.launcher",
-    "PreflightError": "trainbridge.launch.launcher",
-    "LaunchTimeoutError": "trainbridge.launch.launcher",
-    "TrainingInterruptedError": "trainbridge.launch.launcher",
-    "RunFolderLockedError": "trainbridge.launch.launcher",
-    "CallbackTransportError": "trainbridge.launch.transport",
     "register_by_value": "trainbridge.launch.transport",
+    # what run_training raises (the subclasses are in trainbridge.launch.errors)
+    "LaunchError": "trainbridge.launch.errors",
+    "PreflightError": "trainbridge.launch.errors",
+    "WorkerFailedError": "trainbridge.launch.errors",
+    "TrainingInterruptedError": "trainbridge.launch.errors",
 }
+"""Public name -> the module that defines it; ``__all__`` and the lazy look-up below are derived from it."""
 
-__all__ = [
-    "EVENT_MAP",
-    "AgreedControl",
-    "Callback",
-    "CallbackSpec",
-    "CallbackTransportError",
-    "ControlFlag",
-    "DeepSpeedOptions",
-    "Event",
-    "FunctionCallback",
-    "LaunchError",
-    "LaunchTimeoutError",
-    "LoraOptions",
-    "PreflightError",
-    "RunFolderLockedError",
-    "RunResult",
-    "SFTTrainer",
-    "TorchrunArgs",
-    "Trainer",
-    "TrainingArgs",
-    "TrainingContext",
-    "TrainingInterruptedError",
-    "WorkerFailedError",
-    "rank_zero_only",
-    "register_by_value",
-    "run_training",
-]
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value: object = version("trainbridge")
+        except PackageNotFoundError:  # a source tree on sys.path that was never installed
+            value = "0+unknown"
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later look-ups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *__all__})

@@ -2,9 +2,18 @@
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+
+from tests.distributed.training_fixtures import make_assets
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama with its tokenizer and arithmetic train/val data (``make_assets``), built once; read-only."""
+    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 def free_port() -> int:

@@ -19,18 +19,13 @@ from safetensors.torch import load_file
 
 from tests.distributed.conftest import free_port
 from tests.distributed.fault_callbacks import ControlThenTerminate, ExitZero, KillOnce
-from tests.distributed.training_fixtures import base_args, make_assets
+from tests.distributed.training_fixtures import base_args
 from trainbridge import TorchrunArgs, TrainingInterruptedError, WorkerFailedError, run_training
 from trainbridge.checkpoint.manifest import verify_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
 TWO = TorchrunArgs(nproc_per_node=2)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 def _env() -> dict[str, str]:

@@ -13,16 +13,11 @@ import torch.distributed as dist
 from transformers import EarlyStoppingCallback, TrainerCallback
 
 from tests.distributed.conftest import run_on_ranks
-from tests.distributed.training_fixtures import base_args, make_assets
+from tests.distributed.training_fixtures import base_args
 from trainbridge import Callback, TorchrunArgs, run_training
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 # ============================================================================ callbacks shipped to workers

@@ -21,17 +21,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from tests.distributed.training_fixtures import base_args, make_assets
+from tests.distributed.training_fixtures import base_args
 from trainbridge import Callback, TorchrunArgs, run_training
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 class DumpFrozenWeights(Callback):

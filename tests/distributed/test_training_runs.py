@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.distributed.training_fixtures import EventCounter, base_args, make_assets, read_rank_files
+from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
 from trainbridge import Callback, TorchrunArgs, WorkerFailedError, run_training
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 def read_metrics(path: str) -> list[dict]:

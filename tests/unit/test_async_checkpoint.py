@@ -7,6 +7,7 @@ checkpoint has a ``dcp/`` part (the fp32 weights) to write in the background.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,12 +20,12 @@ from transformers import TrainerCallback
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.checkpoint import engine_state
-from trainbridge.checkpoint.manager import COMPLETE_MARKER, CheckpointError
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import COMPLETE_MARKER
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.demos.tiny_model import write_arithmetic_dataset
 from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.loop.build import build_run
@@ -44,20 +45,10 @@ class Saves(Callback):
 
 
 @pytest.fixture
-def args_for(tmp_path: Path, tiny_llama: Path):
-    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
-
-    def make(out: str, **overrides: Any) -> TrainingArgs:
-        values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, ckpt_output_dir=tmp_path / out, max_seq_len=32,
-            max_batch_len=64, effective_batch_size=8, learning_rate=3e-3, lr_scheduler="constant", max_steps=6,
-            logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=7,
-            checkpoint_weights_dtype="bfloat16", checkpoint_async=True,
-        )
-        values.update(overrides)
-        return TrainingArgs(**values)
-
-    return make
+def args_for(args_for):
+    """The shared ``args_for`` (tests/unit/conftest.py), saving asynchronously every 2 steps in bf16."""
+    return functools.partial(args_for, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16",
+                             checkpoint_async=True)
 
 
 def _loop(args: TrainingArgs, *callbacks: Callback) -> TrainingLoop:

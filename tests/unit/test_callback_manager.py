@@ -294,20 +294,6 @@ def test_duplicate_state_keys_get_an_occurrence_suffix_and_a_warning(caplog):
     assert caplog.records == []
 
 
-def test_states_saved_by_position_in_older_checkpoints_still_load(caplog):
-    class Other(Counter):
-        pass
-
-    # "<index>:<name>" keys: matched by position and name, else by a name only one callback has
-    saved = {"1:Counter": {"n": 4}, "0:Other": {"n": 6}, "5:Missing": {"n": 0}}
-    counter, other = Counter(), Other()
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
-        restored = CallbackManager([Recorder("x", []), counter, other]).load_state_dict(saved)
-    assert sorted(restored) == sorted(["Counter", Other.__qualname__])
-    assert (counter.n, other.n) == (4, 6)
-    assert "'5:Missing'" in caplog.text
-
-
 def test_manager_rejects_non_callbacks():
     with pytest.raises(TypeError, match=r"not a trainbridge\.Callback"):
         CallbackManager([object()])

@@ -14,12 +14,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from trainbridge.checkpoint.manager import (
-    COMPLETE_MARKER,
-    CheckpointError,
-    CheckpointManager,
-    read_safetensors_weights,
-)
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import COMPLETE_MARKER
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.weights import read_safetensors_weights
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.parallel.build import build_engine
@@ -160,12 +158,6 @@ def test_rng_states_are_restored(args: TrainingArgs) -> None:
     torch.manual_seed(99)
     manager.restore_rng(path)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == drawn
-
-    # A one-process checkpoint written before Trainer's naming (rng_state_0.pth) still restores.
-    (path / "rng_state.pth").rename(path / "rng_state_0.pth")
-    torch.manual_seed(99)
-    manager.restore_rng(path)
-    assert float(torch.rand(1)) == drawn[2]
 
 
 def test_tied_embeddings_round_trip(args: TrainingArgs, tmp_path: Path) -> None:

@@ -18,10 +18,12 @@ from tests.unit.test_checkpoint import args, new_engine, save_tiny_llama, train_
 from trainbridge import cli
 from trainbridge.callbacks.external_control import ExternalControl, take_requests, write_request
 from trainbridge.callbacks.interrupt import SaveOnInterrupt
-from trainbridge.checkpoint import durability
+from trainbridge.checkpoint import durability, folders
 from trainbridge.checkpoint import manager as manager_module
-from trainbridge.checkpoint.manager import OWNER_FILE, TMP_PREFIX, CheckpointError, CheckpointManager
-from trainbridge.checkpoint.manifest import MANIFEST_FILE, run_fingerprint, verify_checkpoint
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.checkpoint.layout import MANIFEST_FILE, OWNER_FILE, TMP_PREFIX
+from trainbridge.checkpoint.manager import CheckpointManager
+from trainbridge.checkpoint.manifest import run_fingerprint, verify_checkpoint
 from trainbridge.checkpoint.runlock import LOCK_DIR_NAME, RunFolderBusy, RunLock, live_holders
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -102,12 +104,10 @@ def test_temporary_checkpoint_of_a_live_run_is_left_alone(tmp_path, monkeypatch)
     for folder, pid in ((live, os.getppid()), (dead, DEAD_PID)):  # the parent: alive, not us
         folder.mkdir(parents=True)
         (folder / OWNER_FILE).write_text(json.dumps({"run_id": "other", "host": socket.gethostname(), "pid": pid}))
-    monkeypatch.setenv("TRAINBRIDGE_RUN_ID", "mine")
-    manager = CheckpointManager(out, DistributedEnv(), None)
-    manager._clean_leftovers()
+    folders.clean_leftovers(out, "mine")
     assert live.is_dir() and not dead.exists()
     with pytest.raises(CheckpointError, match="being written by another live run"):
-        manager._make_owned_tmp(live)
+        folders.make_owned_folder(live, "mine")
 
 
 # ----------------------------------------------------------------------------- manifest and fingerprint

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
-from trainbridge.demos.tiny_model import write_arithmetic_dataset
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.loop import TrainingLoop, train
 
@@ -54,25 +52,6 @@ class CrashAt(Callback):
     def on_step_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         if context.global_step == self.step:
             raise Crash(f"crash at step {self.step}")
-
-
-@pytest.fixture
-def args_for(tmp_path: Path, tiny_llama: Path):
-    train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
-    val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
-
-    def make(out: str = "out", **overrides: Any) -> TrainingArgs:
-        values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, val_data_path=val_file,
-            ckpt_output_dir=tmp_path / out,
-            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
-            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True,
-            seed=7,
-        )
-        values.update(overrides)
-        return TrainingArgs(**values)
-
-    return make
 
 
 def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):

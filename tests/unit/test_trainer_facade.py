@@ -287,7 +287,7 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match=r"fsdp_options: use distributed_backend=.*mock_data: use no"):
         TrainingArgs(**base, fsdp_options={}, mock_data=True)
     # instructlab's LoraOptions -> peft_config (None target_modules: every *_proj layer); rank 0: full fine-tuning
-    from trainbridge import DeepSpeedOptions, LoraOptions
+    from trainbridge.instructlab import DeepSpeedOptions, LoraOptions
 
     with pytest.warns(InstructlabNameWarning, match="lora is instructlab-training's name: use peft_config="):
         lora = TrainingArgs(**base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05),

@@ -5,7 +5,7 @@ import changed: a field with an exact equivalent here is translated (``random_se
 ``lora=LoraOptions(...)`` -> ``peft_config``...) with one ``InstructlabNameWarning`` naming ours, a field that
 has no meaning here (``data_output_dir``: no separate data-processing step; ``deepspeed_options``) is dropped
 with a warning, and a field that needs a decision (``fsdp_options``, ``mock_data``...) fails, the error saying
-what to write instead.  ``LoraOptions`` and ``DeepSpeedOptions`` are exported (``trainbridge.LoraOptions``),
+what to write instead.  ``trainbridge.instructlab`` exports these names with ``LoraOptions`` and ``DeepSpeedOptions``,
 so ``from instructlab.training import ...`` ports by changing the module name.  Where instructlab's
 field and ours are both given, ours must be left out (an error says so).  ``run_training`` also takes
 instructlab's argument order and keyword ``torch_args``.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import logging
 import queue
-import re
 import threading
 import traceback
 from collections.abc import Iterable, Mapping
@@ -249,10 +248,8 @@ class CallbackManager:
 
         With ``restore_user_states=False`` only callbacks marked ``always_restore_state`` are restored.  A
         stateful callback without a saved state starts fresh and a saved state no callback claims is
-        ignored, each with a warning naming the key.  States saved by position (``"<index>:<name>"``,
-        older checkpoints) are matched by position and name, else by a name only one callback has.
+        ignored, each with a warning naming the key.
         """
-        states = self._from_positional_keys(states)
         restored = []
         for key, cb in zip(self._state_keys, self.callbacks):
             if not (restore_user_states or cb.always_restore_state):
@@ -268,24 +265,6 @@ class CallbackManager:
                 logger.warning("the checkpoint holds a state for %r, which no configured callback has as its "
                                "state_key: ignored", key)
         return restored
-
-    def _from_positional_keys(self, states: Mapping[str, Any]) -> dict[str, Any]:
-        """Re-key a checkpoint's ``"<index>:<name>"`` states (older trainbridge) to state keys."""
-        out: dict[str, Any] = {}
-        for key, state in states.items():
-            match = _POSITIONAL_KEY.match(key)
-            if match is None:
-                out[key] = state
-                continue
-            index, name = int(match.group(1)), match.group(2)
-            same_name = [i for i, cb in enumerate(self.callbacks) if cb.name == name]
-            if index < len(self.callbacks) and self.callbacks[index].name == name:
-                out[self._state_keys[index]] = state
-            elif len(same_name) == 1:
-                out[self._state_keys[same_name[0]]] = state
-            else:
-                out[key] = state  # reported as unclaimed
-        return out
 
     def checkpoint_files(self, context: TrainingContext) -> dict[str, str | bytes]:
         """Extra files every callback wants written into a checkpoint."""
@@ -307,7 +286,6 @@ class CallbackManager:
         return self._observers.dropped
 
 
-_POSITIONAL_KEY = re.compile(r"^(\d+):(.+)$")
 
 
 def _is_stateful(cb: Callback) -> bool:

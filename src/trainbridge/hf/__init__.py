@@ -7,8 +7,6 @@
 - ``training_args_from_hf``: port an existing ``TrainingArguments`` to ``TrainingArgs``
   (``trainbridge.hf.porting``).
 - ``split_callbacks``: separate HF callbacks from the others.
-- ``Trainer``: ``trainbridge.Trainer`` (the facade lives in ``trainbridge.trainer``, a higher layer; this
-  name is resolved lazily on first use so that ``from trainbridge.hf import Trainer`` works too).
 """
 
 from __future__ import annotations
@@ -31,21 +29,10 @@ def split_callbacks(callbacks: Iterable[Any]) -> tuple[list[Any], list[Any]]:
     return others, hf
 
 
-def __getattr__(name: str) -> Any:
-    # The one upward reference of this package, allowed by tests/unit/test_layering.py (LAZY_EXPORTS):
-    # resolved on first attribute access, never at import, so the hf layer does not depend on it.
-    if name == "Trainer":
-        from trainbridge.trainer import Trainer
-
-        return Trainer
-    raise AttributeError(f"module 'trainbridge.hf' has no attribute {name!r}")
-
-
 __all__ = [
     "HFPortingWarning",
     "HuggingFaceCallbackAdapter",
     "HuggingFaceCallbackError",
-    "Trainer",
     "build_training_arguments",
     "is_hf_callback",
     "split_callbacks",

@@ -94,6 +94,7 @@ from transformers.integrations.integration_utils import TensorBoardCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import speed_metrics
 
+from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
@@ -107,10 +108,6 @@ from trainbridge.hf.porting import HFPortingWarning
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE_NAME = "trainer_state.json"
-"""The file transformers' Trainer writes its state to in each checkpoint (same name and format here)."""
-TRAINING_ARGS_NAME = "training_args.bin"
-"""The file transformers' Trainer pickles its ``TrainingArguments`` to, in each checkpoint and ``save_model``."""
 
 # TrainerControl flag -> the native request it becomes.
 CONTROL_FLAG_REQUESTS: dict[str, ControlFlag] = {
@@ -410,11 +407,11 @@ class HuggingFaceCallbackAdapter(Callback):
         self._update_best_model_checkpoint(context)
         self._update_stateful_callbacks()
         files: dict[str, str | bytes] = {
-            TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
+            TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"}
         if context.args.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
             buffer = io.BytesIO()
             torch.save(self._require()[0], buffer)
-            files[TRAINING_ARGS_NAME] = buffer.getvalue()
+            files[TRAINING_ARGS_FILE] = buffer.getvalue()
         return files
 
     def state_dict(self) -> Mapping[str, Any] | None:

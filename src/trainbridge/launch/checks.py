@@ -16,7 +16,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from trainbridge.checkpoint.manager import COMPLETE_MARKER, is_complete_checkpoint
+from trainbridge.checkpoint.folders import is_complete_checkpoint
+from trainbridge.checkpoint.layout import COMPLETE_MARKER
 from trainbridge.checkpoint.manifest import verify_checkpoint
 from trainbridge.core.config import TrainingArgs, peft_adapter_base
 from trainbridge.core.private_files import folder_problem, make_run_folder

@@ -31,7 +31,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import trainbridge
 from trainbridge.core.config import TrainingArgs
 from trainbridge.launch.errors import PreflightError
 
@@ -71,7 +70,7 @@ def _note_path(args: TrainingArgs) -> Path | None:
         return None  # a hub id: nothing on disk tells whether it changed
     try:
         inputs: dict[str, Any] = {
-            "trainbridge": trainbridge.__version__,
+            "trainbridge": metadata.version("trainbridge"),
             "transformers": metadata.version("transformers"),
             "data": fingerprint(args.data_path),
             "val_data": fingerprint(args.val_data_path) if args.val_data_path is not None else None,

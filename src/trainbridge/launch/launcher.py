@@ -220,9 +220,7 @@ def _install_folders() -> set[Path]:
 def _trainbridge_root() -> str | None:
     """The folder this ``trainbridge`` was imported from when it is not installed (a source checkout):
     the workers must run this copy (``-m trainbridge.launch.worker``) before any payload is read."""
-    import trainbridge
-
-    root = Path(trainbridge.__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # this file is <root>/trainbridge/launch/launcher.py
     install = _install_folders()
     return None if any(root == r or r in root.parents for r in install) else str(root)
 

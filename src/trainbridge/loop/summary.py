@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.checkpoint.manager import CHECKPOINT_PREFIX
 from trainbridge.core.context import count_parameters
+from trainbridge.core.run_dir import CHECKPOINT_PREFIX
 from trainbridge.loop.result import RunResult
 
 if TYPE_CHECKING:

@@ -5,6 +5,7 @@
 - ``token_metrics``: trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``.
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
+- ``preference_data``: trl's DPO data preparation, run by trl; the reference model's log-probs.
 """
 
 from typing import Any

@@ -1,0 +1,113 @@
+"""trl's own ``trl/scripts/sft.py``, as shipped in the trl wheel, with only the trainer import changed.
+
+The script is copied from the installed trl with ``from trl import SFTTrainer`` replaced by ``from
+trainbridge import SFTTrainer`` and run under ``torchrun --nproc_per_node=2`` and plain ``python`` on a
+tiny local Llama and local chat data; the unchanged script runs under torchrun as the reference.  The
+runs give the same checkpoint layout, log steps and ``global_step``; the logged keys are trl's apart
+from the SFT metrics not logged yet (docs/porting.md, "trl's trainers").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+trl = pytest.importorskip("trl")
+
+TRL_SFT = Path(trl.__file__).parent / "scripts" / "sft.py"
+ORIGINAL_IMPORT = "    from trl import SFTTrainer, get_dataset, get_peft_config, get_quantization_config\n"
+PORTED_IMPORT = (
+    "    from trainbridge import SFTTrainer\n"
+    "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
+)
+NOT_LOGGED_YET = {"entropy", "mean_token_accuracy", "num_tokens"}
+TRAINBRIDGE_FILES = {"COMPLETE", "manifest.json", "training_state.json"}
+"""What a trainbridge checkpoint adds: the completion marker, file hashes, callback and loop state."""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainbridge.demos.tiny_model import build_tiny_llama, write_chat_dataset
+
+    root = tmp_path_factory.mktemp("trl-scripts")
+    build_tiny_llama(root / "model")
+    (root / "data").mkdir()
+    write_chat_dataset(root / "data" / "train.jsonl", 48, seed=0)
+    source = TRL_SFT.read_text()
+    assert ORIGINAL_IMPORT in source, "trl's sft.py changed its import line"
+    (root / "sft_trl.py").write_text(source)
+    (root / "sft_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT))
+    return root
+
+
+def _run(assets: Path, script: str, output: str, launcher: list[str]) -> Path:
+    out = assets / output
+    args = [
+        "--model_name_or_path",
+        str(assets / "model"),
+        "--dataset_name",
+        str(assets / "data"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "2",
+        "--save_steps",
+        "4",
+        "--bf16",
+        "false",
+        "--use_cpu",
+        "true",
+        "--report_to",
+        "none",
+        "--max_length",
+        "64",
+        "--dtype",
+        "float32",
+        "--disable_tqdm",
+        "true",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [*launcher, str(assets / script), *args], env=env, capture_output=True, text=True, timeout=540, cwd=assets
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _torchrun(port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+
+
+def _summary(out: Path) -> tuple[int, list[tuple[int, frozenset[str]]], set[str]]:
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    rows = [(row["step"], frozenset(row) - {"step"}) for row in state["log_history"]]
+    return state["global_step"], rows, {p.name for p in (out / "checkpoint-4").iterdir()}
+
+
+def _launcher(launch: str) -> list[str]:
+    from tests.distributed.conftest import free_port
+
+    return _torchrun(free_port()) if launch == "torchrun" else [sys.executable]
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "python"])
+def test_trl_sft_script_with_the_import_changed(assets: Path, launch: str) -> None:
+    """Under plain python both run one process (trainbridge's self-launch on a CPU machine, trl in place)."""
+    trl_step, trl_rows, trl_files = _summary(_run(assets, "sft_trl.py", f"out-trl-{launch}", _launcher(launch)))
+    out = _run(assets, "sft_trainbridge.py", f"out-{launch}", _launcher(launch))
+    global_step, rows, files = _summary(out)
+    assert global_step == trl_step == 4
+    assert [step for step, _ in rows] == [step for step, _ in trl_rows] == [2, 4]
+    for (_, keys), (_, trl_keys) in zip(rows, trl_rows, strict=True):
+        assert keys == trl_keys - NOT_LOGGED_YET
+    assert files - TRAINBRIDGE_FILES == trl_files
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()  # save_model at the end
