@@ -1,7 +1,8 @@
 """Checks of the run's inputs in the parent, before launch: each fails in a second with one clear line
 instead of ~20 s later inside every worker with a page of tracebacks.
 
-* ``ckpt_output_dir`` can be created (private) and written, and nobody else can change what is in it;
+* ``ckpt_output_dir`` can be created (private) and written, and nobody else can change what is in it
+  (``check_output_dir``: once per launch, by its caller);
 * ``model_path`` holds a causal language model (its ``config.json`` names one transformers can load
   with ``AutoModelForCausalLM``);
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
@@ -29,11 +30,20 @@ _JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines", ""}
 
 def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     """None when ``path`` exists (created if needed: 0700, or 0750 shared with its group) and is writable
-    and only this user could have put anything in it (``core.private_files.folder_problem``), else what is wrong."""
+    and only this user could have put anything in it (``core.private_files.folder_problem``), else what is
+    wrong and what to do.  Run once per launch (``run_training``, or rank 0 of a run in place)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is" if existing == path else f"would be inside {str(existing)!r}, which is"
+        return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
+    where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
     try:
         created = make_run_folder(path, share_with_group)
     except OSError as exc:
-        return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
+        return (f"ckpt_output_dir = {str(path)!r}: cannot be created by this user{where}: {exc.strerror or exc}; "
+                "choose a folder you can write to.")
     try:
         problem = folder_problem(path, trust_group=share_with_group)
     except OSError as exc:
@@ -49,7 +59,8 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass
     except OSError as exc:
-        return f"ckpt_output_dir: {str(path)!r} is not writable: {exc.strerror or exc}"
+        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}: {exc.strerror or exc}; "
+                "choose a folder you can write to.")
     return None
 
 
@@ -123,14 +134,14 @@ def check_data_file(field: str, path: Path | None) -> str | None:
             continue
         try:
             record = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return f"{field}: {path}:{number}: not a JSON line ({exc}); expected one JSON object per line"
         if not isinstance(record, dict):
             return f"{field}: {path}:{number}: expected a JSON object, got {type(record).__name__}"
         seen += 1
         if seen >= SNIFF_LINES:
             break
-    if seen == 0 and not complete:
+    if seen == 0 and not complete and not head.strip():  # (a first line longer than the read is not empty)
         return f"{field}: {str(path)!r} is empty"
     return None
 
@@ -138,7 +149,6 @@ def check_data_file(field: str, path: Path | None) -> str | None:
 def input_problems(args: TrainingArgs) -> list[str]:
     """Every problem found, in the order above (empty when the run may launch)."""
     found = [
-        check_output_dir(args.ckpt_output_dir),
         check_causal_lm(args.model_path),
         check_resume_path(args),
         check_data_file("data_path", args.data_path),

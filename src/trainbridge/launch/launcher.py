@@ -101,10 +101,10 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
-    checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
-    (``launch.data_check``: bad rows named by file and line, before any worker starts; skipped when the
-    same inputs passed before).
+    (``check_transportable``, which raises ``CallbackTransportError``); the model, resume checkpoint and
+    data files pass ``launch.checks`` (the output folder is checked once, by the caller); the data reads
+    and tokenises into its cache (``launch.data_check``: bad rows named by file and line, before any worker
+    starts; skipped when the same inputs passed before).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -347,10 +347,14 @@ def run_in_place(args: TrainingArgs) -> RunResult:
 
     preflight(args)
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
-    if env.is_world_process_zero:
-        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+
+    def prepare_output_dir() -> None:
+        problem = check_output_dir(args.ckpt_output_dir)
+        if problem:
+            raise PreflightError(problem)
         result_file(args.ckpt_output_dir).unlink(missing_ok=True)
-    env.barrier()
+
+    env.on_rank_zero(prepare_output_dir, "preparing ckpt_output_dir", error=PreflightError)
     result = train(args, env, assemble_callbacks(args))
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))
@@ -401,7 +405,8 @@ def run_training(
         launch = torchrun_args
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
-    problem = check_output_dir(args.ckpt_output_dir)
+    launch = launch.for_device(args.device)
+    problem = check_output_dir(args.ckpt_output_dir)  # once per launch (preflight does not repeat it)
     if problem:
         raise PreflightError(problem)
     result_path = result_file(args.ckpt_output_dir)

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.run_dir import result_file
+from trainbridge.core.run_dir import FacadeDir, result_file
 from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.process_exit import exit_now
@@ -34,13 +34,6 @@ from trainbridge.launch.worker import run_worker
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
-
-STATE_FILE = "trainer_state.json"
-"""``run_dir / STATE_FILE``: the ``TrainerState`` after training, written by rank 0."""
-EVAL_FILE = "evaluation.pkl"
-"""``run_dir / EVAL_FILE``: metrics (and predictions) of an evaluation job, written by rank 0."""
-FINAL_MODEL_DIR = "final-model"
-"""``run_dir / FINAL_MODEL_DIR``: the weights at the end of training (HF layout)."""
 
 
 def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbackAdapter]:
@@ -82,11 +75,11 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
         run_callbacks, adapter = with_trainer_state(given)
         loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
-        export_model(loop, job.run_dir / FINAL_MODEL_DIR)
+        export_model(loop, FacadeDir(job.run_dir).final_model)
         state = adapter.trainer_state() or {}
         if env.is_world_process_zero:
             result.write(result_file(job.args.ckpt_output_dir))
-            (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+            FacadeDir(job.run_dir).state_file.write_text(json.dumps(state, indent=2, default=str))
         return JobOutcome(loop=loop, result=result, state=state)
     if job.kind == "evaluate":
         loop = TrainingLoop(job.args, env, callbacks or [], build_run(job.args, env))
@@ -98,7 +91,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
             # the launcher expects a result from every job; an evaluation trained no step
             job.args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
             RunResult(global_step=0, epoch=0.0, max_steps=0).write(result_file(job.args.ckpt_output_dir))
-            with (job.run_dir / EVAL_FILE).open("wb") as handle:
+            with FacadeDir(job.run_dir).evaluation_file.open("wb") as handle:
                 pickle.dump({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
                             handle)
         return JobOutcome(loop=loop, metrics=metrics, predictions=predictions)
@@ -108,14 +101,16 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
 def export_model(loop: TrainingLoop, folder: Path) -> None:
     """Write the loop's current weights in HF layout into ``folder`` (collective for sharded engines)."""
     state = loop.engine.full_model_state_dict()
-    if loop.env.is_world_process_zero:
+
+    def write() -> None:
         if state is None:
             raise RuntimeError("the engine returned no full state dict on rank 0")
         folder.mkdir(parents=True, exist_ok=True)
         loop.engine.unwrapped.save_pretrained(folder, state_dict=state)
         if getattr(loop, "tokenizer", None) is not None:
             loop.tokenizer.save_pretrained(folder)
-    loop.env.barrier()
+
+    loop.env.on_rank_zero(write, f"writing the model to {folder}")
 
 
 JOB_ENV = "TRAINBRIDGE_FACADE_JOB"
