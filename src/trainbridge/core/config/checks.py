@@ -45,6 +45,9 @@ def check_consistent(args: TrainingArgs) -> None:
         if args.save_strategy == "steps" and args.eval_steps and args.save_steps:
             if args.save_steps % args.eval_steps:
                 raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
+    if args.nonfinite_policy == "skip" and args.distributed_backend == "deepspeed":
+        raise ValueError("nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
+                         "applies its update inside its own step); use 'error' or 'warn'")
     if args.data_collator is not None and args.packing == "padding_free":
         raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
                          "micro-batches); leave packing='auto' or set data_collator=None")
