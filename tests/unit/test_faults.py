@@ -230,11 +230,12 @@ def test_inputs_that_would_fail_inside_the_workers_fail_before_launch(inputs, tm
     assert input_problems(TrainingArgs(**inputs)) == []
     bert = tmp_path / "bert"
     bert.mkdir()
-    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     csv = tmp_path / "train.csv.jsonl"
     csv.write_text("input_ids,labels\n1 2 3,1 2 3\n")
     cases = {
-        "model_path": ({"model_path": bert}, r"is not a causal language model \(model_type 'bert'"),
+        "model_path": ({"model_path": bert}, r"^model: BertModel is not a causal LM and its forward takes no labels, "
+                                             "so it returns no loss to train on; load the model with a task head"),
         "resume": ({"resume_from_checkpoint": tmp_path / "out" / "checkpoint-9"},
                    "resume_from_checkpoint: .*checkpoint-9' does not exist"),
         "data": ({"data_path": csv}, r"data_path: .*train.csv.jsonl:1: not a JSON line"),

@@ -206,11 +206,12 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
     # 5 samples on 2 ranks (uneven): rank 0 holds 0, 2, 4; rank 1 holds 1, 3
     rank1 = PredictionCollector(args)
     b, lg = batch([[11 % vocab, 1], [3, 3, 3]])
-    rank1.add([1, 3], b, lg)
+    rank1.add([1, 3], b, lg, b["labels"])
     rank0 = PredictionCollector(args)
     b, lg = batch([[0], [2, 2], [4, 4, 4, 4]])
-    rank0.add([0, 2, 4], b, lg)
-    rank0.add([], *batch([[0]]))  # a dummy micro-batch adds nothing
+    rank0.add([0, 2, 4], b, lg, b["labels"])
+    b, lg = batch([[0]])
+    rank0.add([], b, lg, b["labels"])  # a dummy micro-batch adds nothing
     metrics = rank0.compute(_TwoRanks(rank1._samples))
     assert metrics == {"eval_n": 5.0}
     p = seen["p"]

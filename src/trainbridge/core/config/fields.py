@@ -140,6 +140,10 @@ class DataFields(BaseModel):
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
     """Where checkpoints ``checkpoint-{global_step}/``, ``metrics.jsonl`` and ``result.json`` go."""
+    share_run_dir_with_group: bool = False
+    """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700, and a
+    folder (or a parent) its group can write to is accepted: the group's members are trusted.  By default the
+    run folder is private, and one that anyone but you (or root) could change is refused before launch."""
 
     @field_validator("data_path", "val_data_path")
     @classmethod
@@ -182,6 +186,24 @@ class BatchFields(BaseModel):
     its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
     become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
     must not be ``padding_free``).  None: trainbridge's own collation."""
+    training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
+    """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
+    batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches
+    (``per_device_batch_size`` items formed by ``data_collator``, else ``DataCollatorWithPadding`` /
+    ``default_data_collator`` as Trainer picks) and the loss the model's forward returns (any model with a
+    task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
+    causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
+    dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
+    per_device_batch_size: int | None = Field(default=None, gt=0)
+    """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
+    micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
+    micro-batch per step, ``effective_batch_size / world size`` items."""
+    remove_unused_columns: bool = True
+    """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
+    sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""
+    label_names: list[str] | None = None
+    """``model_loss``: the batch keys that hold the labels (Trainer's ``label_names``); None: ``labels``, or
+    ``start_positions``/``end_positions`` for question answering."""
     loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
     """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
     logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
@@ -230,6 +252,12 @@ class ScheduleFields(BaseModel):
     """AdamW epsilon."""
     max_grad_norm: float | None = Field(default=1.0, gt=0.0)
     """Gradient clipping norm; None disables clipping (the norm is still measured)."""
+    nonfinite_policy: Literal["error", "skip", "warn"] = "error"
+    """A step whose loss or gradient norm is NaN or infinite (seen in the step's agreement, no extra
+    collective): ``error`` stops the run naming the step, saving nothing for it and rotating nothing out, so
+    the last finite checkpoint survives; ``skip`` does not apply that step's update (reads the norm before
+    the optimizer step: one host-device synchronisation per step; not with ``deepspeed``, which steps
+    inside its engine) and leaves its loss out of the logged averages; ``warn`` only logs a warning."""
     seed: int = 42
     """Seed for model init side effects, data order and validation split."""
 
