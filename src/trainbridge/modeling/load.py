@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
+from trainbridge.modeling import quantization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -75,6 +76,7 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
         args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
         and args.model_init is None and args.peft_config is None and args.model_path is not None
         and peft_adapter_base(args.model_path) is None and not args.model_kwargs.model_extra
+        and quantization.saved_quantization(args.model_path) is None
     )
 
 
@@ -93,9 +95,10 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         if skeleton:
             model = build_skeleton(args.model_path, args.model_kwargs)
         elif base is None:
-            model = load_base_model(args.model_path, args.model_kwargs)
+            model = prepare_quantized(load_base_model(args.model_path, args.model_kwargs, args.device), args)
         else:
-            model = load_adapter(load_base_model(base, args.model_kwargs), args.model_path, trainable=True)
+            model = prepare_quantized(load_base_model(base, args.model_kwargs, args.device), args)
+            model = load_adapter(model, args.model_path, trainable=True)
             logger.info("model: base %s with the PEFT adapter of %s (trainable)", base, args.model_path)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
@@ -161,15 +164,33 @@ def is_causal_lm(model: Any) -> bool:
     return name in names or str(auto_map.get("AutoModelForCausalLM", "")).endswith(f".{name}")
 
 
-def load_base_model(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
-    """``from_pretrained(path, **model_kwargs)`` of the class the folder's config names (``model_class``)."""
+def load_base_model(path: Path | str, model_kwargs: ModelKwargs, device: str = "auto") -> PreTrainedModel:
+    """``from_pretrained(path, **model_kwargs)`` of the class the folder's config names (``model_class``); a
+    quantised model is loaded straight onto this rank's device (``device``: ``TrainingArgs.device``)."""
     from transformers import AutoConfig
 
+    kwargs = model_kwargs.from_pretrained_kwargs()
+    kwargs.update(quantized_placement(path, model_kwargs, device))
     # Absolute, so adapter_config.json of every checkpoint names a base model that loads from any folder.
     folder = str(Path(path).resolve())
     config = AutoConfig.from_pretrained(folder, trust_remote_code=model_kwargs.trust_remote_code)
-    loaded: Any = model_class(config).from_pretrained(folder, **model_kwargs.from_pretrained_kwargs())
+    loaded: Any = model_class(config).from_pretrained(folder, **kwargs)
     return cast("PreTrainedModel", loaded)
+
+
+def quantized_placement(path: Path | str, model_kwargs: ModelKwargs, device: str) -> dict[str, Any]:
+    """``{"device_map": {"": this rank's device}}`` for a quantised model (bitsandbytes quantises where it
+    loads, and a quantised model is not moved afterwards); ``{}`` for a plain one."""
+    if not (model_kwargs.quantized() or quantization.saved_quantization(path)):
+        return {}
+    quantization.require_bitsandbytes("a quantized base model (model_kwargs.quantization_config)")
+    return {"device_map": {"": quantization.load_device(device)}}
+
+
+def prepare_quantized(model: nn.Module, args: TrainingArgs) -> nn.Module:
+    """A quantised base: ``peft.prepare_model_for_kbit_training`` (frozen, its non-quantised weights in fp32;
+    gradient checkpointing is switched on after, as for any model); any other model unchanged."""
+    return quantization.prepare_for_training(model) if quantization.is_quantized(model) else model
 
 
 def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
@@ -279,12 +300,17 @@ def check_model_setup(args: TrainingArgs) -> None:
 
 def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
-    returns is unloaded) or from ``model_path`` (an adapter folder's base model)."""
+    returns is unloaded) or from ``model_path`` (an adapter folder's base model), not quantised by
+    ``model_kwargs`` (the adapter is merged into the full-precision weights)."""
     if args.model_init is not None:
         model = call_model_init(args.model_init)
         return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
     assert args.model_path is not None
-    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, args.model_kwargs)
+    kwargs = args.model_kwargs
+    if kwargs.quantized():  # merged into the full-precision weights the quantised base was made from
+        plain = {k: v for k, v in kwargs.model_dump().items() if k != "quantization_config"}
+        kwargs = ModelKwargs.model_validate(plain)
+    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, kwargs)
 
 
 def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path, dtype: torch.dtype | None = None) -> Path:

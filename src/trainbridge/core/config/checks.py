@@ -94,19 +94,15 @@ def check_model(args: TrainingArgs) -> None:
     if args.gradient_checkpointing_kwargs != {"use_reentrant": False} and not args.gradient_checkpointing:
         raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
     if args.model_kwargs.quantized():
-        import torch
+        import importlib.util
 
-        if args.device == "cpu" or not torch.cuda.is_available():
-            raise ValueError(
-                "model_kwargs.quantization_config: a quantized (bitsandbytes, QLoRA) base model needs CUDA, and "
-                f"this run is on CPU (device={args.device!r}, CUDA available: {torch.cuda.is_available()}); "
-                "drop the quantization keywords or run on a GPU"
-            )
-        if args.distributed_backend == "fsdp" or (
-            args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
-        ):
-            raise ValueError(
-                "model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be sharded by "
-                f"{args.distributed_backend}{'' if args.distributed_backend == 'fsdp' else ' ZeRO-3'} here; "
-                "use ddp or deepspeed ZeRO-1/2"
-            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
+                             "pip install 'trainbridge[qlora]'")
+        if not is_peft and args.model_init is None:
+            raise ValueError("model_kwargs.quantization_config: a quantized base model trains through an adapter "
+                             "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords")
+        if args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3:
+            raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be "
+                             "partitioned by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) "
+                             "or ZeRO-1/2")

@@ -33,6 +33,10 @@ class ModelKwargs(BaseModel):
             if key in extra:
                 fix = "the engine places the model on its rank's device" if key == "device_map" else "use dtype"
                 raise ValueError(f"model_kwargs.{key}: not supported here ({fix})")
+        for key in ("load_in_4bit", "load_in_8bit"):
+            if key in extra:
+                raise ValueError(f"model_kwargs.{key}: transformers takes it inside quantization_config; set "
+                                 f"model_kwargs={{'quantization_config': BitsAndBytesConfig({key}=True)}}")
         return self
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
@@ -46,7 +50,7 @@ class ModelKwargs(BaseModel):
     def quantized(self) -> bool:
         """Whether the keywords ask for a quantized (bitsandbytes) base model."""
         extra = self.model_extra or {}
-        return bool(extra.get("quantization_config") or extra.get("load_in_4bit") or extra.get("load_in_8bit"))
+        return bool(extra.get("quantization_config"))
 
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
