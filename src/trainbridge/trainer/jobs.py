@@ -6,14 +6,15 @@ Each job runs one of two ways (module doc of ``trainer.facade``):
   every rank gets their ``RunLayout`` or rank 0's failure (``DistributedEnv.on_rank_zero``), then every rank
   runs the job (``runner.run_job``);
 - **launched** (plain ``python``): this process writes the inputs, launches torchrun workers running
-  ``trainbridge.trainer.runner`` and reads what rank 0 left in the run folder.
+  ``trainbridge.trainer.runner`` and reads what rank 0 left in the run folder: JSON, safetensors, and an
+  evaluation's result signed with a key only this launch knows (``launch.transport.read_signed``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +22,18 @@ from trainbridge.checkpoint.layout import ADAPTER_WEIGHTS_FILE
 from trainbridge.core.config import TorchrunArgs
 from trainbridge.core.distributed import launched_worker
 from trainbridge.core.run_dir import FacadeDir
+from trainbridge.launch.transport import read_signed
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args, run_folder
-from trainbridge.trainer.runner import JOB_ENV, FacadeJob, JobOutcome, export_model, job_environment, run_job
+from trainbridge.trainer.runner import (
+    JOB_ENV,
+    RESULT_KEY_ENV,
+    FacadeJob,
+    JobOutcome,
+    export_model,
+    job_environment,
+    run_job,
+)
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import Trainer
@@ -64,9 +74,9 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
     if env is not None:
         outcome = run_job(job, env)
         return dict(outcome.metrics or {}), outcome.predictions
+    job.result_key = secrets.token_hex(32)
     launch(job, launch_args(trainer))
-    with folder.evaluation_file.open("rb") as handle:
-        out = pickle.load(handle)
+    out = read_signed(folder.evaluation_file, job.result_key, RESULT_KEY_ENV)
     return dict(out["metrics"]), out["predictions"]
 
 
@@ -85,15 +95,21 @@ def launch(job: FacadeJob, torchrun_args: TorchrunArgs) -> RunResult | None:
     """Run ``job`` in torchrun workers started from this process (``run_training``); rank 0's result."""
     from trainbridge.launch.launcher import run_training
 
-    previous = os.environ.get(JOB_ENV)
-    os.environ[JOB_ENV] = job_environment(job)
+    variables = {JOB_ENV: job_environment(job), RESULT_KEY_ENV: job.result_key}
+    previous = {name: os.environ.get(name) for name in variables}
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         return run_training(job.args, torchrun_args, worker_module=RUNNER_MODULE)
     finally:
-        if previous is None:
-            os.environ.pop(JOB_ENV, None)
-        else:
-            os.environ[JOB_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _write_training_inputs(trainer: Trainer) -> run_folder.RunLayout:
@@ -158,7 +174,7 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
     if trainer.model is None:
         from transformers import AutoModelForCausalLM
 
-        trainer.model = AutoModelForCausalLM.from_pretrained(folder)
+        trainer.model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)  # never a pickle
         return
     state = read_safetensors_weights(folder)
     fill_tied_weights(state, trainer.model)
