@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 NATIVE_RESUME_TRUST = ("resuming from %s with DeepSpeed: DeepSpeed reads its own checkpoint files with "
                        "torch.load(weights_only=False), which runs any code a pickle in them holds. The manifest "
                        "checks that the files are the ones written, not who wrote them: resume only from "
-                       "checkpoints you trust (docs/faults.md, S2)")
+                       "checkpoints you trust (docs/faults.md, C11)")
 """Warned by rank 0 at every DeepSpeed resume."""
 
 
