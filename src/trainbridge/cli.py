@@ -31,6 +31,7 @@ _NPROC_HELP = (
     "worker processes on this node (default: one per visible GPU; on a machine without GPUs, 1, with a "
     "note: give --nproc-per-node N for N CPU ranks)"
 )
+_NO_GPU_NOTE = "no GPU in use: 1 worker process (give --nproc-per-node N to train with N CPU ranks)"
 _SET_HELP = (
     "override a config field (value parsed as YAML, e.g. max_steps=100, report_to=[tensorboard]); "
     "repeatable.  A relative path given here resolves against the working directory, like any path "
@@ -211,29 +212,6 @@ def add_user_import_paths(config: Path, overrides: dict[str, Any] | None = None)
     return added
 
 
-def default_nproc_per_node(device: str) -> tuple[int, str | None]:
-    """``--nproc-per-node``'s default: every visible GPU, else 1 with a note saying so."""
-    gpus = 0 if device == "cpu" else console.visible_gpu_count()
-    if gpus:
-        return gpus, None
-    return 1, "no GPU in use: 1 worker process (give --nproc-per-node N to train with N CPU ranks)"
-
-
-def output_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot hold the run's output (without creating it), or None when it can."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        what = "is" if existing == path else f"would be inside {str(existing)!r}, which is"
-        return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
-        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}; choose a folder you can "
-                "write to.")
-    return None
-
-
 def _trainer_hint(name: str) -> str | None:
     from trainbridge.hf.porting import trainer_field_hint
 
@@ -244,6 +222,7 @@ def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArg
     """Validated arguments, or the error report to print."""
     import pydantic
 
+    from trainbridge.core import nproc
     from trainbridge.core.config import TorchrunArgs, TrainingArgs
     from trainbridge.core.config_errors import format_validation_error
 
@@ -260,19 +239,16 @@ def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArg
     fields = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
               "rdzv_id", "max_restarts")
     given = {name: getattr(options, name) for name in fields if getattr(options, name) is not None}
-    note = None
-    if "nproc_per_node" not in given:
-        given["nproc_per_node"], note = default_nproc_per_node(args.device)
     try:
-        launch = TorchrunArgs.model_validate(given)
+        launch = TorchrunArgs.model_validate(given).for_device(args.device)
     except pydantic.ValidationError as exc:
         text = format_validation_error(exc, TorchrunArgs)
         return text.replace("invalid configuration", "invalid command-line option", 1)
-    problem = output_dir_problem(args.ckpt_output_dir)
-    if problem:
-        return problem
-    if note:
-        print(f"trainbridge: note: {note}", file=sys.stderr)
+    except ValueError as exc:  # a bad TRAINBRIDGE_NPROC_PER_NODE
+        return str(exc)
+    counted_gpus = "nproc_per_node" not in given and nproc.NPROC_ENV not in os.environ
+    if counted_gpus and (args.device == "cpu" or nproc.visible_gpu_count() == 0):
+        print(f"trainbridge: note: {_NO_GPU_NOTE}", file=sys.stderr)
     return args, launch
 
 

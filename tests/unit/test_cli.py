@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from trainbridge import cli
+from trainbridge.core import nproc
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.launch import launcher
 from trainbridge.launch.launcher import PreflightError, TrainingInterruptedError, WorkerFailedError
@@ -156,22 +157,25 @@ def test_torchrun_spelling_of_nproc_per_node_is_accepted(config, launches):
 
 
 def test_nproc_per_node_defaults_to_one_with_a_note_without_gpus(config, launches, capsys, monkeypatch):
-    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(nproc, "visible_gpu_count", lambda: 0)
     assert cli.main(["train", str(config)]) == 0
     assert launches.calls[0][1].nproc_per_node == 1
     assert "note: no GPU in use: 1 worker process (give --nproc-per-node N" in capsys.readouterr().err
 
 
 def test_nproc_per_node_defaults_to_every_visible_gpu(config, launches, capsys, monkeypatch):
-    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(nproc, "visible_gpu_count", lambda: 4)
     assert cli.main(["train", str(config)]) == 0
     assert launches.calls[0][1].nproc_per_node == 4
     assert "note" not in capsys.readouterr().err
 
 
-def test_device_cpu_never_counts_gpus(monkeypatch):
-    monkeypatch.setattr(cli.console, "visible_gpu_count", lambda: 8)
-    assert cli.default_nproc_per_node("cpu")[0] == 1 and cli.default_nproc_per_node("auto")[0] == 8
+def test_nproc_per_node_default_follows_the_environment_variable(config, launches, capsys, monkeypatch):
+    monkeypatch.setattr(nproc, "visible_gpu_count", lambda: 0)
+    monkeypatch.setenv("TRAINBRIDGE_NPROC_PER_NODE", "3")
+    assert cli.main(["train", str(config)]) == 0
+    assert launches.calls[0][1].nproc_per_node == 3
+    assert "note" not in capsys.readouterr().err
 
 
 def test_resume_flag_means_resume_from_checkpoint_auto(config, launches):
@@ -214,7 +218,10 @@ def test_invalid_yaml_in_set_is_an_argument_error(config, capsys):
 
 
 @pytest.mark.parametrize("kind", ["file", "inside_file", "read_only"])
-def test_unusable_output_folder_is_one_line_exit_2(config, launches, capsys, tmp_path, kind):
+def test_unusable_output_folder_is_one_line_exit_2(config, capsys, tmp_path, kind, monkeypatch):
+    """Checked once, by run_training (the real one here), before anything is locked or launched."""
+    monkeypatch.setattr(launcher, "preflight", lambda args: pytest.fail("preflight ran"))
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     blocker = tmp_path / "blocker"
     if kind == "read_only":
         blocker.mkdir(mode=0o500)
@@ -226,10 +233,10 @@ def test_unusable_output_folder_is_one_line_exit_2(config, launches, capsys, tmp
 
     if kind == "read_only" and os.access(blocker, os.W_OK):
         pytest.skip("running as root: permissions are not enforced")
-    assert cli.main(["train", str(config), "--set", f"ckpt_output_dir={target}"]) == 2
+    assert cli.main(["train", str(config), "--nproc-per-node", "1", "--set", f"ckpt_output_dir={target}"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith(f"trainbridge: ckpt_output_dir = '{target}'")
-    assert launches.calls == []
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"trainbridge: not launched: ckpt_output_dir = '{target}'")
 
 
 def test_callback_module_next_to_the_config_imports_by_name(config, launches, monkeypatch, tmp_path):

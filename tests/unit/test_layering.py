@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "parallel": 1,  # training engines: DDP / FSDP2 / DeepSpeed
     "callbacks": 1,  # built-in callbacks (schedule, best checkpoint, metrics file, progress)
     "checkpoint": 2,  # checkpoint folders, rotation, resume state (reads engines)
+    "step": 2,  # the training step as a seam: batches and loss per task (token cross entropy, model's own loss)
     "loop": 3,  # the training loop, its build step and its result
     "hf": 4,  # the Hugging Face adapter and porting (plug-ins on the loop)
     "report": 4,  # reports on finished runs read from disk (plots of metrics.jsonl)

@@ -19,8 +19,9 @@ from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.launch import launcher
 from trainbridge.loop.predictions import PredictionCollector
-from trainbridge.trainer import inputs
+from trainbridge.trainer import inputs, job_args, jobs
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+from trainbridge.trainer.run_folder import RunLayout
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +115,10 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = {"model_path": str(model_dir), "data_path": str(data), "longest": 3}
+    layout = RunLayout(model_path=model_dir, data_path=data, longest=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
-        args = trainer._training_args(layout, world_size=2, resume=None)
+        args = job_args.training_args(trainer, layout, world_size=2, resume=None)
     assert args.effective_batch_size == 3 * 2 * 2
     assert args.max_seq_len == 3 and args.max_batch_len == 9
 
@@ -205,11 +206,12 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
     # 5 samples on 2 ranks (uneven): rank 0 holds 0, 2, 4; rank 1 holds 1, 3
     rank1 = PredictionCollector(args)
     b, lg = batch([[11 % vocab, 1], [3, 3, 3]])
-    rank1.add([1, 3], b, lg)
+    rank1.add([1, 3], b, lg, b["labels"])
     rank0 = PredictionCollector(args)
     b, lg = batch([[0], [2, 2], [4, 4, 4, 4]])
-    rank0.add([0, 2, 4], b, lg)
-    rank0.add([], *batch([[0]]))  # a dummy micro-batch adds nothing
+    rank0.add([0, 2, 4], b, lg, b["labels"])
+    b, lg = batch([[0]])
+    rank0.add([], b, lg, b["labels"])  # a dummy micro-batch adds nothing
     metrics = rank0.compute(_TwoRanks(rank1._samples))
     assert metrics == {"eval_n": 5.0}
     p = seen["p"]
@@ -406,13 +408,13 @@ def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> N
 def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops_it() -> None:
     """run_clm.py's ``train_results.json`` holds ``total_flos`` under real Trainer (ProgressCallback, the
     default, pops from a copy); with ``disable_tqdm`` Trainer's PrinterCallback pops it from the returned dict."""
-    from trainbridge.trainer.facade import _train_metrics
+    from trainbridge.trainer.results import train_metrics
 
     history = [{"loss": 1.0, "step": 2},
                {"train_runtime": 0.5, "train_loss": 1.0, "total_flos": 8.0, "epoch": 1.0, "step": 2}]
-    assert _train_metrics(history, disable_tqdm=False) == {"train_runtime": 0.5, "train_loss": 1.0,
+    assert train_metrics(history, disable_tqdm=False) == {"train_runtime": 0.5, "train_loss": 1.0,
                                                            "total_flos": 8.0, "epoch": 1.0}
-    assert "total_flos" not in _train_metrics(history, disable_tqdm=True)
+    assert "total_flos" not in train_metrics(history, disable_tqdm=True)
 
 
 class EventRecorder(transformers.TrainerCallback):
@@ -445,16 +447,16 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     args = _hf_args(tmp_path)
     trainer = Trainer(model=model, args=args, processing_class=tok, callbacks=[recorder])
     job = {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.0}
-    jobs: list[Any] = []
+    calls: list[Any] = []
 
-    def evaluate_job(dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
-        jobs.append(dataset)
+    def evaluate_job(_: Any, dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
+        calls.append(dataset)
         if isinstance(dataset, dict):  # one job over the named sets, as the loop reports them
             return {**{f"eval_{n}_{k}": v for n in dataset for k, v in (("loss", 2.0), ("runtime", 0.1))},
                     "epoch": 0.0}, None
         return dict(job), PredictionCollectorResult() if keep_predictions else None
 
-    monkeypatch.setattr(trainer, "_evaluate_job", evaluate_job)
+    monkeypatch.setattr(jobs, "evaluate", evaluate_job)
     trainer.state.epoch = 0.6667
     trainer.state.global_step = 6
     metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2]}])
@@ -465,7 +467,7 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     recorder.events.clear()
     both = trainer.evaluate(eval_dataset={"a": [{"input_ids": [1]}], "b": [{"input_ids": [2]}]})
     assert set(both) == {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_runtime", "epoch"}
-    assert len(jobs) == 2 and isinstance(jobs[-1], dict)  # one evaluation job for both sets
+    assert len(calls) == 2 and isinstance(calls[-1], dict)  # one evaluation job for both sets
     assert [sorted(e) for e in trainer.state.log_history[-2:]] == [
         ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime", "step"] for s in "ab"]
     assert [(name, sorted(values)) for name, values, _, _ in recorder.events] == [
@@ -492,14 +494,12 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
     args = _hf_args(tmp_path, eval_strategy="steps", eval_steps=1, metric_for_best_model="b_loss", max_steps=2)
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset={"a": rows, "b": rows.select([0])},
                       processing_class=tok)
-    write = trainer._prepare(1, None)
-    write()
-    ported = trainer._build_args()
+    ported = job_args.training_args(trainer, jobs._write_training_inputs(trainer), 1, None)
     assert ported.val_data_path is None and list(ported.eval_data_paths) == ["a", "b"]
     assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4
     single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
-    single._prepare(1, None)()
-    assert single._build_args().val_data_path is not None and single._build_args().eval_data_paths == {}
+    ported = job_args.training_args(single, jobs._write_training_inputs(single), 1, None)
+    assert ported.val_data_path is not None and ported.eval_data_paths == {}
 
 
 def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) -> None:

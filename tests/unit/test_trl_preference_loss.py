@@ -241,3 +241,29 @@ def test_settings_from_trl_config(tmp_path: Any) -> None:
     assert settings.loss_type == ("sigmoid", "sft")
     assert settings.loss_weights == (1.0, 0.5)
     assert (settings.beta, settings.label_smoothing) == (0.2, 0.05)
+
+
+def test_terms_of_micro_batches_sum_to_the_steps_loss() -> None:
+    """Split over micro-batches (or ranks), each term's sums add up; divided once by the step's counts they
+    give the loss of all pairs at once (what a step with several micro-batches optimises)."""
+    from trainbridge.trl.preference_loss import SequenceLogps
+
+    torch.manual_seed(0)
+    policy = SequenceLogps(-torch.rand(6) * 20, -torch.rand(6) * 20)
+    reference = SequenceLogps(-torch.rand(6) * 20, -torch.rand(6) * 20)
+    chosen_tokens, rejected_tokens = torch.randint(1, 9, (6,)), torch.randint(1, 9, (6,))
+    settings = DPOLossSettings(loss_type=("sigmoid", "ipo", "sft"), loss_weights=(1.0, 0.5, 0.2))
+    counts = {"pairs": 6.0, "chosen_tokens": float(chosen_tokens.sum())}
+    whole = combine_terms(dpo_loss_terms(policy, reference, settings, chosen_tokens, rejected_tokens), counts)
+    parts = [
+        dpo_loss_terms(
+            SequenceLogps(policy.chosen[s], policy.rejected[s]),
+            SequenceLogps(reference.chosen[s], reference.rejected[s]),
+            settings,
+            chosen_tokens[s],
+            rejected_tokens[s],
+        )
+        for s in (slice(0, 2), slice(2, 6))
+    ]
+    split = sum(combine_terms(terms, counts) for terms in parts)
+    torch.testing.assert_close(split, whole)

@@ -1,11 +1,8 @@
 """``BestCheckpointTracker``: best-metric tracking as transformers' Trainer does it.
 
-Runs after user callbacks, so at ``on_evaluate`` they still see the previous best (as under
-Trainer, whose ``_determine_best_metric`` runs after ``on_evaluate``).  Requests a save on a new
-best under ``save_strategy='best'`` and records the best checkpoint (protected from rotation); with
-``load_best_model_at_end`` the loop loads its weights before any ``on_train_end``
-(``TrainingLoop._load_best_model``, as ``Trainer._finalize_training``), so every callback sees them.
-With named validation sets (``eval_data_paths``) the metric is read at the ``on_evaluate`` of its own set.
+Runs after user callbacks (they see the previous best at ``on_evaluate``, as under Trainer), requests a
+save on a new best under ``save_strategy='best'`` and protects the best checkpoint from rotation; the loop
+loads it before ``on_train_end`` when ``load_best_model_at_end``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""``ScheduleCallback``: requests log / evaluate / save when the config says so.
-
-The rules are transformers' ``DefaultFlowCallback`` rules (so a native run logs, evaluates and saves
-at the steps ``transformers.Trainer`` would), plus trainbridge's ``save_samples`` and
-``checkpoint_at_epoch``.  Being a callback, the schedule goes through the same agreement as any
-user request.
-"""
+"""``ScheduleCallback``: requests log / evaluate / save at the steps ``transformers.Trainer`` would
+(``DefaultFlowCallback``'s rules), plus ``save_samples`` and ``checkpoint_at_epoch``, through the same
+agreement as any user request."""
 
 from __future__ import annotations
 

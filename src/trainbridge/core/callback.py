@@ -1,10 +1,8 @@
 """The native callback API: subclass ``Callback`` and override the events you need.
 
-The callback manager delivers every event through one method, ``run_event(event, context, **kwargs)``,
-which calls the hook of the same name, ``hook(context, **event_kwargs)`` (see
-``trainbridge.core.events.EVENT_MAP`` for the keyword arguments of each event).  Only events a callback
-``handles`` are delivered: by default, the hooks a subclass overrides.  A callback that routes events
-itself (the Hugging Face adapter) overrides ``run_event`` and ``handles`` instead of the hooks.
+Every event arrives through ``run_event(event, context, **kwargs)``, which calls the hook of the same
+name (keyword arguments: ``core.events.EVENT_MAP``); only the events a callback ``handles`` (by default,
+the hooks it overrides) are delivered.
 """
 
 from __future__ import annotations

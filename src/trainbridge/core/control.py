@@ -6,7 +6,7 @@ one small collective in which every rank contributes its requests, so that any r
 rank acts, at the same step.  The agreement also records which rank and which callback asked.
 
 At the step-end decision point the loop folds the step's loss sums into the same collective
-(``extras``), so agreeing on control costs no extra collective per step.
+(``summed``/``own``, named tuples), so agreeing on control costs no extra collective per step.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -94,29 +95,49 @@ class AgreedControl:
         return ", ".join(f"rank {r.rank} ({r.source})" for r in self.requesters.get(flag, []))
 
 
+Summed = TypeVar("Summed", bound=tuple[Any, ...])
+Own = TypeVar("Own", bound=tuple[Any, ...])
+
+
+class NoValues(NamedTuple):
+    """No values ride in the agreement (a decision point that only agrees control)."""
+
+
+NO_VALUES = NoValues()
+
+
+@dataclass(frozen=True)
+class Agreement(Generic[Summed, Own]):
+    """What one agreement returns: the agreed control, the values summed over ranks and this rank's own
+    values, each as the ``NamedTuple`` type the caller passed (fields of Python floats)."""
+
+    control: AgreedControl
+    summed: Summed
+    own: Own
+
+
 def agree_control(
     env: DistributedEnv,
     requests: ControlRequests,
     source_names: Sequence[str],
-    extras: Sequence[float | torch.Tensor] = (),
-    own: Sequence[float | torch.Tensor] = (),
-) -> tuple[AgreedControl, list[float]]:
+    summed: Summed = NO_VALUES,  # type: ignore[assignment]
+    own: Own = NO_VALUES,  # type: ignore[assignment]
+) -> Agreement[Summed, Own]:
     """Agree this rank's control requests with every other rank, in ONE collective.
 
-    Each rank contributes a row ``[*extras, *own, *encoded flags]``; the collective (``env.gather_rows``,
+    Each rank contributes a row ``[*summed, *own, *encoded flags]``; the collective (``env.gather_rows``,
     an all-gather done as one ``all_reduce(SUM)``) returns every rank's row.  A flag is agreed when
-    *any* rank requested it (no flag lets one rank veto), ``extras`` are summed over ranks (the loop
-    passes loss and token sums here at step end), and ``own`` values come back as this rank's (the loop
-    passes its local loss and the gradient norm).
+    *any* rank requested it (no flag lets one rank veto), the ``summed`` values are summed over ranks (the
+    loop passes loss and token sums here at step end), and ``own`` values come back as this rank's (the
+    loop passes its local loss and the gradient norm).  ``summed`` and ``own`` are ``NamedTuple``s; the
+    result holds the same types with float fields.
 
-    ``extras`` and ``own`` may be device tensors (0-dim): the row is assembled on the device and read
-    back once, so the values the step left on the GPU cost no host synchronisation of their own.
-
-    Returns the agreed flags (with requesters) and the summed extras followed by the ``own`` values.
-    The pending requests are cleared.
+    Values may be device tensors (0-dim): the row is assembled on the device and read back once, so the
+    values the step left on the GPU cost no host synchronisation of their own.  The pending requests are
+    cleared.
     """
     flags_row = torch.tensor(requests.encode(), dtype=torch.float64)
-    values = [*extras, *own]
+    values = [*summed, *own]
     if any(isinstance(v, torch.Tensor) for v in values):
         device = env.device
         if device.type == "cuda":  # pinned, so the copy is queued without waiting for the GPU
@@ -127,11 +148,11 @@ def agree_control(
             flags_row.to(device, non_blocking=True),
         ])
     else:
-        row = torch.cat([torch.tensor(values, dtype=torch.float64), flags_row])
+        row = torch.cat([torch.tensor([float(v) for v in values], dtype=torch.float64), flags_row])
     rows = env.gather_rows(row)  # the one device -> host read of the step
-    n_extra, n_values = len(extras), len(values)
-    summed = [math.fsum(r[i] for r in rows) for i in range(n_extra)]
-    mine = rows[env.rank][n_extra:n_values]
+    n_summed, n_values = len(summed), len(values)
+    sums = [math.fsum(r[i] for r in rows) for i in range(n_summed)]
+    mine = rows[env.rank][n_summed:n_values]
     flags: set[ControlFlag] = set()
     requesters: dict[ControlFlag, list[Requester]] = {}
     for column, flag in enumerate(FLAGS):
@@ -144,4 +165,6 @@ def agree_control(
             ]
     reasons = dict(requests.reasons)
     requests.clear()
-    return AgreedControl(frozenset(flags), requesters, reasons), [*summed, *mine]
+    summed_type: Any = type(summed)
+    own_type: Any = type(own)
+    return Agreement(AgreedControl(frozenset(flags), requesters, reasons), summed_type(*sums), own_type(*mine))

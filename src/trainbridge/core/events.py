@@ -1,13 +1,9 @@
-"""The event map: every lifecycle event the training loop fires, where, and whether it has a Hugging Face twin.
+"""The event map: every event the loop fires, where, its keyword arguments, and its Hugging Face twin.
 
-This module is the single source of truth for events.  The loop (``trainbridge.loop.loop``) fires each
-event at exactly one visible place; ``Callback.run_event`` dispatches it to the method of the same name;
-the Hugging Face adapter routes every event marked ``hf_twin`` to the ``transformers.TrainerCallback``
-hook of the same name (``on_save`` -> ``on_save``).
-
-``tests/unit/test_events.py`` asserts that every ``on_*`` method of ``transformers.TrainerCallback``
-is an event with ``hf_twin`` here (or in ``HF_HOOKS_NOT_FIRED`` with the reason), so a transformers
-upgrade that adds a hook fails loudly.
+The loop fires each event at one visible place; ``Callback.run_event`` dispatches it by name; the HF
+adapter routes every ``hf_twin`` event to the ``TrainerCallback`` hook of the same name.
+``tests/unit/test_events.py`` fails when transformers adds a hook that is neither here nor in
+``HF_HOOKS_NOT_FIRED``.
 """
 
 from __future__ import annotations

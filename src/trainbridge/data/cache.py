@@ -18,6 +18,10 @@ special tokens), the chat template, and every option that changes the result (``
 
 Bad rows fail the build (``DataFormatError``: the first bad row by file and line/row, counts by reason,
 a few more examples); no cache is written for a file with bad rows.
+
+A cache folder may be shared (``data_cache_dir``), so an entry is used only when ``entry_problem`` finds
+nothing: the folder and its files are yours (or root's), writable by nobody else, and no link.  Entries are
+written private (0700/0600).  Another user's entry under the key is passed over for ``<key>-uid<uid>``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainbridge.data.dataset import DataFormatError, LoadStats
-from trainbridge.data.inputs import describe_columns, fingerprint, read_input
+from trainbridge.data.inputs import DataInputError, describe_columns, fingerprint, read_input
 from trainbridge.data.records import (
     KNOWN_COLUMNS,
     STATUS_BLANK,
@@ -116,6 +121,11 @@ def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, option
     started = time.perf_counter()
     key = cache_key(path, tokenizer, chat_template, options)
     target = cache_dir / key
+    if os.path.lexists(target) and entry_problem(target) is not None:  # e.g. planted by another user
+        logger.warning("data cache: not using %s (%s); using %s-uid%d", target, entry_problem(target), key,
+                       os.geteuid())
+        key = f"{key}-uid{os.geteuid()}"
+        target = cache_dir / key
     hit = (target / "meta.json").is_file()
     if not hit:
         from filelock import FileLock
@@ -124,6 +134,10 @@ def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, option
         with FileLock(str(cache_dir / f"{key}.lock")):
             if not (target / "meta.json").is_file():
                 _build(path, tokenizer, options, chat_template, target)
+    problem = entry_problem(target)
+    if problem is not None:
+        raise DataInputError(f"data cache entry {target} is not trusted: {problem}; remove it, or set "
+                             "data_cache_dir (TRAINBRIDGE_DATA_CACHE) to a folder only you can write")
     samples, stats = _load(target)
     stats.cache_hit = hit
     stats.seconds = time.perf_counter() - started
@@ -170,9 +184,31 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         del result, table, dataset, raw
         shutil.rmtree(scratch / "raw", ignore_errors=True)
+        for entry in scratch.iterdir():
+            entry.chmod(0o700 if entry.is_dir() else 0o600)
+        scratch.chmod(0o700)
         os.replace(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def entry_problem(entry: Path) -> str | None:
+    """Why the cache entry ``entry`` cannot be trusted (None: it and its files are this user's or root's,
+    writable by nobody else, and none is a link, so nobody else can have written them)."""
+    uid = os.geteuid()
+    try:
+        items = [entry, *sorted(entry.iterdir())] if not entry.is_symlink() else [entry]
+        for item in items:
+            info = item.lstat()
+            if stat.S_ISLNK(info.st_mode):
+                return f"{item} is a symbolic link"
+            if info.st_uid not in (uid, 0):
+                return f"{item} is owned by uid {info.st_uid}, not by you (uid {uid})"
+            if info.st_mode & 0o022:
+                return f"{item} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
+    except OSError as exc:
+        return f"{entry} cannot be read ({exc.strerror or exc})"
+    return None
 
 
 @contextmanager

@@ -136,7 +136,21 @@ def read_input(path: Path, scratch: Path) -> RawInput:
     except DataInputError:
         raise
     except Exception as exc:
+        bad_text = _first_non_utf8_line(path) if kind in ("jsonl", "json") else None
+        if bad_text is not None:
+            raise DataInputError(f"{path}:{bad_text}; save the file as UTF-8") from exc
         raise DataInputError(f"{path}: cannot read it as {kind} data: {type(exc).__name__}: {_cause(exc)}") from exc
+
+
+def _first_non_utf8_line(path: Path) -> str | None:
+    """``"<line>: not UTF-8 text (...)"`` for the first line of ``path`` that does not decode, else None."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return f"{number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+    return None
 
 
 def _cause(exc: BaseException) -> str:

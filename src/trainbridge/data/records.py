@@ -54,13 +54,16 @@ class DataOptions:
     chat_template: str | None = None
     """A Jinja template overriding the tokenizer's (already read from a file if one was given)."""
     num_proc: int = 1
+    vocab_size: int | None = None
+    """The model's vocabulary size: a row with a token id at or above it is a bad row (None: not checked)."""
     cache_dir: Path | None = field(default=None, compare=False)
 
     def key(self) -> dict[str, Any]:
         """The fields that change the tokenised result (for the cache key)."""
         return {"max_seq_len": self.max_seq_len, "overlong_policy": self.overlong_policy,
                 "columns": list(self.columns), "chat_train_on": self.chat_train_on,
-                "system_prompt": self.system_prompt, "chat_template": self.chat_template}
+                "system_prompt": self.system_prompt, "chat_template": self.chat_template,
+                "vocab_size": self.vocab_size}
 
 
 class RowEncoder:
@@ -111,6 +114,10 @@ class RowEncoder:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             return _Bad("invalid JSON", f"invalid JSON: {exc}")
+        except RecursionError:
+            return _Bad("nested too deeply", "a value is nested too deeply to parse")
+        except ValueError as exc:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+            return _Bad("value too large", f"a value is too large to parse: {str(exc).split(';')[0]}")
         if not isinstance(record, dict):
             return _Bad("not an object", f"expected a JSON object, got {type(record).__name__}")
         record = {str(k): v for k, v in record.items()}
@@ -221,6 +228,13 @@ class RowEncoder:
 
     # ------------------------------------------------------------------ output
     def _finish(self, out: dict[str, list[Any]], input_ids: list[int], labels: list[int]) -> None:
+        top = max(max(input_ids, default=0), max(labels, default=0))
+        vocab = self.options.vocab_size
+        if vocab is not None and top >= vocab:
+            raise _RowError("token id out of vocabulary",
+                            f"token id {top} is not below the model's vocabulary size {vocab}")
+        if top > TOKEN_ID_MAX:
+            raise _RowError("value too large", f"token id {top} does not fit the cache's int32 token columns")
         max_len = self.options.max_seq_len
         truncated = False
         if len(input_ids) > max_len:
@@ -246,6 +260,9 @@ class RowEncoder:
         out["reason"].append(reason)
         out["error"].append(error)
 
+
+TOKEN_ID_MAX = 2**31 - 1
+"""The largest token id the tokenised cache holds (int32 columns)."""
 
 OUTPUT_COLUMNS = ("input_ids", "labels", "length", "loss_tokens", "status", "truncated", "reason", "error")
 

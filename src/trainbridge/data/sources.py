@@ -10,6 +10,7 @@ formats are added here (or below it), never in the loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -64,7 +65,21 @@ def data_options(args: TrainingArgs) -> DataOptions:
         system_prompt=args.chat_system_prompt,
         chat_template=read_chat_template(args.chat_template),
         num_proc=args.data_num_proc or min(8, os.cpu_count() or 1),
+        vocab_size=model_vocab_size(args.model_path),
     )
+
+
+def model_vocab_size(model_path: Path | str | None) -> int | None:
+    """``vocab_size`` of the model folder's ``config.json`` (its ``text_config``'s for a multimodal model);
+    None where there is none to read (a hub id, an adapter folder, which may resize the embeddings)."""
+    try:
+        config = json.loads((Path(str(model_path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section, dict) and type(section.get("vocab_size")) is int:
+            return int(section["vocab_size"])
+    return None
 
 
 def read_chat_template(value: str | None) -> str | None:

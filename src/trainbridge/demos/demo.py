@@ -1,11 +1,7 @@
-"""``trainbridge demo``: a complete two-rank CPU fine-tune of a tiny local Llama, in about a minute.
+"""``trainbridge demo``: a two-rank CPU fine-tune of a tiny local Llama, in about a minute.
 
-Builds the model and tokenizer from a config (no hub), writes a learnable addition data set (or, with
-``chat=True`` / ``trainbridge demo --chat``, uses the shipped chat data set ``demos/data/chat_*.jsonl``:
-conversations rendered with the tokenizer's chat template, loss on the assistant turns only), then
-runs ``run_training`` with two DDP ranks on CPU: evaluation and checkpoints every few steps, a
-Hugging Face ``EarlyStoppingCallback`` agreed across ranks, TensorBoard logging when installed, and
-a summary showing the loss falling, and a plot of the run's metrics (``trainbridge plot``).
+Addition data (or, with ``--chat``, the shipped chat data with assistant-only loss), evaluation and
+checkpoints every few steps, an ``EarlyStoppingCallback`` agreed across ranks, a summary and a plot.
 """
 
 from __future__ import annotations

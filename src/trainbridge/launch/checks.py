@@ -1,9 +1,10 @@
 """Checks of the run's inputs in the parent, before launch: each fails in a second with one clear line
 instead of ~20 s later inside every worker with a page of tracebacks.
 
-* ``ckpt_output_dir`` can be created (private) and written, and nobody else can change what is in it;
-* ``model_path`` holds a causal language model (its ``config.json`` names one transformers can load
-  with ``AutoModelForCausalLM``);
+* ``ckpt_output_dir`` can be created (private) and written, and nobody else can change what is in it
+  (``check_output_dir``: once per launch, by its caller);
+* ``model_path`` holds a model the loop can train (``check_trainable_model``): a causal language model, or
+  a model whose forward takes labels and returns its own loss;
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
 * the data files can be read and look like their format (the first lines of a JSON-lines file are
   JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes).
@@ -11,6 +12,7 @@ instead of ~20 s later inside every worker with a page of tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -28,30 +30,45 @@ _JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines", ""}
 
 def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     """None when ``path`` exists (created if needed: 0700, or 0750 shared with its group) and is writable
-    and only this user could have put anything in it (``core.private_files.folder_problem``), else what is wrong."""
+    and only this user could have put anything in it (``core.private_files.folder_problem``), else what is
+    wrong and what to do.  Run once per launch (``run_training``, or rank 0 of a run in place)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is" if existing == path else f"would be inside {str(existing)!r}, which is"
+        return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
+    where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
     try:
-        make_run_folder(path, share_with_group)
+        created = make_run_folder(path, share_with_group)
     except OSError as exc:
-        return f"ckpt_output_dir: cannot create {str(path)!r}: {exc.strerror or exc}"
+        return (f"ckpt_output_dir = {str(path)!r}: cannot be created by this user{where}: {exc.strerror or exc}; "
+                "choose a folder you can write to.")
     try:
-        problem = folder_problem(path)
+        problem = folder_problem(path, trust_group=share_with_group)
     except OSError as exc:
         return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
     if problem:
+        for folder in reversed(created):  # a refused run leaves nothing behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return (f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-                "or load; to allow it, make it yours and writable only by you (chmod go-w), or choose another "
-                "ckpt_output_dir")
+                "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
+                "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true")
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass
     except OSError as exc:
-        return f"ckpt_output_dir: {str(path)!r} is not writable: {exc.strerror or exc}"
+        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}: {exc.strerror or exc}; "
+                "choose a folder you can write to.")
     return None
 
 
-def check_causal_lm(model_path: Path | None) -> str | None:
-    """None when ``model_path/config.json`` describes a causal LM (or there is no such folder to check:
-    ``model_init``, or a PEFT adapter folder, whose base model is checked by ``check_model_setup``)."""
+def check_trainable_model(model_path: Path | None, label_names: list[str] | None = None) -> str | None:
+    """None when ``model_path/config.json`` describes a model the loop can train: a causal LM (the token
+    step), or a class whose forward takes the labels and so returns its own loss (the model-loss step); or
+    when there is no such folder to check (``model_init``, or a PEFT adapter folder, whose base model is
+    checked by ``check_model_setup``)."""
     if model_path is None or peft_adapter_base(model_path) is not None:
         return None
     try:
@@ -63,17 +80,25 @@ def check_causal_lm(model_path: Path | None) -> str | None:
     if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
         return None
     architectures = [str(a) for a in config.get("architectures") or []]
-    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in architectures):
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return None
     model_type = config.get("model_type")
-    if not architectures and model_type:  # rare: no architectures recorded; ask transformers (slow import)
+    if not architectures:  # rare: no architectures recorded; loaded as its causal LM (slow import)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             return None
-    what = f"model_type {model_type!r}" + (f", architectures {architectures}" if architectures else "")
-    return (f"model_path: {str(model_path)!r} is not a causal language model ({what}); trainbridge fine-tunes "
-            "models AutoModelForCausalLM can load (e.g. Llama, Qwen, Mistral)")
+        return (f"model_path: {str(model_path)!r} records no architectures and model_type {model_type!r} has no "
+                "causal LM; save the model with save_pretrained so config.json names its class")
+    import transformers
+
+    from trainbridge.step.model_loss import default_label_names, returns_loss, untrainable_reason
+
+    cls = getattr(transformers, architectures[0], None)
+    if cls is None:  # remote code without an auto_map entry, or a newer transformers: the workers decide
+        return None
+    names = label_names or default_label_names(cls)
+    return None if returns_loss(cls, names) else untrainable_reason(cls, names)
 
 
 def check_resume_path(args: TrainingArgs) -> str | None:
@@ -119,14 +144,14 @@ def check_data_file(field: str, path: Path | None) -> str | None:
             continue
         try:
             record = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return f"{field}: {path}:{number}: not a JSON line ({exc}); expected one JSON object per line"
         if not isinstance(record, dict):
             return f"{field}: {path}:{number}: expected a JSON object, got {type(record).__name__}"
         seen += 1
         if seen >= SNIFF_LINES:
             break
-    if seen == 0 and not complete:
+    if seen == 0 and not complete and not head.strip():  # (a first line longer than the read is not empty)
         return f"{field}: {str(path)!r} is empty"
     return None
 
@@ -134,8 +159,7 @@ def check_data_file(field: str, path: Path | None) -> str | None:
 def input_problems(args: TrainingArgs) -> list[str]:
     """Every problem found, in the order above (empty when the run may launch)."""
     found = [
-        check_output_dir(args.ckpt_output_dir),
-        check_causal_lm(args.model_path),
+        check_trainable_model(args.model_path, args.label_names),
         check_resume_path(args),
         check_data_file("data_path", args.data_path),
         check_data_file("val_data_path", args.val_data_path),

@@ -27,14 +27,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-
-def visible_gpu_count() -> int:
-    """CUDA devices this process can use; 0 without importing torch where no GPU driver is present."""
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
-        return 0
-    import torch
-
-    return int(torch.cuda.device_count())
+from trainbridge.core.nproc import visible_gpu_count
 
 
 def quiet_environment(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -86,12 +86,19 @@ def _note_path(args: TrainingArgs) -> Path | None:
 
 
 def _note_holds(note: Path) -> bool:
-    """The note exists and every cache folder it names is still complete."""
+    """The note is this user's and every cache folder it names is still complete and trusted (a note or an
+    entry another user could have written in a shared cache is not believed)."""
+    from trainbridge.data.cache import entry_problem
+
     try:
+        info = note.lstat()
+        if info.st_uid != os.geteuid() or info.st_mode & 0o022 or not note.is_file() or note.is_symlink():
+            return False
         caches = json.loads(note.read_text())["caches"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return bool(caches) and all(isinstance(c, str) and (Path(c) / "meta.json").is_file() for c in caches)
+    return bool(caches) and all(isinstance(c, str) and (Path(c) / "meta.json").is_file()
+                                and entry_problem(Path(c)) is None for c in caches)
 
 
 def _write_note(note: Path, caches: list[str]) -> None:

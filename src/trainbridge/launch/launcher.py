@@ -44,13 +44,13 @@ from typing import Any
 import psutil
 
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
-from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.config import CallbackSpec, NotACallbackError, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
-from trainbridge.launch.assembly import NotACallbackError, assemble_callbacks, build_spec
+from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.data_check import check_data
@@ -101,10 +101,10 @@ def preflight(args: TrainingArgs) -> None:
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
     config (``Callback.validate``); every callback and event function survives pickling
-    (``check_transportable``, which raises ``CallbackTransportError``); the output folder, model, resume
-    checkpoint and data files pass ``launch.checks``; the data reads and tokenises into its cache
-    (``launch.data_check``: bad rows named by file and line, before any worker starts; skipped when the
-    same inputs passed before).
+    (``check_transportable``, which raises ``CallbackTransportError``); the model, resume checkpoint and
+    data files pass ``launch.checks`` (the output folder is checked once, by the caller); the data reads
+    and tokenises into its cache (``launch.data_check``: bad rows named by file and line, before any worker
+    starts; skipped when the same inputs passed before).
     """
     if importlib.util.find_spec("torch.distributed.run") is None:
         raise PreflightError("torchrun is not available: 'torch.distributed.run' cannot be imported")
@@ -122,7 +122,7 @@ def preflight(args: TrainingArgs) -> None:
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
-                callback = build_spec(callback)
+                callback = callback.build()
             except NotACallbackError as exc:
                 raise PreflightError(f"{label}: {exc}") from None
             except Exception as exc:
@@ -347,10 +347,14 @@ def run_in_place(args: TrainingArgs) -> RunResult:
 
     preflight(args)
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
-    if env.is_world_process_zero:
-        args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
+
+    def prepare_output_dir() -> None:
+        problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
+        if problem:
+            raise PreflightError(problem)
         result_file(args.ckpt_output_dir).unlink(missing_ok=True)
-    env.barrier()
+
+    env.on_rank_zero(prepare_output_dir, "preparing ckpt_output_dir", error=PreflightError)
     result = train(args, env, assemble_callbacks(args))
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))
@@ -401,7 +405,9 @@ def run_training(
         launch = torchrun_args
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
-    problem = check_output_dir(args.ckpt_output_dir)
+    launch = launch.for_device(args.device)
+    # once per launch (preflight does not repeat it)
+    problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
     if problem:
         raise PreflightError(problem)
     result_path = result_file(args.ckpt_output_dir)

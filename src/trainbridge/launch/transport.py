@@ -19,6 +19,9 @@ The folders the parent imports user code from (its ``sys.path`` beyond the insta
 signed part of the payload, not in ``PYTHONPATH``: the worker appends them to its ``sys.path`` after
 site-packages before unpickling, so a file in such a folder can name a class but never shadow an
 installed package, and nothing there runs at interpreter start (``sitecustomize``).
+
+``write_signed``/``read_signed`` authenticate any other file one of our processes writes for another to
+load (the facade's evaluation result) the same way: the MAC is checked before anything is unpickled.
 """
 
 from __future__ import annotations
@@ -223,6 +226,43 @@ def _mac(key: str, body: bytes) -> bytes:
     return hmac.new(key.encode("utf-8"), body, hashlib.sha256).digest()
 
 
+def _sealed(body: bytes, key: str) -> bytes:
+    """``body`` with the magic header and its HMAC-SHA256 under ``key`` in front."""
+    return _MAGIC + _mac(key, body) + body
+
+
+def _opened(path: str | Path, data: bytes, key: str, key_source: str) -> bytes:
+    """The body of a file ``_sealed`` wrote, after its MAC is checked (in constant time) against ``key``;
+    ``PayloadIntegrityError`` otherwise (nothing is unpickled).  ``key_source`` names where the key came from."""
+    header = len(_MAGIC) + _MAC_SIZE
+    if len(data) < header or not data.startswith(_MAGIC):
+        raise PayloadIntegrityError(f"{path}: not a trainbridge payload file")
+    mac, body = data[len(_MAGIC):header], data[header:]
+    if not key or not hmac.compare_digest(mac, _mac(key, body)):
+        raise PayloadIntegrityError(
+            f"{path}: payload authentication failed (the file was modified or the key "
+            f"in {key_source} is not the one it was written with); refusing to unpickle it"
+        )
+    return body
+
+
+def write_signed(obj: Any, path: str | Path, key: str) -> None:
+    """Write ``obj`` (pickled) to ``path``, authenticated with ``key`` as the payload is: for a file one of
+    our processes writes and another loads.  Any file already at ``path`` is replaced; a link there is
+    not followed; the new file is 0600."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(_sealed(pickle.dumps(obj), key))
+
+
+def read_signed(path: str | Path, key: str, key_source: str) -> Any:
+    """Load what ``write_signed`` wrote with ``key``: read once, the MAC checked before anything is unpickled
+    (``PayloadIntegrityError`` for a changed, swapped or forged file)."""
+    return pickle.loads(_opened(path, Path(path).read_bytes(), key, key_source))
+
+
 def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequence[str] = ()) -> tuple[Path, str]:
     """Write ``args`` as an authenticated payload file in ``directory``; return ``(path, hex_key)``.
 
@@ -244,7 +284,7 @@ def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequen
     path = directory / PAYLOAD_FILE_NAME
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
-        handle.write(_MAGIC + _mac(key, body) + body)
+        handle.write(_sealed(body, key))
     return path, key
 
 
@@ -256,16 +296,7 @@ def read_payload(path: str | Path, key: str) -> TrainingArgs:
     changed, truncated, written by someone else or checked with the wrong key raises
     ``PayloadIntegrityError``.
     """
-    data = Path(path).read_bytes()
-    header = len(_MAGIC) + _MAC_SIZE
-    if len(data) < header or not data.startswith(_MAGIC):
-        raise PayloadIntegrityError(f"{path}: not a trainbridge payload file")
-    mac, body = data[len(_MAGIC):header], data[header:]
-    if not key or not hmac.compare_digest(mac, _mac(key, body)):
-        raise PayloadIntegrityError(
-            f"{path}: payload authentication failed (the file was modified or the key "
-            f"in {PAYLOAD_KEY_ENV} is not the one it was written with); refusing to unpickle it"
-        )
+    body = _opened(path, Path(path).read_bytes(), key, PAYLOAD_KEY_ENV)
     size = int.from_bytes(body[:4], "big")
     header = json.loads(body[4:4 + size])
     for entry in header["import_path"]:

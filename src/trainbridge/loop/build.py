@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import transformers
 
@@ -25,6 +25,8 @@ from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
+from trainbridge.data.rows import open_rows, split_rows
+from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.user_collate import collate_with
 from trainbridge.modeling import (
@@ -33,9 +35,18 @@ from trainbridge.modeling import (
     model_supports_padding_free,
     packed_row_tokens,
 )
-from trainbridge.modeling.load import load_model, load_tokenizer, loads_on_rank0_only
+from trainbridge.modeling.load import is_causal_lm, load_model, load_tokenizer, loads_on_rank0_only, unwrap_peft
 from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
+from trainbridge.step.base import EvalSource, TrainSource, TrainStep
+from trainbridge.step.model_loss import (
+    ModelLoss,
+    default_label_names,
+    forward_parameters,
+    returns_loss,
+    untrainable_reason,
+)
+from trainbridge.step.token_ce import TokenCrossEntropy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,9 +65,9 @@ class RunComponents:
     """The run's tokenizer (saved into every checkpoint; ``processing_class`` for HF callbacks)."""
     engine: TrainingEngine
     """The wrapped model, its optimizer and LR scheduler."""
-    train_batches: TrainBatches
-    """This rank's training micro-batches, step by step (``train_dataloader``)."""
-    eval_batches: EvalBatches | None
+    step: TrainStep
+    """The run's kind of optimizer step: how its batches are formed and what its loss is (``trainbridge.step``)."""
+    eval_batches: EvalSource | None
     """This rank's validation micro-batches, or None without validation data (``eval_dataloader``)."""
     checkpoints: CheckpointManager
     """Writes, rotates, finds and loads the run's checkpoints."""
@@ -70,9 +81,14 @@ class RunComponents:
     """True for padded batches, False for padding-free packed rows."""
     data_stats: list[LoadStats]
     """What loading the training (then validation) data read and skipped."""
-    named_eval_batches: dict[str, EvalBatches] = field(default_factory=dict)
+    named_eval_batches: dict[str, EvalSource] = field(default_factory=dict)
     """This rank's micro-batches of each named validation set (``eval_data_paths``; ``eval_batches`` is then
     None), evaluated in turn at each evaluation."""
+
+    @property
+    def train_batches(self) -> TrainSource:
+        """This rank's training micro-batches, step by step (``train_dataloader``): the step's."""
+        return self.step.train_batches
 
     @property
     def steps_per_epoch(self) -> int:
@@ -85,17 +101,70 @@ class RunComponents:
         return math.ceil(self.max_steps / self.steps_per_epoch)
 
 
+class RunBatches(NamedTuple):
+    """The step and the validation batches of a run, as one kind of step forms them."""
+
+    step: TrainStep
+    eval_batches: EvalSource | None
+    named_eval_batches: dict[str, EvalSource]
+    data_stats: list[LoadStats]
+    padded: bool
+
+
 def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
-    """Build this worker's tokenizer, data, model, engine and checkpoint manager (collective: the
+    """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
     engine wraps the model across ranks)."""
     transformers.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
-    data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size)
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
+    if choose_step(model, args) == "token_cross_entropy":
+        batches = _token_batches(model, tokenizer, args, env, from_rank0=from_rank0, skeleton=skeleton)
+    else:
+        batches = _sample_batches(model, tokenizer, args, env)
+    train_batches = batches.step.train_batches
+    max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
+    num_parameters = count_parameters(model)
+    flops_params = flops_parameters(model)
+    engine = build_engine(model, args, env, total_steps=max_steps, weights_from_rank0=from_rank0)
+    engine.verify()
+    logger.info("engine: %s; step: %s", engine.describe(), batches.step.describe())
+    return RunComponents(
+        tokenizer=tokenizer, engine=engine, step=batches.step, eval_batches=batches.eval_batches,
+        checkpoints=CheckpointManager(
+            args.ckpt_output_dir, env, args.save_total_limit,
+            fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
+            checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
+            allow_unverified=args.resume_allow_unverified,
+        ),
+        max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=batches.padded,
+        data_stats=batches.data_stats, named_eval_batches=batches.named_eval_batches,
+    )
+
+
+def choose_step(model: Any, args: TrainingArgs) -> str:
+    """``token_cross_entropy`` or ``model_loss`` (``args.training_step``; ``auto``: the token step for causal
+    LMs).  A ``ValueError`` for a model neither step can train, saying why and what to do."""
+    causal = is_causal_lm(model)
+    if args.training_step == "token_cross_entropy" and not causal:
+        raise ValueError(f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
+                         "is not one: use training_step='model_loss' (or 'auto')")
+    if args.training_step == "token_cross_entropy" or (args.training_step == "auto" and causal):
+        return "token_cross_entropy"
+    label_names = args.label_names or default_label_names(model)
+    if not returns_loss(model, label_names):
+        raise ValueError(untrainable_reason(model, label_names))
+    return "model_loss"
+
+
+def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, *,
+                   from_rank0: bool, skeleton: bool) -> RunBatches:
+    """The token-budget step: samples tokenised through the cache, padding-free (or padded) micro-batches of
+    the global plan, the summed token cross entropy."""
+    data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
     padded = use_padded_batches(model, args, probe=not skeleton)
     if from_rank0:  # collective: the attention rank 0's probe chose (a skeleton cannot run the probe)
         chosen = env.broadcast_object(model.config._attn_implementation)
@@ -111,33 +180,61 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
         data.train, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
         rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
     )
-    eval_batches = (
-        EvalBatches(data.val, eval_collate, world_size=env.world_size, rank=env.rank,
-                    max_batch_len=args.max_batch_len, padded=eval_padded)
-        if data.val else None
-    )
-    named_eval_batches = {
-        name: EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
-                          max_batch_len=args.max_batch_len, padded=eval_padded)
-        for name, source in data.named_val.items()
-    }
-    max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
-    num_parameters = count_parameters(model)
-    flops_params = flops_parameters(model)
-    engine = build_engine(model, args, env, total_steps=max_steps, weights_from_rank0=from_rank0)
-    engine.verify()
-    logger.info("engine: %s; %s batches", engine.describe(), "padded" if padded else "padding-free")
-    return RunComponents(
-        tokenizer=tokenizer, engine=engine, train_batches=train_batches, eval_batches=eval_batches,
-        checkpoints=CheckpointManager(
-            args.ckpt_output_dir, env, args.save_total_limit,
-            fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
-            checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
-            allow_unverified=args.resume_allow_unverified,
-        ),
-        max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=padded,
-        data_stats=data.stats, named_eval_batches=named_eval_batches,
-    )
+
+    def eval_set(source: Any) -> EvalBatches:
+        return EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
+                           max_batch_len=args.max_batch_len, padded=eval_padded)
+
+    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded),
+                      eval_set(data.val) if data.val else None,
+                      {name: eval_set(source) for name, source in data.named_val.items()}, data.stats, padded)
+
+
+def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
+    """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
+    collator (the script's, else Trainer's default), the loss the forward returns."""
+    per_device, accumulation = sample_batch_shape(args, env.world_size)
+    train = open_rows(args.data_path, tokenizer, args.max_seq_len)
+    val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
+    if args.validation_split > 0:
+        train, val = split_rows(train, args.validation_split, args.seed)
+    named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
+    label_names = args.label_names or default_label_names(model)
+    keep = ([*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns
+            else None)
+    collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
+    train_batches = SampleBatches(train, collate, per_device=per_device, accumulation=accumulation,
+                                  world_size=env.world_size, rank=env.rank, seed=args.seed)
+
+    def eval_set(dataset: Any) -> SampleEvalBatches:
+        return SampleEvalBatches(dataset, collate, per_device=per_device, world_size=env.world_size, rank=env.rank)
+
+    stats = [LoadStats(path=str(args.data_path), lines=len(train), samples=len(train))]
+    if env.is_world_process_zero:
+        logger.info("data: %d training items, %s", len(train),
+                    f"{len(val)} validation items" if val is not None else "no validation data")
+    return RunBatches(ModelLoss(train_batches, model, env, label_names), eval_set(val) if val is not None else None,
+                      {name: eval_set(dataset) for name, dataset in named.items()}, stats, True)
+
+
+def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:
+    """``(items per micro-batch, micro-batches per step)`` of the sample batches; a ``ValueError`` naming
+    the fields when ``effective_batch_size`` is not a multiple of ``per_device_batch_size x world size``."""
+    per_device = args.per_device_batch_size or max(1, args.effective_batch_size // world_size)
+    accumulation, rest = divmod(args.effective_batch_size, per_device * world_size)
+    if rest or accumulation == 0:
+        raise ValueError(
+            f"effective_batch_size: {args.effective_batch_size} is not a multiple of per_device_batch_size "
+            f"({per_device}) x world size ({world_size}); set effective_batch_size to "
+            f"{max(1, accumulation) * per_device * world_size} or change per_device_batch_size")
+    return per_device, accumulation
+
+
+def default_collator(tokenizer: Any) -> Any:
+    """Trainer's default collator: ``DataCollatorWithPadding`` with a tokenizer, else ``default_data_collator``."""
+    if isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+        return transformers.DataCollatorWithPadding(tokenizer)
+    return transformers.default_data_collator
 
 
 def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool = True) -> bool:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import signal
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,23 +26,53 @@ from trainbridge.checkpoint.manager import PendingCheckpoint
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import AgreedControl, ControlFlag, agree_control
+from trainbridge.core.control import NO_VALUES, AgreedControl, Agreement, ControlFlag, Own, Summed, agree_control
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError, CallbackManager
-from trainbridge.data import IGNORE_INDEX, StepPlan, token_loss_sum
-from trainbridge.data.collate import CollatedBatch
-from trainbridge.data.loader import EvalBatches
-from trainbridge.data.loss import forward_logits, logits_loss_sum
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.loop.summary import announce_run
 from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
+from trainbridge.step.base import EvalSource, StepBatches
+from trainbridge.step.finite import NOT_MEASURED, NonFiniteGuard
 
 logger = logging.getLogger(__name__)
+
+
+class StepSums(NamedTuple):
+    """The step's values summed over ranks in its agreement."""
+
+    loss_sum: float | torch.Tensor
+    """The step's loss sum (``TrainStep.micro_loss`` summed over micro-batches), every rank."""
+    input_tokens: float
+    """Input positions of the step's micro-batches (``input_tokens_seen``)."""
+    checkpoint_unwritten: float
+    """Ranks whose background checkpoint write is still going on."""
+
+
+class StepOwn(NamedTuple):
+    """The step's values each rank keeps as its own in the agreement."""
+
+    loss_sum: float | torch.Tensor
+    """This rank's loss sum."""
+    grad_norm: float | torch.Tensor
+    """The global gradient norm before clipping (the same on every rank; ``NOT_MEASURED`` when the engine
+    reports none)."""
+
+
+class StepOutcome(NamedTuple):
+    """What one optimizer step returns for its agreement and bookkeeping (device values not yet read)."""
+
+    batches: StepBatches
+    loss_sum: torch.Tensor
+    grad_norm: torch.Tensor | float
+    input_tokens: int
+    started: float
+    """``time.perf_counter()`` at the step's start."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -71,6 +100,7 @@ class TrainingLoop:
         )
         self.tokenizer = components.tokenizer
         self.engine = components.engine
+        self.step = components.step
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
         self.named_eval_batches = components.named_eval_batches
@@ -81,17 +111,12 @@ class TrainingLoop:
         self._last_logged_step = 0
         self._total_loss = 0.0
         self._steps_this_run = 0
-        # The step's loss sum and grad norm stay on the device until the step's agreement reads them.
-        self._step_loss_sum: float | torch.Tensor = 0.0
-        self._step_grad_norm: float | torch.Tensor = math.nan
-        self._step_local_tokens = 1
-        self._step_start = 0.0
+        self.finite = NonFiniteGuard(args.nonfinite_policy)
         self._last_saved_step = -1
         # checkpoint_async: the checkpoint begun and not yet published (its dcp/ part written in the background)
         self._pending_checkpoint: PendingCheckpoint | None = None
         self._stop_training = False
         self._stop_requesters = ""
-        self._step_input_tokens = 0
         self._merged: Path | None = None
         self.context = ctx = TrainingContext(args=args, env=env)
         ctx.steps_per_epoch = components.steps_per_epoch
@@ -147,82 +172,84 @@ class TrainingLoop:
         for step_plan in plan.steps[ctx.step_in_epoch:]:
             if ctx.global_step >= ctx.max_steps:
                 break
-            self._train_step(step_plan)
+            outcome = self._train_step(step_plan)
             # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
             # its one host-device synchronisation (the loss and grad norm ride in it from the device).
             # The same collective counts the ranks whose background checkpoint write is still going on.
-            agreed, (loss_sum, input_tokens, unwritten, local_loss_sum, grad_norm) = self._agree(
-                extras=[self._step_loss_sum, self._step_input_tokens, self._checkpoint_unwritten()],
-                own=[self._step_loss_sum, self._step_grad_norm],
+            agreement = self._agree(
+                StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()),
+                StepOwn(outcome.loss_sum, outcome.grad_norm),
             )
-            self._account_step(step_plan, loss_sum, local_loss_sum, grad_norm)
-            ctx.input_tokens_seen += int(input_tokens)
-            if self._pending_checkpoint is not None and unwritten == 0:
+            summed, own = agreement.summed, agreement.own
+            finite = self.finite.check(ctx.global_step, float(summed.loss_sum), float(own.grad_norm))
+            if not finite and self.finite.stops:  # nonfinite_policy="error": nothing saved, no rotation
+                self._publish_checkpoint()  # an earlier (finite) one still written in the background
+                self.finite.raise_error(ctx.global_step)
+            self._account_step(outcome, summed, own, finite)
+            if self._pending_checkpoint is not None and summed.checkpoint_unwritten == 0:
                 self._publish_checkpoint()  # every rank's background write has finished: publish, on_save
-            flags = self._log_evaluate_save(agreed)
+            flags = self._log_evaluate_save(agreement.control)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
         fire(Event.EPOCH_END, ctx)
-        agreed, _ = self._agree()  # DECISION POINT: after on_epoch_end
-        self._log_evaluate_save(agreed)
+        self._log_evaluate_save(self._agree().control)  # DECISION POINT: after on_epoch_end
         ctx.epoch_index += 1
         ctx.step_in_epoch = 0
 
-    def _train_step(self, step: StepPlan) -> None:
-        """One optimizer step: every micro-batch of this rank, then clip, step, schedule.
+    def _train_step(self, step_plan: Any) -> StepOutcome:
+        """One optimizer step: every micro-batch of this rank, then clip, step, schedule.  The batches and
+        the loss are the run's ``TrainStep`` (``trainbridge.step``), chosen at build time.
 
-        Nothing here waits for the device: token counts come from the step plan, the batch moves to the
+        Nothing here waits for the device: counts come from the CPU-side batches, the batch moves to the
         device without blocking, and the loss and the grad norm stay device tensors until the step's
         agreement reads them (``ctx.local_loss`` / ``ctx.grad_norm`` convert on a callback's read)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
-        self._step_start = time.perf_counter()
+        started = time.perf_counter()
         fire(Event.STEP_BEGIN, ctx)
-        micro_batches = self.train_batches.micro_batches(step)
-        # a user's collator's batch counts its own labels
-        loss_tokens = [n if isinstance(b, CollatedBatch) else _cpu_loss_tokens(b)
-                       for n, b in zip(self._micro_batch_loss_tokens(step), micro_batches, strict=True)]
+        batches = self.step.prepare(step_plan)
+        micro_batches = batches.micro_batches
         ctx.micro_steps_in_step = len(micro_batches)
-        scale = self.env.world_size / max(step.loss_tokens, 1)
+        scale = self.env.world_size / max(batches.loss_units, 1e-12)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        self._step_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         for i, cpu_batch in enumerate(micro_batches):
             ctx.micro_step = i
             is_last = i == len(micro_batches) - 1
             batch = _to_device(cpu_batch, self.env.device)
+            units = batches.micro_units[i]
             with engine.micro_batch(is_last):
                 fire(Event.BEFORE_FORWARD, ctx, batch=batch)
                 with engine.autocast(), sample_segments(cpu_batch):
-                    token_sum, n_tokens = token_loss_sum(engine.module, batch, num_tokens=loss_tokens[i])
-                loss = token_sum * scale
-                ctx.local_loss = token_sum.detach() / n_tokens if n_tokens else 0.0
+                    micro_sum = self.step.micro_loss(engine.module, batch, units)
+                loss = micro_sum * scale
+                ctx.local_loss = micro_sum.detach() / units if units else 0.0
                 fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
                 fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
                 engine.backward(loss)
                 fire(Event.AFTER_BACKWARD, ctx)
-            loss_sum += token_sum.detach().to(torch.float64)
+            loss_sum += micro_sum.detach().to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
-        ctx.tokens_seen += step.num_tokens  # every rank's, from the plan: known without a collective
+        ctx.tokens_seen += batches.num_tokens  # every rank's: known without a collective
         grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
         ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
         ctx.learning_rate = engine.current_lr()
-        engine.optimizer_step()
+        if self.finite.allows_update(grad_norm):  # False only under nonfinite_policy="skip", non-finite norm
+            engine.optimizer_step()
         if grad_norm is None:  # DeepSpeed clips inside its step and reports the norm after it
             grad_norm = ctx.grad_norm = engine.reported_grad_norm()
         fire(Event.OPTIMIZER_STEP, ctx)
         engine.scheduler_step()
         engine.zero_grad()
-        self._step_loss_sum = loss_sum
-        self._step_grad_norm = grad_norm if grad_norm is not None else math.nan
-        self._step_local_tokens = max(sum(loss_tokens), 1)
-        ctx.local_loss = loss_sum / self._step_local_tokens
+        ctx.local_loss = loss_sum / max(sum(batches.micro_units), 1e-12)
         ctx.global_step += 1
         ctx.step_in_epoch += 1
-        ctx.samples_seen += step.num_samples
+        ctx.samples_seen += batches.num_samples
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
+        return StepOutcome(batches, loss_sum, grad_norm if grad_norm is not None else NOT_MEASURED,
+                           sum(_input_tokens(b) for b in micro_batches), started)
 
     def _log_evaluate_save(self, agreed: AgreedControl) -> set[ControlFlag]:
         """Carry out agreed log / evaluate / save, in Trainer's order; returns every flag agreed."""
@@ -233,8 +260,7 @@ class TrainingLoop:
             ran = True
         if ControlFlag.EVALUATE in flags:
             self.evaluate()
-            after_eval, _ = self._agree()  # DECISION POINT: after on_evaluate (early stopping, best save)
-            flags |= after_eval.flags
+            flags |= self._agree().control.flags  # DECISION POINT: after on_evaluate (early stopping, best save)
             ran = True
         if ControlFlag.SAVE in flags:
             # checkpoint_async: in the background, unless the run is stopping (then written at once)
@@ -242,8 +268,7 @@ class TrainingLoop:
                        and not self._stop_training)
             ran = True
         if ran:
-            after, _ = self._agree()  # DECISION POINT: requests made in on_log / on_save
-            flags |= after.flags
+            flags |= self._agree().control.flags  # DECISION POINT: requests made in on_log / on_save
         if ControlFlag.STOP_TRAINING in flags and not self._stop_training:
             self._stop_training = True
             self.context.stop_reason = f"stop_training requested by {self._stop_requesters}"
@@ -262,44 +287,40 @@ class TrainingLoop:
             raise RuntimeError("evaluation requested but no validation data is configured")
         return self._evaluate_set(self.eval_batches, "eval")
 
-    def _evaluate_set(self, eval_batches: EvalBatches, prefix: str,
+    def _evaluate_set(self, eval_batches: EvalSource, prefix: str,
                       earlier: dict[str, float] | None = None) -> dict[str, float]:
-        """Validation loss of one set over every rank's share, reduced by token count; fires the eval events
-        with this set's metrics (``ctx.metrics`` also holds the ``earlier`` sets' of this evaluation)."""
+        """Validation loss of one set over every rank's share, reduced by the step's loss units (tokens, or
+        samples for the model's own loss); fires the eval events with this set's metrics (``ctx.metrics``
+        also holds the ``earlier`` sets' of this evaluation)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         ctx.eval_dataloader = eval_batches
         start = time.time()
-        loss_tokens, steps = 0, 0
+        loss_units, steps = 0.0, 0
         device_loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         predictions = self.predictions  # compute_metrics: per-sample predictions (loop.predictions)
         engine.module.eval()
         with torch.no_grad():
             for indices, cpu_batch in eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
-                n_tokens = _cpu_loss_tokens(cpu_batch)
-                logits = None
                 with engine.autocast(), sample_segments(cpu_batch):
-                    if predictions is None:
-                        token_sum, _ = token_loss_sum(engine.module, batch, num_tokens=n_tokens)
-                    else:  # full logits are needed for the predictions
-                        logits = forward_logits(engine.module, batch)
-                        token_sum, _ = logits_loss_sum(logits, batch["labels"], n_tokens)
-                if predictions is not None and logits is not None:
-                    predictions.add(indices, batch, logits)
-                device_loss_sum += token_sum.detach().to(torch.float64)
-                loss_tokens += n_tokens
+                    out = self.step.eval_batch(engine.module, batch, cpu_batch, outputs=predictions is not None,
+                                               rows=len(indices))
+                if predictions is not None:
+                    predictions.add(indices, batch, out.predictions, out.labels)
+                device_loss_sum += out.loss_sum.detach().to(torch.float64)
+                loss_units += out.units
                 steps += 1
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
         loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
-        # collective: every rank's validation loss sum and token count, in one all_reduce
-        total_sum, total_tokens, total_samples = self.env.sum_floats(
-            [loss_sum, loss_tokens, eval_batches.num_samples_local]
+        # collective: every rank's validation loss sum and units, in one all_reduce
+        total_sum, total_units, total_samples = self.env.sum_floats(
+            [loss_sum, loss_units, eval_batches.num_samples_local]
         )
         runtime = max(time.time() - start, 1e-9)
         computed = predictions.compute(self.env) if predictions is not None else {}
         metrics = {
-            f"{prefix}_loss": total_sum / max(total_tokens, 1.0),
+            f"{prefix}_loss": total_sum / max(total_units, 1.0),
             **{f"{prefix}_{key.removeprefix('eval_')}": value for key, value in computed.items()},
             f"{prefix}_runtime": round(runtime, 4),
             f"{prefix}_samples_per_second": round(total_samples / runtime, 3),
@@ -398,14 +419,11 @@ class TrainingLoop:
         }
 
     # ================================================================== bookkeeping
-    def _agree(
-        self, extras: Sequence[float | torch.Tensor] = (), own: Sequence[float | torch.Tensor] = ()
-    ) -> tuple[AgreedControl, list[float]]:
+    def _agree(self, summed: Summed = NO_VALUES, own: Own = NO_VALUES) -> Agreement[Summed, Own]:  # type: ignore[assignment]
         """Agree pending control requests across ranks (one collective); abort on a fatal callback error.
-        Returns the summed ``extras`` then this rank's ``own`` values (``agree_control``)."""
-        agreed, sums = agree_control(self.env, self.context.requests, self.callbacks.source_names,
-                                     extras, own)
-        self.context.agreed = agreed
+        ``summed`` / ``own`` ride in the same collective (``agree_control``)."""
+        agreement = agree_control(self.env, self.context.requests, self.callbacks.source_names, summed, own)
+        self.context.agreed = agreed = agreement.control
         if ControlFlag.STOP_TRAINING in agreed and not self._stop_training:
             # collective (once per run, only when a stop is agreed): every rank's reason for it
             reasons = self.env.all_gather_objects(agreed.local_reasons.get(ControlFlag.STOP_TRAINING))
@@ -420,24 +438,23 @@ class TrainingLoop:
                 f"{agreed.describe(ControlFlag.ABORT)}; every rank stopped at step {self.context.global_step}"
                 + (f"{OWN_CAUSE_MARKER}{local})" if local else "")
             )
-        return agreed, sums
+        return agreement
 
-    def _micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
-        """Loss tokens of each of this rank's micro-batches in ``step``, from the samples (CPU-side)."""
-        return self.train_batches.micro_batch_loss_tokens(step)
-
-    def _account_step(self, step: StepPlan, global_loss_sum: float, local_loss_sum: float,
-                      grad_norm: float) -> None:
-        ctx = self.context
-        ctx.local_loss = local_loss_sum / self._step_local_tokens
-        ctx.grad_norm = None if math.isnan(grad_norm) else grad_norm
-        ctx.loss = global_loss_sum / max(step.loss_tokens, 1)
-        ctx.loss_tokens_seen += step.loss_tokens
-        ctx.step_time_s = time.perf_counter() - self._step_start
-        ctx.tokens_per_second = step.num_tokens / ctx.step_time_s
-        ctx.samples_per_second = step.num_samples / ctx.step_time_s
-        self._loss_since_log += ctx.loss
-        self._total_loss += ctx.loss
+    def _account_step(self, outcome: StepOutcome, summed: StepSums, own: StepOwn, finite: bool) -> None:
+        """The step's agreed values into the context and the running loss sums (a non-finite step's loss
+        is left out of them under ``nonfinite_policy="skip"``)."""
+        ctx, batches = self.context, outcome.batches
+        ctx.local_loss = float(own.loss_sum) / max(sum(batches.micro_units), 1e-12)
+        ctx.grad_norm = None if own.grad_norm == NOT_MEASURED else float(own.grad_norm)
+        ctx.loss = float(summed.loss_sum) / max(batches.loss_units, 1e-12)
+        ctx.loss_tokens_seen += int(batches.loss_units)
+        ctx.input_tokens_seen += int(summed.input_tokens)
+        ctx.step_time_s = time.perf_counter() - outcome.started
+        ctx.tokens_per_second = batches.num_tokens / ctx.step_time_s
+        ctx.samples_per_second = batches.num_samples / ctx.step_time_s
+        if finite or self.finite.counts_nonfinite:
+            self._loss_since_log += ctx.loss
+            self._total_loss += ctx.loss
         self._steps_this_run += 1
 
     def _training_logs(self) -> dict[str, float]:
@@ -496,9 +513,10 @@ class TrainingLoop:
         )
 
 
-def _cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
-    """Loss tokens of a batch still on the CPU (counted there: no device synchronisation)."""
-    return int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+def _input_tokens(cpu_batch: dict[str, Any]) -> int:
+    """Input positions of a CPU batch (``input_ids`` elements; 0 for a batch without them)."""
+    input_ids = cpu_batch.get("input_ids")
+    return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
 
 
 def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -35,7 +35,7 @@ class SamplePrediction:
 
     index: int
     predictions: Any
-    labels: np.ndarray
+    labels: Any
     inputs: np.ndarray | None = None
     loss: float | None = None
 
@@ -45,7 +45,7 @@ class GatheredPredictions:
     """Every rank's predictions in dataset order, stacked as ``Trainer.predict``/``evaluate`` build them."""
 
     predictions: Any
-    label_ids: np.ndarray | None
+    label_ids: Any
     inputs: np.ndarray | None
     losses: np.ndarray | None
     num_samples: int
@@ -67,24 +67,27 @@ class PredictionCollector:
         """Forget the previous evaluation's samples."""
         self._samples = []
 
-    def add(self, indices: Sequence[int], batch: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
-        """Keep the predictions of ``batch``, whose row ``r`` holds validation sample ``indices[r]``."""
+    def add(self, indices: Sequence[int], batch: dict[str, Any], logits: Any, labels: Any) -> None:
+        """Keep the predictions of ``batch``, whose row ``r`` holds validation sample ``indices[r]``:
+        ``logits`` a tensor or a (nested) tuple of the model's outputs, ``labels`` a tensor, a tuple of them
+        (several ``label_names``) or None.  Positions where the batch's ``attention_mask`` is 0 are dropped
+        from sequence-shaped values."""
         if not indices:
             return  # a dummy micro-batch (this rank has fewer validation batches than others)
-        labels = batch["labels"]
-        predictions: Any = logits.detach()
+        predictions: Any = _detach(logits)
         if self.preprocess is not None:
             predictions = self.preprocess(predictions, labels)
         mask = batch.get("attention_mask")
-        width = labels.shape[1]
+        input_ids = batch.get("input_ids")
+        width = mask.shape[1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         losses = _row_losses(logits, labels) if self.include_loss else None
         for row, index in enumerate(indices):
-            valid = mask[row].bool().cpu() if mask is not None else torch.ones(width, dtype=torch.bool)
+            valid = mask[row].bool().cpu() if isinstance(mask, torch.Tensor) and width is not None else None
             self._samples.append(SamplePrediction(
                 index=index,
                 predictions=_take_row(predictions, row, valid, width),
-                labels=labels[row].cpu()[valid].numpy(),
-                inputs=batch["input_ids"][row].cpu()[valid].numpy() if self.include_inputs else None,
+                labels=_take_row(labels, row, valid, width),
+                inputs=_take_row(input_ids, row, valid, width) if self.include_inputs else None,
                 loss=float(losses[row]) if losses is not None else None,
             ))
 
@@ -97,7 +100,8 @@ class PredictionCollector:
             raise RuntimeError("validation predictions: a sample was predicted on more than one rank")
         return GatheredPredictions(
             predictions=_stack_nested([s.predictions for s in samples]),
-            label_ids=_stack([s.labels for s in samples]) if samples else None,
+            label_ids=_stack_nested([s.labels for s in samples]) if samples and samples[0].labels is not None
+            else None,
             inputs=_stack([s.inputs for s in samples if s.inputs is not None]) if self.include_inputs else None,
             losses=np.array([s.loss for s in samples], dtype=np.float32) if self.include_loss else None,
             num_samples=len(samples),
@@ -126,8 +130,13 @@ class PredictionCollector:
         return dict(out or {})
 
 
-def _row_losses(logits: torch.Tensor, labels: torch.Tensor) -> list[float]:
-    """Mean shifted token cross entropy of each row (``nan`` for a row without loss tokens)."""
+def _row_losses(logits: Any, labels: Any) -> list[float]:
+    """Mean shifted token cross entropy of each row (``nan`` for a row without loss tokens; every row's
+    ``nan`` when the outputs are not token logits with token labels)."""
+    if not (isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.dim() == 3
+            and labels.dim() == 2):
+        rows = len(labels) if labels is not None else len(logits)
+        return [float("nan")] * rows
     shifted = labels[:, 1:].to(logits.device)
     per_token = F.cross_entropy(
         logits[:, :-1, :].float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none"
@@ -137,8 +146,21 @@ def _row_losses(logits: torch.Tensor, labels: torch.Tensor) -> list[float]:
     return [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), counts.tolist())]
 
 
-def _take_row(value: Any, row: int, valid: torch.Tensor, width: int) -> Any:
-    """Row ``row`` of a (nested) prediction output; sequence-shaped tensors keep only ``valid`` positions."""
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple | list):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _take_row(value: Any, row: int, valid: torch.Tensor | None, width: int | None) -> Any:
+    """Row ``row`` of a (nested) output; tensors whose second dimension is the batch's sequence length
+    (``width``) keep only the ``valid`` positions."""
+    if value is None:
+        return None
     if isinstance(value, tuple | list):
         return type(value)(_take_row(v, row, valid, width) for v in value)
     if isinstance(value, dict):
@@ -146,7 +168,7 @@ def _take_row(value: Any, row: int, valid: torch.Tensor, width: int) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     item = value[row].detach().cpu()
-    if item.dim() >= 1 and item.shape[0] == width:
+    if valid is not None and item.dim() >= 1 and item.shape[0] == width:
         item = item[valid]
     if item.dtype in (torch.bfloat16, torch.float16):
         item = item.float()

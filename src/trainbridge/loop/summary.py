@@ -84,10 +84,6 @@ def announce_run(args: TrainingArgs, env: DistributedEnv, components: RunCompone
         print(format_run_plan(args, env, components), flush=True)
 
 
-PLAN_SAMPLE_STEPS = 64
-"""Steps of the first epoch's plan the per-step averages are taken over."""
-
-
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -104,8 +100,10 @@ def _stats_line(stats: LoadStats, args: TrainingArgs) -> str:
 
 
 def _lengths(batches: Any) -> list[int]:
-    # the source's length column (a memory-mapped dataset is never read sample by sample here)
-    return batches.samples.lengths.tolist() if batches is not None else []
+    # the source's length column (a memory-mapped dataset is never read sample by sample here); none for
+    # a step whose batches are the dataset's items (``step.model_loss``)
+    samples = getattr(batches, "samples", None)
+    return samples.lengths.tolist() if samples is not None else []
 
 
 def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComponents) -> str:
@@ -132,13 +130,7 @@ def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComp
     cap = f" (max_steps={args.max_steps})" if args.max_steps else ""
     rows.append(("steps", f"{steps:,} per epoch, {components.max_steps:,} in total over "
                           f"{components.num_epochs} epoch{'s' if components.num_epochs != 1 else ''}{cap}"))
-    plan_steps = components.train_batches.plan.steps[:PLAN_SAMPLE_STEPS]  # steps are packed when read
-    if plan_steps:
-        tokens = sum(step.num_tokens for step in plan_steps) / len(plan_steps)
-        micro = sum(step.micro_batches_per_rank for step in plan_steps) / len(plan_steps)
-        rows.append(("effective batch", f"{args.effective_batch_size} samples, ~{tokens:,.0f} tokens per step "
-                                        f"(all ranks); {micro:.1f} micro-batches of <= {args.max_batch_len} "
-                                        f"tokens per rank, {'padded' if components.padded else 'padding-free'}"))
+    rows.append(("effective batch", components.step.describe_batches(args.effective_batch_size)))
     rows.append(("parallelism", f"{args.distributed_backend}, world size {env.world_size} "
                                 f"({env.backend or 'no process group'}, {env.device.type})"))
     when = f"every {args.save_steps} steps" if args.save_strategy == "steps" and args.save_steps else \

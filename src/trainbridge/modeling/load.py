@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
+from trainbridge.modeling import quantization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -52,9 +53,16 @@ def unwrap_peft(model: Any) -> Any:
 def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
     """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
     else ``model_path``, else an adapter folder's base model)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
-    tokenizer: Any = AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)
+    path = args.resolved_tokenizer_path
+    tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
+    folder = Path(str(path))
+    if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files) \
+            and (folder / "preprocessor_config.json").is_file():
+        processor: Any = AutoProcessor.from_pretrained(str(path))  # an image model: its image processor
+        return cast("PreTrainedTokenizerBase", processor)
+    tokenizer: Any = AutoTokenizer.from_pretrained(path)
     return tokenizer
 
 
@@ -68,6 +76,7 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
         args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
         and args.model_init is None and args.peft_config is None and args.model_path is not None
         and peft_adapter_base(args.model_path) is None and not args.model_kwargs.model_extra
+        and quantization.saved_quantization(args.model_path) is None
     )
 
 
@@ -86,9 +95,10 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         if skeleton:
             model = build_skeleton(args.model_path, args.model_kwargs)
         elif base is None:
-            model = load_base_model(args.model_path, args.model_kwargs)
+            model = prepare_quantized(load_base_model(args.model_path, args.model_kwargs, args.device), args)
         else:
-            model = load_adapter(load_base_model(base, args.model_kwargs), args.model_path, trainable=True)
+            model = prepare_quantized(load_base_model(base, args.model_kwargs, args.device), args)
+            model = load_adapter(model, args.model_path, trainable=True)
             logger.info("model: base %s with the PEFT adapter of %s (trainable)", base, args.model_path)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
@@ -119,19 +129,83 @@ def call_model_init(model_init: Any) -> nn.Module:
     return model
 
 
-def load_base_model(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(path, **model_kwargs)``."""
-    from transformers import AutoModelForCausalLM
+def model_class(config: Any) -> Any:
+    """The class a saved model loads with: the transformers class its ``config.json`` names in
+    ``architectures`` (a ``BertForMaskedLM`` stays a masked LM, a T5 an encoder-decoder); remote code
+    (``auto_map``) through the Auto class it maps; without ``architectures``, the causal LM of its
+    ``model_type``.  A ``ValueError`` names an architecture this transformers does not have."""
+    import transformers
 
+    architectures = [str(a) for a in getattr(config, "architectures", None) or []]
+    auto_map = getattr(config, "auto_map", None) or {}
+    for name in architectures:
+        found = getattr(transformers, name, None)
+        if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
+            return found
+    for auto_name, target in auto_map.items():
+        if auto_name.startswith("AutoModel") and (not architectures or str(target).endswith(architectures[0])):
+            return getattr(transformers, auto_name)
+    if architectures:
+        raise ValueError(f"model_path: config.json names architecture {architectures[0]!r}, which transformers "
+                         f"{transformers.__version__} does not have; upgrade transformers or save the model "
+                         "with a class it has")
+    return transformers.AutoModelForCausalLM
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` (a PEFT model's base) is a causal language model: a class of transformers' causal-LM
+    mapping, or remote code mapped as ``AutoModelForCausalLM``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    inner = unwrap_peft(model)
+    name = type(inner).__name__
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    auto_map = getattr(getattr(inner, "config", None), "auto_map", None) or {}
+    return name in names or str(auto_map.get("AutoModelForCausalLM", "")).endswith(f".{name}")
+
+
+def load_base_model(path: Path | str, model_kwargs: ModelKwargs, device: str = "auto") -> PreTrainedModel:
+    """``from_pretrained(path, **model_kwargs)`` of the class the folder's config names (``model_class``); a
+    quantised model is loaded straight onto this rank's device (``device``: ``TrainingArgs.device``)."""
+    from transformers import AutoConfig
+
+    kwargs = model_kwargs.from_pretrained_kwargs()
+    kwargs.update(quantized_placement(path, model_kwargs, device))
     # Absolute, so adapter_config.json of every checkpoint names a base model that loads from any folder.
-    return AutoModelForCausalLM.from_pretrained(str(Path(path).resolve()), **model_kwargs.from_pretrained_kwargs())
+    folder = str(Path(path).resolve())
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=model_kwargs.trust_remote_code)
+    loaded: Any = model_class(config).from_pretrained(folder, **kwargs)
+    return cast("PreTrainedModel", loaded)
+
+
+def quantized_placement(path: Path | str, model_kwargs: ModelKwargs, device: str) -> dict[str, Any]:
+    """``{"device_map": {"": this rank's device}}`` for a quantised model (bitsandbytes quantises where it
+    loads, and a quantised model is not moved afterwards); ``{}`` for a plain one."""
+    if not (model_kwargs.quantized() or quantization.saved_quantization(path)):
+        return {}
+    quantization.require_bitsandbytes("a quantized base model (model_kwargs.quantization_config)")
+    return {"device_map": {"": quantization.load_device(device)}}
+
+
+def prepare_quantized(model: nn.Module, args: TrainingArgs) -> nn.Module:
+    """A quantised base: ``peft.prepare_model_for_kbit_training`` (frozen, its non-quantised weights in fp32;
+    gradient checkpointing is switched on after, as for any model); any other model unchanged."""
+    return quantization.prepare_for_training(model) if quantization.is_quantized(model) else model
+
+
+def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+    """``cls`` built from ``config`` (an Auto class's ``from_config``, a model class's ``_from_config``)."""
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config, **kwargs)
+    kwargs.pop("trust_remote_code", None)  # only the Auto classes take it
+    return cls._from_config(config, **kwargs)
 
 
 def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedModel:
     """The model of ``path`` built from its ``config.json`` on the meta device (no weights read, no memory):
     the same classes, parameter names, shapes and dtype as ``load_base_model`` gives, for a rank that
     receives its weights from rank 0 (``parallel.fsdp``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     kwargs = model_kwargs.from_pretrained_kwargs()
     config = AutoConfig.from_pretrained(str(Path(path).resolve()), trust_remote_code=model_kwargs.trust_remote_code)
@@ -140,8 +214,8 @@ def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedMod
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     build_kwargs = {k: kwargs[k] for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **build_kwargs)
+        model = _from_config(model_class(config), config,
+                             dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **build_kwargs)
     model.eval()  # as from_pretrained returns it
     if model.can_generate():
         from transformers import GenerationConfig
@@ -215,23 +289,28 @@ def check_model_setup(args: TrainingArgs) -> None:
         return
     import copy
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(args.model_path, trust_remote_code=args.model_kwargs.trust_remote_code)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.model_kwargs.trust_remote_code)
+        skeleton = _from_config(model_class(config), config, trust_remote_code=args.model_kwargs.trust_remote_code)
     # get_peft_model fills in defaults (target_modules for known architectures) on the config it gets.
     apply_peft(skeleton, copy.deepcopy(args.peft_config))
 
 
 def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
-    returns is unloaded) or from ``model_path`` (an adapter folder's base model)."""
+    returns is unloaded) or from ``model_path`` (an adapter folder's base model), not quantised by
+    ``model_kwargs`` (the adapter is merged into the full-precision weights)."""
     if args.model_init is not None:
         model = call_model_init(args.model_init)
         return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
     assert args.model_path is not None
-    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, args.model_kwargs)
+    kwargs = args.model_kwargs
+    if kwargs.quantized():  # merged into the full-precision weights the quantised base was made from
+        plain = {k: v for k, v in kwargs.model_dump().items() if k != "quantization_config"}
+        kwargs = ModelKwargs.model_validate(plain)
+    return load_base_model(peft_adapter_base(args.model_path) or args.model_path, kwargs)
 
 
 def merge_adapter(base: nn.Module, adapter_dir: Path, output_dir: Path, dtype: torch.dtype | None = None) -> Path:

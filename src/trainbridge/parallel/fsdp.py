@@ -114,7 +114,10 @@ class FSDP2Engine(TrainingEngine):
 
         if not isinstance(self.module, FSDPModule):
             raise RuntimeError(f"rank {self.env.rank}: fsdp configured but the root is not an FSDPModule")
+        whole = {id(p) for p in packed_quantized_weights(self.unwrapped) if not p.is_floating_point()}
         for name, param in self.unwrapped.named_parameters():
+            if id(param) in whole:
+                continue  # a uint8-packed quantised weight: replicated by design (ignored_params)
             if not isinstance(param, DTensor):
                 raise RuntimeError(f"rank {self.env.rank}: fsdp configured but parameter {name} is not a DTensor shard")
             if param.device_mesh.size() != self.env.world_size:
@@ -122,6 +125,14 @@ class FSDP2Engine(TrainingEngine):
                     f"rank {self.env.rank}: parameter {name} is sharded over {param.device_mesh.size()} ranks, "
                     f"expected {self.env.world_size}"
                 )
+
+
+def packed_quantized_weights(model: nn.Module) -> list[nn.Parameter]:
+    """bitsandbytes' packed 4-bit / 8-bit weights (a QLoRA base).  FSDP2 shards those stored in a float dtype
+    (``bnb_4bit_quant_storage``, the FSDP-QLoRA recipe) like any frozen weight; bitsandbytes re-attaches each
+    layer's quantisation state to the gathered weight in its forward.  Integer-stored ones (``uint8``, the
+    default) cannot be sharded: they stay whole on every rank (``ignored_params``)."""
+    return [p for p in model.parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -174,8 +185,13 @@ def build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, 
     # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
     # so no rank ever holds the whole model on the GPU.
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda"
+    packed = packed_quantized_weights(model)
+    # A parameter cast would corrupt 4-bit weights packed in a float storage: a quantised model autocasts.
+    use_mp_policy = (args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda"
+                     and not packed)
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
+        kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
     if use_mp_policy:
         # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -1,12 +1,18 @@
 """``trainbridge.Trainer``: port a ``transformers.Trainer`` script by changing its import.
 
 - ``facade``: the ``Trainer`` class (constructor, ``train``/``evaluate``/``predict``, saving, callbacks).
+- ``jobs``: train and evaluate, in place under the script's launcher or in torchrun workers it launches.
+- ``run_folder``: the job's inputs written into ``output_dir/.trainbridge/``, as a typed ``RunLayout``.
+- ``job_args``: the job's ``TrainingArgs``; ``results``: what it returns, as Trainer's state and metrics.
 - ``inputs``: datasets, collators and the model, made ready for the workers.
-- ``runner``: the jobs the facade runs on each rank (in place, or in its own torchrun workers).
-- ``launch_env``: in place vs self-launch, and the self-launch process count.
+- ``runner``: the jobs on each rank (in place, or as the torchrun workers' module).
+- ``script_events``: Trainer's events outside training, on the script's callbacks.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainbridge.trainer.facade import Trainer, UnsupportedTrainerFeatureError
 
 __all__ = ["Trainer", "UnsupportedTrainerFeatureError"]
 

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainbridge.modeling.quantization import state_dict_honoured
+
 logger = logging.getLogger(__name__)
 
 TOKEN_COLUMNS = ("input_ids", "labels")
@@ -191,7 +193,8 @@ def _write_peft_model(model: Any, folder: Path) -> Path:
         if any(part.startswith("lora_") or part in adapter_names for part in parts):
             continue  # adapter weights (lora_A/lora_B/lora_magnitude_vector..., per adapter name)
         clean[key.replace(".base_layer.", ".")] = value
-    base.save_pretrained(folder / "base", state_dict=clean)
+    with state_dict_honoured(base):  # a quantised base would otherwise be saved under the adapter layers' names
+        base.save_pretrained(folder / "base", state_dict=clean)
     model.save_pretrained(folder / "adapter")
     for config_file in (folder / "adapter").rglob("adapter_config.json"):
         config = json.loads(config_file.read_text())

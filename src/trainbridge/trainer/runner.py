@@ -6,7 +6,8 @@
   ``final_model_dir`` (collective: sharded engines gather them) so the calling process can load them, and
   rank 0 writes the HF adapter's ``TrainerState`` (restored from the checkpoint on resume, as Trainer's).
 - ``evaluate``: the loop's set-up and one evaluation (``compute_metrics`` included) without training;
-  rank 0 writes the metrics and, for ``predict``, the gathered predictions.
+  launched, rank 0 writes the metrics and, for ``predict``, the gathered predictions, signed with the
+  job's ``result_key`` (``launch.transport.write_signed``: the calling process verifies it before loading).
 
 ``python -m trainbridge.trainer.runner --payload PATH`` is the worker ``Trainer.train()`` launches from a
 plain ``python script.py``: it reads the authenticated payload (a ``FacadeJob``) and calls ``run_job``.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,22 +25,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.run_dir import result_file
+from trainbridge.core.run_dir import FacadeDir, result_file
 from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.process_exit import exit_now
-from trainbridge.launch.transport import PAYLOAD_KEY_ENV
+from trainbridge.launch.transport import PAYLOAD_KEY_ENV, write_signed
 from trainbridge.launch.worker import run_worker
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
-
-STATE_FILE = "trainer_state.json"
-"""``run_dir / STATE_FILE``: the ``TrainerState`` after training, written by rank 0."""
-EVAL_FILE = "evaluation.pkl"
-"""``run_dir / EVAL_FILE``: metrics (and predictions) of an evaluation job, written by rank 0."""
-FINAL_MODEL_DIR = "final-model"
-"""``run_dir / FINAL_MODEL_DIR``: the weights at the end of training (HF layout)."""
 
 
 def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbackAdapter]:
@@ -62,6 +55,8 @@ class FacadeJob:
     run_dir: Path
     keep_predictions: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    result_key: str | None = None
+    """Launched: the key the evaluation result is signed with (``RESULT_KEY_ENV``); in place: none is written."""
 
 
 @dataclass
@@ -82,11 +77,11 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
         run_callbacks, adapter = with_trainer_state(given)
         loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
-        export_model(loop, job.run_dir / FINAL_MODEL_DIR)
+        export_model(loop, FacadeDir(job.run_dir).final_model)
         state = adapter.trainer_state() or {}
         if env.is_world_process_zero:
             result.write(result_file(job.args.ckpt_output_dir))
-            (job.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+            FacadeDir(job.run_dir).state_file.write_text(json.dumps(state, indent=2, default=str))
         return JobOutcome(loop=loop, result=result, state=state)
     if job.kind == "evaluate":
         loop = TrainingLoop(job.args, env, callbacks or [], build_run(job.args, env))
@@ -94,13 +89,12 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
             raise RuntimeError("predict: the evaluation job was built without a prediction collector")
         metrics = loop.evaluate()
         predictions = loop.predictions.last if loop.predictions is not None else None
-        if env.is_world_process_zero:
+        if env.is_world_process_zero and job.result_key:
             # the launcher expects a result from every job; an evaluation trained no step
             job.args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
             RunResult(global_step=0, epoch=0.0, max_steps=0).write(result_file(job.args.ckpt_output_dir))
-            with (job.run_dir / EVAL_FILE).open("wb") as handle:
-                pickle.dump({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
-                            handle)
+            write_signed({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
+                         FacadeDir(job.run_dir).evaluation_file, job.result_key)
         return JobOutcome(loop=loop, metrics=metrics, predictions=predictions)
     raise ValueError(f"unknown facade job kind {job.kind!r}")
 
@@ -108,16 +102,21 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
 def export_model(loop: TrainingLoop, folder: Path) -> None:
     """Write the loop's current weights in HF layout into ``folder`` (collective for sharded engines)."""
     state = loop.engine.full_model_state_dict()
-    if loop.env.is_world_process_zero:
+
+    def write() -> None:
         if state is None:
             raise RuntimeError("the engine returned no full state dict on rank 0")
         folder.mkdir(parents=True, exist_ok=True)
         loop.engine.unwrapped.save_pretrained(folder, state_dict=state)
         if getattr(loop, "tokenizer", None) is not None:
             loop.tokenizer.save_pretrained(folder)
-    loop.env.barrier()
+
+    loop.env.on_rank_zero(write, f"writing the model to {folder}")
 
 
+RESULT_KEY_ENV = "TRAINBRIDGE_FACADE_RESULT_KEY"
+"""Environment variable carrying a launched evaluation job's result key (hex) to the workers, as
+``PAYLOAD_KEY_ENV`` carries the payload's: never on a command line or in a file."""
 JOB_ENV = "TRAINBRIDGE_FACADE_JOB"
 """Environment variable carrying a self-launched job's kind and run folder (JSON) to the workers; the
 ``TrainingArgs`` themselves travel in the authenticated payload of ``run_training``."""
@@ -137,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def job(args: TrainingArgs, env: DistributedEnv) -> None:
         run_job(FacadeJob(kind=spec["kind"], args=args, run_dir=Path(spec["run_dir"]),
-                          keep_predictions=bool(spec.get("keep_predictions"))), env)
+                          keep_predictions=bool(spec.get("keep_predictions")),
+                          result_key=os.environ.get(RESULT_KEY_ENV)), env)
 
     return run_worker(argv, "trainbridge.trainer.runner", job)
 

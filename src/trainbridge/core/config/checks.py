@@ -1,0 +1,108 @@
+"""The checks of ``TrainingArgs`` that read several fields together (run once, after the fields validate).
+
+Each raises ``ValueError`` with a message that starts with the field to change and says how.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainbridge.core.config.model import peft_adapter_base
+
+if TYPE_CHECKING:
+    from trainbridge.core.config.training import TrainingArgs
+
+
+def check_consistent(args: TrainingArgs) -> None:
+    """The fields together: evaluation, best model, saving and batching settings that must agree."""
+    check_model(args)
+    if args.val_data_path is not None and args.validation_split > 0:
+        raise ValueError("give val_data_path or validation_split, not both")
+    if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
+        raise ValueError("eval_data_paths: give named validation sets or val_data_path/validation_split, "
+                         "not both (name the single set too: eval_data_paths={'main': ..., ...})")
+    if args.eval_strategy == "steps" and args.eval_steps is None:
+        raise ValueError("eval_steps: required when eval_strategy='steps'")
+    if (args.eval_strategy != "no" and args.val_data_path is None and args.validation_split == 0
+            and not args.eval_data_paths):
+        raise ValueError("eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0")
+    if args.eval_data_paths and args.tracks_best_metric and args.best_metric_eval_set is None:
+        raise ValueError(
+            f"metric_for_best_model: {args.metric_for_best_model!r} is not a metric of a named validation set; "
+            f"with eval_data_paths every metric is eval_<name>_<metric>, e.g. "
+            f"'eval_{next(iter(args.eval_data_paths))}_loss' (sets: {', '.join(args.eval_data_paths)})"
+        )
+    if args.save_strategy == "best" and args.eval_strategy == "no":
+        raise ValueError("save_strategy: 'best' needs an eval_strategy other than 'no'")
+    if args.load_best_model_at_end:
+        if args.eval_strategy == "no":
+            raise ValueError("load_best_model_at_end: needs an eval_strategy other than 'no'")
+        if args.save_strategy not in ("best", args.eval_strategy):
+            raise ValueError(
+                "load_best_model_at_end: save_strategy must match eval_strategy "
+                f"({args.save_strategy!r} != {args.eval_strategy!r}), as in transformers"
+            )
+        if args.save_strategy == "steps" and args.eval_steps and args.save_steps:
+            if args.save_steps % args.eval_steps:
+                raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
+    if args.nonfinite_policy == "skip" and args.distributed_backend == "deepspeed":
+        raise ValueError("nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
+                         "applies its update inside its own step); use 'error' or 'warn'")
+    if args.data_collator is not None and args.packing == "padding_free":
+        raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
+                         "micro-batches); leave packing='auto' or set data_collator=None")
+    if args.max_batch_len < args.max_seq_len and args.packing != "padded":
+        raise ValueError(
+            f"max_batch_len: {args.max_batch_len} is smaller than max_seq_len {args.max_seq_len}; "
+            "a longest sample would not fit in one micro-batch"
+        )
+
+
+def check_model(args: TrainingArgs) -> None:
+    """The model fields together: what to load, PEFT options that cannot combine, quantization."""
+    if args.model_path is None and args.model_init is None:
+        raise ValueError("model_path: required (a model or PEFT adapter folder) unless model_init is given")
+    if args.model_path is None and args.tokenizer_path is None:
+        raise ValueError("tokenizer_path: required when the model comes from model_init without model_path")
+    adapter_base = peft_adapter_base(args.model_path) if args.model_path is not None else None
+    config = args.peft_config
+    if config is not None:
+        if adapter_base is not None and args.model_init is None:
+            raise ValueError(
+                f"peft_config: model_path {str(args.model_path)!r} is already a PEFT adapter folder, which is "
+                "trained as it is; give peft_config with a base model, or drop peft_config to continue the adapter"
+            )
+        task = getattr(config, "task_type", None)
+        if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
+            raise ValueError(
+                f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)"
+            )
+        if getattr(config, "inference_mode", False):
+            raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
+                             "set inference_mode=False")
+        if getattr(config, "is_prompt_learning", False):
+            raise ValueError(
+                f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
+                "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
+            )
+    is_peft = config is not None or adapter_base is not None
+    if args.merge_adapter_at_end and not is_peft and args.model_init is None:
+        raise ValueError(
+            "merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)"
+        )
+    if args.gradient_checkpointing_kwargs != {"use_reentrant": False} and not args.gradient_checkpointing:
+        raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
+    if args.model_kwargs.quantized():
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
+                             "pip install 'trainbridge[qlora]'")
+        if not is_peft and args.model_init is None:
+            raise ValueError("model_kwargs.quantization_config: a quantized base model trains through an adapter "
+                             "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords")
+        if args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3:
+            raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be "
+                             "partitioned by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) "
+                             "or ZeRO-1/2")

@@ -1,0 +1,489 @@
+"""``TrainingArgs``' fields, in groups of related settings; ``TrainingArgs`` inherits every group.
+
+Each field has a docstring (``use_attribute_docstrings``: ``TrainingArgs.model_fields[name].description``)
+and the validators that read it alone.  A new field goes next to its related fields here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+
+from trainbridge.core import config_errors
+from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
+from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
+from trainbridge.core.events import Event
+
+DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
+"""The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
+
+_GROUP = ConfigDict(use_attribute_docstrings=True)
+
+
+class ModelFields(BaseModel):
+    """The model: what to load or build, its keywords, a PEFT adapter, gradient checkpointing."""
+
+    model_config = _GROUP
+
+    model_path: Path | None = None
+    """Local Hugging Face model directory (``config.json`` + weights), loaded with ``from_pretrained``; or a
+    PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``), whose base model (its
+    ``base_model_name_or_path``, a local folder) is loaded and the adapter applied, trainable, to continue
+    training it.  Required unless ``model_init`` is given."""
+    model_init: Callable[..., Any] | None = None
+    """A picklable function returning the model to train (as ``transformers.Trainer``'s ``model_init``;
+    called with no argument, or with ``None`` for a one-argument ``model_init(trial)``), or its import path
+    ``package.module:function`` in YAML.  Called in every worker instead of loading ``model_path``; it may
+    return a ``peft.PeftModel``.  Needs ``tokenizer_path`` when ``model_path`` is not given."""
+    model_kwargs: ModelKwargs = Field(default_factory=lambda: ModelKwargs())
+    """Keyword arguments for ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``attn_implementation``,
+    ``trust_remote_code``, and any other ``from_pretrained`` keyword)."""
+    peft_config: Any = None
+    """A ``peft.PeftConfig`` (e.g. ``peft.LoraConfig(r=8, target_modules=[...])``), or its dict form in
+    YAML (``peft_type`` defaults to ``LORA``, ``task_type`` to ``CAUSAL_LM``).  The adapter is applied in
+    every worker before DDP/FSDP2/DeepSpeed wrapping and before the optimizer is built: only adapter
+    parameters train and hold optimizer state, and checkpoints hold the adapter in PEFT's layout.
+    Needs ``pip install 'trainbridge[peft]'``."""
+    merge_adapter_at_end: bool = False
+    """With a PEFT model: when training ends, merge the final adapter (the best one under
+    ``load_best_model_at_end``) into the base weights (``merge_and_unload``) and write the merged model in
+    Hugging Face layout to ``ckpt_output_dir/merged`` (loadable with ``AutoModelForCausalLM``)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (``model.gradient_checkpointing_enable``), applied before
+    wrapping (also under FSDP2); trades compute for activation memory."""
+    gradient_checkpointing_kwargs: dict[str, Any] = Field(default_factory=lambda: {"use_reentrant": False})
+    """Passed to ``gradient_checkpointing_enable``; non-reentrant checkpointing by default.  With
+    ``use_reentrant=True`` and a frozen base (PEFT) the inputs are made to require grads, as Trainer does."""
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_dir_exists(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        if not value.is_dir():
+            raise ValueError(f"model directory {str(value)!r} does not exist")
+        if peft_adapter_base(value) is None and not (value / "config.json").is_file():
+            raise ValueError(
+                f"{str(value)!r} has no config.json (not a Hugging Face model directory) and no "
+                f"{ADAPTER_CONFIG_FILE} (not a PEFT adapter folder)"
+            )
+        return value
+
+    @field_validator("model_init", mode="before")
+    @classmethod
+    def _model_init_callable(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = resolve_import_path(value)
+        if value is not None and not callable(value):
+            raise ValueError(f"expected a function returning the model, got {type(value).__name__} {value!r}")
+        return value
+
+    @field_validator("peft_config", mode="before")
+    @classmethod
+    def _peft_config(cls, value: Any) -> Any:
+        return None if value is None else build_peft_config(value)
+
+    @field_serializer("peft_config")
+    def _peft_config_as_dict(self, value: Any) -> Any:
+        if value is None:
+            return None
+        data = value.to_dict()
+        return {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in data.items()}
+
+    @field_serializer("model_init")
+    def _model_init_as_path(self, value: Any) -> Any:
+        if value is None:
+            return None
+        module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
+        return f"{module}:{name}" if module and module != "__main__" and "<" not in name else None
+
+
+class DataFields(BaseModel):
+    """The data: tokenizer, files, columns, chat formatting, the cache, and the output folder."""
+
+    model_config = _GROUP
+
+    tokenizer_path: Path | None = None
+    """Tokenizer directory; defaults to ``model_path``."""
+    data_path: Path
+    """Training data: a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
+    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
+    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
+    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
+    val_data_path: Path | None = None
+    """Validation data in the same formats; exclusive with ``validation_split``."""
+    eval_data_paths: dict[str, Path] = Field(default_factory=dict)
+    """Several named validation sets ``{name: path}`` (same formats), as ``transformers.Trainer`` with a dict
+    ``eval_dataset``: each evaluation evaluates every set in turn, each with its own ``on_log``/``on_evaluate``
+    and metrics prefixed ``eval_<name>_``; ``metric_for_best_model`` names one set's metric (``eval_<name>_loss``
+    or ``<name>_loss``).  Exclusive with ``val_data_path`` and ``validation_split``."""
+    data_columns: dict[DataColumn, str] = Field(default_factory=dict)
+    """Read differently named columns: ``{ours: theirs}``, e.g. ``{messages: conversations}``; ours is one
+    of input_ids, labels, attention_mask, messages, tools, prompt, completion, text."""
+    chat_train_on: Literal["all", "last"] = "all"
+    """Chat ``messages``: train on every assistant turn (``all``) or on the last one only (``last``)."""
+    chat_system_prompt: str | None = None
+    """Chat ``messages``: a system message added to conversations that have none."""
+    chat_template: str | None = None
+    """Chat ``messages``: a Jinja chat template (the string, or a path to a file) used instead of the
+    tokenizer's; needed when the tokenizer has none."""
+    data_num_proc: int | None = Field(default=None, gt=0)
+    """Processes that tokenise the data on a cache miss (``datasets.map(num_proc=...)``); default
+    ``min(8, cpu count)``, fewer for small files."""
+    data_cache_dir: Path | None = None
+    """Where tokenised data is cached (one folder per data file, tokenizer, template and options); default
+    ``$TRAINBRIDGE_DATA_CACHE`` or ``~/.cache/trainbridge/data``.  Must be shared by the ranks of a node."""
+    validation_split: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
+    ckpt_output_dir: Path
+    """Where checkpoints ``checkpoint-{global_step}/``, ``metrics.jsonl`` and ``result.json`` go."""
+    share_run_dir_with_group: bool = False
+    """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700, and a
+    folder (or a parent) its group can write to is accepted: the group's members are trusted.  By default the
+    run folder is private, and one that anyone but you (or root) could change is refused before launch."""
+
+    @field_validator("data_path", "val_data_path")
+    @classmethod
+    def _data_file_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.exists():
+            raise ValueError(f"data file {str(value)!r} does not exist")
+        return value
+
+    @field_validator("eval_data_paths")
+    @classmethod
+    def _named_eval_files_exist(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for name, path in value.items():
+            if not name:
+                raise ValueError("a validation set needs a non-empty name (its metrics are eval_<name>_...)")
+            if not path.exists():
+                raise ValueError(f"validation set {name!r}: data file {str(path)!r} does not exist")
+        return value
+
+
+class BatchFields(BaseModel):
+    """Batches and the loss: sequence and batch lengths, packing, the collator, the loss kernel."""
+
+    model_config = _GROUP
+
+    max_seq_len: int = Field(default=512, gt=0)
+    """Longest sample in tokens; longer ones are handled by ``overlong_policy``."""
+    overlong_policy: Literal["drop", "truncate", "error"] = "drop"
+    """What to do with a sample longer than ``max_seq_len``: drop it (counted), truncate it, or fail."""
+    max_batch_len: int = Field(default=4096, gt=0)
+    """Token budget of one micro-batch on one rank (padded length x rows when padding)."""
+    effective_batch_size: int = Field(default=8, gt=0)
+    """Samples per optimizer step, all ranks together; reached by gradient accumulation."""
+    packing: Literal["auto", "padding_free", "padded"] = "auto"
+    """Micro-batch layout: ``padding_free`` concatenates samples with ``position_ids`` (models that
+    support it, e.g. Llama with flash/sdpa-compatible packing); ``padded`` pads to the longest row;
+    ``auto`` picks padding-free when the model supports it."""
+    data_collator: Callable[..., Any] | None = None
+    """A collate function called as written on each micro-batch (e.g. a ``transformers`` data collator):
+    it gets a list of feature dicts (``input_ids``, ``attention_mask``, and ``labels`` when the data has
+    its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
+    become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
+    must not be ``padding_free``).  None: trainbridge's own collation."""
+    training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
+    """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
+    batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches
+    (``per_device_batch_size`` items formed by ``data_collator``, else ``DataCollatorWithPadding`` /
+    ``default_data_collator`` as Trainer picks) and the loss the model's forward returns (any model with a
+    task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
+    causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
+    dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
+    per_device_batch_size: int | None = Field(default=None, gt=0)
+    """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
+    micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
+    micro-batch per step, ``effective_batch_size / world size`` items."""
+    remove_unused_columns: bool = True
+    """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
+    sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""
+    label_names: list[str] | None = None
+    """``model_loss``: the batch keys that hold the labels (Trainer's ``label_names``); None: ``labels``, or
+    ``start_positions``/``end_positions`` for question answering."""
+    loss_implementation: Literal["auto", "standard", "chunked", "liger"] = "auto"
+    """How the token cross entropy is computed (``data.loss``): ``standard`` from the model's full
+    logits; ``chunked`` from the hidden states, ``loss_chunk_tokens`` at a time, never holding the
+    full-vocabulary fp32 logits (same value and gradients); ``liger``: Liger-Kernel's fused linear cross
+    entropy (CUDA, ``pip install 'trainbridge[liger]'``).  ``auto``: ``liger`` on CUDA when installed,
+    else ``chunked`` on CUDA, ``standard`` on CPU.  Models that post-process logits keep ``standard``."""
+    loss_chunk_tokens: int = Field(default=1024, gt=0)
+    """Tokens per chunk of ``loss_implementation='chunked'`` (fp32 logits held: this x vocabulary)."""
+    varlen_sdpa: bool = True
+    """Padding-free batches of an ``sdpa`` model run one causal sdpa per sample
+    (``data.varlen_attention``) instead of masking the whole packed row: the same results, attention
+    cost of the samples' squared lengths instead of the row's.  Applied only where it is exact (checked
+    at start-up by a probe); ``False`` keeps transformers' sdpa."""
+
+
+class ScheduleFields(BaseModel):
+    """How long and how fast: epochs or steps, learning rate and schedule, optimizer, seed."""
+
+    model_config = _GROUP
+
+    num_epochs: int = Field(default=1, gt=0)
+    """Passes over the training data."""
+    max_steps: int | None = Field(default=None, gt=0)
+    """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
+    learning_rate: float = Field(default=2e-5, gt=0)
+    """Peak learning rate."""
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
+        "constant_with_warmup"
+    )
+    """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
+    ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Warm-up as a fraction of the run's optimizer steps (rounded up), used when ``warmup_steps`` is 0:
+    Trainer's ``warmup_steps < 1``, resolved once the run's step count is known."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
+    """AdamW beta1."""
+    adam_beta2: float = Field(default=0.95, gt=0.0, lt=1.0)
+    """AdamW beta2."""
+    adam_epsilon: float = Field(default=1e-8, gt=0.0)
+    """AdamW epsilon."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm; None disables clipping (the norm is still measured)."""
+    nonfinite_policy: Literal["error", "skip", "warn"] = "error"
+    """A step whose loss or gradient norm is NaN or infinite (seen in the step's agreement, no extra
+    collective): ``error`` stops the run naming the step, saving nothing for it and rotating nothing out, so
+    the last finite checkpoint survives; ``skip`` does not apply that step's update (reads the norm before
+    the optimizer step: one host-device synchronisation per step; not with ``deepspeed``, which steps
+    inside its engine) and leaves its loss out of the logged averages; ``warn`` only logs a warning."""
+    seed: int = 42
+    """Seed for model init side effects, data order and validation split."""
+
+
+class ParallelismFields(BaseModel):
+    """Where and how it runs: the engine (DDP, FSDP2, DeepSpeed), device, precision, compile."""
+
+    model_config = _GROUP
+
+    distributed_backend: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    """``ddp`` (torch DDP), ``fsdp`` (torch FSDP2 ``fully_shard``), or ``deepspeed`` (ZeRO, optional extra)."""
+    deepspeed_zero_stage: Literal[1, 2, 3] = 2
+    """ZeRO stage when ``distributed_backend='deepspeed'``."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32; under FSDP2 a
+    ``MixedPrecisionPolicy`` with bf16 compute and fp32 gradient reduction); with
+    ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
+    master weights in the optimizer).  ``auto`` (default): ``bf16`` on a CUDA device that supports it,
+    ``no`` elsewhere (CPU runs stay fp32)."""
+    fsdp_gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """FSDP2 with gradient accumulation: ``every_micro_batch`` reduce-scatters each micro-batch's
+    gradients into the sharded fp32 gradients (memory: one shard of gradients, as torchtitan does);
+    ``last_micro_batch`` accumulates unsharded gradients and reduce-scatters once per optimizer step
+    (fewer collectives, but a full unsharded gradient per rank).  The result is the same."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (gathered again for backward; less
+    memory, one more all-gather per unit).  ``False`` keeps them until backward (ZeRO-2-like).  The
+    ``norm`` + output-layer unit never reshards after forward: its backward comes right after."""
+    fsdp_load_on_rank0: bool = True
+    """FSDP2 with several ranks: only rank 0 reads the checkpoint; the other ranks build the model on the
+    meta device (no memory, no disk read) and receive their shards from rank 0 after ``fully_shard``
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``, buffers broadcast too).  Models from
+    ``model_init``, PEFT models (``peft_config`` or an adapter folder) and models loaded with extra
+    ``model_kwargs`` (quantization, config overrides, ``revision``, ...) are loaded on every rank as
+    before.  ``False``: every rank reads the full checkpoint."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
+
+
+class EvaluationFields(BaseModel):
+    """When to log and evaluate, and what ``compute_metrics`` sees."""
+
+    model_config = _GROUP
+
+    logging_strategy: Literal["no", "steps", "epoch"] = "steps"
+    """When to log: every ``logging_steps``, at each epoch end, or never."""
+    logging_steps: int = Field(default=10, gt=0)
+    """Log every this many optimizer steps (``logging_strategy='steps'``)."""
+    logging_first_step: bool = False
+    """Also log after the first optimizer step."""
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
+    """When to compute validation loss; ``steps`` needs ``eval_steps``."""
+    eval_steps: int | None = Field(default=None, gt=0)
+    """Evaluate every this many optimizer steps (``eval_strategy='steps'``)."""
+    eval_delay: float = Field(default=0.0, ge=0.0)
+    """Steps (or epochs, with ``eval_strategy='epoch'``) to wait before the first evaluation."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step (a sanity check of the validation path)."""
+    compute_metrics: Callable[..., Any] | None = None
+    """``fn(EvalPrediction) -> dict`` as in ``transformers.Trainer``: predictions and labels of the whole
+    validation set (every rank's share gathered in dataset order, padding removed), results prefixed
+    ``eval_`` and merged into the evaluation metrics (logs, ``metric_for_best_model``...)."""
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    """``fn(logits, labels) -> predictions`` applied to each validation batch on its rank before the
+    predictions are kept (e.g. ``logits.argmax(-1)``), as in ``transformers.Trainer``."""
+    include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
+    """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss``
+    (``EvalPrediction.inputs``/``.losses``)."""
+
+
+class CheckpointFields(BaseModel):
+    """Saving and resuming: when, how many, best-model tracking, interruption, outside control."""
+
+    model_config = _GROUP
+
+    save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
+    """When to checkpoint: every ``save_steps``/``save_samples``, each epoch end, on a new best metric, or never."""
+    save_steps: int | None = Field(default=None, gt=0)
+    """Checkpoint every this many optimizer steps (``save_strategy='steps'``)."""
+    save_samples: int | None = Field(default=None, gt=0)
+    """Checkpoint each time this many more samples have been seen (instructlab style)."""
+    checkpoint_at_epoch: bool = False
+    """Also checkpoint at every epoch end, whatever ``save_strategy``."""
+    save_final_checkpoint: bool = True
+    """Checkpoint when training ends (also after an agreed early stop) unless that step was just saved."""
+    save_total_limit: int | None = Field(default=None, gt=0)
+    """Keep at most this many checkpoints (oldest removed first; the best one is kept)."""
+    metric_for_best_model: str | None = None
+    """Metric that defines the best checkpoint (``eval_loss`` by default when best tracking is on)."""
+    greater_is_better: bool | None = None
+    """Whether a larger ``metric_for_best_model`` is better (default: False for losses)."""
+    load_best_model_at_end: bool = False
+    """Load the best checkpoint's weights into the model when training ends."""
+    resume_from_checkpoint: Literal["auto"] | Path | None = None
+    """``auto`` resumes from the newest complete checkpoint in ``ckpt_output_dir`` that verifies against its
+    manifest (a corrupt one is skipped with a warning naming it); a path resumes from it (it must verify)."""
+    checkpoint_checksums: bool = True
+    """Record every checkpoint file's SHA-256 in its ``manifest.json`` and check them at resume (hashing reads
+    every byte, about 1 GB/s); ``False`` records and checks file sizes only (very large checkpoints)."""
+    checkpoint_weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the Hugging Face-layout model weights (``model.safetensors``) written into checkpoints and the
+    merged export.  ``auto``: the dtype the model folder's ``config.json`` records (what the original
+    checkpoint was: a Llama trained in fp32 from a bf16 checkpoint exports bf16, half the disk), else the
+    parameters' dtype.  Resume stays exact whatever this is: when the export is of another dtype than the
+    parameters, the parameters themselves are kept in the checkpoint's sharded state (``dcp/``) and resume
+    reads them from there.  A PEFT adapter is written in its training dtype."""
+    checkpoint_async: bool = False
+    """Write intermediate checkpoints' sharded state (``dcp/``: the optimizer state -- under DDP / one
+    process it then goes there instead of ``optimizer.pt`` -- and the model's shards or full-precision
+    weights) in the background with ``torch.distributed.checkpoint.async_save`` while training goes on;
+    the rest (HF-layout weights, tokenizer, loop state) is written at once.  The checkpoint is published
+    (``COMPLETE``, renamed into place, rotation) and ``on_save`` fires at the first step end at which every
+    rank's background write has finished, so ``on_save`` comes later than under Trainer.  The final
+    checkpoint and saves at a stop or interrupt stay synchronous.  DeepSpeed writes its own folder
+    synchronously."""
+    resume_allow_mismatch: bool = False
+    """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
+    training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
+    resume_allow_unverified: bool = False
+    """Resume from (or load the best model of) a checkpoint that has no ``manifest.json``, or holds files its
+    manifest does not list (or symbolic links): nothing then vouches that its files are the ones trainbridge
+    wrote.  By default such a checkpoint is refused, naming what is wrong; allow it only for checkpoints you
+    trust (DCP metadata and non-tensor entries are read without running code either way)."""
+    save_on_interrupt: bool = False
+    """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
+    boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.
+    A second SIGTERM, or ``save_on_interrupt_timeout_s`` without reaching a step boundary, stops at once."""
+    save_on_interrupt_timeout_s: float = Field(default=25.0, gt=0)
+    """How long ``save_on_interrupt`` may take to reach the next step boundary after SIGTERM before the worker
+    gives up and stops without saving (torchrun kills workers 30 s after its own SIGTERM)."""
+    external_control: bool = True
+    """Obey ``trainbridge control RUN_DIR save|stop|evaluate|log`` from another shell: rank 0 checks the run
+    folder's ``control/`` requests at every step end and they are agreed like any callback request."""
+
+
+class ReportingFields(BaseModel):
+    """Reports: integrations, token counting, the ``TrainingArguments`` callbacks see, metric files."""
+
+    model_config = _GROUP
+
+    report_to: list[str] = Field(default_factory=list)
+    """Hugging Face reporting integrations, e.g. ``["tensorboard", "mlflow", "wandb"]``."""
+    include_num_input_tokens_seen: Literal["no", "all", "non_padding"] = "no"
+    """What ``TrainerState.num_input_tokens_seen`` counts for Hugging Face callbacks (and whether their logs
+    carry it), as transformers' option of that name: ``no`` (not counted), ``all`` (every input position,
+    padding included) or ``non_padding`` (real tokens); ``True``/``False`` mean ``all``/``no``.  The native
+    counters (``TrainingContext.tokens_seen``, ``input_tokens_seen``) always count."""
+    hf_args: Any = Field(default=None, exclude=True)
+    """The ``transformers.TrainingArguments`` (or subclass instance: trl's ``SFTConfig``, ``DPOConfig``...)
+    these settings were ported from; ``training_args_from_hf`` sets it.  Hugging Face callbacks then see an
+    instance of its class with all its fields, only the fields this run owns replaced
+    (``trainbridge.hf.arguments``).  Not written to YAML."""
+    run_name: str | None = None
+    """Run name shown by reporting integrations."""
+    logging_dir: Path | None = None
+    """TensorBoard log directory (default ``ckpt_output_dir/runs``)."""
+    disable_tqdm: bool = False
+    """Disable the rank-0 progress bar (a plain printer logs instead)."""
+    metrics_file: Path | None = None
+    """JSONL metrics file written by rank 0 (default ``ckpt_output_dir/metrics.jsonl``)."""
+
+    @field_validator("include_num_input_tokens_seen", mode="before")
+    @classmethod
+    def _token_counting(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # as TrainingArguments: True -> "all", False -> "no"
+            return "all" if value else "no"
+        return value
+
+    @field_validator("hf_args")
+    @classmethod
+    def _hf_training_arguments(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        from transformers import TrainingArguments
+
+        if not isinstance(value, TrainingArguments):
+            raise ValueError(f"expected a transformers.TrainingArguments (or subclass) instance, got "
+                             f"{type(value).__name__}; pass the object your script built, or leave it unset")
+        return value
+
+
+class CallbackFields(BaseModel):
+    """Callbacks and event functions, and how their errors and queues are handled."""
+
+    model_config = _GROUP
+
+    callbacks: list[Any] = Field(default_factory=list)
+    """Callback objects: ``trainbridge.Callback`` instances, ``transformers.TrainerCallback`` instances or
+    classes, or ``CallbackSpec``/``{"class": ..., "kwargs": ...}`` import specs."""
+    event_functions: dict[Event, list[Callable[..., Any]]] = Field(default_factory=dict)
+    """Plain functions per event (filled from the flat ``on_<event>=fn`` keywords)."""
+    callback_error_policy: Literal["isolate", "fatal"] = "isolate"
+    """``isolate``: a callback error after train begin is logged, counted and reported; ``fatal``: any
+    callback error stops every rank cleanly and fails the run."""
+    callback_max_consecutive_errors: int = Field(default=3, gt=0)
+    """Under ``isolate``, a callback failing this many times in a row is switched off."""
+    restore_callback_states: bool = True
+    """Restore callback state (e.g. EarlyStopping patience) from the checkpoint on resume."""
+    nonblocking_queue_size: int = Field(default=256, gt=0)
+    """Bound of the queue feeding non-blocking observer callbacks."""
+    nonblocking_drain_timeout_s: float = Field(default=30.0, ge=0)
+    """How long train end waits for non-blocking observers to drain their queue."""
+
+    @field_validator("callbacks", mode="before")
+    @classmethod
+    def _callback_specs(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if not isinstance(value, list | tuple):
+            value = [value]
+        out, problems = [], []
+        for i, item in enumerate(value):
+            try:
+                if isinstance(item, dict | str):
+                    item = CallbackSpec.model_validate(item if isinstance(item, dict) else {"class": item})
+            except ValidationError as exc:  # every bad callback, one line each, without pydantic's noise
+                problems += [f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(
+                    exc, CallbackSpec)]
+                continue
+            if item is None or isinstance(item, int | float | bool):
+                problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
+            out.append(item)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return out

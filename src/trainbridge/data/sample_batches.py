@@ -1,0 +1,142 @@
+"""Trainer's sample batches: ``per_device`` dataset items per micro-batch, ``accumulation`` micro-batches
+per optimizer step, formed by a collator from the items exactly as the dataset's ``__getitem__`` returns
+them (tensors stay tensors, extra keys stay).
+
+Every rank computes the same epoch order with no communication: shuffled by a generator seeded from
+``(seed, epoch)``, padded to a multiple of the world size by repeating its first items (as
+``DistributedSampler`` does), rank ``r`` taking positions ``r, r + world, ...``.  Each rank then has the
+same number of micro-batches, as under Trainer's ``DataLoader``: ``ceil(ceil(N / world) / per_device)``
+per epoch, grouped ``accumulation`` at a time into optimizer steps (the last one may hold fewer).
+``remove_unused_columns``: the keys the model's forward does not take are dropped from each item before
+the collator sees it, as Trainer's ``RemoveColumnsCollator`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainbridge.data.plan import _epoch_generator
+
+
+@dataclass(frozen=True)
+class SampleStep:
+    """One optimizer step on all ranks: ``micro_batches[rank][i]`` holds the item indices of micro-batch
+    ``i`` of ``rank`` (every rank has the same number)."""
+
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def num_samples(self) -> int:
+        """Items in the step, every rank (the repeated padding items included, as Trainer counts them)."""
+        return sum(len(micro) for rank in self.micro_batches for micro in rank)
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """The optimizer steps of one epoch."""
+
+    epoch: int
+    steps: Sequence[SampleStep]
+
+
+class ItemCollator:
+    """The collator called on a micro-batch's items, each first stripped of the keys the model does not take
+    (``keep``; None keeps everything: ``remove_unused_columns=False``)."""
+
+    def __init__(self, collator: Callable[[list[Any]], Any], keep: Collection[str] | None) -> None:
+        self.collator = collator
+        self.keep = set(keep) if keep is not None else None
+
+    def __call__(self, items: list[Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            items = [{k: v for k, v in item.items() if k in self.keep} if isinstance(item, Mapping) else item
+                     for item in items]
+        batch = self.collator(items)
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"data_collator {type(self.collator).__name__} returned {type(batch).__name__}; "
+                            "it must return a dict of the model's inputs")
+        return dict(batch)
+
+
+class SampleBatches:
+    """This rank's micro-batches of dataset items for each optimizer step of an epoch (see module doc)."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, per_device: int,
+                 accumulation: int, world_size: int, rank: int, seed: int, shuffle: bool = True) -> None:
+        if per_device <= 0 or accumulation <= 0:
+            raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty")
+        self.dataset = dataset
+        """The items, as ``DataLoader.dataset`` gives them to callbacks."""
+        self.collate = collate
+        self.batch_size: int | None = per_device
+        """Items per micro-batch on one rank (``per_device_train_batch_size``)."""
+        self.accumulation = accumulation
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
+        per_rank = math.ceil(len(dataset) / world_size)
+        self.batches_per_epoch = math.ceil(per_rank / per_device)
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation)
+        self.plan = self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> SamplePlan:
+        """Plan ``epoch`` (deterministic from the seed and the epoch number, the same on every rank)."""
+        count = len(self.dataset)
+        order = (torch.randperm(count, generator=_epoch_generator(self.seed, epoch)).tolist() if self.shuffle
+                 else list(range(count)))
+        padded = order + order[: (-count) % self.world_size]
+        per_rank = [padded[r :: self.world_size] for r in range(self.world_size)]
+        size, accumulation = self.batch_size or 1, self.accumulation
+        batches = [[tuple(share[i : i + size]) for i in range(0, len(share), size)] for share in per_rank]
+        steps = [SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
+                 for k in range(0, self.batches_per_epoch, accumulation)]
+        self.plan = SamplePlan(epoch, steps)
+        return self.plan
+
+    def micro_batches(self, step: SampleStep) -> list[dict[str, Any]]:
+        """Collated micro-batches (CPU) of this rank in ``step``."""
+        return [self.collate([self.dataset[i] for i in indices]) for indices in step.micro_batches[self.rank]]
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for step in self.plan.steps:
+            yield from self.micro_batches(step)
+
+
+class SampleEvalBatches:
+    """Validation micro-batches of items, in order: rank ``r`` takes items ``r, r + world, ...``; a rank with
+    fewer batches runs its first batch again with no items counted (``indexed`` yields ``[]`` for it), so
+    every rank runs the same number of forwards (sharded models all-gather parameters in forward)."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, per_device: int,
+                 world_size: int, rank: int) -> None:
+        self.dataset = dataset
+        self.collate = collate
+        self.batch_size: int | None = per_device
+        count = len(dataset)
+        mine = list(range(rank, count, world_size))
+        self.num_samples_local = len(mine)
+        longest = math.ceil(math.ceil(count / world_size) / per_device) if count else 0
+        self.groups: list[list[int]] = [mine[i : i + per_device] for i in range(0, len(mine), per_device)]
+        self._dummies = longest - len(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups) + self._dummies
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for _, batch in self.indexed():
+            yield batch
+
+    def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """``(item indices, batch)`` pairs; a dummy batch (item 0, counted nowhere) has no indices."""
+        for group in self.groups:
+            yield group, self.collate([self.dataset[i] for i in group])
+        for _ in range(self._dummies):
+            yield [], self.collate([self.dataset[0]])

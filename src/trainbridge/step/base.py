@@ -1,0 +1,108 @@
+"""The interface every training step implements: how a step's batches are formed and what its loss is.
+
+The loop (``trainbridge.loop.loop``) runs one optimizer step the same way whatever the task: it asks the
+step for this rank's micro-batches (``prepare``), and for each micro-batch the loss *sum*
+(``micro_loss``), which it scales by ``world_size / loss_units`` before ``backward`` (the engines average
+gradients over ranks).  The step's logged loss is the sum over every rank and micro-batch divided by
+``loss_units``: token cross entropy counts loss tokens, the model's own loss counts what Trainer divides
+by (``num_items_in_batch``, or micro-batches).  Evaluation asks ``eval_batch`` for a batch's loss sum, its
+units and, for ``compute_metrics``, its outputs.
+
+Implementations: ``token_ce.TokenCrossEntropy`` (padding-free token-budget batches, the summed token cross
+entropy; causal LMs' default) and ``model_loss.ModelLoss`` (Trainer's sample batches, the loss the
+model's forward returns).  ``build_run`` chooses one at build time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+
+class StepBatches(NamedTuple):
+    """This rank's part of one optimizer step, on the CPU, with the counts the loop normalises by."""
+
+    micro_batches: list[dict[str, Any]]
+    """The collated micro-batches of this rank (the same number on every rank)."""
+    micro_units: list[float]
+    """Loss units of each micro-batch (tokens, items or 1): ``ctx.local_loss`` divides by them."""
+    loss_units: float
+    """Loss units of the whole step, every rank: the loss is normalised by it."""
+    num_samples: int
+    """Samples in the step, every rank."""
+    num_tokens: int
+    """Non-padding input tokens in the step, every rank."""
+
+
+class EvalOutput(NamedTuple):
+    """One validation batch: its loss sum and units, and (when asked) what ``compute_metrics`` gets."""
+
+    loss_sum: torch.Tensor
+    units: float
+    predictions: Any = None
+    """Logits (a tensor, or a tuple of the model's outputs other than the loss); None when not asked."""
+    labels: Any = None
+
+
+class BatchSource(Protocol):
+    """A loader of one data set, as callbacks see ``train_dataloader`` / ``eval_dataloader``."""
+
+    dataset: Any
+    batch_size: int | None
+
+    def __len__(self) -> int: ...
+
+
+class EvalSource(BatchSource, Protocol):
+    """Validation batches of this rank; every rank gets the same number."""
+
+    num_samples_local: int
+
+    def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """``(sample indices, batch)`` pairs; row ``r`` of the batch holds sample ``indices[r]``."""
+        ...
+
+
+class TrainSource(BatchSource, Protocol):
+    """Training batches: a plan per epoch whose ``steps`` the loop walks."""
+
+    steps_per_epoch: int
+
+    def set_epoch(self, epoch: int) -> Any:
+        """Plan ``epoch``; the result has ``steps``, a sequence of the epoch's step plans."""
+        ...
+
+
+class TrainStep(ABC):
+    """One kind of optimizer step: its batches and its loss (see the module docstring)."""
+
+    name: str = ""
+    train_batches: TrainSource
+    """This rank's training batches (``train_dataloader`` for callbacks)."""
+
+    @abstractmethod
+    def prepare(self, step: Any) -> StepBatches:
+        """This rank's micro-batches of ``step`` (an entry of ``train_batches``' epoch plan), on the CPU."""
+
+    @abstractmethod
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        """The loss sum of one micro-batch already on the device (autograd graph attached); ``units`` are
+        its ``micro_units`` entry."""
+
+    @abstractmethod
+    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
+                   outputs: bool, rows: int = 0) -> EvalOutput:
+        """Loss sum and units of one validation batch (``outputs``: with predictions and labels); ``rows``
+        is the number of validation samples it holds (0 for a rank's dummy batch)."""
+
+    def describe(self) -> str:
+        """A few words for the start-up log."""
+        return self.name
+
+    @abstractmethod
+    def describe_batches(self, effective_batch_size: int) -> str:
+        """The run plan's "effective batch" line: samples, tokens and micro-batches of a step."""
+

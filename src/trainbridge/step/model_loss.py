@@ -1,0 +1,170 @@
+"""The model's own loss on Trainer's sample batches: any ``PreTrainedModel`` whose forward returns a loss
+(sequence / token classification, masked LM, encoder-decoder, image classification, several inputs;
+PEFT-wrapped too).
+
+Batches are ``data.sample_batches.SampleBatches``: ``per_device`` items per micro-batch formed by the
+collator, ``accumulation`` micro-batches per step.  The loss follows ``transformers.Trainer``
+(``compute_loss`` / ``training_step`` / ``_get_num_items_in_batch``):
+
+- when the model accepts loss kwargs (``accepts_loss_kwargs``, else a ``**kwargs`` forward) and the batch
+  has ``labels``, the step's items are counted -- labels other than -100, ``labels[..., 1:]`` for a causal
+  loss -- summed over the step's micro-batches and every rank (one small collective per step, as Trainer's
+  gather), and passed to the forward as ``num_items_in_batch``; the model's loss is then a sum over the
+  step's items, and the loop normalises by the items;
+- otherwise the model's loss is a per-batch mean and the step's loss is the mean over micro-batches and
+  ranks (Trainer divides by ``gradient_accumulation_steps``; the engines average ranks).
+
+Evaluation: the batch's mean loss weighted by its items (Trainer's ``eval_loss``), predictions as
+``Trainer.prediction_step`` gives them (the outputs other than the loss, one tensor when there is one) and
+labels from ``label_names``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data.dataset import IGNORE_INDEX
+from trainbridge.data.sample_batches import SampleBatches, SampleStep
+from trainbridge.modeling.load import is_causal_lm, unwrap_peft
+from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+
+NUM_ITEMS_KEY = "num_items_in_batch"
+"""The batch entry that carries the step's item count to the forward (Trainer passes it the same way)."""
+
+
+def accepts_loss_kwargs(model: Any) -> bool:
+    """Trainer's rule: the model's ``accepts_loss_kwargs``, else whether its forward takes ``**kwargs``."""
+    inner = unwrap_peft(model)
+    if hasattr(inner, "accepts_loss_kwargs"):
+        return bool(inner.accepts_loss_kwargs)
+    parameters = inspect.signature(inner.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def forward_parameters(model: Any) -> list[str]:
+    """The names the model's forward takes (a PEFT model's base model's), as Trainer's signature columns."""
+    return list(inspect.signature(unwrap_peft(model).forward).parameters)
+
+
+def default_label_names(model: Any) -> list[str]:
+    """Trainer's default ``label_names``: ``start_positions``/``end_positions`` for question answering,
+    else ``labels``."""
+    parameters = forward_parameters(model)
+    if "start_positions" in parameters and "end_positions" in parameters and "labels" not in parameters:
+        return ["start_positions", "end_positions"]
+    return ["labels"]
+
+
+def returns_loss(model: Any, label_names: Sequence[str]) -> bool:
+    """Whether the forward can compute a loss: it takes every label name."""
+    parameters = set(forward_parameters(model))
+    return all(name in parameters for name in label_names)
+
+
+def untrainable_reason(model: Any, label_names: Sequence[str]) -> str:
+    """One line: why the loop cannot train ``model`` (an instance or a class) and what to do."""
+    inner = unwrap_peft(model)
+    name = (inner if isinstance(inner, type) else type(inner)).__name__
+    return (f"model: {name} is not a causal LM and its forward takes no {', '.join(label_names)}, so it returns no "
+            f"loss to train on; load the model with a task head (e.g. {name.removesuffix('Model')}"
+            "ForSequenceClassification, ...ForMaskedLM) or set label_names to the forward's label arguments")
+
+
+def loss_of(outputs: Any) -> torch.Tensor:
+    """The loss of a forward's outputs (``outputs["loss"]``, or the first element of a tuple), as Trainer."""
+    if isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+        if loss is None:
+            raise ValueError(f"the model returned no loss (only {', '.join(outputs.keys())}); its forward computes "
+                             "a loss only when it gets the labels: check label_names and the collator's keys")
+        return loss
+    return outputs[0]
+
+
+def predictions_of(outputs: Any, ignore_keys: Sequence[str]) -> Any:
+    """``Trainer.prediction_step``'s logits: the outputs other than the loss (and ``ignore_keys``), one value
+    when there is one."""
+    if isinstance(outputs, Mapping):
+        values = tuple(v for k, v in outputs.items() if k not in (*ignore_keys, "loss"))
+    else:
+        values = tuple(outputs[1:])
+    return values[0] if len(values) == 1 else values
+
+
+class ModelLoss(TrainStep):
+    """Sample batches and the loss the model's forward returns (see the module docstring)."""
+
+    name = "the model's own loss (sample batches)"
+    train_batches: SampleBatches
+
+    def __init__(self, train_batches: SampleBatches, model: Any, env: DistributedEnv,
+                 label_names: Sequence[str] | None = None) -> None:
+        self.train_batches = train_batches
+        self.env = env
+        self.label_names = list(label_names) if label_names else default_label_names(model)
+        self.counts_items = accepts_loss_kwargs(model)
+        inner = unwrap_peft(model)
+        config = getattr(inner, "config", None)
+        self.shifts_labels = is_causal_lm(inner) and not getattr(config, "is_encoder_decoder", False)
+        self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
+
+    def prepare(self, step: SampleStep) -> StepBatches:
+        micro_batches = self.train_batches.micro_batches(step)
+        counted = self.counts_items and all("labels" in b for b in micro_batches)
+        items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)
+        # collective: the step's items and non-padding tokens over every rank (Trainer gathers the items too)
+        total_items, tokens = self.env.sum_floats([float(sum(items)), float(sum(map(_tokens, micro_batches)))])
+        if counted and total_items > 0:
+            count = torch.tensor(total_items)
+            for batch in micro_batches:
+                batch[NUM_ITEMS_KEY] = count
+            return StepBatches(micro_batches, [float(n) for n in items], total_items, step.num_samples, int(tokens))
+        units = float(self.env.world_size * len(micro_batches))
+        return StepBatches(micro_batches, [1.0] * len(micro_batches), units, step.num_samples, int(tokens))
+
+    def _items(self, batch: Mapping[str, Any]) -> int:
+        labels = batch["labels"]
+        if not isinstance(labels, torch.Tensor):
+            return 0
+        return int((labels[..., 1:] if self.shifts_labels else labels).ne(IGNORE_INDEX).sum())
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        loss = loss_of(model(**batch))
+        count = batch.get(NUM_ITEMS_KEY)
+        return loss * count if count is not None else loss  # a sum over the step's items, or a batch mean
+
+    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
+                   outputs: bool, rows: int = 0) -> EvalOutput:
+        result = model(**batch)
+        has_labels = all(batch.get(name) is not None for name in self.label_names)
+        loss = loss_of(result).detach().float() if has_labels else torch.zeros((), device=_device(batch))
+        if not outputs:
+            return EvalOutput(loss * rows, float(rows) if has_labels else 0.0)
+        labels = tuple(batch.get(name) for name in self.label_names)
+        return EvalOutput(loss * rows, float(rows) if has_labels else 0.0, predictions_of(result, self.ignore_keys),
+                          (labels[0] if len(labels) == 1 else labels) if has_labels else None)
+
+    def describe_batches(self, effective_batch_size: int) -> str:
+        batches = self.train_batches
+        return (f"{effective_batch_size} samples: {batches.batch_size} per micro-batch x "
+                f"{batches.accumulation} micro-batches x {batches.world_size} ranks, "
+                f"formed by {type(getattr(batches.collate, 'collator', batches.collate)).__name__}")
+
+
+def _tokens(batch: Mapping[str, Any]) -> int:
+    """Non-padding input tokens of a batch (its ``attention_mask``'s ones, else its ``input_ids``; 0 for
+    inputs without tokens)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum())
+    input_ids = batch.get("input_ids")
+    return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
+
+
+def _device(batch: Mapping[str, Any]) -> torch.device:
+    return next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))

@@ -1,0 +1,70 @@
+"""The padding-free token-budget step: the summed token cross entropy (causal LMs' default).
+
+Every rank knows the whole epoch plan (``data.plan``), so a step's global loss-token count is known
+locally and the loss is normalised by it without a collective: ``loss = sum_token_CE / step.loss_tokens
+* world_size``.  Batches are packed rows (or padded rows, or a user's collator's) within the token budget
+``max_batch_len`` (``data.loader.TrainBatches``); the loss is ``data.loss.token_loss_sum`` (the installed
+chunked / Liger loss head when there is one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainbridge.data.collate import CollatedBatch
+from trainbridge.data.dataset import IGNORE_INDEX
+from trainbridge.data.loader import TrainBatches
+from trainbridge.data.loss import forward_logits, logits_loss_sum, token_loss_sum
+from trainbridge.data.plan import StepPlan
+from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+
+PLAN_SAMPLE_STEPS = 64
+"""Steps of the first epoch's plan the run plan averages its "effective batch" line over."""
+
+
+class TokenCrossEntropy(TrainStep):
+    """Token-budget micro-batches of the global step plan; the loss is the summed shifted token cross entropy."""
+
+    name = "token cross entropy (token-budget batches)"
+    train_batches: TrainBatches
+
+    def __init__(self, train_batches: TrainBatches, max_batch_len: int, padded: bool) -> None:
+        self.train_batches = train_batches
+        self.max_batch_len = max_batch_len
+        self.padded = padded
+
+    def prepare(self, step: StepPlan) -> StepBatches:
+        micro_batches = self.train_batches.micro_batches(step)
+        planned = self.train_batches.micro_batch_loss_tokens(step)
+        # a user's collator's batch counts its own labels (on the CPU: no device synchronisation)
+        units = [float(n if isinstance(b, CollatedBatch) else cpu_loss_tokens(b))
+                 for n, b in zip(planned, micro_batches, strict=True)]
+        return StepBatches(micro_batches, units, float(step.loss_tokens), step.num_samples, step.num_tokens)
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        return token_loss_sum(model, batch, num_tokens=int(units))[0]
+
+    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
+                   outputs: bool, rows: int = 0) -> EvalOutput:
+        n_tokens = cpu_loss_tokens(cpu_batch)
+        if not outputs:
+            return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
+        logits = forward_logits(model, batch)  # full logits are needed for the predictions
+        return EvalOutput(logits_loss_sum(logits, batch["labels"], n_tokens)[0], n_tokens, logits, batch["labels"])
+
+    def describe_batches(self, effective_batch_size: int) -> str:
+        plan_steps = self.train_batches.plan.steps[:PLAN_SAMPLE_STEPS]  # steps are packed when read
+        if not plan_steps:
+            return f"{effective_batch_size} samples"
+        tokens = sum(step.num_tokens for step in plan_steps) / len(plan_steps)
+        micro = sum(step.micro_batches_per_rank for step in plan_steps) / len(plan_steps)
+        return (f"{effective_batch_size} samples, ~{tokens:,.0f} tokens per step (all ranks); {micro:.1f} "
+                f"micro-batches of <= {self.max_batch_len} tokens per rank, "
+                f"{'padded' if self.padded else 'padding-free'}")
+
+
+def cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:
+    """Loss tokens of a batch still on the CPU (counted there: no device synchronisation)."""
+    return int((cpu_batch["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -1,0 +1,100 @@
+"""A facade job's ``TrainingArgs``: the Trainer's arguments, its callbacks and functions, and the run folder.
+
+``training_args`` ports a ``transformers.TrainingArguments`` (``hf.porting``; a ``TrainingArgs`` is copied)
+and points it at the ``RunLayout`` the writing rank returned.  ``evaluation_args`` turns those into the
+arguments of an evaluation job: no checkpoints, no best-model tracking, output into the job's folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainbridge.core.config import TrainingArgs
+from trainbridge.hf.adapter import is_hf_callback
+from trainbridge.trainer.run_folder import RunLayout
+
+if TYPE_CHECKING:
+    from trainbridge.trainer.facade import Trainer
+
+DEFAULT_MAX_SEQ_LEN = 512
+"""``max_seq_len`` of a ported run whose rows are not tokenised yet and whose arguments name no length."""
+
+
+def no_metrics(eval_prediction: Any) -> dict[str, float]:
+    """The ``compute_metrics`` of a ``predict()`` job without the user's own: predictions only."""
+    return {}
+
+
+def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
+    """The ``TrainingArgs`` of a job of ``trainer`` over ``layout`` on ``world_size`` ranks; ``resume`` is
+    ``train(resume_from_checkpoint=...)``."""
+    from trainbridge.hf.porting import training_args_from_hf
+
+    fields: dict[str, Any] = {
+        "model_path": layout.model_path,
+        "tokenizer_path": layout.tokenizer_path,
+        "data_path": layout.data_path,
+        "val_data_path": layout.val_data_path,
+        "callbacks": list(trainer.callbacks),
+        "compute_metrics": trainer.compute_metrics,
+        "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
+        "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
+    }
+    if layout.eval_data_paths:  # a dict eval_dataset: named sets, each evaluated in turn
+        fields["eval_data_paths"] = dict(layout.eval_data_paths)
+    if trainer._peft_config is not None:
+        fields["peft_config"] = trainer._peft_config
+    model_kwargs = getattr(trainer.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
+    if trainer._model_source is not None and isinstance(model_kwargs, dict):
+        fields["model_kwargs"] = _model_kwargs(model_kwargs)
+    if resume is True:
+        fields["resume_from_checkpoint"] = "auto"
+    elif resume:
+        fields["resume_from_checkpoint"] = Path(resume)
+    if isinstance(trainer.args, TrainingArgs):
+        data = {name: getattr(trainer.args, name) for name in TrainingArgs.model_fields}
+        data.update({k: v for k, v in fields.items() if v is not None or k == "data_collator"})
+        data["callbacks"] = [*trainer.args.callbacks, *trainer.callbacks]
+        return TrainingArgs.model_validate(data)
+    hf = trainer.args
+    # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+    # progress bar, and each checkpoint gets trainer_state.json as under Trainer
+    from transformers import TrainerCallback
+
+    if not any(is_hf_callback(c) for c in trainer.callbacks):
+        fields["callbacks"] = [*trainer.callbacks, TrainerCallback()]
+    per_device = int(hf.per_device_train_batch_size)
+    accumulation = int(hf.gradient_accumulation_steps)
+    fields["effective_batch_size"] = per_device * accumulation * world_size
+    max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
+    max_seq_len = int(layout.longest or max_len or DEFAULT_MAX_SEQ_LEN)
+    fields["max_seq_len"] = max_seq_len
+    fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
+    if resume is None:
+        fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
+    return training_args_from_hf(hf, **fields)
+
+
+def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool) -> TrainingArgs:
+    """``args`` for one evaluation (no training, checkpoints, callbacks or reports) writing into
+    ``output_dir``; ``keep_predictions`` (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
+    updates: dict[str, Any] = {
+        "eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False,
+        "metric_for_best_model": None, "callbacks": [], "report_to": [], "eval_on_start": False,
+        "ckpt_output_dir": output_dir, "resume_from_checkpoint": None,
+    }
+    if keep_predictions and args.compute_metrics is None:
+        updates["compute_metrics"] = no_metrics
+    data = {name: getattr(args, name) for name in TrainingArgs.model_fields}
+    data.update(updates)
+    return TrainingArgs.model_validate(data)
+
+
+def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """trl's ``model_init_kwargs`` as ``TrainingArgs.model_kwargs`` (None values dropped, dtypes as names)."""
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    dtype = out.get("dtype", out.pop("torch_dtype", None))
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    return out

@@ -1,0 +1,125 @@
+"""What ``trainbridge.Trainer`` writes into its run folder for a job, and the typed layout it returns.
+
+The folder is ``output_dir/.trainbridge/`` (every path named in ``core.run_dir.FacadeDir``).  The writing
+rank writes the model and the datasets' rows there; the ``RunLayout`` it returns (where each input is)
+travels to the other ranks by broadcast and becomes the job's ``TrainingArgs`` (``trainer.job_args``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainbridge.core.run_dir import FacadeDir
+from trainbridge.trainer import inputs
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where a job's inputs are: the fields of its ``TrainingArgs`` that the run folder provides."""
+
+    model_path: Path
+    data_path: Path
+    tokenizer_path: Path | None = None
+    val_data_path: Path | None = None
+    eval_data_paths: dict[str, Path] = field(default_factory=dict)
+    """Named validation sets (a dict ``eval_dataset``), each evaluated in turn."""
+    longest: int | None = None
+    """The longest row written (tokens), when the rows are tokenised already."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model and tokenizer as the Trainer holds them."""
+
+    model: Any
+    """The script's model object (None: only a folder is known)."""
+    folder: Path | None
+    """A model folder the script named (``Trainer(model="path")``), not yet trained here."""
+    trained: Path | None
+    """Weights a launched training left on disk, when the script holds no model object."""
+    tokenizer: Any
+    """The tokenizer to save beside the model (the processing class's, or the one beside its folder)."""
+    save_tokenizer: bool
+    """With ``folder``: the script gave a processing class, written into the run folder."""
+
+
+@dataclass(frozen=True)
+class RowPreparation:
+    """How the datasets' rows are prepared for the workers (``inputs.prepare_rows``)."""
+
+    collator: inputs.CollatorChoice
+    pad_token_id: int | None
+
+
+def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | None]:
+    """``(model_path, tokenizer_path)`` for the workers, written into ``folder`` when needed."""
+    if source.folder is not None and source.trained is None:
+        tokenizer_path = None
+        if source.save_tokenizer:
+            tokenizer_path = folder.tokenizer
+            source.tokenizer.save_pretrained(tokenizer_path)
+        return source.folder, tokenizer_path
+    if source.trained is not None and source.model is None:
+        return source.trained, None
+    return inputs.write_model(source.model, source.tokenizer, folder.model), None
+
+
+def write_rows(dataset: Any, target: Path, what: str, rows: RowPreparation) -> tuple[Path, int | None]:
+    """``dataset``'s rows written as Arrow into ``target`` -> ``(path, longest row)``."""
+    prepared, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), rows.collator, rows.pad_token_id)
+    return inputs.write_dataset(prepared, target), longest
+
+
+def is_dataset_dict(data: Any) -> bool:
+    """A dict of named datasets (Trainer's ``eval_dataset={name: dataset}``; a ``DatasetDict`` too, as Trainer)."""
+    return isinstance(data, Mapping)
+
+
+def write_eval_sets(data: Any, folder: FacadeDir, rows: RowPreparation) -> tuple[Path | None, dict[str, Path],
+                                                                                 int | None]:
+    """Evaluation data written into ``folder``: one dataset -> ``(its path, {}, longest)``; a dict (Trainer's
+    named sets), each into ``eval_data(i)`` -> ``(None, {set: path}, longest of all)``."""
+    if not is_dataset_dict(data):
+        path, longest = write_rows(data, folder.eval_data(), "eval_dataset", rows)
+        return path, {}, longest
+    paths, longest_of_all = {}, 0
+    for i, (name, part) in enumerate(data.items()):
+        paths[str(name)], longest = write_rows(part, folder.eval_data(i), f"eval_dataset[{name!r}]", rows)
+        longest_of_all = max(longest_of_all, longest or 0)
+    return None, paths, longest_of_all or None
+
+
+def write_training_inputs(folder: FacadeDir, source: ModelSource, rows: RowPreparation, train_dataset: Any,
+                          eval_dataset: Any) -> RunLayout:
+    """A train job's inputs: the model, ``train_dataset`` and ``eval_dataset`` (one dataset ->
+    ``val_data_path``; a dict -> ``eval_data_paths``).  Clears the previous job's outputs first."""
+    folder.root.mkdir(parents=True, exist_ok=True)
+    for stale in (folder.state_file, folder.evaluation_file):
+        stale.unlink(missing_ok=True)
+    model_path, tokenizer_path = write_model(folder, source)
+    if train_dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset")
+    data_path, longest = write_rows(train_dataset, folder.train_data, "train_dataset", rows)
+    val_path, sets, eval_longest = (None, {}, None) if eval_dataset is None else write_eval_sets(
+        eval_dataset, folder, rows)
+    return RunLayout(model_path=model_path, tokenizer_path=tokenizer_path, data_path=data_path,
+                     val_data_path=val_path, eval_data_paths=sets,
+                     longest=max(longest or 0, eval_longest or 0) or None)
+
+
+def write_evaluation_inputs(folder: FacadeDir, model: ModelSource | Path, rows: RowPreparation,
+                            dataset: Any) -> RunLayout:
+    """An evaluation job's inputs in ``folder`` (``FacadeDir.evaluation``): the model (``model``: a folder
+    holding the current weights already, or the Trainer's to write) and ``dataset``, one (``val_data_path``)
+    or a dict of them (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first
+    set (it is not trained on)."""
+    folder.root.mkdir(parents=True, exist_ok=True)
+    folder.evaluation_file.unlink(missing_ok=True)
+    model_path, tokenizer_path = (model, None) if isinstance(model, Path) else write_model(folder, model)
+    path, sets, longest = write_eval_sets(dataset, folder, rows)
+    data_path = path if path is not None else next(iter(sets.values()))
+    return RunLayout(model_path=model_path, tokenizer_path=tokenizer_path, data_path=data_path,
+                     val_data_path=path, eval_data_paths=sets, longest=longest)

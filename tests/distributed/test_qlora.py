@@ -1,0 +1,138 @@
+"""QLoRA on 2 gloo ranks: a 4-bit (bitsandbytes NF4) base, ``prepare_model_for_kbit_training``, LoRA on top.
+
+Through ``run_training`` (``model_kwargs.quantization_config``): the loss falls, every checkpoint holds the
+adapter and the adapter's optimizer state only (never the quantised base), and a run resumed from
+``checkpoint-4`` ends with the same adapter as the straight run; ``merge_adapter_at_end`` merges into the
+full-precision base.  Through the ``Trainer`` facade
+(``scripts/qlora_script.py``, a 4-bit ``PeftModel`` passed in): under ``torchrun`` on 2 ranks and as
+``python script.py`` on 1, the script's own model gets the trained adapter back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.training_fixtures import base_args, make_assets
+from trainbridge import Callback, TorchrunArgs, run_training
+from trainbridge.launch.launcher import free_port
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
+SCRIPT = Path(__file__).parent / "scripts" / "qlora_script.py"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+class RecordPackedWeights(Callback):
+    """Each rank writes the type of every 4-bit layer's weight at train end to ``packed-rank{r}.json``."""
+
+    def on_train_end(self, context, **kwargs):
+        kinds = [type(m.weight).__name__ for m in context.unwrapped_model.modules() if type(m).__name__ == "Linear4bit"]
+        (context.args.ckpt_output_dir / f"packed-rank{context.rank}.json").write_text(json.dumps(kinds))
+
+
+def four_bit(**kwargs):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                              **kwargs)
+
+
+def losses(result) -> list[float]:
+    return [r["loss"] for r in map(json.loads, Path(result.metrics_file).read_text().splitlines()) if "loss" in r]
+
+
+COMMON = dict(peft_config=LORA, learning_rate=1e-2, gradient_checkpointing=True, max_steps=8, logging_steps=2,
+              save_strategy="steps", save_steps=4)
+
+
+@pytest.fixture(scope="module")
+def straight(assets, tmp_path_factory):
+    """The DDP run every test compares with: 8 steps, checkpoints at 4 and 8, the merged export at the end."""
+    out = tmp_path_factory.mktemp("qlora") / "straight"
+    quantization = {"quantization_config": four_bit()}
+    return run_training(base_args(assets, out, merge_adapter_at_end=True, model_kwargs=quantization, **COMMON),
+                        TorchrunArgs(nproc_per_node=2), timeout_s=420)
+
+
+def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(assets, tmp_path, straight):
+    common = dict(model_kwargs={"quantization_config": four_bit()}, **COMMON)
+    curve = losses(straight)
+    assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
+
+    checkpoint = Path(straight.metrics_file).parent / "checkpoint-8"
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "dcp").exists()
+    adapter = load_file(checkpoint / "adapter_model.safetensors")
+    assert adapter and all("lora_" in key for key in adapter)
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(adapter)  # moments for the adapter's weights, nothing else
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(assets["model"], quantization_config=four_bit())
+    assert PeftModel.from_pretrained(base, checkpoint).get_base_model().is_loaded_in_4bit
+    merged = AutoModelForCausalLM.from_pretrained(straight.merged_model)  # into the full-precision base
+    assert not getattr(merged, "is_loaded_in_4bit", False) and merged.dtype == torch.float32
+
+    resumed = run_training(
+        base_args(assets, tmp_path / "resumed", resume_from_checkpoint=checkpoint.with_name("checkpoint-4"),
+                  **common), TorchrunArgs(nproc_per_node=2), timeout_s=420)
+    assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
+    again = load_file(tmp_path / "resumed" / "checkpoint-8" / "adapter_model.safetensors")
+    assert again.keys() == adapter.keys()
+    for key in adapter:
+        assert torch.equal(again[key], adapter[key]), key
+
+
+def test_fsdp2_shards_a_base_stored_as_bnb_4bit_quant_storage_and_trains_as_ddp(assets, tmp_path, straight):
+    """The FSDP-QLoRA recipe: 4-bit weights packed in a float storage are sharded like any frozen weight."""
+    quantization = {"quantization_config": four_bit(bnb_4bit_quant_storage=torch.bfloat16)}
+    fsdp = run_training(base_args(assets, tmp_path / "fsdp", distributed_backend="fsdp", model_kwargs=quantization,
+                                  callbacks=[RecordPackedWeights()], **COMMON),
+                        TorchrunArgs(nproc_per_node=2), timeout_s=420)
+    for rank in (0, 1):
+        kinds = json.loads((tmp_path / "fsdp" / f"packed-rank{rank}.json").read_text())
+        assert kinds and set(kinds) == {"DTensor"}, kinds  # every 4-bit weight sharded
+    assert losses(fsdp) == pytest.approx(losses(straight), abs=1e-4)
+    adapter = load_file(tmp_path / "fsdp" / "checkpoint-8" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in key for key in adapter)
+
+
+def _run_script(command: list[str], out: Path, **env: str) -> dict:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        full_env.pop(name, None)
+    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "python"])
+def test_a_qlora_trainer_script_runs_with_its_import_changed(assets, tmp_path, launch):
+    out = tmp_path / "out"
+    if launch == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(free_port()), str(SCRIPT), str(assets["model"]), str(out)]
+        summary = _run_script(command, out)
+    else:
+        summary = _run_script([sys.executable, str(SCRIPT), str(assets["model"]), str(out)], out,
+                              TRAINBRIDGE_NPROC_PER_NODE="1")
+    assert summary["global_step"] == 6 and len(summary["losses"]) == 3
+    assert summary["still_4bit"] and summary["trained_lora_b"]  # the script's model got the adapter back
+    for step in (3, 6):
+        files = set(summary["checkpoints"][f"checkpoint-{step}"])
+        assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= files, files
+        assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files), files

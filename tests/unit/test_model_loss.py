@@ -1,0 +1,136 @@
+"""The model's own loss (``step.model_loss``): any model with a task head trains through the real loop
+in-process on Trainer's sample batches, and its checkpoints keep its class."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from trainbridge.callbacks import ScheduleCallback
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.loop.build import build_run, choose_step
+from trainbridge.loop.loop import TrainingLoop
+from trainbridge.step.model_loss import ModelLoss
+
+BERT = dict(vocab_size=80, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64)
+
+
+def _save(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return _save(BertForSequenceClassification(BertConfig(**BERT, num_labels=2)), tmp_path_factory.mktemp("cls"))
+
+
+def _classification_rows(path: Path, count: int, seed: int) -> Path:
+    """Text starting with 'x' is label 1, with 'y' label 0; an extra ``idx`` column the model does not take."""
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for i in range(count):
+            label = rng.randrange(2)
+            text = ("x" if label else "y") + "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(3, 12)))
+            handle.write(json.dumps({"text": text, "label": label, "idx": i}) + "\n")
+    return path
+
+
+class Logs(Callback):
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, context: TrainingContext, logs: dict[str, float], **kwargs: Any) -> None:
+        self.logs.append(dict(logs))
+
+
+def _accuracy(prediction: Any) -> dict[str, float]:
+    return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
+
+
+def test_sequence_classification_trains_on_its_own_loss_with_compute_metrics(bert_classifier, tmp_path):
+    args = TrainingArgs(
+        model_path=bert_classifier, data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
+        val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2), ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8, per_device_batch_size=4, learning_rate=5e-3, lr_scheduler="constant",
+        num_epochs=3, logging_steps=4, eval_strategy="epoch", save_strategy="epoch", disable_tqdm=True,
+        compute_metrics=_accuracy, max_grad_norm=1.0,
+    )
+    components = build_run(args, DistributedEnv())
+    assert isinstance(components.step, ModelLoss)
+    assert components.steps_per_epoch == 8  # 64 items / (4 per micro-batch x 2 micro-batches)
+    logs = Logs()
+    result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+    assert result.global_step == 24
+    evals = [log for log in logs.logs if "eval_loss" in log]
+    assert len(evals) == 3 and all("eval_accuracy" in log for log in evals)
+    assert evals[-1]["eval_accuracy"] == 1.0 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    train_losses = [log["loss"] for log in logs.logs if "loss" in log]
+    assert train_losses[-1] < train_losses[0]
+    config = json.loads((tmp_path / "out" / "checkpoint-24" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+
+
+def test_a_batch_holds_what_the_collator_made_of_the_items_minus_unused_columns(bert_classifier, tmp_path):
+    seen: list[list[dict[str, Any]]] = []
+
+    def collator(items: list[dict[str, Any]]) -> dict[str, Any]:
+        from transformers import DataCollatorWithPadding
+
+        from trainbridge.modeling.load import load_tokenizer
+
+        seen.append(items)
+        return DataCollatorWithPadding(load_tokenizer(args))(items)
+
+    args = TrainingArgs(
+        model_path=bert_classifier, data_path=_classification_rows(tmp_path / "train.jsonl", 16, 1),
+        ckpt_output_dir=tmp_path / "out", effective_batch_size=8, per_device_batch_size=2, max_steps=2,
+        save_strategy="no", save_final_checkpoint=False, disable_tqdm=True, data_collator=collator,
+    )
+    components = build_run(args, DistributedEnv())
+    batches = components.step.prepare(components.train_batches.set_epoch(0).steps[0])
+    assert len(batches.micro_batches) == 4 and len(seen) == 4 and all(len(items) == 2 for items in seen)
+    assert set(seen[0][0]) == {"input_ids", "attention_mask", "label"}  # idx removed (not a forward argument)
+    # BertForSequenceClassification takes **kwargs: num_items_in_batch counts the step's labels (8 items)
+    assert batches.loss_units == 8.0 and batches.micro_units == [2.0] * 4
+    assert int(batches.micro_batches[0]["num_items_in_batch"]) == 8
+
+
+def test_a_model_without_a_loss_is_refused_saying_what_to_do(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    folder = _save(BertModel(BertConfig(**BERT)), tmp_path / "bare")
+    args = TrainingArgs(model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1),
+                        ckpt_output_dir=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^model: BertModel is not a causal LM and its forward takes no labels"):
+        build_run(args, DistributedEnv())
+
+
+def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    from trainbridge.modeling.load import load_model
+
+    folder = _save(BertForMaskedLM(BertConfig(**BERT)), tmp_path / "mlm")
+    args = TrainingArgs(model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1),
+                        ckpt_output_dir=tmp_path / "out")
+    model = load_model(args)
+    assert type(model).__name__ == "BertForMaskedLM"
+    assert choose_step(model, args) == "model_loss"
+    with pytest.raises(ValueError, match="training_step: 'token_cross_entropy' trains causal LMs"):
+        choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}))
