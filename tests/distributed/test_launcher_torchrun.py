@@ -61,6 +61,12 @@ def main():
     (function,) = [fn for fns in args.event_functions.values() for fn in fns]
     (callback,) = args.callbacks
     if rank == 0:
+        import json, psutil
+        store_port = int(os.environ["MASTER_PORT"])
+        agent = psutil.Process(os.getppid())
+        listening = [c.laddr.ip for c in agent.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == store_port]
+        (args.ckpt_output_dir / "store-listens-on.json").write_text(json.dumps(listening))
         RunResult(
             global_step=function(rank), epoch=1.0, max_steps=callback.scale, stop_reason=callback.describe(2),
         ).write(args.ckpt_output_dir / "result.json")
@@ -115,13 +121,16 @@ def _no_stub_processes_left():
     return [p for p in me.children(recursive=True) if "tb_stub_worker" in " ".join(p.cmdline())]
 
 
-def test_real_workers_rebuild_callbacks_and_rank_zero_result_comes_back(make_args, stub_worker, capfd):
+def test_real_workers_rebuild_callbacks_and_rank_zero_result_comes_back(make_args, stub_worker, capfd, tmp_path):
     result = run_training(make_args("ok"), TorchrunArgs(nproc_per_node=2), worker_module=stub_worker, timeout_s=120)
     assert result is not None
     assert (result.global_step, result.max_steps, result.stop_reason) == (42, 3, "scaled 6")
     out = capfd.readouterr().out
     assert "stub worker rank 0 of 2 says hello" in out
     assert "[rank1]: stub worker rank 1 of 2 says hello" in out
+    # the agent's TCP store listens on the master address only, not on every interface
+    listening = json.loads((tmp_path / "out" / "store-listens-on.json").read_text())
+    assert listening == ["127.0.0.1"]
 
 
 def test_failing_rank_is_reported_and_the_other_rank_torn_down(make_args, stub_worker):

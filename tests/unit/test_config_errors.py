@@ -103,7 +103,8 @@ def test_misspelled_callback_kwarg_gets_the_nearest_name(base):
 
 
 def test_callback_missing_a_required_kwarg_is_named(base, tmp_path, monkeypatch):
-    (tmp_path / "needs_arg.py").write_text("class NeedsArg:\n    def __init__(self, threshold):\n        pass\n")
+    (tmp_path / "needs_arg.py").write_text("from trainbridge import Callback\n\n\nclass NeedsArg(Callback):\n"
+                                           "    def __init__(self, threshold):\n        pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     line = _one({**base, "callbacks": [{"class": "needs_arg:NeedsArg"}]})
     assert line == "callbacks[0].kwargs: NeedsArg needs 'threshold' in its kwargs."

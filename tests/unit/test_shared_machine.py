@@ -340,16 +340,18 @@ def test_another_user_cannot_plant_links_in_a_new_run_folder(shared_dir, run_fil
 
 # ----------------------------------------------------------------------------- finding 6: a config is code
 def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run_files):
-    from trainbridge.launch.assembly import assemble_callbacks
+    from pydantic import ValidationError
+
+    from trainbridge.core.config import CallbackSpec, NotACallbackError
 
     marker = tmp_path / "ran"
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
-                        callbacks=[{"class": "subprocess:Popen", "kwargs": {"args": ["touch", str(marker)]}}])
-    with pytest.raises(launcher.PreflightError, match=r"callbacks\[0\]: class: 'subprocess:Popen' is the class "
-                                                      r"subprocess.Popen, not a subclass of trainbridge.Callback"):
-        launcher.preflight(args)
-    with pytest.raises(TypeError, match="it was not called"):
-        assemble_callbacks(args)  # what a worker runs
+    spec = {"class": "subprocess:Popen", "kwargs": {"args": ["touch", str(marker)]}}
+    with pytest.raises(ValidationError, match=r"callbacks\[0\].*'subprocess:Popen' is the class subprocess.Popen, "
+                                              r"not a subclass of trainbridge.Callback"):
+        TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
+                     callbacks=[spec])
+    with pytest.raises(NotACallbackError, match="it was not called"):
+        CallbackSpec.model_construct(class_path="subprocess:Popen", kwargs=spec["kwargs"]).build()  # unvalidated
     assert not marker.exists()
 
 
@@ -361,3 +363,18 @@ def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
                                    {"class": "trainbridge.callbacks:MetricsFileCallback"}])
     names = [type(c).__name__ for c in assemble_callbacks(args)]
     assert "HuggingFaceCallbackAdapter" in names and names.count("MetricsFileCallback") == 2
+
+
+def test_a_group_project_folder_is_accepted_only_when_the_group_is_trusted(tmp_path):
+    from trainbridge.launch.checks import check_output_dir
+
+    project = tmp_path / "project"
+    project.mkdir()
+    project.chmod(0o2770)  # a group project folder: members may write, no sticky bit
+    problem = check_output_dir(project / "run") or ""
+    assert "writable by others without the sticky bit" in problem and "share_run_dir_with_group=true" in problem
+    assert not (project / "run").exists()  # a refused run folder is not left behind
+    assert check_output_dir(project / "run", share_with_group=True) is None
+    assert ((project / "run").stat().st_mode & 0o777) == 0o750
+    project.chmod(0o777)
+    assert "without the sticky bit" in (check_output_dir(project / "run", share_with_group=True) or "")

@@ -40,14 +40,16 @@ def _owner_problem(path: Path, info: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def folder_problem(path: str | Path, uid: int | None = None) -> str | None:
+def folder_problem(path: str | Path, uid: int | None = None, trust_group: bool = False) -> str | None:
     """Why another user could have put or could change what is in ``path`` (None: nobody but you or root).
 
     ``path`` itself: owned by ``uid`` (default: this process's) or root, not writable by group or
     others.  Each parent: owned by ``uid`` or root, and writable by group or others only with the
-    sticky bit.  A symbolic link in the path is judged by what it points to (its target's folders).
+    sticky bit.  ``trust_group``: writable by the group is accepted (a group project folder whose members
+    are trusted).  A symbolic link in the path is judged by what it points to (its target's folders).
     """
     uid = os.geteuid() if uid is None else uid
+    others = 0o002 if trust_group else 0o022
     target = Path(os.path.realpath(path))
     info = os.stat(target)
     if not stat.S_ISDIR(info.st_mode):
@@ -55,15 +57,14 @@ def folder_problem(path: str | Path, uid: int | None = None) -> str | None:
     problem = _owner_problem(target, info, uid)
     if problem:
         return problem
-    if info.st_mode & 0o022:
+    if info.st_mode & others:
         who = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
         return f"{target} is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o})"
     for parent in target.parents:
         info = os.stat(parent)
-        problem = _owner_problem(parent, info, uid)
-        if problem:
-            return problem
-        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        if info.st_uid not in (uid, 0) and info.st_mode & 0o200:
+            return f"{parent}, a parent of {target}, is owned by uid {info.st_uid}, who could replace what is inside"
+        if info.st_mode & others and not info.st_mode & stat.S_ISVTX:
             return (f"{parent}, a parent of {target}, is writable by others without the sticky bit "
                     f"(mode {stat.S_IMODE(info.st_mode):04o}): they could replace what is inside")
     return None
@@ -142,9 +143,9 @@ def replace_text(root: str | Path, relative: str | Path, text: str, file_mode: i
         os.replace(tmp.name, relative.name, src_dir_fd=parent, dst_dir_fd=parent)
 
 
-def make_run_folder(path: str | Path, share_with_group: bool = False) -> bool:
+def make_run_folder(path: str | Path, share_with_group: bool = False) -> list[Path]:
     """Create ``path`` and its missing parents with the run folder's mode (0700, or 0750 shared with the
-    group), whatever the umask; True when this call created ``path``."""
+    group), whatever the umask; returns the folders this call created, outermost first."""
     path = Path(path)
     dir_mode = modes(share_with_group)[0]
     missing = []
@@ -152,10 +153,12 @@ def make_run_folder(path: str | Path, share_with_group: bool = False) -> bool:
     while not here.exists() and here != here.parent:
         missing.append(here)
         here = here.parent
+    created = []
     for folder in reversed(missing):
         try:
             os.mkdir(folder, dir_mode)
         except FileExistsError:
             continue
         os.chmod(folder, dir_mode)
-    return path in missing and path.is_dir()
+        created.append(folder)
+    return created

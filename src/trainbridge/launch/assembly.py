@@ -19,33 +19,7 @@ from trainbridge.callbacks import (
     ScheduleCallback,
 )
 from trainbridge.core.callback import Callback, FunctionCallback
-from trainbridge.core.config import CallbackSpec, TrainingArgs, resolve_import_path
-
-
-class NotACallbackError(TypeError):
-    """A ``CallbackSpec`` names something that is not a callback class; it was not called."""
-
-
-def is_callback_class(cls: Any) -> bool:
-    """Whether ``cls`` is a ``trainbridge.Callback`` or ``transformers.TrainerCallback`` subclass (the latter
-    recognised by its bases' names, without importing transformers)."""
-    if not isinstance(cls, type):
-        return False
-    return issubclass(cls, Callback) or any(
-        base.__name__ == "TrainerCallback" and base.__module__ == "transformers.trainer_callback"
-        for base in cls.__mro__
-    )
-
-
-def build_spec(spec: CallbackSpec) -> Any:
-    """Instantiate a ``CallbackSpec``'s class with its kwargs, once it is known to be a callback class: a
-    config naming any other class or function (``subprocess:Popen``) never gets it called (``NotACallbackError``)."""
-    target = resolve_import_path(spec.class_path)
-    if not is_callback_class(target):
-        what = f"the class {target.__module__}.{target.__qualname__}" if isinstance(target, type) else repr(target)
-        raise NotACallbackError(f"class: {spec.class_path!r} is {what}, not a subclass of trainbridge.Callback or "
-                        "transformers.TrainerCallback; it was not called")
-    return target(**spec.kwargs)
+from trainbridge.core.config import CallbackSpec, TrainingArgs
 
 
 def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
@@ -57,7 +31,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no adapter brings
     transformers' own progress callback, the native progress bar.
     """
-    user = [build_spec(c) if isinstance(c, CallbackSpec) else c for c in args.callbacks]
+    user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
     hf = _hf_callbacks(user)
     adapter = None
     if hf or args.report_to:

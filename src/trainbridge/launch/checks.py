@@ -12,6 +12,7 @@ instead of ~20 s later inside every worker with a page of tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -39,18 +40,21 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
         return f"ckpt_output_dir = {str(path)!r}: {what} a file, not a folder; choose another ckpt_output_dir."
     where = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
     try:
-        make_run_folder(path, share_with_group)
+        created = make_run_folder(path, share_with_group)
     except OSError as exc:
         return (f"ckpt_output_dir = {str(path)!r}: cannot be created by this user{where}: {exc.strerror or exc}; "
                 "choose a folder you can write to.")
     try:
-        problem = folder_problem(path)
+        problem = folder_problem(path, trust_group=share_with_group)
     except OSError as exc:
         return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
     if problem:
+        for folder in reversed(created):  # a refused run leaves nothing behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return (f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-                "or load; to allow it, make it yours and writable only by you (chmod go-w), or choose another "
-                "ckpt_output_dir")
+                "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
+                "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true")
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass

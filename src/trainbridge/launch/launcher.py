@@ -44,13 +44,13 @@ from typing import Any
 import psutil
 
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
-from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from trainbridge.core.config import CallbackSpec, NotACallbackError, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
-from trainbridge.launch.assembly import NotACallbackError, assemble_callbacks, build_spec
+from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
 from trainbridge.launch.console import quiet_environment
 from trainbridge.launch.data_check import check_data
@@ -122,7 +122,7 @@ def preflight(args: TrainingArgs) -> None:
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
-                callback = build_spec(callback)
+                callback = callback.build()
             except NotACallbackError as exc:
                 raise PreflightError(f"{label}: {exc}") from None
             except Exception as exc:
@@ -349,7 +349,7 @@ def run_in_place(args: TrainingArgs) -> RunResult:
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
 
     def prepare_output_dir() -> None:
-        problem = check_output_dir(args.ckpt_output_dir)
+        problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
         if problem:
             raise PreflightError(problem)
         result_file(args.ckpt_output_dir).unlink(missing_ok=True)
@@ -406,7 +406,8 @@ def run_training(
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
     launch = launch.for_device(args.device)
-    problem = check_output_dir(args.ckpt_output_dir)  # once per launch (preflight does not repeat it)
+    # once per launch (preflight does not repeat it)
+    problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
     if problem:
         raise PreflightError(problem)
     result_path = result_file(args.ckpt_output_dir)

@@ -12,7 +12,7 @@ it, and an invalid value raises a ``pydantic.ValidationError`` naming the field.
 """
 
 from trainbridge.core.config.fields import DataColumn
-from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
+from trainbridge.core.config.imports import CallbackSpec, NotACallbackError, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
 from trainbridge.core.config.torchrun import TorchrunArgs
 from trainbridge.core.config.training import TrainingArgs
@@ -22,6 +22,7 @@ __all__ = [
     "CallbackSpec",
     "DataColumn",
     "ModelKwargs",
+    "NotACallbackError",
     "TorchrunArgs",
     "TrainingArgs",
     "build_peft_config",

@@ -140,6 +140,10 @@ class DataFields(BaseModel):
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
     """Where checkpoints ``checkpoint-{global_step}/``, ``metrics.jsonl`` and ``result.json`` go."""
+    share_run_dir_with_group: bool = False
+    """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700, and a
+    folder (or a parent) its group can write to is accepted: the group's members are trusted.  By default the
+    run folder is private, and one that anyone but you (or root) could change is refused before launch."""
 
     @field_validator("data_path", "val_data_path")
     @classmethod
