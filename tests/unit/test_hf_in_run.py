@@ -1,7 +1,7 @@
 """Hugging Face callbacks in a real run of the loop, in process on one rank (issue 11).
 
 Each test drives ``trainbridge.loop.loop.train`` with the worker's callback list
-(``launch.assembly.assemble_callbacks``), so the adapter, the best-checkpoint tracker and the loop run
+(``launch.assembly.assemble_callbacks``), so ``HuggingFaceCallbacks``, the best-checkpoint tracker and the loop run
 exactly as in a torchrun worker: best weights before ``on_train_end``, ``TrainingArguments`` subclasses,
 isolation per HF callback, ``num_input_tokens_seen``.
 """
