@@ -5,7 +5,7 @@ holds the model in Hugging Face layout, loadable with ``from_pretrained`` (for a
 in PEFT's layout: only the adapter's weights are gathered, never the frozen base) and the tokenizer
 files; ``training_state.json`` (the loop's counters, sampler position and callback states); each rank's
 RNG states; the engine's optimizer and scheduler state (``checkpoint.engine_state``); any
-``extra_files`` (e.g. the HF adapter's ``trainer_state.json``); ``manifest.json`` (every file's size and
+``extra_files`` (e.g. the ``trainer_state.json`` of ``HuggingFaceCallbacks``); ``manifest.json`` (every file's size and
 SHA-256, the run's fingerprint) and ``COMPLETE``, written last, after every file was fsynced.
 
 The checkpoint's ``dcp/`` also holds the model's own weights, in their training dtype, whenever the

@@ -36,7 +36,7 @@ The user's own TrainingArguments (trl's ``SFTConfig``, ``DPOConfig``, ``GRPOConf
 When ``TrainingArgs.hf_args`` holds the object the settings were ported from (``training_args_from_hf``
 sets it), callbacks get a deep copy of *it*: an instance of the same class with every field, subclass
 fields included (``args.ref_model_sync_steps``, ``args.max_length``...), as the script set them.  Only the
-fields this run owns (``OWNED_FIELDS``: schedules, optimiser settings, batch shape, device, rank,
+fields this run owns (``OWNED_FIELDS`` of ``hf.fields``: schedules, optimiser settings, batch shape, device, rank,
 checkpointing and reporting; exactly what ``training_argument_fields`` derives from ``TrainingArgs``) are
 set to trainbridge's value, and only where it differs from the original: the per-device batch size and
 ``gradient_accumulation_steps`` (see below), ``local_rank``, ``data_seed`` (the data order follows
@@ -59,7 +59,7 @@ Fields that differ from Trainer's meaning
 - ``deepspeed``/``fsdp`` stay unset even under those backends: setting them makes ``TrainingArguments``
   build accelerate plugins; the backend is recorded by ``trainbridge`` itself.
 - transformers 5 removed ``logging_dir``; it is set only on versions that still have the field (the HF
-  adapter points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
+  ``HuggingFaceCallbacks`` points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.fields import OWNED_FIELDS
 
 _TRAINING_ARGUMENT_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
 
@@ -125,19 +126,6 @@ def _same_effective_batch(original: TrainingArguments, args: TrainingArgs, env: 
     if not isinstance(per_device, int) or not isinstance(accumulation, int):
         return False
     return per_device * accumulation * env.world_size == args.effective_batch_size
-
-
-OWNED_FIELDS: tuple[str, ...] = (
-    "output_dir", "do_train", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type",
-    "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "bf16", "use_cpu",
-    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
-    "greater_is_better", "load_best_model_at_end", "restore_callback_states_from_checkpoint",
-    "resume_from_checkpoint", "report_to", "run_name", "disable_tqdm", "ddp_timeout", "local_rank",
-    "include_num_input_tokens_seen", "logging_dir",
-)
-"""The ``TrainingArguments`` fields that describe what trainbridge runs (``training_argument_fields``)."""
 
 
 def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.arguments import defaults_of
+from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 
 
 class HFPortingWarning(UserWarning):
@@ -27,31 +28,6 @@ class HFPortingWarning(UserWarning):
 
 
 SUPPORTED_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr")
-
-# Fields carried over to TrainingArgs (explicitly, in `_carried_over`).
-CARRIED_OVER = frozenset({
-    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type", "warmup_steps",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "seed", "bf16", "use_cpu",
-    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
-    "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
-    "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
-    "lr_scheduler_kwargs", "fsdp", "deepspeed", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-    "activation_checkpointing", "activation_checkpointing_kwargs", "include_num_input_tokens_seen",
-    "include_for_metrics",
-    "max_length", "model_init_kwargs",  # trl's configs: max_seq_len, and the facade's from_pretrained kwargs
-})
-
-# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
-RENAMED: dict[str, str] = {
-    "output_dir": "ckpt_output_dir",
-    "num_train_epochs": "num_epochs",
-    "lr_scheduler_type": "lr_scheduler",
-    "bf16": "mixed_precision: bf16",
-    "use_cpu": "device: cpu",
-    "ddp_timeout": "collective_timeout_s",
-    "restore_callback_states_from_checkpoint": "restore_callback_states",
-}
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.

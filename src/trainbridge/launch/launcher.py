@@ -131,7 +131,7 @@ def preflight(args: TrainingArgs) -> None:
                     f"{callback.kwargs!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             label += f" ({callback.__class__.__name__} from its CallbackSpec)"
-    # Every callback the workers will run (built-ins, user callbacks, the HF adapter with its
+    # Every callback the workers will run (built-ins, user callbacks, HuggingFaceCallbacks with its
     # report_to integrations, event functions) checks the config here, before launch.
     for callback in assemble_callbacks(args):
         try:

@@ -26,7 +26,7 @@ def resolve_import_path(path: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
-                         "sys.path: `trainbridge train` adds the config's folder and the working directory)"
+                         "sys.path: `trainbridge train` finds one in the config's folder or the working directory)"
                          ) from exc
     obj: Any = module
     owner = f"module {module_name!r}"
