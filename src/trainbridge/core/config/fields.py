@@ -397,6 +397,11 @@ class CheckpointFields(BaseModel):
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
+    resume_allow_unverified: bool = False
+    """Resume from (or load the best model of) a checkpoint that has no ``manifest.json``, or holds files its
+    manifest does not list (or symbolic links): nothing then vouches that its files are the ones trainbridge
+    wrote.  By default such a checkpoint is refused, naming what is wrong; allow it only for checkpoints you
+    trust (DCP metadata and non-tensor entries are read without running code either way)."""
     save_on_interrupt: bool = False
     """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
     boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.
