@@ -362,7 +362,7 @@ def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
                         callbacks=[{"class": "transformers:EarlyStoppingCallback"},
                                    {"class": "trainbridge.callbacks:MetricsFileCallback"}])
     names = [type(c).__name__ for c in assemble_callbacks(args)]
-    assert "HuggingFaceCallbackAdapter" in names and names.count("MetricsFileCallback") == 2
+    assert "HuggingFaceCallbacks" in names and names.count("MetricsFileCallback") == 2
 
 
 def test_a_group_project_folder_is_accepted_only_when_the_group_is_trusted(tmp_path):

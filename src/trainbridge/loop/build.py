@@ -138,6 +138,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             args.ckpt_output_dir, env, args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
             checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
+            allow_unverified=args.resume_allow_unverified,
         ),
         max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=batches.padded,
         data_stats=batches.data_stats, named_eval_batches=batches.named_eval_batches,

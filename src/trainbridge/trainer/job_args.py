@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.hf.adapter import is_hf_callback
+from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         data["callbacks"] = [*trainer.args.callbacks, *trainer.callbacks]
         return TrainingArgs.model_validate(data)
     hf = trainer.args
-    # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+    # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
     # progress bar, and each checkpoint gets trainer_state.json as under Trainer
     from transformers import TrainerCallback
 
