@@ -185,7 +185,7 @@ def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, e
         return EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
                            max_batch_len=args.max_batch_len, padded=eval_padded)
 
-    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded),
+    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
                       eval_set(data.val) if data.val else None,
                       {name: eval_set(source) for name, source in data.named_val.items()}, data.stats, padded)
 
