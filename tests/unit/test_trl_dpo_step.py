@@ -98,3 +98,41 @@ def test_one_micro_batch_gives_trls_per_token_metrics(tiny_llama: Path, tmp_path
     assert list(ours) == list(trl_logs)
     for key, value in trl_logs.items():
         assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path) -> None:
+    import dataclasses
+
+    from trainbridge.callbacks import ScheduleCallback
+    from trainbridge.core.callback import Callback
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.loop.build import build_run
+    from trainbridge.loop.loop import TrainingLoop
+
+    class Logs(Callback):
+        def __init__(self) -> None:
+            self.logs: list[tuple[int, dict[str, float]]] = []
+
+        def on_log(self, context, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            self.logs.append((context.global_step, dict(logs or {})))
+
+    args = args_for(max_steps=3, logging_steps=1, val_data_path=None)
+    components = build_run(args, DistributedEnv())
+    config = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, max_length=12)
+    prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), components.tokenizer, config)
+    ref = copy.deepcopy(components.engine.module)
+    step = PreferenceStep(PairBatches(prepared, 1, 2, 1, 0, 0, config.max_length), DPOLossSettings.from_config(config),
+                          ref_model=ref)
+    seen = Logs()
+    components = dataclasses.replace(components, step=step, max_steps=3)
+    TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], components).run()
+    step_logs = [(s, logs) for s, logs in seen.logs if "loss" in logs]
+    assert [s for s, _ in step_logs] == [1, 2, 3]
+    first = step_logs[0][1]
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy is its reference at step 1: log 2
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
+            "num_tokens"} <= set(first)
+    assert step_logs[2][1]["rewards/margins"] != 0.0  # the policy moved away from the reference
+    assert step_logs[2][1]["num_tokens"] > step_logs[1][1]["num_tokens"] > first["num_tokens"] > 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trainbridge.data.collate import CollatedBatch
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import DPOLossSettings, SequenceLogps, dpo_loss_terms, pair_weights
@@ -79,7 +80,8 @@ class PairBatches:
         rows = self.dataset[list(indices)]
         packed = pack_pairs(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], self.max_length,
                             self.truncation_mode)
-        batch: dict[str, Any] = {"input_ids": packed.batch["input_ids"], "packed": packed}
+        batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
+        batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
         if "ref_chosen_logps" in rows:
             batch["ref_chosen_logps"] = torch.tensor(rows["ref_chosen_logps"], dtype=torch.float32)
             batch["ref_rejected_logps"] = torch.tensor(rows["ref_rejected_logps"], dtype=torch.float32)
