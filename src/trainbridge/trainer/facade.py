@@ -107,6 +107,9 @@ class Trainer:
         self._loop: Any = None
         self._weights_dir: Path | None = None
         self._collator_choice = inputs.classify_collator(data_collator)
+        if data_collator is not None and subclass.subclass_loss(self) is not None:
+            # the loss sees Trainer's batches: the collator is called as written on the dataset's items
+            self._collator_choice = inputs.CollatorChoice(False, description=type(data_collator).__name__)
         if self.is_world_process_zero():
             logger.info("data collator: %s -> %s", self._collator_choice.description,
                         "trainbridge's token-budget batching (reproduces it)" if self._collator_choice.reproduced

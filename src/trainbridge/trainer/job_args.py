@@ -69,6 +69,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     per_device = int(hf.per_device_train_batch_size)
     accumulation = int(hf.gradient_accumulation_steps)
     fields["effective_batch_size"] = per_device * accumulation * world_size
+    fields["per_device_batch_size"] = per_device  # Trainer's sample batches (model_loss): accumulation follows
     max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
     max_seq_len = int(layout.longest or max_len or DEFAULT_MAX_SEQ_LEN)
     fields["max_seq_len"] = max_seq_len
