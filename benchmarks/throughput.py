@@ -216,7 +216,7 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
 
 def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
                     out: Path, log_path: Path) -> None:
-    """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HF adapter)."""
+    """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HuggingFaceCallbacks)."""
     from trainbridge import TorchrunArgs, TrainingArgs, run_training
     from trainer_run import LOGGING_STEPS, StepClock
 

@@ -136,7 +136,7 @@ def _early_stopping_args(assets, out: Path, stop_at: int | None, **overrides: An
 def test_early_stopping_stops_both_ranks_where_patience_runs_out(assets, tmp_path):
     result = run_training(_early_stopping_args(assets, tmp_path, stop_at=None), TWO)
     assert result.global_step == 5 and result.stopped_early
-    assert "HuggingFaceCallbackAdapter" in result.stop_reason
+    assert "HuggingFaceCallbacks" in result.stop_reason
     assert result.best_metric == 0.9 and result.best_checkpoint.endswith("checkpoint-2")
     state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {

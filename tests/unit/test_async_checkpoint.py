@@ -26,8 +26,8 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
 from trainbridge.hf.porting import HFPortingWarning
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 
@@ -125,13 +125,13 @@ def test_hf_callbacks_with_on_save_are_warned_about_under_checkpoint_async(args_
         def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             pass
 
-    adapter = HuggingFaceCallbackAdapter([Uploads(), Logs()], report_to=[])
+    hf_callbacks = HuggingFaceCallbacks([Uploads(), Logs()], report_to=[])
     with pytest.warns(HFPortingWarning, match=r"on_save of Uploads fires when the checkpoint is published"):
-        adapter.validate(args_for("warned"))
+        hf_callbacks.validate(args_for("warned"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
-        adapter.validate(args_for("quiet", checkpoint_async=False))
-        HuggingFaceCallbackAdapter([Logs()], report_to=[]).validate(args_for("no-on-save"))
+        hf_callbacks.validate(args_for("quiet", checkpoint_async=False))
+        HuggingFaceCallbacks([Logs()], report_to=[]).validate(args_for("no-on-save"))
 
 
 def test_a_peft_run_saves_its_adapter_and_optimizer_in_the_background_and_resumes_exactly(args_for):

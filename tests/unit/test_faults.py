@@ -185,12 +185,12 @@ def test_every_file_is_fsynced_before_the_complete_marker(args, monkeypatch):  #
     real_write = manager_module.write_durably
     checked = []
 
-    def marker(path, text):
+    def marker(path, text, *mode):
         if path.name == "COMPLETE":
             files = {p.name for p in path.parent.rglob("*") if p.is_file()}
             assert files - synced == set(), f"not fsynced before COMPLETE: {files - synced}"
             checked.append(path)
-        real_write(path, text)
+        real_write(path, text, *mode)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     monkeypatch.setattr(manager_module, "write_durably", marker)

@@ -90,9 +90,18 @@ def test_required_values_win_and_ratios_become_steps(hf_args, required, tmp_path
     assert args.mixed_precision == "bf16"
 
 
+def test_optim_names_args_and_schedules_are_carried_over(hf_args, required):
+    args = training_args_from_hf(hf_args(optim="sgd", optim_args="momentum=0.9, nesterov=True",
+                                         lr_scheduler_type="polynomial"), **required)
+    assert (args.optim, args.optim_args, args.lr_scheduler) == ("sgd", {"momentum": 0.9, "nesterov": True},
+                                                                "polynomial")
+
+
 def test_what_cannot_be_ported_fails_naming_the_field(hf_args, required):
-    with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
-        training_args_from_hf(hf_args(lr_scheduler_type="polynomial"), **required)
+    with pytest.raises(ValueError, match="lr_scheduler_type='greedy': trainbridge supports constant, "):
+        training_args_from_hf(hf_args(lr_scheduler_type="greedy", eval_strategy="steps", eval_steps=5), **required)
+    with pytest.raises(ValueError, match="optim='rmsprop': trainbridge supports adamw_torch, "):
+        training_args_from_hf(hf_args(optim="rmsprop"), **required)
     with pytest.raises(ValueError, match=r"logging_steps=0\.1 is a ratio of max_steps"):
         training_args_from_hf(hf_args(logging_steps=0.1), **required)
     with pytest.raises(ValueError, match="model_path"):

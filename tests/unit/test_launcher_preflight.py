@@ -123,7 +123,7 @@ def test_native_callback_validate_runs_in_the_parent(train_args, no_launch):
 def test_misconfigured_hf_callback_fails_in_the_parent(train_args, no_launch):
     # EarlyStoppingCallback needs a metric and evaluation: under Trainer it fails at on_train_begin
     with pytest.raises(
-        PreflightError, match=r"HuggingFaceCallbackAdapter.*EarlyStoppingCallback.*metric_for_best_model"
+        PreflightError, match=r"HuggingFaceCallbacks.*EarlyStoppingCallback.*metric_for_best_model"
     ):
         run_training({**train_args, "callbacks": [EarlyStoppingCallback()]})
 

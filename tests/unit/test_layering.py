@@ -32,7 +32,7 @@ LAYERS: dict[str, int] = {
     "checkpoint": 2,  # checkpoint folders, rotation, resume state (reads engines)
     "step": 2,  # the training step as a seam: batches and loss per task (token cross entropy, model's own loss)
     "loop": 3,  # the training loop, its build step and its result
-    "hf": 4,  # the Hugging Face adapter and porting (plug-ins on the loop)
+    "hf": 4,  # HuggingFaceCallbacks, TrainerState and porting (plug-ins on the loop)
     "report": 4,  # reports on finished runs read from disk (plots of metrics.jsonl)
     "launch": 5,  # run_training, torchrun worker, transport, callback assembly
     "trainer": 6,  # the transformers.Trainer facade (runs the loop in place or through the launcher)

@@ -134,3 +134,94 @@ def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tm
     assert choose_step(model, args) == "model_loss"
     with pytest.raises(ValueError, match="training_step: 'token_cross_entropy' trains causal LMs"):
         choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}))
+
+
+def _train(args: TrainingArgs) -> tuple[Any, list[float]]:
+    components = build_run(args, DistributedEnv())
+    assert isinstance(components.step, ModelLoss)
+    logs = Logs()
+    result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+    return result, [log["loss"] for log in logs.logs if "loss" in log]
+
+
+def _args(model: Path, data: Path, out: Path, **overrides: Any) -> TrainingArgs:
+    values: dict[str, Any] = dict(
+        model_path=model, data_path=data, ckpt_output_dir=out, effective_batch_size=8, per_device_batch_size=4,
+        learning_rate=1e-2, lr_scheduler="constant", max_steps=16, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=3,
+    )
+    values.update(overrides)
+    return TrainingArgs(**values)
+
+
+def test_masked_lm_trains_on_the_masked_lm_loss_with_its_collator(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
+
+    folder = tmp_path / "mlm"
+    BertForMaskedLM(BertConfig(**BERT)).save_pretrained(folder)
+    tokenizer = build_tokenizer(folder)
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "train.jsonl"
+    rng = random.Random(0)
+    data.write_text("".join(json.dumps({"text": "abcdefgh" * 2 if rng.random() < 0.5 else "hgfedcba" * 2}) + "\n"
+                            for _ in range(64)))
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
+    result, losses = _train(_args(folder, data, tmp_path / "out", data_collator=collator))
+    assert result.global_step == 16
+    # the masked-LM loss over an 80-token vocabulary starts near ln(80) = 4.4 (a causal loss on this
+    # repetitive text would start far lower), and falls
+    assert losses[0] > 3.0 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    config = json.loads((tmp_path / "out" / "checkpoint-16" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"]
+
+
+def test_t5_like_encoder_decoder_trains_on_its_seq2seq_loss(tmp_path):
+    from transformers import DataCollatorForSeq2Seq, T5Config, T5ForConditionalGeneration
+
+    folder = tmp_path / "t5"
+    config = T5Config(vocab_size=80, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      pad_token_id=0, decoder_start_token_id=0, eos_token_id=2)
+    model = T5ForConditionalGeneration(config)
+    model.save_pretrained(folder)
+    tokenizer = build_tokenizer(folder)
+    data = tmp_path / "train.jsonl"
+    rng = random.Random(0)
+    rows = []
+    for _ in range(64):
+        source = [rng.randrange(4, 40) for _ in range(rng.randrange(3, 9))]
+        rows.append(json.dumps({"input_ids": source, "labels": [t + 1 for t in reversed(source)]}) + "\n")
+    data.write_text("".join(rows))
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    result, losses = _train(_args(folder, data, tmp_path / "out", data_collator=collator))
+    assert result.global_step == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    saved = json.loads((tmp_path / "out" / "checkpoint-16" / "config.json").read_text())
+    assert saved["architectures"] == ["T5ForConditionalGeneration"]
+
+
+def test_image_classification_trains_on_pixel_values_with_its_image_processor(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    folder = tmp_path / "vit"
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=32, num_labels=2)
+    ViTForImageClassification(config).save_pretrained(folder)
+    ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(folder)
+    data = tmp_path / "train.jsonl"
+    rng = random.Random(0)
+    rows = []
+    for _ in range(64):
+        label = rng.randrange(2)
+        pixels = [[[(1.0 if label else -1.0) + rng.gauss(0, 0.3) for _ in range(8)] for _ in range(8)]
+                  for _ in range(3)]
+        rows.append(json.dumps({"pixel_values": pixels, "label": label}) + "\n")
+    data.write_text("".join(rows))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(rows[:12]))
+    result, losses = _train(_args(folder, data, tmp_path / "out", val_data_path=val, eval_strategy="steps",
+                                  eval_steps=8, compute_metrics=_accuracy))
+    assert result.global_step == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    assert result.final_eval_loss is not None
+    checkpoint = tmp_path / "out" / "checkpoint-16"
+    assert json.loads((checkpoint / "config.json").read_text())["architectures"] == ["ViTForImageClassification"]
+    assert (checkpoint / "preprocessor_config.json").is_file()

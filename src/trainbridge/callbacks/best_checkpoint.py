@@ -51,7 +51,7 @@ class BestCheckpointTracker(Callback):
             if best_dir.is_dir():
                 context.best_checkpoint = best_dir
 
-    # The tracked values live on the context (the HF adapter and checkpoint rotation read them there);
+    # The tracked values live on the context (HuggingFaceCallbacks and checkpoint rotation read them there);
     # state_dict/load_state_dict carry them through a checkpoint.
     def __init__(self) -> None:
         self._context: TrainingContext | None = None

@@ -1,6 +1,6 @@
 """``ProgressBarCallback``: a tqdm bar on global rank 0 (a plain printer when tqdm is disabled).
 
-Installed by the worker only when no Hugging Face adapter runs (the adapter brings transformers' own
+Installed by the worker only when no ``HuggingFaceCallbacks`` runs (it brings transformers' own
 ProgressCallback/PrinterCallback, as Trainer does).  Each log is one line in the same form as those
 print it (``format_logs``), so a run reads the same with and without HF callbacks.
 """

@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+from trainbridge.core.private_files import PRIVATE_FILE_MODE
+
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "storagefull")
 
@@ -34,9 +36,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it."""
-    with open(path, "w") as handle:
+def write_durably(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Write ``text`` to ``path`` (a new file of ``mode``, whatever the umask; a symbolic link there is
+    refused, not followed) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), mode)
+    os.fchmod(fd, mode)
+    with open(fd, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())

@@ -8,23 +8,22 @@ go and writes and reads them (every function is collective: every rank calls it)
   and with ``background`` (``checkpoint_async``) the optimizer of every engine go into one
   ``torch.distributed.checkpoint`` folder ``dcp/``, each rank writing its own shards (DCP de-duplicates
   replicated tensors, so rank 0 writes them once);
-* a backend with its own format (DeepSpeed) writes it into ``deepspeed/state/``;
+* a backend with its own format (DeepSpeed) writes it into ``deepspeed/state/`` (read back by DeepSpeed's
+  own loader, which unpickles: resume warns that such a checkpoint must be trusted);
 * the LR scheduler, ``scheduler.pt``, by rank 0.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
+import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainbridge.checkpoint.dcp_io import dcp_has, read_dcp, write_dcp
 from trainbridge.checkpoint.layout import (
-    DCP_METADATA_FILE,
     DEEPSPEED_DIR,
     DEEPSPEED_TAG,
     OPTIMIZER_FILE,
@@ -33,8 +32,15 @@ from trainbridge.checkpoint.layout import (
 )
 
 if TYPE_CHECKING:
-    from trainbridge.core.distributed import DistributedEnv
     from trainbridge.parallel.engine import TrainingEngine
+
+logger = logging.getLogger(__name__)
+
+NATIVE_RESUME_TRUST = ("resuming from %s with DeepSpeed: DeepSpeed reads its own checkpoint files with "
+                       "torch.load(weights_only=False), which runs any code a pickle in them holds. The manifest "
+                       "checks that the files are the ones written, not who wrote them: resume only from "
+                       "checkpoints you trust (docs/faults.md, C11)")
+"""Warned by rank 0 at every DeepSpeed resume."""
 
 
 def save_engine_state(engine: TrainingEngine, directory: Path, model_state: bool = False,
@@ -88,6 +94,8 @@ def load_engine_state(engine: TrainingEngine, directory: Path) -> None:
     env = engine.env
     sharded = directory / SHARDED_STATE_DIR
     if engine.native_checkpoint:
+        if env.is_world_process_zero:
+            logger.warning(NATIVE_RESUME_TRUST, directory)
         engine.load_native_state(_require(directory / DEEPSPEED_DIR / DEEPSPEED_TAG))
     elif engine.sharded_optimizer or dcp_has(sharded, "optimizer"):
         state = {"optimizer": engine.sharded_optimizer_state_dict()}
@@ -98,48 +106,6 @@ def load_engine_state(engine: TrainingEngine, directory: Path) -> None:
         engine.load_optimizer_state_dict(optimizer)
     scheduler = torch.load(_require(directory / SCHEDULER_FILE), map_location="cpu", weights_only=True)
     engine.load_scheduler_state_dict(scheduler)
-
-
-# ---------------------------------------------------------------------- torch.distributed.checkpoint
-def write_dcp(state: dict[str, Any], path: Path, env: DistributedEnv, background: bool) -> Future[Any] | None:
-    """``dcp.save`` of ``state`` into ``path``, or with ``background`` ``dcp.async_save`` over the checkpoint
-    process group (``DistributedEnv.checkpoint_group``): returns its future."""
-    import torch.distributed.checkpoint as dcp
-
-    if background:
-        # collective (staging and planning start here); the write goes on in DCP's writer thread
-        return cast(Future[Any], dcp.async_save(state, checkpoint_id=path, no_dist=not env.is_distributed,
-                                                process_group=env.checkpoint_group()))
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=path, no_dist=not env.is_distributed)
-    return None
-
-
-def read_dcp(state: dict[str, Any], path: Path, env: DistributedEnv) -> None:
-    """``dcp.load`` of ``state``'s entries from the DCP folder ``path``, in place (each rank reads the
-    entries, or shards, it holds)."""
-    import torch.distributed.checkpoint as dcp
-
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not env.is_distributed)
-
-
-def dcp_has(path: Path, entry: str) -> bool:
-    """Whether the DCP folder ``path`` exists and holds entries under ``entry`` (``model``, ``optimizer``)."""
-    if not (path / DCP_METADATA_FILE).is_file():
-        return False
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(key.startswith(f"{entry}.") for key in metadata.state_dict_metadata)
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns on every save and load without a process group; one process is what we mean then."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _require(path: Path) -> Path:

@@ -1,7 +1,8 @@
 """Checkpoint folders in a run folder: their names, which are complete, and how they appear and go.
 
 A checkpoint is written into ``.tmp-checkpoint-{step}`` (its ``.owner`` file names the run, host and
-pid writing it), then renamed to ``checkpoint-{step}``: it appears whole or not at all.  Re-saving a
+pid writing it), made private (``make_private``: nobody else may read optimizer state, weights or RNG
+states), then renamed to ``checkpoint-{step}``: it appears whole or not at all.  Re-saving a
 step renames the old folder aside (``.old-checkpoint-{step}``), renames the new one in, then deletes
 the old one.  Deleting renames the folder to ``.deleting-checkpoint-{step}`` first, so it leaves the
 listing at once.  ``clean_leftovers`` tidies what an interrupted save or deletion left: a temporary
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, DELETING_PREFIX, OLD_PREFIX, OWNER_FILE, TMP_PREFIX
 from trainbridge.checkpoint.runlock import process_is_alive
+from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -58,11 +60,13 @@ def temporary_folder(final: Path) -> Path:
     return final.with_name(f"{TMP_PREFIX}{checkpoint_step(final)}")
 
 
-def make_owned_folder(tmp: Path, run_id: str) -> None:
-    """Create the temporary folder ``tmp`` with an ``.owner`` file naming this run; refuse a folder another
-    live run is writing."""
+def make_owned_folder(tmp: Path, run_id: str, share_with_group: bool = False) -> None:
+    """Create the temporary folder ``tmp`` (private, or readable by the group with ``share_with_group``,
+    whatever the umask) with an ``.owner`` file naming this run; refuse a folder another live run is
+    writing."""
     try:
-        tmp.mkdir(mode=0o700)
+        tmp.mkdir(mode=modes(share_with_group)[0])
+        tmp.chmod(modes(share_with_group)[0])
     except FileExistsError:
         raise CheckpointError(
             f"{tmp} is being written by another live run ({read_owner(tmp)}) into the same ckpt_output_dir; "
@@ -70,6 +74,17 @@ def make_owned_folder(tmp: Path, run_id: str) -> None:
         ) from None
     owner_record = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
     (tmp / OWNER_FILE).write_text(json.dumps(owner_record))
+
+
+def make_private(folder: Path, share_with_group: bool = False) -> None:
+    """Every folder and file under ``folder`` (itself included) private: 0700 and 0600, or readable by the
+    group with ``share_with_group`` (0750 and 0640), whatever the umask or the writer (DCP, DeepSpeed,
+    ``save_pretrained``) chose.  Symbolic links are left as they are, never followed."""
+    dir_mode, file_mode = modes(share_with_group)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        path.chmod(dir_mode if path.is_dir() else file_mode)
 
 
 def read_owner(tmp: Path) -> str:

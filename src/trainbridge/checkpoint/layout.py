@@ -12,7 +12,7 @@ A checkpoint holds::
     scheduler.pt                             the LR scheduler's state
     dcp/                                     torch.distributed.checkpoint: model and/or optimizer shards
     deepspeed/state/                         DeepSpeed's own checkpoint (ZeRO partitions, fp32 masters)
-    trainer_state.json, training_args.bin    under the Hugging Face adapter, as Trainer writes them
+    trainer_state.json, training_args.bin    under HuggingFaceCallbacks, as Trainer writes them
     manifest.json                            every file's size and SHA-256, the run's fingerprint
     COMPLETE                                 written last
 
@@ -47,9 +47,9 @@ DEEPSPEED_DIR = "deepspeed"
 """DeepSpeed's save folder; its checkpoint is the tag folder ``DEEPSPEED_TAG`` inside it."""
 DEEPSPEED_TAG = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
-"""Trainer's ``TrainerState`` (``TRAINER_STATE_NAME``), written under the Hugging Face adapter."""
+"""Trainer's ``TrainerState`` (``TRAINER_STATE_NAME``), written under ``HuggingFaceCallbacks``."""
 TRAINING_ARGS_FILE = "training_args.bin"
-"""Trainer's ``TrainingArguments`` (``TRAINING_ARGS_NAME``, ``torch.save``), written under the adapter."""
+"""Trainer's ``TrainingArguments`` (``TRAINING_ARGS_NAME``, ``torch.save``), written under ``HuggingFaceCallbacks``."""
 MANIFEST_FILE = "manifest.json"
 """Every file's size and SHA-256, and the run's fingerprint (``checkpoint.manifest``)."""
 COMPLETE_MARKER = "COMPLETE"

@@ -5,7 +5,7 @@ holds the model in Hugging Face layout, loadable with ``from_pretrained`` (for a
 in PEFT's layout: only the adapter's weights are gathered, never the frozen base) and the tokenizer
 files; ``training_state.json`` (the loop's counters, sampler position and callback states); each rank's
 RNG states; the engine's optimizer and scheduler state (``checkpoint.engine_state``); any
-``extra_files`` (e.g. the HF adapter's ``trainer_state.json``); ``manifest.json`` (every file's size and
+``extra_files`` (e.g. the ``trainer_state.json`` of ``HuggingFaceCallbacks``); ``manifest.json`` (every file's size and
 SHA-256, the run's fingerprint) and ``COMPLETE``, written last, after every file was fsynced.
 
 The checkpoint's ``dcp/`` also holds the model's own weights, in their training dtype, whenever the
@@ -49,7 +49,7 @@ from trainbridge.checkpoint.folders import (
 )
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, MERGED_DIR, OWNER_FILE, TRAINING_STATE_FILE
 from trainbridge.checkpoint.manifest import write_manifest
-from trainbridge.checkpoint.resume import choose_resume, latest_verified, load_checkpoint
+from trainbridge.checkpoint.resume import choose_resume, latest_verified, load_checkpoint, require_own_checkpoint
 from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
 from trainbridge.checkpoint.weights import (
@@ -59,6 +59,7 @@ from trainbridge.checkpoint.weights import (
     write_model_files,
 )
 from trainbridge.checkpoint.weights_dtype import exports_lossy
+from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_weight_names
 from trainbridge.modeling.load import is_peft_model, merge_adapter
@@ -101,7 +102,8 @@ class CheckpointManager:
 
     def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None,
                  fingerprint: dict[str, Any] | None = None, checksums: bool = True,
-                 weights_dtype: torch.dtype | None = None) -> None:
+                 weights_dtype: torch.dtype | None = None, allow_unverified: bool = False,
+                 share_with_group: bool = False) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
         self.save_total_limit = save_total_limit
@@ -112,6 +114,12 @@ class CheckpointManager:
         """SHA-256 of every file in the manifest, checked at resume (``checkpoint_checksums``)."""
         self.weights_dtype = weights_dtype
         """dtype of the HF-layout weights written (``checkpoint.weights_dtype``); None: the parameters'."""
+        self.allow_unverified = allow_unverified
+        """Use checkpoints without a manifest or with unlisted files (``resume_allow_unverified``)."""
+        self.share_with_group = share_with_group
+        """Checkpoints readable by the run folder's group (0750/0640); by default private (0700/0600)."""
+        self._published: set[Path] = set()
+        """Checkpoints this manager published (trusted without verifying them again)."""
 
     # ------------------------------------------------------------------ saving
     def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
@@ -134,7 +142,7 @@ class CheckpointManager:
         def prepare() -> None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             folders.clean_leftovers(self.output_dir, self.run_id)
-            folders.make_owned_folder(tmp, self.run_id)
+            folders.make_owned_folder(tmp, self.run_id, self.share_with_group)
 
         self._on_rank_zero(prepare, f"preparing {tmp}", final)
 
@@ -177,13 +185,16 @@ class CheckpointManager:
 
         def publish() -> None:
             (tmp / OWNER_FILE).unlink(missing_ok=True)
-            write_manifest(tmp, self.fingerprint, self.checksums)  # hashes and fsyncs every file first
-            write_durably(tmp / COMPLETE_MARKER, f"{global_step}\n")
+            folders.make_private(tmp, self.share_with_group)
+            file_mode = modes(self.share_with_group)[1]
+            write_manifest(tmp, self.fingerprint, self.checksums, file_mode)  # hashes and fsyncs every file first
+            write_durably(tmp / COMPLETE_MARKER, f"{global_step}\n", file_mode)
             fsync_dir(tmp)
             folders.rename_into_place(tmp, final)
             fsync_dir(self.output_dir)
 
         self._on_rank_zero(publish, f"publishing {final}", final)
+        self._published.add(final.resolve())
         return final
 
     def _write_rank_zero_files(self, engine: TrainingEngine, tokenizer: Any, tmp: Path,
@@ -265,6 +276,7 @@ class CheckpointManager:
                 merge_adapter(load_base(), Path(adapter_dir), tmp, self.weights_dtype)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            folders.make_private(tmp, self.share_with_group)
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -284,7 +296,7 @@ class CheckpointManager:
 
     def latest_verified(self) -> Path | None:
         """The newest complete checkpoint whose files match its manifest (``checkpoint.resume``)."""
-        return latest_verified(self.output_dir, self.checksums)
+        return latest_verified(self.output_dir, self.checksums, self.allow_unverified)
 
     def resume_path(self, resume_from: str | Path | None, allow_mismatch: bool = False) -> Path | None:
         """The checkpoint to resume from for ``resume_from_checkpoint`` (collective).
@@ -296,7 +308,8 @@ class CheckpointManager:
             return None
 
         def choose() -> str | None:
-            found = choose_resume(self.output_dir, resume_from, self.fingerprint, self.checksums, allow_mismatch)
+            found = choose_resume(self.output_dir, resume_from, self.fingerprint, self.checksums, allow_mismatch,
+                                  self.allow_unverified)
             return str(found) if found is not None else None
 
         chosen = self._on_rank_zero(choose, "choosing the checkpoint to resume from")
@@ -328,8 +341,14 @@ class CheckpointManager:
         return load_checkpoint(path, engine)
 
     def load_model_weights(self, path: Path, engine: TrainingEngine) -> None:
-        """Load only the model weights of checkpoint ``path`` into the live model (collective;
-        ``checkpoint.weights.load_model_weights``)."""
+        """Load only the model weights of checkpoint ``path`` (e.g. the best one) into the live model
+        (collective; ``checkpoint.weights.load_model_weights``).  A checkpoint this manager did not publish
+        must be a complete checkpoint inside ``output_dir`` whose files verify (rank 0 checks)."""
+        path = Path(path)
+        if path.resolve() not in self._published:
+            self._on_rank_zero(lambda: require_own_checkpoint(self.output_dir, path, self.checksums,
+                                                              self.allow_unverified),
+                               f"checking checkpoint {path} before loading its weights")
         load_model_weights(path, engine)
 
     def restore_rng(self, path: Path) -> None:

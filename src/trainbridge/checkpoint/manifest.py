@@ -3,8 +3,8 @@
 Rank 0 writes ``manifest.json`` after every rank's files are in the temporary folder and before the
 ``COMPLETE`` marker; hashing reads each file once and fsyncs it on the way.  At resume,
 ``verify_checkpoint`` re-checks sizes and checksums: a truncated ``model.safetensors`` or an emptied
-optimizer file is named instead of failing deep inside a loader.  Checkpoints written before
-manifests existed verify as before (marker only).
+optimizer file is named instead of failing deep inside a loader.  A checkpoint without a manifest, or
+with files its manifest does not list, is refused unless the user allows it (``resume_allow_unverified``).
 
 The **fingerprint** (``run_fingerprint``) records what the checkpoint belongs to: the model's
 architecture and configuration (hashed), the base model folder and the training data (path, size and
@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.checkpoint.durability import fsync_dir, fsync_file, write_durably
-from trainbridge.checkpoint.layout import MANIFEST_FILE
+from trainbridge.checkpoint.layout import COMPLETE_MARKER, MANIFEST_FILE
+from trainbridge.core.private_files import PRIVATE_FILE_MODE
 
+UNVERIFIED_FIX = "set resume_allow_unverified=True to use it anyway, if you trust who wrote it"
 _CHUNK = 8 * 2**20
 _IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                         "_commit_hash", "_attn_implementation_autoset", "attn_implementation"}
@@ -39,13 +41,14 @@ def _sha256(path: Path, fsync: bool = False) -> str:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    manifest = folder / MANIFEST_FILE
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p != manifest)
 
 
 def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None,
-                   checksums: bool = True) -> dict[str, Any]:
+                   checksums: bool = True, mode: int = PRIVATE_FILE_MODE) -> dict[str, Any]:
     """Hash (unless ``checksums`` is off) and fsync every file in ``folder``, then write ``manifest.json``
-    durably."""
+    durably (a file of ``mode``)."""
     files: dict[str, dict[str, Any]] = {}
     for path in _files(folder):
         entry: dict[str, Any] = {"size": path.stat().st_size}
@@ -57,12 +60,12 @@ def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None,
     for sub in sorted({p.parent for p in _files(folder)} | {folder}):
         fsync_dir(sub)
     manifest = {"version": 1, "files": files, "fingerprint": dict(fingerprint or {})}
-    write_durably(folder / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    write_durably(folder / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True), mode)
     return manifest
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a checkpoint, or None when it has none (older checkpoints)."""
+    """The manifest of a checkpoint, or None when it has none."""
     path = Path(folder) / MANIFEST_FILE
     if not path.is_file():
         return None
@@ -73,16 +76,27 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def verify_checkpoint(folder: Path, checksums: bool = True) -> list[str]:
+def verify_checkpoint(folder: Path, checksums: bool = True, allow_unverified: bool = False) -> list[str]:
     """What is wrong with a checkpoint's files (empty when it verifies).  Missing, resized or changed
-    files are named; a checkpoint without a manifest has nothing to verify."""
+    files are named, and, unless ``allow_unverified`` (``resume_allow_unverified``), a missing manifest,
+    files the manifest does not list and symbolic links: nothing would vouch for them."""
+    folder = Path(folder)
     try:
         manifest = read_manifest(folder)
     except ValueError as exc:
         return [str(exc)]
     if manifest is None:
-        return []
+        return [] if allow_unverified else [f"it has no {MANIFEST_FILE}, so nothing vouches for its files "
+                                            f"({UNVERIFIED_FIX})"]
     problems = []
+    if not allow_unverified:
+        listed = set(manifest.get("files", {}))
+        for path in sorted(folder.rglob("*")):
+            name = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                problems.append(f"{name} is a symbolic link ({UNVERIFIED_FIX})")
+            elif path.is_file() and name not in listed and name not in (MANIFEST_FILE, COMPLETE_MARKER):
+                problems.append(f"{name} is not listed in its {MANIFEST_FILE} ({UNVERIFIED_FIX})")
     for name, expected in sorted(manifest.get("files", {}).items()):
         path = Path(folder) / name
         if not path.is_file():

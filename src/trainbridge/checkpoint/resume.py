@@ -3,8 +3,11 @@
 ``choose_resume`` answers ``resume_from_checkpoint``: ``auto`` is the newest complete checkpoint whose
 files verify against its manifest (corrupt ones skipped with a warning); a path must be a complete
 checkpoint that verifies.  Either way its fingerprint must match the run's unless the user allows a
-mismatch.  ``load_checkpoint`` restores the model weights, the engine's optimizer and scheduler state and
-this rank's RNG states, and returns the saved ``training_state``.
+mismatch.  A checkpoint without a manifest, or with files it does not list, does not verify unless the
+user allows it (``resume_allow_unverified``).  ``require_own_checkpoint`` holds a checkpoint the run's
+saved state names (the best one) to the same rules, and to the run folder.  ``load_checkpoint``
+restores the model weights, the engine's optimizer and scheduler state and this rank's RNG states, and
+returns the saved ``training_state``.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def latest_verified(output_dir: Path, checksums: bool = True) -> Path | None:
-    """The newest complete checkpoint in ``output_dir`` whose files match its manifest; corrupt ones are
-    skipped with a warning naming them and what is wrong."""
+def latest_verified(output_dir: Path, checksums: bool = True, allow_unverified: bool = False) -> Path | None:
+    """The newest complete checkpoint in ``output_dir`` whose files match its manifest; corrupt (and, unless
+    ``allow_unverified``, unverifiable) ones are skipped with a warning naming them and what is wrong."""
     for path in reversed(list_checkpoints(output_dir)):
-        problems = verify_checkpoint(path, checksums)
+        problems = verify_checkpoint(path, checksums, allow_unverified)
         if not problems:
             return path
         logger.warning("skipping corrupt checkpoint %s: %s", path, "; ".join(problems))
@@ -48,17 +51,28 @@ def require_complete(path: Path, what: str = "") -> None:
         )
 
 
+def require_own_checkpoint(output_dir: Path, path: Path, checksums: bool, allow_unverified: bool) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a complete checkpoint directly inside ``output_dir`` whose
+    files verify (the best checkpoint a run's saved state names: it must not lead outside the run)."""
+    if Path(path).resolve().parent != Path(output_dir).resolve():
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint of this run: it is not inside {output_dir}")
+    require_complete(Path(path))
+    problems = verify_checkpoint(Path(path), checksums, allow_unverified)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
+
+
 def choose_resume(output_dir: Path, resume_from: str | Path, fingerprint: dict[str, Any], checksums: bool,
-                  allow_mismatch: bool) -> Path | None:
+                  allow_mismatch: bool, allow_unverified: bool = False) -> Path | None:
     """The checkpoint ``resume_from_checkpoint`` names (``auto``: the newest that verifies, or None)."""
     if str(resume_from) == "auto":
-        path = latest_verified(output_dir, checksums)
+        path = latest_verified(output_dir, checksums, allow_unverified)
         if path is None:
             return None
     else:
         path = Path(resume_from)
         require_complete(path, "resume_from_checkpoint: ")
-        problems = verify_checkpoint(path, checksums)
+        problems = verify_checkpoint(path, checksums, allow_unverified)
         if problems:
             raise CheckpointError(f"resume_from_checkpoint: checkpoint {path} is corrupt: {'; '.join(problems)}")
     manifest = read_manifest(path) or {}

@@ -145,7 +145,7 @@ class Callback:
         return {}
 
     def error_reports(self, rank: int) -> list[CallbackErrorReport]:
-        """Errors of callbacks this callback runs itself, isolated by it (the Hugging Face adapter isolates
+        """Errors of callbacks this callback runs itself, isolated by it (``HuggingFaceCallbacks`` isolates
         each ``TrainerCallback`` it drives); the manager adds them to the run's error report."""
         return []
 

@@ -51,7 +51,7 @@ class _ErrorRecord:
 class CallbackErrorLedger:
     """The ``isolate`` / ``fatal`` failure policy for callbacks after train begin, in one place.
 
-    The callback manager keeps one for the native callbacks it calls; the Hugging Face adapter keeps one
+    The callback manager keeps one for the native callbacks it calls; ``HuggingFaceCallbacks`` keeps one
     for the ``TrainerCallback``s it calls, so each of those is isolated, counted and switched off on its
     own.  ``failed`` logs the first error of a callback with its traceback (later ones are counted) and
     says what to do: ``"abort"`` under ``fatal`` (the caller requests ``ControlFlag.ABORT``),

@@ -1,7 +1,7 @@
 """The event map: every event the loop fires, where, its keyword arguments, and its Hugging Face twin.
 
-The loop fires each event at one visible place; ``Callback.run_event`` dispatches it by name; the HF
-adapter routes every ``hf_twin`` event to the ``TrainerCallback`` hook of the same name.
+The loop fires each event at one visible place; ``Callback.run_event`` dispatches it by name; ``HuggingFaceCallbacks``
+routes every ``hf_twin`` event to the ``TrainerCallback`` hook of the same name.
 ``tests/unit/test_events.py`` fails when transformers adds a hook that is neither here nor in
 ``HF_HOOKS_NOT_FIRED``.
 """
@@ -44,7 +44,7 @@ class Event(str, Enum):
 @dataclass(frozen=True)
 class EventSpec:
     """Where an event fires, the keyword arguments it carries, and whether ``transformers.TrainerCallback``
-    has a hook of the same name that the Hugging Face adapter calls for it (``hf_twin``)."""
+    has a hook of the same name that ``HuggingFaceCallbacks`` calls for it (``hf_twin``)."""
 
     event: Event
     fires: str
@@ -118,7 +118,7 @@ HF_HOOKS_NOT_FIRED: dict[str, str] = {
 }
 
 HF_EVENTS: frozenset[Event] = frozenset(event for event, spec in EVENT_MAP.items() if spec.hf_twin)
-"""The events with a ``transformers.TrainerCallback`` twin: the Hugging Face adapter handles exactly these."""
+"""The events with a ``transformers.TrainerCallback`` twin: ``HuggingFaceCallbacks`` handles exactly these."""
 
 
 def event_from_name(name: str) -> Event:

@@ -277,7 +277,7 @@ class CallbackManager:
         """Isolated errors on this rank, for the run result."""
         reports = self._errors.reports(rank)
         for cb in self.callbacks:
-            reports += cb.error_reports(rank)  # callbacks that isolate callbacks of their own (HF adapter)
+            reports += cb.error_reports(rank)  # callbacks that isolate callbacks of their own (HuggingFaceCallbacks)
         return reports
 
     @property

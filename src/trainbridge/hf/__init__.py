@@ -1,7 +1,8 @@
-"""The Hugging Face adapter: ``transformers.TrainerCallback``s and ``report_to`` integrations, unchanged.
+"""Hugging Face's side: ``transformers.TrainerCallback``s and ``report_to`` integrations, unchanged.
 
-- ``HuggingFaceCallbackAdapter``: one native callback driving every HF callback with a real
-  ``TrainingArguments`` / ``TrainerState`` / ``TrainerControl`` (``trainbridge.hf.adapter``).
+- ``HuggingFaceCallbacks``: one native callback driving every HF callback with a real
+  ``TrainingArguments`` / ``TrainerState`` / ``TrainerControl`` (``trainbridge.hf.trainer_callbacks``; the
+  handler in ``hf.handler``, the ``TrainerState`` in ``hf.trainer_state``).
 - ``build_training_arguments``: the run's ``TrainingArguments``, without touching device or
   distributed set-up (``trainbridge.hf.arguments``).
 - ``training_args_from_hf``: port an existing ``TrainingArguments`` to ``TrainingArgs``
@@ -14,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from trainbridge.hf.adapter import HuggingFaceCallbackAdapter, HuggingFaceCallbackError, is_hf_callback
 from trainbridge.hf.arguments import build_training_arguments
+from trainbridge.hf.handler import HuggingFaceCallbackError, is_hf_callback
 from trainbridge.hf.porting import HFPortingWarning, training_args_from_hf
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
 
 
 def split_callbacks(callbacks: Iterable[Any]) -> tuple[list[Any], list[Any]]:
@@ -31,8 +33,8 @@ def split_callbacks(callbacks: Iterable[Any]) -> tuple[list[Any], list[Any]]:
 
 __all__ = [
     "HFPortingWarning",
-    "HuggingFaceCallbackAdapter",
     "HuggingFaceCallbackError",
+    "HuggingFaceCallbacks",
     "build_training_arguments",
     "is_hf_callback",
     "split_callbacks",

@@ -36,11 +36,11 @@ The user's own TrainingArguments (trl's ``SFTConfig``, ``DPOConfig``, ``GRPOConf
 When ``TrainingArgs.hf_args`` holds the object the settings were ported from (``training_args_from_hf``
 sets it), callbacks get a deep copy of *it*: an instance of the same class with every field, subclass
 fields included (``args.ref_model_sync_steps``, ``args.max_length``...), as the script set them.  Only the
-fields this run owns (``OWNED_FIELDS``: schedules, optimiser settings, batch shape, device, rank,
+fields this run owns (``OWNED_FIELDS`` of ``hf.fields``: schedules, optimiser settings, batch shape, device, rank,
 checkpointing and reporting; exactly what ``training_argument_fields`` derives from ``TrainingArgs``) are
 set to trainbridge's value, and only where it differs from the original: the per-device batch size and
 ``gradient_accumulation_steps`` (see below), ``local_rank``, ``data_seed`` (the data order follows
-``seed``), ``optim`` (AdamW), any ``TrainingArgs`` value given explicitly on top of the port, and values
+``seed``), ``optim``, any ``TrainingArgs`` value given explicitly on top of the port, and values
 the port normalises (step ratios become steps).  The device fields are seeded as below.  A subclass's
 ``__post_init__`` does not run again, so fields it derived from the user's values keep them.
 
@@ -59,7 +59,7 @@ Fields that differ from Trainer's meaning
 - ``deepspeed``/``fsdp`` stay unset even under those backends: setting them makes ``TrainingArguments``
   build accelerate plugins; the backend is recorded by ``trainbridge`` itself.
 - transformers 5 removed ``logging_dir``; it is set only on versions that still have the field (the HF
-  adapter points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
+  ``HuggingFaceCallbacks`` points ``TensorBoardCallback`` at ``TrainingArgs.logging_dir`` itself).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.fields import OWNED_FIELDS
 
 _TRAINING_ARGUMENT_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
 
@@ -127,19 +128,6 @@ def _same_effective_batch(original: TrainingArguments, args: TrainingArgs, env: 
     return per_device * accumulation * env.world_size == args.effective_batch_size
 
 
-OWNED_FIELDS: tuple[str, ...] = (
-    "output_dir", "do_train", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type",
-    "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "bf16", "use_cpu",
-    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
-    "greater_is_better", "load_best_model_at_end", "restore_callback_states_from_checkpoint",
-    "resume_from_checkpoint", "report_to", "run_name", "disable_tqdm", "ddp_timeout", "local_rank",
-    "include_num_input_tokens_seen", "logging_dir",
-)
-"""The ``TrainingArguments`` fields that describe what trainbridge runs (``training_argument_fields``)."""
-
-
 def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
     """The ``TrainingArguments`` keyword arguments that describe ``args`` run on ``env``."""
     save_strategy: str = args.save_strategy
@@ -163,7 +151,8 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "adam_beta1": args.adam_beta1,
         "adam_beta2": args.adam_beta2,
         "adam_epsilon": args.adam_epsilon,
-        "optim": "adamw_torch",
+        "optim": args.optim,
+        "optim_args": ",".join(f"{k}={v}" for k, v in args.optim_args.items()) or None,
         "max_grad_norm": args.max_grad_norm if args.max_grad_norm is not None else 0.0,
         "per_device_train_batch_size": max(1, args.effective_batch_size // env.world_size),
         "gradient_accumulation_steps": 1,

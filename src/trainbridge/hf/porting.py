@@ -14,44 +14,22 @@ import math
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.fields import OptimizerName, SchedulerName
 from trainbridge.hf.arguments import defaults_of
+from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 
 
 class HFPortingWarning(UserWarning):
     """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
 
 
-SUPPORTED_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr")
-
-# Fields carried over to TrainingArgs (explicitly, in `_carried_over`).
-CARRIED_OVER = frozenset({
-    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_type", "warmup_steps",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "seed", "bf16", "use_cpu",
-    "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-    "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
-    "greater_is_better", "load_best_model_at_end", "report_to", "run_name", "logging_dir", "disable_tqdm",
-    "resume_from_checkpoint", "ddp_timeout", "restore_callback_states_from_checkpoint",
-    "lr_scheduler_kwargs", "fsdp", "deepspeed", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-    "activation_checkpointing", "activation_checkpointing_kwargs", "include_num_input_tokens_seen",
-    "include_for_metrics",
-    "max_length", "model_init_kwargs",  # trl's configs: max_seq_len, and the facade's from_pretrained kwargs
-})
-
-# TrainingArguments fields that are called differently here (the rest of CARRIED_OVER keep their name).
-RENAMED: dict[str, str] = {
-    "output_dir": "ckpt_output_dir",
-    "num_train_epochs": "num_epochs",
-    "lr_scheduler_type": "lr_scheduler",
-    "bf16": "mixed_precision: bf16",
-    "use_cpu": "device: cpu",
-    "ddp_timeout": "collective_timeout_s",
-    "restore_callback_states_from_checkpoint": "restore_callback_states",
-}
+SUPPORTED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -60,7 +38,7 @@ NOT_WARNED = frozenset({
     "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
     "skip_memory_metrics", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
     "hub_always_push", "hub_revision", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "fsdp_config", "optim_args",
+    "trackio_static_space_id", "fsdp_config",
 })
 
 # Why a field has no meaning here, for the fields users set most.
@@ -80,7 +58,6 @@ EXPLANATIONS: dict[str, str] = {
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
-    "optim": "the optimizer is AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
     "torch_compile": "torch.compile is not applied",
     "push_to_hub": "trainbridge never pushes to a hub",
     "label_smoothing_factor": "the loss is plain token-level cross-entropy",
@@ -148,6 +125,9 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         raise ValueError(
             f"TrainingArguments.lr_scheduler_type={scheduler!r}: trainbridge supports {', '.join(SUPPORTED_SCHEDULERS)}"
         )
+    optim = _plain(hf.optim)
+    if optim not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(f"TrainingArguments.optim={optim!r}: trainbridge supports {', '.join(SUPPORTED_OPTIMIZERS)}")
     if hf.num_train_epochs != math.ceil(hf.num_train_epochs):
         warnings.warn(f"TrainingArguments.num_train_epochs={hf.num_train_epochs} is rounded up to whole epochs; "
                       "use max_steps to stop mid-epoch", HFPortingWarning, stacklevel=3)
@@ -163,6 +143,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "adam_beta1": hf.adam_beta1,
         "adam_beta2": hf.adam_beta2,
         "adam_epsilon": hf.adam_epsilon,
+        "optim": optim,
+        "optim_args": _optim_args(hf.optim_args),
         "max_grad_norm": hf.max_grad_norm if hf.max_grad_norm and hf.max_grad_norm > 0 else None,
         "seed": hf.seed,
         "mixed_precision": "bf16" if hf.bf16 else "no",
@@ -296,8 +278,6 @@ def _ignored_non_default_fields(hf: TrainingArguments) -> list[str]:
         value, default = _plain(getattr(hf, name)), _plain(default)
         if value == default or (not value and not default):
             continue
-        if name == "optim" and str(value).startswith("adamw_torch"):
-            continue
         names.append(name)
     return names
 
@@ -307,6 +287,23 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def _optim_args(text: str | None) -> dict[str, Any]:
+    """Trainer's ``optim_args`` (``"momentum=0.9,nesterov=True"``) as keyword arguments, values read as Python
+    literals where they are one (numbers, booleans, tuples), else kept as text."""
+    import ast
+
+    out: dict[str, Any] = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 def _plain(value: Any) -> Any:

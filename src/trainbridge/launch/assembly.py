@@ -1,7 +1,7 @@
 """The callback list of a run, in dispatch order: built-ins, the user's callbacks, event functions.
 
 Used by the worker (to run them) and by the launcher's preflight (to validate them in the parent
-before launch), so both see exactly the same callbacks.  The Hugging Face adapter is imported only
+before launch), so both see exactly the same callbacks.  ``HuggingFaceCallbacks`` is imported only
 when there is an HF callback or a ``report_to`` integration.
 """
 
@@ -26,36 +26,36 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     """The worker's callback list, in dispatch order.
 
     ``ScheduleCallback`` first (like transformers' DefaultFlowCallback), then the user's callbacks in
-    registration order — all Hugging Face ones driven by one adapter placed where the first of them
+    registration order — all Hugging Face ones driven by one ``HuggingFaceCallbacks`` placed where the first of them
     was — then event functions, then best-checkpoint tracking, the metrics file, outside control
-    (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no adapter brings
+    (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no ``HuggingFaceCallbacks`` brings
     transformers' own progress callback, the native progress bar.
     """
     user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
     hf = _hf_callbacks(user)
-    adapter = None
+    hf_driver = None
     if hf or args.report_to:
-        from trainbridge.hf import HuggingFaceCallbackAdapter
+        from trainbridge.hf import HuggingFaceCallbacks
 
-        adapter = HuggingFaceCallbackAdapter(hf, report_to=args.report_to)
+        hf_driver = HuggingFaceCallbacks(hf, report_to=args.report_to)
     ordered: list[Callback] = []
     for item in user:
         if any(item is h for h in hf):
-            if adapter is not None and adapter not in ordered:
-                ordered.append(adapter)
+            if hf_driver is not None and hf_driver not in ordered:
+                ordered.append(hf_driver)
             continue
         if not isinstance(item, Callback):
             raise TypeError(f"callback {item!r} is neither a trainbridge.Callback nor a transformers.TrainerCallback")
         ordered.append(item)
-    if adapter is not None and adapter not in ordered:
-        ordered.append(adapter)
+    if hf_driver is not None and hf_driver not in ordered:
+        ordered.append(hf_driver)
     functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.event_functions.items() for fn in fns]
     tail: list[Callback] = [BestCheckpointTracker(), MetricsFileCallback()]
     if args.external_control:
         tail.append(ExternalControl())
     if args.save_on_interrupt:
         tail.append(SaveOnInterrupt())
-    if adapter is None:
+    if hf_driver is None:
         tail.append(ProgressBarCallback())
     return [ScheduleCallback(), *ordered, *functions, *tail]
 
@@ -63,7 +63,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
 def _hf_callbacks(user: list[Any]) -> list[Any]:
     """The ``transformers.TrainerCallback``s among ``user``.  An HF callback (instance or class) exists
     only once ``transformers.trainer_callback`` is imported, so without it the answer is known without
-    importing the adapter (and transformers, peft, DeepSpeed behind it): the launcher's start-up."""
+    importing ``trainbridge.hf`` (and transformers, peft, DeepSpeed behind it): the launcher's start-up."""
     if "transformers.trainer_callback" not in sys.modules:
         return []
     from trainbridge.hf import split_callbacks

@@ -112,7 +112,7 @@ def check_resume_path(args: TrainingArgs) -> str | None:
     if not is_complete_checkpoint(path):
         return (f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a checkpoint-<step> "
                 f"folder with a {COMPLETE_MARKER} marker); use 'auto' to take the newest complete one")
-    problems = verify_checkpoint(path, checksums=False)
+    problems = verify_checkpoint(path, checksums=False, allow_unverified=args.resume_allow_unverified)
     if problems:
         return f"resume_from_checkpoint: checkpoint {str(path)!r} is corrupt: {'; '.join(problems)}"
     return None

@@ -131,7 +131,7 @@ def preflight(args: TrainingArgs) -> None:
                     f"{callback.kwargs!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             label += f" ({callback.__class__.__name__} from its CallbackSpec)"
-    # Every callback the workers will run (built-ins, user callbacks, the HF adapter with its
+    # Every callback the workers will run (built-ins, user callbacks, HuggingFaceCallbacks with its
     # report_to integrations, event functions) checks the config here, before launch.
     for callback in assemble_callbacks(args):
         try:
@@ -465,7 +465,8 @@ def _run_with_restarts(
             restarts += 1
             from trainbridge.checkpoint.manager import CheckpointManager  # here: it imports the model layer
 
-            resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None).latest_verified()
+            resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None,
+                                       allow_unverified=args.resume_allow_unverified).latest_verified()
             if resume is not None:
                 attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
             first_line = str(failure).splitlines()[0]

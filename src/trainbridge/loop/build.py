@@ -139,6 +139,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             args.ckpt_output_dir, env, args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
             checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
+            allow_unverified=args.resume_allow_unverified,
         ),
         max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=batches.padded,
         data_stats=batches.data_stats, named_eval_batches=batches.named_eval_batches,
@@ -189,7 +190,7 @@ def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, e
         return EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
                            max_batch_len=args.max_batch_len, padded=eval_padded)
 
-    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded),
+    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
                       eval_set(data.val) if data.val else None,
                       {name: eval_set(source) for name, source in data.named_val.items()}, data.stats, padded)
 

@@ -79,7 +79,10 @@ class PredictionCollector:
             predictions = self.preprocess(predictions, labels)
         mask = batch.get("attention_mask")
         input_ids = batch.get("input_ids")
-        width = mask.shape[1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        # token-level outputs (labels [rows, width] as the mask) drop padding; others (a class per row) keep all
+        token_level = (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(labels, torch.Tensor)
+                       and labels.dim() == 2 and labels.shape[1] == mask.shape[1])
+        width = mask.shape[1] if token_level and mask is not None else None
         losses = _row_losses(logits, labels) if self.include_loss else None
         for row, index in enumerate(indices):
             valid = mask[row].bool().cpu() if isinstance(mask, torch.Tensor) and width is not None else None

@@ -193,6 +193,15 @@ def prepare_quantized(model: nn.Module, args: TrainingArgs) -> nn.Module:
     return quantization.prepare_for_training(model) if quantization.is_quantized(model) else model
 
 
+def load_saved_model(folder: Path | str, **kwargs: Any) -> Any:
+    """A saved model folder loaded with the class its config names (``model_class``), ``kwargs`` passed to
+    ``from_pretrained``: a saved masked LM comes back a masked LM, never a causal LM."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=bool(kwargs.get("trust_remote_code")))
+    return model_class(config).from_pretrained(str(folder), **kwargs)
+
+
 def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
     """``cls`` built from ``config`` (an Auto class's ``from_config``, a model class's ``_from_config``)."""
     if hasattr(cls, "from_config"):

@@ -1,14 +1,15 @@
-"""The optimizer and learning-rate schedule every engine steps: AdamW in two groups, HF's schedules.
+"""The optimizer and learning-rate schedule every engine steps: Trainer's optimizers in two groups, HF's schedules.
 
 ``decay_parameter_names`` applies transformers' rule (no weight decay on biases and norm weights);
-``parameter_groups`` splits the trainable parameters by it; ``build_optimizer`` is torch AdamW over those
-groups and ``build_scheduler`` is ``transformers.get_scheduler`` for ``args.lr_scheduler``.
+``parameter_groups`` splits the trainable parameters by it; ``build_optimizer`` is ``args.optim`` (Trainer's
+names: torch AdamW by default) over those groups and ``build_scheduler`` is ``transformers.get_scheduler``
+for ``args.lr_scheduler``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -40,28 +41,70 @@ def parameter_groups(model: nn.Module, args: TrainingArgs, decay_names: set[str]
 
 def build_optimizer(
     model: nn.Module, args: TrainingArgs, decay_names: set[str], allow_fused: bool = True
-) -> torch.optim.AdamW:
-    """torch AdamW over ``model``'s trainable parameters: one group with ``weight_decay``, one without.
+) -> torch.optim.Optimizer:
+    """``args.optim`` over ``model``'s trainable parameters in two groups (``parameter_groups``), with
+    ``args.learning_rate``, the Adam betas/epsilon where the optimizer takes them, and ``args.optim_args``.
 
-    Uses torch's fused AdamW kernel (several times faster than the per-parameter loop on CPU; Trainer's
-    default too) when ``allow_fused`` and every parameter is a floating-point tensor on CPU or CUDA:
-    plain parameters, or FSDP2's DTensor shards (DTensor dispatches ``_fused_adamw_`` shard-locally).
+    ``adamw_torch`` uses torch's fused AdamW kernel (several times faster than the per-parameter loop on
+    CPU; Trainer's default too) when ``allow_fused`` and every parameter is a floating-point tensor on CPU
+    or CUDA: plain parameters, or FSDP2's DTensor shards (DTensor dispatches ``_fused_adamw_``
+    shard-locally); ``adamw_torch_fused`` asks for it.  The others follow Trainer's
+    ``get_optimizer_cls_and_kwargs``: transformers' Adafactor with a fixed learning rate, torch SGD,
+    bitsandbytes' AdamW / Lion (8-bit or 32-bit state, paged), the ``schedulefree`` optimizers (put in
+    training mode).
     """
+    groups = parameter_groups(model, args, decay_names)
+    name, extra = args.optim, dict(args.optim_args)
+    lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
+    if name in ("adamw_torch", "adamw_torch_fused"):
+        fused = allow_fused and _fused_allowed(groups)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, **extra)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, **extra)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, **{"scale_parameter": False, "relative_step": False, **extra})
+    if name.startswith("schedule_free_"):
+        return _schedule_free(name, groups, lr, betas, eps, args.warmup_steps, extra)
+    bnb = require_package("bitsandbytes", name, "'trainbridge[qlora]' (bitsandbytes)")
+    bits = 32 if name.endswith("32bit") else 8
+    paged = name.startswith("paged_")
+    if "lion" in name:
+        return bnb.optim.Lion(groups, lr=lr, betas=betas, optim_bits=bits, is_paged=paged, **extra)
+    return bnb.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, optim_bits=bits, is_paged=paged, **extra)
+
+
+def _fused_allowed(groups: list[dict[str, Any]]) -> bool:
     from torch.distributed.tensor import DTensor
 
-    groups = parameter_groups(model, args, decay_names)
-    fused = allow_fused and all(
-        (type(p) is nn.Parameter or isinstance(p, DTensor))
-        and p.is_floating_point() and p.device.type in ("cpu", "cuda")
-        for group in groups for p in group["params"]
-    )
-    return torch.optim.AdamW(
-        groups,
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=fused or None,
-    )
+    return all((type(p) is nn.Parameter or isinstance(p, DTensor)) and p.is_floating_point()
+               and p.device.type in ("cpu", "cuda") for group in groups for p in group["params"])
+
+
+def _schedule_free(name: str, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
+                   warmup_steps: int, extra: dict[str, Any]) -> torch.optim.Optimizer:
+    """``schedulefree``'s AdamW / RAdam / SGD (its own warm-up), switched to training mode."""
+    schedulefree = require_package("schedulefree", name, "schedulefree")
+    if name == "schedule_free_sgd":
+        optimizer = schedulefree.SGDScheduleFree(groups, lr=lr, warmup_steps=warmup_steps, **extra)
+    elif name == "schedule_free_radam":
+        optimizer = schedulefree.RAdamScheduleFree(groups, lr=lr, betas=betas, eps=eps, **extra)
+    else:
+        optimizer = schedulefree.AdamWScheduleFree(groups, lr=lr, betas=betas, eps=eps, warmup_steps=warmup_steps,
+                                                   **extra)
+    optimizer.train()
+    return cast(torch.optim.Optimizer, optimizer)
+
+
+def require_package(package: str, optim: str, install: str) -> Any:
+    """``import package``; an ``ImportError`` naming ``optim`` and what to install otherwise."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise ImportError(f"optim={optim!r} needs {package}: pip install {install} (import failed: {exc})") from exc
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int) -> Any:

@@ -318,9 +318,9 @@ class Trainer:
             jobs.export_model(self._loop, target)
         elif self.is_world_process_zero():
             if self.model is None and self._model_source is not None:
-                from transformers import AutoModelForCausalLM
+                from trainbridge.modeling.load import load_saved_model
 
-                self.model = AutoModelForCausalLM.from_pretrained(self._model_source)
+                self.model = load_saved_model(self._model_source)
             target.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(target)
             tokenizer = self.processing_class or self._tokenizer()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.hf.adapter import is_hf_callback
+from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.subclass import subclass_loss
 
@@ -50,6 +50,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     model_kwargs = getattr(trainer.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
     if trainer._model_source is not None and isinstance(model_kwargs, dict):
         fields["model_kwargs"] = _model_kwargs(model_kwargs)
+    if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics
+        fields["token_metrics"] = True
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
@@ -60,7 +62,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         data["callbacks"] = [*trainer.args.callbacks, *trainer.callbacks]
         return TrainingArgs.model_validate(data)
     hf = trainer.args
-    # Always run through the HF adapter, as a Trainer script expects: it adds Trainer's own printer /
+    # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
     # progress bar, and each checkpoint gets trainer_state.json as under Trainer
     from transformers import TrainerCallback
 

@@ -172,9 +172,9 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
         set_peft_model_state_dict(trainer.model, load_file(str(adapter_file)))
         return
     if trainer.model is None:
-        from transformers import AutoModelForCausalLM
+        from trainbridge.modeling.load import load_saved_model
 
-        trainer.model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)  # never a pickle
+        trainer.model = load_saved_model(folder, use_safetensors=True)  # never a pickle; the class saved
         return
     state = read_safetensors_weights(folder)
     fill_tied_weights(state, trainer.model)

@@ -12,8 +12,9 @@ from typing import Any
 
 
 def trainer_state(recorded: dict[str, Any], train_batch_size: int | None, world_zero: bool, local_zero: bool) -> Any:
-    """A ``transformers.TrainerState`` holding a train job's ``recorded`` state (the HF adapter's, restored
-    from the checkpoint on resume as Trainer restores it), with this process's rank flags."""
+    """A ``transformers.TrainerState`` holding a train job's ``recorded`` state (that of its
+    ``HuggingFaceCallbacks``, restored from the checkpoint on resume as Trainer restores it), with this
+    process's rank flags."""
     from transformers import TrainerState
 
     state = TrainerState()

@@ -4,7 +4,7 @@
 
 - ``train``: the training loop with the run's callbacks; afterwards the final weights are written to
   ``final_model_dir`` (collective: sharded engines gather them) so the calling process can load them, and
-  rank 0 writes the HF adapter's ``TrainerState`` (restored from the checkpoint on resume, as Trainer's).
+  rank 0 writes the ``TrainerState`` of its ``HuggingFaceCallbacks`` (restored on resume, as Trainer's).
 - ``evaluate``: the loop's set-up and one evaluation (``compute_metrics`` included) without training;
   launched, rank 0 writes the metrics and, for ``predict``, the gathered predictions, signed with the
   job's ``result_key`` (``launch.transport.write_signed``: the calling process verifies it before loading).
@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import FacadeDir, result_file
-from trainbridge.hf.adapter import HuggingFaceCallbackAdapter
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.transport import PAYLOAD_KEY_ENV, write_signed
@@ -36,14 +36,14 @@ from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 
 
-def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbackAdapter]:
-    """``callbacks`` and the HF adapter among them, whose ``TrainerState`` is the job's state (restored on
-    resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
-    adapter = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbackAdapter)), None)
-    if adapter is None:
-        adapter = HuggingFaceCallbackAdapter(progress=False)
-        callbacks = [*callbacks, adapter]
-    return callbacks, adapter
+def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:
+    """``callbacks`` and the ``HuggingFaceCallbacks`` among them, whose ``TrainerState`` is the job's state
+    (restored on resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
+    hf = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbacks)), None)
+    if hf is None:
+        hf = HuggingFaceCallbacks(progress=False)
+        callbacks = [*callbacks, hf]
+    return callbacks, hf
 
 
 @dataclass
@@ -74,11 +74,11 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
     """Run ``job`` on this rank (every rank calls it); see the module doc."""
     if job.kind == "train":
         given = callbacks if callbacks is not None else assemble_callbacks(job.args)
-        run_callbacks, adapter = with_trainer_state(given)
+        run_callbacks, hf = with_trainer_state(given)
         loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
         export_model(loop, FacadeDir(job.run_dir).final_model)
-        state = adapter.trainer_state() or {}
+        state = hf.trainer_state() or {}
         if env.is_world_process_zero:
             result.write(result_file(job.args.ckpt_output_dir))
             FacadeDir(job.run_dir).state_file.write_text(json.dumps(state, indent=2, default=str))

@@ -1,6 +1,6 @@
 """The events ``Trainer.evaluate()``/``predict()``/``log()`` fire outside training, in the script's process.
 
-During ``train()`` the loop fires every event on every rank (``trainbridge.hf.adapter``).  Outside it,
+During ``train()`` the loop fires every event on every rank (``trainbridge.hf.trainer_callbacks``).  Outside it,
 ``transformers.Trainer`` still calls its callbacks: ``log()`` fires ``on_log``, ``evaluate()`` logs its
 metrics and fires ``on_evaluate``, ``predict()`` fires ``on_predict``.  ``ScriptEvents`` does the same for
 the script's ``TrainerCallback``s, where the script runs: in the calling process when the Trainer launched
@@ -28,7 +28,7 @@ from transformers import (
 )
 from transformers.trainer_callback import CallbackHandler
 
-from trainbridge.hf.adapter import is_hf_callback
+from trainbridge.hf.handler import is_hf_callback
 
 
 class ScriptEvents:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 def check_consistent(args: TrainingArgs) -> None:
     """The fields together: evaluation, best model, saving and batching settings that must agree."""
     check_model(args)
+    check_optimizer(args)
     if args.val_data_path is not None and args.validation_split > 0:
         raise ValueError("give val_data_path or validation_split, not both")
     if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
@@ -56,6 +57,24 @@ def check_consistent(args: TrainingArgs) -> None:
             f"max_batch_len: {args.max_batch_len} is smaller than max_seq_len {args.max_seq_len}; "
             "a longest sample would not fit in one micro-batch"
         )
+
+
+OPTIMIZER_PACKAGES = {"adamw_8bit": "bitsandbytes", "adamw_bnb_8bit": "bitsandbytes", "paged_": "bitsandbytes",
+                      "lion_": "bitsandbytes", "schedule_free_": "schedulefree"}
+"""The package an ``optim`` name needs (by name or prefix)."""
+
+
+def check_optimizer(args: TrainingArgs) -> None:
+    """``optim``: its package installed; DeepSpeed keeps its own AdamW."""
+    import importlib.util
+
+    package = next((p for key, p in OPTIMIZER_PACKAGES.items() if args.optim.startswith(key)), None)
+    if package is not None and importlib.util.find_spec(package) is None:
+        extra = "'trainbridge[qlora]' (bitsandbytes)" if package == "bitsandbytes" else package
+        raise ValueError(f"optim={args.optim!r}: needs the {package} package; pip install {extra}")
+    if args.distributed_backend == "deepspeed" and args.optim not in ("adamw_torch", "adamw_torch_fused"):
+        raise ValueError(f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
+                         "optim='adamw_torch' with distributed_backend='deepspeed', or ddp/fsdp for this optimizer")
 
 
 def check_model(args: TrainingArgs) -> None:

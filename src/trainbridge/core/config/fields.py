@@ -17,6 +17,15 @@ from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
 from trainbridge.core.events import Event
 
+SchedulerName = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr",
+                        "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_warmup_with_min_lr",
+                        "warmup_stable_decay"]
+"""``transformers.SchedulerType`` values the loop can step (all but the metric-driven ``reduce_lr_on_plateau``
+and ``greedy``)."""
+OptimizerName = Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adamw_8bit", "adamw_bnb_8bit",
+                        "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit", "paged_lion_8bit",
+                        "paged_lion_32bit", "schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd"]
+"""Trainer's ``optim`` names trainbridge builds (``parallel.optim``)."""
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
 """The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
 
@@ -198,6 +207,10 @@ class BatchFields(BaseModel):
     """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
     replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
     ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    token_metrics: bool = False
+    """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
+    the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
+    far), from each micro-batch's full logits (no chunked / Liger loss head then).  ``SFTTrainer`` sets it."""
     per_device_batch_size: int | None = Field(default=None, gt=0)
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
@@ -234,13 +247,21 @@ class ScheduleFields(BaseModel):
     """Optional cap on optimizer steps; training ends at this step even mid-epoch."""
     learning_rate: float = Field(default=2e-5, gt=0)
     """Peak learning rate."""
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = (
-        "constant_with_warmup"
-    )
-    """Learning-rate schedule (``transformers.get_scheduler`` names)."""
+    lr_scheduler: SchedulerName = "constant_with_warmup"
+    """Learning-rate schedule (``transformers.get_scheduler`` names; Trainer's ``lr_scheduler_type``)."""
     lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
     ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
+    optim: OptimizerName = "adamw_torch"
+    """The optimizer, by Trainer's ``optim`` names: ``adamw_torch`` (torch AdamW, fused kernel where every
+    parameter allows it), ``adamw_torch_fused``, ``adafactor`` (transformers' Adafactor, fixed learning rate),
+    ``sgd``; through bitsandbytes (``pip install 'trainbridge[qlora]'``) ``adamw_8bit``/``adamw_bnb_8bit``,
+    ``paged_adamw_8bit``/``paged_adamw_32bit`` and ``lion_8bit``/``lion_32bit``/``paged_lion_*``; with
+    ``pip install schedulefree`` ``schedule_free_adamw``/``schedule_free_radam``/``schedule_free_sgd``.
+    DeepSpeed keeps its own AdamW (``adamw_torch`` only)."""
+    optim_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of the optimizer's constructor (Trainer's ``optim_args``), e.g.
+    ``{"momentum": 0.9}`` for ``sgd``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -384,6 +405,11 @@ class CheckpointFields(BaseModel):
     resume_allow_mismatch: bool = False
     """Resume even from a checkpoint whose fingerprint (model architecture/config, base model folder,
     training data) differs from this run's; by default such a checkpoint is refused, naming the difference."""
+    resume_allow_unverified: bool = False
+    """Resume from (or load the best model of) a checkpoint that has no ``manifest.json``, or holds files its
+    manifest does not list (or symbolic links): nothing then vouches that its files are the ones trainbridge
+    wrote.  By default such a checkpoint is refused, naming what is wrong; allow it only for checkpoints you
+    trust (DCP metadata and non-tensor entries are read without running code either way)."""
     save_on_interrupt: bool = False
     """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
     boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.

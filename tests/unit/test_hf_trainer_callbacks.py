@@ -1,4 +1,4 @@
-"""The HF adapter driven by the real training loop, in process on one rank: hook order, control both
+"""The HuggingFaceCallbacks driven by the real training loop, in process on one rank: hook order, control both
 ways, state, checkpoints and resume.
 
 Each test builds the run's components (``trainbridge.loop.build.build_run``: a tiny local Llama, a few
@@ -45,7 +45,7 @@ from trainbridge.core.control import AgreedControl, ControlFlag
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.core.manager import CallbackFatalError
-from trainbridge.hf import HuggingFaceCallbackAdapter, split_callbacks
+from trainbridge.hf import HuggingFaceCallbacks, split_callbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 
@@ -184,19 +184,19 @@ def fire(loop: TrainingLoop, event: Event, **kwargs: Any) -> None:
     loop.callbacks.fire(event, loop.context, **kwargs)
 
 
-def adapter_context(files: dict[str, Path], adapter: HuggingFaceCallbackAdapter,
+def hf_callbacks_context(files: dict[str, Path], hf_callbacks: HuggingFaceCallbacks,
                     **overrides: Any) -> TrainingLoop:
-    """A built loop whose adapter has had ``on_init_end`` and ``on_train_begin``."""
-    loop = make_loop(make_args(files, **overrides), [adapter])
+    """A built loop whose hf_callbacks has had ``on_init_end`` and ``on_train_begin``."""
+    loop = make_loop(make_args(files, **overrides), [hf_callbacks])
     fire(loop, Event.INIT_END)
     fire(loop, Event.TRAIN_BEGIN)
     return loop
 
 
-def adapter_state(checkpoint: Path) -> dict[str, Any]:
-    """The adapter's entry among the callback states of a checkpoint's ``training_state.json``."""
+def hf_callbacks_state(checkpoint: Path) -> dict[str, Any]:
+    """The hf_callbacks's entry among the callback states of a checkpoint's ``training_state.json``."""
     states = json.loads((checkpoint / "training_state.json").read_text())["callbacks"]
-    return next(state for key, state in states.items() if "HuggingFaceCallbackAdapter" in key)
+    return next(state for key, state in states.items() if "HuggingFaceCallbacks" in key)
 
 
 # ============================================================================ parity with Trainer
@@ -239,7 +239,7 @@ def test_hooks_steps_epochs_and_control_flags_match_a_real_trainer(files, tmp_pa
     recorder = Recorder()
     args = make_args(files, data_path=write_samples(tmp_path / "six.jsonl", 6), num_epochs=2, logging_steps=2,
                      eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4)
-    loop = make_loop(args, [HuggingFaceCallbackAdapter([recorder])])
+    loop = make_loop(args, [HuggingFaceCallbacks([recorder])])
     assert loop.context.steps_per_epoch == 3 and loop.eval_batches is not None and len(loop.eval_batches) == 2
     loop.run()
     assert loop.context.micro_steps_in_step == 2
@@ -250,7 +250,7 @@ def test_hooks_steps_epochs_and_control_flags_match_a_real_trainer(files, tmp_pa
 def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     recorder = Recorder()
     loop = make_loop(make_args(files, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2),
-                     [HuggingFaceCallbackAdapter([recorder])])
+                     [HuggingFaceCallbacks([recorder])])
     loop.run()
     ctx = loop.context
     common = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}
@@ -289,19 +289,19 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
 
 def test_callback_handler_builds_trainers_callback_list(files):
     pytest.importorskip("tensorboard", reason="report_to=['tensorboard'] needs the tensorboard package")
-    adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback], report_to=["tensorboard"])
-    loop = adapter_context(files, adapter, logging_dir=files["out"] / "tb", eval_strategy="steps",
+    hf_callbacks = HuggingFaceCallbacks([EarlyStoppingCallback], report_to=["tensorboard"])
+    loop = hf_callbacks_context(files, hf_callbacks, logging_dir=files["out"] / "tb", eval_strategy="steps",
                            eval_steps=1,
                            metric_for_best_model="eval_loss")
-    names = [type(cb) for cb in adapter.handler.callbacks]
+    names = [type(cb) for cb in hf_callbacks.handler.callbacks]
     assert names == [DefaultFlowCallback, TensorBoardCallback, EarlyStoppingCallback, PrinterCallback]
-    assert adapter.handler.callbacks[1].logging_dir == str(files["out"] / "tb")
+    assert hf_callbacks.handler.callbacks[1].logging_dir == str(files["out"] / "tb")
     fire(loop, Event.TRAIN_END)
-    adapter_with_bar = HuggingFaceCallbackAdapter([], progress=True)
-    adapter_context(files, adapter_with_bar, disable_tqdm=False)
-    assert type(adapter_with_bar.handler.callbacks[-1]) is ProgressCallback
-    no_progress = HuggingFaceCallbackAdapter([], report_to=["none"], progress=False)
-    adapter_context(files, no_progress)
+    hf_callbacks_with_bar = HuggingFaceCallbacks([], progress=True)
+    hf_callbacks_context(files, hf_callbacks_with_bar, disable_tqdm=False)
+    assert type(hf_callbacks_with_bar.handler.callbacks[-1]) is ProgressCallback
+    no_progress = HuggingFaceCallbacks([], report_to=["none"], progress=False)
+    hf_callbacks_context(files, no_progress)
     assert [type(cb) for cb in no_progress.handler.callbacks] == [DefaultFlowCallback]
     assert no_progress.args.report_to == []
 
@@ -313,7 +313,7 @@ def test_duplicate_callback_class_warns_like_trainer(files):
     logger = logging.getLogger("transformers.trainer_callback")
     logger.addHandler(handler)
     try:
-        adapter_context(files, HuggingFaceCallbackAdapter([Recorder(), Recorder]))
+        hf_callbacks_context(files, HuggingFaceCallbacks([Recorder(), Recorder]))
     finally:
         logger.removeHandler(handler)
     assert any("there is already one" in r.getMessage() and "Recorder" in r.getMessage() for r in records)
@@ -322,32 +322,32 @@ def test_duplicate_callback_class_warns_like_trainer(files):
 # ============================================================================ control
 def test_flags_set_by_callbacks_become_named_native_requests(files):
     setters = [SetFlagAt("on_step_end", flag, 1) for flag in FLAGS]
-    # after the adapter: what it requested at step 1, before the step's agreement
+    # after the hf_callbacks: what it requested at step 1, before the step's agreement
     probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), dict(ctx.requests.reasons)))
-    loop = make_loop(make_args(files, max_steps=4), [HuggingFaceCallbackAdapter(setters), probe])
+    loop = make_loop(make_args(files, max_steps=4), [HuggingFaceCallbacks(setters), probe])
     loop.run()
     pending, reasons = probe.seen[0]
-    adapter_index = 2  # ScheduleCallback is 1
+    hf_callbacks_index = 2  # ScheduleCallback is 1
     expected = {ControlFlag.STOP_TRAINING, ControlFlag.STOP_EPOCH, ControlFlag.SAVE, ControlFlag.EVALUATE,
                 ControlFlag.LOG}
-    assert {flag for flag, source in pending.items() if source == adapter_index} == expected
+    assert {flag for flag, source in pending.items() if source == hf_callbacks_index} == expected
     assert reasons[ControlFlag.SAVE] == "SetFlagAt set control.should_save in on_step_end"
     # the loop acted on every agreed request at step 1: logged, evaluated, saved, stopped
     assert loop.context.global_step == 1 and len(probe.seen) == 1
     assert "eval_loss" in loop.context.metrics
     assert loop.checkpoints.list_checkpoints() == [files["out"] / "checkpoint-1"]
     assert loop.context.stop_reason == (
-        "stop_training requested by rank 0 (HuggingFaceCallbackAdapter: "
+        "stop_training requested by rank 0 (HuggingFaceCallbacks: "
         "SetFlagAt set control.should_training_stop in on_step_end)"
     )
 
 
 def test_default_flow_callback_flags_are_not_forwarded(files):
-    adapter = HuggingFaceCallbackAdapter([Recorder()])
-    probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), _flags(adapter.control)))
+    hf_callbacks = HuggingFaceCallbacks([Recorder()])
+    probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), _flags(hf_callbacks.control)))
     args = make_args(files, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="steps",
                      save_steps=1, max_steps=1, save_final_checkpoint=False)
-    loop = make_loop(args, [adapter, probe], builtins=False)  # the adapter alone: no native schedule
+    loop = make_loop(args, [hf_callbacks, probe], builtins=False)  # the hf_callbacks alone: no native schedule
     loop.run()
     pending, flags = probe.seen[0]
     assert {"should_log", "should_save", "should_training_stop"} <= flags  # DefaultFlowCallback set them
@@ -365,12 +365,12 @@ def test_early_stopping_requests_stop_at_the_evaluation_patience_runs_out(files,
     stopper = EarlyStoppingCallback(early_stopping_patience=2)
     args = make_args(files, data_path=write_samples(tmp_path / "ten.jsonl", 20), max_steps=10,
                      eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
-    loop = make_loop(args, [HuggingFaceCallbackAdapter([scripted, stopper])])
+    loop = make_loop(args, [HuggingFaceCallbacks([scripted, stopper])])
     result = loop.run()
     ctx = loop.context
     assert ctx.global_step == 4 and scripted.calls == 4 and result.stopped_early
     assert ctx.stop_reason == (
-        "stop_training requested by rank 0 (HuggingFaceCallbackAdapter: "
+        "stop_training requested by rank 0 (HuggingFaceCallbacks: "
         "EarlyStoppingCallback set control.should_training_stop in on_evaluate)"
     )
     assert ctx.best_metric == 0.9 and ctx.best_global_step is None  # save_strategy='no': no best step
@@ -378,7 +378,7 @@ def test_early_stopping_requests_stop_at_the_evaluation_patience_runs_out(files,
 
 def test_agreed_decision_is_folded_into_control_once(files):
     recorder = Recorder()
-    loop = adapter_context(files, HuggingFaceCallbackAdapter([recorder]))
+    loop = hf_callbacks_context(files, HuggingFaceCallbacks([recorder]))
     loop.context.agreed = AgreedControl(frozenset({ControlFlag.STOP_TRAINING, ControlFlag.SAVE}))
     fire(loop, Event.EPOCH_END)
     assert recorder.calls[-1][3] == ("should_training_stop", "should_save")
@@ -394,14 +394,14 @@ def test_callback_errors_name_the_callback(files):
         def on_step_begin(self, args, state, control, **kwargs):
             raise ValueError("boom")
 
-    result = make_loop(make_args(files, max_steps=2), [HuggingFaceCallbackAdapter([Broken()])]).run()
+    result = make_loop(make_args(files, max_steps=2), [HuggingFaceCallbacks([Broken()])]).run()
     [report] = result.callback_errors  # isolated (the default policy), counted, reported under its own name
     assert report.callback == "Broken" and report.event == "on_step_begin"
     assert report.count == 2
     assert report.first_error == "ValueError: boom"
     with pytest.raises(CallbackFatalError, match=r"Broken raised in on_step_begin: boom"):
         make_loop(make_args(files, max_steps=2, callback_error_policy="fatal"),
-                  [HuggingFaceCallbackAdapter([Broken()])]).run()
+                  [HuggingFaceCallbacks([Broken()])]).run()
 
 
 # ============================================================================ checkpoint and resume
@@ -410,7 +410,7 @@ def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(fil
     args = make_args(files, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
                      save_steps=2, metric_for_best_model="eval_loss", logging_steps=1)
     # eval_loss 1.0, 0.5, 0.6, 0.7: best at step 2
-    make_loop(args, [HuggingFaceCallbackAdapter([ScriptedEvalLoss([1.0, 0.5, 0.6, 0.7]), stopper])]).run()
+    make_loop(args, [HuggingFaceCallbacks([ScriptedEvalLoss([1.0, 0.5, 0.6, 0.7]), stopper])]).run()
     saved = json.loads((files["out"] / "checkpoint-4" / "trainer_state.json").read_text())
     assert saved["global_step"] == 4 and saved["best_global_step"] == 2 and saved["best_metric"] == 0.5
     assert saved["best_model_checkpoint"] == str(files["out"] / "checkpoint-2")
@@ -435,11 +435,11 @@ def _early_stopping_run(files, crash_after_step=None, resume_from=None, restore=
                      resume_from_checkpoint=resume_from)
     # best 1.0 at step 1, then worse every time: patience 4 runs out at step 5
     scripted = ScriptedEvalLoss([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1])
-    adapter = HuggingFaceCallbackAdapter([scripted, EarlyStoppingCallback(early_stopping_patience=4)])
+    hf_callbacks = HuggingFaceCallbacks([scripted, EarlyStoppingCallback(early_stopping_patience=4)])
     crash: list[Callback] = [] if crash_after_step is None else [CrashAt(crash_after_step)]
     if resume_from is not None:
         scripted.calls = json.loads((resume_from / "training_state.json").read_text())["global_step"]
-    return make_loop(args, [adapter, *crash]), adapter
+    return make_loop(args, [hf_callbacks, *crash]), hf_callbacks
 
 
 def test_resume_mid_patience_continues_the_early_stopping_counter(files):
@@ -450,13 +450,13 @@ def test_resume_mid_patience_continues_the_early_stopping_counter(files):
     crashed, _ = _early_stopping_run(files, crash_after_step=3)
     with pytest.raises(Crash):
         crashed.run()
-    state_at_resume = adapter_state(files["out"] / "checkpoint-3")
-    resumed, adapter = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3")
+    state_at_resume = hf_callbacks_state(files["out"] / "checkpoint-3")
+    resumed, hf_callbacks = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3")
     resumed.run()
     assert resumed.context.resumed_from == files["out"] / "checkpoint-3" and resumed.context.global_step == 5
-    stopper = adapter.handler.callbacks[2]
+    stopper = hf_callbacks.handler.callbacks[2]
     assert isinstance(stopper, EarlyStoppingCallback) and stopper.early_stopping_patience_counter == 4
-    assert [e["step"] for e in adapter.state.log_history if "eval_loss" in e] == [1, 2, 3, 4, 5]
+    assert [e["step"] for e in hf_callbacks.state.log_history if "eval_loss" in e] == [1, 2, 3, 4, 5]
     assert state_at_resume["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
         "early_stopping_patience_counter": 2}
 
@@ -465,27 +465,27 @@ def test_resume_without_restoring_callback_states_restarts_the_counter(files):
     crashed, _ = _early_stopping_run(files, crash_after_step=3, restore=False)
     with pytest.raises(Crash):
         crashed.run()
-    resumed, adapter = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3", restore=False)
+    resumed, hf_callbacks = _early_stopping_run(files, resume_from=files["out"] / "checkpoint-3", restore=False)
     # As under Trainer without restore_callback_states_from_checkpoint: the TrainerState (best metric
     # 1.0 at step 1) comes back, EarlyStopping's counter restarts at 0, so patience 4 runs out at step 7.
     resumed.run()
     assert resumed.context.global_step == 7
-    assert adapter.handler.callbacks[2].early_stopping_patience_counter == 4
+    assert hf_callbacks.handler.callbacks[2].early_stopping_patience_counter == 4
 
 
 def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(files):
     stopper = EarlyStoppingCallback(early_stopping_patience=3)
-    adapter = HuggingFaceCallbackAdapter([stopper])
-    loop = adapter_context(files, adapter, eval_strategy="steps", eval_steps=1,
+    hf_callbacks = HuggingFaceCallbacks([stopper])
+    loop = hf_callbacks_context(files, hf_callbacks, eval_strategy="steps", eval_steps=1,
                            metric_for_best_model="eval_loss")
     stopper.early_stopping_patience_counter = 2
-    adapter.control.should_save = True
+    hf_callbacks.control.should_save = True
     loop.context.global_step, loop.context.epoch = 3, 0.75
     fire(loop, Event.LOG, logs={"loss": 0.25, "epoch": 0.75})
-    saved = json.loads(json.dumps(adapter.state_dict()))
+    saved = json.loads(json.dumps(hf_callbacks.state_dict()))
 
     fresh_stopper = EarlyStoppingCallback(early_stopping_patience=3)
-    fresh = HuggingFaceCallbackAdapter([Recorder(), fresh_stopper])
+    fresh = HuggingFaceCallbacks([Recorder(), fresh_stopper])
     restored_loop = make_loop(make_args(files, eval_strategy="steps", eval_steps=1,
                                         metric_for_best_model="eval_loss"), [fresh])
     fire(restored_loop, Event.INIT_END)
@@ -499,12 +499,12 @@ def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(file
 
 
 # ============================================================================ construction and helpers
-def test_adapter_is_picklable_before_init_and_validates_config(files):
-    adapter = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2), Recorder], report_to=["tensorboard"])
-    clone = cloudpickle.loads(cloudpickle.dumps(adapter))
+def test_hf_callbacks_is_picklable_before_init_and_validates_config(files):
+    hf_callbacks = HuggingFaceCallbacks([EarlyStoppingCallback(2), Recorder], report_to=["tensorboard"])
+    clone = cloudpickle.loads(cloudpickle.dumps(hf_callbacks))
     assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback,
                                                                                     Recorder]
-    stopping = HuggingFaceCallbackAdapter([EarlyStoppingCallback(2)])
+    stopping = HuggingFaceCallbacks([EarlyStoppingCallback(2)])
     with pytest.raises(ValueError, match="EarlyStoppingCallback requires metric_for_best_model"):
         stopping.validate(make_args(files, eval_strategy="steps", eval_steps=1))
     with pytest.raises(ValueError, match="requires eval_strategy"):
@@ -512,14 +512,14 @@ def test_adapter_is_picklable_before_init_and_validates_config(files):
     valid = make_args(files, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
     stopping.validate(valid)
     if importlib.util.find_spec("tensorboard") is not None:
-        adapter.validate(valid)
+        hf_callbacks.validate(valid)
     else:  # an integration that is not installed fails before launch, named
         with pytest.raises(ValueError, match="report_to: tensorboard requested but not installed"):
-            adapter.validate(valid)
+            hf_callbacks.validate(valid)
     with pytest.raises(ValueError, match="not supported"):
-        HuggingFaceCallbackAdapter([], report_to=["nosuchtracker"]).validate(make_args(files))
+        HuggingFaceCallbacks([], report_to=["nosuchtracker"]).validate(make_args(files))
     with pytest.raises(TypeError, match=r"not a transformers\.TrainerCallback"):
-        HuggingFaceCallbackAdapter([object()])  # type: ignore[list-item]
+        HuggingFaceCallbacks([object()])  # type: ignore[list-item]
 
 
 def test_split_callbacks_separates_hf_callbacks_keeping_order():

@@ -1,0 +1,79 @@
+"""The one table linking ``transformers.TrainingArguments`` fields to ``TrainingArgs`` fields.
+
+Each row names a ``TrainingArguments`` field, the ``TrainingArgs`` field it corresponds to one to one (None
+when there is none: it follows from several, or from none), and which way it travels:
+
+- ``to_hf``: ``build_training_arguments`` sets it from the run (``hf.arguments.OWNED_FIELDS``: the fields
+  the callbacks' ``args`` take from trainbridge even in a copy of the user's own ``TrainingArguments``);
+- ``from_hf``: ``training_args_from_hf`` carries it over (``hf.porting.CARRIED_OVER``; every other field
+  set to a non-default value is warned about).
+
+The values' conversions (steps from ratios, ``effective_batch_size`` from the per-device batch...) live with
+the code that applies them; which field goes where is said here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FieldLink:
+    """One ``TrainingArguments`` field and its ``TrainingArgs`` counterpart (see the module doc)."""
+
+    hf: str
+    ours: str | None
+    to_hf: bool = True
+    from_hf: bool = True
+    reads: str | None = None
+    """How the ``TrainingArgs`` side reads where it is one value of a field (``mixed_precision: bf16``)."""
+
+
+def _same(*names: str, to_hf: bool = True) -> tuple[FieldLink, ...]:
+    return tuple(FieldLink(name, name, to_hf=to_hf) for name in names)
+
+
+FIELD_LINKS: tuple[FieldLink, ...] = (
+    FieldLink("output_dir", "ckpt_output_dir"),
+    FieldLink("do_train", None, from_hf=False),
+    FieldLink("num_train_epochs", "num_epochs"),
+    *_same("max_steps", "learning_rate"),
+    FieldLink("lr_scheduler_type", "lr_scheduler"),
+    *_same("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
+    *_same("optim", "optim_args"),  # optim_args: "k=v,..." in TrainingArguments, a dict here
+    *_same("max_grad_norm"),
+    FieldLink("per_device_train_batch_size", None, from_hf=False),  # from effective_batch_size
+    FieldLink("gradient_accumulation_steps", None, from_hf=False),  # 1: micro-batches follow the token budget
+    *_same("seed"),
+    FieldLink("data_seed", None, from_hf=False),  # the data order follows seed
+    FieldLink("bf16", "mixed_precision", reads="mixed_precision: bf16"),
+    FieldLink("use_cpu", "device", reads="device: cpu"),
+    *_same("logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
+           "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
+           "greater_is_better", "load_best_model_at_end"),
+    FieldLink("restore_callback_states_from_checkpoint", "restore_callback_states"),
+    *_same("resume_from_checkpoint", "report_to", "run_name", "disable_tqdm"),
+    FieldLink("ddp_timeout", "collective_timeout_s"),
+    FieldLink("local_rank", None, from_hf=False),  # this process's rank
+    *_same("include_num_input_tokens_seen", "logging_dir"),
+    # read by the port only: the callbacks' args keep the user's values (or TrainingArguments' defaults)
+    *_same("lr_scheduler_kwargs", "gradient_checkpointing", "gradient_checkpointing_kwargs", "include_for_metrics",
+           to_hf=False),
+    FieldLink("activation_checkpointing", None, to_hf=False),  # gradient_checkpointing (transformers >= 5)
+    FieldLink("activation_checkpointing_kwargs", None, to_hf=False),
+    FieldLink("fsdp", None, to_hf=False),  # distributed_backend
+    FieldLink("deepspeed", None, to_hf=False),  # distributed_backend and deepspeed_zero_stage
+    # fields of trl's configs, not TrainingArguments
+    FieldLink("max_length", None, to_hf=False),  # max_seq_len
+    FieldLink("model_init_kwargs", None, to_hf=False),  # the facade's from_pretrained kwargs
+)
+
+OWNED_FIELDS: tuple[str, ...] = tuple(link.hf for link in FIELD_LINKS if link.to_hf)
+"""The ``TrainingArguments`` fields that describe what trainbridge runs (``training_argument_fields``)."""
+
+CARRIED_OVER: frozenset[str] = frozenset(link.hf for link in FIELD_LINKS if link.from_hf)
+"""The ``TrainingArguments`` fields ``training_args_from_hf`` carries over to ``TrainingArgs``."""
+
+RENAMED: dict[str, str] = {link.hf: link.reads or link.ours for link in FIELD_LINKS
+                           if link.from_hf and link.ours is not None and link.ours != link.hf}
+"""``TrainingArguments`` fields carried over under another ``TrainingArgs`` name (or value)."""
