@@ -1,6 +1,7 @@
 """trl's trainers on trainbridge's loop.
 
 - ``sft_trainer``: ``SFTTrainer`` (trl's constructor on the ``Trainer`` facade).
+- ``dpo_step``: DPO on the step seam (``PreferenceStep``, ``PairBatches``).
 - ``sft_data``: trl's SFT data preparation, run by trl, as samples for padding-free batches.
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
