@@ -203,6 +203,10 @@ class BatchFields(BaseModel):
     task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
     causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
     dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
+    compute_loss: Callable[..., Any] | None = None
+    """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
+    replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
+    ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
     token_metrics: bool = False
     """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
     the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
