@@ -55,6 +55,7 @@ def project(tmp_path, run_files, monkeypatch):
     (folder / "named.yaml").write_text(yaml.safe_dump({**config, "callbacks": [{"class": "my_callbacks:Mine"}]}))
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "my_callbacks", raising=False)  # test_cli imports a module of that name
     return folder
 
 

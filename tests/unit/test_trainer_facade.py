@@ -43,17 +43,18 @@ def test_live_optimizers_fail_at_construction(tiny: Any, tmp_path: Path) -> None
         Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
 
 
-def test_compute_loss_func_fails_at_construction(tiny: Any, tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedTrainerFeatureError, match="compute_loss_func"):
-        Trainer(model=tiny[0], args=_hf_args(tmp_path), compute_loss_func=lambda *a, **k: 0)
-
-
-def test_subclass_overriding_compute_loss_fails(tiny: Any, tmp_path: Path) -> None:
+def test_unhonoured_overrides_fail_at_construction_naming_them(tiny: Any, tmp_path: Path) -> None:
     class MyTrainer(Trainer):
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+            return 0  # honoured: runs in the workers
+
+        def training_step(self, *args: Any, **kw: Any) -> Any:
             return 0
 
-    with pytest.raises(UnsupportedTrainerFeatureError, match="overrides compute_loss"):
+        def create_optimizer(self) -> Any:
+            return None
+
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides training_step\(\), create_optimizer\(\)"):
         MyTrainer(model=tiny[0], args=_hf_args(tmp_path))
 
 

@@ -39,6 +39,7 @@ from trainbridge.modeling.load import is_causal_lm, load_model, load_tokenizer, 
 from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
+from trainbridge.step.custom_loss import CustomLoss
 from trainbridge.step.model_loss import (
     ModelLoss,
     default_label_names,
@@ -152,10 +153,14 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
     if args.training_step == "token_cross_entropy" and not causal:
         raise ValueError(f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
                          "is not one: use training_step='model_loss' (or 'auto')")
-    if args.training_step == "token_cross_entropy" or (args.training_step == "auto" and causal):
+    if args.training_step == "token_cross_entropy" and args.compute_loss is not None:
+        raise ValueError("training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
+                         "training_step='model_loss' (or 'auto')")
+    if args.training_step == "token_cross_entropy" or (args.training_step == "auto" and causal
+                                                       and args.compute_loss is None):
         return "token_cross_entropy"
     label_names = args.label_names or default_label_names(model)
-    if not returns_loss(model, label_names):
+    if args.compute_loss is None and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
     return "model_loss"
 
@@ -185,7 +190,7 @@ def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, e
         return EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
                            max_batch_len=args.max_batch_len, padded=eval_padded)
 
-    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded),
+    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
                       eval_set(data.val) if data.val else None,
                       {name: eval_set(source) for name, source in data.named_val.items()}, data.stats, padded)
 
@@ -213,7 +218,9 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     if env.is_world_process_zero:
         logger.info("data: %d training items, %s", len(train),
                     f"{len(val)} validation items" if val is not None else "no validation data")
-    return RunBatches(ModelLoss(train_batches, model, env, label_names), eval_set(val) if val is not None else None,
+    step = (ModelLoss(train_batches, model, env, label_names) if args.compute_loss is None
+            else CustomLoss(train_batches, model, env, args.compute_loss, label_names))
+    return RunBatches(step, eval_set(val) if val is not None else None,
                       {name: eval_set(dataset) for name, dataset in named.items()}, stats, True)
 
 

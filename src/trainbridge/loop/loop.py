@@ -11,6 +11,7 @@ them out.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import signal
@@ -176,11 +177,16 @@ class TrainingLoop:
             # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
             # its one host-device synchronisation (the loss and grad norm ride in it from the device).
             # The same collective counts the ranks whose background checkpoint write is still going on.
+            # The step's own metric sums (``TrainStep.metric_sums``) ride in it too.
+            metric_sums = self.step.metric_sums()
             agreement = self._agree(
-                StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()),
+                _with_metrics(StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()),
+                              metric_sums),
                 StepOwn(outcome.loss_sum, outcome.grad_norm),
             )
-            summed, own = agreement.summed, agreement.own
+            summed, own = StepSums(*agreement.summed[:len(StepSums._fields)]), agreement.own
+            if metric_sums:
+                self.step.add_metric_sums(agreement.summed[len(StepSums._fields):])
             finite = self.finite.check(ctx.global_step, float(summed.loss_sum), float(own.grad_norm))
             if not finite and self.finite.stops:  # nonfinite_policy="error": nothing saved, no rotation
                 self._publish_checkpoint()  # an earlier (finite) one still written in the background
@@ -464,6 +470,7 @@ class TrainingLoop:
             "loss": self._loss_since_log / (ctx.global_step - self._last_logged_step),
             "grad_norm": ctx.grad_norm if ctx.grad_norm is not None else float("nan"),
             "learning_rate": ctx.learning_rate if ctx.learning_rate is not None else self.engine.current_lr(),
+            **self.step.metric_logs(),
             "epoch": ctx.epoch,
         }
         self._loss_since_log = 0.0
@@ -511,6 +518,17 @@ class TrainingLoop:
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
             merged_model=str(self._merged) if self._merged else None,
         )
+
+
+@functools.cache
+def _sums_type(metrics: int) -> Any:
+    """``StepSums`` followed by ``metrics`` values (a ``NamedTuple`` type, as the agreement takes)."""
+    return collections.namedtuple("StepSumsAndMetrics", [*StepSums._fields, *(f"metric_{i}" for i in range(metrics))])
+
+
+def _with_metrics(sums: StepSums, metric_sums: Sequence[torch.Tensor | float]) -> Any:
+    """``sums`` and the step's metric sums as one row of the step's agreement."""
+    return _sums_type(len(metric_sums))(*sums, *metric_sums) if metric_sums else sums
 
 
 def _input_tokens(cpu_batch: dict[str, Any]) -> int:

@@ -5,7 +5,10 @@ step for this rank's micro-batches (``prepare``), and for each micro-batch the l
 (``micro_loss``), which it scales by ``world_size / loss_units`` before ``backward`` (the engines average
 gradients over ranks).  The step's logged loss is the sum over every rank and micro-batch divided by
 ``loss_units``: token cross entropy counts loss tokens, the model's own loss counts what Trainer divides
-by (``num_items_in_batch``, or micro-batches).  Evaluation asks ``eval_batch`` for a batch's loss sum, its
+by (``num_items_in_batch``, or micro-batches).  A step may add values to the training log: after each
+optimizer step the loop takes its ``metric_sums`` (this rank's), sums them over ranks in the step's
+agreement (no collective of their own), hands them back (``add_metric_sums``) and adds ``metric_logs``
+to each training log.  Evaluation asks ``eval_batch`` for a batch's loss sum, its
 units and, for ``compute_metrics``, its outputs.
 
 Implementations: ``token_ce.TokenCrossEntropy`` (padding-free token-budget batches, the summed token cross
@@ -16,7 +19,7 @@ model's forward returns).  ``build_run`` chooses one at build time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -97,6 +100,19 @@ class TrainStep(ABC):
                    outputs: bool, rows: int = 0) -> EvalOutput:
         """Loss sum and units of one validation batch (``outputs``: with predictions and labels); ``rows``
         is the number of validation samples it holds (0 for a rank's dummy batch)."""
+
+    def metric_sums(self) -> list[torch.Tensor | float]:
+        """This rank's metric sums of the optimizer step just run (0-dim device tensors or floats; the same
+        count on every rank), summed over ranks in the step's agreement; none by default."""
+        return []
+
+    def add_metric_sums(self, sums: Sequence[float]) -> None:
+        """The step's ``metric_sums`` summed over every rank, in the same order."""
+        return None
+
+    def metric_logs(self) -> dict[str, float]:
+        """What the next training log adds (the values since the last log); none by default."""
+        return {}
 
     def describe(self) -> str:
         """A few words for the start-up log."""

@@ -4,11 +4,13 @@ Every rank knows the whole epoch plan (``data.plan``), so a step's global loss-t
 locally and the loss is normalised by it without a collective: ``loss = sum_token_CE / step.loss_tokens
 * world_size``.  Batches are packed rows (or padded rows, or a user's collator's) within the token budget
 ``max_batch_len`` (``data.loader.TrainBatches``); the loss is ``data.loss.token_loss_sum`` (the installed
-chunked / Liger loss head when there is one).
+chunked / Liger loss head when there is one).  With ``token_metrics`` the step also reports trl's SFT
+metrics (``token_metrics.TokenMetrics``) from the micro-batches' full logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from trainbridge.data.loader import TrainBatches
 from trainbridge.data.loss import forward_logits, logits_loss_sum, token_loss_sum
 from trainbridge.data.plan import StepPlan
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.step.token_metrics import TokenMetrics, token_metric_sums
 
 PLAN_SAMPLE_STEPS = 64
 """Steps of the first epoch's plan the run plan averages its "effective batch" line over."""
@@ -30,10 +33,14 @@ class TokenCrossEntropy(TrainStep):
     name = "token cross entropy (token-budget batches)"
     train_batches: TrainBatches
 
-    def __init__(self, train_batches: TrainBatches, max_batch_len: int, padded: bool) -> None:
+    def __init__(self, train_batches: TrainBatches, max_batch_len: int, padded: bool,
+                 token_metrics: bool = False) -> None:
         self.train_batches = train_batches
         self.max_batch_len = max_batch_len
         self.padded = padded
+        self.token_metrics = TokenMetrics() if token_metrics else None
+        self._micro_sums: list[torch.Tensor] = []
+        self._micro_inputs: list[int] = []
 
     def prepare(self, step: StepPlan) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
@@ -44,7 +51,32 @@ class TokenCrossEntropy(TrainStep):
         return StepBatches(micro_batches, units, float(step.loss_tokens), step.num_samples, step.num_tokens)
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
-        return token_loss_sum(model, batch, num_tokens=int(units))[0]
+        if self.token_metrics is None:
+            return token_loss_sum(model, batch, num_tokens=int(units))[0]
+        logits = forward_logits(model, batch)
+        self._micro_sums.append(token_metric_sums(logits, batch["labels"]))
+        mask = batch.get("attention_mask")
+        self._micro_inputs.append(int(batch["input_ids"].numel()) if mask is None else -1)
+        if mask is not None:  # padded rows: count the attended tokens on the device (read with the step)
+            self._micro_sums[-1] = torch.cat([self._micro_sums[-1], mask.sum().float().reshape(1)])
+        return logits_loss_sum(logits, batch["labels"], int(units))[0]
+
+    def metric_sums(self) -> list[torch.Tensor | float]:
+        sums: list[torch.Tensor | float] = []
+        for row, inputs in zip(self._micro_sums, self._micro_inputs, strict=True):
+            sums.extend(row[:3])
+            sums.append(row[3] if inputs < 0 else float(inputs))
+        self._micro_sums.clear()
+        self._micro_inputs.clear()
+        return sums
+
+    def add_metric_sums(self, sums: Sequence[float]) -> None:
+        if self.token_metrics is not None:
+            for i in range(0, len(sums), 4):
+                self.token_metrics.add(list(sums[i:i + 3]), input_tokens=int(sums[i + 3]))
+
+    def metric_logs(self) -> dict[str, float]:
+        return {} if self.token_metrics is None else self.token_metrics.log()
 
     def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
                    outputs: bool, rows: int = 0) -> EvalOutput:

@@ -36,14 +36,11 @@ from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
-from trainbridge.trainer import inputs, jobs, results
+from trainbridge.trainer import inputs, jobs, results, subclass
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
 
 logger = logging.getLogger("trainbridge.trainer")
-
-_UNSUPPORTED_OVERRIDES = ("compute_loss", "training_step", "prediction_step")
-
 
 class UnsupportedTrainerFeatureError(ValueError):
     """A ``Trainer`` argument or override that trainbridge cannot honour; says what to do instead."""
@@ -97,6 +94,7 @@ class Trainer:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
+        self.compute_loss_func = compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
@@ -109,6 +107,9 @@ class Trainer:
         self._loop: Any = None
         self._weights_dir: Path | None = None
         self._collator_choice = inputs.classify_collator(data_collator)
+        if data_collator is not None and subclass.subclass_loss(self) is not None:
+            # the loss sees Trainer's batches: the collator is called as written on the dataset's items
+            self._collator_choice = inputs.CollatorChoice(False, description=type(data_collator).__name__)
         if self.is_world_process_zero():
             logger.info("data collator: %s -> %s", self._collator_choice.description,
                         "trainbridge's token-budget batching (reproduces it)" if self._collator_choice.reproduced
@@ -117,12 +118,6 @@ class Trainer:
     # ================================================================== construction checks
     def _reject_unsupported(self, compute_loss_func: Any, optimizers: Any, optimizer_cls_and_kwargs: Any,
                             kwargs: dict[str, Any]) -> None:
-        if compute_loss_func is not None:
-            raise UnsupportedTrainerFeatureError(
-                "compute_loss_func: the loss is token-level cross entropy normalised over each optimizer step's "
-                "tokens on every rank; a custom loss is not supported. Shape the loss through 'labels' (-100 "
-                "masks tokens) or use transformers.Trainer for this script."
-            )
         if any(o is not None for o in optimizers or ()) or optimizer_cls_and_kwargs is not None:
             raise UnsupportedTrainerFeatureError(
                 "optimizers / optimizer_cls_and_kwargs: live optimizer and scheduler objects cannot be moved "
@@ -130,14 +125,14 @@ class Trainer:
                 "learning_rate, weight_decay, adam_beta1/adam_beta2/adam_epsilon and lr_scheduler_type "
                 "(constant, constant_with_warmup, linear, cosine, cosine_with_min_lr) in the TrainingArguments."
             )
-        for name in _UNSUPPORTED_OVERRIDES:
-            if getattr(type(self), name) is not getattr(Trainer, name):
-                raise UnsupportedTrainerFeatureError(
-                    f"{type(self).__name__} overrides {name}(): the training step runs inside trainbridge's "
-                    "distributed loop, which does not call Trainer methods. Move per-step logic into a "
-                    "callback (trainbridge.Callback on_before_forward/on_after_forward, or a "
-                    "transformers.TrainerCallback) or shape the loss through 'labels'."
-                )
+        unhonoured = subclass.unhonoured_overrides(type(self))
+        if unhonoured:
+            raise UnsupportedTrainerFeatureError(
+                f"{type(self).__name__} overrides {', '.join(f'{n}()' for n in unhonoured)}: trainbridge's "
+                "distributed loop does not call this Trainer method, so the override would never run. Move the "
+                "logic into a callback (trainbridge.Callback, or a transformers.TrainerCallback) or into a "
+                "compute_loss override (which runs in the workers)."
+            )
         unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:
             raise TypeError(f"Trainer.__init__() got unexpected keyword arguments {unknown}")
@@ -152,10 +147,13 @@ class Trainer:
                 "'prompt'/'completion' columns; trainbridge tokenises those itself."
             )
 
-    # Trainer methods a subclass may override; an override is rejected at construction (see above).
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
-        """Not called: the loss is computed by trainbridge's loop (token-level cross entropy)."""
-        raise UnsupportedTrainerFeatureError("compute_loss is computed inside trainbridge's loop")
+    # Trainer methods a subclass may override (trainer.subclass: compute_loss runs in the workers; the others
+    # are refused at construction, naming them)
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """``Trainer.compute_loss``: called in the workers on each micro-batch when a subclass overrides it
+        (or with ``compute_loss_func``); ``super().compute_loss`` runs Trainer's default there."""
+        return subclass.default_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """Not called: optimizer steps run inside trainbridge's loop."""
@@ -427,8 +425,11 @@ class Trainer:
     # ================================================================== misc Trainer API
     @property
     def accelerator(self) -> Any:
-        """A stand-in for scripts calling ``trainer.accelerator.print`` / ``.is_main_process``."""
-        return _ProcessPrinter(self)
+        """A stand-in for scripts calling ``trainer.accelerator.print`` / ``.is_main_process``; in a worker
+        running a ``compute_loss`` override, ``trainer.subclass.WorkerAccelerator`` (``gather``,
+        ``unwrap_model``...)."""
+        worker = self.__dict__.get("_worker_accelerator")
+        return worker if worker is not None else _ProcessPrinter(self)
 
     def end(self) -> None:
         """Finish: under a launcher, leave the process group (every rank calls it, as Trainer's ``end``)."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
+from trainbridge.trainer.subclass import subclass_loss
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import Trainer
@@ -40,6 +41,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "compute_metrics": trainer.compute_metrics,
         "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
+        "compute_loss": subclass_loss(trainer),
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
@@ -50,6 +52,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     model_kwargs = getattr(trainer.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
     if trainer._model_source is not None and isinstance(model_kwargs, dict):
         fields["model_kwargs"] = _model_kwargs(model_kwargs)
+    if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics
+        fields["token_metrics"] = True
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
@@ -69,6 +73,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     per_device = int(hf.per_device_train_batch_size)
     accumulation = int(hf.gradient_accumulation_steps)
     fields["effective_batch_size"] = per_device * accumulation * world_size
+    fields["per_device_batch_size"] = per_device  # Trainer's sample batches (model_loss): accumulation follows
     max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
     max_seq_len = int(layout.longest or max_len or DEFAULT_MAX_SEQ_LEN)
     fields["max_seq_len"] = max_seq_len

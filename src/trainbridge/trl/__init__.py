@@ -1,8 +1,8 @@
 """trl's trainers on trainbridge's loop.
 
 - ``sft_trainer``: ``SFTTrainer`` (trl's constructor on the ``Trainer`` facade).
+- ``dpo_step``: DPO on the step seam (``PreferenceStep``, ``PairBatches``).
 - ``sft_data``: trl's SFT data preparation, run by trl, as samples for padding-free batches.
-- ``token_metrics``: trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``.
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
 - ``preference_data``: trl's DPO data preparation, run by trl; the reference model's log-probs.

@@ -56,6 +56,9 @@ class SFTTrainer(Trainer):
     """trl's ``SFTTrainer(model, args, data_collator, train_dataset, eval_dataset, processing_class, ...,
     peft_config, formatting_func)`` on trainbridge's loop."""
 
+    token_metrics = True
+    """Log trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``TrainingArgs.token_metrics``)."""
+
     def __init__(
         self,
         model: Any,

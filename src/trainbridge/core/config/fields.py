@@ -203,6 +203,14 @@ class BatchFields(BaseModel):
     task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
     causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
     dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
+    compute_loss: Callable[..., Any] | None = None
+    """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
+    replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
+    ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    token_metrics: bool = False
+    """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
+    the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
+    far), from each micro-batch's full logits (no chunked / Liger loss head then).  ``SFTTrainer`` sets it."""
     per_device_batch_size: int | None = Field(default=None, gt=0)
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one

@@ -170,7 +170,8 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
-        live = {"callbacks", "event_functions", "data_collator", "compute_metrics", "preprocess_logits_for_metrics"}
+        live = {"callbacks", "event_functions", "data_collator", "compute_metrics", "preprocess_logits_for_metrics",
+                "compute_loss"}
         data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):

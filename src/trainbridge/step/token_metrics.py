@@ -48,10 +48,11 @@ class TokenMetrics:
 
     def log(self) -> dict[str, float]:
         """The values a log reports, and a fresh interval (``num_tokens`` keeps counting)."""
-        logs: dict[str, float] = {"num_tokens": float(self.total_tokens)}
+        logs: dict[str, float] = {}
         if self.entropy:
             logs["entropy"] = sum(self.entropy) / len(self.entropy)
             logs["mean_token_accuracy"] = sum(self.accuracy) / len(self.accuracy)
+        logs["num_tokens"] = float(self.total_tokens)
         self.entropy.clear()
         self.accuracy.clear()
         return logs

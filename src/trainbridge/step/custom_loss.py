@@ -1,0 +1,52 @@
+"""The script's own loss on Trainer's sample batches: ``TrainingArgs.compute_loss`` (a Trainer subclass's
+``compute_loss`` override or ``compute_loss_func``, set by the facade) called on each micro-batch in the
+workers, with the real model and batch.
+
+Batches and item counting are ``model_loss.ModelLoss``'s.  As Trainer's ``training_step``, the function gets
+``num_items_in_batch`` (the step's items over every rank, or None when the model counts none) and its loss is
+taken as the mean over those items -- multiplied back into a sum for the loop -- else as a per-batch mean.
+Evaluation calls it with ``return_outputs=True`` and takes the outputs for ``compute_metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data.sample_batches import SampleBatches
+from trainbridge.step.base import EvalOutput
+from trainbridge.step.model_loss import NUM_ITEMS_KEY, ModelLoss, predictions_of
+
+
+class CustomLoss(ModelLoss):
+    """``ModelLoss`` whose loss is the script's ``compute_loss`` (see the module docstring)."""
+
+    name = "the script's compute_loss (sample batches)"
+
+    def __init__(self, train_batches: SampleBatches, model: Any, env: DistributedEnv,
+                 compute_loss: Callable[..., Any], label_names: Sequence[str] | None = None) -> None:
+        super().__init__(train_batches, model, env, label_names)
+        self.compute_loss = compute_loss
+        # a compute_loss_func gets the step's items whatever the model (Trainer passes them to it)
+        self.counts_items = self.counts_items or bool(getattr(compute_loss, "counts_items", False))
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        inputs = dict(batch)
+        count = inputs.pop(NUM_ITEMS_KEY, None)
+        loss = self.compute_loss(model, inputs, return_outputs=False, num_items_in_batch=count)
+        return loss * count if count is not None else loss
+
+    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
+                   outputs: bool, rows: int = 0) -> EvalOutput:
+        has_labels = all(batch.get(name) is not None for name in self.label_names)
+        labels = tuple(batch.get(name) for name in self.label_names)
+        loss, result = self.compute_loss(model, dict(batch), return_outputs=True, num_items_in_batch=None)
+        loss = loss.detach().float() if has_labels and loss is not None else torch.zeros(())
+        units = float(rows) if has_labels else 0.0
+        if not outputs:
+            return EvalOutput(loss * rows, units)
+        return EvalOutput(loss * rows, units, predictions_of(result, self.ignore_keys),
+                          (labels[0] if len(labels) == 1 else labels) if has_labels else None)
