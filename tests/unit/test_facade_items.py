@@ -118,3 +118,23 @@ def test_classifier_trains_on_its_own_loss_with_its_columns(tmp_path: Path, monk
     assert out.global_step == 16  # 32 items / 4 per step x 2 epochs
     evals = [e for e in trainer.state.log_history if "eval_accuracy" in e]
     assert len(evals) == 2 and "eval_loss" in evals[0]
+
+
+def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path: Path) -> None:
+    """No collator, a ``compute_loss`` override: the job still gets Trainer's batch shape and every column."""
+    from trainbridge.trainer import job_args
+    from trainbridge.trainer.run_folder import RunLayout
+
+    class WeightedTrainer(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+            return super().compute_loss(model, inputs, return_outputs, **kwargs)
+
+    path = build_tiny_llama(tmp_path / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
+    assert not plain._row_preparation().items and custom._row_preparation().items
+    layout = RunLayout(model_path=path, data_path=tmp_path)
+    ported = job_args.training_args(custom, layout, world_size=2, resume=None)
+    assert (ported.training_step, ported.per_device_batch_size, ported.effective_batch_size) == ("model_loss", 2, 12)
