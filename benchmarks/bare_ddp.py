@@ -71,12 +71,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Same record as trainer_run.write_clock (not imported: that module pulls in transformers.Trainer,
     # which would lengthen this runner's start-up).
     options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / f"clock-rank{rank}.json").write_text(json.dumps({
-        "rank": rank,
-        "step_end_times": step_end_times,
-        "step_end_cpu_times": step_end_cpu_times,
-        "local_tokens": [int(batch.numel()) for batch in batches],
-    }))
+    (options.out / f"clock-rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "step_end_times": step_end_times,
+                "step_end_cpu_times": step_end_cpu_times,
+                "local_tokens": [int(batch.numel()) for batch in batches],
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

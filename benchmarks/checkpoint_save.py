@@ -38,8 +38,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tb-ckpt-bench-"))
-    config = LlamaConfig(vocab_size=32000, hidden_size=options.hidden, intermediate_size=options.hidden * 4,
-                         num_hidden_layers=options.layers, num_attention_heads=8, num_key_value_heads=8)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=options.hidden,
+        intermediate_size=options.hidden * 4,
+        num_hidden_layers=options.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root / "model")
     data = root / "data.jsonl"
@@ -52,8 +58,9 @@ def main() -> None:
     engine.optimizer_step()
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f}M parameters, fp32 training, export bf16 (the folder's dtype)")
-    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None,
-                                weights_dtype=torch.bfloat16, checksums=False)
+    manager = CheckpointManager(
+        args.ckpt_output_dir, DistributedEnv(), save_total_limit=None, weights_dtype=torch.bfloat16, checksums=False
+    )
     step = 0
     for mode in ("sync", "async"):
         blocked, total = [], []
@@ -65,11 +72,13 @@ def main() -> None:
             path = manager.finish_save(pending)
             total.append(time.perf_counter() - start)
         optimizer_file = path / "optimizer.pt"
-        print(f"{mode:5s}: training blocked {statistics.median(blocked):.2f} s (median of {options.repeats}; "
-              f"min {min(blocked):.2f}), whole save {statistics.median(total):.2f} s; "
-              f"model.safetensors {(path / 'model.safetensors').stat().st_size / 2**20:.0f} MiB, "
-              f"dcp/ (optimizer state in it for async) {folder_bytes(path / 'dcp') / 2**20:.0f} MiB, optimizer.pt "
-              f"{optimizer_file.stat().st_size / 2**20 if optimizer_file.exists() else 0:.0f} MiB")
+        print(
+            f"{mode:5s}: training blocked {statistics.median(blocked):.2f} s (median of {options.repeats}; "
+            f"min {min(blocked):.2f}), whole save {statistics.median(total):.2f} s; "
+            f"model.safetensors {(path / 'model.safetensors').stat().st_size / 2**20:.0f} MiB, "
+            f"dcp/ (optimizer state in it for async) {folder_bytes(path / 'dcp') / 2**20:.0f} MiB, optimizer.pt "
+            f"{optimizer_file.stat().st_size / 2**20 if optimizer_file.exists() else 0:.0f} MiB"
+        )
     print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
 
 

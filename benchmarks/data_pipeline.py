@@ -247,8 +247,9 @@ def child_cpu(work: Path, count: int) -> dict[str, Any]:
     tokenizer.chat_template = marked_template(template)
     start = time.process_time()
     for line in lines:
-        tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
+        tokenizer.apply_chat_template(
+            json.loads(line)["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
     out["trl_cpu_us"] = (time.process_time() - start) / len(lines) * 1e6
     return out
 
@@ -275,8 +276,13 @@ def child_trl(work: Path, num_proc: int, count: int) -> dict[str, Any]:
 
     dataset = dataset.map(tokenize, remove_columns=["messages"], num_proc=num_proc if num_proc > 1 else None)
     done = time.perf_counter()
-    return {"seconds": done - start, "load_s": loaded - start, "map_s": done - loaded, "samples": len(dataset),
-            "rss_mb": memory()["rss"]}
+    return {
+        "seconds": done - start,
+        "load_s": loaded - start,
+        "map_s": done - loaded,
+        "samples": len(dataset),
+        "rss_mb": memory()["rss"],
+    }
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -298,8 +304,12 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--baseline-samples", type=int)
     parser.add_argument("--trl-samples", type=int)
-    parser.add_argument("--cpu-samples", type=int, default=20_000,
-                        help="conversations for the one-process CPU-time comparison (0 skips)")
+    parser.add_argument(
+        "--cpu-samples",
+        type=int,
+        default=20_000,
+        help="conversations for the one-process CPU-time comparison (0 skips)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="cached start-ups per rank count")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trainbridge-data-bench"))
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -350,15 +360,13 @@ def main() -> None:
         for _ in range(options.repeats):
             spawned = time.perf_counter()
             children = [
-                run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env)
-                for r in range(world)
+                run_child(["--work", str(work), "--child", "startup", str(r), str(world)], env) for r in range(world)
             ]
             results = [result_of(c) for c in children]
             walls.append(time.perf_counter() - spawned)
             data_s.append(max(r["open_s"] + r["plan_s"] + r["first_step_s"] for r in results))
             assert all(r["cache_hit"] for r in results), "cached start-up tokenised"
-            print(json.dumps({"world": world, "wall_s": walls[-1], "loadavg": loadavg(), "ranks": results}),
-                  flush=True)
+            print(json.dumps({"world": world, "wall_s": walls[-1], "loadavg": loadavg(), "ranks": results}), flush=True)
         report[f"cached_startup_s_{world}_ranks"] = [round(w, 2) for w in walls]
         report[f"cached_startup_data_s_{world}_ranks"] = [round(d, 3) for d in data_s]
         for kind in ("rss", "uss", "pss", "anon"):
@@ -369,9 +377,7 @@ def main() -> None:
     if baseline:
         _write_pretokenized(Path(first["cache"]), work / "pretokenized.jsonl", baseline)
         spawned = time.perf_counter()
-        children = [
-            run_child(["--work", str(work), "--child", "today"], env) for _ in range(max(options.ranks))
-        ]
+        children = [run_child(["--work", str(work), "--child", "today"], env) for _ in range(max(options.ranks))]
         results = [result_of(c) for c in children]
         report["today_samples"] = baseline
         report[f"today_startup_s_{max(options.ranks)}_ranks"] = round(time.perf_counter() - spawned, 1)
@@ -383,9 +389,7 @@ def main() -> None:
     if trl:
         with (work / "chat.jsonl").open() as source, (work / "trl.jsonl").open("w") as head:
             head.writelines(line for _, line in zip(range(trl), source))
-        result = result_of(
-            run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env)
-        )
+        result = result_of(run_child(["--work", str(work), "--child", "trl", str(options.num_proc), str(trl)], env))
         report["trl_samples"] = trl
         report["trl_prepare_s"] = round(result["seconds"], 1)
         report["trl_load_s"] = round(result["load_s"], 1)
@@ -393,8 +397,9 @@ def main() -> None:
         print(json.dumps({"trl": result}), flush=True)
     if options.cpu_samples:
         result = result_of(run_child(["--work", str(work), "--child", "cpu", str(options.cpu_samples)], env))
-        report.update({key: round(value) if key.endswith("_us") else value for key, value in result.items()
-                       if key != "samples"})
+        report.update(
+            {key: round(value) if key.endswith("_us") else value for key, value in result.items() if key != "samples"}
+        )
         report["cpu_samples"] = result["samples"]
         print(json.dumps({"cpu": result}), flush=True)
     report["loadavg_end"] = loadavg()

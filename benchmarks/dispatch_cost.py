@@ -15,9 +15,9 @@ from pathlib import Path
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
+from trainbridge.core.dispatch import CallbackManager
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
-from trainbridge.core.manager import CallbackManager
 
 
 class StepCounter(Callback):
@@ -40,6 +40,7 @@ def main() -> None:
     for n in (0, 1, 10):
         manager = CallbackManager([StepCounter() for _ in range(n)])
         for event in (Event.STEP_END, Event.BEFORE_FORWARD):
+
             def fire(manager: CallbackManager = manager, event: Event = event) -> None:
                 manager.fire(event, context)
 

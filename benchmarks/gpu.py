@@ -53,10 +53,25 @@ import torch
 from transformers import TrainerCallback
 
 SIZES: dict[str, dict[str, Any]] = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    ),
 }
 CONFIGS = ("tb_ddp", "tb_ddp_chunked", "tb_fsdp", "trainer_flat", "trainer_flat_liger")
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -114,8 +129,12 @@ class GpuClock(TrainerCallback):
             self._caught.__exit__(None, None, None)
             peak = torch.cuda.max_memory_allocated()
         rank = int(os.environ.get("RANK", "0"))
-        record = {"times": self.times, "syncs": self.syncs, "peak_memory_bytes": peak,
-                  "tokens_seen": getattr(state, "num_input_tokens_seen", 0)}
+        record = {
+            "times": self.times,
+            "syncs": self.syncs,
+            "peak_memory_bytes": peak,
+            "tokens_seen": getattr(state, "num_input_tokens_seen", 0),
+        }
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.out_dir) / f"gpu-clock-rank{rank}.json").write_text(json.dumps(record))
 
@@ -132,9 +151,13 @@ def build_assets(options: Options) -> tuple[Path, Path, int]:
     if not (model_dir / "config.json").exists():
         tokenizer = build_tokenizer(model_dir)
         torch.manual_seed(0)
-        config = LlamaConfig(**SIZES[options.size], tie_word_embeddings=False,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
+        config = LlamaConfig(
+            **SIZES[options.size],
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if not options.smoke else torch.float32)
         model.save_pretrained(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -165,11 +188,21 @@ def run_trainbridge(key: str, options: Options, model_dir: Path, data: Path, out
     from trainbridge import TorchrunArgs, TrainingArgs, run_training
 
     args = TrainingArgs(
-        model_path=model_dir, data_path=data, ckpt_output_dir=out, max_seq_len=options.max_len,
-        max_batch_len=options.batch_tokens, effective_batch_size=max(options.nproc, 1) * _samples_per_rank(options),
-        max_steps=options.steps, learning_rate=1e-5, lr_scheduler="constant", seed=0,
-        device="cpu" if options.smoke else "cuda", logging_steps=10, save_strategy="no",
-        save_final_checkpoint=False, disable_tqdm=True,
+        model_path=model_dir,
+        data_path=data,
+        ckpt_output_dir=out,
+        max_seq_len=options.max_len,
+        max_batch_len=options.batch_tokens,
+        effective_batch_size=max(options.nproc, 1) * _samples_per_rank(options),
+        max_steps=options.steps,
+        learning_rate=1e-5,
+        lr_scheduler="constant",
+        seed=0,
+        device="cpu" if options.smoke else "cuda",
+        logging_steps=10,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        disable_tqdm=True,
         distributed_backend="fsdp" if key == "tb_fsdp" else "ddp",
         loss_implementation="chunked" if key == "tb_ddp_chunked" else "auto",
         model_kwargs={"attn_implementation": options.attn} if not options.smoke else {},
@@ -192,16 +225,31 @@ def run_trainer_worker(key: str, options: Options, model_dir: Path, data: Path, 
         model_dir, dtype=torch.float32, **({} if options.smoke else {"attn_implementation": options.attn})
     )
     training_args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=_samples_per_rank(options), max_steps=options.steps,
-        learning_rate=1e-5, lr_scheduler_type="constant", bf16=not options.smoke, use_cpu=options.smoke,
-        logging_steps=10, save_strategy="no", report_to="none", disable_tqdm=True,
-        ddp_find_unused_parameters=False, dataloader_pin_memory=not options.smoke,
-        use_liger_kernel=key == "trainer_flat_liger", include_num_input_tokens_seen=True,
-        optim="adamw_torch_fused", remove_unused_columns=False,
+        output_dir=str(out),
+        per_device_train_batch_size=_samples_per_rank(options),
+        max_steps=options.steps,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        bf16=not options.smoke,
+        use_cpu=options.smoke,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        dataloader_pin_memory=not options.smoke,
+        use_liger_kernel=key == "trainer_flat_liger",
+        include_num_input_tokens_seen=True,
+        optim="adamw_torch_fused",
+        remove_unused_columns=False,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=rows,
-                      data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=options.attn.startswith("flash")),
-                      callbacks=[GpuClock(str(out))])
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=rows,
+        data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=options.attn.startswith("flash")),
+        callbacks=[GpuClock(str(out))],
+    )
     trainer.train()
 
 
@@ -209,9 +257,24 @@ def run_config(key: str, options: Options, model_dir: Path, data: Path, out: Pat
     if key.startswith("tb_"):
         run_trainbridge(key, options, model_dir, data, out)
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={options.nproc}",
-               __file__, "--worker", key, "--options", json.dumps(asdict(options)),
-               "--model-dir", str(model_dir), "--data", str(data), "--run-out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={options.nproc}",
+        __file__,
+        "--worker",
+        key,
+        "--options",
+        json.dumps(asdict(options)),
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--run-out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if options.smoke else dict(os.environ)
     subprocess.run(command, check=True, env=env, timeout=3600)
 
@@ -224,8 +287,9 @@ def summarise(key: str, out: Path, options: Options, parameters: int) -> dict[st
     steps = [b - a for a, b in itertools.pairwise(times)][warmup:] or [float("nan")]
     world_tokens_per_step = options.batch_tokens * options.nproc  # planned; see "tokens" for the counted
     counted = clock.get("tokens_seen") or 0
-    tokens_per_s_gpu = (counted / len(times) if counted else world_tokens_per_step) / statistics.median(steps) \
-        / options.nproc
+    tokens_per_s_gpu = (
+        (counted / len(times) if counted else world_tokens_per_step) / statistics.median(steps) / options.nproc
+    )
     syncs = clock["syncs"][warmup:] or [0]
     return {
         "key": key,
@@ -239,19 +303,25 @@ def summarise(key: str, out: Path, options: Options, parameters: int) -> dict[st
 
 
 def report(rows: list[dict[str, Any]], options: Options, command: str) -> str:
-    lines = [f"```\n{command}\n```", "",
-             f"- {options.nproc} x "
-             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU rank (smoke)'}, "
-             f"torch {torch.__version__}, attention {options.attn}, Liger {'yes' if HAS_LIGER else 'no'}",
-             f"- Llama {options.size}, {options.steps} steps, {options.batch_tokens} tokens per micro-batch per GPU",
-             "", "| configuration | tokens/s per GPU | MFU | peak memory (GiB) | step p50 (s) | step p95 (s) | "
-             "syncs/step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"```\n{command}\n```",
+        "",
+        f"- {options.nproc} x "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU rank (smoke)'}, "
+        f"torch {torch.__version__}, attention {options.attn}, Liger {'yes' if HAS_LIGER else 'no'}",
+        f"- Llama {options.size}, {options.steps} steps, {options.batch_tokens} tokens per micro-batch per GPU",
+        "",
+        "| configuration | tokens/s per GPU | MFU | peak memory (GiB) | step p50 (s) | step p95 (s) | syncs/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['key']} | failed: {r['error']} | | | | | |")
             continue
-        lines.append(f"| {r['key']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | "
-                     f"{r['step_p50_s']:.3f} | {r['step_p95_s']:.3f} | {r['syncs_per_step']:g} |")
+        lines.append(
+            f"| {r['key']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | "
+            f"{r['step_p50_s']:.3f} | {r['step_p95_s']:.3f} | {r['syncs_per_step']:g} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -275,17 +345,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-out", default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.worker:
-        run_trainer_worker(ns.worker, Options(**json.loads(ns.options)), Path(ns.model_dir), Path(ns.data),
-                           Path(ns.run_out))
+        run_trainer_worker(
+            ns.worker, Options(**json.loads(ns.options)), Path(ns.model_dir), Path(ns.data), Path(ns.run_out)
+        )
         return 0
     if not ns.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or use --smoke for the CPU check")
     options = Options(
-        smoke=ns.smoke, size=ns.size or ("tiny" if ns.smoke else "1b"), steps=ns.steps or (5 if ns.smoke else 30),
-        batch_tokens=ns.batch_tokens or (256 if ns.smoke else 4096), min_len=32 if ns.smoke else 256,
-        max_len=128 if ns.smoke else 4096, nproc=ns.nproc or (2 if ns.smoke else torch.cuda.device_count()),
+        smoke=ns.smoke,
+        size=ns.size or ("tiny" if ns.smoke else "1b"),
+        steps=ns.steps or (5 if ns.smoke else 30),
+        batch_tokens=ns.batch_tokens or (256 if ns.smoke else 4096),
+        min_len=32 if ns.smoke else 256,
+        max_len=128 if ns.smoke else 4096,
+        nproc=ns.nproc or (2 if ns.smoke else torch.cuda.device_count()),
         attn=ns.attn or ("sdpa" if ns.smoke or not HAS_FLASH else "flash_attention_2"),
-        peak_tflops=ns.peak_tflops, workdir=ns.workdir,
+        peak_tflops=ns.peak_tflops,
+        workdir=ns.workdir,
     )
     keys = [k for k in (ns.only or CONFIGS) if k != "trainer_flat_liger" or HAS_LIGER or ns.only]
     Path(options.workdir).mkdir(parents=True, exist_ok=True)

@@ -65,10 +65,12 @@ def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one line per micro-batch size: shape and CPU milliseconds of every layout."""
     parser = argparse.ArgumentParser(prog="packed_rows.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, nargs="+", default=[4, 8, 16, 48],
-                        help="samples per micro-batch (one line each)")
-    parser.add_argument("--row-tokens", type=int, nargs="+", default=[256, 512],
-                        help="row caps of the prototype to try")
+    parser.add_argument(
+        "--samples", type=int, nargs="+", default=[4, 8, 16, 48], help="samples per micro-batch (one line each)"
+    )
+    parser.add_argument(
+        "--row-tokens", type=int, nargs="+", default=[256, 512], help="row caps of the prototype to try"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timings per layout; the best is shown")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
@@ -79,8 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="packed-rows-") as tmp:
         model_dir = build_benchmark_llama(Path(tmp) / "model", seed=options.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    print(f"attention: {model.config._attn_implementation}; forward+backward CPU ms (best of {options.repeats}), "
-          "1 thread", flush=True)
+    print(
+        f"attention: {model.config._attn_implementation}; forward+backward CPU ms (best of {options.repeats}), "
+        "1 thread",
+        flush=True,
+    )
     varlen = copy.deepcopy(model)
     if not enable_varlen_sdpa(varlen, max_seq_len=MAX_LEN):
         raise RuntimeError("varlen sdpa does not apply to the benchmark model")

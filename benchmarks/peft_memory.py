@@ -26,11 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "full": {},
     "lora": {"peft_config": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.0}},
-    "lora_gc": {"peft_config": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.0},
-                "gradient_checkpointing": True},
+    "lora_gc": {
+        "peft_config": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.0},
+        "gradient_checkpointing": True,
+    },
 }
-BEGIN, END = "<!-- peft memory results: begin (written by benchmarks/peft_memory.py) -->", \
-    "<!-- peft memory results: end -->"
+BEGIN, END = (
+    "<!-- peft memory results: begin (written by benchmarks/peft_memory.py) -->",
+    "<!-- peft memory results: end -->",
+)
 
 
 def child(config: str, workdir: Path, steps: int) -> dict:
@@ -45,9 +49,18 @@ def child(config: str, workdir: Path, steps: int) -> dict:
 
     torch.set_num_threads(1)
     args = TrainingArgs(
-        model_path=workdir / "model", data_path=workdir / "train.jsonl", ckpt_output_dir=workdir / f"out-{config}",
-        max_seq_len=128, max_batch_len=512, effective_batch_size=4, max_steps=steps, learning_rate=1e-4,
-        lr_scheduler="constant", save_strategy="no", save_final_checkpoint=False, disable_tqdm=True,
+        model_path=workdir / "model",
+        data_path=workdir / "train.jsonl",
+        ckpt_output_dir=workdir / f"out-{config}",
+        max_seq_len=128,
+        max_batch_len=512,
+        effective_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-4,
+        lr_scheduler="constant",
+        save_strategy="no",
+        save_final_checkpoint=False,
+        disable_tqdm=True,
         **CONFIGS[config],
     )
     env = DistributedEnv()
@@ -57,8 +70,12 @@ def child(config: str, workdir: Path, steps: int) -> dict:
     TrainingLoop(args, env, [], components).run()
     seconds = time.perf_counter() - start
     engine = components.engine
-    optimizer_bytes = sum(t.numel() * t.element_size() for state in engine.optimizer.state.values()
-                          for t in state.values() if torch.is_tensor(t))
+    optimizer_bytes = sum(
+        t.numel() * t.element_size()
+        for state in engine.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t)
+    )
     model = engine.unwrapped
     return {
         "config": config,
@@ -74,8 +91,14 @@ def child(config: str, workdir: Path, steps: int) -> dict:
 def build_assets(workdir: Path, hidden: int, layers: int, steps: int) -> None:
     from trainbridge.demos.tiny_model import build_tiny_llama
 
-    build_tiny_llama(workdir / "model", hidden_size=hidden, num_layers=layers, num_heads=8,
-                     intermediate_size=hidden * 11 // 4, max_position_embeddings=256)
+    build_tiny_llama(
+        workdir / "model",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=8,
+        intermediate_size=hidden * 11 // 4,
+        max_position_embeddings=256,
+    )
     import random
 
     rng = random.Random(0)
@@ -94,7 +117,10 @@ def report(results: list[dict], command: str, hidden: int, layers: int, steps: i
 
     full = next(r for r in results if r["config"] == "full")
     lines = [
-        "```", command, "```", "",
+        "```",
+        command,
+        "```",
+        "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores, "
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
         f"- Llama, hidden {hidden}, {layers} layers, {full['parameters']:,} parameters, fp32, AdamW; one rank; "
@@ -147,8 +173,20 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for config in CONFIGS:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", config, "--workdir", str(options.workdir), "--steps",
-             str(options.steps)], env=env, capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                config,
+                "--workdir",
+                str(options.workdir),
+                "--steps",
+                str(options.steps),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(results[-1], flush=True)
@@ -159,7 +197,7 @@ def main() -> None:
         doc = options.out.read_text() if options.out.exists() else ""
         section = f"{BEGIN}\n\n{text}\n\n{END}"
         if BEGIN in doc and END in doc:
-            doc = doc[: doc.index(BEGIN)] + section + doc[doc.index(END) + len(END):]
+            doc = doc[: doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) :]
         else:
             doc = doc.rstrip() + "\n\n## PEFT memory: LoRA vs full fine-tuning\n\n" + section + "\n"
         options.out.write_text(doc)

@@ -53,37 +53,74 @@ def main(argv: list[str] | None = None) -> int:
         pass
 
     root = Path(tempfile.mkdtemp(prefix="qlora-"))
-    model = build_tiny_llama(root / "model", hidden_size=options.hidden, num_layers=options.layers,
-                             num_heads=max(options.hidden // 64, 1), intermediate_size=options.hidden * 4)
+    model = build_tiny_llama(
+        root / "model",
+        hidden_size=options.hidden,
+        num_layers=options.layers,
+        num_heads=max(options.hidden // 64, 1),
+        intermediate_size=options.hidden * 4,
+    )
     data = write_arithmetic_dataset(root / "train.jsonl", 512, seed=1)
     backends = {"ddp": torch.uint8, "fsdp": compute} if options.nproc > 1 else {"ddp": torch.uint8}
     failed = False
     for backend, storage in backends.items():
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
-        common = dict(model_path=model, data_path=data, device=options.device, distributed_backend=backend,
-                      model_kwargs={"quantization_config": quantization},
-                      peft_config={"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.0},
-                      gradient_checkpointing=True, mixed_precision="bf16" if cuda else "no", max_seq_len=64,
-                      max_batch_len=256, effective_batch_size=16 * options.nproc, learning_rate=5e-3,
-                      lr_scheduler="constant", max_steps=options.steps, logging_steps=2, save_strategy="steps",
-                      save_steps=4, disable_tqdm=True, seed=3)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_quant_storage=storage,
+        )
+        common = dict(
+            model_path=model,
+            data_path=data,
+            device=options.device,
+            distributed_backend=backend,
+            model_kwargs={"quantization_config": quantization},
+            peft_config={"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.0},
+            gradient_checkpointing=True,
+            mixed_precision="bf16" if cuda else "no",
+            max_seq_len=64,
+            max_batch_len=256,
+            effective_batch_size=16 * options.nproc,
+            learning_rate=5e-3,
+            lr_scheduler="constant",
+            max_steps=options.steps,
+            logging_steps=2,
+            save_strategy="steps",
+            save_steps=4,
+            disable_tqdm=True,
+            seed=3,
+        )
         launch = TorchrunArgs(nproc_per_node=options.nproc)
-        row: dict = {"backend": backend, "quant_storage": str(storage), "device": options.device,
-                     "nproc": options.nproc}
+        row: dict = {
+            "backend": backend,
+            "quant_storage": str(storage),
+            "device": options.device,
+            "nproc": options.nproc,
+        }
         try:
             straight = run_training(TrainingArgs(ckpt_output_dir=root / backend, callbacks=[Peak()], **common), launch)
-            resumed = run_training(TrainingArgs(ckpt_output_dir=root / f"{backend}-resumed", **common,
-                                                resume_from_checkpoint=root / backend / "checkpoint-4"), launch)
+            resumed = run_training(
+                TrainingArgs(
+                    ckpt_output_dir=root / f"{backend}-resumed",
+                    **common,
+                    resume_from_checkpoint=root / backend / "checkpoint-4",
+                ),
+                launch,
+            )
             last = f"checkpoint-{options.steps}"
             a = load_file(root / backend / last / "adapter_model.safetensors")
             b = load_file(root / f"{backend}-resumed" / last / "adapter_model.safetensors")
             metrics = [json.loads(line) for line in Path(straight.metrics_file).read_text().splitlines()]
             peak = root / backend / "peak_mib.txt"
-            row.update(losses=[round(r["loss"], 4) for r in metrics if "loss" in r],
-                       resume_exact=a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
-                       checkpoint_files=sorted(p.name for p in (root / backend / last).iterdir()),
-                       peak_cuda_mib=int(peak.read_text()) if peak.is_file() else None, resumed=resumed.global_step)
+            row.update(
+                losses=[round(r["loss"], 4) for r in metrics if "loss" in r],
+                resume_exact=a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+                checkpoint_files=sorted(p.name for p in (root / backend / last).iterdir()),
+                peak_cuda_mib=int(peak.read_text()) if peak.is_file() else None,
+                resumed=resumed.global_step,
+            )
             failed |= not row["resume_exact"]
         except Exception as exc:  # one line per run, the next still runs
             row["error"] = f"{type(exc).__name__}: {exc}"[:2000]

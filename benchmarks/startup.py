@@ -67,7 +67,7 @@ class PhaseClock(Callback):
         Path(self.folder, f"clock-rank{context.rank}.json").write_text(json.dumps(self.stamps))
 '''
 
-CLI_WRAPPER = '''
+CLI_WRAPPER = """
 import atexit, sys, time, json
 t0 = time.time()
 import trainbridge.cli as cli
@@ -82,9 +82,9 @@ stamps_file = sys.argv[1]
 atexit.register(lambda: open(stamps_file, "w").write(json.dumps(dict(stamps, end=time.time()))))
 sys.argv = ["trainbridge", *sys.argv[2:]]
 sys.exit(cli.main())  # as the console script runs it: main() reads sys.argv and ends the process
-'''
+"""
 
-TRAINER_JOB = '''
+TRAINER_JOB = """
 import json, os, sys, time
 t0 = time.time()
 import psutil
@@ -112,12 +112,16 @@ args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch
                          logging_steps=4, save_strategy="no", report_to="none", learning_rate=1e-3)
 Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Clock()],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)).train()
-'''
+"""
 
-WORKER_IMPORTS = ("import trainbridge.launch.worker, trainbridge.launch.assembly, trainbridge.launch.transport, "
-                  "trainbridge.loop.build, trainbridge.loop.loop")
-TRAINER_IMPORTS = ("import torch; from transformers import AutoModelForCausalLM, AutoTokenizer, "
-                   "DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments")
+WORKER_IMPORTS = (
+    "import trainbridge.launch.worker, trainbridge.launch.assembly, trainbridge.launch.transport, "
+    "trainbridge.loop.build, trainbridge.loop.loop"
+)
+TRAINER_IMPORTS = (
+    "import torch; from transformers import AutoModelForCausalLM, AutoTokenizer, "
+    "DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments"
+)
 
 
 def _prepare(workdir: Path) -> dict[str, Path]:
@@ -131,15 +135,31 @@ def _prepare(workdir: Path) -> dict[str, Path]:
         build_tiny_llama(model, seed=0)
     from transformers import AutoTokenizer
 
-    data = write_arithmetic_dataset(workdir / "train.jsonl", STEPS * EFFECTIVE_BATCH, seed=1, fmt="tokenized",
-                                    tokenizer=AutoTokenizer.from_pretrained(model))
+    data = write_arithmetic_dataset(
+        workdir / "train.jsonl",
+        STEPS * EFFECTIVE_BATCH,
+        seed=1,
+        fmt="tokenized",
+        tokenizer=AutoTokenizer.from_pretrained(model),
+    )
     (workdir / "phase_clock.py").write_text(CLOCK_CALLBACK)
     (workdir / "cli_wrapper.py").write_text(CLI_WRAPPER)
     (workdir / "trainer_job.py").write_text(TRAINER_JOB)
-    config = {"model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "tb_out", "max_steps": STEPS,
-              "effective_batch_size": EFFECTIVE_BATCH, "max_seq_len": 64, "max_batch_len": 512, "device": "cpu",
-              "logging_steps": 4, "save_strategy": "no", "save_final_checkpoint": False, "learning_rate": 1e-3,
-              "callbacks": [{"class": "phase_clock:PhaseClock", "kwargs": {"folder": str(workdir / "tb_out")}}]}
+    config = {
+        "model_path": "model",
+        "data_path": "train.jsonl",
+        "ckpt_output_dir": "tb_out",
+        "max_steps": STEPS,
+        "effective_batch_size": EFFECTIVE_BATCH,
+        "max_seq_len": 64,
+        "max_batch_len": 512,
+        "device": "cpu",
+        "logging_steps": 4,
+        "save_strategy": "no",
+        "save_final_checkpoint": False,
+        "learning_rate": 1e-3,
+        "callbacks": [{"class": "phase_clock:PhaseClock", "kwargs": {"folder": str(workdir / "tb_out")}}],
+    }
     (workdir / "run.yaml").write_text(yaml.safe_dump(config))
     return {"model": model, "data": data}
 
@@ -163,10 +183,29 @@ def run_trainbridge(workdir: Path, src: Path | None = None) -> dict[str, float]:
         old.unlink()
     stamps_file = workdir / "cli_stamps.json"
     launched = time.time()
-    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(src), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    wall = _run([sys.executable, str(workdir / "cli_wrapper.py"), str(stamps_file), "train", "run.yaml",
-                 "--nproc-per-node", "2"], workdir, env)
+    env = (
+        None
+        if src is None
+        else {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(src), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+            ),
+        }
+    )
+    wall = _run(
+        [
+            sys.executable,
+            str(workdir / "cli_wrapper.py"),
+            str(stamps_file),
+            "train",
+            "run.yaml",
+            "--nproc-per-node",
+            "2",
+        ],
+        workdir,
+        env,
+    )
     parent = json.loads(stamps_file.read_text())
     ranks = _clocks(out)
     return {
@@ -187,9 +226,23 @@ def run_trainer(workdir: Path, paths: dict[str, Path]) -> dict[str, float]:
     for old in out.glob("clock-rank*.json"):
         old.unlink()
     launched = time.time()
-    wall = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                 str(_free_port()), str(workdir / "trainer_job.py"), str(paths["model"]), str(paths["data"]),
-                 str(out), str(STEPS)], workdir)
+    wall = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(workdir / "trainer_job.py"),
+            str(paths["model"]),
+            str(paths["data"]),
+            str(out),
+            str(STEPS),
+        ],
+        workdir,
+    )
     ranks = _clocks(out)
     return {
         "wall": wall,
@@ -221,9 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tb-startup"))
-    parser.add_argument("--baseline-src", type=Path,
-                        help="also time trainbridge from this source folder (e.g. an older commit's src/, "
-                             "from `git archive`), interleaved with the others: before/after in one table")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also time trainbridge from this source folder (e.g. an older commit's src/, "
+        "from `git archive`), interleaved with the others: before/after in one table",
+    )
     options = parser.parse_args(argv)
     workdir = options.workdir.resolve()
     paths = _prepare(workdir)
@@ -232,8 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, float]]] = {"trainbridge train": [], "torchrun + Trainer": []}
     if options.baseline_src:
         runs = {"trainbridge train (baseline)": [], **runs}
-    imports: dict[str, list[float]] = {"trainbridge worker imports": [], "Trainer script imports": [],
-                                       "trainbridge train --help": []}
+    imports: dict[str, list[float]] = {
+        "trainbridge worker imports": [],
+        "Trainer script imports": [],
+        "trainbridge train --help": [],
+    }
     for _ in range(options.repeats):  # interleaved, so a slow phase of the machine hits both
         if options.baseline_src:
             runs["trainbridge train (baseline)"].append(run_trainbridge(workdir, options.baseline_src.resolve()))
@@ -242,13 +301,18 @@ def main(argv: list[str] | None = None) -> None:
         imports["trainbridge worker imports"].append(_import_time(WORKER_IMPORTS))
         imports["Trainer script imports"].append(_import_time(TRAINER_IMPORTS))
         imports["trainbridge train --help"].append(
-            _import_time("import sys; sys.argv = ['trainbridge', 'train', '--help']\n"
-                         "import contextlib, io\nimport trainbridge.cli as c\n"
-                         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-                         "    c.main(['train', '--help'])"))
-    print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
-          f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+            _import_time(
+                "import sys; sys.argv = ['trainbridge', 'train', '--help']\n"
+                "import contextlib, io\nimport trainbridge.cli as c\n"
+                "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+                "    c.main(['train', '--help'])"
+            )
+        )
+    print(
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
+        f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(f"- python {platform.python_version()}; {options.repeats} interleaved repetitions; median (min..max) s\n")
     phases = list(runs["trainbridge train"][0])
     if options.baseline_src:
@@ -262,8 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {phase} | {' | '.join(cells)} |")
     print()
     for name, values in imports.items():
-        print(f"- {name} (fresh interpreter): {statistics.median(values):.2f} s "
-              f"({min(values):.2f}..{max(values):.2f})")
+        print(f"- {name} (fresh interpreter): {statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f})")
 
 
 if __name__ == "__main__":

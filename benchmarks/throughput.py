@@ -82,28 +82,50 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("trainer_default", "Trainer default", "trainer", "fixed"),
     BenchConfig("trainer_tuned", "Trainer tuned", "trainer", "fixed", trainer_tuned=True),
     BenchConfig("tb_fixed", "trainbridge padding-free + HF callback", "trainbridge", "fixed"),
-    BenchConfig("tb_fixed_padded", "trainbridge padded + HF callback", "trainbridge", "fixed",
-                trainbridge_packing="padded"),
+    BenchConfig(
+        "tb_fixed_padded", "trainbridge padded + HF callback", "trainbridge", "fixed", trainbridge_packing="padded"
+    ),
     BenchConfig("trainer_padded_var", "Trainer padded (default collator)", "trainer", "variable"),
-    BenchConfig("trainer_flat_var", "Trainer DataCollatorWithFlattening (tuned)", "trainer", "variable",
-                trainer_collator="flattening", trainer_tuned=True),
+    BenchConfig(
+        "trainer_flat_var",
+        "Trainer DataCollatorWithFlattening (tuned)",
+        "trainer",
+        "variable",
+        trainer_collator="flattening",
+        trainer_tuned=True,
+    ),
     BenchConfig("tb_var", "trainbridge padding-free + HF callback", "trainbridge", "variable"),
-    BenchConfig("tb_var_masked", "trainbridge padding-free, masked sdpa (varlen_sdpa=False)", "trainbridge",
-                "variable", trainbridge_varlen_sdpa=False),
-    BenchConfig("tb_var_padded", "trainbridge padded + HF callback", "trainbridge", "variable",
-                trainbridge_packing="padded"),
+    BenchConfig(
+        "tb_var_masked",
+        "trainbridge padding-free, masked sdpa (varlen_sdpa=False)",
+        "trainbridge",
+        "variable",
+        trainbridge_varlen_sdpa=False,
+    ),
+    BenchConfig(
+        "tb_var_padded", "trainbridge padded + HF callback", "trainbridge", "variable", trainbridge_packing="padded"
+    ),
 )
 """Every configuration, in run order; fixed-length ones first."""
 
 EXPERIMENTS: tuple[BenchConfig, ...] = (
-    BenchConfig("tb_var_256", "trainbridge padding-free, max_batch_len=256", "trainbridge", "variable",
-                trainbridge_max_batch_len=256),
-    BenchConfig("tb_var_192", "trainbridge padding-free, max_batch_len=192", "trainbridge", "variable",
-                trainbridge_max_batch_len=192),
+    BenchConfig(
+        "tb_var_256",
+        "trainbridge padding-free, max_batch_len=256",
+        "trainbridge",
+        "variable",
+        trainbridge_max_batch_len=256,
+    ),
+    BenchConfig(
+        "tb_var_192",
+        "trainbridge padding-free, max_batch_len=192",
+        "trainbridge",
+        "variable",
+        trainbridge_max_batch_len=192,
+    ),
 )
 """Further settings, run with ``--experiments`` (smaller token budgets: gradient accumulation)."""
 ALL_CONFIGS = CONFIGS + EXPERIMENTS
-
 
 
 @dataclass(frozen=True)
@@ -204,9 +226,17 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
     from trainbridge.launch.launcher import free_port
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(BENCHMARKS_DIR / script), *script_args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD_SIZE),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(BENCHMARKS_DIR / script),
+        *script_args,
     ]
     with log_path.open("ab") as log:
         completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
@@ -214,8 +244,9 @@ def run_torchrun_script(script: str, script_args: list[str], log_path: Path) -> 
         raise RuntimeError(f"{script} failed with exit code {completed.returncode}; see {log_path}")
 
 
-def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
-                    out: Path, log_path: Path) -> None:
+def run_trainbridge(
+    config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int, out: Path, log_path: Path
+) -> None:
     """``run_training`` with the ``StepClock`` HF callback (driven by trainbridge's HuggingFaceCallbacks)."""
     from trainbridge import TorchrunArgs, TrainingArgs, run_training
     from trainer_run import LOGGING_STEPS, StepClock
@@ -244,13 +275,26 @@ def run_trainbridge(config: BenchConfig, assets: Assets, steps: int, learning_ra
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
 
 
-def run_config(config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int,
-               out: Path, repeat: int) -> Measurement:
+def run_config(
+    config: BenchConfig, assets: Assets, steps: int, learning_rate: float, seed: int, out: Path, repeat: int
+) -> Measurement:
     """Run ``config`` once (repetition ``repeat``) into the fresh folder ``out`` and measure it."""
     out.mkdir(parents=True)
     log_path = out / "run.log"
-    common = ["--model", str(assets.model), "--data", str(assets.data(config.data)), "--out", str(out),
-              "--steps", str(steps), "--learning-rate", str(learning_rate), "--seed", str(seed)]
+    common = [
+        "--model",
+        str(assets.model),
+        "--data",
+        str(assets.data(config.data)),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--learning-rate",
+        str(learning_rate),
+        "--seed",
+        str(seed),
+    ]
     launch = time.time()
     if config.runner == "bare":
         run_torchrun_script("bare_ddp.py", common, log_path)
@@ -293,8 +337,14 @@ def machine_facts() -> list[str]:
 
     import trainbridge
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
     return [
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {os.cpu_count()} CPU cores ({cpu}), {platform.system()} {platform.release()}",
@@ -388,53 +438,59 @@ def runs_table(results: Results) -> list[str]:
 
 def results_section(results: Results, command: str, facts: list[str], steps: int, repeats: int) -> str:
     """The generated part of the report (between the markers)."""
-    return "\n".join([
-        RESULTS_BEGIN,
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        *facts,
-        f"- {steps} optimizer steps per run, 8 samples per step (4 per rank), tokens/s over steps 2..{steps}; "
-        f"{repeats} repetition(s) interleaved; each table shows each configuration's best run by its metric",
-        "",
-        "Wall clock (non-padding tokens of steps 2..N / (t_N - t_1)):",
-        "",
-        *results_table(results, "tokens_per_s"),
-        "",
-        "CPU-normalised (the same tokens / the ranks' mean CPU seconds over those steps):",
-        "",
-        *results_table(results, "tokens_per_cpu_s"),
-        "",
-        "Same-repetition ratios of trainbridge (each run / the reference's run of the same repetition), "
-        "wall clock:",
-        "",
-        *paired_table(results, "tokens_per_s"),
-        "",
-        "Same-repetition ratios, CPU-normalised:",
-        "",
-        *paired_table(results, "tokens_per_cpu_s"),
-        "",
-        "Every run:",
-        "",
-        *runs_table(results),
-        "",
-        *(["Failed runs (not measured):", "", *(f"- {line}" for line in results.failures), ""]
-          if results.failures else []),
-        RESULTS_END,
-    ])
+    return "\n".join(
+        [
+            RESULTS_BEGIN,
+            "",
+            "```",
+            command,
+            "```",
+            "",
+            *facts,
+            f"- {steps} optimizer steps per run, 8 samples per step (4 per rank), tokens/s over steps 2..{steps}; "
+            f"{repeats} repetition(s) interleaved; each table shows each configuration's best run by its metric",
+            "",
+            "Wall clock (non-padding tokens of steps 2..N / (t_N - t_1)):",
+            "",
+            *results_table(results, "tokens_per_s"),
+            "",
+            "CPU-normalised (the same tokens / the ranks' mean CPU seconds over those steps):",
+            "",
+            *results_table(results, "tokens_per_cpu_s"),
+            "",
+            "Same-repetition ratios of trainbridge (each run / the reference's run of the same repetition), "
+            "wall clock:",
+            "",
+            *paired_table(results, "tokens_per_s"),
+            "",
+            "Same-repetition ratios, CPU-normalised:",
+            "",
+            *paired_table(results, "tokens_per_cpu_s"),
+            "",
+            "Every run:",
+            "",
+            *runs_table(results),
+            "",
+            *(
+                ["Failed runs (not measured):", "", *(f"- {line}" for line in results.failures), ""]
+                if results.failures
+                else []
+            ),
+            RESULTS_END,
+        ]
+    )
 
 
 def write_report(path: Path, section: str) -> None:
     """Replace the result markers' content in ``path`` (create the file with a heading if missing)."""
-    text = (path.read_text() if path.exists()
-            else "# Throughput benchmark\n\n" + RESULTS_BEGIN + "\n" + RESULTS_END + "\n")
+    text = (
+        path.read_text() if path.exists() else "# Throughput benchmark\n\n" + RESULTS_BEGIN + "\n" + RESULTS_END + "\n"
+    )
     start, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
     if start < 0 or end < start:
         text = text.rstrip() + "\n\n" + section + "\n"
     else:
-        text = text[:start] + section + text[end + len(RESULTS_END):]
+        text = text[:start] + section + text[end + len(RESULTS_END) :]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
@@ -447,14 +503,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="repetitions of the whole list, interleaved")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", choices=[c.key for c in ALL_CONFIGS],
-                        help="run only these configurations")
-    parser.add_argument("--experiments", action="store_true",
-                        help="also run EXPERIMENTS (trainbridge with smaller token budgets)")
+    parser.add_argument("--only", nargs="*", choices=[c.key for c in ALL_CONFIGS], help="run only these configurations")
+    parser.add_argument(
+        "--experiments", action="store_true", help="also run EXPERIMENTS (trainbridge with smaller token budgets)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="markdown report to update (e.g. docs/benchmarks.md)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep model, data and logs here")
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile rank 0 of Trainer/trainbridge runs (profile-rank0.pstats; slows them)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile rank 0 of Trainer/trainbridge runs (profile-rank0.pstats; slows them)",
+    )
     options = parser.parse_args(argv)
     if options.steps < 3:
         parser.error("--steps must be at least 3")
@@ -475,20 +534,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         for config in selected:
             out = workdir / f"run{repeat}-{config.key}"
             try:
-                measurement = run_config(config, assets, options.steps, options.learning_rate, options.seed, out,
-                                         repeat)
+                measurement = run_config(
+                    config, assets, options.steps, options.learning_rate, options.seed, out, repeat
+                )
             except Exception as error:  # a failed run is reported, the others still run
                 reason = str(error).splitlines()[0]
-                results.failures.append(f"{config.data}: {config.label}, repetition {repeat + 1}: {reason} "
-                                        f"(log: {out / 'run.log'})")
-                print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} FAILED: {reason}",
-                      flush=True)
+                results.failures.append(
+                    f"{config.data}: {config.label}, repetition {repeat + 1}: {reason} (log: {out / 'run.log'})"
+                )
+                print(
+                    f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} FAILED: {reason}", flush=True
+                )
                 continue
             results.add(measurement)
-            print(f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} "
-                  f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  "
-                  f"start->step1 {measurement.start_to_first_step_s:5.1f} s  "
-                  f"wall {measurement.wall_s:5.1f} s", flush=True)
+            print(
+                f"[{repeat + 1}/{options.repeats}] {config.data:8} {config.label:45} "
+                f"{measurement.tokens_per_s:8,.0f} tokens/s {measurement.tokens_per_cpu_s:8,.0f} tokens/CPU-s  "
+                f"start->step1 {measurement.start_to_first_step_s:5.1f} s  "
+                f"wall {measurement.wall_s:5.1f} s",
+                flush=True,
+            )
     command = "python benchmarks/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     section = results_section(results, command.strip(), facts, options.steps, options.repeats)
     print()

@@ -94,14 +94,18 @@ class StepClock(TrainerCallback):
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(Path(self.out_dir) / f"profile-rank{rank}.pstats")
-        write_clock(self.out_dir, rank, {
-            "rank": rank,
-            "step_end_times": self.step_end_times,
-            "step_end_cpu_times": self.step_end_cpu_times,
-            "tokens_seen_at_step_begin": self.tokens_seen_at_step_begin,
-            "tokens_seen_at_train_end": int(state.num_input_tokens_seen),
-            "local_tokens": self.local_tokens,
-        })
+        write_clock(
+            self.out_dir,
+            rank,
+            {
+                "rank": rank,
+                "step_end_times": self.step_end_times,
+                "step_end_cpu_times": self.step_end_cpu_times,
+                "tokens_seen_at_step_begin": self.tokens_seen_at_step_begin,
+                "tokens_seen_at_train_end": int(state.num_input_tokens_seen),
+                "local_tokens": self.local_tokens,
+            },
+        )
 
 
 class CountingCollator:

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     for comparison in result.comparisons:
         verdict = "pass" if comparison.passed else f"DIFFERENCE ({len(comparison.unexplained)} unexplained)"
         known = ", ".join(comparison.known())
-        print(f"{comparison.scenario.name:>18} x{comparison.world_size}: {verdict}"
-              + (f" [explained: {known}]" if known else ""))
+        print(
+            f"{comparison.scenario.name:>18} x{comparison.world_size}: {verdict}"
+            + (f" [explained: {known}]" if known else "")
+        )
     print(f"report: {options.report} ({result.seconds:.0f} s)")
     return 0 if result.passed else 1
 

@@ -17,8 +17,17 @@ from compat.runners import scoped_environment
 from compat.scenarios import OBSERVATIONS_DIR
 
 TRAINER_STATE_FIELDS = (
-    "global_step", "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-    "train_batch_size", "best_global_step", "is_hyper_param_search", "trial_name", "stateful_callbacks",
+    "global_step",
+    "max_steps",
+    "num_train_epochs",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "train_batch_size",
+    "best_global_step",
+    "is_hyper_param_search",
+    "trial_name",
+    "stateful_callbacks",
 )
 """``trainer_state.json`` fields compared by value (epoch, best metric, best checkpoint and log history
 are normalised separately)."""
@@ -85,8 +94,9 @@ def mlflow_keys(tracking_dir: Path) -> tuple[list[str], list[str]] | None:
 
     with scoped_environment({"MLFLOW_ALLOW_FILE_STORE": "true"}):  # MLflow 3 refuses file stores otherwise
         client = MlflowClient(tracking_uri=tracking_dir.resolve().as_uri())
-        runs = [run for experiment in client.search_experiments()
-                for run in client.search_runs([experiment.experiment_id])]
+        runs = [
+            run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])
+        ]
     metrics: set[str] = set()
     params: set[str] = set()
     if not runs:
@@ -118,9 +128,9 @@ def wandb_records(path: Path) -> list[bytes]:
         if left_in_block < _WANDB_CHUNK_HEADER:  # block trailer padding
             position += left_in_block
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + _WANDB_CHUNK_HEADER])
+        _, length, kind = struct.unpack("<IHB", data[position : position + _WANDB_CHUNK_HEADER])
         position += _WANDB_CHUNK_HEADER
-        chunk = data[position:position + length]
+        chunk = data[position : position + length]
         position += length
         if kind == 0 and length == 0:
             continue

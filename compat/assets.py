@@ -69,8 +69,9 @@ def _write_fixed_width_problems(path: Path, n: int, seed: int, tokenizer: Any) -
         prompt = [tokenizer.bos_token_id, *tokenizer.encode(f"{a:02d}+{b:02d}=", add_special_tokens=False)]
         answer = [*tokenizer.encode(f"{a + b:03d}", add_special_tokens=False), tokenizer.eos_token_id]
         if len(prompt) + len(answer) != SAMPLE_TOKENS:
-            raise ValueError(f"{path}: sample {a:02d}+{b:02d} has {len(prompt) + len(answer)} tokens, "
-                             f"expected {SAMPLE_TOKENS}")
+            raise ValueError(
+                f"{path}: sample {a:02d}+{b:02d} has {len(prompt) + len(answer)} tokens, expected {SAMPLE_TOKENS}"
+            )
         lines.append(json.dumps({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -21,8 +21,19 @@ from compat.recorder import CONTROL_FLAGS, read_trace
 from compat.runners import RunOutcome
 from compat.scenarios import Scenario
 
-TRACE_FIELDS = ("epoch", "max_steps", "num_train_epochs", "logs", "metrics", "best_metric", "best_global_step",
-                "best_model_checkpoint", "kwargs", "none_kwargs", "num_input_tokens_seen")
+TRACE_FIELDS = (
+    "epoch",
+    "max_steps",
+    "num_train_epochs",
+    "logs",
+    "metrics",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+    "kwargs",
+    "none_kwargs",
+    "num_input_tokens_seen",
+)
 """Snapshot fields compared on aligned hooks (``control`` is compared flag by flag)."""
 
 
@@ -44,8 +55,9 @@ class Difference:
     def describe(self) -> str:
         """One line: where, what, and both values."""
         at = f"{self.event} @ step {self.step}, " if self.event else ""
-        return (f"{self.where}: {at}{self.field}: Trainer {_short(self.trainer)} / "
-                f"trainbridge {_short(self.trainbridge)}")
+        return (
+            f"{self.where}: {at}{self.field}: Trainer {_short(self.trainer)} / trainbridge {_short(self.trainbridge)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,16 +105,28 @@ def _short(value: Any, limit: int = 160) -> str:
 
 
 # ============================================================================ known differences
-def _is(scenario: str | None = None, *, event: str | None = None, fields: Sequence[str] = (),
-        where_prefix: str | None = None, rank: int | None = None, world_size: int | None = None,
-        step: int | None = None) -> Callable[[Difference], bool]:
+def _is(
+    scenario: str | None = None,
+    *,
+    event: str | None = None,
+    fields: Sequence[str] = (),
+    where_prefix: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    step: int | None = None,
+) -> Callable[[Difference], bool]:
     """A predicate over a difference; every given criterion must hold."""
 
     def applies(d: Difference) -> bool:
-        return ((scenario is None or d.scenario == scenario) and (event is None or d.event == event)
-                and (not fields or d.field in fields) and (where_prefix is None or d.where.startswith(where_prefix))
-                and (rank is None or d.rank == rank) and (world_size is None or d.world_size == world_size)
-                and (step is None or d.step == step))
+        return (
+            (scenario is None or d.scenario == scenario)
+            and (event is None or d.event == event)
+            and (not fields or d.field in fields)
+            and (where_prefix is None or d.where.startswith(where_prefix))
+            and (rank is None or d.rank == rank)
+            and (world_size is None or d.world_size == world_size)
+            and (step is None or d.step == step)
+        )
 
     return applies
 
@@ -138,8 +162,13 @@ def explain(difference: Difference) -> KnownDifference | None:
 
 
 # ============================================================================ comparison
-def compare(spec: Scenario, world_size: int, trainer: RunOutcome, trainbridge: RunOutcome,
-            trainer_one_rank: RunOutcome | None = None) -> Comparison:
+def compare(
+    spec: Scenario,
+    world_size: int,
+    trainer: RunOutcome,
+    trainbridge: RunOutcome,
+    trainer_one_rank: RunOutcome | None = None,
+) -> Comparison:
     """Compare the two runs of ``spec`` at ``world_size``.
 
     Where Trainer is expected to fail at this size (``spec.trainer_fails``), its failure is recorded as a
@@ -149,8 +178,9 @@ def compare(spec: Scenario, world_size: int, trainer: RunOutcome, trainbridge: R
     reference = trainer
     if world_size in spec.trainer_fails:
         if trainer.status == "completed":
-            differences.append(Difference(spec.name, world_size, "Trainer run", "status",
-                                          "completed", "expected a crash or a hang"))
+            differences.append(
+                Difference(spec.name, world_size, "Trainer run", "status", "completed", "expected a crash or a hang")
+            )
         else:
             comparison.findings.append(f"Trainer {trainer.status} on {world_size} ranks (expected): {trainer.error}")
         if trainer_one_rank is None or trainer_one_rank.status != "completed":
@@ -163,14 +193,32 @@ def compare(spec: Scenario, world_size: int, trainer: RunOutcome, trainbridge: R
         differences.append(Difference(spec.name, world_size, "Trainer run", "status", trainer.status, "reference"))
         comparison.findings.append(f"Trainer {trainer.status}: {trainer.error}")
     if trainbridge.status != "completed":
-        differences.append(Difference(spec.name, world_size, "trainbridge run", "status", "completed",
-                                      f"{trainbridge.status}: {trainbridge.error}"))
+        differences.append(
+            Difference(
+                spec.name,
+                world_size,
+                "trainbridge run",
+                "status",
+                "completed",
+                f"{trainbridge.status}: {trainbridge.error}",
+            )
+        )
     elif trainbridge.callback_errors != sorted(set(spec.expected_callback_errors)):
-        differences.append(Difference(spec.name, world_size, "trainbridge run", "callback_errors",
-                                      sorted(set(spec.expected_callback_errors)), trainbridge.callback_errors))
+        differences.append(
+            Difference(
+                spec.name,
+                world_size,
+                "trainbridge run",
+                "callback_errors",
+                sorted(set(spec.expected_callback_errors)),
+                trainbridge.callback_errors,
+            )
+        )
     elif spec.expected_callback_errors:
-        comparison.findings.append(f"trainbridge isolated and reported {', '.join(trainbridge.callback_errors)}; "
-                                   "every other callback matched Trainer's run without it")
+        comparison.findings.append(
+            f"trainbridge isolated and reported {', '.join(trainbridge.callback_errors)}; "
+            "every other callback matched Trainer's run without it"
+        )
     if reference.status == "completed" and trainbridge.status == "completed":
         reference_ranks = reference.world_size
         phases = [""] + (["resume"] if spec.resume_from is not None else [])
@@ -182,8 +230,9 @@ def compare(spec: Scenario, world_size: int, trainer: RunOutcome, trainbridge: R
                 label = f"rank {rank} trace" + (f" ({phase})" if phase else "")
                 differences += compare_traces(spec.name, world_size, rank, label, theirs, ours)
         if reference is trainer:
-            differences += compare_artifacts(spec.name, world_size, collect_artifacts(trainer.run_dir),
-                                             collect_artifacts(trainbridge.run_dir))
+            differences += compare_artifacts(
+                spec.name, world_size, collect_artifacts(trainer.run_dir), collect_artifacts(trainbridge.run_dir)
+            )
     for difference in differences:
         known = explain(difference)
         if known is None:
@@ -197,14 +246,28 @@ def _rank_agreement(scenario: str, world_size: int, phase: str, traces: list[lis
     """trainbridge's ranks must fire the same hooks at the same steps."""
     sequences = [[(s["event"], s["global_step"]) for s in trace] for trace in traces]
     return [
-        Difference(scenario, world_size, f"trainbridge rank {rank} vs rank 0" + (f" ({phase})" if phase else ""),
-                   "hook sequence", sequences[0], sequence, rank=rank)
-        for rank, sequence in enumerate(sequences[1:], start=1) if sequence != sequences[0]
+        Difference(
+            scenario,
+            world_size,
+            f"trainbridge rank {rank} vs rank 0" + (f" ({phase})" if phase else ""),
+            "hook sequence",
+            sequences[0],
+            sequence,
+            rank=rank,
+        )
+        for rank, sequence in enumerate(sequences[1:], start=1)
+        if sequence != sequences[0]
     ]
 
 
-def compare_traces(scenario: str, world_size: int, rank: int, where: str, trainer: list[dict[str, Any]],
-                   trainbridge: list[dict[str, Any]]) -> list[Difference]:
+def compare_traces(
+    scenario: str,
+    world_size: int,
+    rank: int,
+    where: str,
+    trainer: list[dict[str, Any]],
+    trainbridge: list[dict[str, Any]],
+) -> list[Difference]:
     """Differences between two traces of one rank (aligned on ``(event, global_step)``)."""
     keys_a = [(s["event"], s["global_step"]) for s in trainer]
     keys_b = [(s["event"], s["global_step"]) for s in trainbridge]
@@ -218,30 +281,76 @@ def compare_traces(scenario: str, world_size: int, rank: int, where: str, traine
                 differences += _compare_snapshots(scenario, world_size, rank, where, a, b)
             continue
         for a in trainer[a0:a1]:
-            differences.append(Difference(scenario, world_size, where, "hook", "called", "not called",
-                                          event=a["event"], step=a["global_step"], rank=rank))
+            differences.append(
+                Difference(
+                    scenario,
+                    world_size,
+                    where,
+                    "hook",
+                    "called",
+                    "not called",
+                    event=a["event"],
+                    step=a["global_step"],
+                    rank=rank,
+                )
+            )
         for b in trainbridge[b0:b1]:
-            differences.append(Difference(scenario, world_size, where, "hook", "not called", "called",
-                                          event=b["event"], step=b["global_step"], rank=rank))
+            differences.append(
+                Difference(
+                    scenario,
+                    world_size,
+                    where,
+                    "hook",
+                    "not called",
+                    "called",
+                    event=b["event"],
+                    step=b["global_step"],
+                    rank=rank,
+                )
+            )
     return differences
 
 
-def _compare_snapshots(scenario: str, world_size: int, rank: int, where: str, a: dict[str, Any],
-                       b: dict[str, Any]) -> list[Difference]:
+def _compare_snapshots(
+    scenario: str, world_size: int, rank: int, where: str, a: dict[str, Any], b: dict[str, Any]
+) -> list[Difference]:
     found = []
     for name in TRACE_FIELDS:
         if a.get(name) != b.get(name):
-            found.append(Difference(scenario, world_size, where, name, a.get(name), b.get(name),
-                                    event=a["event"], step=a["global_step"], rank=rank))
+            found.append(
+                Difference(
+                    scenario,
+                    world_size,
+                    where,
+                    name,
+                    a.get(name),
+                    b.get(name),
+                    event=a["event"],
+                    step=a["global_step"],
+                    rank=rank,
+                )
+            )
     for flag in CONTROL_FLAGS:
         if a["control"][flag] != b["control"][flag]:
-            found.append(Difference(scenario, world_size, where, f"control.{flag}", a["control"][flag],
-                                    b["control"][flag], event=a["event"], step=a["global_step"], rank=rank))
+            found.append(
+                Difference(
+                    scenario,
+                    world_size,
+                    where,
+                    f"control.{flag}",
+                    a["control"][flag],
+                    b["control"][flag],
+                    event=a["event"],
+                    step=a["global_step"],
+                    rank=rank,
+                )
+            )
     return found
 
 
-def compare_artifacts(scenario: str, world_size: int, trainer: dict[str, Any],
-                      trainbridge: dict[str, Any]) -> list[Difference]:
+def compare_artifacts(
+    scenario: str, world_size: int, trainer: dict[str, Any], trainbridge: dict[str, Any]
+) -> list[Difference]:
     """Differences between the artifacts of two runs (by artifact name, then by field)."""
     differences = []
     for name in sorted(set(trainer) | set(trainbridge)):

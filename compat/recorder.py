@@ -39,8 +39,13 @@ HOOKS = tuple(sorted(name for name in vars(TrainerCallback) if name.startswith("
 """Every hook a ``TrainerCallback`` can implement."""
 
 OBSERVED_CALLBACK_CLASSES: tuple[type[TrainerCallback], ...] = (
-    DefaultFlowCallback, ProgressCallback, PrinterCallback, EarlyStoppingCallback,
-    TensorBoardCallback, MLflowCallback, WandbCallback,
+    DefaultFlowCallback,
+    ProgressCallback,
+    PrinterCallback,
+    EarlyStoppingCallback,
+    TensorBoardCallback,
+    MLflowCallback,
+    WandbCallback,
 )
 """The transformers callback classes whose hooks and attribute reads the report lists."""
 
@@ -78,8 +83,9 @@ def relative_checkpoint(path: str | None, output_dir: str) -> str | None:
         return str(path)
 
 
-def snapshot(event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-             kwargs: dict[str, Any]) -> dict[str, Any]:
+def snapshot(
+    event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
+) -> dict[str, Any]:
     """The normalised view of one hook call that the suite compares between runners."""
     return {
         "event": event,
@@ -109,8 +115,9 @@ class TraceRecorder(TrainerCallback):
     def __getstate__(self) -> dict[str, Any]:
         return {"trace_dir": self.trace_dir, "_file": None}
 
-    def _record(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                kwargs: dict[str, Any]) -> None:
+    def _record(
+        self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
+    ) -> None:
         if self._file is None:
             path = trace_path(self.trace_dir, args.process_index)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,8 +252,9 @@ class AttributeAccessLog:
 
     def as_json(self) -> dict[str, dict[str, list[str]]]:
         """``{class name: {"args": [...], "state": [...]}}`` with sorted attribute names."""
-        return {owner: {kind: sorted(names) for kind, names in kinds.items()}
-                for owner, kinds in sorted(self.reads.items())}
+        return {
+            owner: {kind: sorted(names) for kind, names in kinds.items()} for owner, kinds in sorted(self.reads.items())
+        }
 
     def write(self, path: str | Path) -> None:
         """Write ``as_json()`` to ``path``."""

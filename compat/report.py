@@ -106,8 +106,11 @@ def _explained_section(comparisons: list[Comparison]) -> list[str]:
     lines = ["", "## 2. Explained differences", ""]
     if not seen:
         return [*lines, "None."]
-    lines += ["*divergence*: a trainbridge bug, root cause and proposed fix below (marked here until fixed); "
-              "*deliberate*: a documented trainbridge design choice.", ""]
+    lines += [
+        "*divergence*: a trainbridge bug, root cause and proposed fix below (marked here until fixed); "
+        "*deliberate*: a documented trainbridge design choice.",
+        "",
+    ]
     for known in KNOWN_DIFFERENCES:
         if known.key not in seen:
             continue
@@ -163,12 +166,20 @@ def _findings_section(comparisons: list[Comparison]) -> list[str]:
 
 
 def _porting_section(outcomes: Iterable[RunOutcome]) -> list[str]:
-    lines = ["", "## 5. Porting notes (`training_args_from_hf`)", "",
-             "The trainbridge runner builds its `TrainingArgs` with `training_args_from_hf` alone (plus paths, "
-             "batch shape and callbacks): nothing is set on top of the port to match Trainer."]
+    lines = [
+        "",
+        "## 5. Porting notes (`training_args_from_hf`)",
+        "",
+        "The trainbridge runner builds its `TrainingArgs` with `training_args_from_hf` alone (plus paths, "
+        "batch shape and callbacks): nothing is set on top of the port to match Trainer.",
+    ]
     warnings = sorted({w for o in outcomes if o.runner == "trainbridge" for w in o.porting_warnings})
-    lines += ["", "`HFPortingWarning`s raised while porting the scenarios (all expected: the batch shape is "
-              "given to trainbridge as `effective_batch_size` / `max_batch_len` instead):", ""]
+    lines += [
+        "",
+        "`HFPortingWarning`s raised while porting the scenarios (all expected: the batch shape is "
+        "given to trainbridge as `effective_batch_size` / `max_batch_len` instead):",
+        "",
+    ]
     lines += [f"- {w}" for w in warnings] or ["- none"]
     return lines
 
@@ -202,7 +213,9 @@ def _names(trainer: set[str], trainbridge: set[str]) -> str:
 def _callback_table(outcomes: Iterable[RunOutcome]) -> list[str]:
     reads = _read_access(outcomes)
     lines = [
-        "", "## 6. transformers callback classes", "",
+        "",
+        "## 6. transformers callback classes",
+        "",
         "Hooks: the `TrainerCallback` methods the class overrides. Attributes: what code of the class read "
         "from `args` (`TrainingArguments`) and `state` (`TrainerState`) in these runs, recorded by patching "
         "both classes' `__getattribute__` in the worker processes for the duration of a run (objects stay "
@@ -217,8 +230,10 @@ def _callback_table(outcomes: Iterable[RunOutcome]) -> list[str]:
         trainer = reads["trainer"].get(name, {"args": set(), "state": set()})
         ours = reads["trainbridge"].get(name, {"args": set(), "state": set()})
         hooks = ", ".join(f"`{h}`" for h in overridden_hooks(cls))
-        lines.append(f"| {name} | {hooks} | {_names(trainer['args'], ours['args'])} | "
-                     f"{_names(trainer['state'], ours['state'])} |")
+        lines.append(
+            f"| {name} | {hooks} | {_names(trainer['args'], ours['args'])} | "
+            f"{_names(trainer['state'], ours['state'])} |"
+        )
     return lines
 
 

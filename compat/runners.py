@@ -38,7 +38,6 @@ RUNNERS: tuple[Runner, ...] = ("trainer", "trainbridge")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-
 @dataclass
 class RunOutcome:
     """What one run did."""
@@ -89,8 +88,9 @@ def integration_environment(run_dir: Path) -> dict[str, str]:
     }
 
 
-def run_scenarios(specs: Sequence[Scenario], runner: Runner, world_size: int, assets: CompatAssets,
-                  work: Path) -> list[RunOutcome]:
+def run_scenarios(
+    specs: Sequence[Scenario], runner: Runner, world_size: int, assets: CompatAssets, work: Path
+) -> list[RunOutcome]:
     """Run each of ``specs`` with ``runner`` on ``world_size`` ranks (both phases of a resume scenario).
 
     trainbridge: one ``run_training`` per phase.  Trainer: scenarios that do not ``runs_alone`` share one
@@ -131,16 +131,34 @@ def _fresh_outcome(spec: Scenario, runner: Runner, world_size: int, work: Path) 
 def _launch_trainer(group: Sequence[tuple[Scenario, RunOutcome]], world_size: int, assets: CompatAssets) -> None:
     """One torchrun launch of ``compat.trainer_worker`` running every phase of every scenario of ``group``."""
     jobs = [
-        {"scenario": spec.name, "world_size": world_size, "out": str(outcome.output_dir),
-         "trace": str(outcome.trace_dir(phase)), "resume_from": resume_from,
-         "env": integration_environment(outcome.run_dir),
-         "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json")}
-        for spec, outcome in group for phase, resume_from in _phases(spec)
+        {
+            "scenario": spec.name,
+            "world_size": world_size,
+            "out": str(outcome.output_dir),
+            "trace": str(outcome.trace_dir(phase)),
+            "resume_from": resume_from,
+            "env": integration_environment(outcome.run_dir),
+            "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json"),
+        }
+        for spec, outcome in group
+        for phase, resume_from in _phases(spec)
     ]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "compat.trainer_worker", "--assets", json.dumps(assets.as_json()), "--jobs", json.dumps(jobs),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "compat.trainer_worker",
+        "--assets",
+        json.dumps(assets.as_json()),
+        "--jobs",
+        json.dumps(jobs),
     ]
     env = {**os.environ, **integration_environment(group[0][1].run_dir)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -149,8 +167,9 @@ def _launch_trainer(group: Sequence[tuple[Scenario, RunOutcome]], world_size: in
     start = time.monotonic()
     error: tuple[Literal["failed", "timeout"], str] | None = None
     with console_path.open("ab") as console:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             returncode = process.wait(timeout=timeout)
             if returncode != 0:
@@ -185,8 +204,11 @@ def _first_error_line(log: Path) -> str:
         for line in reversed(lines):
             prefix, _, text = line.partition("]:")
             text = text.strip()
-            if prefix.startswith("[rank") and ("Error" in text or "Exception" in text) \
-                    and not text.startswith(("File ", "raise ", "^")):
+            if (
+                prefix.startswith("[rank")
+                and ("Error" in text or "Exception" in text)
+                and not text.startswith(("File ", "raise ", "^"))
+            ):
                 message = f"{prefix}] {text}"
                 break
     message = (message or (lines[-1] if lines else "no output"))[:400]
@@ -201,7 +223,7 @@ def _root_cause(lines: list[str]) -> str | None:
     except StopIteration:
         return None
     fields = {}
-    for line in lines[start:start + 10]:
+    for line in lines[start : start + 10]:
         key, sep, value = line.partition(":")
         if sep:
             fields[key.strip()] = value.strip()
@@ -212,8 +234,9 @@ def _root_cause(lines: list[str]) -> str | None:
 
 
 # ============================================================================ trainbridge
-def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome,
-                          phase: str, resume_from: int | None) -> Any:
+def trainbridge_arguments(
+    spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
+) -> Any:
     """The ``TrainingArgs`` of a trainbridge run: ``training_args_from_hf`` of the scenario's
     ``TrainingArguments`` plus the paths, batch shape and callbacks."""
     hf_values = spec.training_arguments(outcome.output_dir, world_size)
@@ -241,12 +264,12 @@ def trainbridge_arguments(spec: Scenario, world_size: int, assets: CompatAssets,
     return args
 
 
-def _launch_trainbridge(spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str,
-                        resume_from: int | None) -> None:
+def _launch_trainbridge(
+    spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
+) -> None:
     try:
         args = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
-        with scoped_environment(integration_environment(outcome.run_dir)), \
-                console_to(outcome.run_dir / "console.log"):
+        with scoped_environment(integration_environment(outcome.run_dir)), console_to(outcome.run_dir / "console.log"):
             result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
         if result is not None:
             outcome.callback_errors = sorted({report.callback for report in result.callback_errors})
@@ -272,5 +295,3 @@ def scoped_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-

@@ -88,10 +88,16 @@ class StepTally(TrainerCallback, ExportableState):
         self.evaluations = evaluations
 
     def on_train_begin(self, args, state, control, **kwargs):
-        write_observation(args, "step_tally", {
-            "at_train_begin_global_step": state.global_step, "label": self.label,
-            "steps_seen": self.steps_seen, "evaluations": self.evaluations,
-        })
+        write_observation(
+            args,
+            "step_tally",
+            {
+                "at_train_begin_global_step": state.global_step,
+                "label": self.label,
+                "steps_seen": self.steps_seen,
+                "evaluations": self.evaluations,
+            },
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_seen += 1
@@ -100,8 +106,10 @@ class StepTally(TrainerCallback, ExportableState):
         self.evaluations += 1
 
     def state(self) -> dict[str, Any]:
-        return {"args": {"label": self.label},
-                "attributes": {"steps_seen": self.steps_seen, "evaluations": self.evaluations}}
+        return {
+            "args": {"label": self.label},
+            "attributes": {"steps_seen": self.steps_seen, "evaluations": self.evaluations},
+        }
 
 
 class StopOnLastRank(TrainerCallback):
@@ -163,8 +171,10 @@ class Scenario:
         """``per_device_train_batch_size`` (and eval batch) at ``world_size``."""
         rows, remainder = divmod(self.samples_per_step, self.gradient_accumulation_steps * world_size)
         if remainder or rows == 0:
-            raise ValueError(f"scenario {self.name}: {self.samples_per_step} samples per step do not split into "
-                             f"{self.gradient_accumulation_steps} accumulation steps x {world_size} ranks")
+            raise ValueError(
+                f"scenario {self.name}: {self.samples_per_step} samples per step do not split into "
+                f"{self.gradient_accumulation_steps} accumulation steps x {world_size} ranks"
+            )
         if TRAIN_SAMPLES % self.samples_per_step or EVAL_SAMPLES % (rows * world_size):
             raise ValueError(f"scenario {self.name}: data sizes must be multiples of the batch sizes")
         return rows
@@ -199,8 +209,14 @@ def _third_party_best() -> list[TrainerCallback]:
     from trl import BEMACallback  # trl's own callback, unchanged (runs without a trainer object)
 
     # evaluations at steps 2, 4, 6, 8: best at step 4 (0.5), so the best model is not the last one
-    return [ScriptedEvalLoss([0.9, 0.5, 0.7, 0.8]), BEMACallback(update_freq=2), ReadsSFTConfig(),
-            LossWatchDog(threshold=1e9), WeightsAtTrainEnd(), SaveModelAtTrainEnd()]
+    return [
+        ScriptedEvalLoss([0.9, 0.5, 0.7, 0.8]),
+        BEMACallback(update_freq=2),
+        ReadsSFTConfig(),
+        LossWatchDog(threshold=1e9),
+        WeightsAtTrainEnd(),
+        SaveModelAtTrainEnd(),
+    ]
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -213,31 +229,60 @@ SCENARIOS: tuple[Scenario, ...] = (
         "step_schedules",
         "logging/eval/save every 2/3/5 steps, logging_first_step, eval_delay=4, eval_on_start, max_steps "
         "ending mid-epoch (10 of 4 per epoch), gradient accumulation 2 (substeps)",
-        {"logging_steps": 2, "logging_first_step": True, "eval_strategy": "steps", "eval_steps": 3,
-         "eval_delay": 4, "eval_on_start": True, "save_strategy": "steps", "save_steps": 5, "max_steps": 10},
+        {
+            "logging_steps": 2,
+            "logging_first_step": True,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+            "eval_delay": 4,
+            "eval_on_start": True,
+            "save_strategy": "steps",
+            "save_steps": 5,
+            "max_steps": 10,
+        },
         gradient_accumulation_steps=2,
         fast=(1, 2),
     ),
     Scenario(
         "epoch_strategies",
         "logging/eval/save at every epoch end, 3 epochs, eval_delay=2 epochs",
-        {"logging_strategy": "epoch", "eval_strategy": "epoch", "eval_delay": 2, "save_strategy": "epoch",
-         "num_train_epochs": 3},
+        {
+            "logging_strategy": "epoch",
+            "eval_strategy": "epoch",
+            "eval_delay": 2,
+            "save_strategy": "epoch",
+            "num_train_epochs": 3,
+        },
     ),
     Scenario(
         "early_stopping",
         "EarlyStoppingCallback(patience=2) on a scripted eval_loss (stops at step 8), "
         "load_best_model_at_end, save_total_limit=2",
-        {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
-         "logging_steps": 2, "metric_for_best_model": "eval_loss", "load_best_model_at_end": True,
-         "save_total_limit": 2, "max_steps": 12},
+        {
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "steps",
+            "save_steps": 2,
+            "logging_steps": 2,
+            "metric_for_best_model": "eval_loss",
+            "load_best_model_at_end": True,
+            "save_total_limit": 2,
+            "max_steps": 12,
+        },
         callbacks=_early_stopping,
     ),
     Scenario(
         "save_best",
         'save_strategy="best" on a scripted eval_loss (new bests at steps 2, 4, 8, 12), save_total_limit=2',
-        {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "best", "metric_for_best_model": "eval_loss",
-         "logging_steps": 4, "save_total_limit": 2, "max_steps": 12},
+        {
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "best",
+            "metric_for_best_model": "eval_loss",
+            "logging_steps": 4,
+            "save_total_limit": 2,
+            "max_steps": 12,
+        },
         callbacks=lambda: [ScriptedEvalLoss([0.9, 0.8, 0.85, 0.7, 0.75, 0.6])],
     ),
     Scenario(
@@ -245,15 +290,31 @@ SCENARIOS: tuple[Scenario, ...] = (
         "a callback returning a modified copy of control: save at 2, evaluate at 3, log at 5, "
         "epoch stop at 6, training stop at 9",
         {"save_strategy": "no", "logging_steps": 500, "max_steps": 12},
-        callbacks=lambda: [ControlScript({2: ["should_save"], 3: ["should_evaluate"], 5: ["should_log"],
-                                          6: ["should_epoch_stop"], 9: ["should_training_stop"]})],
+        callbacks=lambda: [
+            ControlScript(
+                {
+                    2: ["should_save"],
+                    3: ["should_evaluate"],
+                    5: ["should_log"],
+                    6: ["should_epoch_stop"],
+                    9: ["should_training_stop"],
+                }
+            )
+        ],
     ),
     Scenario(
         "stateful_resume",
         "an ExportableState callback: its state in trainer_state.json, then a resume from checkpoint-3 "
         "(restore_callback_states_from_checkpoint=True)",
-        {"save_strategy": "steps", "save_steps": 3, "eval_strategy": "steps", "eval_steps": 2,
-         "logging_steps": 2, "max_steps": 6, "restore_callback_states_from_checkpoint": True},
+        {
+            "save_strategy": "steps",
+            "save_steps": 3,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "logging_steps": 2,
+            "max_steps": 6,
+            "restore_callback_states_from_checkpoint": True,
+        },
         callbacks=lambda: [StepTally("tally")],
         resume_from=3,
         fast=(),
@@ -262,8 +323,15 @@ SCENARIOS: tuple[Scenario, ...] = (
         "integrations",
         "ProgressCallback plus report_to tensorboard, mlflow (file store) and wandb (offline): "
         "TensorBoard tags, MLflow metric keys and params, W&B history keys",
-        {"disable_tqdm": False, "report_to": ["tensorboard", "mlflow", "wandb"], "logging_steps": 2,
-         "eval_strategy": "steps", "eval_steps": 4, "max_steps": 8, "run_name": "compat"},
+        {
+            "disable_tqdm": False,
+            "report_to": ["tensorboard", "mlflow", "wandb"],
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 4,
+            "max_steps": 8,
+            "run_name": "compat",
+        },
         fast=(),
         timeout_s=300.0,
     ),
@@ -273,10 +341,22 @@ SCENARIOS: tuple[Scenario, ...] = (
         "checkpoint (step 4) not the last (step 8): trl's BEMACallback, an axolotl-style loss watchdog, a "
         "save-the-model-at-train-end callback and an observer of the weights in on_train_end; "
         "include_num_input_tokens_seen='non_padding'",
-        {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "logging_steps": 2,
-         "metric_for_best_model": "eval_loss", "load_best_model_at_end": True, "max_steps": 8, "bf16": False,
-         "gradient_checkpointing": False, "learning_rate": 1e-3, "max_length": 64,
-         "dataset_text_field": "prompt", "include_num_input_tokens_seen": "non_padding"},
+        {
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "steps",
+            "save_steps": 2,
+            "logging_steps": 2,
+            "metric_for_best_model": "eval_loss",
+            "load_best_model_at_end": True,
+            "max_steps": 8,
+            "bf16": False,
+            "gradient_checkpointing": False,
+            "learning_rate": 1e-3,
+            "max_length": 64,
+            "dataset_text_field": "prompt",
+            "include_num_input_tokens_seen": "non_padding",
+        },
         callbacks=_third_party_best,
         config_class="trl:SFTConfig",
         fast=(),
@@ -285,8 +365,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         "isolated_failure",
         "one callback raising at every on_step_end among working ones (trainbridge only; Trainer, which would "
         "crash, runs without it): the others receive every hook, the broken one is reported and switched off",
-        {"logging_steps": 2, "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "steps",
-         "save_steps": 4, "max_steps": 8},
+        {
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+            "save_strategy": "steps",
+            "save_steps": 4,
+            "max_steps": 8,
+        },
         callbacks=lambda: [HookCounter("before"), StepTally("tally"), HookCounter("after")],
         trainbridge_extra=lambda: [RaisesAtStepEnd()],
         expected_callback_errors=("RaisesAtStepEnd",),

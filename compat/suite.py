@@ -74,10 +74,19 @@ def run_suite(pairs: Iterable[Pair], work: Path, *, skip_expected_trainer_failur
     for spec, ws in pairs:
         trainer = outcomes.get((spec.name, "trainer", ws))
         if trainer is None:  # skipped expected failure
-            trainer = RunOutcome(spec.name, "trainer", ws, work / spec.name / f"trainer-ws{ws}", status="failed",
-                                 error="not launched (expected to crash or hang; run python -m compat for it)")
-        comparisons.append(compare(spec, ws, trainer, outcomes[(spec.name, "trainbridge", ws)],
-                                   outcomes.get((spec.name, "trainer", 1))))
+            trainer = RunOutcome(
+                spec.name,
+                "trainer",
+                ws,
+                work / spec.name / f"trainer-ws{ws}",
+                status="failed",
+                error="not launched (expected to crash or hang; run python -m compat for it)",
+            )
+        comparisons.append(
+            compare(
+                spec, ws, trainer, outcomes[(spec.name, "trainbridge", ws)], outcomes.get((spec.name, "trainer", 1))
+            )
+        )
     return SuiteResult(comparisons, outcomes, time.monotonic() - start, _environment())
 
 
@@ -87,6 +96,10 @@ def _environment() -> dict[str, str]:
 
     import trainbridge
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trainbridge": trainbridge.__version__,
-            "platform": platform.platform()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trainbridge": trainbridge.__version__,
+        "platform": platform.platform(),
+    }

@@ -23,9 +23,20 @@ from compat.suite import all_pairs, fast_pairs, run_suite
 
 def _hook(event: str, step: int, **fields) -> dict:
     flags = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-    snapshot = {"event": event, "global_step": step, "epoch": 0.0, "max_steps": 4, "num_train_epochs": 1,
-                "logs": None, "metrics": None, "best_metric": None, "best_global_step": None,
-                "best_model_checkpoint": None, "control": dict.fromkeys(flags, False), "kwargs": ["model"]}
+    snapshot = {
+        "event": event,
+        "global_step": step,
+        "epoch": 0.0,
+        "max_steps": 4,
+        "num_train_epochs": 1,
+        "logs": None,
+        "metrics": None,
+        "best_metric": None,
+        "best_global_step": None,
+        "best_model_checkpoint": None,
+        "control": dict.fromkeys(flags, False),
+        "kwargs": ["model"],
+    }
     snapshot.update(fields)
     return snapshot
 
@@ -36,13 +47,16 @@ def test_a_missing_hook_is_one_difference_and_later_hooks_still_align():
     ours = [_hook("on_step_end", 1), _hook("on_step_end", 2, max_steps=5)]
     differences = compare_traces("s", 1, 0, "rank 0 trace", trainer, ours)
     assert [(d.event, d.step, d.field) for d in differences] == [
-        ("on_save", 1, "hook"), ("on_step_end", 2, "max_steps")]
+        ("on_save", 1, "hook"),
+        ("on_step_end", 2, "max_steps"),
+    ]
     assert differences[0].trainer == "called" and differences[0].trainbridge == "not called"
 
 
 def test_control_flags_are_compared_one_by_one():
-    stop = dict.fromkeys(("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate",
-                          "should_log"), False) | {"should_training_stop": True}
+    stop = dict.fromkeys(
+        ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log"), False
+    ) | {"should_training_stop": True}
     (difference,) = compare_traces("s", 1, 0, "t", [_hook("on_step_end", 3, control=stop)], [_hook("on_step_end", 3)])
     assert difference.field == "control.should_training_stop"
     assert (difference.trainer, difference.trainbridge) == (True, False)
@@ -86,16 +100,19 @@ def fast_suite(tmp_path_factory):
 
 
 def _failure_message(comparison) -> str:
-    lines = [f"{comparison.scenario.name} on {comparison.world_size} rank(s): "
-             f"{len(comparison.unexplained)} unexplained difference(s)"]
+    lines = [
+        f"{comparison.scenario.name} on {comparison.world_size} rank(s): "
+        f"{len(comparison.unexplained)} unexplained difference(s)"
+    ]
     lines += [f"  {d.describe()}" for d in comparison.unexplained[:30]]
     lines += [f"  finding: {f}" for f in comparison.findings]
     return "\n".join(lines)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("name", "world_size"), [(s.name, ws) for s, ws in FAST],
-                         ids=[f"{s.name}-x{ws}" for s, ws in FAST])
+@pytest.mark.parametrize(
+    ("name", "world_size"), [(s.name, ws) for s, ws in FAST], ids=[f"{s.name}-x{ws}" for s, ws in FAST]
+)
 def test_trainbridge_matches_trainer(fast_suite, name, world_size):
     comparison = fast_suite[(name, world_size)]
     assert comparison.passed, _failure_message(comparison)
@@ -108,8 +125,11 @@ def test_one_rank_stop_stops_every_trainbridge_rank_at_the_same_step(fast_suite)
     from compat.recorder import read_trace
 
     for rank in (0, 1):
-        steps = [s["global_step"] for s in read_trace(comparison.trainbridge.trace_dir(), rank)
-                 if s["event"] == "on_step_end"]
+        steps = [
+            s["global_step"]
+            for s in read_trace(comparison.trainbridge.trace_dir(), rank)
+            if s["event"] == "on_step_end"
+        ]
         assert steps == [1, 2, 3], f"rank {rank} ran steps {steps}"
 
 
@@ -119,8 +139,9 @@ SLOW = [(s, ws) for s, ws in all_pairs() if (s, ws) not in FAST]
 
 @pytest.mark.distributed
 @pytest.mark.compat_full
-@pytest.mark.parametrize(("name", "world_size"), [(s.name, ws) for s, ws in SLOW],
-                         ids=[f"{s.name}-x{ws}" for s, ws in SLOW])
+@pytest.mark.parametrize(
+    ("name", "world_size"), [(s.name, ws) for s, ws in SLOW], ids=[f"{s.name}-x{ws}" for s, ws in SLOW]
+)
 def test_trainbridge_matches_trainer_full(tmp_path: Path, name, world_size):
     (comparison,) = run_suite([(s, ws) for s, ws in SLOW if (s.name, ws) == (name, world_size)], tmp_path).comparisons
     assert comparison.passed, _failure_message(comparison)

@@ -65,10 +65,16 @@ class ReadsSFTConfig(TrainerCallback):
     """A callback written for trl: reads ``SFTConfig`` fields (absent from ``TrainingArguments``)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        _observe(args, "sft_config", {
-            "class": type(args).__name__, "max_length": args.max_length,
-            "dataset_text_field": args.dataset_text_field, "packing": args.packing,
-        })
+        _observe(
+            args,
+            "sft_config",
+            {
+                "class": type(args).__name__,
+                "max_length": args.max_length,
+                "dataset_text_field": args.dataset_text_field,
+                "packing": args.packing,
+            },
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         _ = args.max_length, args.completion_only_loss  # read at every step, as trl's callbacks do

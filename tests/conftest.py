@@ -26,8 +26,15 @@ def run_files(tmp_path: Path) -> dict[str, Path]:
     from trainbridge.demos.tiny_model import build_tokenizer
 
     model = tmp_path / "model"
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     config.save_pretrained(model)
     build_tokenizer(model)
     train = tmp_path / "train.jsonl"

@@ -36,7 +36,9 @@ def training_args(options: argparse.Namespace) -> TrainingArgs:
         from transformers import BitsAndBytesConfig
 
         model_kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16", bnb_4bit_use_double_quant=True,
+            load_in_4bit=True,
+            bnb_4bit_compute_dtype="bfloat16",
+            bnb_4bit_use_double_quant=True,
             bnb_4bit_quant_type="nf4",
         )
     samples = sum(1 for line in Path(options.data_path).read_text().splitlines() if line.strip())
@@ -104,9 +106,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     options = parse(argv)
     result = run_training(training_args(options), TorchrunArgs(nproc_per_node=options.nproc_per_node))
-    print(json.dumps({"global_step": result.global_step, "train_loss": result.train_loss,
-                      "final_eval_loss": result.final_eval_loss, "checkpoints": result.checkpoints,
-                      "merged_model": result.merged_model}))
+    print(
+        json.dumps(
+            {
+                "global_step": result.global_step,
+                "train_loss": result.train_loss,
+                "final_eval_loss": result.final_eval_loss,
+                "checkpoints": result.checkpoints,
+                "merged_model": result.merged_model,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,10 @@ def _version() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return (f"trainbridge {trainbridge.__version__} (torch {installed('torch')}, transformers "
-            f"{installed('transformers')}, python {sys.version.split()[0]})")
+    return (
+        f"trainbridge {trainbridge.__version__} (torch {installed('torch')}, transformers "
+        f"{installed('transformers')}, python {sys.version.split()[0]})"
+    )
 
 
 class _VersionAction(argparse.Action):
@@ -83,41 +85,60 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainbridge", description="Distributed LLM fine-tuning with torchrun workers and agreed callbacks."
     )
-    parser.add_argument("--version", action=_VersionAction, help="show the versions of trainbridge, torch, "
-                        "transformers and python, and exit")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="show the versions of trainbridge, torch, transformers and python, and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
-        "train", help="train from a YAML config of TrainingArgs fields",
+        "train",
+        help="train from a YAML config of TrainingArgs fields",
         description="Train from a YAML config of TrainingArgs fields.  Before training, rank 0 prints a "
-                    "summary of the run (model, data, steps, batch, backend, output); --dry-run prints it "
-                    "with the resolved config and stops there.  A callback module or model_init next to the "
-                    "config or in the working directory is importable by name ('my_callbacks:MyCallback') "
-                    "when no installed module has that name and the folder is writable only by you.",
+        "summary of the run (model, data, steps, batch, backend, output); --dry-run prints it "
+        "with the resolved config and stops there.  A callback module or model_init next to the "
+        "config or in the working directory is importable by name ('my_callbacks:MyCallback') "
+        "when no installed module has that name and the folder is writable only by you.",
     )
     train.add_argument("config", type=Path, help="YAML file of TrainingArgs fields")
     # torchrun's options, in both of its spellings (--nproc-per-node and --nproc_per_node)
     train.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, help=_NPROC_HELP)
     train.add_argument("--nnodes", help="number of nodes, or MIN:MAX")
-    train.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
-                       help="this node's rank (static rendezvous)")
+    train.add_argument(
+        "--node-rank", "--node_rank", dest="node_rank", type=int, help="this node's rank (static rendezvous)"
+    )
     train.add_argument("--master-addr", "--master_addr", dest="master_addr", help="address of rank 0's node")
-    train.add_argument("--master-port", "--master_port", dest="master_port", type=int,
-                       help="port on the master node (default: a free port)")
-    train.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-                       help="host:port of a c10d rendezvous")
+    train.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        help="port on the master node (default: a free port)",
+    )
+    train.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", help="host:port of a c10d rendezvous"
+    )
     train.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="rendezvous job id")
-    train.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-                       help="torchrun worker-group restarts")
+    train.add_argument(
+        "--max-restarts", "--max_restarts", dest="max_restarts", type=int, help="torchrun worker-group restarts"
+    )
     train.add_argument("--timeout", type=float, help="stop everything after this many seconds")
-    train.add_argument("--resume", action="store_true",
-                       help="resume from the newest checkpoint in ckpt_output_dir, if there is one "
-                            "(resume_from_checkpoint=auto; an explicit --set resume_from_checkpoint wins)")
-    train.add_argument("--dry-run", action="store_true",
-                       help="print the resolved config and the run summary (the workers load model and data "
-                            "and build the engine), then exit without training")
-    train.add_argument("--set", dest="overrides", type=parse_override, action="append", default=[],
-                       metavar="KEY=VALUE", help=_SET_HELP)
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from the newest checkpoint in ckpt_output_dir, if there is one "
+        "(resume_from_checkpoint=auto; an explicit --set resume_from_checkpoint wins)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and the run summary (the workers load model and data "
+        "and build the engine), then exit without training",
+    )
+    train.add_argument(
+        "--set", dest="overrides", type=parse_override, action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP
+    )
 
     control = commands.add_parser("control", help="ask a running job to save, stop, evaluate or log")
     control.add_argument("run_dir", type=Path, help="the running job's ckpt_output_dir")
@@ -125,16 +146,21 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="two-rank CPU fine-tune of a tiny local model (about a minute)")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"), help="where model, data and run go")
-    demo.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=2,
-                      help="CPU worker processes")
+    demo.add_argument(
+        "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=2, help="CPU worker processes"
+    )
     demo.add_argument("--max-steps", type=int, help="optimizer steps (default 200)")
-    demo.add_argument("--chat", action="store_true",
-                      help="train on the shipped chat data set (messages, loss on assistant turns only)")
+    demo.add_argument(
+        "--chat",
+        action="store_true",
+        help="train on the shipped chat data set (messages, loss on assistant turns only)",
+    )
 
     plot = commands.add_parser(
-        "plot", help="plot a run's metrics.jsonl to a PNG (needs the 'plot' extra: matplotlib)",
+        "plot",
+        help="plot a run's metrics.jsonl to a PNG (needs the 'plot' extra: matplotlib)",
         description="Plot loss, eval loss, learning rate, grad norm and tokens/s against step from a run's "
-                    "metrics.jsonl, write a PNG and print its path.",
+        "metrics.jsonl, write a PNG and print its path.",
     )
     plot.add_argument("run_dir", type=Path, help="a run's ckpt_output_dir (or its metrics .jsonl file)")
     plot.add_argument("-o", "--output", type=Path, help="PNG to write (default: metrics.png beside the metrics)")
@@ -204,7 +230,8 @@ def add_user_import_paths(config: Path, overrides: dict[str, Any] | None = None)
                 raise UntrustedFolderError(
                     f"{field}: module {module!r} would be imported from {folder}, but {problem}, so others could "
                     f"put code there that runs as you; to allow it, make the folder writable only by you "
-                    f"(chmod go-w), or put it on PYTHONPATH yourself")
+                    f"(chmod go-w), or put it on PYTHONPATH yourself"
+                )
             if str(folder) not in sys.path:
                 sys.path.append(str(folder))
                 added.append(str(folder))
@@ -232,12 +259,21 @@ def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArg
     try:
         args = TrainingArgs.from_yaml(options.config, **overrides)
     except pydantic.ValidationError as exc:
-        return format_validation_error(exc, TrainingArgs, source=str(options.config), overrides=overrides,
-                                       foreign_hint=_trainer_hint)
+        return format_validation_error(
+            exc, TrainingArgs, source=str(options.config), overrides=overrides, foreign_hint=_trainer_hint
+        )
     except (OSError, ValueError) as exc:
         return f"cannot load {options.config}: {exc}"
-    fields = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
-              "rdzv_id", "max_restarts")
+    fields = (
+        "nproc_per_node",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "max_restarts",
+    )
     given = {name: getattr(options, name) for name in fields if getattr(options, name) is not None}
     try:
         launch = TorchrunArgs.model_validate(given).for_device(args.device)
@@ -295,7 +331,7 @@ def _plot(options: argparse.Namespace) -> int:
 
 
 def _control(options: argparse.Namespace) -> int:
-    from trainbridge.launch.control import ControlRequestError, send_control
+    from trainbridge.launch.control_command import ControlRequestError, send_control
 
     try:
         print(f"trainbridge: {send_control(options.run_dir, options.action)}")

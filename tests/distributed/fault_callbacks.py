@@ -58,8 +58,7 @@ class ControlThenTerminate(Callback):
     def on_step_end(self, context, **kwargs):
         out = context.args.ckpt_output_dir
         if context.rank == 0 and context.global_step == 2:
-            subprocess.run([sys.executable, "-m", "trainbridge", "control", str(out), "save"], check=True,
-                           timeout=60)
+            subprocess.run([sys.executable, "-m", "trainbridge", "control", str(out), "save"], check=True, timeout=60)
             time.sleep(POLL_INTERVAL_S)
         if context.rank == 1 and context.global_step == 6:
             received = threading.Event()

@@ -26,7 +26,7 @@ MAX_SEQ_LEN = 32
 LENGTHS = [4 + i % 9 for i in range(30)]
 """Kept samples' lengths; 3 overlong and 2 without loss tokens are added to the file."""
 
-CALLBACKS = '''
+CALLBACKS = """
 import warnings
 from pathlib import Path
 
@@ -52,7 +52,7 @@ class FailsOnRankOne(Callback):
     def on_train_begin(self, context, **kwargs):
         if context.rank == 1:
             raise ValueError("boom-" + "on-rank-1")
-'''
+"""
 
 
 def _trainbridge() -> list[str]:
@@ -66,16 +66,27 @@ def project(tmp_path, tiny_llama):
     folder = tmp_path / "project"
     folder.mkdir()
     shutil.copytree(tiny_llama, folder / "model")
-    rows = [{"input_ids": [3 + (j % 10) for j in range(n)], "labels": [3 + (j % 10) for j in range(n)]}
-            for n in LENGTHS]
+    rows = [
+        {"input_ids": [3 + (j % 10) for j in range(n)], "labels": [3 + (j % 10) for j in range(n)]} for n in LENGTHS
+    ]
     rows += [{"input_ids": [5] * 40, "labels": [5] * 40} for _ in range(3)]  # longer than MAX_SEQ_LEN
     rows += [{"input_ids": [5] * 6, "labels": [-100] * 6} for _ in range(2)]  # no loss tokens
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "my_callbacks.py").write_text(CALLBACKS)
-    config = {"model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out",
-              "max_seq_len": MAX_SEQ_LEN, "max_batch_len": 256, "effective_batch_size": 8, "num_epochs": 2,
-              "device": "cpu", "logging_steps": 2, "save_strategy": "no", "save_final_checkpoint": False,
-              "callbacks": [{"class": "my_callbacks:Marker", "kwargs": {"folder": str(folder)}}]}
+    config = {
+        "model_path": "model",
+        "data_path": "train.jsonl",
+        "ckpt_output_dir": "out",
+        "max_seq_len": MAX_SEQ_LEN,
+        "max_batch_len": 256,
+        "effective_batch_size": 8,
+        "num_epochs": 2,
+        "device": "cpu",
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "save_final_checkpoint": False,
+        "callbacks": [{"class": "my_callbacks:Marker", "kwargs": {"folder": str(folder)}}],
+    }
     (folder / "run.yaml").write_text(yaml.safe_dump(config))
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
@@ -84,8 +95,9 @@ def project(tmp_path, tiny_llama):
 
 def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "DS_ACCELERATOR")}
-    return subprocess.run([*_trainbridge(), "train", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [*_trainbridge(), "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_dry_run_plan_matches_the_config_and_trains_nothing(project):
@@ -102,10 +114,12 @@ def test_dry_run_plan_matches_the_config_and_trains_nothing(project):
     def count(n: float) -> str:
         return f"{n / 1e3:.2f}k" if n >= 1e3 else str(n)
 
-    plan = out[out.index("trainbridge: run plan"):]
+    plan = out[out.index("trainbridge: run plan") :]
     assert f"{count(params)} parameters ({count(params)} trainable), float32" in plan
-    assert (f"train.jsonl: {len(LENGTHS)} samples kept of {len(LENGTHS) + 5}; dropped: 3 longer than "
-            f"max_seq_len={MAX_SEQ_LEN}, 2 without loss tokens") in plan
+    assert (
+        f"train.jsonl: {len(LENGTHS)} samples kept of {len(LENGTHS) + 5}; dropped: 3 longer than "
+        f"max_seq_len={MAX_SEQ_LEN}, 2 without loss tokens"
+    ) in plan
     assert f"{total:,} in {len(LENGTHS)} samples; length mean {total / len(LENGTHS):.1f}, max {max(LENGTHS)}" in plan
     assert f"{steps} per epoch, {2 * steps} in total over 2 epochs" in plan
     assert re.search(rf"effective batch: +8 samples, ~{total / steps:,.0f} tokens per step \(all ranks\)", plan)
@@ -136,13 +150,24 @@ def test_console_of_a_real_run(project, with_hf_callback):
     assert text.count("tb-test-warning") == 1  # warned on both ranks, shown once
     for noise in ("Setting accelerator to CPU", "Loading weights", "Writing model shards", "[rank1]: [rank1]"):
         assert noise not in text, noise
-    loss_lines = re.findall(r"^\{'loss': '[^']+', 'grad_norm': '[^']+', 'learning_rate': '[^']+', 'epoch': "
-                            r"'[^']+'.*\}$", text, flags=re.M)
+    loss_lines = re.findall(
+        r"^\{'loss': '[^']+', 'grad_norm': '[^']+', 'learning_rate': '[^']+', 'epoch': "
+        r"'[^']+'.*\}$",
+        text,
+        flags=re.M,
+    )
     assert len(loss_lines) == 2  # logging_steps=2 over 4 steps: one line per log
     assert "'train_runtime'" in text and "total_flos" not in text
-    summary = proc.stdout[proc.stdout.index("trainbridge: training finished"):]
-    for row in ("steps:", "4/4 (completed)", "training loss:", "(first log) ->", "final loss:", "metrics file:",
-                "wall time:"):
+    summary = proc.stdout[proc.stdout.index("trainbridge: training finished") :]
+    for row in (
+        "steps:",
+        "4/4 (completed)",
+        "training loss:",
+        "(first log) ->",
+        "final loss:",
+        "metrics file:",
+        "wall time:",
+    ):
         assert row in summary, row
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed.conftest import run_on_ranks
-from trainbridge.core.control import ControlFlag, ControlRequests, agree_control
+from trainbridge.core.agreement import ControlFlag, ControlRequests, agree_control
 
 pytestmark = pytest.mark.distributed
 
@@ -35,13 +35,20 @@ def _one_rank_requests(env):
             requests.request(ControlFlag.STOP_TRAINING, 2, "rank 1 only")
         if env.rank == 0:
             requests.request(ControlFlag.SAVE, 1)
-        agreement = agree_control(env, requests, ["loop", "Saver", "Stopper"],
-                                  summed=Sums(env.rank + 1.0, 10.0), own=Own(env.rank * 2.0))
+        agreement = agree_control(
+            env, requests, ["loop", "Saver", "Stopper"], summed=Sums(env.rank + 1.0, 10.0), own=Own(env.rank * 2.0)
+        )
         agreed, sums, own = agreement.control, list(agreement.summed), agreement.own.twice_rank
     finally:
         dist.all_reduce = original
-    return sorted(f.value for f in agreed.flags), agreed.describe(ControlFlag.STOP_TRAINING), \
-        agreed.describe(ControlFlag.SAVE), sums, len(calls), own
+    return (
+        sorted(f.value for f in agreed.flags),
+        agreed.describe(ControlFlag.STOP_TRAINING),
+        agreed.describe(ControlFlag.SAVE),
+        sums,
+        len(calls),
+        own,
+    )
 
 
 def test_request_on_one_rank_is_agreed_by_both_in_one_collective():

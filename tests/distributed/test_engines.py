@@ -31,8 +31,15 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny Llama saved with ``save_pretrained`` and a placeholder data file (TrainingArgs needs one)."""
     root = tmp_path_factory.mktemp("engines")
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
     data = root / "data.jsonl"
@@ -40,29 +47,50 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "model", data
 
 
-def run_engine_worker(tiny_model: tuple[Path, Path], out_dir: Path, backend: str, zero_stage: int = 2,
-                      mixed_precision: str = "no", fsdp_gradient_sync: str = "every_micro_batch",
-                      ) -> list[dict[str, Any]]:
+def run_engine_worker(
+    tiny_model: tuple[Path, Path],
+    out_dir: Path,
+    backend: str,
+    zero_stage: int = 2,
+    mixed_precision: str = "no",
+    fsdp_gradient_sync: str = "every_micro_batch",
+) -> list[dict[str, Any]]:
     """``torchrun --standalone --nproc_per_node=2 engine_worker.py SPEC``; returns both ranks' results."""
     model_dir, data_file = tiny_model
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"backend": backend, "zero_stage": zero_stage, "mixed_precision": mixed_precision,
-            "fsdp_gradient_sync": fsdp_gradient_sync,
-            "model_dir": str(model_dir), "data_file": str(data_file), "out_dir": str(out_dir)}
+    spec = {
+        "backend": backend,
+        "zero_stage": zero_stage,
+        "mixed_precision": mixed_precision,
+        "fsdp_gradient_sync": fsdp_gradient_sync,
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "out_dir": str(out_dir),
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(WORKER), json.dumps(spec)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        json.dumps(spec),
+    ]
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{backend} worker hung for {RUN_TIMEOUT_S}s; output tail:\n{str(exc.stdout)[-3000:]}"
-                    f"\n{str(exc.stderr)[-3000:]}")
+        pytest.fail(
+            f"{backend} worker hung for {RUN_TIMEOUT_S}s; output tail:\n{str(exc.stdout)[-3000:]}"
+            f"\n{str(exc.stderr)[-3000:]}"
+        )
     assert proc.returncode == 0, f"{backend} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     return [json.loads((out_dir / f"result_{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def assert_trained_like_reference(results: list[dict[str, Any]], describe_prefix: str, weight_tolerance: float = 1e-4,
-                                  norm_rel: float = 1e-5) -> None:
+def assert_trained_like_reference(
+    results: list[dict[str, Any]], describe_prefix: str, weight_tolerance: float = 1e-4, norm_rel: float = 1e-5
+) -> None:
     """What every backend must show: it is what was configured, it learns, it matches the single-process
     reference, the ranks agree, and save/resume reproduces the next step."""
     rank0, rank1 = results
@@ -89,8 +117,16 @@ def assert_trained_like_reference(results: list[dict[str, Any]], describe_prefix
     assert rank1["full_state_on_other_rank"] is False
     assert rank0["bf16_export_dtypes"] == ["torch.bfloat16"]
     files = set(rank0["checkpoint_files"])
-    assert {"COMPLETE", "config.json", "model.safetensors", "training_state.json", "scheduler.pt",
-            "rng_state_0.pth", "rng_state_1.pth", "note.txt"} <= files
+    assert {
+        "COMPLETE",
+        "config.json",
+        "model.safetensors",
+        "training_state.json",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "note.txt",
+    } <= files
 
 
 def test_ddp_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
@@ -112,8 +148,9 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         results, "fsdp2 (fully_shard) world=2 device=cpu, 5 sharded modules, reduce-scatter every micro-batch"
     )
     per_step = run_engine_worker(tiny_model, tmp_path / "last", "fsdp", fsdp_gradient_sync="last_micro_batch")
-    assert_trained_like_reference(per_step, "fsdp2 (fully_shard) world=2 device=cpu, 5 sharded modules, "
-                                            "reduce-scatter per step")
+    assert_trained_like_reference(
+        per_step, "fsdp2 (fully_shard) world=2 device=cpu, 5 sharded modules, reduce-scatter per step"
+    )
     every = torch.load(tmp_path / "every" / "final_weights.pt")
     last = torch.load(tmp_path / "last" / "final_weights.pt")
     assert every.keys() == last.keys()
@@ -163,5 +200,6 @@ def test_deepspeed_engine(tiny_model: tuple[Path, Path], tmp_path: Path, zero_st
 def test_deepspeed_bf16_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
     # DeepSpeed bf16 keeps bf16 weights (fp32 masters in the optimizer): close to the fp32 reference only.
     results = run_engine_worker(tiny_model, tmp_path, "deepspeed", zero_stage=2, mixed_precision="bf16")
-    assert_trained_like_reference(results, "deepspeed ZeRO-2 world=2 device=cpu, bf16", weight_tolerance=0.1,
-                                  norm_rel=0.05)
+    assert_trained_like_reference(
+        results, "deepspeed ZeRO-2 world=2 device=cpu, bf16", weight_tolerance=0.1, norm_rel=0.05
+    )

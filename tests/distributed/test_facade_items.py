@@ -31,8 +31,20 @@ def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(name, None)
     script = [str(SCRIPT), str(out), kind, *(["real"] if real else [])]
-    command = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), *script] if launch == "torchrun" else [sys.executable, *script])
+    command = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            *script,
+        ]
+        if launch == "torchrun"
+        else [sys.executable, *script]
+    )
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads((out / "summary.json").read_text())

@@ -44,19 +44,24 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
     out = tmp_path / "out"
     script = tmp_path / "launch.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         from pathlib import Path
         from tests.distributed.fault_callbacks import SlowSteps
         from tests.distributed.training_fixtures import base_args
         from trainbridge import TorchrunArgs, run_training
-        assets = {{k: Path(v) for k, v in {({k: str(v) for k, v in assets.items()})!r}.items()}}
+        assets = {{k: Path(v) for k, v in { ({k: str(v) for k, v in assets.items()})!r}.items()}}
         run_training(base_args(assets, Path({str(out)!r}), max_steps=100000, callbacks=[SlowSteps()]),
                      TorchrunArgs(nproc_per_node=2))
-    """))
+    """)
+    )
     launcher = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=_env())
     try:
-        _wait_for(lambda: all((out / f"pid-rank{r}").is_file() for r in (0, 1)) or launcher.poll() is not None,
-                  240, "both workers to train")
+        _wait_for(
+            lambda: all((out / f"pid-rank{r}").is_file() for r in (0, 1)) or launcher.poll() is not None,
+            240,
+            "both workers to train",
+        )
         assert launcher.poll() is None, "the launcher ended before its workers trained"
         tree = psutil.Process(launcher.pid).children(recursive=True)
         workers = {int((out / f"pid-rank{r}").read_text()) for r in (0, 1)}
@@ -75,8 +80,11 @@ def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
 
 def test_kill_9_of_a_worker_restarts_the_job_from_its_checkpoint_to_the_same_weights(assets, tmp_path):
     settings = dict(max_steps=6, save_strategy="steps", save_steps=2)
-    result = run_training(base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 3)], **settings),
-                          TorchrunArgs(nproc_per_node=2, max_restarts=1), timeout_s=400)
+    result = run_training(
+        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 3)], **settings),
+        TorchrunArgs(nproc_per_node=2, max_restarts=1),
+        timeout_s=400,
+    )
     assert (tmp_path / "killed" / "killed-once").is_file()
     assert result.restarts == 1 and result.global_step == 6
     assert Path(result.resumed_from or "").name == "checkpoint-2"
@@ -92,8 +100,11 @@ def test_kill_9_while_an_async_checkpoint_is_pending_resumes_from_the_previous_o
     part written in the background) is not yet published; checkpoint-2 is whole, the restarted job
     resumes from it, and its final weights equal an uninterrupted run's (synchronous saves)."""
     settings = dict(max_steps=6, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16")
-    result = run_training(base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 5)], checkpoint_async=True,
-                                    **settings), TorchrunArgs(nproc_per_node=2, max_restarts=1), timeout_s=400)
+    result = run_training(
+        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 5)], checkpoint_async=True, **settings),
+        TorchrunArgs(nproc_per_node=2, max_restarts=1),
+        timeout_s=400,
+    )
     assert result.restarts == 1 and result.global_step == 6
     assert Path(result.resumed_from or "").name == "checkpoint-2"
     plain = run_training(base_args(assets, tmp_path / "plain", **settings), TWO, timeout_s=300)
@@ -109,8 +120,7 @@ def test_sys_exit_in_a_callback_fails_its_rank_and_the_error_is_shown_once(asset
     """sys.exit(0) on rank 1 mid-run is a failure of rank 1 (not a clean exit leaving rank 0 in a
     collective); each worker prints one line, without doubled [rankN]: prefixes."""
     with pytest.raises(WorkerFailedError) as info:
-        run_training(base_args(assets, tmp_path / "exit", callbacks=[ExitZero(1, 2)], max_steps=6), TWO,
-                     timeout_s=300)
+        run_training(base_args(assets, tmp_path / "exit", callbacks=[ExitZero(1, 2)], max_steps=6), TWO, timeout_s=300)
     assert info.value.rank == 1 and "sys.exit(0) was called during training on rank 1" in info.value.message
     err = capfd.readouterr().err
     assert "[rank1]: trainbridge worker rank 1 failed: RuntimeError: sys.exit(0)" in err
@@ -132,17 +142,44 @@ def test_sigterm_saves_at_the_next_step_and_outside_control_is_obeyed(assets, tm
 
 @pytest.mark.parametrize("nnodes", ["2", "1:2"])
 def test_two_nodes_of_one_process_with_c10d_rendezvous(assets, tmp_path, nnodes):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model_path": str(assets["model"]), "data_path": str(assets["train"]), "ckpt_output_dir": "out",
-        "max_seq_len": 32, "max_batch_len": 64, "effective_batch_size": 8, "max_steps": 3,
-        "save_strategy": "no", "disable_tqdm": True, "device": "cpu",
-    }))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model_path": str(assets["model"]),
+                "data_path": str(assets["train"]),
+                "ckpt_output_dir": "out",
+                "max_seq_len": 32,
+                "max_batch_len": 64,
+                "effective_batch_size": 8,
+                "max_steps": 3,
+                "save_strategy": "no",
+                "disable_tqdm": True,
+                "device": "cpu",
+            }
+        )
+    )
     port = free_port()
-    command = [sys.executable, "-m", "trainbridge", "train", str(tmp_path / "run.yaml"), "--nnodes", nnodes,
-               "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "faults",
-               "--timeout", "300"]
-    nodes = [subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "trainbridge",
+        "train",
+        str(tmp_path / "run.yaml"),
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "faults",
+        "--timeout",
+        "300",
+    ]
+    nodes = [
+        subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=360)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
     assert any("steps:           3/3 (completed)" in o for o in outputs)

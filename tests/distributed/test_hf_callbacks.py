@@ -68,21 +68,34 @@ class FlagsOnOneRank(TrainerCallback):
         from accelerate.state import AcceleratorState, PartialState
 
         get_logger(__name__).info("accelerate's logger works (it needs a PartialState)")  # raises without one
-        record = {"global_step": state.global_step, "saves": self.saves, "epoch_end_stop": self.epoch_end_stop,
-                  "train_end_stop": control.should_training_stop, "world_size": args.world_size,
-                  "is_world_process_zero": state.is_world_process_zero,
-                  # what Trainer's Accelerator leaves in accelerate's process-wide state
-                  "accelerate": [PartialState().process_index, PartialState().num_processes,
-                                 PartialState().is_main_process, AcceleratorState().distributed_type.value,
-                                 AcceleratorState().mixed_precision, AcceleratorState().deepspeed_plugin is None]}
+        record = {
+            "global_step": state.global_step,
+            "saves": self.saves,
+            "epoch_end_stop": self.epoch_end_stop,
+            "train_end_stop": control.should_training_stop,
+            "world_size": args.world_size,
+            "is_world_process_zero": state.is_world_process_zero,
+            # what Trainer's Accelerator leaves in accelerate's process-wide state
+            "accelerate": [
+                PartialState().process_index,
+                PartialState().num_processes,
+                PartialState().is_main_process,
+                AcceleratorState().distributed_type.value,
+                AcceleratorState().mixed_precision,
+                AcceleratorState().deepspeed_plugin is None,
+            ],
+        }
         from accelerate import Accelerator
         from accelerate.utils import gather_object
 
         PartialState().wait_for_everyone()  # a barrier on the run's process group
         accelerator = Accelerator()  # built on top of the run's state, as some callbacks do
-        record["accelerator"] = [accelerator.num_processes, accelerator.process_index,
-                                 gather_object([args.process_index]),
-                                 type(accelerator.unwrap_model(kwargs["model"])).__name__]
+        record["accelerator"] = [
+            accelerator.num_processes,
+            accelerator.process_index,
+            gather_object([args.process_index]),
+            type(accelerator.unwrap_model(kwargs["model"])).__name__,
+        ]
         (Path(args.output_dir) / f"hf-rank{args.process_index}.json").write_text(json.dumps(record))
 
 
@@ -97,9 +110,13 @@ def _training_arguments_on_rank(env, model: Path, data: Path, out: Path) -> dict
     args = TrainingArgs(model_path=model, data_path=data, ckpt_output_dir=out, effective_batch_size=8)
     hf = build_training_arguments(args, env)
     seen = {
-        "world_size": hf.world_size, "process_index": hf.process_index,
-        "local_process_index": hf.local_process_index, "device": str(hf.device),
-        "should_save": hf.should_save, "should_log": hf.should_log, "parallel_mode": hf.parallel_mode.value,
+        "world_size": hf.world_size,
+        "process_index": hf.process_index,
+        "local_process_index": hf.local_process_index,
+        "device": str(hf.device),
+        "should_save": hf.should_save,
+        "should_log": hf.should_log,
+        "parallel_mode": hf.parallel_mode.value,
         "per_device_train_batch_size": hf.per_device_train_batch_size,
     }
     hf.distributed_state.wait_for_everyone()  # a barrier on *our* group
@@ -128,9 +145,20 @@ EVAL_LOSS = {1: 1.0, 2: 0.9, 3: 0.95, 4: 0.97, 5: 0.99, 6: 1.1, 7: 1.2, 8: 1.3, 
 
 def _early_stopping_args(assets, out: Path, stop_at: int | None, **overrides: Any):
     callbacks = [EvalLossByStep(EVAL_LOSS), EarlyStoppingCallback(early_stopping_patience=3), StopAtStep(stop_at)]
-    return base_args(assets, out, callbacks=callbacks, max_steps=10, logging_steps=5,
-                     val_data_path=assets["val"], eval_strategy="steps", eval_steps=1,
-                     metric_for_best_model="eval_loss", save_strategy="steps", save_steps=1, **overrides)
+    return base_args(
+        assets,
+        out,
+        callbacks=callbacks,
+        max_steps=10,
+        logging_steps=5,
+        val_data_path=assets["val"],
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="eval_loss",
+        save_strategy="steps",
+        save_steps=1,
+        **overrides,
+    )
 
 
 def test_early_stopping_stops_both_ranks_where_patience_runs_out(assets, tmp_path):
@@ -139,8 +167,7 @@ def test_early_stopping_stops_both_ranks_where_patience_runs_out(assets, tmp_pat
     assert "HuggingFaceCallbacks" in result.stop_reason
     assert result.best_metric == 0.9 and result.best_checkpoint.endswith("checkpoint-2")
     state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
-    assert state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
-        "early_stopping_patience_counter": 3}
+    assert state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 3}
     assert state["stateful_callbacks"]["TrainerControl"]["args"]["should_training_stop"] is True
     assert state["best_model_checkpoint"] == str(tmp_path / "checkpoint-2") and state["best_global_step"] == 2
     assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5]
@@ -153,8 +180,7 @@ def test_resume_mid_patience_stops_at_the_same_step_as_the_uninterrupted_run(ass
     first = run_training(_early_stopping_args(assets, tmp_path, stop_at=3), TWO)
     assert first.global_step == 3
     saved = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
-        "early_stopping_patience_counter": 1}
+    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 1}
     second = run_training(_early_stopping_args(assets, tmp_path, stop_at=None, resume_from_checkpoint="auto"), TWO)
     assert second.resumed_from.endswith("checkpoint-3")
     # with the counter restored (1 at step 3) patience runs out at step 5, as without interruption;
@@ -166,8 +192,13 @@ def test_resume_mid_patience_stops_at_the_same_step_as_the_uninterrupted_run(ass
 
 # ============================================================================ one rank's flags act everywhere
 def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(assets, tmp_path):
-    args = base_args(assets, tmp_path, callbacks=[FlagsOnOneRank(rank=1, save_at=2, stop_at=3)], max_steps=8,
-                     save_final_checkpoint=False)
+    args = base_args(
+        assets,
+        tmp_path,
+        callbacks=[FlagsOnOneRank(rank=1, save_at=2, stop_at=3)],
+        max_steps=8,
+        save_final_checkpoint=False,
+    )
     result = run_training(args, TWO)
     assert result.global_step == 3 and result.stopped_early
     assert [Path(p).name for p in result.checkpoints] == ["checkpoint-2"]
@@ -193,9 +224,18 @@ def test_report_to_integrations_record_the_run(assets, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wandb-dir").mkdir()
-    args = base_args(assets, tmp_path / "out", max_steps=4, logging_steps=2, val_data_path=assets["val"],
-                     eval_strategy="steps", eval_steps=2, report_to=INTEGRATIONS, run_name="hf-report",
-                     logging_dir=tmp_path / "tb")
+    args = base_args(
+        assets,
+        tmp_path / "out",
+        max_steps=4,
+        logging_steps=2,
+        val_data_path=assets["val"],
+        eval_strategy="steps",
+        eval_steps=2,
+        report_to=INTEGRATIONS,
+        run_name="hf-report",
+        logging_dir=tmp_path / "tb",
+    )
     result = run_training(args, TWO)
     assert result.global_step == 4
 

@@ -30,7 +30,7 @@ from trainbridge.launch.transport import register_by_value
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
-STUB_WORKER = '''
+STUB_WORKER = """
 import argparse, os, sys, time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -74,7 +74,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 @pytest.fixture
@@ -92,8 +92,9 @@ def stub_worker(tmp_path, monkeypatch):
 def make_args(tmp_path, monkeypatch, run_files):
     model, data = run_files["model"], run_files["train"]  # the preflight reads the data with its tokenizer
     module = types.ModuleType("tb_launcher_notebook")
-    exec(textwrap.dedent(
-        """
+    exec(
+        textwrap.dedent(
+            """
         from trainbridge import Callback
 
         class Scaled(Callback):
@@ -102,15 +103,21 @@ def make_args(tmp_path, monkeypatch, run_files):
             def describe(self, value):
                 return f"scaled {value * self.scale}"
         """
-    ), module.__dict__)
+        ),
+        module.__dict__,
+    )
     monkeypatch.setitem(sys.modules, module.__name__, module)  # like a notebook: in this process only
     register_by_value(module)
     offset = 40
 
     def make(run_name):
         return TrainingArgs(
-            model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out", run_name=run_name,
-            callbacks=[module.Scaled(3)], on_step_end=lambda rank: rank + offset + 2,
+            model_path=model,
+            data_path=data,
+            ckpt_output_dir=tmp_path / "out",
+            run_name=run_name,
+            callbacks=[module.Scaled(3)],
+            on_step_end=lambda rank: rank + offset + 2,
         )
 
     return make
@@ -205,16 +212,42 @@ def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):
 
     build_tiny_llama(tmp_path / "model")
     write_arithmetic_dataset(tmp_path / "train.jsonl", 200, seed=0)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model_path": "model", "data_path": "train.jsonl", "ckpt_output_dir": "out", "max_seq_len": 32,
-        "max_batch_len": 256, "effective_batch_size": 8, "device": "cpu", "disable_tqdm": True,
-        "save_strategy": "no",
-        "callbacks": [{"class": "transformers:PrinterCallback"}],
-    }))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model_path": "model",
+                "data_path": "train.jsonl",
+                "ckpt_output_dir": "out",
+                "max_seq_len": 32,
+                "max_batch_len": 256,
+                "effective_batch_size": 8,
+                "device": "cpu",
+                "disable_tqdm": True,
+                "save_strategy": "no",
+                "callbacks": [{"class": "transformers:PrinterCallback"}],
+            }
+        )
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "trainbridge", "train", str(tmp_path / "run.yaml"), "--nproc-per-node", "2",
-         "--set", "max_steps=4", "--set", "learning_rate=0.003", "--timeout", "150"],
-        capture_output=True, text=True, timeout=170, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "trainbridge",
+            "train",
+            str(tmp_path / "run.yaml"),
+            "--nproc-per-node",
+            "2",
+            "--set",
+            "max_steps=4",
+            "--set",
+            "learning_rate=0.003",
+            "--timeout",
+            "150",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "steps:           4/4 (completed)" in out.stdout

@@ -19,10 +19,19 @@ def test_sequence_classification_trains_on_two_ranks_through_run_training(tmp_pa
     torch.manual_seed(0)
     model = _save(BertForSequenceClassification(BertConfig(**BERT, num_labels=2)), tmp_path / "model")
     args = TrainingArgs(
-        model_path=model, data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
-        val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2), ckpt_output_dir=tmp_path / "out",
-        effective_batch_size=8, per_device_batch_size=2, learning_rate=5e-3, lr_scheduler="constant",
-        num_epochs=2, logging_steps=4, eval_strategy="epoch", save_strategy="epoch", disable_tqdm=True,
+        model_path=model,
+        data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
+        val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        num_epochs=2,
+        logging_steps=4,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        disable_tqdm=True,
         compute_metrics=_accuracy,
     )
     result = run_training(args, TorchrunArgs(nproc_per_node=2))

@@ -90,14 +90,27 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
     pytest.importorskip("peft")
     ddp = backend == "ddp"
     common = dict(
-        distributed_backend=backend, deepspeed_zero_stage=zero_stage, peft_config=LORA, learning_rate=1e-2,
-        max_steps=8, logging_steps=2, save_strategy="steps", save_steps=4,
+        distributed_backend=backend,
+        deepspeed_zero_stage=zero_stage,
+        peft_config=LORA,
+        learning_rate=1e-2,
+        max_steps=8,
+        logging_steps=2,
+        save_strategy="steps",
+        save_steps=4,
     )
     if backend == "fsdp":  # activation checkpointing applied before fully_shard, with a frozen base
         common.update(gradient_checkpointing=True)
     if ddp:  # best tracking and the merged export of the best adapter; "best" made the step-4 one on purpose
-        common.update(val_data_path=assets["val"], eval_strategy="steps", eval_steps=4, load_best_model_at_end=True,
-                      metric_for_best_model="eval_loss", greater_is_better=True, merge_adapter_at_end=True)
+        common.update(
+            val_data_path=assets["val"],
+            eval_strategy="steps",
+            eval_steps=4,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+            merge_adapter_at_end=True,
+        )
     straight_out, resumed_out = tmp_path / "straight", tmp_path / "resumed"
     callbacks = [DumpFrozenWeights(), *([SavesTheModelItIsGiven()] if ddp else [])]
     straight = run_training(base_args(assets, straight_out, callbacks=callbacks, **common), TWO, timeout_s=420)
@@ -116,7 +129,8 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
     assert sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n) > 0
 
     resumed = run_training(
-        base_args(assets, resumed_out, resume_from_checkpoint=straight_out / "checkpoint-4", **common), TWO,
+        base_args(assets, resumed_out, resume_from_checkpoint=straight_out / "checkpoint-4", **common),
+        TWO,
         timeout_s=420,
     )
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
@@ -147,10 +161,36 @@ def test_public_dora_example_runs_through_peft_config(assets, tmp_path):
     import sys
 
     pytest.importorskip("peft")
-    command = [sys.executable, str(EXAMPLE), "--base_model", str(assets["model"]), "--data_path", str(assets["train"]),
-               "--output_dir", str(tmp_path / "out"), "--use_dora", "--device", "cpu", "--nproc_per_node", "2",
-               "--max_steps", "4", "--cutoff_len", "32", "--val_set_size", "16", "--eval_step", "2", "--save_step", "4",
-               "--learning_rate", "1e-2", "--lora_dropout", "0.0", "--merge"]
+    command = [
+        sys.executable,
+        str(EXAMPLE),
+        "--base_model",
+        str(assets["model"]),
+        "--data_path",
+        str(assets["train"]),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--use_dora",
+        "--device",
+        "cpu",
+        "--nproc_per_node",
+        "2",
+        "--max_steps",
+        "4",
+        "--cutoff_len",
+        "32",
+        "--val_set_size",
+        "16",
+        "--eval_step",
+        "2",
+        "--save_step",
+        "4",
+        "--learning_rate",
+        "1e-2",
+        "--lora_dropout",
+        "0.0",
+        "--merge",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

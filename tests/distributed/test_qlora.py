@@ -47,16 +47,24 @@ class RecordPackedWeights(Callback):
 def four_bit(**kwargs):
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                              **kwargs)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32, **kwargs
+    )
 
 
 def losses(result) -> list[float]:
     return [r["loss"] for r in map(json.loads, Path(result.metrics_file).read_text().splitlines()) if "loss" in r]
 
 
-COMMON = dict(peft_config=LORA, learning_rate=1e-2, gradient_checkpointing=True, max_steps=8, logging_steps=2,
-              save_strategy="steps", save_steps=4)
+COMMON = dict(
+    peft_config=LORA,
+    learning_rate=1e-2,
+    gradient_checkpointing=True,
+    max_steps=8,
+    logging_steps=2,
+    save_strategy="steps",
+    save_steps=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +72,11 @@ def straight(assets, tmp_path_factory):
     """The DDP run every test compares with: 8 steps, checkpoints at 4 and 8, the merged export at the end."""
     out = tmp_path_factory.mktemp("qlora") / "straight"
     quantization = {"quantization_config": four_bit()}
-    return run_training(base_args(assets, out, merge_adapter_at_end=True, model_kwargs=quantization, **COMMON),
-                        TorchrunArgs(nproc_per_node=2), timeout_s=420)
+    return run_training(
+        base_args(assets, out, merge_adapter_at_end=True, model_kwargs=quantization, **COMMON),
+        TorchrunArgs(nproc_per_node=2),
+        timeout_s=420,
+    )
 
 
 def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(assets, tmp_path, straight):
@@ -88,8 +99,10 @@ def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(ass
     assert not getattr(merged, "is_loaded_in_4bit", False) and merged.dtype == torch.float32
 
     resumed = run_training(
-        base_args(assets, tmp_path / "resumed", resume_from_checkpoint=checkpoint.with_name("checkpoint-4"),
-                  **common), TorchrunArgs(nproc_per_node=2), timeout_s=420)
+        base_args(assets, tmp_path / "resumed", resume_from_checkpoint=checkpoint.with_name("checkpoint-4"), **common),
+        TorchrunArgs(nproc_per_node=2),
+        timeout_s=420,
+    )
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
     again = load_file(tmp_path / "resumed" / "checkpoint-8" / "adapter_model.safetensors")
     assert again.keys() == adapter.keys()
@@ -100,9 +113,18 @@ def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(ass
 def test_fsdp2_shards_a_base_stored_as_bnb_4bit_quant_storage_and_trains_as_ddp(assets, tmp_path, straight):
     """The FSDP-QLoRA recipe: 4-bit weights packed in a float storage are sharded like any frozen weight."""
     quantization = {"quantization_config": four_bit(bnb_4bit_quant_storage=torch.bfloat16)}
-    fsdp = run_training(base_args(assets, tmp_path / "fsdp", distributed_backend="fsdp", model_kwargs=quantization,
-                                  callbacks=[RecordPackedWeights()], **COMMON),
-                        TorchrunArgs(nproc_per_node=2), timeout_s=420)
+    fsdp = run_training(
+        base_args(
+            assets,
+            tmp_path / "fsdp",
+            distributed_backend="fsdp",
+            model_kwargs=quantization,
+            callbacks=[RecordPackedWeights()],
+            **COMMON,
+        ),
+        TorchrunArgs(nproc_per_node=2),
+        timeout_s=420,
+    )
     for rank in (0, 1):
         kinds = json.loads((tmp_path / "fsdp" / f"packed-rank{rank}.json").read_text())
         assert kinds and set(kinds) == {"DTensor"}, kinds  # every 4-bit weight sharded
@@ -124,12 +146,23 @@ def _run_script(command: list[str], out: Path, **env: str) -> dict:
 def test_a_qlora_trainer_script_runs_with_its_import_changed(assets, tmp_path, launch):
     out = tmp_path / "out"
     if launch == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), str(SCRIPT), str(assets["model"]), str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(SCRIPT),
+            str(assets["model"]),
+            str(out),
+        ]
         summary = _run_script(command, out)
     else:
-        summary = _run_script([sys.executable, str(SCRIPT), str(assets["model"]), str(out)], out,
-                              TRAINBRIDGE_NPROC_PER_NODE="1")
+        summary = _run_script(
+            [sys.executable, str(SCRIPT), str(assets["model"]), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="1"
+        )
     assert summary["global_step"] == 6 and len(summary["losses"]) == 3
     assert summary["still_4bit"] and summary["trained_lora_b"]  # the script's model got the adapter back
     for step in (3, 6):

@@ -35,8 +35,17 @@ def _run(command: list[str], out: Path, **env: str) -> dict:
 
 
 def _torchrun(script_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(SCRIPT), *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        *script_args,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,24 +66,34 @@ def _check_against_reference(ours: dict, reference: dict) -> None:
     check(ours["eval_metrics"]["eval_row_checksum"] == ours["expected_checksum"], "row order")
     check(reference["eval_metrics"]["eval_row_checksum"] == reference["expected_checksum"], "reference row order")
     # the same outputs as transformers.Trainer: metric keys, steps, early stop, checkpoint layout
-    check(ours["train_metrics"] == reference["train_metrics"], f"train metrics {ours['train_metrics']} "
-          f"!= {reference['train_metrics']}")
+    check(
+        ours["train_metrics"] == reference["train_metrics"],
+        f"train metrics {ours['train_metrics']} != {reference['train_metrics']}",
+    )
     check(sorted(ours["eval_metrics"]) == sorted(reference["eval_metrics"]), f"eval metrics {ours['eval_metrics']}")
-    check(ours["global_step"] == reference["global_step"] == 8, f"early stop {ours['global_step']} "
-          f"{reference['global_step']}")  # at the 2nd evaluation
-    check(ours["checkpoints"] == reference["checkpoints"] == ["checkpoint-4", "checkpoint-8"],
-          f"checkpoints {ours['checkpoints']} {reference['checkpoints']}")
+    check(
+        ours["global_step"] == reference["global_step"] == 8,
+        f"early stop {ours['global_step']} {reference['global_step']}",
+    )  # at the 2nd evaluation
+    check(
+        ours["checkpoints"] == reference["checkpoints"] == ["checkpoint-4", "checkpoint-8"],
+        f"checkpoints {ours['checkpoints']} {reference['checkpoints']}",
+    )
     check(set(reference["log_keys"]) <= set(ours["log_keys"]), f"log keys {ours['log_keys']} {reference['log_keys']}")
     check(ours["state"]["global_step"] == 8 and ours["state"]["best_metric"] is not None, f"state {ours['state']}")
     check(Path(ours["best"]).name in ours["checkpoints"], f"best {ours['best']}")
     for key in ("shape", "metrics", "labels_rows"):
-        check(ours["predict"][key] == reference["predict"][key],
-              f"predict {key}: {ours['predict'][key]} != {reference['predict'][key]}")
+        check(
+            ours["predict"][key] == reference["predict"][key],
+            f"predict {key}: {ours['predict'][key]} != {reference['predict'][key]}",
+        )
     missing = sorted(set(reference["checkpoint_files"]) - set(ours["checkpoint_files"]))
     check(not missing, f"checkpoint files missing: {missing}")
     # evaluate()/predict() after training: the script's callbacks get Trainer's events, rank 0's state on rank 0
-    check(ours["events_after_training"] == reference["events_after_training"],
-          f"events after training {ours['events_after_training']} != {reference['events_after_training']}")
+    check(
+        ours["events_after_training"] == reference["events_after_training"],
+        f"events after training {ours['events_after_training']} != {reference['events_after_training']}",
+    )
     missing = sorted(set(reference["final_files"]) - set(ours["final_files"]))
     check(not missing, f"save_model files missing: {missing}")
     assert not problems, problems
@@ -85,8 +104,11 @@ def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     ours = _run(_torchrun([str(out)]), out)
     _check_against_reference(ours, reference)
     # one training, not one per rank: the metrics file holds each logged step once
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(line)]
+    steps = [
+        json.loads(line)["step"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert steps == sorted(set(steps))
 
 

@@ -33,8 +33,16 @@ def _twice(out: Path, *extra: str, python: bool = False) -> list[dict]:
         if python:
             command = [sys.executable, *script]
         else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                       str(free_port()), *script]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                *script,
+            ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINBRIDGE_NPROC_PER_NODE": "2"}
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
             env.pop(name, None)
@@ -57,20 +65,30 @@ def _check(ours: list[dict], reference: list[dict]) -> None:
             problems.append(what)
 
     for run, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
-        check(mine["global_step"] == theirs["global_step"], f"run {run}: step {mine['global_step']} "
-              f"!= {theirs['global_step']}")
+        check(
+            mine["global_step"] == theirs["global_step"],
+            f"run {run}: step {mine['global_step']} != {theirs['global_step']}",
+        )
         check(mine["rows"] == theirs["rows"], f"run {run}: log_history {mine['rows']} != {theirs['rows']}")
         check(mine["saved_rows"] == mine["rows"], f"run {run}: trainer_state.json rows {mine['saved_rows']}")
-        check(mine["stateful_callbacks"] == theirs["stateful_callbacks"],
-              f"run {run}: stateful callbacks {mine['stateful_callbacks']} != {theirs['stateful_callbacks']}")
+        check(
+            mine["stateful_callbacks"] == theirs["stateful_callbacks"],
+            f"run {run}: stateful callbacks {mine['stateful_callbacks']} != {theirs['stateful_callbacks']}",
+        )
         # the best of every evaluation of both runs (values differ from Trainer's in the last digits)
         best_step, best = max(mine["accuracy"], key=lambda pair: (pair[1], -pair[0]))
-        check(mine["best_metric"] == best and mine["best_global_step"] == best_step,
-              f"run {run}: best {mine['best_metric']} at {mine['best_global_step']}, evaluations {mine['accuracy']}")
-        check(Path(mine["best_model_checkpoint"]).name == f"checkpoint-{best_step}",
-              f"run {run}: best checkpoint {mine['best_model_checkpoint']}")
-        check(mine["num_input_tokens_seen"] == mine["last_tokens"],
-              f"run {run}: tokens {mine['num_input_tokens_seen']} != last row's {mine['last_tokens']}")
+        check(
+            mine["best_metric"] == best and mine["best_global_step"] == best_step,
+            f"run {run}: best {mine['best_metric']} at {mine['best_global_step']}, evaluations {mine['accuracy']}",
+        )
+        check(
+            Path(mine["best_model_checkpoint"]).name == f"checkpoint-{best_step}",
+            f"run {run}: best checkpoint {mine['best_model_checkpoint']}",
+        )
+        check(
+            mine["num_input_tokens_seen"] == mine["last_tokens"],
+            f"run {run}: tokens {mine['num_input_tokens_seen']} != last row's {mine['last_tokens']}",
+        )
         saved = {k: mine[k] for k in mine["saved"]}
         check(mine["saved"] == saved, f"run {run}: trainer_state.json {mine['saved']} != state {saved}")
     for key in ("total_flos", "num_input_tokens_seen"):  # counted on from the checkpoint, not from 0

@@ -29,8 +29,17 @@ def _run(command: list[str], out: Path, **env: str) -> dict:
 
 
 def _torchrun(script_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(SCRIPT), *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        *script_args,
+    ]
 
 
 @pytest.fixture(scope="module")

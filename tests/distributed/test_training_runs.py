@@ -21,9 +21,18 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def test_events_fire_the_expected_number_of_times_on_every_rank(assets, tmp_path):
-    args = base_args(assets, tmp_path, callbacks=[EventCounter()], max_steps=6, logging_steps=3,
-                     val_data_path=assets["val"], eval_strategy="steps", eval_steps=3,
-                     save_strategy="steps", save_steps=6)
+    args = base_args(
+        assets,
+        tmp_path,
+        callbacks=[EventCounter()],
+        max_steps=6,
+        logging_steps=3,
+        val_data_path=assets["val"],
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=6,
+    )
     result = run_training(args, TWO)
     assert result.global_step == 6 and not result.stopped_early
     rank0, rank1 = read_rank_files(tmp_path, "events")
@@ -133,8 +142,9 @@ def test_isolated_callback_error_does_not_stop_training_and_is_reported(assets, 
 
 
 def test_fatal_policy_stops_both_ranks_cleanly_and_fails_the_run(assets, tmp_path):
-    args = base_args(assets, tmp_path, callbacks=[RaiseOnRank(1, 2), EventCounter()], max_steps=6,
-                     callback_error_policy="fatal")
+    args = base_args(
+        assets, tmp_path, callbacks=[RaiseOnRank(1, 2), EventCounter()], max_steps=6, callback_error_policy="fatal"
+    )
     start = time.monotonic()
     with pytest.raises(WorkerFailedError, match="fatal") as info:
         run_training(args, TWO, timeout_s=240)
@@ -177,16 +187,30 @@ def test_flat_event_functions_closures_and_lambdas_reach_every_worker(assets, tm
         (marker_dir / f"saved-{context.rank}-{Path(checkpoint_path).name}").write_text("ok")
 
     args = base_args(
-        assets, tmp_path / "out", max_steps=4, save_strategy="steps", save_steps=2,
-        val_data_path=assets["val"], eval_strategy="steps", eval_steps=4,
+        assets,
+        tmp_path / "out",
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        val_data_path=assets["val"],
+        eval_strategy="steps",
+        eval_steps=4,
         on_save=on_save,
-        on_evaluate=[lambda context, metrics: (marker_dir / f"eval-{context.rank}").write_text(
-            json.dumps(metrics)), lambda context, metrics: None],
+        on_evaluate=[
+            lambda context, metrics: (marker_dir / f"eval-{context.rank}").write_text(json.dumps(metrics)),
+            lambda context, metrics: None,
+        ],
     )
     run_training(args, TWO)
     names = sorted(p.name for p in marker_dir.iterdir())
-    assert names == ["eval-0", "eval-1", "saved-0-checkpoint-2", "saved-0-checkpoint-4",
-                     "saved-1-checkpoint-2", "saved-1-checkpoint-4"]
+    assert names == [
+        "eval-0",
+        "eval-1",
+        "saved-0-checkpoint-2",
+        "saved-0-checkpoint-4",
+        "saved-1-checkpoint-2",
+        "saved-1-checkpoint-4",
+    ]
     metrics = json.loads((marker_dir / "eval-1").read_text())
     assert set(metrics) == {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
 
@@ -197,8 +221,17 @@ def test_sharded_backends_train_through_run_training_and_save_loadable_checkpoin
         pytest.importorskip("deepspeed")
     from transformers import AutoModelForCausalLM
 
-    args = base_args(assets, tmp_path, distributed_backend=backend, deepspeed_zero_stage=3, max_steps=16,
-                     logging_steps=4, save_strategy="steps", save_steps=16, callbacks=[EventCounter()])
+    args = base_args(
+        assets,
+        tmp_path,
+        distributed_backend=backend,
+        deepspeed_zero_stage=3,
+        max_steps=16,
+        logging_steps=4,
+        save_strategy="steps",
+        save_steps=16,
+        callbacks=[EventCounter()],
+    )
     result = run_training(args, TWO, timeout_s=420)
     losses = [r["loss"] for r in read_metrics(result.metrics_file) if "loss" in r]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0]
@@ -243,11 +276,23 @@ def test_fsdp_with_the_chunked_loss_head_trains_like_the_standard_loss(assets, t
     results = {}
     for loss in ("standard", "chunked"):
         out = tmp_path / loss
-        results[loss] = run_training(base_args(assets, out, max_steps=4, logging_steps=1, distributed_backend="fsdp",
-                                               loss_implementation=loss, loss_chunk_tokens=7,
-                                               save_strategy="no", save_final_checkpoint=True), TWO)
-    standard, chunked = ([r["loss"] for r in read_metrics(results[k].metrics_file) if "loss" in r]
-                         for k in ("standard", "chunked"))
+        results[loss] = run_training(
+            base_args(
+                assets,
+                out,
+                max_steps=4,
+                logging_steps=1,
+                distributed_backend="fsdp",
+                loss_implementation=loss,
+                loss_chunk_tokens=7,
+                save_strategy="no",
+                save_final_checkpoint=True,
+            ),
+            TWO,
+        )
+    standard, chunked = (
+        [r["loss"] for r in read_metrics(results[k].metrics_file) if "loss" in r] for k in ("standard", "chunked")
+    )
     assert len(standard) == 4 and chunked == pytest.approx(standard, rel=1e-5)
     weights = [load_file(tmp_path / k / "checkpoint-4" / "model.safetensors") for k in ("standard", "chunked")]
     assert max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0]) < 1e-5

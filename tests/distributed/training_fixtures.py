@@ -21,10 +21,20 @@ def make_assets(root: Path) -> dict[str, Path]:
 def base_args(assets: dict[str, Path], out: Path, **overrides: Any) -> TrainingArgs:
     """Small, fast defaults: 2 ranks x a few micro-batches, constant LR, no checkpoints unless asked."""
     values: dict[str, Any] = dict(
-        model_path=assets["model"], data_path=assets["train"], ckpt_output_dir=out,
-        max_seq_len=32, max_batch_len=64, effective_batch_size=16, learning_rate=3e-3,
-        lr_scheduler="constant", warmup_steps=0, max_steps=8, logging_steps=2,
-        save_strategy="no", disable_tqdm=True, seed=7,
+        model_path=assets["model"],
+        data_path=assets["train"],
+        ckpt_output_dir=out,
+        max_seq_len=32,
+        max_batch_len=64,
+        effective_batch_size=16,
+        learning_rate=3e-3,
+        lr_scheduler="constant",
+        warmup_steps=0,
+        max_steps=8,
+        logging_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=7,
     )
     values.update(overrides)
     return TrainingArgs(**values)
@@ -40,23 +50,56 @@ class EventCounter(Callback):
     def _count(self, name: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
 
-    def on_init_end(self, context, **kw): self._count("on_init_end")
-    def on_train_begin(self, context, **kw): self._count("on_train_begin")
-    def on_epoch_begin(self, context, **kw): self._count("on_epoch_begin")
-    def on_step_begin(self, context, **kw): self._count("on_step_begin")
-    def on_before_forward(self, context, **kw): self._count("on_before_forward")
-    def on_after_forward(self, context, **kw): self._count("on_after_forward")
-    def on_before_backward(self, context, **kw): self._count("on_before_backward")
-    def on_after_backward(self, context, **kw): self._count("on_after_backward")
-    def on_substep_end(self, context, **kw): self._count("on_substep_end")
-    def on_pre_optimizer_step(self, context, **kw): self._count("on_pre_optimizer_step")
-    def on_optimizer_step(self, context, **kw): self._count("on_optimizer_step")
-    def on_log(self, context, **kw): self._count("on_log")
-    def on_prediction_step(self, context, **kw): self._count("on_prediction_step")
-    def on_evaluate(self, context, **kw): self._count("on_evaluate")
-    def on_save(self, context, **kw): self._count("on_save")
-    def on_epoch_end(self, context, **kw): self._count("on_epoch_end")
-    def on_exception(self, context, **kw): self._count("on_exception")
+    def on_init_end(self, context, **kw):
+        self._count("on_init_end")
+
+    def on_train_begin(self, context, **kw):
+        self._count("on_train_begin")
+
+    def on_epoch_begin(self, context, **kw):
+        self._count("on_epoch_begin")
+
+    def on_step_begin(self, context, **kw):
+        self._count("on_step_begin")
+
+    def on_before_forward(self, context, **kw):
+        self._count("on_before_forward")
+
+    def on_after_forward(self, context, **kw):
+        self._count("on_after_forward")
+
+    def on_before_backward(self, context, **kw):
+        self._count("on_before_backward")
+
+    def on_after_backward(self, context, **kw):
+        self._count("on_after_backward")
+
+    def on_substep_end(self, context, **kw):
+        self._count("on_substep_end")
+
+    def on_pre_optimizer_step(self, context, **kw):
+        self._count("on_pre_optimizer_step")
+
+    def on_optimizer_step(self, context, **kw):
+        self._count("on_optimizer_step")
+
+    def on_log(self, context, **kw):
+        self._count("on_log")
+
+    def on_prediction_step(self, context, **kw):
+        self._count("on_prediction_step")
+
+    def on_evaluate(self, context, **kw):
+        self._count("on_evaluate")
+
+    def on_save(self, context, **kw):
+        self._count("on_save")
+
+    def on_epoch_end(self, context, **kw):
+        self._count("on_epoch_end")
+
+    def on_exception(self, context, **kw):
+        self._count("on_exception")
 
     def on_step_end(self, context, **kw):
         self._count("on_step_end")
@@ -65,8 +108,15 @@ class EventCounter(Callback):
     def on_train_end(self, context, **kw):
         self._count("on_train_end")
         path = context.args.ckpt_output_dir / f"events-rank{context.rank}.json"
-        path.write_text(json.dumps({"counts": self.counts, "steps": self.steps_at_step_end,
-                                    "micro_batches_per_step": context.micro_steps_in_step}))
+        path.write_text(
+            json.dumps(
+                {
+                    "counts": self.counts,
+                    "steps": self.steps_at_step_end,
+                    "micro_batches_per_step": context.micro_steps_in_step,
+                }
+            )
+        )
 
 
 def read_rank_files(out: Path, stem: str, world_size: int = 2) -> list[dict[str, Any]]:

@@ -22,9 +22,19 @@ def args_for(tmp_path: Path, tiny_llama: Path) -> Callable[..., TrainingArgs]:
 
     def make(out: str = "out", **overrides: Any) -> TrainingArgs:
         values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, val_data_path=val_file, ckpt_output_dir=tmp_path / out,
-            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=3e-3,
-            lr_scheduler="constant", max_steps=6, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            model_path=tiny_llama,
+            data_path=train_file,
+            val_data_path=val_file,
+            ckpt_output_dir=tmp_path / out,
+            max_seq_len=32,
+            max_batch_len=64,
+            effective_batch_size=8,
+            learning_rate=3e-3,
+            lr_scheduler="constant",
+            max_steps=6,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
             seed=7,
         )
         values.update(overrides)

@@ -47,8 +47,9 @@ class Saves(Callback):
 @pytest.fixture
 def args_for(args_for):
     """The shared ``args_for`` (tests/unit/conftest.py), saving asynchronously every 2 steps in bf16."""
-    return functools.partial(args_for, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16",
-                             checkpoint_async=True)
+    return functools.partial(
+        args_for, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16", checkpoint_async=True
+    )
 
 
 def _loop(args: TrainingArgs, *callbacks: Callback) -> TrainingLoop:
@@ -68,7 +69,10 @@ def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the
     assert fired_at["checkpoint-2"] >= 3 and fired_at["checkpoint-4"] >= 5 and fired_at["checkpoint-6"] == 6
     out = full.args.ckpt_output_dir
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".tmp"))) == [
-        "checkpoint-2", "checkpoint-4", "checkpoint-6"]
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
     # written in the background, the optimizer state is in dcp/; the synchronous final one keeps optimizer.pt
     assert not (out / "checkpoint-2" / "optimizer.pt").exists() and (out / "checkpoint-6" / "optimizer.pt").exists()
 
@@ -141,8 +145,15 @@ def test_a_peft_run_saves_its_adapter_and_optimizer_in_the_background_and_resume
     second = full.args.ckpt_output_dir / "checkpoint-2"
     assert (second / "adapter_model.safetensors").is_file() and not (second / "optimizer.pt").exists()
     assert (second / "dcp" / ".metadata").is_file()  # the adapter's optimizer state, written in the background
-    resumed = _loop(args_for("peft-resumed", peft_config=lora, max_steps=4, checkpoint_weights_dtype="auto",
-                             resume_from_checkpoint=second))
+    resumed = _loop(
+        args_for(
+            "peft-resumed",
+            peft_config=lora,
+            max_steps=4,
+            checkpoint_weights_dtype="auto",
+            resume_from_checkpoint=second,
+        )
+    )
     result = resumed.run()
     assert result.resumed_from == str(second) and result.final_loss == full.context.loss
     trained = [(n, p) for n, p in full.engine.unwrapped.named_parameters() if p.requires_grad]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from trainbridge.data.cache import entry_problem, open_tokenized
-from trainbridge.data.dataset import DataFormatError
 from trainbridge.data.inputs import DataInputError
 from trainbridge.data.records import DataOptions
 from trainbridge.data.sources import data_options
+from trainbridge.data.types import DataFormatError
 from trainbridge.launch.checks import check_data_file
 
 GOOD = b'{"input_ids": [1, 2, 3]}\n'
@@ -76,8 +76,7 @@ def test_token_ids_at_or_above_the_vocabulary_are_refused(tmp_path: Path) -> Non
 def test_the_run_checks_token_ids_against_its_models_vocabulary(run_files: dict[str, Path]) -> None:
     from trainbridge.core.config import TrainingArgs
 
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"],
-                        ckpt_output_dir=run_files["out"])
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     assert data_options(args).vocab_size == 32  # the model's config.json
     assert data_options(args).key()["vocab_size"] == 32  # a cache built without the check is not reused
 
@@ -106,8 +105,13 @@ def test_a_poisoned_cache_entry_is_not_used(tmp_path: Path, tamper: str) -> None
     # the poison: the same key, other tokens (as another user would build from their own file)
     poison = tmp_path / "poison"
     poison.mkdir()
-    _poisoned, _ = open_tokenized(_write(poison / "p.jsonl", b'{"input_ids": [7, 7, 7, 7, 7]}\n'), None,
-                                  DataOptions(max_seq_len=64), None, poison / "cache")
+    _poisoned, _ = open_tokenized(
+        _write(poison / "p.jsonl", b'{"input_ids": [7, 7, 7, 7, 7]}\n'),
+        None,
+        DataOptions(max_seq_len=64),
+        None,
+        poison / "cache",
+    )
     for item in entry.iterdir():
         item.unlink()
     for item in _entry(poison / "cache").iterdir():

@@ -7,19 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from trainbridge.core.agreement import ControlFlag
 from trainbridge.core.callback import Callback, FunctionCallback, rank_zero_only
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import ControlFlag
+from trainbridge.core.dispatch import CallbackManager, CallbackSetupError
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
-from trainbridge.core.manager import CallbackManager, CallbackSetupError
 
 
 @pytest.fixture
 def context(run_files: dict[str, Path]) -> TrainingContext:
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"],
-                        ckpt_output_dir=run_files["out"])
+    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     return TrainingContext(args=args, env=DistributedEnv())
 
 
@@ -39,8 +38,7 @@ def test_dispatch_in_registration_order_with_kwargs(context):
     manager = CallbackManager([Recorder("a", log), Recorder("b", log)])
     manager.fire(Event.STEP_END, context)
     manager.fire(Event.LOG, context, logs={"loss": 1.0})
-    assert log == [("a", "step_end"), ("b", "step_end"),
-                   ("a", "log", {"loss": 1.0}), ("b", "log", {"loss": 1.0})]
+    assert log == [("a", "step_end"), ("b", "step_end"), ("a", "log", {"loss": 1.0}), ("b", "log", {"loss": 1.0})]
 
 
 def test_index_holds_only_overriding_callbacks(context):
@@ -109,8 +107,7 @@ class Boom(Callback):
 
 def test_setup_error_fails_before_first_step_naming_the_callback(context):
     manager = CallbackManager([Boom({"train_begin"})])
-    with pytest.raises(CallbackSetupError,
-                       match=r"callback Boom failed in on_train_begin on rank 0: ValueError: boom"):
+    with pytest.raises(CallbackSetupError, match=r"callback Boom failed in on_train_begin on rank 0: ValueError: boom"):
         manager.fire(Event.TRAIN_BEGIN, context)
 
 
@@ -176,8 +173,7 @@ class SlowObserver(Callback):
     def on_log(self, context, **kwargs):
         self.release.wait(5)
         self.thread_names.add(threading.current_thread().name)
-        self.seen.append((context.global_step, kwargs["logs"]["loss"], context.model,
-                          dict(context.user_state)))
+        self.seen.append((context.global_step, kwargs["logs"]["loss"], context.model, dict(context.user_state)))
         try:
             context.request_stop_training()
         except RuntimeError as exc:
@@ -258,38 +254,40 @@ def test_states_come_back_when_a_callback_is_added_or_the_order_changes(context,
     added = Counter()
     added.state_id = "new"  # a new callback of an existing class, told apart by its state_id
     restored_counter, restored_other = Counter(), Other()
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         manager = CallbackManager([added, restored_other, Recorder("y", []), restored_counter])
         keys = manager.load_state_dict(saved)
     assert sorted(keys) == sorted(["Counter", Other.__qualname__])
     assert (restored_counter.n, restored_other.n, added.n) == (3, 5, 0)
     assert [r.getMessage() for r in caplog.records] == [
-        "the checkpoint holds no state for callback Counter (state key 'Counter[new]'): it starts fresh"]
+        "the checkpoint holds no state for callback Counter (state key 'Counter[new]'): it starts fresh"
+    ]
 
 
 def test_a_state_no_callback_claims_is_a_warning_naming_its_key(context, caplog):
     saved = {"Counter": {"n": 1}, "Gone": {"x": 1}}
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         assert CallbackManager([Counter()]).load_state_dict(saved) == ["Counter"]
     assert [r.getMessage() for r in caplog.records] == [
-        "the checkpoint holds a state for 'Gone', which no configured callback has as its state_key: ignored"]
+        "the checkpoint holds a state for 'Gone', which no configured callback has as its state_key: ignored"
+    ]
 
 
 def test_duplicate_state_keys_get_an_occurrence_suffix_and_a_warning(caplog):
     first, second = Counter(), Counter()
     first.n, second.n = 1, 2
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         manager = CallbackManager([first, second])
     assert manager.state_keys == ["Counter", "Counter#2"]
     assert "2 stateful callbacks share the state key 'Counter'" in caplog.text and "state_id" in caplog.text
     assert manager.state_dict() == {"Counter": {"n": 1}, "Counter#2": {"n": 2}}
     caplog.clear()
     first.state_id, second.state_id = "a", "b"
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         assert CallbackManager([first, second]).state_keys == ["Counter[a]", "Counter[b]"]
     assert caplog.records == []
     # stateless callbacks of one class (two recorders) share a key without a warning
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         CallbackManager([Recorder("a", []), Recorder("b", [])])
     assert caplog.records == []
 
@@ -335,9 +333,8 @@ def test_close_runs_once_per_callback_on_this_rank_and_isolates_errors(context, 
     class RankZero(Closing):
         rank_zero_only = True
 
-    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")],
-                              is_world_process_zero=False)
-    with caplog.at_level(logging.ERROR, logger="trainbridge.core.manager"):
+    manager = CallbackManager([Closing("broken"), RankZero("zero"), Closing("last")], is_world_process_zero=False)
+    with caplog.at_level(logging.ERROR, logger="trainbridge.core.dispatch"):
         manager.close(context)
         manager.close(context)
     assert closed == ["broken", "last"]  # once each; the rank-zero-only callback does not run on rank 1

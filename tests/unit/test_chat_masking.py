@@ -38,30 +38,16 @@ NL = "{{ '\n' }}"
 """A newline in a template (transformers renders with trim_blocks: a newline right after a tag goes)."""
 
 CHATML = (
-    "{%- if messages[0].role != 'system' %}<|im_start|>system"
-    + NL
-    + "You are helpful.<|im_end|>"
-    + NL
-    + "{%- endif %}"
+    "{%- if messages[0].role != 'system' %}<|im_start|>system" + NL + "You are helpful.<|im_end|>" + NL + "{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}<|im_start|>assistant" + NL + "{{ m.content }}"
-    "{%- for call in m.tool_calls or [] %}<tool_call>"
-    + NL
-    + "{{ call.function | tojson }}"
-    + NL
-    + "</tool_call>"
+    "{%- for call in m.tool_calls or [] %}<tool_call>" + NL + "{{ call.function | tojson }}" + NL + "</tool_call>"
     "{%- endfor %}<|im_end|>"
     + NL
     + "{%- elif m.role == 'tool' %}<|im_start|>user"
     + NL
     + "<tool_response>{{ m.content }}</tool_response>"
-    "<|im_end|>"
-    + NL
-    + "{%- else %}<|im_start|>{{ m.role }}"
-    + NL
-    + "{{ m.content }}<|im_end|>"
-    + NL
-    + "{%- endif %}"
+    "<|im_end|>" + NL + "{%- else %}<|im_start|>{{ m.role }}" + NL + "{{ m.content }}<|im_end|>" + NL + "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant" + NL + "{%- endif %}"
 )
@@ -205,9 +191,7 @@ def test_generation_markers_give_the_assistant_spans(bpe: PreTrainedTokenizerFas
 def test_template_dropping_earlier_reasoning_fails_on_all_turns_and_works_on_the_last(
     bpe: PreTrainedTokenizerFast,
 ) -> None:
-    with pytest.raises(
-        ChatTemplateError, match=r"renders the conversation up to assistant message 1 differently"
-    ):
+    with pytest.raises(ChatTemplateError, match=r"renders the conversation up to assistant message 1 differently"):
         encode(bpe, QWEN3, CONVERSATION)
     _, last = encode(bpe, QWEN3, CONVERSATION, train_on="last")
     assert trained_text(bpe, last) == ["<think>\nthree plus three\n</think>\n\nIt is 6.<|im_end|>\n"]
@@ -228,9 +212,7 @@ def test_tiny_tokenizer_template(tmp_path: Path) -> None:
         {"role": "assistant", "content": "7"},
     ]
     input_ids, labels = encode(tokenizer, str(tokenizer.chat_template), messages)
-    assert (
-        tokenizer.decode(input_ids) == "<s>user: 1+2=?\nassistant: 3</s>\nuser: plus 4?\nassistant: 7</s>\n"
-    )
+    assert tokenizer.decode(input_ids) == "<s>user: 1+2=?\nassistant: 3</s>\nuser: plus 4?\nassistant: 7</s>\n"
     assert trained_text(tokenizer, labels) == ["3</s>\n", "7</s>\n"]
 
 
@@ -270,9 +252,7 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
-def test_messages_jsonl_and_parquet_give_the_same_samples(
-    tmp_path: Path, bpe: PreTrainedTokenizerFast
-) -> None:
+def test_messages_jsonl_and_parquet_give_the_same_samples(tmp_path: Path, bpe: PreTrainedTokenizerFast) -> None:
     """Through ``datasets``, Arrow fills keys missing from some messages with nulls; they are dropped."""
     bpe.chat_template = CHATML
     rows = [
@@ -309,9 +289,7 @@ def test_bad_chat_rows_fail_before_training_with_file_line_and_counts(
         {"messages": CONVERSATION[1:]},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(
-        DataFormatError, match=r"chat\.jsonl:2: the conversation has no assistant message"
-    ) as info:
+    with pytest.raises(DataFormatError, match=r"chat\.jsonl:2: the conversation has no assistant message") as info:
         open_dataset(path, bpe, DataOptions(max_seq_len=512), tmp_path / "cache")
     assert info.value.counts == {
         "no assistant message": 1,
@@ -325,9 +303,7 @@ def test_bad_chat_rows_fail_before_training_with_file_line_and_counts(
     assert info.value.counts == {"no assistant message": 1, "roles out of order": 1}
 
 
-def test_no_chat_template_and_system_prompt_and_prompt_completion(
-    tmp_path: Path, bpe: PreTrainedTokenizerFast
-) -> None:
+def test_no_chat_template_and_system_prompt_and_prompt_completion(tmp_path: Path, bpe: PreTrainedTokenizerFast) -> None:
     bpe.chat_template = None
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[:2]}])
     with pytest.raises(DataFormatError, match=r"chat\.jsonl:1: the tokenizer has no chat template"):
@@ -402,7 +378,9 @@ def test_batched_encoding_equals_one_conversation_at_a_time(
             return f"error: {exc}"
 
     expected = [one(item) for item in items]
-    batched = [f"error: {r}" if isinstance(r, ChatTemplateError) else r
-               for r in encoder.encode_batch([(list(m), t, a) for m, t, a in items])]
+    batched = [
+        f"error: {r}" if isinstance(r, ChatTemplateError) else r
+        for r in encoder.encode_batch([(list(m), t, a) for m, t, a in items])
+    ]
     assert batched == expected
     assert sum(isinstance(r, tuple) for r in expected) >= 3  # most rows encode; the comparison is not of errors

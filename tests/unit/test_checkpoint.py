@@ -27,9 +27,16 @@ VOCAB = 48
 
 
 def save_tiny_llama(directory: Path, tie_word_embeddings: bool = False) -> Path:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tie_word_embeddings)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie_word_embeddings,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
@@ -39,9 +46,16 @@ def save_tiny_llama(directory: Path, tie_word_embeddings: bool = False) -> Path:
 def args(tmp_path: Path) -> TrainingArgs:
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    return TrainingArgs(model_path=save_tiny_llama(tmp_path / "model"), data_path=data,
-                        ckpt_output_dir=tmp_path / "out", learning_rate=1e-2, weight_decay=0.1,
-                        lr_scheduler="linear", warmup_steps=1, device="cpu")
+    return TrainingArgs(
+        model_path=save_tiny_llama(tmp_path / "model"),
+        data_path=data,
+        ckpt_output_dir=tmp_path / "out",
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler="linear",
+        warmup_steps=1,
+        device="cpu",
+    )
 
 
 @pytest.fixture()
@@ -102,8 +116,15 @@ def test_checkpoint_is_a_hugging_face_model_directory(args: TrainingArgs, tokeni
     assert AutoTokenizer.from_pretrained(path)("w3 w5")["input_ids"] == [3, 5]
     assert json.loads((path / "training_state.json").read_text()) == state
     assert json.loads((path / "trainer_state.json").read_text()) == {"global_step": 1}
-    for name in ("config.json", "generation_config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
-                 "rng_state.pth", COMPLETE_MARKER):  # one process: Trainer's name
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        COMPLETE_MARKER,
+    ):  # one process: Trainer's name
         assert (path / name).is_file(), name
     assert [p.name for p in args.ckpt_output_dir.iterdir()] == ["checkpoint-1"], "temporary folder left behind"
 
@@ -254,8 +275,9 @@ def test_load_rejects_an_incomplete_checkpoint(args: TrainingArgs) -> None:
         (None, None, [1, 2, 3, 4, 5]),
     ],
 )
-def test_rotation_keeps_newest_and_protected(tmp_path: Path, limit: int | None, protected_step: int | None,
-                                             kept: list[int]) -> None:
+def test_rotation_keeps_newest_and_protected(
+    tmp_path: Path, limit: int | None, protected_step: int | None, kept: list[int]
+) -> None:
     manager = CheckpointManager(tmp_path, DistributedEnv(), save_total_limit=limit)
     paths = {step: fake_checkpoint(tmp_path, step) for step in range(1, 6)}
     protected = {paths[protected_step]} if protected_step else set()
@@ -284,8 +306,9 @@ def test_bf16_export_of_fp32_training_resumes_exactly_from_the_sharded_state(arg
     engine = new_engine(args)
     train_step(engine, seed=1)
     train_step(engine, seed=2)
-    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None,
-                                weights_dtype=torch.bfloat16)
+    manager = CheckpointManager(
+        args.ckpt_output_dir, DistributedEnv(), save_total_limit=None, weights_dtype=torch.bfloat16
+    )
     path = manager.save(engine, None, 2, {"global_step": 2}, {})
     saved = weights(engine)
     train_step(engine, seed=3)
@@ -318,8 +341,9 @@ def test_bf16_export_of_fp32_training_resumes_exactly_from_the_sharded_state(arg
 
 def test_an_export_in_the_parameters_dtype_keeps_no_extra_copy(args: TrainingArgs) -> None:
     engine = new_engine(args)
-    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None,
-                                weights_dtype=torch.float32)
+    manager = CheckpointManager(
+        args.ckpt_output_dir, DistributedEnv(), save_total_limit=None, weights_dtype=torch.float32
+    )
     path = manager.save(engine, None, 1, {}, {})
     assert not (path / "dcp").exists()
     assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
@@ -336,8 +360,10 @@ def test_checkpoint_weights_dtype_auto_is_what_the_model_folder_records(args: Tr
     loaded = AutoModelForCausalLM.from_pretrained(bf16_folder, dtype="float32")  # trained in fp32
     bf16_args = args.model_copy(update={"model_path": bf16_folder})
     assert checkpoint_weights_dtype(bf16_args, loaded) == torch.bfloat16
-    assert checkpoint_weights_dtype(bf16_args.model_copy(update={"checkpoint_weights_dtype": "float32"}),
-                                    loaded) == torch.float32
+    assert (
+        checkpoint_weights_dtype(bf16_args.model_copy(update={"checkpoint_weights_dtype": "float32"}), loaded)
+        == torch.float32
+    )
     # no folder (model_init): the parameters' dtype
     assert checkpoint_weights_dtype(args.model_copy(update={"model_path": None}), loaded) == torch.float32
 

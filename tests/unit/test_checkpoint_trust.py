@@ -41,8 +41,9 @@ def _checkpoint(args: TrainingArgs, **manager_kwargs: object) -> tuple[Checkpoin
     """A checkpoint whose ``dcp/`` holds the fp32 weights (the HF files are a bf16 export)."""
     engine = new_engine(args)
     train_step(engine, seed=1)
-    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None, weights_dtype=torch.bfloat16,
-                                **manager_kwargs)  # type: ignore[arg-type]
+    manager = CheckpointManager(
+        args.ckpt_output_dir, DistributedEnv(), None, weights_dtype=torch.bfloat16, **manager_kwargs
+    )  # type: ignore[arg-type]
     return manager, manager.save(engine, None, 1, {"global_step": 1}, {})
 
 
@@ -168,8 +169,19 @@ def test_every_checkpoint_file_is_private_whatever_the_umask(args):  # noqa: F81
     finally:
         os.umask(previous)
     found = [path, *path.rglob("*")]
-    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "manifest.json", "COMPLETE", "dcp",
-            ".metadata", "model.safetensors"} <= {p.name for p in found}
-    loose = {str(p.relative_to(path.parent)): oct(stat.S_IMODE(p.stat().st_mode)) for p in found
-             if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+    assert {
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "manifest.json",
+        "COMPLETE",
+        "dcp",
+        ".metadata",
+        "model.safetensors",
+    } <= {p.name for p in found}
+    loose = {
+        str(p.relative_to(path.parent)): oct(stat.S_IMODE(p.stat().st_mode))
+        for p in found
+        if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)
+    }
     assert loose == {}, f"readable by others under umask 022: {loose}"

@@ -94,8 +94,15 @@ def test_loss_head_with_varlen_sdpa_and_known_segments() -> None:
 
 
 def test_loss_head_refuses_models_that_post_process_logits() -> None:
-    config = CohereConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5)
+    config = CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logit_scale=0.5,
+    )
     cohere = AutoModelForCausalLM.from_config(config)  # logits = lm_head(h) * logit_scale
     assert not install_loss_head(cohere, "chunked")
     assert not install_loss_head(tiny_llama(), "standard")
@@ -137,8 +144,10 @@ def test_known_segments_replace_reading_position_ids(monkeypatch: pytest.MonkeyP
     import trainbridge.modeling.varlen_attention as varlen
 
     model = tiny_llama()
-    batches = [collate_padding_free(make_samples(lengths), row_tokens=rows)
-               for lengths, rows in (([5, 9, 3], None), ([7, 7, 7], None), ([30, 20, 25, 10], 50))]
+    batches = [
+        collate_padding_free(make_samples(lengths), row_tokens=rows)
+        for lengths, rows in (([5, 9, 3], None), ([7, 7, 7], None), ([30, 20, 25, 10], 50))
+    ]
     references = [loss_and_grads(model, b)[0] for b in batches]
     assert enable_varlen_sdpa(model, max_seq_len=64)
 
@@ -157,8 +166,15 @@ def test_fsdp_unit_groups() -> None:
     names = [name for name, _ in fsdp_unit_groups(untied)]
     assert names == ["embeddings", "decoder layer 0", "decoder layer 1", "norm + output layer"]
     assert fsdp_unit_groups(untied)[-1][1] == [untied.model.norm, untied.lm_head]
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     tied = AutoModelForCausalLM.from_config(config)
     assert [name for name, _ in fsdp_unit_groups(tied)] == ["decoder layer 0", "decoder layer 1"]
 

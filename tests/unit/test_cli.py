@@ -25,8 +25,9 @@ class FakeRunTraining:
 
     def __init__(self):
         self.calls = []
-        self.outcome = RunResult(global_step=12, epoch=1.0, max_steps=12, final_loss=1.23456,
-                                 checkpoints=["out/ckpt-12"])
+        self.outcome = RunResult(
+            global_step=12, epoch=1.0, max_steps=12, final_loss=1.23456, checkpoints=["out/ckpt-12"]
+        )
 
     def __call__(self, args, torchrun_args, timeout_s=None, dry_run=False):
         self.calls.append((args, torchrun_args, timeout_s))
@@ -45,9 +46,14 @@ def launches(monkeypatch):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("max_steps=10", ("max_steps", 10)), ("learning_rate=0.001", ("learning_rate", 0.001)),
-     ("run_name=null", ("run_name", None)), ("report_to=[tensorboard]", ("report_to", ["tensorboard"])),
-     ("run_name=a=b", ("run_name", "a=b")), ("run_name=", ("run_name", ""))],
+    [
+        ("max_steps=10", ("max_steps", 10)),
+        ("learning_rate=0.001", ("learning_rate", 0.001)),
+        ("run_name=null", ("run_name", None)),
+        ("report_to=[tensorboard]", ("report_to", ["tensorboard"])),
+        ("run_name=a=b", ("run_name", "a=b")),
+        ("run_name=", ("run_name", "")),
+    ],
 )
 def test_overrides_are_yaml_scalars(text, expected):
     assert cli.parse_override(text) == expected
@@ -59,8 +65,22 @@ def test_override_without_equals_is_rejected():
 
 
 def test_train_builds_validated_objects_and_prints_a_summary(config, launches, capsys):
-    code = cli.main(["train", str(config), "--nproc-per-node", "3", "--master-port", "29999",
-                     "--set", "max_steps=12", "--set", "learning_rate=0.001", "--timeout", "60"])
+    code = cli.main(
+        [
+            "train",
+            str(config),
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "29999",
+            "--set",
+            "max_steps=12",
+            "--set",
+            "learning_rate=0.001",
+            "--timeout",
+            "60",
+        ]
+    )
     assert code == 0
     ((args, torchrun_args, timeout_s),) = launches.calls
     assert isinstance(args, TrainingArgs) and (args.max_steps, args.learning_rate) == (12, 0.001)
@@ -97,8 +117,11 @@ def test_missing_config_file_exits_2(tmp_path, launches, capsys):
 @pytest.mark.parametrize(
     ("error", "code", "text"),
     [
-        (WorkerFailedError(1, 1, "ValueError: boom", traceback="Traceback ...\nValueError: boom"), 1,
-         "training failed on rank 1 (exit code 1): ValueError: boom"),
+        (
+            WorkerFailedError(1, 1, "ValueError: boom", traceback="Traceback ...\nValueError: boom"),
+            1,
+            "training failed on rank 1 (exit code 1): ValueError: boom",
+        ),
         (PreflightError("callbacks[0]: CallbackSpec 'x:Y' failed to construct"), 2, "not launched: callbacks[0]"),
         (TrainingInterruptedError(2), 130, "interrupted by SIGINT"),
     ],
@@ -123,11 +146,13 @@ def test_help_imports_neither_torch_nor_pydantic():
     import subprocess
     import sys
 
-    code = ("import sys, contextlib, io\nimport trainbridge.cli as c\n"
-            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "    c.main(['train', '--help'])\n"
-            "heavy = [m for m in ('torch', 'transformers', 'pydantic', 'yaml') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, contextlib, io\nimport trainbridge.cli as c\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    c.main(['train', '--help'])\n"
+        "heavy = [m for m in ('torch', 'transformers', 'pydantic', 'yaml') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -138,13 +163,15 @@ def test_the_program_ends_its_process_at_once_keeping_exit_handlers_and_output(t
     import subprocess
     import sys
 
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print('exit handler ran'))\n"
-            "from trainbridge.cli import main\n"
-            f"sys.argv = ['trainbridge', 'plot', {str(tmp_path / 'no-such-run')!r}]\n"
-            "print('buffered before the end')\n"
-            "main()\n"
-            "print('after main')\n")
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('exit handler ran'))\n"
+        "from trainbridge.cli import main\n"
+        f"sys.argv = ['trainbridge', 'plot', {str(tmp_path / 'no-such-run')!r}]\n"
+        "print('buffered before the end')\n"
+        "main()\n"
+        "print('after main')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == cli.EXIT_INVALID, done.stderr
     assert done.stdout.splitlines() == ["buffered before the end", "exit handler ran"]
@@ -197,16 +224,20 @@ def test_bad_set_value_is_reported_as_a_set_value(config, launches, capsys):
 
 def test_misspelled_set_key_gets_the_nearest_name(config, launches, capsys):
     assert cli.main(["train", str(config), "--set", "max_step=5"]) == 2
-    assert "- max_step = 5 (from --set max_step=5): not a TrainingArgs field. Did you mean 'max_steps'?" in \
-        capsys.readouterr().err
+    assert (
+        "- max_step = 5 (from --set max_step=5): not a TrainingArgs field. Did you mean 'max_steps'?"
+        in capsys.readouterr().err
+    )
 
 
 def test_trainer_name_in_yaml_says_which_field_it_is(config, launches, capsys):
     config.write_text(config.read_text() + "num_train_epochs: 3\nper_device_train_batch_size: 8\n")
     assert cli.main(["train", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"- num_train_epochs = 3 (in {config}): not a TrainingArgs field. num_train_epochs is " \
-           "transformers.TrainingArguments' name; here it is num_epochs." in err
+    assert (
+        f"- num_train_epochs = 3 (in {config}): not a TrainingArgs field. num_train_epochs is "
+        "transformers.TrainingArguments' name; here it is num_epochs." in err
+    )
     assert "per_device_train_batch_size = 8" in err and "effective_batch_size" in err
 
 
@@ -244,7 +275,8 @@ def test_callback_module_next_to_the_config_imports_by_name(config, launches, mo
 
     (config.parent / "my_callbacks.py").write_text(
         "from trainbridge import Callback\n\nclass Marker(Callback):\n    def __init__(self, tag):\n"
-        "        self.tag = tag\n")
+        "        self.tag = tag\n"
+    )
     config.write_text(config.read_text() + "callbacks:\n  - class: my_callbacks:Marker\n    kwargs: {tag: x}\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

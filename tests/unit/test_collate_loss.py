@@ -99,9 +99,7 @@ def test_padded_collator_right_pads() -> None:
 def test_supports_padding_free_detection() -> None:
     assert model_supports_padding_free(tiny_llama("sdpa"))
     assert model_supports_padding_free(tiny_llama("eager"))
-    gpt2 = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
+    gpt2 = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     assert model_supports_padding_free(AutoModelForCausalLM.from_config(gpt2))
     # OPT and Bloom build their causal mask without position_ids: packed samples would see each other
     assert not model_supports_padding_free(tiny_opt())

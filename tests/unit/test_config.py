@@ -10,8 +10,12 @@ from trainbridge.core.events import Event
 
 @pytest.fixture
 def base(run_files):
-    return {"model_path": run_files["model"], "data_path": run_files["train"], "val_data_path": run_files["val"],
-            "ckpt_output_dir": run_files["out"]}
+    return {
+        "model_path": run_files["model"],
+        "data_path": run_files["train"],
+        "val_data_path": run_files["val"],
+        "ckpt_output_dir": run_files["out"],
+    }
 
 
 def _error(fields):
@@ -98,8 +102,9 @@ def test_yaml_round_trip_keeps_fields_and_callback_specs(base, tmp_path):
     loaded = TrainingArgs.from_yaml(path)
     assert loaded == args
     assert loaded.callbacks == [
-        CallbackSpec.model_validate({"class": "transformers:EarlyStoppingCallback",
-                                     "kwargs": {"early_stopping_patience": 3}})
+        CallbackSpec.model_validate(
+            {"class": "transformers:EarlyStoppingCallback", "kwargs": {"early_stopping_patience": 3}}
+        )
     ]
     assert loaded.callbacks[0].build().early_stopping_patience == 3
 
@@ -108,9 +113,16 @@ def test_yaml_relative_paths_resolve_against_the_yaml_folder(base, tmp_path, mon
     folder = tmp_path / "project"
     folder.mkdir()
     (folder / "data.jsonl").write_text('{"text": "1"}\n')
-    (folder / "run.yaml").write_text(yaml.safe_dump({
-        "model_path": "../model", "data_path": "data.jsonl", "ckpt_output_dir": "out", "learning_rate": 1e-3,
-    }))
+    (folder / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model_path": "../model",
+                "data_path": "data.jsonl",
+                "ckpt_output_dir": "out",
+                "learning_rate": 1e-3,
+            }
+        )
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

@@ -36,9 +36,7 @@ def _one(fields, **kwargs):
 
 
 def test_misspelled_field_gets_the_nearest_name(base):
-    assert _one({**base, "max_step": 10}) == (
-        "max_step = 10: not a TrainingArgs field. Did you mean 'max_steps'?"
-    )
+    assert _one({**base, "max_step": 10}) == ("max_step = 10: not a TrainingArgs field. Did you mean 'max_steps'?")
 
 
 def test_misspelled_choice_gets_the_choices_and_the_nearest(base):
@@ -49,9 +47,14 @@ def test_misspelled_choice_gets_the_choices_and_the_nearest(base):
 
 @pytest.mark.parametrize(
     ("name", "ours"),
-    [("num_train_epochs", "num_epochs"), ("output_dir", "ckpt_output_dir"), ("lr_scheduler_type", "lr_scheduler"),
-     ("per_device_train_batch_size", "effective_batch_size"), ("gradient_accumulation_steps", "effective_batch_size"),
-     ("bf16", "mixed_precision: bf16")],
+    [
+        ("num_train_epochs", "num_epochs"),
+        ("output_dir", "ckpt_output_dir"),
+        ("lr_scheduler_type", "lr_scheduler"),
+        ("per_device_train_batch_size", "effective_batch_size"),
+        ("gradient_accumulation_steps", "effective_batch_size"),
+        ("bf16", "mixed_precision: bf16"),
+    ],
 )
 def test_trainer_names_say_which_field_of_ours_they_are(base, name, ours):
     line = _one({**base, name: 3}, foreign_hint=trainer_field_hint)
@@ -63,11 +66,25 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
     """The hint's facts are porting's facts: each renamed TrainingArguments field lands in the named field."""
     from transformers import TrainingArguments
 
-    hf = TrainingArguments(output_dir=str(tmp_path / "hf_out"), num_train_epochs=3, lr_scheduler_type="cosine",
-                           bf16=False, use_cpu=True, ddp_timeout=77, restore_callback_states_from_checkpoint=True)
+    hf = TrainingArguments(
+        output_dir=str(tmp_path / "hf_out"),
+        num_train_epochs=3,
+        lr_scheduler_type="cosine",
+        bf16=False,
+        use_cpu=True,
+        ddp_timeout=77,
+        restore_callback_states_from_checkpoint=True,
+    )
     ported = training_args_from_hf(hf, model_path=base["model_path"], data_path=base["data_path"])
-    expected = {"output_dir": tmp_path / "hf_out", "num_train_epochs": 3, "lr_scheduler_type": "cosine",
-                "bf16": "no", "use_cpu": "cpu", "ddp_timeout": 77.0, "restore_callback_states_from_checkpoint": True}
+    expected = {
+        "output_dir": tmp_path / "hf_out",
+        "num_train_epochs": 3,
+        "lr_scheduler_type": "cosine",
+        "bf16": "no",
+        "use_cpu": "cpu",
+        "ddp_timeout": 77.0,
+        "restore_callback_states_from_checkpoint": True,
+    }
     assert set(RENAMED) == set(expected)
     for name, ours in RENAMED.items():
         field = ours.split(":")[0]
@@ -91,31 +108,51 @@ def test_yaml_values_are_reported_with_their_file(base):
 
 def test_misspelled_callback_class_gets_the_nearest_name(base):
     line = _one({**base, "callbacks": [{"class": "transformers:EarlyStopingCallback"}]})
-    assert line == ("callbacks[0].class = 'transformers:EarlyStopingCallback': module 'transformers' has no "
-                    "attribute 'EarlyStopingCallback'. Did you mean 'EarlyStoppingCallback'?")
+    assert line == (
+        "callbacks[0].class = 'transformers:EarlyStopingCallback': module 'transformers' has no "
+        "attribute 'EarlyStopingCallback'. Did you mean 'EarlyStoppingCallback'?"
+    )
 
 
 def test_misspelled_callback_kwarg_gets_the_nearest_name(base):
-    line = _one({**base, "callbacks": [{"class": "transformers:EarlyStoppingCallback",
-                                        "kwargs": {"early_stopping_patiense": 3}}]})
-    assert line.startswith("callbacks[0].kwargs = {'early_stopping_patiense': 3}: EarlyStoppingCallback has no "
-                           "argument 'early_stopping_patiense'. Did you mean 'early_stopping_patience'?")
+    line = _one(
+        {
+            **base,
+            "callbacks": [{"class": "transformers:EarlyStoppingCallback", "kwargs": {"early_stopping_patiense": 3}}],
+        }
+    )
+    assert line.startswith(
+        "callbacks[0].kwargs = {'early_stopping_patiense': 3}: EarlyStoppingCallback has no "
+        "argument 'early_stopping_patiense'. Did you mean 'early_stopping_patience'?"
+    )
 
 
 def test_callback_missing_a_required_kwarg_is_named(base, tmp_path, monkeypatch):
-    (tmp_path / "needs_arg.py").write_text("from trainbridge import Callback\n\n\nclass NeedsArg(Callback):\n"
-                                           "    def __init__(self, threshold):\n        pass\n")
+    (tmp_path / "needs_arg.py").write_text(
+        "from trainbridge import Callback\n\n\nclass NeedsArg(Callback):\n"
+        "    def __init__(self, threshold):\n        pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     line = _one({**base, "callbacks": [{"class": "needs_arg:NeedsArg"}]})
     assert line == "callbacks[0].kwargs: NeedsArg needs 'threshold' in its kwargs."
 
 
 def test_every_bad_callback_is_reported_once_without_pydantic_noise(base):
-    lines = _lines({**base, "callbacks": [{"class": "transformers:EarlyStopingCallback"}, 3,
-                                          {"clas": "transformers:EarlyStoppingCallback"}]})
+    lines = _lines(
+        {
+            **base,
+            "callbacks": [
+                {"class": "transformers:EarlyStopingCallback"},
+                3,
+                {"clas": "transformers:EarlyStoppingCallback"},
+            ],
+        }
+    )
     assert lines[1] == "callbacks[1]: 3 is not a callback object, class or spec."
-    assert "callbacks[2].clas = 'transformers:EarlyStoppingCallback': not a CallbackSpec field. Did you mean " \
-           "'class'?" in lines
+    assert (
+        "callbacks[2].clas = 'transformers:EarlyStoppingCallback': not a CallbackSpec field. Did you mean "
+        "'class'?" in lines
+    )
     text = "\n".join(lines)
     assert "CallbackSpec\n" not in text and "validation error" not in text and "pydantic" not in text
 

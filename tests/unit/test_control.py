@@ -2,7 +2,7 @@
 
 from typing import NamedTuple
 
-from trainbridge.core.control import ControlFlag, ControlRequests, NoValues, agree_control
+from trainbridge.core.agreement import ControlFlag, ControlRequests, NoValues, agree_control
 from trainbridge.core.distributed import DistributedEnv
 
 

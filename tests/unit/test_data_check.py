@@ -16,8 +16,13 @@ from trainbridge.launch.errors import PreflightError
 
 @pytest.fixture
 def args(run_files, tmp_path) -> TrainingArgs:
-    return TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], val_data_path=run_files["val"],
-                        ckpt_output_dir=run_files["out"], data_cache_dir=tmp_path / "cache")
+    return TrainingArgs(
+        model_path=run_files["model"],
+        data_path=run_files["train"],
+        val_data_path=run_files["val"],
+        ckpt_output_dir=run_files["out"],
+        data_cache_dir=tmp_path / "cache",
+    )
 
 
 @pytest.fixture

@@ -51,8 +51,13 @@ def write_inputs(tmp_path: Path) -> dict[str, Path]:
     records = [dict(zip(ROWS, values)) for values in zip(*ROWS.values())]
     (tmp_path / "rows.json").write_text(json.dumps(records))
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return {"disk": tmp_path / "disk", "parquet": tmp_path / "rows.parquet", "arrow": arrow,
-            "json": tmp_path / "rows.json", "jsonl": tmp_path / "rows.jsonl"}
+    return {
+        "disk": tmp_path / "disk",
+        "parquet": tmp_path / "rows.parquet",
+        "arrow": arrow,
+        "json": tmp_path / "rows.json",
+        "jsonl": tmp_path / "rows.jsonl",
+    }
 
 
 def test_every_input_kind_gives_the_same_samples(tmp_path: Path) -> None:
@@ -65,8 +70,11 @@ def test_every_input_kind_gives_the_same_samples(tmp_path: Path) -> None:
 
 def test_attention_mask_zero_inside_a_row_is_not_trained_on(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "attention_mask": [1, 0, 1, 1]}) + "\n"
-                    + json.dumps({"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "attention_mask": [0, 1, 1]}))
+    path.write_text(
+        json.dumps({"input_ids": [1, 2, 3, 4], "attention_mask": [1, 0, 1, 1]})
+        + "\n"
+        + json.dumps({"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "attention_mask": [0, 1, 1]})
+    )
     source, _ = open_dataset(path, None, options(), tmp_path / "cache")
     assert every_sample(source) == [Sample((1, 2, 3, 4), (1, -100, 3, 4)), Sample((2, 3), (2, 3))]
 
@@ -196,9 +204,15 @@ def test_arrow_samples_fetch_rows_across_chunks() -> None:
 
     rng = np.random.default_rng(1)
     rows = [rng.integers(0, 50, size=int(n)).tolist() for n in rng.integers(1, 9, size=30)]
-    batches = [pa.record_batch({"input_ids": pa.array(rows[a:b], pa.list_(pa.int32())),
-                                "labels": pa.array([[-100, *r[1:]] for r in rows[a:b]], pa.list_(pa.int32()))})
-               for a, b in ((0, 7), (7, 8), (8, 20), (20, 30))]
+    batches = [
+        pa.record_batch(
+            {
+                "input_ids": pa.array(rows[a:b], pa.list_(pa.int32())),
+                "labels": pa.array([[-100, *r[1:]] for r in rows[a:b]], pa.list_(pa.int32())),
+            }
+        )
+        for a, b in ((0, 7), (7, 8), (8, 20), (20, 30))
+    ]
     table = pa.Table.from_batches(batches)
     kept = np.array([0, 6, 7, 8, 19, 20, 29, 3])
     source = ArrowSamples(table, kept, np.array([len(rows[i]) for i in kept]), np.zeros(len(kept)))
@@ -216,8 +230,13 @@ def test_cache_key_covers_the_tokenizer_and_template(tmp_path: Path, tokenizer: 
     assert base != cache_module.cache_key(path, None, None, options())
     assert base != cache_module.cache_key(path, tokenizer, "{{ messages }}", options())
     assert base != cache_module.cache_key(path, tokenizer, None, options(overlong_policy="truncate"))
-    for changed in ({"max_seq_len": 9}, {"columns": (("messages", "conversations"),)}, {"chat_train_on": "last"},
-                    {"system_prompt": "Be brief."}, {"chat_template": "{{ messages }}"}):
+    for changed in (
+        {"max_seq_len": 9},
+        {"columns": (("messages", "conversations"),)},
+        {"chat_train_on": "last"},
+        {"system_prompt": "Be brief."},
+        {"chat_template": "{{ messages }}"},
+    ):
         assert base != cache_module.cache_key(path, tokenizer, None, options(**changed)), changed
 
 
@@ -233,8 +252,9 @@ def test_arrow_source_feeds_the_same_batches_as_in_memory_samples(tmp_path: Path
         a = TrainBatches(arrow, list, effective_batch_size=8, seed=3, **kwargs)  # type: ignore[arg-type]
         b = TrainBatches(memory, list, effective_batch_size=8, seed=3, **kwargs)  # type: ignore[arg-type]
         assert list(a) == list(b)
-        assert ([a.micro_batch_loss_tokens(s) for s in a.plan.steps]
-                == [b.micro_batch_loss_tokens(s) for s in b.plan.steps])
+        assert [a.micro_batch_loss_tokens(s) for s in a.plan.steps] == [
+            b.micro_batch_loss_tokens(s) for s in b.plan.steps
+        ]
         assert list(EvalBatches(arrow, list, **kwargs)) == list(EvalBatches(memory, list, **kwargs))  # type: ignore[arg-type]
     held = arrow.subset(np.array([3, 1]))
     assert held.fetch([0, 1]) == [memory[3], memory[1]]
@@ -248,8 +268,10 @@ def test_yaml_chat_template_file_and_data_folder_paths(tmp_path: Path) -> None:
     (tmp_path / "model" / "config.json").write_text("{}")
     datasets.Dataset.from_dict(ROWS).save_to_disk(str(tmp_path / "disk"))
     (tmp_path / "chat.jinja").write_text("{{ messages }}")
-    (tmp_path / "run.yaml").write_text("model_path: model\ndata_path: disk\nckpt_output_dir: out\n"
-                                       "chat_template: chat.jinja\ndata_columns: {messages: conversations}\n")
+    (tmp_path / "run.yaml").write_text(
+        "model_path: model\ndata_path: disk\nckpt_output_dir: out\n"
+        "chat_template: chat.jinja\ndata_columns: {messages: conversations}\n"
+    )
     args = TrainingArgs.from_yaml(tmp_path / "run.yaml")
     options = data_options(args)
     assert options.chat_template == "{{ messages }}"
@@ -267,8 +289,16 @@ def test_loaders_give_callbacks_the_dataset_as_tokenised_rows(tmp_path: Path) ->
     arrow, _ = open_dataset(path, None, options(max_seq_len=32), tmp_path / "cache")
     memory = InMemorySamples([Sample(tuple(r), (-100, *r[1:])) for r in rows])
     for source in (arrow, memory):
-        train = TrainBatches(source, list, effective_batch_size=2, seed=3, world_size=2, rank=1,  # type: ignore[arg-type]
-                             max_batch_len=64, padded=False)
+        train = TrainBatches(
+            source,
+            list,
+            effective_batch_size=2,
+            seed=3,
+            world_size=2,
+            rank=1,  # type: ignore[arg-type]
+            max_batch_len=64,
+            padded=False,
+        )
         evaluation = EvalBatches(source, list, world_size=2, rank=1, max_batch_len=64, padded=False)  # type: ignore[arg-type]
         for loader in (train, evaluation):
             assert loader.batch_size is None

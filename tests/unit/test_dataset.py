@@ -83,7 +83,7 @@ def test_invalid_json_names_file_and_line(tmp_path: Path) -> None:
         ),
         (record(input_ids=[1, 2], labels=[1, -5]), r":2: 'labels' must be token ids or -100"),
         (record(prompt="hi"), r":2: 'prompt' and 'completion' must both be strings"),
-            (record(question="hi"), r":2: no usable column: expected 'input_ids', 'messages'"),
+        (record(question="hi"), r":2: no usable column: expected 'input_ids', 'messages'"),
         ("[1, 2, 3]", r":2: expected a JSON object, got list"),
         (record(text=["a"]), r":2: 'text' must be a string"),
         (record(text="hello", labels=[1]), r":2: 'labels' needs pre-tokenized 'input_ids'"),

@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 
 from trainbridge import Trainer
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer
-from trainbridge.trainer import inputs
+from trainbridge.trainer import script_data
 
 
 class SupervisedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -51,11 +51,11 @@ class DataCollatorForSupervisedDataset:
         input_ids, labels = tuple([instance[key] for instance in instances] for key in ("input_ids", "labels"))
         if self.seen is not None:
             self.seen.extend(type(t) for t in input_ids)
-        input_ids = torch.nn.utils.rnn.pad_sequence(input_ids, batch_first=True,
-                                                    padding_value=self.tokenizer.pad_token_id)
+        input_ids = torch.nn.utils.rnn.pad_sequence(
+            input_ids, batch_first=True, padding_value=self.tokenizer.pad_token_id
+        )
         labels = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value=-100)
-        return {"input_ids": input_ids, "labels": labels,
-                "attention_mask": input_ids.ne(self.tokenizer.pad_token_id)}
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": input_ids.ne(self.tokenizer.pad_token_id)}
 
 
 def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,7 +65,7 @@ def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_torch_dataset_items_become_tensors_again(tmp_path: Path) -> None:
     tok = build_tokenizer(tmp_path / "tok")
-    rows = inputs.as_item_dataset(SupervisedDataset(tok, 4), "train_dataset")
+    rows = script_data.as_item_dataset(SupervisedDataset(tok, 4), "train_dataset")
     rows.save_to_disk(str(tmp_path / "rows"))
     item = datasets.load_from_disk(str(tmp_path / "rows"))[0]
     assert isinstance(item["input_ids"], torch.Tensor) and item["input_ids"].dtype == torch.int64
@@ -80,12 +80,21 @@ def test_alpaca_style_script_trains_in_place(tmp_path: Path, monkeypatch: pytest
     model.resize_token_embeddings(len(tok))  # as alpaca's smart_tokenizer_and_embedding_resize
     seen: list[type] = []
     collator = DataCollatorForSupervisedDataset(tok, seen)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
-                             per_device_train_batch_size=4, max_steps=3, logging_steps=1, save_strategy="no",
-                             learning_rate=1e-2, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        disable_tqdm=True,
+    )
     _in_place(monkeypatch)
-    trainer = Trainer(model=model, args=args, train_dataset=SupervisedDataset(tok, 16), processing_class=tok,
-                      data_collator=collator)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=SupervisedDataset(tok, 16), processing_class=tok, data_collator=collator
+    )
     out = trainer.train()
     assert out.global_step == 3 and out.training_loss > 0
     assert seen and set(seen) == {torch.Tensor}  # the collator got the items' tensors, not lists
@@ -97,9 +106,18 @@ def test_classifier_trains_on_its_own_loss_with_its_columns(tmp_path: Path, monk
 
     tok = build_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, num_labels=2, pad_token_id=tok.pad_token_id))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     texts = [("x" if i % 2 else "y") + "abcdefg"[: 2 + i % 5] for i in range(32)]
     data = datasets.Dataset.from_dict({"sentence": texts, "label": [i % 2 for i in range(32)], "idx": list(range(32))})
     data = data.map(lambda b: tok(b["sentence"]), batched=True)
@@ -108,12 +126,28 @@ def test_classifier_trains_on_its_own_loss_with_its_columns(tmp_path: Path, monk
         assert p.predictions.shape == (len(p.label_ids), 2)  # Trainer's EvalPrediction: one row of logits each
         return {"accuracy": float((np.argmax(p.predictions, axis=-1) == p.label_ids).mean())}
 
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
-                             per_device_train_batch_size=4, num_train_epochs=2, logging_steps=2, eval_strategy="epoch",
-                             save_strategy="no", learning_rate=5e-3, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_train_epochs=2,
+        logging_steps=2,
+        eval_strategy="epoch",
+        save_strategy="no",
+        learning_rate=5e-3,
+        disable_tqdm=True,
+    )
     _in_place(monkeypatch)
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
-                      processing_class=tok, data_collator=DataCollatorWithPadding(tok), compute_metrics=accuracy)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data.select(range(8)),
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=accuracy,
+    )
     out = trainer.train()
     assert out.global_step == 16  # 32 items / 4 per step x 2 epochs
     evals = [e for e in trainer.state.log_history if "eval_accuracy" in e]
@@ -131,8 +165,13 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
 
     path = build_tiny_llama(tmp_path / "model")
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+    )
     plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
     assert not plain._row_preparation().items and custom._row_preparation().items
     layout = RunLayout(model_path=path, data_path=tmp_path)

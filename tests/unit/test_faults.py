@@ -25,11 +25,11 @@ from trainbridge.checkpoint.layout import MANIFEST_FILE, OWNER_FILE, TMP_PREFIX
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint, verify_checkpoint
 from trainbridge.checkpoint.runlock import LOCK_DIR_NAME, RunFolderBusy, RunLock, live_holders
+from trainbridge.core.agreement import ControlFlag
+from trainbridge.core.callback_errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import ControlFlag
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.launch import launcher, lifeline
 from trainbridge.launch.checks import check_data_file, input_problems
 from trainbridge.launch.errors import PreflightError, RunFolderLockedError
@@ -44,8 +44,19 @@ def _holder_file(out: Path, pid: int, host: str, job: str = "single:other", star
     folder.mkdir(parents=True, exist_ok=True)
     process_start = psutil.Process(pid).create_time() if psutil.pid_exists(pid) else 0.0
     path = folder / f"{host}-{pid}-other.json"
-    path.write_text(json.dumps({"run_id": "other", "job": job, "host": host, "pid": pid, "started": started,
-                                "process_start": process_start, "command": "trainbridge train first.yaml"}))
+    path.write_text(
+        json.dumps(
+            {
+                "run_id": "other",
+                "job": job,
+                "host": host,
+                "pid": pid,
+                "started": started,
+                "process_start": process_start,
+                "command": "trainbridge train first.yaml",
+            }
+        )
+    )
     return path
 
 
@@ -159,12 +170,14 @@ def test_checkpoint_of_another_model_or_data_is_refused_unless_allowed(args, tmp
     other_data = tmp_path / "other.jsonl"
     other_data.write_text('{"input_ids": [4, 5]}\n')
     cases = {
-        "model configuration differs": run_fingerprint(args.model_path, args.data_path,
-                                                       {"model_type": "llama", "hidden_size": 64}),
+        "model configuration differs": run_fingerprint(
+            args.model_path, args.data_path, {"model_type": "llama", "hidden_size": 64}
+        ),
         "model architecture": run_fingerprint(args.model_path, args.data_path, {"model_type": "qwen2"}),
         "base model": run_fingerprint(other_model, args.data_path, {"model_type": "llama", "hidden_size": 32}),
-        "training data differs": run_fingerprint(args.model_path, other_data,
-                                                 {"model_type": "llama", "hidden_size": 32}),
+        "training data differs": run_fingerprint(
+            args.model_path, other_data, {"model_type": "llama", "hidden_size": 32}
+        ),
     }
     for expected, fingerprint in cases.items():
         resumer = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None, fingerprint=fingerprint)
@@ -203,8 +216,9 @@ def test_disk_full_names_the_disk_and_the_checkpoint_and_keeps_the_previous(args
     engine = new_engine(args)
 
     def no_space():
-        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                           'message: "No space left on device" })')  # what safetensors raises
+        raise RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )  # what safetensors raises
 
     monkeypatch.setattr(engine, "optimizer_state_dict", no_space)
     with pytest.raises(CheckpointError) as info:
@@ -234,10 +248,15 @@ def test_inputs_that_would_fail_inside_the_workers_fail_before_launch(inputs, tm
     csv = tmp_path / "train.csv.jsonl"
     csv.write_text("input_ids,labels\n1 2 3,1 2 3\n")
     cases = {
-        "model_path": ({"model_path": bert}, r"^model: BertModel is not a causal LM and its forward takes no labels, "
-                                             "so it returns no loss to train on; load the model with a task head"),
-        "resume": ({"resume_from_checkpoint": tmp_path / "out" / "checkpoint-9"},
-                   "resume_from_checkpoint: .*checkpoint-9' does not exist"),
+        "model_path": (
+            {"model_path": bert},
+            r"^model: BertModel is not a causal LM and its forward takes no labels, "
+            "so it returns no loss to train on; load the model with a task head",
+        ),
+        "resume": (
+            {"resume_from_checkpoint": tmp_path / "out" / "checkpoint-9"},
+            "resume_from_checkpoint: .*checkpoint-9' does not exist",
+        ),
         "data": ({"data_path": csv}, r"data_path: .*train.csv.jsonl:1: not a JSON line"),
     }
     for name, (change, expected) in cases.items():
@@ -263,25 +282,64 @@ def test_unwritable_output_folder_is_a_preflight_error_and_one_cli_line(inputs, 
 # ----------------------------------------------------------------------------- root cause
 def test_the_killed_rank_is_the_root_cause_and_the_survivor_a_consequence(tmp_path):
     error_file = tmp_path / "error.json"
-    error_file.write_text(json.dumps({"message": {
-        "message": "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
-        "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "100"}}}))
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": (
+                        "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+                    ),
+                    "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "100"},
+                }
+            }
+        )
+    )
     records = [
-        {"rank": 0, "local_rank": 0, "pid": 10, "exitcode": 1, "signal": None, "error_file": str(error_file),
-         "timestamp": 100, "message": "RuntimeError: Connection closed by peer"},
-        {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": -9, "signal": "SIGKILL", "error_file": None,
-         "timestamp": 101, "message": "Signal 9 (SIGKILL) received by PID 11"},
+        {
+            "rank": 0,
+            "local_rank": 0,
+            "pid": 10,
+            "exitcode": 1,
+            "signal": None,
+            "error_file": str(error_file),
+            "timestamp": 100,
+            "message": "RuntimeError: Connection closed by peer",
+        },
+        {
+            "rank": 1,
+            "local_rank": 1,
+            "pid": 11,
+            "exitcode": -9,
+            "signal": "SIGKILL",
+            "error_file": None,
+            "timestamp": 101,
+            "message": "Signal 9 (SIGKILL) received by PID 11",
+        },
     ]
     error = root_cause(records)
     assert (error.rank, error.exit_code, error.signal_name) == (1, -9, "SIGKILL")
     assert "out-of-memory killer" in error.message
-    assert error.consequences == ["rank 0: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by "
-                                  "peer [127.0.0.1]:1234"]
+    assert error.consequences == [
+        "rank 0: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+    ]
     real = tmp_path / "real.json"
-    real.write_text(json.dumps({"message": {"message": "ValueError: bad batch",
-                                            "extraInfo": {"py_callstack": "tb", "timestamp": "102"}}}))
-    records.append({"rank": 2, "local_rank": 2, "pid": 12, "exitcode": 1, "signal": None, "error_file": str(real),
-                    "timestamp": 102, "message": "ValueError: bad batch"})
+    real.write_text(
+        json.dumps(
+            {"message": {"message": "ValueError: bad batch", "extraInfo": {"py_callstack": "tb", "timestamp": "102"}}}
+        )
+    )
+    records.append(
+        {
+            "rank": 2,
+            "local_rank": 2,
+            "pid": 12,
+            "exitcode": 1,
+            "signal": None,
+            "error_file": str(real),
+            "timestamp": 102,
+            "message": "ValueError: bad batch",
+        }
+    )
     assert root_cause(records).rank == 2  # a real Python error outranks a signal and a consequence
 
 
@@ -291,12 +349,27 @@ def test_fatal_callback_error_on_every_rank_names_the_rank_it_happened_on(tmp_pa
     records = []
     for rank, own in ((0, ""), (1, f"{OWN_CAUSE_MARKER}Boom raised in on_step_end: no)")):
         error_file = tmp_path / f"error{rank}.json"
-        message = ("CallbackFatalError: callback error under callback_error_policy='fatal' on rank 1 (Boom); "
-                   f"every rank stopped at step 3{own}")
-        error_file.write_text(json.dumps({"message": {
-            "message": message, "extraInfo": {"py_callstack": "tb", "timestamp": str(100 + rank)}}}))
-        records.append({"rank": rank, "local_rank": rank, "pid": 10 + rank, "exitcode": 1, "signal": None,
-                        "error_file": str(error_file), "timestamp": 100 + rank, "message": message})
+        message = (
+            "CallbackFatalError: callback error under callback_error_policy='fatal' on rank 1 (Boom); "
+            f"every rank stopped at step 3{own}"
+        )
+        error_file.write_text(
+            json.dumps(
+                {"message": {"message": message, "extraInfo": {"py_callstack": "tb", "timestamp": str(100 + rank)}}}
+            )
+        )
+        records.append(
+            {
+                "rank": rank,
+                "local_rank": rank,
+                "pid": 10 + rank,
+                "exitcode": 1,
+                "signal": None,
+                "error_file": str(error_file),
+                "timestamp": 100 + rank,
+                "message": message,
+            }
+        )
     assert root_cause(records).rank == 1
 
 
@@ -326,8 +399,12 @@ def test_control_requests_become_rank_zero_requests(tmp_path):
     for action in ("save", "evaluate", "stop", "log"):
         write_request(tmp_path, action)
     control.on_step_end(context)
-    assert set(context.requests.pending) == {ControlFlag.SAVE, ControlFlag.EVALUATE, ControlFlag.STOP_TRAINING,
-                                             ControlFlag.LOG}
+    assert set(context.requests.pending) == {
+        ControlFlag.SAVE,
+        ControlFlag.EVALUATE,
+        ControlFlag.STOP_TRAINING,
+        ControlFlag.LOG,
+    }
     assert "trainbridge control save" in context.requests.reasons[ControlFlag.SAVE]
     assert take_requests(tmp_path) == []
     other_rank = _context(tmp_path / "r1", rank=1)

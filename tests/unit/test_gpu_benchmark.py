@@ -35,8 +35,18 @@ def test_one_b_model_size_and_cpu_refusal(capsys: pytest.CaptureFixture[str]) ->
 
 def test_summary_of_a_clock(tmp_path: Path) -> None:
     gpu = load_gpu_benchmark()
-    options = gpu.Options(smoke=True, size="tiny", steps=6, batch_tokens=100, min_len=32, max_len=128,
-                          nproc=2, attn="sdpa", peak_tflops=1.0, workdir=str(tmp_path))
+    options = gpu.Options(
+        smoke=True,
+        size="tiny",
+        steps=6,
+        batch_tokens=100,
+        min_len=32,
+        max_len=128,
+        nproc=2,
+        attn="sdpa",
+        peak_tflops=1.0,
+        workdir=str(tmp_path),
+    )
     times = [0.0, 5.0, 6.0, 7.0, 8.0, 9.5]  # the first intervals are warm-up
     record = {"times": times, "syncs": [9, 9, 1, 1, 1, 2], "peak_memory_bytes": 2**30, "tokens_seen": 1200}
     (tmp_path / "gpu-clock-rank0.json").write_text(json.dumps(record))

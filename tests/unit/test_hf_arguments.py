@@ -34,12 +34,36 @@ def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:
 
 def test_fields_describe_the_run(files):
     args = make_args(
-        files, num_epochs=3, max_steps=40, learning_rate=1e-4, effective_batch_size=16, logging_steps=5,
-        logging_first_step=True, val_data_path=files["data"], eval_strategy="steps", eval_steps=10,
-        eval_delay=5, eval_on_start=True, save_strategy="steps", save_steps=20, save_total_limit=2,
-        metric_for_best_model="eval_loss", load_best_model_at_end=True, seed=3, report_to=["tensorboard"],
-        run_name="exp", disable_tqdm=True, warmup_steps=4, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9,
-        adam_epsilon=1e-6, max_grad_norm=0.5, lr_scheduler="cosine", mixed_precision="bf16", device="cpu",
+        files,
+        num_epochs=3,
+        max_steps=40,
+        learning_rate=1e-4,
+        effective_batch_size=16,
+        logging_steps=5,
+        logging_first_step=True,
+        val_data_path=files["data"],
+        eval_strategy="steps",
+        eval_steps=10,
+        eval_delay=5,
+        eval_on_start=True,
+        save_strategy="steps",
+        save_steps=20,
+        save_total_limit=2,
+        metric_for_best_model="eval_loss",
+        load_best_model_at_end=True,
+        seed=3,
+        report_to=["tensorboard"],
+        run_name="exp",
+        disable_tqdm=True,
+        warmup_steps=4,
+        weight_decay=0.1,
+        adam_beta1=0.8,
+        adam_beta2=0.9,
+        adam_epsilon=1e-6,
+        max_grad_norm=0.5,
+        lr_scheduler="cosine",
+        mixed_precision="bf16",
+        device="cpu",
     )
     hf = build_training_arguments(args, DistributedEnv(world_size=1))
     assert isinstance(hf, TrainingArguments)
@@ -78,8 +102,9 @@ def test_device_properties_report_our_env_and_initialise_nothing(files):
     partial_before = dict(PartialState._shared_state)
     accelerator_before = dict(AcceleratorState._shared_state)
     environ_before = dict(os.environ)
-    env = DistributedEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, device=torch.device("cpu"),
-                         backend="gloo")
+    env = DistributedEnv(
+        rank=3, local_rank=1, world_size=4, local_world_size=2, device=torch.device("cpu"), backend="gloo"
+    )
     hf = build_training_arguments(make_args(files), env)
     assert (hf.world_size, hf.process_index, hf.local_process_index) == (4, 3, 1)
     assert hf.device == torch.device("cpu") and hf.n_gpu == 0
@@ -104,8 +129,13 @@ def test_single_rank_is_not_parallel(files):
 def test_users_batch_fields_are_kept_when_they_describe_the_run(files, tmp_path):
     """A ported script's per_device_train_batch_size / gradient_accumulation_steps stay as Trainer
     records them when their product with the world size is the run's effective batch."""
-    user = TrainingArguments(output_dir=str(tmp_path / "u"), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=4, use_cpu=True, report_to="none")
+    user = TrainingArguments(
+        output_dir=str(tmp_path / "u"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        use_cpu=True,
+        report_to="none",
+    )
     env = DistributedEnv(world_size=2, rank=0, local_rank=0, local_world_size=2)
     same = build_training_arguments(make_args(files, effective_batch_size=16, hf_args=user), env)
     assert (same.per_device_train_batch_size, same.gradient_accumulation_steps) == (2, 4)

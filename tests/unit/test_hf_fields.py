@@ -15,8 +15,13 @@ from trainbridge.hf.fields import FIELD_LINKS, OWNED_FIELDS
 from trainbridge.hf.porting import _carried_over
 
 HF_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-VERSION_DEPENDENT = {"logging_dir", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-                     "activation_checkpointing", "activation_checkpointing_kwargs"}
+VERSION_DEPENDENT = {
+    "logging_dir",
+    "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
+}
 TRL_FIELDS = {"max_length", "model_init_kwargs"}
 
 
@@ -35,9 +40,18 @@ def test_the_runs_training_arguments_set_exactly_the_owned_fields(tmp_path, tiny
 
 
 def test_the_port_fills_the_field_each_carried_row_names(tmp_path) -> None:
-    hf = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=10, eval_steps=2,
-                           save_strategy="steps", save_steps=2, resume_from_checkpoint=str(tmp_path),
-                           ddp_timeout=60, include_for_metrics=["loss"])
+    hf = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        max_steps=10,
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        resume_from_checkpoint=str(tmp_path),
+        ddp_timeout=60,
+        include_for_metrics=["loss"],
+    )
     carried = _carried_over(hf)
     expected = {link.ours for link in FIELD_LINKS if link.from_hf and link.ours and link.hf not in VERSION_DEPENDENT}
     assert expected - set(carried) == set()

@@ -24,8 +24,8 @@ from trl import SFTConfig
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
+from trainbridge.core.dispatch import CallbackFatalError
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.manager import CallbackFatalError
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.loop import train
@@ -78,9 +78,15 @@ class NativeWeightsAtTrainEnd(Callback):
 
 def test_every_callback_sees_the_best_weights_in_on_train_end(args_for, tmp_path):
     native_first, hf, native_last = NativeWeightsAtTrainEnd(), HFWeightsAtTrainEnd(), NativeWeightsAtTrainEnd()
-    args = args_for(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                    load_best_model_at_end=True, metric_for_best_model="eval_loss",
-                    callbacks=[native_first, ScriptedEvalLoss(), hf, native_last])
+    args = args_for(
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        callbacks=[native_first, ScriptedEvalLoss(), hf, native_last],
+    )
     callbacks = assemble_callbacks(args)
     result = train(args, DistributedEnv(), callbacks)
     assert result.best_checkpoint == str(tmp_path / "out" / "checkpoint-2")
@@ -100,8 +106,15 @@ class ReadsSFTFields(TrainerCallback):
         self.seen: list[tuple[str, int, str, int, int]] = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seen.append((type(args).__name__, args.max_length, args.dataset_text_field,
-                          args.per_device_train_batch_size, args.gradient_accumulation_steps))
+        self.seen.append(
+            (
+                type(args).__name__,
+                args.max_length,
+                args.dataset_text_field,
+                args.per_device_train_batch_size,
+                args.gradient_accumulation_steps,
+            )
+        )
 
 
 @pytest.fixture
@@ -114,16 +127,33 @@ def sft_config(tmp_path: Path):
 
 
 def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fields_changed(args_for, sft_config):
-    config = sft_config(max_length=77, dataset_text_field="prompt", per_device_train_batch_size=2,
-                        gradient_accumulation_steps=3, max_steps=3, logging_steps=1, save_strategy="no",
-                        bf16=False, learning_rate=3e-3, lr_scheduler_type="constant", seed=7)
+    config = sft_config(
+        max_length=77,
+        dataset_text_field="prompt",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        bf16=False,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        seed=7,
+    )
     reader = ReadsSFTFields()
     base = args_for()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = training_args_from_hf(
-            config, model_path=base.model_path, data_path=base.data_path, val_data_path=base.val_data_path,
-            max_seq_len=32, max_batch_len=64, effective_batch_size=8, disable_tqdm=True, callbacks=[reader],
+            config,
+            model_path=base.model_path,
+            data_path=base.data_path,
+            val_data_path=base.val_data_path,
+            max_seq_len=32,
+            max_batch_len=64,
+            effective_batch_size=8,
+            disable_tqdm=True,
+            callbacks=[reader],
         )
     messages = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
     assert args.hf_args is config
@@ -141,20 +171,40 @@ def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fiel
 def test_every_checkpoint_holds_training_args_bin_when_ported_from_training_arguments(args_for, sft_config):
     """As ``Trainer._save_checkpoint``: ``training_args.bin`` (the callbacks' TrainingArguments, torch.save) in
     every checkpoint of a run ported from TrainingArguments; a run of native settings writes none."""
-    config = sft_config(max_length=77, max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1,
-                        bf16=False, learning_rate=3e-3, lr_scheduler_type="constant")
+    config = sft_config(
+        max_length=77,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        bf16=False,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+    )
     base = args_for()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HFPortingWarning)
-        args = training_args_from_hf(config, model_path=base.model_path, data_path=base.data_path,
-                                     max_seq_len=32, max_batch_len=64, effective_batch_size=8, disable_tqdm=True,
-                                     callbacks=[TrainerCallback()])
+        args = training_args_from_hf(
+            config,
+            model_path=base.model_path,
+            data_path=base.data_path,
+            max_seq_len=32,
+            max_batch_len=64,
+            effective_batch_size=8,
+            disable_tqdm=True,
+            callbacks=[TrainerCallback()],
+        )
     run(args)
     for step in (1, 2):
         saved = torch.load(args.ckpt_output_dir / f"checkpoint-{step}" / "training_args.bin", weights_only=False)
         assert type(saved) is SFTConfig and saved.max_length == 77 and saved.output_dir == config.output_dir
-    native = args_for(max_steps=1, save_strategy="steps", save_steps=1, callbacks=[TrainerCallback()],
-                      ckpt_output_dir=base.ckpt_output_dir.parent / "native")
+    native = args_for(
+        max_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        callbacks=[TrainerCallback()],
+        ckpt_output_dir=base.ckpt_output_dir.parent / "native",
+    )
     run(native)
     assert (native.ckpt_output_dir / "checkpoint-1" / "trainer_state.json").is_file()
     assert not (native.ckpt_output_dir / "checkpoint-1" / "training_args.bin").exists()
@@ -215,8 +265,14 @@ RUNTIME_KEYS = ("runtime", "per_second")
 
 def _history(state: dict[str, Any]) -> list[dict[str, Any]]:
     """``log_history`` without the wall-clock values (runtimes, throughputs); losses rounded."""
-    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
-             if not any(part in k for part in RUNTIME_KEYS)} for row in state["log_history"]]
+    return [
+        {
+            k: round(v, 4) if isinstance(v, float) else v
+            for k, v in row.items()
+            if not any(part in k for part in RUNTIME_KEYS)
+        }
+        for row in state["log_history"]
+    ]
 
 
 def test_run_training_resumed_with_hf_callbacks_has_the_state_of_one_uninterrupted_run(args_for, tmp_path):
@@ -226,20 +282,35 @@ def test_run_training_resumed_with_hf_callbacks_has_the_state_of_one_uninterrupt
     from transformers import EarlyStoppingCallback
 
     def args(out: str, max_steps: int, resume: str | None = None) -> TrainingArgs:
-        return args_for(ckpt_output_dir=tmp_path / out, max_steps=max_steps, eval_strategy="steps", eval_steps=2,
-                        save_strategy="steps", save_steps=2, metric_for_best_model="eval_loss",
-                        include_num_input_tokens_seen="non_padding", resume_from_checkpoint=resume,
-                        callbacks=[EarlyStoppingCallback(early_stopping_patience=9, early_stopping_threshold=9.0)])
+        return args_for(
+            ckpt_output_dir=tmp_path / out,
+            max_steps=max_steps,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            metric_for_best_model="eval_loss",
+            include_num_input_tokens_seen="non_padding",
+            resume_from_checkpoint=resume,
+            callbacks=[EarlyStoppingCallback(early_stopping_patience=9, early_stopping_threshold=9.0)],
+        )
 
     run(args("once", 8))
     run(args("twice", 4))
     run(args("twice", 8, resume="auto"))
-    once, twice = (json.loads((tmp_path / out / "checkpoint-8" / "trainer_state.json").read_text())
-                   for out in ("once", "twice"))
+    once, twice = (
+        json.loads((tmp_path / out / "checkpoint-8" / "trainer_state.json").read_text()) for out in ("once", "twice")
+    )
     assert [row["step"] for row in twice["log_history"]][:2] == [1, 2]
     assert _history(twice) == _history(once)
-    for key in ("global_step", "best_metric", "best_global_step", "total_flos", "num_input_tokens_seen",
-                "stateful_callbacks"):
+    for key in (
+        "global_step",
+        "best_metric",
+        "best_global_step",
+        "total_flos",
+        "num_input_tokens_seen",
+        "stateful_callbacks",
+    ):
         assert twice[key] == once[key], key
     assert twice["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] == 3
     assert Path(twice["best_model_checkpoint"]).name == Path(once["best_model_checkpoint"]).name
@@ -299,9 +370,17 @@ class ReadsAccelerateState(TrainerCallback):
         from accelerate.state import AcceleratorState, PartialState
 
         get_logger(__name__).info("logged through accelerate")  # needs a PartialState, else raises
-        self.seen.append((PartialState().process_index, PartialState().num_processes, PartialState().is_main_process,
-                          str(PartialState().device), AcceleratorState().mixed_precision,
-                          AcceleratorState().deepspeed_plugin, AcceleratorState().distributed_type.value))
+        self.seen.append(
+            (
+                PartialState().process_index,
+                PartialState().num_processes,
+                PartialState().is_main_process,
+                str(PartialState().device),
+                AcceleratorState().mixed_precision,
+                AcceleratorState().deepspeed_plugin,
+                AcceleratorState().distributed_type.value,
+            )
+        )
 
 
 @pytest.fixture
@@ -311,8 +390,9 @@ def no_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_callbacks_find_accelerate_state_set_up_as_under_trainer_and_it_is_released_after(args_for,
-                                                                                         no_accelerate_state):
+def test_callbacks_find_accelerate_state_set_up_as_under_trainer_and_it_is_released_after(
+    args_for, no_accelerate_state
+):
     from accelerate.state import PartialState
 
     reader = ReadsAccelerateState()
@@ -331,8 +411,15 @@ def test_trl_sync_ref_model_callback_mixes_the_reference_model_in(args_for, tiny
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
     before = weights_digest(ref)
-    config = DPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", sync_ref_model=True,
-                       ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+    config = DPOConfig(
+        output_dir="unused",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        sync_ref_model=True,
+        ref_model_sync_steps=2,
+        ref_model_mixup_alpha=0.5,
+    )
     result = run(args_for(callbacks=[SyncRefModelCallback(ref_model=ref, accelerator=None)], hf_args=config))
     assert result.callback_errors == []
     assert weights_digest(ref) != before

@@ -21,6 +21,7 @@ def required(run_files: dict[str, Path]) -> dict[str, Any]:
 @pytest.fixture
 def hf_args(tmp_path: Path):
     """Build TrainingArguments (which sets up accelerate's state) and reset that state afterwards."""
+
     def build(**kwargs: Any) -> TrainingArguments:
         kwargs.setdefault("output_dir", str(tmp_path / "out"))
         return TrainingArguments(use_cpu=True, **kwargs)
@@ -38,12 +39,33 @@ def porting_warnings(hf: TrainingArguments, **required: Any) -> tuple[Any, list[
 
 def test_schedules_and_settings_are_carried_over(hf_args, required, tmp_path):
     hf = hf_args(
-        num_train_epochs=2, max_steps=50, learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=5,
-        weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-7, max_grad_norm=0.3, seed=11,
-        logging_strategy="steps", logging_steps=7, logging_first_step=True, eval_strategy="steps",
-        eval_steps=10, eval_delay=3, eval_on_start=True, save_strategy="steps", save_steps=20,
-        save_total_limit=3, metric_for_best_model="accuracy", load_best_model_at_end=True,
-        report_to=["tensorboard"], run_name="port", disable_tqdm=True, ddp_timeout=99,
+        num_train_epochs=2,
+        max_steps=50,
+        learning_rate=1e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=5,
+        weight_decay=0.01,
+        adam_beta1=0.8,
+        adam_beta2=0.9,
+        adam_epsilon=1e-7,
+        max_grad_norm=0.3,
+        seed=11,
+        logging_strategy="steps",
+        logging_steps=7,
+        logging_first_step=True,
+        eval_strategy="steps",
+        eval_steps=10,
+        eval_delay=3,
+        eval_on_start=True,
+        save_strategy="steps",
+        save_steps=20,
+        save_total_limit=3,
+        metric_for_best_model="accuracy",
+        load_best_model_at_end=True,
+        report_to=["tensorboard"],
+        run_name="port",
+        disable_tqdm=True,
+        ddp_timeout=99,
     )
     args, messages = porting_warnings(hf, **required)
     assert messages == []
@@ -68,22 +90,32 @@ def test_default_training_arguments_port_without_warnings(hf_args, required):
 
 
 def test_each_ignored_non_default_field_warns_once_and_says_why(hf_args, required):
-    hf = hf_args(per_device_train_batch_size=4, gradient_accumulation_steps=8, dataloader_num_workers=2,
-                 label_smoothing_factor=0.1, neftune_noise_alpha=5.0)
+    hf = hf_args(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=8,
+        dataloader_num_workers=2,
+        label_smoothing_factor=0.1,
+        neftune_noise_alpha=5.0,
+    )
     _, messages = porting_warnings(hf, **required)
     fields = sorted(m.split("=")[0].removeprefix("TrainingArguments.") for m in messages)
-    assert fields == ["dataloader_num_workers", "gradient_accumulation_steps", "label_smoothing_factor",
-                      "neftune_noise_alpha", "per_device_train_batch_size"]
+    assert fields == [
+        "dataloader_num_workers",
+        "gradient_accumulation_steps",
+        "label_smoothing_factor",
+        "neftune_noise_alpha",
+        "per_device_train_batch_size",
+    ]
     batch = next(m for m in messages if m.startswith("TrainingArguments.per_device_train_batch_size=4"))
     assert "effective_batch_size" in batch and "max_batch_len" in batch
     assert any("no equivalent" in m for m in messages if "neftune" in m)
 
 
 def test_required_values_win_and_ratios_become_steps(hf_args, required, tmp_path):
-    hf = hf_args(max_steps=200, logging_steps=0.05, eval_strategy="steps", eval_steps=0.25, save_steps=0.5,
-                 bf16=True)
-    args = training_args_from_hf(hf, **required, ckpt_output_dir=tmp_path / "elsewhere", logging_steps=3,
-                                 effective_batch_size=32)
+    hf = hf_args(max_steps=200, logging_steps=0.05, eval_strategy="steps", eval_steps=0.25, save_steps=0.5, bf16=True)
+    args = training_args_from_hf(
+        hf, **required, ckpt_output_dir=tmp_path / "elsewhere", logging_steps=3, effective_batch_size=32
+    )
     assert args.ckpt_output_dir == tmp_path / "elsewhere" and args.logging_steps == 3
     assert args.effective_batch_size == 32
     assert (args.eval_steps, args.save_steps) == (50, 100)
@@ -91,10 +123,14 @@ def test_required_values_win_and_ratios_become_steps(hf_args, required, tmp_path
 
 
 def test_optim_names_args_and_schedules_are_carried_over(hf_args, required):
-    args = training_args_from_hf(hf_args(optim="sgd", optim_args="momentum=0.9, nesterov=True",
-                                         lr_scheduler_type="polynomial"), **required)
-    assert (args.optim, args.optim_args, args.lr_scheduler) == ("sgd", {"momentum": 0.9, "nesterov": True},
-                                                                "polynomial")
+    args = training_args_from_hf(
+        hf_args(optim="sgd", optim_args="momentum=0.9, nesterov=True", lr_scheduler_type="polynomial"), **required
+    )
+    assert (args.optim, args.optim_args, args.lr_scheduler) == (
+        "sgd",
+        {"momentum": 0.9, "nesterov": True},
+        "polynomial",
+    )
 
 
 def test_what_cannot_be_ported_fails_naming_the_field(hf_args, required):

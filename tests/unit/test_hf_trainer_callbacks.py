@@ -38,21 +38,34 @@ from transformers import (
 from transformers.integrations.integration_utils import TensorBoardCallback
 
 from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
+from trainbridge.core.agreement import AgreedControl, ControlFlag
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import AgreedControl, ControlFlag
+from trainbridge.core.dispatch import CallbackFatalError
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
-from trainbridge.core.manager import CallbackFatalError
 from trainbridge.hf import HuggingFaceCallbacks, split_callbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 
 FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-HOOKS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
-         "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log", "on_prediction_step",
-         "on_evaluate", "on_save", "on_epoch_end", "on_train_end")
+HOOKS = (
+    "on_init_end",
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_log",
+    "on_prediction_step",
+    "on_evaluate",
+    "on_save",
+    "on_epoch_end",
+    "on_train_end",
+)
 
 
 # ============================================================================ helpers
@@ -68,27 +81,47 @@ class Recorder(TrainerCallback):
         self.calls.append((hook, state.global_step, round(float(state.epoch or 0), 6), flags))
         self.seen.append((hook, args, state, control, kwargs))
 
-    def on_init_end(self, args, state, control, **kw): self._record("on_init_end", args, state, control, kw)
+    def on_init_end(self, args, state, control, **kw):
+        self._record("on_init_end", args, state, control, kw)
+
     def on_train_begin(self, args, state, control, **kw):
         self._record("on_train_begin", args, state, control, kw)
+
     def on_epoch_begin(self, args, state, control, **kw):
         self._record("on_epoch_begin", args, state, control, kw)
+
     def on_step_begin(self, args, state, control, **kw):
         self._record("on_step_begin", args, state, control, kw)
+
     def on_substep_end(self, args, state, control, **kw):
         self._record("on_substep_end", args, state, control, kw)
+
     def on_pre_optimizer_step(self, args, state, control, **kw):
         self._record("on_pre_optimizer_step", args, state, control, kw)
+
     def on_optimizer_step(self, args, state, control, **kw):
         self._record("on_optimizer_step", args, state, control, kw)
-    def on_step_end(self, args, state, control, **kw): self._record("on_step_end", args, state, control, kw)
-    def on_log(self, args, state, control, **kw): self._record("on_log", args, state, control, kw)
+
+    def on_step_end(self, args, state, control, **kw):
+        self._record("on_step_end", args, state, control, kw)
+
+    def on_log(self, args, state, control, **kw):
+        self._record("on_log", args, state, control, kw)
+
     def on_prediction_step(self, args, state, control, **kw):
         self._record("on_prediction_step", args, state, control, kw)
-    def on_evaluate(self, args, state, control, **kw): self._record("on_evaluate", args, state, control, kw)
-    def on_save(self, args, state, control, **kw): self._record("on_save", args, state, control, kw)
-    def on_epoch_end(self, args, state, control, **kw): self._record("on_epoch_end", args, state, control, kw)
-    def on_train_end(self, args, state, control, **kw): self._record("on_train_end", args, state, control, kw)
+
+    def on_evaluate(self, args, state, control, **kw):
+        self._record("on_evaluate", args, state, control, kw)
+
+    def on_save(self, args, state, control, **kw):
+        self._record("on_save", args, state, control, kw)
+
+    def on_epoch_end(self, args, state, control, **kw):
+        self._record("on_epoch_end", args, state, control, kw)
+
+    def on_train_end(self, args, state, control, **kw):
+        self._record("on_train_end", args, state, control, kw)
 
     def hooks(self) -> list[str]:
         return [call[0] for call in self.calls]
@@ -148,25 +181,35 @@ class AtStepEnd(Callback):
 
 def write_samples(path: Path, n: int) -> Path:
     """``n`` pre-tokenised 4-token samples (one micro-batch each under ``make_args``' token budget)."""
-    path.write_text("".join(json.dumps({"input_ids": [1, 5 + i % 60, 6 + i % 60,
-                                                      7]}) + "\n" for i in range(n)))
+    path.write_text("".join(json.dumps({"input_ids": [1, 5 + i % 60, 6 + i % 60, 7]}) + "\n" for i in range(n)))
     return path
 
 
 @pytest.fixture
 def files(tmp_path: Path, tiny_llama: Path) -> dict[str, Path]:
-    return {"model": tiny_llama, "data": write_samples(tmp_path / "train.jsonl", 8),
-            "val": write_samples(tmp_path / "val.jsonl", 2), "out": tmp_path / "out"}
+    return {
+        "model": tiny_llama,
+        "data": write_samples(tmp_path / "train.jsonl", 8),
+        "val": write_samples(tmp_path / "val.jsonl", 2),
+        "out": tmp_path / "out",
+    }
 
 
 def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:
     """8 training samples, 2 per optimizer step, one per micro-batch: 4 steps of 2 micro-batches an
     epoch; 2 validation samples: 2 evaluation batches."""
-    values: dict[str, Any] = dict(model_path=files["model"], data_path=files["data"],
-                                  ckpt_output_dir=files["out"], val_data_path=files["val"],
-                                  max_seq_len=4, max_batch_len=4, effective_batch_size=2,
-                                  save_strategy="no", disable_tqdm=True,
-                                  logging_steps=1000)
+    values: dict[str, Any] = dict(
+        model_path=files["model"],
+        data_path=files["data"],
+        ckpt_output_dir=files["out"],
+        val_data_path=files["val"],
+        max_seq_len=4,
+        max_batch_len=4,
+        effective_batch_size=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1000,
+    )
     values.update(overrides)
     return TrainingArgs(**values)
 
@@ -184,8 +227,7 @@ def fire(loop: TrainingLoop, event: Event, **kwargs: Any) -> None:
     loop.callbacks.fire(event, loop.context, **kwargs)
 
 
-def hf_callbacks_context(files: dict[str, Path], hf_callbacks: HuggingFaceCallbacks,
-                    **overrides: Any) -> TrainingLoop:
+def hf_callbacks_context(files: dict[str, Path], hf_callbacks: HuggingFaceCallbacks, **overrides: Any) -> TrainingLoop:
     """A built loop whose hf_callbacks has had ``on_init_end`` and ``on_train_begin``."""
     loop = make_loop(make_args(files, **overrides), [hf_callbacks])
     fire(loop, Event.INIT_END)
@@ -203,19 +245,41 @@ def hf_callbacks_state(checkpoint: Path) -> dict[str, Any]:
 def transformers_trainer_calls(output_dir: Path) -> list[tuple[Any, ...]]:
     """The hooks a real ``transformers.Trainer`` fires: 2 epochs x 3 steps x 2 micro-batches,
     logging every 2 steps, evaluating every 3 (2 eval batches), saving every 4."""
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     sample = {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 4])}
     recorder = Recorder()
     args = TrainingArguments(
-        output_dir=str(output_dir), use_cpu=True, per_device_train_batch_size=1, per_device_eval_batch_size=1,
-        gradient_accumulation_steps=2, num_train_epochs=2, logging_steps=2, eval_strategy="steps",
-        eval_steps=3, save_strategy="steps", save_steps=4, save_only_model=True, report_to="none",
+        output_dir=str(output_dir),
+        use_cpu=True,
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=4,
+        save_only_model=True,
+        report_to="none",
         disable_tqdm=True,
     )
     try:
-        Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=[sample] * 6,
-                eval_dataset=[sample] * 2, callbacks=[recorder]).train()
+        Trainer(
+            model=LlamaForCausalLM(config),
+            args=args,
+            train_dataset=[sample] * 6,
+            eval_dataset=[sample] * 2,
+            callbacks=[recorder],
+        ).train()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     return recorder.calls
@@ -223,22 +287,48 @@ def transformers_trainer_calls(output_dir: Path) -> list[tuple[Any, ...]]:
 
 def expected_trainer_hooks() -> list[str]:
     """The same schedule derived by hand from Trainer's rules (docs/design.md)."""
+
     def step(n: int) -> list[str]:
-        return ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
-                "on_step_end"]
+        return ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
+
     evaluation = ["on_prediction_step", "on_prediction_step", "on_log", "on_evaluate"]
     return [
-        "on_init_end", "on_train_begin",
-        "on_epoch_begin", *step(1), *step(2), "on_log", *step(3), *evaluation, "on_epoch_end",
-        "on_epoch_begin", *step(4), "on_log", "on_save", *step(5), *step(6), "on_log", *evaluation, "on_save",
-        "on_epoch_end", "on_log", "on_train_end",
+        "on_init_end",
+        "on_train_begin",
+        "on_epoch_begin",
+        *step(1),
+        *step(2),
+        "on_log",
+        *step(3),
+        *evaluation,
+        "on_epoch_end",
+        "on_epoch_begin",
+        *step(4),
+        "on_log",
+        "on_save",
+        *step(5),
+        *step(6),
+        "on_log",
+        *evaluation,
+        "on_save",
+        "on_epoch_end",
+        "on_log",
+        "on_train_end",
     ]
 
 
 def test_hooks_steps_epochs_and_control_flags_match_a_real_trainer(files, tmp_path):
     recorder = Recorder()
-    args = make_args(files, data_path=write_samples(tmp_path / "six.jsonl", 6), num_epochs=2, logging_steps=2,
-                     eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4)
+    args = make_args(
+        files,
+        data_path=write_samples(tmp_path / "six.jsonl", 6),
+        num_epochs=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=4,
+    )
     loop = make_loop(args, [HuggingFaceCallbacks([recorder])])
     assert loop.context.steps_per_epoch == 3 and loop.eval_batches is not None and len(loop.eval_batches) == 2
     loop.run()
@@ -249,8 +339,10 @@ def test_hooks_steps_epochs_and_control_flags_match_a_real_trainer(files, tmp_pa
 
 def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     recorder = Recorder()
-    loop = make_loop(make_args(files, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2),
-                     [HuggingFaceCallbacks([recorder])])
+    loop = make_loop(
+        make_args(files, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2),
+        [HuggingFaceCallbacks([recorder])],
+    )
     loop.run()
     ctx = loop.context
     common = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}
@@ -290,9 +382,14 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
 def test_callback_handler_builds_trainers_callback_list(files):
     pytest.importorskip("tensorboard", reason="report_to=['tensorboard'] needs the tensorboard package")
     hf_callbacks = HuggingFaceCallbacks([EarlyStoppingCallback], report_to=["tensorboard"])
-    loop = hf_callbacks_context(files, hf_callbacks, logging_dir=files["out"] / "tb", eval_strategy="steps",
-                           eval_steps=1,
-                           metric_for_best_model="eval_loss")
+    loop = hf_callbacks_context(
+        files,
+        hf_callbacks,
+        logging_dir=files["out"] / "tb",
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="eval_loss",
+    )
     names = [type(cb) for cb in hf_callbacks.handler.callbacks]
     assert names == [DefaultFlowCallback, TensorBoardCallback, EarlyStoppingCallback, PrinterCallback]
     assert hf_callbacks.handler.callbacks[1].logging_dir == str(files["out"] / "tb")
@@ -328,8 +425,13 @@ def test_flags_set_by_callbacks_become_named_native_requests(files):
     loop.run()
     pending, reasons = probe.seen[0]
     hf_callbacks_index = 2  # ScheduleCallback is 1
-    expected = {ControlFlag.STOP_TRAINING, ControlFlag.STOP_EPOCH, ControlFlag.SAVE, ControlFlag.EVALUATE,
-                ControlFlag.LOG}
+    expected = {
+        ControlFlag.STOP_TRAINING,
+        ControlFlag.STOP_EPOCH,
+        ControlFlag.SAVE,
+        ControlFlag.EVALUATE,
+        ControlFlag.LOG,
+    }
     assert {flag for flag, source in pending.items() if source == hf_callbacks_index} == expected
     assert reasons[ControlFlag.SAVE] == "SetFlagAt set control.should_save in on_step_end"
     # the loop acted on every agreed request at step 1: logged, evaluated, saved, stopped
@@ -345,8 +447,16 @@ def test_flags_set_by_callbacks_become_named_native_requests(files):
 def test_default_flow_callback_flags_are_not_forwarded(files):
     hf_callbacks = HuggingFaceCallbacks([Recorder()])
     probe = AtStepEnd(lambda ctx: (dict(ctx.requests.pending), _flags(hf_callbacks.control)))
-    args = make_args(files, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                     save_steps=1, max_steps=1, save_final_checkpoint=False)
+    args = make_args(
+        files,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=1,
+        save_final_checkpoint=False,
+    )
     loop = make_loop(args, [hf_callbacks, probe], builtins=False)  # the hf_callbacks alone: no native schedule
     loop.run()
     pending, flags = probe.seen[0]
@@ -363,8 +473,14 @@ def test_early_stopping_requests_stop_at_the_evaluation_patience_runs_out(files,
     # best 1.0, then 0.9 (better), 0.95 (worse: 1), 0.97 (worse: 2 = patience) -> stop at the 4th evaluation
     scripted = ScriptedEvalLoss([1.0, 0.9, 0.95, 0.97, 0.5, 0.4])
     stopper = EarlyStoppingCallback(early_stopping_patience=2)
-    args = make_args(files, data_path=write_samples(tmp_path / "ten.jsonl", 20), max_steps=10,
-                     eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss")
+    args = make_args(
+        files,
+        data_path=write_samples(tmp_path / "ten.jsonl", 20),
+        max_steps=10,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="eval_loss",
+    )
     loop = make_loop(args, [HuggingFaceCallbacks([scripted, stopper])])
     result = loop.run()
     ctx = loop.context
@@ -400,15 +516,24 @@ def test_callback_errors_name_the_callback(files):
     assert report.count == 2
     assert report.first_error == "ValueError: boom"
     with pytest.raises(CallbackFatalError, match=r"Broken raised in on_step_begin: boom"):
-        make_loop(make_args(files, max_steps=2, callback_error_policy="fatal"),
-                  [HuggingFaceCallbacks([Broken()])]).run()
+        make_loop(
+            make_args(files, max_steps=2, callback_error_policy="fatal"), [HuggingFaceCallbacks([Broken()])]
+        ).run()
 
 
 # ============================================================================ checkpoint and resume
 def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(files):
     stopper = EarlyStoppingCallback(early_stopping_patience=5)
-    args = make_args(files, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                     save_steps=2, metric_for_best_model="eval_loss", logging_steps=1)
+    args = make_args(
+        files,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        metric_for_best_model="eval_loss",
+        logging_steps=1,
+    )
     # eval_loss 1.0, 0.5, 0.6, 0.7: best at step 2
     make_loop(args, [HuggingFaceCallbacks([ScriptedEvalLoss([1.0, 0.5, 0.6, 0.7]), stopper])]).run()
     saved = json.loads((files["out"] / "checkpoint-4" / "trainer_state.json").read_text())
@@ -430,9 +555,17 @@ def test_trainer_state_json_has_stateful_callbacks_and_best_model_checkpoint(fil
 
 
 def _early_stopping_run(files, crash_after_step=None, resume_from=None, restore=True):
-    args = make_args(files, max_steps=12, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                     save_steps=1, metric_for_best_model="eval_loss", restore_callback_states=restore,
-                     resume_from_checkpoint=resume_from)
+    args = make_args(
+        files,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="eval_loss",
+        restore_callback_states=restore,
+        resume_from_checkpoint=resume_from,
+    )
     # best 1.0 at step 1, then worse every time: patience 4 runs out at step 5
     scripted = ScriptedEvalLoss([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1])
     hf_callbacks = HuggingFaceCallbacks([scripted, EarlyStoppingCallback(early_stopping_patience=4)])
@@ -458,7 +591,8 @@ def test_resume_mid_patience_continues_the_early_stopping_counter(files):
     assert isinstance(stopper, EarlyStoppingCallback) and stopper.early_stopping_patience_counter == 4
     assert [e["step"] for e in hf_callbacks.state.log_history if "eval_loss" in e] == [1, 2, 3, 4, 5]
     assert state_at_resume["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
-        "early_stopping_patience_counter": 2}
+        "early_stopping_patience_counter": 2
+    }
 
 
 def test_resume_without_restoring_callback_states_restarts_the_counter(files):
@@ -476,8 +610,9 @@ def test_resume_without_restoring_callback_states_restarts_the_counter(files):
 def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(files):
     stopper = EarlyStoppingCallback(early_stopping_patience=3)
     hf_callbacks = HuggingFaceCallbacks([stopper])
-    loop = hf_callbacks_context(files, hf_callbacks, eval_strategy="steps", eval_steps=1,
-                           metric_for_best_model="eval_loss")
+    loop = hf_callbacks_context(
+        files, hf_callbacks, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss"
+    )
     stopper.early_stopping_patience_counter = 2
     hf_callbacks.control.should_save = True
     loop.context.global_step, loop.context.epoch = 3, 0.75
@@ -486,8 +621,9 @@ def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(file
 
     fresh_stopper = EarlyStoppingCallback(early_stopping_patience=3)
     fresh = HuggingFaceCallbacks([Recorder(), fresh_stopper])
-    restored_loop = make_loop(make_args(files, eval_strategy="steps", eval_steps=1,
-                                        metric_for_best_model="eval_loss"), [fresh])
+    restored_loop = make_loop(
+        make_args(files, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss"), [fresh]
+    )
     fire(restored_loop, Event.INIT_END)
     fresh.load_state_dict(saved)
     fire(restored_loop, Event.TRAIN_BEGIN)
@@ -502,8 +638,7 @@ def test_state_dict_round_trip_restores_trainer_state_control_and_callbacks(file
 def test_hf_callbacks_is_picklable_before_init_and_validates_config(files):
     hf_callbacks = HuggingFaceCallbacks([EarlyStoppingCallback(2), Recorder], report_to=["tensorboard"])
     clone = cloudpickle.loads(cloudpickle.dumps(hf_callbacks))
-    assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback,
-                                                                                    Recorder]
+    assert [type(c) if not isinstance(c, type) else c for c in clone.callbacks] == [EarlyStoppingCallback, Recorder]
     stopping = HuggingFaceCallbacks([EarlyStoppingCallback(2)])
     with pytest.raises(ValueError, match="EarlyStoppingCallback requires metric_for_best_model"):
         stopping.validate(make_args(files, eval_strategy="steps", eval_steps=1))

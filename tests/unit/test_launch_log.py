@@ -47,8 +47,19 @@ def torchrun_console():
 @pytest.fixture
 def failing_torchrun(tmp_path, monkeypatch):
     error_file = tmp_path / "error-rank1.json"
-    error_file.write_text(json.dumps({"message": {"message": "ValueError: boom", "extraInfo": {
-        "py_callstack": "Traceback (most recent call last):\nValueError: boom\n", "timestamp": "100"}}}))
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "ValueError: boom",
+                    "extraInfo": {
+                        "py_callstack": "Traceback (most recent call last):\nValueError: boom\n",
+                        "timestamp": "100",
+                    },
+                }
+            }
+        )
+    )
 
     def torchrun_main(argv):
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").error(TORCHRUN_LINE)
@@ -60,8 +71,9 @@ def failing_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv(agent.FAILURES_FILE_ENV, str(tmp_path / "failures.json"))
 
 
-def test_a_failure_leaves_torchrun_report_in_the_launch_log_only(tmp_path, monkeypatch, capfd, torchrun_console,
-                                                                  failing_torchrun):
+def test_a_failure_leaves_torchrun_report_in_the_launch_log_only(
+    tmp_path, monkeypatch, capfd, torchrun_console, failing_torchrun
+):
     log = tmp_path / "launch.log"
     monkeypatch.setenv(agent.LAUNCH_LOG_ENV, str(log))
     assert agent.main([]) == 1

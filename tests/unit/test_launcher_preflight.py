@@ -122,9 +122,7 @@ def test_native_callback_validate_runs_in_the_parent(train_args, no_launch):
 
 def test_misconfigured_hf_callback_fails_in_the_parent(train_args, no_launch):
     # EarlyStoppingCallback needs a metric and evaluation: under Trainer it fails at on_train_begin
-    with pytest.raises(
-        PreflightError, match=r"HuggingFaceCallbacks.*EarlyStoppingCallback.*metric_for_best_model"
-    ):
+    with pytest.raises(PreflightError, match=r"HuggingFaceCallbacks.*EarlyStoppingCallback.*metric_for_best_model"):
         run_training({**train_args, "callbacks": [EarlyStoppingCallback()]})
 
 
@@ -180,8 +178,11 @@ def _fail_with_error_files(fake):
     error = {
         "message": {
             "message": "ValueError: bad batch on purpose",
-            "extraInfo": {"py_callstack": 'Traceback (most recent call last):\n  File "loop.py", line 9\n'
-                                          "ValueError: bad batch on purpose\n", "timestamp": "100"},
+            "extraInfo": {
+                "py_callstack": 'Traceback (most recent call last):\n  File "loop.py", line 9\n'
+                "ValueError: bad batch on purpose\n",
+                "timestamp": "100",
+            },
         }
     }
     (attempt / "1" / "error.json").write_text(json.dumps(error))
@@ -233,7 +234,7 @@ def test_failure_before_record_is_read_from_teed_stderr(train_args, fake_torchru
         rank_dir = fake.log_dir / "none_abc" / "attempt_0" / "1"
         rank_dir.mkdir(parents=True)
         (rank_dir / "stderr.log").write_text(
-            "warning\nTraceback (most recent call last):\n  File \"worker.py\", line 3\n"
+            'warning\nTraceback (most recent call last):\n  File "worker.py", line 3\n'
             "ImportError: cannot import name 'X'\n"
         )
         return 1
@@ -246,10 +247,16 @@ def test_failure_before_record_is_read_from_teed_stderr(train_args, fake_torchru
 
 def test_torchrun_own_failure_is_not_blamed_on_a_worker(train_args, fake_torchrun):
     def rendezvous_error(fake):
-        Path(fake.env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(
-            {"message": {"message": "DistNetworkError: address already in use",
-                         "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"}}}
-        ))
+        Path(fake.env["TORCHELASTIC_ERROR_FILE"]).write_text(
+            json.dumps(
+                {
+                    "message": {
+                        "message": "DistNetworkError: address already in use",
+                        "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"},
+                    }
+                }
+            )
+        )
         return 1
 
     fake_torchrun.outcome = rendezvous_error
@@ -262,7 +269,8 @@ def test_torchrun_own_failure_is_not_blamed_on_a_worker(train_args, fake_torchru
 def test_c10d_rendezvous_command(tmp_path):
     command = build_torchrun_command(
         TorchrunArgs(nnodes="1:2", nproc_per_node=1, rdzv_endpoint="head:29400", rdzv_id="job7"),
-        tmp_path / "payload", tmp_path / "logs",
+        tmp_path / "payload",
+        tmp_path / "logs",
     )
     assert command[command.index("--rdzv-endpoint") + 1] == "head:29400"
     assert command[command.index("--rdzv-id") + 1] == "job7"

@@ -95,18 +95,19 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
 
 def test_resume_in_process_continues_exactly(args_for):
     full_args = args_for("full", save_strategy="steps", save_steps=3)
-    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()],
-                        build_run(full_args, DistributedEnv()))
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
     full_result = full.run()
 
     cut_args = args_for("cut", save_strategy="steps", save_steps=3)
-    cut = TrainingLoop(cut_args, DistributedEnv(), [ScheduleCallback(), CrashAt(3)],
-                       build_run(cut_args, DistributedEnv()))
+    cut = TrainingLoop(
+        cut_args, DistributedEnv(), [ScheduleCallback(), CrashAt(3)], build_run(cut_args, DistributedEnv())
+    )
     with pytest.raises(Crash):
         cut.run()
     resume_args = args_for("cut", save_strategy="steps", save_steps=3, resume_from_checkpoint="auto")
-    resumed = TrainingLoop(resume_args, DistributedEnv(), [ScheduleCallback()],
-                           build_run(resume_args, DistributedEnv()))
+    resumed = TrainingLoop(
+        resume_args, DistributedEnv(), [ScheduleCallback()], build_run(resume_args, DistributedEnv())
+    )
     result = resumed.run()
     assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
     assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
@@ -134,8 +135,15 @@ class StepCounter(Callback):
 
 def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     def run(callbacks: list[Callback], **overrides: Any) -> TrainingLoop:
-        values: dict[str, Any] = dict(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                                      save_steps=2, save_samples=12, metric_for_best_model="eval_loss")
+        values: dict[str, Any] = dict(
+            max_steps=4,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            save_samples=12,
+            metric_for_best_model="eval_loss",
+        )
         args = args_for(**{**values, **overrides})
         loop = TrainingLoop(args, DistributedEnv(), callbacks, build_run(args, DistributedEnv()))
         loop.run()
@@ -154,7 +162,7 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
 
     schedule, restored_counter = ScheduleCallback(), StepCounter()
     tracker, added = BestCheckpointTracker(), Added()
-    with caplog.at_level(logging.WARNING, logger="trainbridge.core.manager"):
+    with caplog.at_level(logging.WARNING, logger="trainbridge.core.dispatch"):
         second = run([added, schedule, restored_counter, tracker], max_steps=6, resume_from_checkpoint="auto")
     assert second.context.resumed_from == latest
     assert restored_counter.steps == 4 + 2 and added.steps == 2
@@ -162,8 +170,8 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
     assert tracker.state_dict()["best_global_step"] in (2, 4, 6)
     assert second.context.best_metric is not None and second.context.best_metric <= first.context.best_metric
     assert [r.getMessage() for r in caplog.records] == [
-        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): "
-        "it starts fresh"]
+        f"the checkpoint holds no state for callback Added (state key {Added.__qualname__!r}): it starts fresh"
+    ]
 
 
 @pytest.mark.parametrize("crash", [False, True])
@@ -184,9 +192,12 @@ def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
 
     args = args_for(max_steps=3)
     metrics, closing = MetricsFileCallback(), Closing()
-    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), metrics, closing,
-                                                 *([CrashAt(2)] if crash else [])],
-                        build_run(args, DistributedEnv()))
+    loop = TrainingLoop(
+        args,
+        DistributedEnv(),
+        [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
+        build_run(args, DistributedEnv()),
+    )
     if crash:
         with pytest.raises(Crash):
             loop.run()
@@ -209,9 +220,12 @@ class ScriptedEvalLoss(Callback):
 
 def _run(args: TrainingArgs, *callbacks: Callback) -> tuple[TrainingLoop, EventLog]:
     log = EventLog()
-    loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks, log,
-                                                 BestCheckpointTracker()],
-                        build_run(args, DistributedEnv()))
+    loop = TrainingLoop(
+        args,
+        DistributedEnv(),
+        [ScheduleCallback(), *callbacks, log, BestCheckpointTracker()],
+        build_run(args, DistributedEnv()),
+    )
     loop.run()
     return loop, log
 
@@ -219,24 +233,38 @@ def _run(args: TrainingArgs, *callbacks: Callback) -> tuple[TrainingLoop, EventL
 def test_a_save_requested_in_on_evaluate_happens_at_that_step(args_for):
     # save_strategy='best': the tracker requests the save in on_evaluate; the agreement right after the
     # evaluation makes it happen at the evaluated step, not one agreement too late (or never).
-    args = args_for(max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="best",
-                    metric_for_best_model="eval_loss", save_final_checkpoint=False)
+    args = args_for(
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="best",
+        metric_for_best_model="eval_loss",
+        save_final_checkpoint=False,
+    )
     loop, log = _run(args, ScriptedEvalLoss([1.0, 0.5, 0.7]))
     assert [p.name for p in loop.checkpoints.list_checkpoints()] == ["checkpoint-2", "checkpoint-4"]
     assert [step for event, step in log.events if event == "on_save"] == [2, 4]
 
 
 def test_requests_made_at_epoch_end_are_carried_out_at_that_epoch_end(args_for):
-    args = args_for(max_steps=None, num_epochs=2, eval_strategy="epoch", save_strategy="epoch",
-                    save_final_checkpoint=False)
+    args = args_for(
+        max_steps=None, num_epochs=2, eval_strategy="epoch", save_strategy="epoch", save_final_checkpoint=False
+    )
     loop, log = _run(args)
     assert [step for event, step in log.events if event == "on_evaluate"] == [6, 12]
     assert [p.name for p in loop.checkpoints.list_checkpoints()] == ["checkpoint-6", "checkpoint-12"]
 
 
 def test_rotation_keeps_the_best_checkpoint(args_for):
-    args = args_for(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                    save_total_limit=1, metric_for_best_model="eval_loss")
+    args = args_for(
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        metric_for_best_model="eval_loss",
+    )
     loop, _ = _run(args, ScriptedEvalLoss([1.0, 2.0, 3.0, 4.0]))
     out = args.ckpt_output_dir
     assert loop.context.best_checkpoint == out / "checkpoint-1"

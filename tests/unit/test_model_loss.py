@@ -22,8 +22,14 @@ from trainbridge.loop.build import build_run, choose_step
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.step.model_loss import ModelLoss
 
-BERT = dict(vocab_size=80, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=64)
+BERT = dict(
+    vocab_size=80,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 def _save(model: Any, folder: Path) -> Path:
@@ -65,11 +71,21 @@ def _accuracy(prediction: Any) -> dict[str, float]:
 
 def test_sequence_classification_trains_on_its_own_loss_with_compute_metrics(bert_classifier, tmp_path):
     args = TrainingArgs(
-        model_path=bert_classifier, data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
-        val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2), ckpt_output_dir=tmp_path / "out",
-        effective_batch_size=8, per_device_batch_size=4, learning_rate=5e-3, lr_scheduler="constant",
-        num_epochs=3, logging_steps=4, eval_strategy="epoch", save_strategy="epoch", disable_tqdm=True,
-        compute_metrics=_accuracy, max_grad_norm=1.0,
+        model_path=bert_classifier,
+        data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
+        val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=4,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        num_epochs=3,
+        logging_steps=4,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        disable_tqdm=True,
+        compute_metrics=_accuracy,
+        max_grad_norm=1.0,
     )
     components = build_run(args, DistributedEnv())
     assert isinstance(components.step, ModelLoss)
@@ -98,9 +114,16 @@ def test_a_batch_holds_what_the_collator_made_of_the_items_minus_unused_columns(
         return DataCollatorWithPadding(load_tokenizer(args))(items)
 
     args = TrainingArgs(
-        model_path=bert_classifier, data_path=_classification_rows(tmp_path / "train.jsonl", 16, 1),
-        ckpt_output_dir=tmp_path / "out", effective_batch_size=8, per_device_batch_size=2, max_steps=2,
-        save_strategy="no", save_final_checkpoint=False, disable_tqdm=True, data_collator=collator,
+        model_path=bert_classifier,
+        data_path=_classification_rows(tmp_path / "train.jsonl", 16, 1),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=2,
+        max_steps=2,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        disable_tqdm=True,
+        data_collator=collator,
     )
     components = build_run(args, DistributedEnv())
     batches = components.step.prepare(components.train_batches.set_epoch(0).steps[0])
@@ -115,8 +138,9 @@ def test_a_model_without_a_loss_is_refused_saying_what_to_do(tmp_path):
     from transformers import BertConfig, BertModel
 
     folder = _save(BertModel(BertConfig(**BERT)), tmp_path / "bare")
-    args = TrainingArgs(model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1),
-                        ckpt_output_dir=tmp_path / "out")
+    args = TrainingArgs(
+        model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1), ckpt_output_dir=tmp_path / "out"
+    )
     with pytest.raises(ValueError, match=r"^model: BertModel is not a causal LM and its forward takes no labels"):
         build_run(args, DistributedEnv())
 
@@ -127,8 +151,9 @@ def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tm
     from trainbridge.modeling.load import load_model
 
     folder = _save(BertForMaskedLM(BertConfig(**BERT)), tmp_path / "mlm")
-    args = TrainingArgs(model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1),
-                        ckpt_output_dir=tmp_path / "out")
+    args = TrainingArgs(
+        model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1), ckpt_output_dir=tmp_path / "out"
+    )
     model = load_model(args)
     assert type(model).__name__ == "BertForMaskedLM"
     assert choose_step(model, args) == "model_loss"
@@ -146,9 +171,18 @@ def _train(args: TrainingArgs) -> tuple[Any, list[float]]:
 
 def _args(model: Path, data: Path, out: Path, **overrides: Any) -> TrainingArgs:
     values: dict[str, Any] = dict(
-        model_path=model, data_path=data, ckpt_output_dir=out, effective_batch_size=8, per_device_batch_size=4,
-        learning_rate=1e-2, lr_scheduler="constant", max_steps=16, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=3,
+        model_path=model,
+        data_path=data,
+        ckpt_output_dir=out,
+        effective_batch_size=8,
+        per_device_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler="constant",
+        max_steps=16,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=3,
     )
     values.update(overrides)
     return TrainingArgs(**values)
@@ -164,8 +198,11 @@ def test_masked_lm_trains_on_the_masked_lm_loss_with_its_collator(tmp_path):
     tokenizer.save_pretrained(folder)
     data = tmp_path / "train.jsonl"
     rng = random.Random(0)
-    data.write_text("".join(json.dumps({"text": "abcdefgh" * 2 if rng.random() < 0.5 else "hgfedcba" * 2}) + "\n"
-                            for _ in range(64)))
+    data.write_text(
+        "".join(
+            json.dumps({"text": "abcdefgh" * 2 if rng.random() < 0.5 else "hgfedcba" * 2}) + "\n" for _ in range(64)
+        )
+    )
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
     result, losses = _train(_args(folder, data, tmp_path / "out", data_collator=collator))
     assert result.global_step == 16
@@ -180,8 +217,18 @@ def test_t5_like_encoder_decoder_trains_on_its_seq2seq_loss(tmp_path):
     from transformers import DataCollatorForSeq2Seq, T5Config, T5ForConditionalGeneration
 
     folder = tmp_path / "t5"
-    config = T5Config(vocab_size=80, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
-                      pad_token_id=0, decoder_start_token_id=0, eos_token_id=2)
+    config = T5Config(
+        vocab_size=80,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        eos_token_id=2,
+    )
     model = T5ForConditionalGeneration(config)
     model.save_pretrained(folder)
     tokenizer = build_tokenizer(folder)
@@ -203,8 +250,16 @@ def test_image_classification_trains_on_pixel_values_with_its_image_processor(tm
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     folder = tmp_path / "vit"
-    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
-                       num_attention_heads=2, intermediate_size=32, num_labels=2)
+    config = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+    )
     ViTForImageClassification(config).save_pretrained(folder)
     ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(folder)
     data = tmp_path / "train.jsonl"
@@ -212,14 +267,24 @@ def test_image_classification_trains_on_pixel_values_with_its_image_processor(tm
     rows = []
     for _ in range(64):
         label = rng.randrange(2)
-        pixels = [[[(1.0 if label else -1.0) + rng.gauss(0, 0.3) for _ in range(8)] for _ in range(8)]
-                  for _ in range(3)]
+        pixels = [
+            [[(1.0 if label else -1.0) + rng.gauss(0, 0.3) for _ in range(8)] for _ in range(8)] for _ in range(3)
+        ]
         rows.append(json.dumps({"pixel_values": pixels, "label": label}) + "\n")
     data.write_text("".join(rows))
     val = tmp_path / "val.jsonl"
     val.write_text("".join(rows[:12]))
-    result, losses = _train(_args(folder, data, tmp_path / "out", val_data_path=val, eval_strategy="steps",
-                                  eval_steps=8, compute_metrics=_accuracy))
+    result, losses = _train(
+        _args(
+            folder,
+            data,
+            tmp_path / "out",
+            val_data_path=val,
+            eval_strategy="steps",
+            eval_steps=8,
+            compute_metrics=_accuracy,
+        )
+    )
     assert result.global_step == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
     assert result.final_eval_loss is not None
     checkpoint = tmp_path / "out" / "checkpoint-16"

@@ -24,13 +24,15 @@ from trainbridge.loop.loop import TrainingLoop
 def test_config_names_sets_and_checks_the_best_metric(run_files: dict[str, Path]) -> None:
     base = dict(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     sets = {"a": run_files["val"], "a_b": run_files["train"]}
-    args = TrainingArgs(**base, eval_data_paths=sets, eval_strategy="steps", eval_steps=1,
-                        metric_for_best_model="a_b_loss")
+    args = TrainingArgs(
+        **base, eval_data_paths=sets, eval_strategy="steps", eval_steps=1, metric_for_best_model="a_b_loss"
+    )
     assert args.best_metric_name == "eval_a_b_loss" and args.best_metric_eval_set == "a_b"
     assert TrainingArgs(**base, eval_data_paths=sets, metric_for_best_model="eval_a_loss").best_metric_eval_set == "a"
     with pytest.raises(pydantic.ValidationError, match=r"metric_for_best_model.*'eval_a_loss'"):
-        TrainingArgs(**base, eval_data_paths=sets, load_best_model_at_end=True, eval_strategy="steps",
-                     eval_steps=1, save_steps=1)  # Trainer's default eval_loss: no set reports it
+        TrainingArgs(
+            **base, eval_data_paths=sets, load_best_model_at_end=True, eval_strategy="steps", eval_steps=1, save_steps=1
+        )  # Trainer's default eval_loss: no set reports it
     with pytest.raises(pydantic.ValidationError, match="eval_data_paths: give named validation sets or"):
         TrainingArgs(**base, eval_data_paths=sets, val_data_path=run_files["val"])
     with pytest.raises(pydantic.ValidationError, match="validation set 'c': data file"):
@@ -71,12 +73,28 @@ def test_each_set_is_evaluated_logged_and_tracked_in_turn(tmp_path: Path, tiny_l
     recorder = Recorder()
     # set "b" gets worse after its first evaluation: best stays at step 1, early stopping (patience 2) at step 3
     args = TrainingArgs(
-        model_path=tiny_llama, data_path=train, eval_data_paths={"a": first, "b": second},
-        ckpt_output_dir=tmp_path / "out", max_seq_len=32, max_batch_len=64, effective_batch_size=8,
-        max_steps=6, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-        metric_for_best_model="b_loss", load_best_model_at_end=True, disable_tqdm=True,
-        callbacks=[recorder, ScriptedSetLoss("a", [0.1, 0.05, 0.01]), ScriptedSetLoss("b", [1.0, 2.0, 3.0]),
-                   EarlyStoppingCallback(early_stopping_patience=2)],
+        model_path=tiny_llama,
+        data_path=train,
+        eval_data_paths={"a": first, "b": second},
+        ckpt_output_dir=tmp_path / "out",
+        max_seq_len=32,
+        max_batch_len=64,
+        effective_batch_size=8,
+        max_steps=6,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="b_loss",
+        load_best_model_at_end=True,
+        disable_tqdm=True,
+        callbacks=[
+            recorder,
+            ScriptedSetLoss("a", [0.1, 0.05, 0.01]),
+            ScriptedSetLoss("b", [1.0, 2.0, 3.0]),
+            EarlyStoppingCallback(early_stopping_patience=2),
+        ],
     )
     env = DistributedEnv()
     loop = TrainingLoop(args, env, assemble_callbacks(args), build_run(args, env))
@@ -102,8 +120,10 @@ def test_each_set_is_evaluated_logged_and_tracked_in_turn(tmp_path: Path, tiny_l
 def test_yaml_resolves_named_set_paths_against_its_folder(run_files: dict[str, Path]) -> None:
     folder = run_files["train"].parent
     config = folder / "run.yaml"
-    config.write_text(f"model_path: model\ndata_path: train.jsonl\nckpt_output_dir: out\n"
-                      f"eval_data_paths:\n  a: val.jsonl\n  b: {run_files['train']}\n")
+    config.write_text(
+        f"model_path: model\ndata_path: train.jsonl\nckpt_output_dir: out\n"
+        f"eval_data_paths:\n  a: val.jsonl\n  b: {run_files['train']}\n"
+    )
     args = TrainingArgs.from_yaml(config)
     assert args.eval_data_paths == {"a": folder / "val.jsonl", "b": run_files["train"]}
     again = TrainingArgs.from_yaml(_written(args, folder / "again.yaml"))

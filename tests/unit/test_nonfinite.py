@@ -50,10 +50,21 @@ def args_for(tmp_path: Path, tiny_llama: Path):
 
     def make(**overrides: Any) -> TrainingArgs:
         values: dict[str, Any] = dict(
-            model_path=tiny_llama, data_path=train_file, ckpt_output_dir=tmp_path / "out",
-            max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=1e-3,
-            lr_scheduler="constant", max_steps=12, logging_steps=1, save_strategy="steps", save_steps=2,
-            save_total_limit=2, disable_tqdm=True, seed=7,
+            model_path=tiny_llama,
+            data_path=train_file,
+            ckpt_output_dir=tmp_path / "out",
+            max_seq_len=32,
+            max_batch_len=64,
+            effective_batch_size=8,
+            learning_rate=1e-3,
+            lr_scheduler="constant",
+            max_steps=12,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=2,
+            disable_tqdm=True,
+            seed=7,
         )
         values.update(overrides)
         return TrainingArgs(**values)
@@ -81,8 +92,10 @@ def test_skip_leaves_a_non_finite_step_unapplied_and_goes_on(args_for, caplog):
     with caplog.at_level(logging.WARNING, logger="trainbridge.step.finite"):
         result = train(args, DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
     assert result.global_step == 12
-    assert any(r.getMessage().startswith("step 5: non-finite gradient norm nan; the update was not applied")
-               for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("step 5: non-finite gradient norm nan; the update was not applied")
+        for r in caplog.records
+    )
     assert _finite(args.ckpt_output_dir / "checkpoint-12")
     assert result.train_loss is not None and result.train_loss == result.train_loss  # the NaN step left out
 
@@ -92,8 +105,9 @@ def test_warn_only_warns(args_for, caplog):
     with caplog.at_level(logging.WARNING, logger="trainbridge.step.finite"):
         result = train(args, DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
     assert result.global_step == 8
-    assert any(r.getMessage().startswith("step 5: non-finite gradient norm nan; training goes on")
-               for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("step 5: non-finite gradient norm nan; training goes on") for r in caplog.records
+    )
 
 
 def test_skip_is_refused_with_deepspeed(args_for):

@@ -50,6 +50,9 @@ def test_the_facade_launches_the_default_for_its_device(gpus: pytest.MonkeyPatch
 
     assert launched(use_cpu=True).nproc_per_node == 1
     assert launched().nproc_per_node == 4
-    given = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True),
-                    torchrun_args=TorchrunArgs(nproc_per_node=2, nnodes=2))
+    given = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True),
+        torchrun_args=TorchrunArgs(nproc_per_node=2, nnodes=2),
+    )
     assert jobs.launch_args(given).nproc_per_node == 2 and jobs.world_size_of(jobs.launch_args(given)) == 4

@@ -73,11 +73,17 @@ def test_each_optim_name_builds_its_class_and_steps(args_for, name):
 
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed")
 def test_a_run_trains_with_a_paged_8bit_optimizer_and_resumes_its_state(args_for):
-    result = train(args_for(optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2),
-                   DistributedEnv(), [])
+    result = train(
+        args_for(optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2), DistributedEnv(), []
+    )
     assert result.global_step == 4 and result.train_loss is not None
-    resumed = train(args_for(optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2,
-                             resume_from_checkpoint="auto"), DistributedEnv(), [])
+    resumed = train(
+        args_for(
+            optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2, resume_from_checkpoint="auto"
+        ),
+        DistributedEnv(),
+        [],
+    )
     assert resumed.resumed_from is not None and resumed.resumed_from.endswith("checkpoint-4")
 
 
@@ -90,14 +96,21 @@ def test_a_bad_optim_name_fails_naming_the_field_the_value_and_the_choices(args_
 
 @pytest.mark.skipif(HAS_SCHEDULEFREE, reason="schedulefree is installed")
 def test_an_unavailable_library_is_named_with_what_to_install(args_for, monkeypatch):
-    with pytest.raises(ValidationError, match=r"optim='schedule_free_adamw': needs the schedulefree package; "
-                                              r"pip install schedulefree"):
+    with pytest.raises(
+        ValidationError,
+        match=r"optim='schedule_free_adamw': needs the schedulefree package; "
+        r"pip install schedulefree",
+    ):
         args_for(optim="schedule_free_adamw")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    with pytest.raises(ValidationError, match=r"optim='paged_adamw_8bit': needs the bitsandbytes package; "
-                                              r"pip install 'trainbridge\[qlora\]'"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
+    with pytest.raises(
+        ValidationError,
+        match=r"optim='paged_adamw_8bit': needs the bitsandbytes package; "
+        r"pip install 'trainbridge\[qlora\]'",
+    ):
         args_for(optim="paged_adamw_8bit")
 
 
@@ -107,8 +120,11 @@ def test_deepspeed_keeps_its_own_optimizer(args_for):
     args_for(optim="adamw_torch", distributed_backend="deepspeed")
 
 
-SCHEDULE_KWARGS = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1},
-                   "warmup_stable_decay": {"num_decay_steps": 4}}
+SCHEDULE_KWARGS = {
+    "cosine_with_min_lr": {"min_lr_rate": 0.1},
+    "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1},
+    "warmup_stable_decay": {"num_decay_steps": 4},
+}
 
 
 @pytest.mark.parametrize("name", get_args(SchedulerName))
@@ -119,8 +135,13 @@ def test_each_schedule_is_transformers_own(args_for, name):
     args = args_for(lr_scheduler=name, warmup_steps=2, lr_scheduler_kwargs=SCHEDULE_KWARGS.get(name, {}))
     model = Tiny()
     ours = build_scheduler(torch.optim.SGD(model.parameters(), lr=args.learning_rate), args, total_steps=10)
-    reference = get_scheduler(name, torch.optim.SGD(Tiny().parameters(), lr=args.learning_rate), num_warmup_steps=2,
-                              num_training_steps=10, scheduler_specific_kwargs=SCHEDULE_KWARGS.get(name))
+    reference = get_scheduler(
+        name,
+        torch.optim.SGD(Tiny().parameters(), lr=args.learning_rate),
+        num_warmup_steps=2,
+        num_training_steps=10,
+        scheduler_specific_kwargs=SCHEDULE_KWARGS.get(name),
+    )
     assert type(ours) is type(reference)
     for _ in range(10):
         assert ours.get_last_lr() == pytest.approx(reference.get_last_lr())

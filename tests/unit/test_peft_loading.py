@@ -25,9 +25,11 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("peft")
-    return {"model": build_tiny_llama(root / "model"),
-            "data": write_arithmetic_dataset(root / "train.jsonl", 8, seed=1),
-            "root": root}
+    return {
+        "model": build_tiny_llama(root / "model"),
+        "data": write_arithmetic_dataset(root / "train.jsonl", 8, seed=1),
+        "root": root,
+    }
 
 
 def args_for(assets, tmp_path, **overrides) -> TrainingArgs:
@@ -64,14 +66,19 @@ def test_peft_config_without_peft_installed_names_the_field(assets, tmp_path, mo
     assert "peft_config" in errors_of(info) and "pip install 'trainbridge[peft]'" in errors_of(info)
 
 
-@pytest.mark.parametrize("config, words", [
-    ({**LORA, "task_type": "SEQ_CLS"}, ["peft_config", "task_type", "CAUSAL_LM"]),
-    ({**LORA, "inference_mode": True}, ["peft_config", "inference_mode=True", "nothing would train"]),
-    ({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"},
-     ["peft_config", "PromptTuningConfig", "prompt-learning method, not supported"]),
-    ({**LORA, "layers_pattern": "layers"}, ["peft_config", "not a valid peft config", "layers_to_transform"]),
-    ({**LORA, "no_such_option": 1}, ["peft_config", "not a valid peft config", "no_such_option"]),
-])
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({**LORA, "task_type": "SEQ_CLS"}, ["peft_config", "task_type", "CAUSAL_LM"]),
+        ({**LORA, "inference_mode": True}, ["peft_config", "inference_mode=True", "nothing would train"]),
+        (
+            {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"},
+            ["peft_config", "PromptTuningConfig", "prompt-learning method, not supported"],
+        ),
+        ({**LORA, "layers_pattern": "layers"}, ["peft_config", "not a valid peft config", "layers_to_transform"]),
+        ({**LORA, "no_such_option": 1}, ["peft_config", "not a valid peft config", "no_such_option"]),
+    ],
+)
 def test_lora_options_that_cannot_combine_fail_naming_the_field(assets, tmp_path, config, words):
     with pytest.raises(ValidationError) as info:
         args_for(assets, tmp_path, peft_config=config)
@@ -175,8 +182,9 @@ def _tiny_model_init():
     from transformers import LlamaConfig
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=76, hidden_size=32, intermediate_size=64,
-                                                        num_hidden_layers=1, num_attention_heads=4))
+    return AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=76, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    )
 
 
 def _trial_model_init(trial):
@@ -185,8 +193,9 @@ def _trial_model_init(trial):
 
 
 def test_model_init_builds_the_model_and_peft_applies_on_top(assets, tmp_path):
-    args = args_for(assets, tmp_path, model_path=None, tokenizer_path=assets["model"], model_init=_tiny_model_init,
-                    peft_config=LORA)
+    args = args_for(
+        assets, tmp_path, model_path=None, tokenizer_path=assets["model"], model_init=_tiny_model_init, peft_config=LORA
+    )
     model = load_model(args)
     assert isinstance(model, peft.PeftModel) and model.config.num_hidden_layers == 1
     one_arg = load_model(args_for(assets, tmp_path, model_init=_trial_model_init))
@@ -198,8 +207,15 @@ def test_model_init_builds_the_model_and_peft_applies_on_top(assets, tmp_path):
 
 
 def test_model_kwargs_and_gradient_checkpointing_reach_the_model(assets, tmp_path):
-    model = load_model(args_for(assets, tmp_path, model_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"},
-                                gradient_checkpointing=True, peft_config=LORA))
+    model = load_model(
+        args_for(
+            assets,
+            tmp_path,
+            model_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"},
+            gradient_checkpointing=True,
+            peft_config=LORA,
+        )
+    )
     base = model.get_base_model()
     assert base.dtype == torch.bfloat16 and base.config._attn_implementation == "eager"
     assert base.is_gradient_checkpointing
@@ -214,13 +230,35 @@ def test_dora_example_builds_its_args_with_and_without_quantize(assets):
     spec = importlib.util.spec_from_file_location("dora_finetuning_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    options = example.parse(["--base_model", str(assets["model"]), "--data_path", str(assets["data"]),
-                             "--use_dora", "--device", "cpu", "--val_set_size", "0"])
+    options = example.parse(
+        [
+            "--base_model",
+            str(assets["model"]),
+            "--data_path",
+            str(assets["data"]),
+            "--use_dora",
+            "--device",
+            "cpu",
+            "--val_set_size",
+            "0",
+        ]
+    )
     args = example.training_args(options)
     assert args.peft_config.use_dora and args.peft_config.r == 8 and len(args.peft_config.target_modules) == 7
     if importlib.util.find_spec("bitsandbytes") is not None:  # QDoRA: a 4-bit base, valid on CPU too
-        quantized = example.training_args(example.parse(["--base_model", str(assets["model"]), "--data_path",
-                                                         str(assets["data"]), "--quantize", "--device", "cpu"]))
+        quantized = example.training_args(
+            example.parse(
+                [
+                    "--base_model",
+                    str(assets["model"]),
+                    "--data_path",
+                    str(assets["data"]),
+                    "--quantize",
+                    "--device",
+                    "cpu",
+                ]
+            )
+        )
         assert quantized.model_kwargs.quantized() and quantized.gradient_checkpointing
 
 
@@ -233,12 +271,14 @@ def test_trainer_gradient_checkpointing_is_carried_over_by_porting(assets, tmp_p
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
-                               gradient_checkpointing_kwargs={"use_reentrant": True})
+        hf = TrainingArguments(
+            output_dir=str(tmp_path), gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
+        )
         args = training_args_from_hf(hf, model_path=assets["model"], data_path=assets["data"])
     assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": True}
-    assert not training_args_from_hf(TrainingArguments(output_dir=str(tmp_path)), model_path=assets["model"],
-                                     data_path=assets["data"]).gradient_checkpointing
+    assert not training_args_from_hf(
+        TrainingArguments(output_dir=str(tmp_path)), model_path=assets["model"], data_path=assets["data"]
+    ).gradient_checkpointing
 
 
 # ---------------------------------------------------------------------- the real loop in process (one rank)
@@ -251,17 +291,33 @@ def test_lora_run_in_process_saves_adapters_resumes_exactly_and_merges(assets, t
     data = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
 
     def run(out: str, **overrides):
-        args = args_for(assets, tmp_path, data_path=data, ckpt_output_dir=tmp_path / out, peft_config=LORA,
-                        max_seq_len=32, max_batch_len=64, effective_batch_size=8, learning_rate=1e-2,
-                        lr_scheduler="linear", max_steps=6, save_strategy="steps", save_steps=3, disable_tqdm=True,
-                        **overrides)
-        loop = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), BestCheckpointTracker()],
-                            build_run(args, DistributedEnv()))
+        args = args_for(
+            assets,
+            tmp_path,
+            data_path=data,
+            ckpt_output_dir=tmp_path / out,
+            peft_config=LORA,
+            max_seq_len=32,
+            max_batch_len=64,
+            effective_batch_size=8,
+            learning_rate=1e-2,
+            lr_scheduler="linear",
+            max_steps=6,
+            save_strategy="steps",
+            save_steps=3,
+            disable_tqdm=True,
+            **overrides,
+        )
+        loop = TrainingLoop(
+            args, DistributedEnv(), [ScheduleCallback(), BestCheckpointTracker()], build_run(args, DistributedEnv())
+        )
         return loop, loop.run()
 
     straight, result = run("straight", merge_adapter_at_end=True)
     assert sorted(p.name for p in (tmp_path / "straight" / "checkpoint-6").glob("adapter_*")) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     resumed, again = run("resumed", resume_from_checkpoint=tmp_path / "straight" / "checkpoint-3")
     assert again.resumed_from.endswith("checkpoint-3")
     for (name, a), b in zip(straight.engine.unwrapped.named_parameters(), resumed.engine.unwrapped.parameters()):
@@ -281,9 +337,20 @@ def test_the_merged_export_is_written_in_checkpoint_weights_dtype(assets, tmp_pa
     from trainbridge.loop.build import build_run
     from trainbridge.loop.loop import TrainingLoop
 
-    args = args_for(assets, tmp_path, peft_config=LORA, max_seq_len=32, max_batch_len=64, effective_batch_size=8,
-                    max_steps=1, save_strategy="no", save_final_checkpoint=False, disable_tqdm=True,
-                    merge_adapter_at_end=True, checkpoint_weights_dtype="bfloat16")
+    args = args_for(
+        assets,
+        tmp_path,
+        peft_config=LORA,
+        max_seq_len=32,
+        max_batch_len=64,
+        effective_batch_size=8,
+        max_steps=1,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        disable_tqdm=True,
+        merge_adapter_at_end=True,
+        checkpoint_weights_dtype="bfloat16",
+    )
     result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], build_run(args, DistributedEnv())).run()
     merged = Path(result.merged_model or "")
     assert {t.dtype for t in load_file(merged / "model.safetensors").values()} == {torch.bfloat16}

@@ -17,11 +17,20 @@ needs_matplotlib = pytest.mark.skipif(
 def _write_metrics(path, steps=12):
     records = []
     for step in range(1, steps + 1):
-        records.append({"time": 0.0, "step": step, "epoch": step / steps, "loss": 3.0 / step, "grad_norm": 1.0,
-                        "learning_rate": 1e-3, "tokens_per_second": 1000.0 + step})
+        records.append(
+            {
+                "time": 0.0,
+                "step": step,
+                "epoch": step / steps,
+                "loss": 3.0 / step,
+                "grad_norm": 1.0,
+                "learning_rate": 1e-3,
+                "tokens_per_second": 1000.0 + step,
+            }
+        )
         if step % 4 == 0:
             records.append({"time": 0.0, "step": step, "epoch": step / steps, "eval_loss": 2.5 / step})
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n{\"cut short")
+    path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"cut short')
     return path
 
 

@@ -22,13 +22,15 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout":
 def four_bit(**kwargs):
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                              **kwargs)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32, **kwargs
+    )
 
 
 def test_a_4bit_base_loads_frozen_with_only_the_adapter_trainable(args_for):
-    args = args_for(device="cpu", peft_config=LORA, gradient_checkpointing=True,
-                    model_kwargs={"quantization_config": four_bit()})
+    args = args_for(
+        device="cpu", peft_config=LORA, gradient_checkpointing=True, model_kwargs={"quantization_config": four_bit()}
+    )
     model = load_model(args)
     assert quantization.is_quantized(model) and model.get_base_model().is_loaded_in_4bit
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -56,7 +58,7 @@ def test_the_facade_writes_a_4bit_peft_model_that_loads_back_whole(tiny_llama, t
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainbridge.trainer.inputs import write_model
+    from trainbridge.trainer.script_data import write_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=four_bit())
     model = get_peft_model(model, LoraConfig(**LORA))
@@ -77,13 +79,18 @@ def test_quantized_model_kwargs_are_checked_before_launch(args_for, monkeypatch)
     with pytest.raises(ValidationError, match=r"trains through an adapter .*set peft_config"):
         args_for(model_kwargs={"quantization_config": four_bit()})
     with pytest.raises(ValidationError, match="ZeRO-3"):
-        args_for(peft_config=LORA, model_kwargs={"quantization_config": four_bit()},
-                 distributed_backend="deepspeed", deepspeed_zero_stage=3)
+        args_for(
+            peft_config=LORA,
+            model_kwargs={"quantization_config": four_bit()},
+            distributed_backend="deepspeed",
+            deepspeed_zero_stage=3,
+        )
     with pytest.raises(ValidationError, match=r"model_kwargs.load_in_4bit: .*BitsAndBytesConfig\(load_in_4bit=True\)"):
         args_for(peft_config=LORA, model_kwargs={"load_in_4bit": True})
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(ValidationError, match=r"needs bitsandbytes; pip install 'trainbridge\[qlora\]'"):
         args_for(peft_config=LORA, model_kwargs={"quantization_config": four_bit()})
 

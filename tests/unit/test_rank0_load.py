@@ -17,16 +17,18 @@ from trainbridge.modeling.load import build_skeleton, load_base_model, load_mode
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("rank0") / "model", hidden_size=32, num_layers=2,
-                            num_heads=4, intermediate_size=64)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("rank0") / "model", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64
+    )
 
 
 def args_for(model_dir: Path, tmp_path: Path, **overrides: object) -> TrainingArgs:
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     settings: dict[str, object] = {"distributed_backend": "fsdp", **overrides}
-    return TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "out", device="cpu",
-                        **settings)  # type: ignore[arg-type]
+    return TrainingArgs(
+        model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "out", device="cpu", **settings
+    )  # type: ignore[arg-type]
 
 
 def test_rank0_load_applies_to_plain_fsdp_models_only(model_dir: Path, tmp_path: Path) -> None:

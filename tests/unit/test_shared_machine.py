@@ -32,8 +32,13 @@ def as_other_user(command: list[str], **kwargs) -> subprocess.CompletedProcess[s
     """Run ``command`` as uid/gid ``OTHER_UID`` (skips the test unless root with ``setpriv``)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs a second user: run as root with setpriv (util-linux) to drop privileges")
-    return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *command],
-                          capture_output=True, text=True, timeout=120, **kwargs)
+    return subprocess.run(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
 
 
 def needs_root() -> None:
@@ -93,13 +98,22 @@ def test_workers_get_user_folders_in_the_signed_payload_not_in_pythonpath(projec
     assert str(project) not in env.get("PYTHONPATH", "") and env["PYTHONSAFEPATH"] == "1"
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    path, key = transport.write_payload(TrainingArgs.from_yaml(project / "plain.yaml"), private,
-                                        launcher.worker_import_path())
-    code = ("import os, sys; from trainbridge.launch.transport import read_payload; "
-            "before = len(sys.path); read_payload(sys.argv[1], os.environ['K']); "
-            "import datasets, my_callbacks; print(sys.path.index(sys.argv[2]) >= before, datasets.__file__)")
-    proc = subprocess.run([sys.executable, "-c", code, str(path), str(project)], cwd=project, text=True,
-                          capture_output=True, env={**os.environ, **env, "K": key}, timeout=120)
+    path, key = transport.write_payload(
+        TrainingArgs.from_yaml(project / "plain.yaml"), private, launcher.worker_import_path()
+    )
+    code = (
+        "import os, sys; from trainbridge.launch.transport import read_payload; "
+        "before = len(sys.path); read_payload(sys.argv[1], os.environ['K']); "
+        "import datasets, my_callbacks; print(sys.path.index(sys.argv[2]) >= before, datasets.__file__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(project)],
+        cwd=project,
+        text=True,
+        capture_output=True,
+        env={**os.environ, **env, "K": key},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     appended, datasets_file = proc.stdout.split()
     assert appended == "True" and str(project) not in datasets_file
@@ -138,11 +152,15 @@ def test_the_agents_store_listens_on_the_master_address_only(monkeypatch):
     monkeypatch.setattr(static_tcp_rendezvous, "TCPStore", static_tcp_rendezvous.TCPStore)  # restored after
     agent.bind_store_to_master_address()
     port = launcher.free_port()
-    store = static_tcp_rendezvous.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=30),
-                                           multi_tenant=True)
+    store = static_tcp_rendezvous.TCPStore(
+        "127.0.0.1", port, 1, True, datetime.timedelta(seconds=30), multi_tenant=True
+    )
     store.set("k", "v")
-    listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    listening = [
+        c.laddr.ip
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
     assert listening == ["127.0.0.1"]
 
 
@@ -238,8 +256,9 @@ def test_another_user_cannot_reach_the_control_folder_of_a_run_in_a_shared_folde
     run_dir.mkdir()
     run_dir.chmod(0o777)  # a group project folder every member can write
     ExternalControl().on_train_begin(_rank0_context(run_dir, run_files))
-    attempt = as_other_user(["sh", "-c", f"mkdir -p {run_dir}/control; echo '{{\"action\": \"stop\"}}' > "
-                                         f"{run_dir}/control/1-1-stop.json"])
+    attempt = as_other_user(
+        ["sh", "-c", f'mkdir -p {run_dir}/control; echo \'{{"action": "stop"}}\' > {run_dir}/control/1-1-stop.json']
+    )
     assert attempt.returncode != 0 and "Permission denied" in attempt.stderr
     assert take_requests(run_dir) == []
 
@@ -256,8 +275,7 @@ def test_a_new_run_folder_is_private_whatever_the_umask(tmp_path):
     assert ((tmp_path / "new" / "run").stat().st_mode & 0o777) == 0o700
 
 
-def test_a_run_folder_others_can_write_or_another_user_owns_is_refused_before_launch(tmp_path, run_files,
-                                                                                      monkeypatch):
+def test_a_run_folder_others_can_write_or_another_user_owns_is_refused_before_launch(tmp_path, run_files, monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     out = tmp_path / "out"
     out.mkdir()
@@ -301,8 +319,19 @@ def _planted_lock(out: Path, pid: int, process_start: float) -> Path:
     folder = out / ".trainbridge-lock"
     folder.mkdir(parents=True, mode=0o700)
     path = folder / f"{socket.gethostname()}-{pid}-planted.json"
-    path.write_text(json.dumps({"run_id": "planted", "job": "single:planted", "host": socket.gethostname(),
-                                "pid": pid, "started": 1.0, "process_start": process_start, "command": "?"}))
+    path.write_text(
+        json.dumps(
+            {
+                "run_id": "planted",
+                "job": "single:planted",
+                "host": socket.gethostname(),
+                "pid": pid,
+                "started": 1.0,
+                "process_start": process_start,
+                "command": "?",
+            }
+        )
+    )
     return path
 
 
@@ -347,10 +376,17 @@ def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run
 
     marker = tmp_path / "ran"
     spec = {"class": "subprocess:Popen", "kwargs": {"args": ["touch", str(marker)]}}
-    with pytest.raises(ValidationError, match=r"callbacks\[0\].*'subprocess:Popen' is the class subprocess.Popen, "
-                                              r"not a subclass of trainbridge.Callback"):
-        TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
-                     callbacks=[spec])
+    with pytest.raises(
+        ValidationError,
+        match=r"callbacks\[0\].*'subprocess:Popen' is the class subprocess.Popen, "
+        r"not a subclass of trainbridge.Callback",
+    ):
+        TrainingArgs(
+            model_path=run_files["model"],
+            data_path=run_files["train"],
+            ckpt_output_dir=tmp_path / "out",
+            callbacks=[spec],
+        )
     with pytest.raises(NotACallbackError, match="it was not called"):
         CallbackSpec.model_construct(class_path="subprocess:Popen", kwargs=spec["kwargs"]).build()  # unvalidated
     assert not marker.exists()
@@ -359,9 +395,15 @@ def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run
 def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
     from trainbridge.launch.assembly import assemble_callbacks
 
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=tmp_path / "out",
-                        callbacks=[{"class": "transformers:EarlyStoppingCallback"},
-                                   {"class": "trainbridge.callbacks:MetricsFileCallback"}])
+    args = TrainingArgs(
+        model_path=run_files["model"],
+        data_path=run_files["train"],
+        ckpt_output_dir=tmp_path / "out",
+        callbacks=[
+            {"class": "transformers:EarlyStoppingCallback"},
+            {"class": "trainbridge.callbacks:MetricsFileCallback"},
+        ],
+    )
     names = [type(c).__name__ for c in assemble_callbacks(args)]
     assert "HuggingFaceCallbacks" in names and names.count("MetricsFileCallback") == 2
 

@@ -53,9 +53,15 @@ class SyncCounter:
             if counter.active:
                 frame = sys._getframe(1)
                 path = frame.f_code.co_filename
-                owner = ("trainbridge" if "/trainbridge/" in path else
-                         "transformers" if "/transformers/" in path else
-                         "test" if path == __file__ else "torch/other")
+                owner = (
+                    "trainbridge"
+                    if "/trainbridge/" in path
+                    else "transformers"
+                    if "/transformers/" in path
+                    else "test"
+                    if path == __file__
+                    else "torch/other"
+                )
                 counter.calls[owner] += 1
                 counter.where[f"{owner}: {Path(path).name}:{frame.f_lineno} {name}"] += 1
             return original(tensor, *args, **kwargs)
@@ -89,8 +95,9 @@ class CountPerStep(Callback):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("syncs") / "model", hidden_size=32, num_layers=2,
-                            num_heads=4, intermediate_size=64)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("syncs") / "model", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64
+    )
 
 
 def write_data(path: Path, lengths: list[int], vocab: int) -> Path:
@@ -98,18 +105,27 @@ def write_data(path: Path, lengths: list[int], vocab: int) -> Path:
     rows = []
     for n in lengths:
         ids = [rng.randrange(4, vocab) for _ in range(n)]
-        rows.append(json.dumps({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]}))
+        rows.append(json.dumps({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]}))
     path.write_text("\n".join(rows) + "\n")
     return path
 
 
-def run_counted(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lengths: list[int],
-                **overrides: Any) -> CountPerStep:
+def run_counted(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lengths: list[int], **overrides: Any
+) -> CountPerStep:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     args = TrainingArgs(
-        model_path=model_dir, data_path=write_data(tmp_path / "data.jsonl", lengths, vocab),
-        ckpt_output_dir=tmp_path / "out", max_seq_len=64, effective_batch_size=4, max_steps=4,
-        save_strategy="no", save_final_checkpoint=False, logging_steps=1000, disable_tqdm=True, device="cpu",
+        model_path=model_dir,
+        data_path=write_data(tmp_path / "data.jsonl", lengths, vocab),
+        ckpt_output_dir=tmp_path / "out",
+        max_seq_len=64,
+        effective_batch_size=4,
+        max_steps=4,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        logging_steps=1000,
+        disable_tqdm=True,
+        device="cpu",
         **overrides,
     )
     callback = CountPerStep(SyncCounter(monkeypatch))
@@ -137,8 +153,15 @@ def test_fixed_length_rows_and_chunked_loss_keep_one_sync(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stacked equal-length rows (the model's own position_ids) and the chunked loss head: still one."""
-    counted = run_counted(model_dir, tmp_path, monkeypatch, [24] * 16, max_batch_len=64,
-                          loss_implementation="chunked", loss_chunk_tokens=16)
+    counted = run_counted(
+        model_dir,
+        tmp_path,
+        monkeypatch,
+        [24] * 16,
+        max_batch_len=64,
+        loss_implementation="chunked",
+        loss_chunk_tokens=16,
+    )
     for calls, forwards in zip(counted.per_step, counted.forwards_per_step, strict=True):
         detail = dict(counted.counter.where)
         assert calls["trainbridge"] == 1, detail

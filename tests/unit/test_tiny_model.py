@@ -60,8 +60,11 @@ def test_benchmark_size_parameter_count():
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=76, hidden_size=BENCHMARK_3M.hidden_size, intermediate_size=BENCHMARK_3M.intermediate_size,
-        num_hidden_layers=BENCHMARK_3M.num_layers, num_attention_heads=BENCHMARK_3M.num_heads,
+        vocab_size=76,
+        hidden_size=BENCHMARK_3M.hidden_size,
+        intermediate_size=BENCHMARK_3M.intermediate_size,
+        num_hidden_layers=BENCHMARK_3M.num_layers,
+        num_attention_heads=BENCHMARK_3M.num_heads,
         tie_word_embeddings=False,
     )
     with torch.device("meta"):

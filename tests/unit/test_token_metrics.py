@@ -50,8 +50,14 @@ def test_logging_rule_is_trls() -> None:
 
 def _tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -67,8 +73,11 @@ def _trl_values(model: LlamaForCausalLM, micro_batches: list[dict[str, torch.Ten
             entropy.append((out.entropy.sum() / valid).item())
             accuracy.append((out.is_top1.sum() / valid).item())
             tokens += batch["input_ids"].size(1)  # trl's padding-free count: position_ids.size(1)
-    return {"entropy": sum(entropy) / len(entropy), "mean_token_accuracy": sum(accuracy) / len(accuracy),
-            "num_tokens": float(tokens)}
+    return {
+        "entropy": sum(entropy) / len(entropy),
+        "mean_token_accuracy": sum(accuracy) / len(accuracy),
+        "num_tokens": float(tokens),
+    }
 
 
 def test_the_token_step_logs_trls_values_through_its_metric_sums() -> None:
@@ -80,8 +89,9 @@ def test_the_token_step_logs_trls_values_through_its_metric_sums() -> None:
         input_ids = torch.randint(4, 40, (1, length))
         labels = input_ids.clone()
         labels[0, :masked] = -100
-        micro_batches.append({"input_ids": input_ids, "labels": labels,
-                              "position_ids": torch.arange(length).unsqueeze(0)})
+        micro_batches.append(
+            {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(length).unsqueeze(0)}
+        )
     step = TokenCrossEntropy(None, 64, padded=False, token_metrics=True)  # type: ignore[arg-type]
     with torch.no_grad():
         for batch in micro_batches:

@@ -19,7 +19,7 @@ from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.launch import launcher
 from trainbridge.loop.predictions import PredictionCollector
-from trainbridge.trainer import inputs, job_args, jobs
+from trainbridge.trainer import job_args, jobs, script_data
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
 from trainbridge.trainer.run_folder import RunLayout
 
@@ -27,8 +27,7 @@ from trainbridge.trainer.run_folder import RunLayout
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     path = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-    return (transformers.AutoModelForCausalLM.from_pretrained(path),
-            transformers.AutoTokenizer.from_pretrained(path))
+    return (transformers.AutoModelForCausalLM.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path))
 
 
 def _hf_args(tmp_path: Path, **kw: Any) -> TrainingArguments:
@@ -69,18 +68,18 @@ def test_push_to_hub_fails_clearly(tiny: Any, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- inputs
 def test_collators_our_batching_reproduces(tiny: Any) -> None:
     _, tok = tiny
-    assert inputs.classify_collator(None).reproduced
-    assert inputs.classify_collator(transformers.default_data_collator).reproduced
-    lm = inputs.classify_collator(DataCollatorForLanguageModeling(tok, mlm=False))
+    assert script_data.classify_collator(None).reproduced
+    assert script_data.classify_collator(transformers.default_data_collator).reproduced
+    lm = script_data.classify_collator(DataCollatorForLanguageModeling(tok, mlm=False))
     assert lm.reproduced and lm.labels_from_input_ids
-    assert inputs.classify_collator(transformers.DataCollatorForSeq2Seq(tok)).reproduced
-    assert inputs.classify_collator(transformers.DataCollatorWithFlattening()).reproduced
-    assert not inputs.classify_collator(lambda rows: rows).reproduced
+    assert script_data.classify_collator(transformers.DataCollatorForSeq2Seq(tok)).reproduced
+    assert script_data.classify_collator(transformers.DataCollatorWithFlattening()).reproduced
+    assert not script_data.classify_collator(lambda rows: rows).reproduced
 
     class Custom(DataCollatorForLanguageModeling):
         pass
 
-    assert not inputs.classify_collator(Custom(tok, mlm=False)).reproduced  # a subclass may change the result
+    assert not script_data.classify_collator(Custom(tok, mlm=False)).reproduced  # a subclass may change the result
 
 
 def test_dataset_kinds_become_one_hf_dataset() -> None:
@@ -94,25 +93,29 @@ def test_dataset_kinds_become_one_hf_dataset() -> None:
             return rows[i]
 
     for data in (rows, MapStyle(), datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])):
-        ds = inputs.as_hf_dataset(data, "train_dataset")
+        ds = script_data.as_hf_dataset(data, "train_dataset")
         assert ds["input_ids"] == [[1, 2, 3], [4, 5]]
     with pytest.raises(TypeError, match=r"train_dataset\[0\]"):
-        inputs.as_hf_dataset([[1, 2]], "train_dataset")
+        script_data.as_hf_dataset([[1, 2]], "train_dataset")
 
 
 def test_lm_collator_labels_mask_the_pad_token_like_the_collator(tiny: Any) -> None:
     _, tok = tiny
     collator = DataCollatorForLanguageModeling(tok, mlm=False)
     ds = datasets.Dataset.from_list([{"input_ids": [1, 5, tok.pad_token_id, 6], "labels": [-100] * 4}])
-    rows, longest = inputs.prepare_rows(ds, inputs.classify_collator(collator), tok.pad_token_id)
+    rows, longest = script_data.prepare_rows(ds, script_data.classify_collator(collator), tok.pad_token_id)
     expected = collator([{"input_ids": [1, 5, tok.pad_token_id, 6]}])["labels"][0].tolist()
     assert rows[0]["labels"] == expected and longest == 4
 
 
 # ---------------------------------------------------------------------------- arguments
 def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path: Path) -> None:
-    trainer = Trainer(model=tiny[0], args=_hf_args(tmp_path, per_device_train_batch_size=3,
-                                                   gradient_accumulation_steps=2, per_device_eval_batch_size=5))
+    trainer = Trainer(
+        model=tiny[0],
+        args=_hf_args(
+            tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, per_device_eval_batch_size=5
+        ),
+    )
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
@@ -161,8 +164,10 @@ def test_run_training_inside_a_launched_worker_runs_in_place(tmp_path: Path, mon
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    launcher.run_training(TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o"),
-                          TorchrunArgs(nproc_per_node=2))
+    launcher.run_training(
+        TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o"),
+        TorchrunArgs(nproc_per_node=2),
+    )
     assert calls == ["in place"]
 
 
@@ -191,9 +196,13 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o",
-                        compute_metrics=compute_metrics,
-                        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    args = TrainingArgs(
+        model_path=model_dir,
+        data_path=data,
+        ckpt_output_dir=tmp_path / "o",
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    )
     vocab = 8
 
     def batch(rows: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -235,8 +244,14 @@ def _ported(tmp_path: Path, hf: TrainingArguments, **required: Any) -> TrainingA
 
 
 def test_porting_maps_backend_schedule_warmup_and_checkpointing(tmp_path: Path) -> None:
-    hf = _hf_args(tmp_path, fsdp="full_shard", lr_scheduler_type="cosine_with_min_lr",
-                  lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0.25, gradient_checkpointing=True)
+    hf = _hf_args(
+        tmp_path,
+        fsdp="full_shard",
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=0.25,
+        gradient_checkpointing=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
         args = _ported(tmp_path, hf)
@@ -254,8 +269,14 @@ def test_warmup_ratio_resolves_against_the_run_steps(tmp_path: Path) -> None:
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o", warmup_ratio=0.25,
-                        lr_scheduler="linear", learning_rate=1.0)
+    args = TrainingArgs(
+        model_path=model_dir,
+        data_path=data,
+        ckpt_output_dir=tmp_path / "o",
+        warmup_ratio=0.25,
+        lr_scheduler="linear",
+        learning_rate=1.0,
+    )
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = build_scheduler(optimizer, args, total_steps=8)
     lrs = []
@@ -284,8 +305,14 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     base = dict(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
     with pytest.warns(InstructlabNameWarning, match="random_seed is instructlab-training's name: use seed="):
-        args = TrainingArgs(**base, random_seed=1, is_padding_free=True, num_warmup_steps=5,
-                            data_output_dir=str(tmp_path / "x"), keep_last_checkpoint_only=True)
+        args = TrainingArgs(
+            **base,
+            random_seed=1,
+            is_padding_free=True,
+            num_warmup_steps=5,
+            data_output_dir=str(tmp_path / "x"),
+            keep_last_checkpoint_only=True,
+        )
     assert (args.seed, args.packing, args.warmup_steps, args.save_total_limit) == (1, "padding_free", 5, 1)
     with pytest.raises(pydantic.ValidationError, match=r"fsdp_options: use distributed_backend=.*mock_data: use no"):
         TrainingArgs(**base, fsdp_options={}, mock_data=True)
@@ -293,8 +320,9 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
     from trainbridge.instructlab import DeepSpeedOptions, LoraOptions
 
     with pytest.warns(InstructlabNameWarning, match="lora is instructlab-training's name: use peft_config="):
-        lora = TrainingArgs(**base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05),
-                            deepspeed_options=DeepSpeedOptions())
+        lora = TrainingArgs(
+            **base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05), deepspeed_options=DeepSpeedOptions()
+        )
     assert lora.peft_config is not None
     assert (lora.peft_config.r, lora.peft_config.lora_alpha, lora.peft_config.target_modules) == (8, 16, r".*_proj")
     assert lora.distributed_backend == "ddp"  # deepspeed_options configure DeepSpeed, they do not select it
@@ -329,8 +357,9 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     model = transformers.AutoModelForCausalLM.from_config(model.config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     texts = [p + a for p, a in arithmetic_problems(24, seed=1)]
-    train = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), batched=True,
-                                                            remove_columns=["text"])
+    train = datasets.Dataset.from_dict({"text": texts}).map(
+        lambda b: tok(b["text"]), batched=True, remove_columns=["text"]
+    )
     val = train.select(range(5))
     seen: list[int] = []
 
@@ -338,15 +367,31 @@ def test_train_evaluate_predict_in_place_on_one_rank(
         seen.append(len(p.label_ids))
         return {"rows": float(len(p.label_ids))}
 
-    args = _hf_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1, save_steps=3,
-                    eval_strategy="steps", eval_steps=3, learning_rate=1e-2, disable_tqdm=True)
+    args = _hf_args(
+        tmp_path,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=3,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+    )
     # set after TrainingArguments, which would otherwise start accelerate's process group for this test
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(name, value)
     recorder = EventRecorder()
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
-                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False), compute_metrics=compute_metrics,
-                      callbacks=[recorder])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=val,
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        compute_metrics=compute_metrics,
+        callbacks=[recorder],
+    )
     untrained = trainer.evaluate()  # standalone, before any training
     assert untrained["eval_rows"] == 5 and "eval_loss" in untrained
     assert [name for name, *_ in recorder.events] == ["on_log", "on_evaluate"]  # as Trainer.evaluate()
@@ -369,14 +414,24 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     both = trainer.evaluate(eval_dataset={"x": val, "y": val.select(range(2))}, metric_key_prefix="dev")
     assert (both["dev_x_rows"], both["dev_y_rows"]) == (5, 2) and "dev_y_loss" in both
     assert [(name, "dev_x_loss" in values) for name, values, *_ in recorder.events] == [
-        ("on_log", True), ("on_evaluate", True), ("on_log", False), ("on_evaluate", False)]
+        ("on_log", True),
+        ("on_evaluate", True),
+        ("on_log", False),
+        ("on_evaluate", False),
+    ]
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
     # resume_from_checkpoint=True: from the newest checkpoint, to the new max_steps
     args.max_steps = 4
-    resumed = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
-                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train(resume_from_checkpoint=True)
+    resumed = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=val,
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    ).train(resume_from_checkpoint=True)
     assert resumed.global_step == 4
 
 
@@ -392,7 +447,7 @@ def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> N
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.5)
-    path = inputs.write_model(model, tok, tmp_path / "model")
+    path = script_data.write_model(model, tok, tmp_path / "model")
     assert path.name == "adapter" and (path / "adapter_config.json").is_file()
     saved_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "base")
     assert set(saved_base.state_dict()) == set(base.state_dict())  # no lora/base_layer keys
@@ -411,10 +466,16 @@ def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops
     default, pops from a copy); with ``disable_tqdm`` Trainer's PrinterCallback pops it from the returned dict."""
     from trainbridge.trainer.results import train_metrics
 
-    history = [{"loss": 1.0, "step": 2},
-               {"train_runtime": 0.5, "train_loss": 1.0, "total_flos": 8.0, "epoch": 1.0, "step": 2}]
-    assert train_metrics(history, disable_tqdm=False) == {"train_runtime": 0.5, "train_loss": 1.0,
-                                                           "total_flos": 8.0, "epoch": 1.0}
+    history = [
+        {"loss": 1.0, "step": 2},
+        {"train_runtime": 0.5, "train_loss": 1.0, "total_flos": 8.0, "epoch": 1.0, "step": 2},
+    ]
+    assert train_metrics(history, disable_tqdm=False) == {
+        "train_runtime": 0.5,
+        "train_loss": 1.0,
+        "total_flos": 8.0,
+        "epoch": 1.0,
+    }
     assert "total_flos" not in train_metrics(history, disable_tqdm=True)
 
 
@@ -453,8 +514,10 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     def evaluate_job(_: Any, dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
         calls.append(dataset)
         if isinstance(dataset, dict):  # one job over the named sets, as the loop reports them
-            return {**{f"eval_{n}_{k}": v for n in dataset for k, v in (("loss", 2.0), ("runtime", 0.1))},
-                    "epoch": 0.0}, None
+            return {
+                **{f"eval_{n}_{k}": v for n in dataset for k, v in (("loss", 2.0), ("runtime", 0.1))},
+                "epoch": 0.0,
+            }, None
         return dict(job), PredictionCollectorResult() if keep_predictions else None
 
     monkeypatch.setattr(jobs, "evaluate", evaluate_job)
@@ -470,9 +533,11 @@ def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
     assert set(both) == {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_runtime", "epoch"}
     assert len(calls) == 2 and isinstance(calls[-1], dict)  # one evaluation job for both sets
     assert [sorted(e) for e in trainer.state.log_history[-2:]] == [
-        ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime", "step"] for s in "ab"]
+        ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime", "step"] for s in "ab"
+    ]
     assert [(name, sorted(values)) for name, values, _, _ in recorder.events] == [
-        (hook, ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime"]) for s in "ab" for hook in ("on_log", "on_evaluate")]
+        (hook, ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime"]) for s in "ab" for hook in ("on_log", "on_evaluate")
+    ]
     recorder.events.clear()
     output = trainer.predict([{"input_ids": [1, 2]}])
     assert output.metrics == {"test_loss": 2.0, "test_runtime": 0.1}
@@ -493,8 +558,13 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
     model, tok = tiny
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [2, 3, 4, 5]]})
     args = _hf_args(tmp_path, eval_strategy="steps", eval_steps=1, metric_for_best_model="b_loss", max_steps=2)
-    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset={"a": rows, "b": rows.select([0])},
-                      processing_class=tok)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        eval_dataset={"a": rows, "b": rows.select([0])},
+        processing_class=tok,
+    )
     ported = job_args.training_args(trainer, jobs._write_training_inputs(trainer), 1, None)
     assert ported.val_data_path is None and list(ported.eval_data_paths) == ["a", "b"]
     assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4

@@ -30,9 +30,17 @@ def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("cls")
-    BertForSequenceClassification(BertConfig(vocab_size=80, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=64, max_position_embeddings=64,
-                                             num_labels=2)).save_pretrained(folder)
+    BertForSequenceClassification(
+        BertConfig(
+            vocab_size=80,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+        )
+    ).save_pretrained(folder)
     build_tokenizer(folder)
     return folder
 
@@ -51,24 +59,40 @@ def _classification_rows(path: Path, count: int, seed: int) -> Path:
 class CountingTrainer(Trainer):
     calls: ClassVar[list[dict[str, Any]]] = []
 
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
-        type(self).calls.append({
-            "keys": sorted(inputs), "items": None if num_items_in_batch is None else int(num_items_in_batch),
-            "args": type(self.args).__name__, "model": type(self.model).__name__,
-            "main": self.accelerator.is_main_process,
-            "gathered": tuple(self.accelerator.gather(torch.tensor(1.0)).shape),
-            "unwrapped": self.accelerator.unwrap_model(model) is self.model, "return_outputs": return_outputs})
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        type(self).calls.append(
+            {
+                "keys": sorted(inputs),
+                "items": None if num_items_in_batch is None else int(num_items_in_batch),
+                "args": type(self.args).__name__,
+                "model": type(self.model).__name__,
+                "main": self.accelerator.is_main_process,
+                "gathered": tuple(self.accelerator.gather(torch.tensor(1.0)).shape),
+                "unwrapped": self.accelerator.unwrap_model(model) is self.model,
+                "return_outputs": return_outputs,
+            }
+        )
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
 def _run(path: Path, tmp_path: Path, compute_loss: Any) -> tuple[Any, Any]:
     args = TrainingArgs(
-        model_path=path, data_path=_classification_rows(tmp_path / "train.jsonl", 32, 1),
-        val_data_path=_classification_rows(tmp_path / "val.jsonl", 8, 2), ckpt_output_dir=tmp_path / "out",
-        effective_batch_size=8, per_device_batch_size=4, learning_rate=5e-3, lr_scheduler="constant",
-        max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=2, save_strategy="no", disable_tqdm=True,
+        model_path=path,
+        data_path=_classification_rows(tmp_path / "train.jsonl", 32, 1),
+        val_data_path=_classification_rows(tmp_path / "val.jsonl", 8, 2),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=4,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        max_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
         compute_loss=compute_loss,
     )
     components = build_run(args, DistributedEnv())

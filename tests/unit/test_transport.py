@@ -227,6 +227,7 @@ def test_callback_holding_a_lock_is_named(make_args):
 def test_event_function_holding_an_open_file_is_named(make_args, tmp_path):
     handle = (tmp_path / "log.txt").open("w")
     try:
+
         def write_line(context, **kwargs):
             handle.write("saved\n")
 
@@ -242,6 +243,4 @@ def test_event_function_holding_an_open_file_is_named(make_args, tmp_path):
 
 
 def test_transportable_args_pass(make_args, notebook_module):
-    check_transportable(
-        make_args(callbacks=[notebook_module.ScaledLogger(1), EarlyStoppingCallback], on_log=print)
-    )
+    check_transportable(make_args(callbacks=[notebook_module.ScaledLogger(1), EarlyStoppingCallback], on_log=print))

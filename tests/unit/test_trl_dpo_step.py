@@ -42,10 +42,23 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(tiny_llama: Path, tmp_path:
     with torch.no_grad():  # a reference unlike the policy, so the rewards are not zero
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, max_length=12,
-                     per_device_train_batch_size=4, loss_type=[loss_type], beta=0.2)
-    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref), args=args,
-                         train_dataset=datasets.Dataset.from_list(ROWS), processing_class=tokenizer)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_length=12,
+        per_device_train_batch_size=4,
+        loss_type=[loss_type],
+        beta=0.2,
+    )
+    trainer = DPOTrainer(
+        model=copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
     pairs = [0, 2, 3, 5]
     trl_model = trainer.model.train()
     inputs = trainer.data_collator([trainer.train_dataset[i] for i in pairs])
@@ -54,8 +67,9 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(tiny_llama: Path, tmp_path:
     trl_logs = {key: sum(v) / len(v) for key, v in trainer._metrics["train"].items()}
 
     prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), tokenizer, args)
-    batches = PairBatches(prepared, pairs_per_micro=2, micro_per_step=2, world_size=1, rank=0, seed=0,
-                          max_length=args.max_length)
+    batches = PairBatches(
+        prepared, pairs_per_micro=2, micro_per_step=2, world_size=1, rank=0, seed=0, max_length=args.max_length
+    )
     step = PreferenceStep(batches, DPOLossSettings.from_config(args), ref_model=copy.deepcopy(ref))
     model = copy.deepcopy(policy).train()
     prepared_step = step.prepare(pairs)
@@ -73,18 +87,36 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(tiny_llama: Path, tmp_path:
     # trl averages per-micro-batch values: ours has two micro-batches of 2 where trl had one of 4; the
     # per-pair means are the same, the per-token ones weigh the micro-batches alike (checked on one below)
     assert set(ours) == set(trl_logs)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "num_tokens"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "num_tokens",
+    ):
         assert ours[key] == pytest.approx(trl_logs[key], rel=1e-4, abs=1e-5), key
 
 
 def test_one_micro_batch_gives_trls_per_token_metrics(tiny_llama: Path, tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, max_length=12,
-                     per_device_train_batch_size=4)
-    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(policy), args=args,
-                         train_dataset=datasets.Dataset.from_list(ROWS), processing_class=tokenizer)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_length=12,
+        per_device_train_batch_size=4,
+    )
+    trainer = DPOTrainer(
+        model=copy.deepcopy(policy),
+        ref_model=copy.deepcopy(policy),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
     pairs = [1, 2, 4, 5]
     trainer.compute_loss(trainer.model.train(), trainer.data_collator([trainer.train_dataset[i] for i in pairs]))
     trl_logs = {key: sum(v) / len(v) for key, v in trainer._metrics["train"].items()}
@@ -121,8 +153,9 @@ def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path)
     config = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, max_length=12)
     prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), components.tokenizer, config)
     ref = copy.deepcopy(components.engine.module)
-    step = PreferenceStep(PairBatches(prepared, 1, 2, 1, 0, 0, config.max_length), DPOLossSettings.from_config(config),
-                          ref_model=ref)
+    step = PreferenceStep(
+        PairBatches(prepared, 1, 2, 1, 0, 0, config.max_length), DPOLossSettings.from_config(config), ref_model=ref
+    )
     seen = Logs()
     components = dataclasses.replace(components, step=step, max_steps=3)
     TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], components).run()
@@ -131,8 +164,18 @@ def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path)
     first = step_logs[0][1]
     assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy is its reference at step 1: log 2
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
-    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
-            "num_tokens"} <= set(first)
+    assert {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+        "entropy",
+        "mean_token_accuracy",
+        "num_tokens",
+    } <= set(first)
     assert step_logs[2][1]["rewards/margins"] != 0.0  # the policy moved away from the reference
     assert step_logs[2][1]["num_tokens"] > step_logs[1][1]["num_tokens"] > first["num_tokens"] > 0

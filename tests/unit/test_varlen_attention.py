@@ -88,8 +88,15 @@ def test_not_enabled_where_it_would_not_be_exact_or_needed() -> None:
     assert not enable_varlen_sdpa(tiny_opt(), max_seq_len=64)  # OPT does not keep packed samples apart
     torch.manual_seed(0)
     mistral = AutoModelForCausalLM.from_config(
-        MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=16,
+        ),
         attn_implementation="sdpa",
     )
     assert not enable_varlen_sdpa(mistral, max_seq_len=64)  # a 16-token window acts within 64 tokens
@@ -157,15 +164,29 @@ def _reference_varlen_kernel(calls: list[dict[str, object]]):
 
     import torch.nn.functional as F
 
-    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-               enable_gqa=False):
+    def kernel(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
         cuts = cu_seq_q.tolist()
-        calls.append({"cu_seq": cuts, "same_cu": cu_seq_k is cu_seq_q, "max": (max_q, max_k),
-                      "window": window_size, "gqa": enable_gqa, "dtype": cu_seq_q.dtype})
+        calls.append(
+            {
+                "cu_seq": cuts,
+                "same_cu": cu_seq_k is cu_seq_q,
+                "max": (max_q, max_k),
+                "window": window_size,
+                "gqa": enable_gqa,
+                "dtype": cu_seq_q.dtype,
+            }
+        )
         pieces = [
-            F.scaled_dot_product_attention(query[a:b].transpose(0, 1), key[a:b].transpose(0, 1),
-                                           value[a:b].transpose(0, 1), is_causal=True, scale=scale,
-                                           enable_gqa=enable_gqa).transpose(0, 1)
+            F.scaled_dot_product_attention(
+                query[a:b].transpose(0, 1),
+                key[a:b].transpose(0, 1),
+                value[a:b].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            ).transpose(0, 1)
             for a, b in itertools.pairwise(cuts)
         ]
         return torch.cat(pieces)
@@ -174,8 +195,9 @@ def _reference_varlen_kernel(calls: list[dict[str, object]]):
 
 
 @pytest.mark.parametrize("row_tokens", [None, 20], ids=["one-row", "balanced-rows"])
-def test_torch_varlen_kernel_gets_every_sample_in_one_call(row_tokens: int | None,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_varlen_kernel_gets_every_sample_in_one_call(
+    row_tokens: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the kernel applies (CUDA, bf16) the rows are flattened and cut at ``cu_seq`` from the batch's own
     sample lengths: one kernel call per layer, causal, GQA heads passed on, same loss and gradients as sdpa."""
     from trainbridge.modeling import varlen_attention
@@ -193,24 +215,27 @@ def test_torch_varlen_kernel_gets_every_sample_in_one_call(row_tokens: int | Non
     assert_same(got, reference)
     assert len(calls) == model.config.num_hidden_layers
     rows, length = batch["input_ids"].shape
-    expected = [r * length + start for r, row in enumerate(batch.seq_lens)
-                for start in [0, *itertools.accumulate(row)][:-1]] + [rows * length]
+    expected = [
+        r * length + start for r, row in enumerate(batch.seq_lens) for start in [0, *itertools.accumulate(row)][:-1]
+    ] + [rows * length]
     assert calls[0]["cu_seq"] == expected
     assert calls[0]["same_cu"] and calls[0]["dtype"] == torch.int32
     assert calls[0]["max"] == (max(max(row) for row in batch.seq_lens),) * 2
     assert calls[0]["window"] == (-1, 0) and calls[0]["gqa"] is True
 
 
-def test_a_kernel_that_cannot_run_falls_back_to_per_sample_sdpa(monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_kernel_that_cannot_run_falls_back_to_per_sample_sdpa(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from trainbridge.modeling import varlen_attention
 
     def unsupported(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
 
     monkeypatch.setattr(varlen_attention, "torch_varlen_kernel", lambda: unsupported)
-    monkeypatch.setattr(varlen_attention, "_kernel_applies",
-                        lambda query, dropout_p: varlen_attention._kernel_works is not False)
+    monkeypatch.setattr(
+        varlen_attention, "_kernel_applies", lambda query, dropout_p: varlen_attention._kernel_works is not False
+    )
     monkeypatch.setattr(varlen_attention, "_kernel_works", None)
     batch = collate_padding_free(make_samples(LENGTHS))
     model = tiny_llama("sdpa")
@@ -233,8 +258,10 @@ def test_the_kernel_applies_only_on_cuda_in_half_precision_without_dropout() -> 
         assert not _kernel_applies(cuda, 0.1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-                    reason="torch's varlen flash kernel needs a CUDA GPU with compute capability >= 8.0")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="torch's varlen flash kernel needs a CUDA GPU with compute capability >= 8.0",
+)
 def test_torch_varlen_kernel_on_a_gpu_matches_per_sample_sdpa() -> None:
     """On a real GPU: bf16 loss and gradients through the kernel equal the per-sample sdpa path's."""
     from trainbridge.modeling import varlen_attention

@@ -31,8 +31,7 @@ class BestCheckpointTracker(Callback):
         if owner is not None and f"eval_{owner}_loss" not in metrics:
             return  # named validation sets: this on_evaluate is another set's (each has eval_<set>_loss)
         if name not in metrics:
-            raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics "
-                           f"{sorted(metrics)}")
+            raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics {sorted(metrics)}")
         value = float(metrics[name])
         best = context.best_metric
         if best is None:

@@ -104,14 +104,14 @@ def _read_request(folder: int, name: str, where: Path) -> str | None:
     try:
         fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
     except OSError as exc:
-        logger.warning("control request %s ignored: cannot be opened without following a link (%s)", where,
-                       exc.strerror)
+        logger.warning(
+            "control request %s ignored: cannot be opened without following a link (%s)", where, exc.strerror
+        )
         return None
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         if info.st_uid != os.geteuid():
-            logger.warning("control request %s ignored: written by uid %d, not by this run's user", where,
-                           info.st_uid)
+            logger.warning("control request %s ignored: written by uid %d, not by this run's user", where, info.st_uid)
             return None
         if not stat.S_ISREG(info.st_mode):
             logger.warning("control request %s ignored: not a regular file", where)
@@ -123,8 +123,12 @@ def _read_request(folder: int, name: str, where: Path) -> str | None:
         data = None
     action = data.get("action") if isinstance(data, dict) else None
     if action not in ACTIONS:
-        logger.warning("control request %s ignored: not a request written by `trainbridge control` (expected a "
-                       "JSON object with \"action\" one of %s)", where, ", ".join(ACTIONS))
+        logger.warning(
+            "control request %s ignored: not a request written by `trainbridge control` (expected a "
+            'JSON object with "action" one of %s)',
+            where,
+            ", ".join(ACTIONS),
+        )
         return None
     return str(action)
 

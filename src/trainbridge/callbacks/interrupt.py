@@ -19,8 +19,8 @@ import threading
 from typing import Any
 
 from trainbridge.core.callback import Callback
+from trainbridge.core.callback_errors import TrainingInterrupted
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.errors import TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,16 @@ class SaveOnInterrupt(Callback):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._received.is_set():
-            raise TrainingInterrupted(f"received signal {signum} again, or no step boundary within "
-                                      f"{self._timeout_s:g} s of the first; stopping without a checkpoint")
+            raise TrainingInterrupted(
+                f"received signal {signum} again, or no step boundary within "
+                f"{self._timeout_s:g} s of the first; stopping without a checkpoint"
+            )
         self._received.set()
-        logger.warning("received signal %d: a checkpoint will be written at the next step boundary, then "
-                       "training stops (save_on_interrupt)", signum)
+        logger.warning(
+            "received signal %d: a checkpoint will be written at the next step boundary, then "
+            "training stops (save_on_interrupt)",
+            signum,
+        )
         # bounded: if no step boundary comes in time, deliver the signal again (which raises, above)
         self._timer = threading.Timer(self._timeout_s, _thread.interrupt_main, (signal.SIGTERM,))
         self._timer.daemon = True

@@ -27,8 +27,11 @@ class MetricsFileCallback(Callback):
         if self._file is None:
             return
         logs = kwargs.get("logs") or {}
-        record: dict[str, Any] = {"time": round(time.time(), 3), "step": context.global_step,
-                                  "epoch": round(context.epoch, 6)}
+        record: dict[str, Any] = {
+            "time": round(time.time(), 3),
+            "step": context.global_step,
+            "epoch": round(context.epoch, 6),
+        }
         record.update(logs)
         if "loss" in logs:
             record.update(

@@ -18,8 +18,11 @@ from trainbridge.core.context import TrainingContext
 def format_logs(logs: dict[str, Any]) -> dict[str, Any]:
     """A log record as transformers' ``ProgressCallback``/``PrinterCallback`` print it: floats to 4
     significant digits, ``total_flos`` left out."""
-    return {key: (f"{value:.4g}" if isinstance(value, float) else value)
-            for key, value in logs.items() if key != "total_flos"}
+    return {
+        key: (f"{value:.4g}" if isinstance(value, float) else value)
+        for key, value in logs.items()
+        if key != "total_flos"
+    }
 
 
 class ProgressBarCallback(Callback):
@@ -32,8 +35,7 @@ class ProgressBarCallback(Callback):
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         if not context.args.disable_tqdm:
-            self._bar = tqdm(total=context.max_steps, initial=context.global_step, desc="train",
-                             dynamic_ncols=True)
+            self._bar = tqdm(total=context.max_steps, initial=context.global_step, desc="train", dynamic_ncols=True)
 
     def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
         if self._bar is not None:

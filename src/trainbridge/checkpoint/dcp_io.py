@@ -40,8 +40,11 @@ _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
     *(("builtins", name) for name in ("set", "frozenset", "slice", "complex", "bytearray", "range")),
 }
@@ -98,8 +101,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             checked = torch.load(value, weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"the entry {read_item.dest_index.fqn!r} of a DCP checkpoint is refused: "
-                                  f"{exc}") from exc
+            raise CheckpointError(
+                f"the entry {read_item.dest_index.fqn!r} of a DCP checkpoint is refused: {exc}"
+            ) from exc
         trusted = io.BytesIO()  # our own serialisation of what passed the check, for DCP's own loader
         torch.save(checked, trusted)
         trusted.seek(0)
@@ -113,8 +117,12 @@ def write_dcp(state: dict[str, Any], path: Path, env: DistributedEnv, background
 
     if background:
         # collective (staging and planning start here); the write goes on in DCP's writer thread
-        return cast(Future[Any], dcp.async_save(state, checkpoint_id=path, no_dist=not env.is_distributed,
-                                                process_group=env.checkpoint_group()))
+        return cast(
+            Future[Any],
+            dcp.async_save(
+                state, checkpoint_id=path, no_dist=not env.is_distributed, process_group=env.checkpoint_group()
+            ),
+        )
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not env.is_distributed)
     return None
@@ -128,8 +136,12 @@ def read_dcp(state: dict[str, Any], path: Path, env: DistributedEnv) -> None:
 
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=VerifiedReader(path), planner=WeightsOnlyLoadPlanner(),
-                     no_dist=not env.is_distributed)
+            dcp.load(
+                state,
+                storage_reader=VerifiedReader(path),
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=not env.is_distributed,
+            )
     except CheckpointException as exc:  # DCP gathers each rank's failure: ours names what was refused
         refused = [failure[0] for failure in exc.failures.values() if isinstance(failure[0], CheckpointError)]
         if refused:

@@ -36,15 +36,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-NATIVE_RESUME_TRUST = ("resuming from %s with DeepSpeed: DeepSpeed reads its own checkpoint files with "
-                       "torch.load(weights_only=False), which runs any code a pickle in them holds. The manifest "
-                       "checks that the files are the ones written, not who wrote them: resume only from "
-                       "checkpoints you trust (docs/faults.md, C11)")
+NATIVE_RESUME_TRUST = (
+    "resuming from %s with DeepSpeed: DeepSpeed reads its own checkpoint files with "
+    "torch.load(weights_only=False), which runs any code a pickle in them holds. The manifest "
+    "checks that the files are the ones written, not who wrote them: resume only from "
+    "checkpoints you trust (docs/faults.md, C11)"
+)
 """Warned by rank 0 at every DeepSpeed resume."""
 
 
-def save_engine_state(engine: TrainingEngine, directory: Path, model_state: bool = False,
-                      background: bool = False) -> Future[Any] | None:
+def save_engine_state(
+    engine: TrainingEngine, directory: Path, model_state: bool = False, background: bool = False
+) -> Future[Any] | None:
     """Write ``engine``'s optimizer and scheduler state into checkpoint folder ``directory``; with
     ``model_state`` also the model's own weights, in their training dtype, into ``dcp/``.
 

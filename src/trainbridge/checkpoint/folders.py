@@ -115,7 +115,7 @@ def clean_leftovers(output_dir: Path, run_id: str) -> None:
     folders of interrupted saves and deletions (of this run, or of a run that is gone)."""
     for path in output_dir.iterdir():
         if path.name.startswith(OLD_PREFIX):
-            final = path.with_name(CHECKPOINT_PREFIX + path.name[len(OLD_PREFIX):])
+            final = path.with_name(CHECKPOINT_PREFIX + path.name[len(OLD_PREFIX) :])
             if final.exists():
                 shutil.rmtree(path)
             else:

@@ -71,8 +71,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [  # the manager, and what callers of this module read beside it
-    "CheckpointError", "CheckpointManager", "PendingCheckpoint", "checkpoint_step", "fill_tied_weights",
-    "is_complete_checkpoint", "read_safetensors_weights",
+    "CheckpointError",
+    "CheckpointManager",
+    "PendingCheckpoint",
+    "checkpoint_step",
+    "fill_tied_weights",
+    "is_complete_checkpoint",
+    "read_safetensors_weights",
 ]
 
 
@@ -100,10 +105,17 @@ class CheckpointManager:
     creates, renames and deletes folders, and every rank learns whether it failed.
     """
 
-    def __init__(self, output_dir: Path, env: DistributedEnv, save_total_limit: int | None,
-                 fingerprint: dict[str, Any] | None = None, checksums: bool = True,
-                 weights_dtype: torch.dtype | None = None, allow_unverified: bool = False,
-                 share_with_group: bool = False) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        env: DistributedEnv,
+        save_total_limit: int | None,
+        fingerprint: dict[str, Any] | None = None,
+        checksums: bool = True,
+        weights_dtype: torch.dtype | None = None,
+        allow_unverified: bool = False,
+        share_with_group: bool = False,
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
         self.save_total_limit = save_total_limit
@@ -122,8 +134,14 @@ class CheckpointManager:
         """Checkpoints this manager published (trusted without verifying them again)."""
 
     # ------------------------------------------------------------------ saving
-    def save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
-             extra_files: dict[str, str | bytes] | None = None) -> Path:
+    def save(
+        self,
+        engine: TrainingEngine,
+        tokenizer: Any,
+        global_step: int,
+        training_state: dict[str, Any],
+        extra_files: dict[str, str | bytes] | None = None,
+    ) -> Path:
         """Write ``checkpoint-{global_step}`` atomically and return its path (collective).
 
         ``tokenizer`` may be None (nothing tokenizer-related is written).  ``training_state`` must be
@@ -131,8 +149,15 @@ class CheckpointManager:
         """
         return self.finish_save(self.begin_save(engine, tokenizer, global_step, training_state, extra_files))
 
-    def begin_save(self, engine: TrainingEngine, tokenizer: Any, global_step: int, training_state: dict[str, Any],
-                   extra_files: dict[str, str | bytes] | None = None, background: bool = False) -> PendingCheckpoint:
+    def begin_save(
+        self,
+        engine: TrainingEngine,
+        tokenizer: Any,
+        global_step: int,
+        training_state: dict[str, Any],
+        extra_files: dict[str, str | bytes] | None = None,
+        background: bool = False,
+    ) -> PendingCheckpoint:
         """Write everything of ``checkpoint-{global_step}`` into its temporary folder (collective); with
         ``background`` the ``dcp/`` part goes on being written by DCP's writer thread when this returns.
         Publish it with ``finish_save``.  A failure on any rank raises ``CheckpointError`` on every rank."""
@@ -197,9 +222,15 @@ class CheckpointManager:
         self._published.add(final.resolve())
         return final
 
-    def _write_rank_zero_files(self, engine: TrainingEngine, tokenizer: Any, tmp: Path,
-                               full_state: dict[str, torch.Tensor] | None, training_state: dict[str, Any],
-                               extra_files: dict[str, str | bytes]) -> None:
+    def _write_rank_zero_files(
+        self,
+        engine: TrainingEngine,
+        tokenizer: Any,
+        tmp: Path,
+        full_state: dict[str, torch.Tensor] | None,
+        training_state: dict[str, Any],
+        extra_files: dict[str, str | bytes],
+    ) -> None:
         if full_state is None:
             raise CheckpointError(f"{type(engine).__name__}.full_model_state_dict() returned None on rank 0")
         write_model_files(engine.unwrapped, tmp, full_state, self.weights_dtype)
@@ -219,6 +250,7 @@ class CheckpointManager:
     def _on_rank_zero(self, action: Callable[[], T], what: str, checkpoint: Path | None = None) -> T:
         """``DistributedEnv.on_rank_zero`` raising ``CheckpointError`` on every rank; a failure while saving
         ``checkpoint`` removes its partial temporary folder, and a full disk is reported as such."""
+
         def guarded() -> T:
             try:
                 return action()
@@ -226,8 +258,10 @@ class CheckpointManager:
                 if checkpoint is not None:
                     self._remove_partial(checkpoint)
                     if is_disk_full(exc):
-                        raise CheckpointError(disk_full_message(self.output_dir, checkpoint, self.latest())
-                                              + f" ({type(exc).__name__}: {exc})") from exc
+                        raise CheckpointError(
+                            disk_full_message(self.output_dir, checkpoint, self.latest())
+                            + f" ({type(exc).__name__}: {exc})"
+                        ) from exc
                 raise
 
         return self.env.on_rank_zero(guarded, what, error=CheckpointError)
@@ -243,8 +277,11 @@ class CheckpointManager:
             self._remove_partial(checkpoint)
         if error is not None:
             if is_disk_full(error):
-                raise CheckpointError(f"rank {self.env.rank}: " + disk_full_message(
-                    self.output_dir, checkpoint, self.latest()) + f" ({type(error).__name__}: {error})") from error
+                raise CheckpointError(
+                    f"rank {self.env.rank}: "
+                    + disk_full_message(self.output_dir, checkpoint, self.latest())
+                    + f" ({type(error).__name__}: {error})"
+                ) from error
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed while {what}: {error}") from error
         if failed:
             raise CheckpointError(f"rank {self.env.rank}: checkpoint save failed on another rank while {what}")
@@ -308,8 +345,9 @@ class CheckpointManager:
             return None
 
         def choose() -> str | None:
-            found = choose_resume(self.output_dir, resume_from, self.fingerprint, self.checksums, allow_mismatch,
-                                  self.allow_unverified)
+            found = choose_resume(
+                self.output_dir, resume_from, self.fingerprint, self.checksums, allow_mismatch, self.allow_unverified
+            )
             return str(found) if found is not None else None
 
         chosen = self._on_rank_zero(choose, "choosing the checkpoint to resume from")
@@ -346,9 +384,10 @@ class CheckpointManager:
         must be a complete checkpoint inside ``output_dir`` whose files verify (rank 0 checks)."""
         path = Path(path)
         if path.resolve() not in self._published:
-            self._on_rank_zero(lambda: require_own_checkpoint(self.output_dir, path, self.checksums,
-                                                              self.allow_unverified),
-                               f"checking checkpoint {path} before loading its weights")
+            self._on_rank_zero(
+                lambda: require_own_checkpoint(self.output_dir, path, self.checksums, self.allow_unverified),
+                f"checking checkpoint {path} before loading its weights",
+            )
         load_model_weights(path, engine)
 
     def restore_rng(self, path: Path) -> None:

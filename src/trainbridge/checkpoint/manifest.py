@@ -26,8 +26,16 @@ from trainbridge.core.private_files import PRIVATE_FILE_MODE
 
 UNVERIFIED_FIX = "set resume_allow_unverified=True to use it anyway, if you trust who wrote it"
 _CHUNK = 8 * 2**20
-_IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
-                        "_commit_hash", "_attn_implementation_autoset", "attn_implementation"}
+_IGNORED_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "_commit_hash",
+    "_attn_implementation_autoset",
+    "attn_implementation",
+}
 
 
 def _sha256(path: Path, fsync: bool = False) -> str:
@@ -45,8 +53,9 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p != manifest)
 
 
-def write_manifest(folder: Path, fingerprint: Mapping[str, Any] | None = None,
-                   checksums: bool = True, mode: int = PRIVATE_FILE_MODE) -> dict[str, Any]:
+def write_manifest(
+    folder: Path, fingerprint: Mapping[str, Any] | None = None, checksums: bool = True, mode: int = PRIVATE_FILE_MODE
+) -> dict[str, Any]:
     """Hash (unless ``checksums`` is off) and fsync every file in ``folder``, then write ``manifest.json``
     durably (a file of ``mode``)."""
     files: dict[str, dict[str, Any]] = {}
@@ -86,8 +95,11 @@ def verify_checkpoint(folder: Path, checksums: bool = True, allow_unverified: bo
     except ValueError as exc:
         return [str(exc)]
     if manifest is None:
-        return [] if allow_unverified else [f"it has no {MANIFEST_FILE}, so nothing vouches for its files "
-                                            f"({UNVERIFIED_FIX})"]
+        return (
+            []
+            if allow_unverified
+            else [f"it has no {MANIFEST_FILE}, so nothing vouches for its files ({UNVERIFIED_FIX})"]
+        )
     problems = []
     if not allow_unverified:
         listed = set(manifest.get("files", {}))
@@ -152,10 +164,13 @@ def fingerprint_mismatches(recorded: Mapping[str, Any], current: Mapping[str, An
     if not recorded:
         return []
     problems = []
-    if recorded.get("model_type") != current.get("model_type") or \
-            recorded.get("architectures") != current.get("architectures"):
-        problems.append(f"model architecture {recorded.get('model_type')}/{recorded.get('architectures')} "
-                        f"!= this run's {current.get('model_type')}/{current.get('architectures')}")
+    if recorded.get("model_type") != current.get("model_type") or recorded.get("architectures") != current.get(
+        "architectures"
+    ):
+        problems.append(
+            f"model architecture {recorded.get('model_type')}/{recorded.get('architectures')} "
+            f"!= this run's {current.get('model_type')}/{current.get('architectures')}"
+        )
     elif recorded.get("config_sha256") != current.get("config_sha256"):
         problems.append("model configuration differs (same architecture, other sizes or settings)")
     if recorded.get("base_model") != current.get("base_model"):
@@ -164,4 +179,3 @@ def fingerprint_mismatches(recorded: Mapping[str, Any], current: Mapping[str, An
     if old_data and new_data and old_data != new_data:
         problems.append(f"training data differs (checkpoint: {old_data.get('path')}, this run: {new_data.get('path')})")
     return problems
-

@@ -62,8 +62,14 @@ def require_own_checkpoint(output_dir: Path, path: Path, checksums: bool, allow_
         raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
 
 
-def choose_resume(output_dir: Path, resume_from: str | Path, fingerprint: dict[str, Any], checksums: bool,
-                  allow_mismatch: bool, allow_unverified: bool = False) -> Path | None:
+def choose_resume(
+    output_dir: Path,
+    resume_from: str | Path,
+    fingerprint: dict[str, Any],
+    checksums: bool,
+    allow_mismatch: bool,
+    allow_unverified: bool = False,
+) -> Path | None:
     """The checkpoint ``resume_from_checkpoint`` names (``auto``: the newest that verifies, or None)."""
     if str(resume_from) == "auto":
         path = latest_verified(output_dir, checksums, allow_unverified)

@@ -137,9 +137,17 @@ def _read_holder(path: Path) -> Holder | None:
         raw = handle.read(65536) if stat.S_ISREG(info.st_mode) else b""
     try:
         data: dict[str, Any] = json.loads(raw)
-        return Holder(str(data["run_id"]), str(data["job"]), str(data["host"]), int(data["pid"]),
-                      float(data["started"]), float(data["process_start"]), str(data.get("command", "")), path,
-                      info.st_uid)
+        return Holder(
+            str(data["run_id"]),
+            str(data["job"]),
+            str(data["host"]),
+            int(data["pid"]),
+            float(data["started"]),
+            float(data["process_start"]),
+            str(data.get("command", "")),
+            path,
+            info.st_uid,
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         return Holder("?", "?", "?", 0, 0.0, 0.0, "an unreadable lock file", path, info.st_uid)
 
@@ -179,8 +187,10 @@ class RunLock:
         info = os.lstat(self.folder)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             what = "is not a folder (a link?)" if not stat.S_ISDIR(info.st_mode) else f"belongs to uid {info.st_uid}"
-            raise RunFolderBusy(f"the run folder's lock {self.folder} {what}; remove it (a trainbridge lock is a "
-                                "folder of your own) or choose another ckpt_output_dir")
+            raise RunFolderBusy(
+                f"the run folder's lock {self.folder} {what}; remove it (a trainbridge lock is a "
+                "folder of your own) or choose another ckpt_output_dir"
+            )
         if stat.S_IMODE(info.st_mode) != PRIVATE_DIR_MODE:
             os.chmod(self.folder, PRIVATE_DIR_MODE)
 
@@ -191,8 +201,12 @@ class RunLock:
         self._raise_if_taken(before_writing=True)
         process = psutil.Process()
         record = {
-            "run_id": self.run_id, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.time(), "process_start": process.create_time(),
+            "run_id": self.run_id,
+            "job": self.job,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "process_start": process.create_time(),
             "command": " ".join(sys.argv)[:300],
         }
         tmp = self.path.with_suffix(".tmp")

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from trainbridge.parallel.engine import TrainingEngine
 
 
-def write_model_files(model: Any, folder: Path, state: dict[str, torch.Tensor],
-                      weights_dtype: torch.dtype | None) -> None:
+def write_model_files(
+    model: Any, folder: Path, state: dict[str, torch.Tensor], weights_dtype: torch.dtype | None
+) -> None:
     """The model's full ``state`` in Hugging Face layout into ``folder`` (rank 0): in ``weights_dtype``
     when given, except a PEFT adapter, written in its training dtype."""
     if weights_dtype is not None and not is_peft_model(model):

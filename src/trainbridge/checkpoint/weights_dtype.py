@@ -63,5 +63,6 @@ def exports_lossy(model: nn.Module, dtype: torch.dtype | None) -> bool:
     """Whether writing ``model``'s weights in ``dtype`` loses precision: some floating parameter's dtype is
     not exactly representable in it (fp32 in bf16, bf16 in fp16; bf16 in fp32 is exact).  None means the
     parameters' own dtype."""
-    return dtype is not None and any(p.is_floating_point() and torch.promote_types(p.dtype, dtype) != dtype
-                                     for p in model.parameters())
+    return dtype is not None and any(
+        p.is_floating_point() and torch.promote_types(p.dtype, dtype) != dtype for p in model.parameters()
+    )

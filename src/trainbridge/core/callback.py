@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.callback_errors import CallbackErrorReport
 from trainbridge.core.events import Event
 
 if TYPE_CHECKING:
@@ -167,7 +167,6 @@ class FunctionCallback(Callback):
 
     def handles(self, event: Event) -> bool:
         return event is self.event
-
 
 
 def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -70,9 +70,7 @@ def check_constructor_kwargs(cls: Any, kwargs: Mapping[str, Any]) -> None:
         for key in kwargs:
             if key not in named:
                 listed = ", ".join(named) or "none"
-                raise ValueError(
-                    f"{name} has no argument {key!r}.{did_you_mean(key, named)} (its arguments: {listed})"
-                )
+                raise ValueError(f"{name} has no argument {key!r}.{did_you_mean(key, named)} (its arguments: {listed})")
     missing = [n for n in named if params[n].default is inspect.Parameter.empty and n not in kwargs]
     if missing:
         raise ValueError(f"{name} needs {', '.join(repr(m) for m in missing)} in its kwargs")
@@ -133,8 +131,9 @@ def format_validation_error(
     lines = describe_validation_error(exc, model, source=source, overrides=overrides, foreign_hint=foreign_hint)
     origin = f" in {source}" if source else ""
     count = "1 problem" if len(lines) == 1 else f"{len(lines)} problems"
-    return "\n".join([f"invalid configuration{origin} ({count}); nothing was launched:"]
-                     + [f"- {line}" for line in lines])
+    return "\n".join(
+        [f"invalid configuration{origin} ({count}); nothing was launched:"] + [f"- {line}" for line in lines]
+    )
 
 
 _NO_VALUE: Any = object()
@@ -173,8 +172,9 @@ def _problems(
     if kind == "missing":
         info = fields.get(top)
         described = re.sub(r"``?", "", (info.description or "").strip().split("\n\n")[0]) if info else ""
-        return [(field, _NO_VALUE, "required" + (f" -- {_sentence(' '.join(described.split()))}" if described
-                                                 else "."))]
+        return [
+            (field, _NO_VALUE, "required" + (f" -- {_sentence(' '.join(described.split()))}" if described else "."))
+        ]
     if kind == "literal_error":
         choices = _choices(model, top) or []
         if len(choices) > 1:

@@ -2,7 +2,7 @@
 
 Field validity (which events see a meaningful value) is documented per field.  "always" means from
 ``on_init_end`` on.  The loop updates the context; callbacks read it and *request* control through
-``request_*`` methods (agreed across ranks before the loop acts, see ``trainbridge.core.control``).
+``request_*`` methods (agreed across ranks before the loop acts, see ``trainbridge.core.agreement``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.core.control import AgreedControl, ControlFlag, ControlRequests
+from trainbridge.core.agreement import AgreedControl, ControlFlag, ControlRequests
 
 if TYPE_CHECKING:
     import torch

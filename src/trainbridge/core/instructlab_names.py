@@ -64,24 +64,40 @@ def _packing(value: Any) -> dict[str, Any]:
 
 
 def _lora(value: Any) -> dict[str, Any]:
-    options = value if isinstance(value, LoraOptions) else LoraOptions.model_validate(
-        value.model_dump() if isinstance(value, BaseModel) else value)
+    options = (
+        value
+        if isinstance(value, LoraOptions)
+        else LoraOptions.model_validate(value.model_dump() if isinstance(value, BaseModel) else value)
+    )
     if options.quantize_data_type not in (None, "none", "None"):
-        raise ValueError(f"lora.quantize_data_type={options.quantize_data_type!r}: set model_kwargs="
-                         "{'quantization_config': {...}} (bitsandbytes 4-bit) with the LoRA instead")
+        raise ValueError(
+            f"lora.quantize_data_type={options.quantize_data_type!r}: set model_kwargs="
+            "{'quantization_config': {...}} (bitsandbytes 4-bit) with the LoRA instead"
+        )
     if options.rank <= 0:
         return {}
-    return {"peft_config": {"peft_type": "LORA", "r": options.rank, "lora_alpha": options.alpha,
-                            "lora_dropout": options.dropout,
-                            "target_modules": options.target_modules or r".*_proj"}}
+    return {
+        "peft_config": {
+            "peft_type": "LORA",
+            "r": options.rank,
+            "lora_alpha": options.alpha,
+            "lora_dropout": options.dropout,
+            "target_modules": options.target_modules or r".*_proj",
+        }
+    }
 
 
 def _deepspeed_options(value: Any) -> dict[str, Any]:
-    options = value if isinstance(value, DeepSpeedOptions) else DeepSpeedOptions.model_validate(
-        value.model_dump() if isinstance(value, BaseModel) else value)
+    options = (
+        value
+        if isinstance(value, DeepSpeedOptions)
+        else DeepSpeedOptions.model_validate(value.model_dump() if isinstance(value, BaseModel) else value)
+    )
     if options.cpu_offload_optimizer:
-        raise ValueError("deepspeed_options.cpu_offload_optimizer=True: optimizer CPU offload is not supported; "
-                         "use distributed_backend='fsdp' or deepspeed_zero_stage=3 to shard the optimizer state")
+        raise ValueError(
+            "deepspeed_options.cpu_offload_optimizer=True: optimizer CPU offload is not supported; "
+            "use distributed_backend='fsdp' or deepspeed_zero_stage=3 to shard the optimizer state"
+        )
     return {}
 
 
@@ -107,7 +123,7 @@ INSTRUCTLAB_FIELDS: dict[str, str] = {
     "lora": "peft_config=peft.LoraConfig(r=..., lora_alpha=..., lora_dropout=..., target_modules=[...])",
     "fsdp_options": "distributed_backend='fsdp' (FSDP2; sharding follows the model's decoder layers)",
     "deepspeed_options": "nothing: its settings have no equivalent; choose DeepSpeed with "
-                         "distributed_backend='deepspeed' and deepspeed_zero_stage=1|2|3",
+    "distributed_backend='deepspeed' and deepspeed_zero_stage=1|2|3",
     "disable_flash_attn": "model_kwargs={'attn_implementation': 'sdpa'} (or 'eager')",
     "accelerate_full_state_at_epoch": "checkpoint_at_epoch=True (every checkpoint holds the full training state)",
     "chat_tmpl_path": "tokenizer_path=<folder whose tokenizer carries the chat template>",
@@ -131,12 +147,16 @@ def translate_instructlab_names(data: Mapping[str, Any]) -> dict[str, Any]:
         fields = TRANSLATED[name](out.pop(name))
         clash = sorted(f for f in fields if f in out)
         if clash:
-            raise ValueError(f"{name} (instructlab's name) and {', '.join(clash)} (trainbridge's) are both given; "
-                             f"keep only {', '.join(clash)}")
+            raise ValueError(
+                f"{name} (instructlab's name) and {', '.join(clash)} (trainbridge's) are both given; "
+                f"keep only {', '.join(clash)}"
+            )
         out.update(fields)
         hint = INSTRUCTLAB_FIELDS[name]
-        message = (f"{name} is instructlab-training's name: use {hint}" if fields else
-                   f"{name} (instructlab-training) is ignored here: {hint.removeprefix('nothing: ')}")
+        message = (
+            f"{name} is instructlab-training's name: use {hint}"
+            if fields
+            else f"{name} (instructlab-training) is ignored here: {hint.removeprefix('nothing: ')}"
+        )
         warnings.warn(message, InstructlabNameWarning, stacklevel=2)
     return out
-

@@ -65,15 +65,20 @@ def folder_problem(path: str | Path, uid: int | None = None, trust_group: bool =
         if info.st_uid not in (uid, 0) and info.st_mode & 0o200:
             return f"{parent}, a parent of {target}, is owned by uid {info.st_uid}, who could replace what is inside"
         if info.st_mode & others and not info.st_mode & stat.S_ISVTX:
-            return (f"{parent}, a parent of {target}, is writable by others without the sticky bit "
-                    f"(mode {stat.S_IMODE(info.st_mode):04o}): they could replace what is inside")
+            return (
+                f"{parent}, a parent of {target}, is writable by others without the sticky bit "
+                f"(mode {stat.S_IMODE(info.st_mode):04o}): they could replace what is inside"
+            )
     return None
 
 
 def _refuse_link(exc: OSError, path: Path) -> OSError:
     if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-        return OSError(exc.errno, f"{path}: a symbolic link (or not a folder) where a file or folder was "
-                                  "expected; refusing to follow it", str(path))
+        return OSError(
+            exc.errno,
+            f"{path}: a symbolic link (or not a folder) where a file or folder was expected; refusing to follow it",
+            str(path),
+        )
     return exc
 
 
@@ -103,8 +108,13 @@ def _walk(root: Path, parts: tuple[str, ...], dir_mode: int) -> Iterator[int]:
         os.close(fd)
 
 
-def open_in(root: str | Path, relative: str | Path, flags: int, file_mode: int = PRIVATE_FILE_MODE,
-            dir_mode: int = PRIVATE_DIR_MODE) -> int:
+def open_in(
+    root: str | Path,
+    relative: str | Path,
+    flags: int,
+    file_mode: int = PRIVATE_FILE_MODE,
+    dir_mode: int = PRIVATE_DIR_MODE,
+) -> int:
     """``os.open`` of ``root/relative`` following no symbolic link below ``root``; missing folders are
     created with ``dir_mode`` and a created file gets ``file_mode`` (whatever the umask)."""
     root, relative = Path(root), Path(relative)
@@ -120,16 +130,26 @@ def open_in(root: str | Path, relative: str | Path, flags: int, file_mode: int =
     return fd
 
 
-def append_text(root: str | Path, relative: str | Path, text: str, file_mode: int = PRIVATE_FILE_MODE,
-                dir_mode: int = PRIVATE_DIR_MODE) -> None:
+def append_text(
+    root: str | Path,
+    relative: str | Path,
+    text: str,
+    file_mode: int = PRIVATE_FILE_MODE,
+    dir_mode: int = PRIVATE_DIR_MODE,
+) -> None:
     """Append ``text`` to ``root/relative`` (created when missing), following no link below ``root``."""
     fd = open_in(root, relative, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode, dir_mode)
     with os.fdopen(fd, "a", encoding="utf-8") as handle:
         handle.write(text)
 
 
-def replace_text(root: str | Path, relative: str | Path, text: str, file_mode: int = PRIVATE_FILE_MODE,
-                 dir_mode: int = PRIVATE_DIR_MODE) -> None:
+def replace_text(
+    root: str | Path,
+    relative: str | Path,
+    text: str,
+    file_mode: int = PRIVATE_FILE_MODE,
+    dir_mode: int = PRIVATE_DIR_MODE,
+) -> None:
     """Write ``root/relative`` atomically (a new temporary file renamed over it), following no link: a link
     at the temporary name is removed, never written through; one at the final name is replaced."""
     relative = Path(relative)

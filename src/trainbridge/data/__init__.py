@@ -14,7 +14,12 @@
 """
 
 from trainbridge.data.collate import DUMMY_TOKEN_ID, collate_padded, collate_padding_free
-from trainbridge.data.dataset import (
+from trainbridge.data.inputs import DataInputError
+from trainbridge.data.loss import token_loss_sum
+from trainbridge.data.plan import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
+from trainbridge.data.samples import ArrowSamples, InMemorySamples, SampleSource
+from trainbridge.data.sources import RunData, load_jsonl, load_run_data, open_dataset
+from trainbridge.data.types import (
     IGNORE_INDEX,
     DataFormatError,
     LoadStats,
@@ -22,11 +27,6 @@ from trainbridge.data.dataset import (
     Sample,
     split_validation,
 )
-from trainbridge.data.inputs import DataInputError
-from trainbridge.data.loss import token_loss_sum
-from trainbridge.data.plan import EpochPlan, MicroBatch, StepPlan, plan_epoch, steps_per_epoch
-from trainbridge.data.samples import ArrowSamples, InMemorySamples, SampleSource
-from trainbridge.data.sources import RunData, load_jsonl, load_run_data, open_dataset
 
 __all__ = [
     "DUMMY_TOKEN_ID",

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainbridge.data.dataset import DataFormatError, LoadStats
 from trainbridge.data.inputs import DataInputError, describe_columns, fingerprint, read_input
 from trainbridge.data.records import (
     KNOWN_COLUMNS,
@@ -56,6 +55,7 @@ from trainbridge.data.records import (
     output_features,
 )
 from trainbridge.data.samples import ArrowSamples
+from trainbridge.data.types import DataFormatError, LoadStats
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -102,8 +102,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str | No
     return digest.hexdigest()
 
 
-def cache_key(path: Path, tokenizer: PreTrainedTokenizerBase | None, chat_template: str | None,
-              options: DataOptions) -> str:
+def cache_key(
+    path: Path, tokenizer: PreTrainedTokenizerBase | None, chat_template: str | None, options: DataOptions
+) -> str:
     """The cache key of ``path`` tokenised with ``tokenizer``/``chat_template`` under ``options``."""
     payload = {
         "format": CACHE_FORMAT,
@@ -115,15 +116,21 @@ def cache_key(path: Path, tokenizer: PreTrainedTokenizerBase | None, chat_templa
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
-                   chat_template: str | None, cache_dir: Path) -> tuple[ArrowSamples, LoadStats]:
+def open_tokenized(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    options: DataOptions,
+    chat_template: str | None,
+    cache_dir: Path,
+) -> tuple[ArrowSamples, LoadStats]:
     """The samples of ``path``, from the cache (built first if missing, under a file lock)."""
     started = time.perf_counter()
     key = cache_key(path, tokenizer, chat_template, options)
     target = cache_dir / key
     if os.path.lexists(target) and entry_problem(target) is not None:  # e.g. planted by another user
-        logger.warning("data cache: not using %s (%s); using %s-uid%d", target, entry_problem(target), key,
-                       os.geteuid())
+        logger.warning(
+            "data cache: not using %s (%s); using %s-uid%d", target, entry_problem(target), key, os.geteuid()
+        )
         key = f"{key}-uid{os.geteuid()}"
         target = cache_dir / key
     hit = (target / "meta.json").is_file()
@@ -136,8 +143,10 @@ def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, option
                 _build(path, tokenizer, options, chat_template, target)
     problem = entry_problem(target)
     if problem is not None:
-        raise DataInputError(f"data cache entry {target} is not trusted: {problem}; remove it, or set "
-                             "data_cache_dir (TRAINBRIDGE_DATA_CACHE) to a folder only you can write")
+        raise DataInputError(
+            f"data cache entry {target} is not trusted: {problem}; remove it, or set "
+            "data_cache_dir (TRAINBRIDGE_DATA_CACHE) to a folder only you can write"
+        )
     samples, stats = _load(target)
     stats.cache_hit = hit
     stats.seconds = time.perf_counter() - started
@@ -145,8 +154,9 @@ def open_tokenized(path: Path, tokenizer: PreTrainedTokenizerBase | None, option
 
 
 # ---------------------------------------------------------------------------------------------- build
-def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
-           chat_template: str | None, target: Path) -> None:
+def _build(
+    path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions, chat_template: str | None, target: Path
+) -> None:
     scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -160,11 +170,18 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
         num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
         with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
             result = dataset.map(
-                encoder, batched=True, batch_size=MAP_BATCH_SIZE, writer_batch_size=MAP_BATCH_SIZE,
-                with_indices=True, remove_columns=dataset.column_names, features=output_features(),
+                encoder,
+                batched=True,
+                batch_size=MAP_BATCH_SIZE,
+                writer_batch_size=MAP_BATCH_SIZE,
+                with_indices=True,
+                remove_columns=dataset.column_names,
+                features=output_features(),
                 num_proc=num_proc if num_proc > 1 else None,
-                cache_file_name=str(scratch / "data.arrow"), load_from_cache_file=False,
-                new_fingerprint=target.name, desc=f"tokenizing {path.name}",
+                cache_file_name=str(scratch / "data.arrow"),
+                load_from_cache_file=False,
+                new_fingerprint=target.name,
+                desc=f"tokenizing {path.name}",
             )
         files = [Path(entry["filename"]).name for entry in result.cache_files]
         table = _open_table(scratch, files)  # as _load will see it: the index's rows are this table's
@@ -179,8 +196,13 @@ def _build(path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataO
         rows = np.flatnonzero(status == STATUS_OK)
         index = np.stack([rows, _column(table, "length")[rows], _column(table, "loss_tokens")[rows]]).astype(np.int64)
         np.save(scratch / INDEX_FILE, index)
-        meta = {"format": CACHE_FORMAT, "source": str(path), "files": files, "stats": asdict(stats),
-                "options": options.key()}
+        meta = {
+            "format": CACHE_FORMAT,
+            "source": str(path),
+            "files": files,
+            "stats": asdict(stats),
+            "options": options.key(),
+        }
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         del result, table, dataset, raw
         shutil.rmtree(scratch / "raw", ignore_errors=True)
@@ -231,15 +253,21 @@ def _input_columns(path: Path, columns: list[str], options: DataOptions) -> list
     mapped = dict(options.columns)
     for ours, theirs in options.columns:
         if theirs not in columns:
-            raise DataFormatError(path, None, f"data_columns maps {ours!r} to column {theirs!r}, which {path.name} "
-                                  f"does not have (its columns: {columns})")
+            raise DataFormatError(
+                path,
+                None,
+                f"data_columns maps {ours!r} to column {theirs!r}, which {path.name} "
+                f"does not have (its columns: {columns})",
+            )
     wanted = [mapped.get(name, name) for name in KNOWN_COLUMNS]
     selected = [c for c in columns if c in wanted]
     if not any(c in selected for c in (mapped.get(n, n) for n in ("input_ids", "messages", "prompt", "text"))):
         raise DataFormatError(
-            path, None, f"no usable column: expected 'input_ids', 'messages', 'prompt'+'completion' or 'text', "
+            path,
+            None,
+            f"no usable column: expected 'input_ids', 'messages', 'prompt'+'completion' or 'text', "
             f"found {columns}; map other names with data_columns, "
-            f"e.g. data_columns: {{messages: {columns[0] if columns else 'conversations'}}}"
+            f"e.g. data_columns: {{messages: {columns[0] if columns else 'conversations'}}}",
         )
     return selected
 
@@ -254,8 +282,14 @@ def _raise_bad_rows(path: Path, jsonl: bool, table: pa.Table, status: np.ndarray
     errors = table.column("error").take(pa.array(bad[: MAX_EXAMPLES + 1])).to_pylist()
     first = int(bad[0])
     problem = errors[0].split(": ", 1)[1]
-    raise DataFormatError(path, first + 1 if jsonl else None, problem, row=None if jsonl else first,
-                          counts=dict(reasons), examples=errors[1:])
+    raise DataFormatError(
+        path,
+        first + 1 if jsonl else None,
+        problem,
+        row=None if jsonl else first,
+        counts=dict(reasons),
+        examples=errors[1:],
+    )
 
 
 def _stats(path: Path, table: pa.Table, status: np.ndarray) -> LoadStats:

@@ -92,15 +92,19 @@ def normalize_messages(messages: Any, system_prompt: str | None = None) -> list[
                 raise ChatTemplateError(f"roles out of order: {where} is 'system'; only the first message may be")
         elif previous in (None, "system"):
             if role != "user":
-                raise ChatTemplateError(f"roles out of order: {where} is {role!r}; the conversation must open "
-                                        "with 'user' (after an optional 'system')")
+                raise ChatTemplateError(
+                    f"roles out of order: {where} is {role!r}; the conversation must open "
+                    "with 'user' (after an optional 'system')"
+                )
         elif role == "user" and previous == "user":
             raise ChatTemplateError(f"roles out of order: {where} is a second 'user' message in a row")
         elif role == "assistant" and previous == "assistant":
             raise ChatTemplateError(f"roles out of order: {where} is a second 'assistant' message in a row")
         elif role == "tool" and previous not in ("assistant", "tool"):
-            raise ChatTemplateError(f"roles out of order: {where} is 'tool' after {previous!r}; tool results "
-                                    "follow the assistant message that called the tool")
+            raise ChatTemplateError(
+                f"roles out of order: {where} is 'tool' after {previous!r}; tool results "
+                "follow the assistant message that called the tool"
+            )
         previous = role
     if not any(message["role"] == "assistant" for message in out):
         raise ChatTemplateError("the conversation has no assistant message: nothing to train on")
@@ -149,22 +153,28 @@ class ChatEncoder:
     def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, tokenize=False,
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # the template's own raise_exception, or a Jinja error
             raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
         return str(text)
 
-    def _render_many(self, conversations: list[list[dict[str, Any]]], tools: list[Any],
-                     add_generation_prompt: bool) -> list[str | ChatTemplateError]:
+    def _render_many(
+        self, conversations: list[list[dict[str, Any]]], tools: list[Any], add_generation_prompt: bool
+    ) -> list[str | ChatTemplateError]:
         """``_render`` of each conversation; those without tools in one template call (each alone if it fails)."""
         out: list[str | ChatTemplateError] = [ChatTemplateError("not rendered")] * len(conversations)
         plain = [k for k, t in enumerate(tools) if t is None and conversations[k]]
         if plain:
             try:
                 texts = self.tokenizer.apply_chat_template(
-                    [conversations[k] for k in plain], chat_template=self.template, tokenize=False,
+                    [conversations[k] for k in plain],
+                    chat_template=self.template,
+                    tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                 )
                 for k, text in zip(plain, texts):
@@ -186,8 +196,9 @@ class ChatEncoder:
             raise ChatTemplateError("the conversation has no assistant message to train on")
         return targets
 
-    def spans(self, messages: list[dict[str, Any]], tools: Any = None,
-              assistant_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    def spans(
+        self, messages: list[dict[str, Any]], tools: Any = None, assistant_from: int = 0
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans to train on, in order.
 
         Only assistant messages at index ``>= assistant_from`` are trained on (prompt/completion pairs
@@ -233,9 +244,16 @@ class ChatEncoder:
         texts: dict[tuple[int, int, bool], str | ChatTemplateError] = {}
         for prompt in (True, False):
             keys = sorted(key for key in needed if key[2] == prompt)
-            texts.update(zip(keys, self._render_many([items[k][0][:count] for k, count, _ in keys],
-                                                     [items[k][1] for k, _, _ in keys], prompt)))
+            texts.update(
+                zip(
+                    keys,
+                    self._render_many(
+                        [items[k][0][:count] for k, count, _ in keys], [items[k][1] for k, _, _ in keys], prompt
+                    ),
+                )
+            )
         for k in live:
+
             def render(count: int, add_generation_prompt: bool, k: int = k) -> str:
                 text = texts.get((k, count, add_generation_prompt))
                 if text is None:  # not foreseen by _prefix_renders: render it now
@@ -250,8 +268,9 @@ class ChatEncoder:
                 out[k] = exc
         return out
 
-    def _render_marked(self, conversations: list[list[dict[str, Any]]], tools: list[Any]
-                       ) -> list[tuple[str, list[tuple[int, int]]] | ChatTemplateError]:
+    def _render_marked(
+        self, conversations: list[list[dict[str, Any]]], tools: list[Any]
+    ) -> list[tuple[str, list[tuple[int, int]]] | ChatTemplateError]:
         """Text and ``{% generation %}`` spans of each conversation (``tools[k]`` its tools); those without
         tools in one template call (each alone if it fails)."""
         from transformers.utils import chat_template_utils
@@ -261,8 +280,11 @@ class ChatEncoder:
         def call(group: list[list[dict[str, Any]]], group_tools: Any) -> list[tuple[str, list[tuple[int, int]]]]:
             try:
                 rendered, indices = render(
-                    conversations=group, tools=group_tools, chat_template=self.template,
-                    return_assistant_tokens_mask=True, **self.tokenizer.special_tokens_map,
+                    conversations=group,
+                    tools=group_tools,
+                    chat_template=self.template,
+                    return_assistant_tokens_mask=True,
+                    **self.tokenizer.special_tokens_map,
                 )
             except Exception as exc:
                 raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
@@ -286,8 +308,9 @@ class ChatEncoder:
                 out.append(exc)
         return out
 
-    def _spans_from_markers(self, messages: list[dict[str, Any]], generation: list[tuple[int, int]],
-                            targets: list[int]) -> list[tuple[int, int]]:
+    def _spans_from_markers(
+        self, messages: list[dict[str, Any]], generation: list[tuple[int, int]], targets: list[int]
+    ) -> list[tuple[int, int]]:
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if len(generation) != len(assistants):
             raise ChatTemplateError(
@@ -310,8 +333,9 @@ class ChatEncoder:
                 needed.append((index + 1, False))
         return needed
 
-    def _spans_from_prefixes(self, messages: list[dict[str, Any]], render: Render,
-                             targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    def _spans_from_prefixes(
+        self, messages: list[dict[str, Any]], render: Render, targets: list[int]
+    ) -> tuple[str, list[tuple[int, int]]]:
         if self.train_on == "last":
             targets = targets[-1:]
         full = render(len(messages), False)
@@ -324,8 +348,8 @@ class ChatEncoder:
                     at = next((k for k, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
                     raise ChatTemplateError(
                         f"the chat template renders {name} assistant message {index} differently once later "
-                        f"messages follow (they differ at character {at}: {prefix[at:at + 30]!r} vs "
-                        f"{full[at:at + 30]!r}), so its assistant span cannot be found by rendering prefixes; "
+                        f"messages follow (they differ at character {at}: {prefix[at : at + 30]!r} vs "
+                        f"{full[at : at + 30]!r}), so its assistant span cannot be found by rendering prefixes; "
                         "train on the last assistant turn only (chat_train_on='last') or use a template with "
                         "{% generation %} markers"
                     )
@@ -335,12 +359,18 @@ class ChatEncoder:
         return full, spans
 
     # ------------------------------------------------------------------ tokens
-    def encode(self, messages: list[dict[str, Any]], tools: Any = None,
-               assistant_from: int = 0) -> tuple[list[int], list[int]]:
+    def encode(
+        self, messages: list[dict[str, Any]], tools: Any = None, assistant_from: int = 0
+    ) -> tuple[list[int], list[int]]:
         """``input_ids`` and ``labels`` (``-100`` outside the assistant spans) of one conversation."""
         text, spans = self.spans(messages, tools, assistant_from)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
-                                     return_attention_mask=False, return_token_type_ids=False)
+        encoded = self.tokenizer(
+            text,
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
         return _labelled(list(encoded["input_ids"]), encoded["offset_mapping"], spans)
 
     def encode_batch(self, items: list[ChatItem]) -> list[tuple[list[int], list[int]] | ChatTemplateError]:
@@ -356,8 +386,13 @@ class ChatEncoder:
                 out.append(([], []))
                 texts.append(result[0])
         if texts:
-            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
-                                     return_attention_mask=False, return_token_type_ids=False)
+            encoded = self.tokenizer(
+                texts,
+                add_special_tokens=False,
+                return_offsets_mapping=True,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )
             for k, ids, offsets in zip(good, encoded["input_ids"], encoded["offset_mapping"]):
                 result = spans[k]
                 assert not isinstance(result, ChatTemplateError)
@@ -365,8 +400,9 @@ class ChatEncoder:
         return out
 
 
-def _labelled(input_ids: list[int], offsets: Sequence[tuple[int, int]],
-              spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+def _labelled(
+    input_ids: list[int], offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]
+) -> tuple[list[int], list[int]]:
     """``input_ids`` and their labels: a token is trained on when its first character lies in a span."""
     starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(input_ids))
     trained = np.zeros(len(input_ids), dtype=bool)

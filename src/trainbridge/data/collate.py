@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.data.dataset import IGNORE_INDEX, Sample
+from trainbridge.data.types import IGNORE_INDEX, Sample
 
 DUMMY_TOKEN_ID = 0
 """Token id of the single token of a dummy (empty) padding-free micro-batch."""
@@ -78,12 +78,15 @@ def collate_padding_free(
             labels=torch.tensor([(IGNORE_INDEX, *s.labels[1:]) for s in samples], dtype=torch.long),
         )
     if not samples:
-        return _with_flash_kwargs(_batch(
-            ((1,),),
-            input_ids=torch.tensor([[DUMMY_TOKEN_ID]], dtype=torch.long),
-            labels=torch.tensor([[IGNORE_INDEX]], dtype=torch.long),
-            position_ids=torch.tensor([[0]], dtype=torch.long),
-        ), flash_kwargs)
+        return _with_flash_kwargs(
+            _batch(
+                ((1,),),
+                input_ids=torch.tensor([[DUMMY_TOKEN_ID]], dtype=torch.long),
+                labels=torch.tensor([[IGNORE_INDEX]], dtype=torch.long),
+                position_ids=torch.tensor([[0]], dtype=torch.long),
+            ),
+            flash_kwargs,
+        )
     total = sum(sample.length for sample in samples)
     num_rows = 1 if row_tokens is None else min(len(samples), math.ceil(total / row_tokens))
     rows = [_packed_row(row) for row in _balanced_rows(samples, num_rows)]
@@ -95,12 +98,15 @@ def collate_padding_free(
         position_ids.extend(range(padding))
         if padding:
             lengths.append(padding)
-    return _with_flash_kwargs(_batch(
-        tuple(tuple(lengths) for _, _, _, lengths in rows),
-        input_ids=torch.tensor([input_ids for input_ids, _, _, _ in rows], dtype=torch.long),
-        labels=torch.tensor([labels for _, labels, _, _ in rows], dtype=torch.long),
-        position_ids=torch.tensor([position_ids for _, _, position_ids, _ in rows], dtype=torch.long),
-    ), flash_kwargs)
+    return _with_flash_kwargs(
+        _batch(
+            tuple(tuple(lengths) for _, _, _, lengths in rows),
+            input_ids=torch.tensor([input_ids for input_ids, _, _, _ in rows], dtype=torch.long),
+            labels=torch.tensor([labels for _, labels, _, _ in rows], dtype=torch.long),
+            position_ids=torch.tensor([position_ids for _, _, position_ids, _ in rows], dtype=torch.long),
+        ),
+        flash_kwargs,
+    )
 
 
 def _with_flash_kwargs(batch: CollatedBatch, flash_kwargs: bool) -> CollatedBatch:
@@ -108,8 +114,9 @@ def _with_flash_kwargs(batch: CollatedBatch, flash_kwargs: bool) -> CollatedBatc
     if flash_kwargs and batch.seq_lens is not None and len(batch.seq_lens) == 1:
         lengths = batch.seq_lens[0]
         cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        batch.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
-                     max_length_q=max(lengths), max_length_k=max(lengths))
+        batch.update(
+            cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max(lengths), max_length_k=max(lengths)
+        )
     return batch
 
 
@@ -160,4 +167,3 @@ def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> CollatedBatc
         labels[row, : sample.length] = torch.tensor(sample.labels, dtype=torch.long)
         attention_mask[row, : sample.length] = 1
     return _batch(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-

@@ -46,12 +46,15 @@ def input_kind(path: Path) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            raise DataInputError(f"{path} is a DatasetDict folder with splits {splits}; give the split's "
-                                 f"folder, e.g. {path / (splits[0] if splits else 'train')}")
+            raise DataInputError(
+                f"{path} is a DatasetDict folder with splits {splits}; give the split's "
+                f"folder, e.g. {path / (splits[0] if splits else 'train')}"
+            )
         if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
             return "disk"
-        raise DataInputError(f"{path} is a folder but not one written by Dataset.save_to_disk "
-                             "(no state.json / dataset_info.json)")
+        raise DataInputError(
+            f"{path} is a folder but not one written by Dataset.save_to_disk (no state.json / dataset_info.json)"
+        )
     if not path.is_file():
         raise DataInputError(f"data path {path} does not exist")
     suffix = path.suffix.lower()

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainbridge.data.dataset import Sample
 from trainbridge.data.plan import EpochPlan, StepPlan, plan_epoch, steps_per_epoch
 from trainbridge.data.samples import SampleSource, as_source
+from trainbridge.data.types import Sample
 
 Collate = Callable[[Sequence[Sample]], dict[str, torch.Tensor]]
 
@@ -45,14 +45,27 @@ class SampleRows(Sequence[dict[str, list[int]]]):
 class TrainBatches:
     """This rank's micro-batches for each optimizer step of an epoch (same plan on every rank)."""
 
-    def __init__(self, samples: SampleSource | Sequence[Sample], collate: Collate, *, effective_batch_size: int,
-                 world_size: int, rank: int, max_batch_len: int, seed: int, padded: bool):
+    def __init__(
+        self,
+        samples: SampleSource | Sequence[Sample],
+        collate: Collate,
+        *,
+        effective_batch_size: int,
+        world_size: int,
+        rank: int,
+        max_batch_len: int,
+        seed: int,
+        padded: bool,
+    ):
         self.samples = as_source(samples)
         self.collate = collate
         self.rank = rank
         self._plan_kwargs: dict[str, Any] = dict(
-            effective_batch_size=effective_batch_size, world_size=world_size,
-            max_batch_len=max_batch_len, seed=seed, padded=padded,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            max_batch_len=max_batch_len,
+            seed=seed,
+            padded=padded,
         )
         self.steps_per_epoch = steps_per_epoch(len(self.samples), effective_batch_size)
         self.plan: EpochPlan = self.set_epoch(0)
@@ -86,8 +99,16 @@ class TrainBatches:
 class EvalBatches:
     """Validation micro-batches of this rank; every rank gets the same number."""
 
-    def __init__(self, samples: SampleSource | Sequence[Sample], collate: Collate, *, world_size: int, rank: int,
-                 max_batch_len: int, padded: bool):
+    def __init__(
+        self,
+        samples: SampleSource | Sequence[Sample],
+        collate: Collate,
+        *,
+        world_size: int,
+        rank: int,
+        max_batch_len: int,
+        padded: bool,
+    ):
         self.samples = as_source(samples)
         self.collate = collate
         count = len(self.samples)

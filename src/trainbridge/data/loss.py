@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from trainbridge.data.dataset import IGNORE_INDEX
+from trainbridge.data.types import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     chunk's logits, so no more than one chunk of fp32 logits ever exists."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+    ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse_chunks = []
         for start in range(0, hidden.shape[0], chunk_tokens):
-            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+            h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
             logits = _chunk_logits(h, weight, bias)
             lse = torch.logsumexp(logits, dim=-1)
             valid = y != IGNORE_INDEX
@@ -132,21 +138,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         chunk_tokens = ctx.chunk_tokens
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if bias is not None and ctx.needs_input_grad[2] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
         for start in range(0, hidden.shape[0], chunk_tokens):
-            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+            h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
             logits = _chunk_logits(h, weight, bias)
             # d(lse - logit_y)/d logits = softmax - onehot(y); zero on ignored rows; times the upstream grad
-            grad_logits = torch.exp(logits - lse[start:start + chunk_tokens].unsqueeze(1))
+            grad_logits = torch.exp(logits - lse[start : start + chunk_tokens].unsqueeze(1))
             valid = y != IGNORE_INDEX
-            grad_logits.scatter_add_(1, y.clamp(min=0).unsqueeze(1),
-                                     torch.full_like(lse[start:start + chunk_tokens], -1.0).unsqueeze(1))
+            grad_logits.scatter_add_(
+                1, y.clamp(min=0).unsqueeze(1), torch.full_like(lse[start : start + chunk_tokens], -1.0).unsqueeze(1)
+            )
             grad_logits = grad_logits * (valid.unsqueeze(1) * grad_output.float())
             if grad_hidden is not None:
-                grad_hidden[start:start + chunk_tokens] = (grad_logits @ weight.float()).to(hidden.dtype)
+                grad_hidden[start : start + chunk_tokens] = (grad_logits @ weight.float()).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ h.float()
             if grad_bias is not None:
@@ -229,9 +240,7 @@ def _liger_loss_class() -> Any:
     return LigerFusedLinearCrossEntropyLoss
 
 
-def install_loss_head(
-    model: torch.nn.Module, implementation: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-) -> bool:
+def install_loss_head(model: torch.nn.Module, implementation: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
     """Make ``model``'s output layer compute the training loss from hidden states (see the module
     docstring); returns whether it did.  ``standard`` does nothing.  A model whose ``forward`` does more
     to the logits than the output layer (soft-capping, scaling), or whose output layer is not an
@@ -244,8 +253,12 @@ def install_loss_head(
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, torch.nn.Linear) or not _logits_come_straight_from(type(model), head, model):
-        logger.warning("loss_implementation=%r: %s post-processes its logits or has no linear output layer; "
-                       "using the standard loss", implementation, type(model).__name__)
+        logger.warning(
+            "loss_implementation=%r: %s post-processes its logits or has no linear output layer; "
+            "using the standard loss",
+            implementation,
+            type(model).__name__,
+        )
         return False
     if implementation == "liger":
         liger = _liger_loss_class()(ignore_index=IGNORE_INDEX, reduction="sum")
@@ -264,8 +277,9 @@ def install_loss_head(
         if request is None or request.loss_sum is not None or hidden_states.shape[:2] != request.labels.shape:
             return original(hidden_states)
         labels = F.pad(request.labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(hidden_states.device)
-        loss_sum = loss_fn(hidden_states.reshape(-1, hidden_states.shape[-1]), head.weight,
-                           labels.reshape(-1), head.bias)
+        loss_sum = loss_fn(
+            hidden_states.reshape(-1, hidden_states.shape[-1]), head.weight, labels.reshape(-1), head.bias
+        )
         request.loss_sum = loss_sum.float()
         # The loss is this layer's output (FSDP2's backward hooks attach to it); the model returns it
         # as its "logits", which token_loss_sum ignores.

@@ -69,9 +69,18 @@ class PlannedSteps(Sequence[StepPlan]):
     into micro-batches within the token budget; the same inputs always give the same ``StepPlan``.
     """
 
-    def __init__(self, order: np.ndarray, lengths: np.ndarray, loss_tokens: np.ndarray, *,
-                 effective_batch_size: int, world_size: int, max_batch_len: int, padded: bool,
-                 step_range: range | None = None):
+    def __init__(
+        self,
+        order: np.ndarray,
+        lengths: np.ndarray,
+        loss_tokens: np.ndarray,
+        *,
+        effective_batch_size: int,
+        world_size: int,
+        max_batch_len: int,
+        padded: bool,
+        step_range: range | None = None,
+    ):
         self._order, self._lengths, self._loss_tokens = order, lengths, loss_tokens
         self._batch, self._world_size = effective_batch_size, world_size
         self._max_batch_len, self._padded = max_batch_len, padded
@@ -89,8 +98,13 @@ class PlannedSteps(Sequence[StepPlan]):
     def __getitem__(self, index: int | slice) -> StepPlan | PlannedSteps:
         if isinstance(index, slice):
             return PlannedSteps(
-                self._order, self._lengths, self._loss_tokens, effective_batch_size=self._batch,
-                world_size=self._world_size, max_batch_len=self._max_batch_len, padded=self._padded,
+                self._order,
+                self._lengths,
+                self._loss_tokens,
+                effective_batch_size=self._batch,
+                world_size=self._world_size,
+                max_batch_len=self._max_batch_len,
+                padded=self._padded,
                 step_range=self._range[index],
             )
         return self._plan_step(self._range[index])
@@ -233,8 +247,9 @@ def plan_epoch(
     if len(lengths_array):
         shortest = int(np.argmin(lengths_array))
         if lengths_array[shortest] <= 0:
-            raise ValueError(f"sample {shortest} has length {lengths_array[shortest]}; "
-                             "samples must have at least one token")
+            raise ValueError(
+                f"sample {shortest} has length {lengths_array[shortest]}; samples must have at least one token"
+            )
         longest = int(np.argmax(lengths_array))
         if lengths_array[longest] > max_batch_len:
             raise ValueError(
@@ -246,6 +261,13 @@ def plan_epoch(
         order = torch.randperm(count, generator=_epoch_generator(seed, epoch)).numpy()
     else:
         order = np.arange(count, dtype=np.int64)
-    steps = PlannedSteps(order, lengths_array, loss_array, effective_batch_size=effective_batch_size,
-                         world_size=world_size, max_batch_len=max_batch_len, padded=padded)
+    steps = PlannedSteps(
+        order,
+        lengths_array,
+        loss_array,
+        effective_batch_size=effective_batch_size,
+        world_size=world_size,
+        max_batch_len=max_batch_len,
+        padded=padded,
+    )
     return EpochPlan(epoch=epoch, steps=steps)

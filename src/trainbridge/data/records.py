@@ -28,7 +28,7 @@ import numpy as np
 
 from trainbridge.core.config import DataColumn
 from trainbridge.data.chat import ChatEncoder, ChatTemplateError, ChatTrainOn, normalize_messages
-from trainbridge.data.dataset import IGNORE_INDEX, OverlongPolicy
+from trainbridge.data.types import IGNORE_INDEX, OverlongPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,17 +60,28 @@ class DataOptions:
 
     def key(self) -> dict[str, Any]:
         """The fields that change the tokenised result (for the cache key)."""
-        return {"max_seq_len": self.max_seq_len, "overlong_policy": self.overlong_policy,
-                "columns": list(self.columns), "chat_train_on": self.chat_train_on,
-                "system_prompt": self.system_prompt, "chat_template": self.chat_template,
-                "vocab_size": self.vocab_size}
+        return {
+            "max_seq_len": self.max_seq_len,
+            "overlong_policy": self.overlong_policy,
+            "columns": list(self.columns),
+            "chat_train_on": self.chat_train_on,
+            "system_prompt": self.system_prompt,
+            "chat_template": self.chat_template,
+            "vocab_size": self.vocab_size,
+        }
 
 
 class RowEncoder:
     """Turns a batch of rows into output columns; picklable, so ``datasets.map(num_proc=...)`` can run it."""
 
-    def __init__(self, source: str, jsonl: bool, tokenizer: PreTrainedTokenizerBase | None,
-                 options: DataOptions, chat_template: str | None):
+    def __init__(
+        self,
+        source: str,
+        jsonl: bool,
+        tokenizer: PreTrainedTokenizerBase | None,
+        options: DataOptions,
+        chat_template: str | None,
+    ):
         self.source = source
         self.jsonl = jsonl
         self.tokenizer = tokenizer
@@ -147,9 +158,16 @@ class RowEncoder:
 
     def _tokenize_text_rows(self, records: list[Any]) -> dict[int, tuple[list[int], list[int]]]:
         """Tokenize the batch's ``text`` rows in one tokenizer call (EOS appended): ``{position: ids}``."""
-        positions = [k for k, r in enumerate(records) if isinstance(r, dict) and r.get("input_ids") is None
-                     and r.get("messages") is None and r.get("prompt") is None and r.get("completion") is None
-                     and r.get("text") is not None]
+        positions = [
+            k
+            for k, r in enumerate(records)
+            if isinstance(r, dict)
+            and r.get("input_ids") is None
+            and r.get("messages") is None
+            and r.get("prompt") is None
+            and r.get("completion") is None
+            and r.get("text") is not None
+        ]
         good = []
         result: dict[int, tuple[list[int], list[int]]] = {}
         for k in positions:
@@ -177,8 +195,11 @@ class RowEncoder:
         tokenizer = self._need_tokenizer("messages")
         if self._chat is None:
             if not self.chat_template:
-                raise _RowError("no chat template", "the tokenizer has no chat template (tokenizer.chat_template "
-                                "is empty); set chat_template to a Jinja template or a .jinja file")
+                raise _RowError(
+                    "no chat template",
+                    "the tokenizer has no chat template (tokenizer.chat_template "
+                    "is empty); set chat_template to a Jinja template or a .jinja file",
+                )
             self._chat = ChatEncoder(tokenizer, self.chat_template, self.options.chat_train_on)
         return self._chat
 
@@ -210,8 +231,11 @@ class RowEncoder:
             items.append((messages, record.get("tools"), first))
             encoded_at.append(k)
         for k, encoded in zip(encoded_at, encoder.encode_batch(items)):
-            result[k] = _RowError(_chat_reason(str(encoded)), str(encoded)) \
-                if isinstance(encoded, ChatTemplateError) else encoded
+            result[k] = (
+                _RowError(_chat_reason(str(encoded)), str(encoded))
+                if isinstance(encoded, ChatTemplateError)
+                else encoded
+            )
         return result
 
     def _prompt_completion(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -223,24 +247,29 @@ class RowEncoder:
             if tokenizer.eos_token_id is not None:
                 completion_ids.append(tokenizer.eos_token_id)
             return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
-        raise _RowError("bad prompt/completion", "'prompt' and 'completion' must both be strings or both lists of "
-                        f"messages, got {_describe(prompt)} and {_describe(completion)}")
+        raise _RowError(
+            "bad prompt/completion",
+            "'prompt' and 'completion' must both be strings or both lists of "
+            f"messages, got {_describe(prompt)} and {_describe(completion)}",
+        )
 
     # ------------------------------------------------------------------ output
     def _finish(self, out: dict[str, list[Any]], input_ids: list[int], labels: list[int]) -> None:
         top = max(max(input_ids, default=0), max(labels, default=0))
         vocab = self.options.vocab_size
         if vocab is not None and top >= vocab:
-            raise _RowError("token id out of vocabulary",
-                            f"token id {top} is not below the model's vocabulary size {vocab}")
+            raise _RowError(
+                "token id out of vocabulary", f"token id {top} is not below the model's vocabulary size {vocab}"
+            )
         if top > TOKEN_ID_MAX:
             raise _RowError("value too large", f"token id {top} does not fit the cache's int32 token columns")
         max_len = self.options.max_seq_len
         truncated = False
         if len(input_ids) > max_len:
             if self.options.overlong_policy == "error":
-                raise _RowError("longer than max_seq_len",
-                                f"sample has {len(input_ids)} tokens > max_seq_len={max_len}")
+                raise _RowError(
+                    "longer than max_seq_len", f"sample has {len(input_ids)} tokens > max_seq_len={max_len}"
+                )
             if self.options.overlong_policy == "drop":
                 self._emit(out, [], [], STATUS_OVERLONG)
                 return
@@ -249,8 +278,15 @@ class RowEncoder:
         self._emit(out, input_ids, labels, status, truncated=truncated)
 
     @staticmethod
-    def _emit(out: dict[str, list[Any]], input_ids: list[int], labels: list[int], status: int,
-              reason: str = "", error: str = "", truncated: bool = False) -> None:
+    def _emit(
+        out: dict[str, list[Any]],
+        input_ids: list[int],
+        labels: list[int],
+        status: int,
+        reason: str = "",
+        error: str = "",
+        truncated: bool = False,
+    ) -> None:
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
         out["length"].append(len(input_ids))
@@ -271,11 +307,18 @@ def output_features() -> Any:
     """The ``datasets.Features`` of the tokenised cache (int32 token columns)."""
     from datasets import Features, List, Value
 
-    return Features({
-        "input_ids": List(Value("int32")), "labels": List(Value("int32")),
-        "length": Value("int32"), "loss_tokens": Value("int32"), "status": Value("int8"),
-        "truncated": Value("bool"), "reason": Value("string"), "error": Value("string"),
-    })
+    return Features(
+        {
+            "input_ids": List(Value("int32")),
+            "labels": List(Value("int32")),
+            "length": Value("int32"),
+            "loss_tokens": Value("int32"),
+            "status": Value("int8"),
+            "truncated": Value("bool"),
+            "reason": Value("string"),
+            "error": Value("string"),
+        }
+    )
 
 
 def loss_token_count(labels: list[int]) -> int:
@@ -304,10 +347,14 @@ class _Bad:
 
 
 def _chat_reason(message: str) -> str:
-    for needle, reason in (("no assistant message", "no assistant message"),
-                           ("roles out of order", "roles out of order"),
-                           ("has role", "unknown role"), ("renders", "template re-renders earlier turns"),
-                           ("chat template failed", "chat template failed"), ("no chat template", "no chat template")):
+    for needle, reason in (
+        ("no assistant message", "no assistant message"),
+        ("roles out of order", "roles out of order"),
+        ("has role", "unknown role"),
+        ("renders", "template re-renders earlier turns"),
+        ("chat template failed", "chat template failed"),
+        ("no chat template", "no chat template"),
+    ):
         if needle in message:
             return reason
     return "bad messages"

@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainbridge.data.dataset import validation_indices
 from trainbridge.data.inputs import DataInputError, input_kind, read_input
+from trainbridge.data.types import validation_indices
 
 
 def open_rows(path: Path, tokenizer: Any, max_seq_len: int) -> Any:
@@ -30,8 +30,12 @@ def open_rows(path: Path, tokenizer: Any, max_seq_len: int) -> Any:
     if len(dataset) == 0:
         raise DataInputError(f"{path}: no rows")
     if "input_ids" not in dataset.column_names and "text" in dataset.column_names and tokenizer is not None:
-        dataset = dataset.map(lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_seq_len),
-                              batched=True, remove_columns=["text"], desc=f"tokenising {Path(path).name}")
+        dataset = dataset.map(
+            lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_seq_len),
+            batched=True,
+            remove_columns=["text"],
+            desc=f"tokenising {Path(path).name}",
+        )
     return dataset
 
 

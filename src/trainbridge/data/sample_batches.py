@@ -54,20 +54,34 @@ class ItemCollator:
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
         if self.keep is not None:
-            items = [{k: v for k, v in item.items() if k in self.keep} if isinstance(item, Mapping) else item
-                     for item in items]
+            items = [
+                {k: v for k, v in item.items() if k in self.keep} if isinstance(item, Mapping) else item
+                for item in items
+            ]
         batch = self.collator(items)
         if not isinstance(batch, Mapping):
-            raise TypeError(f"data_collator {type(self.collator).__name__} returned {type(batch).__name__}; "
-                            "it must return a dict of the model's inputs")
+            raise TypeError(
+                f"data_collator {type(self.collator).__name__} returned {type(batch).__name__}; "
+                "it must return a dict of the model's inputs"
+            )
         return dict(batch)
 
 
 class SampleBatches:
     """This rank's micro-batches of dataset items for each optimizer step of an epoch (see module doc)."""
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, per_device: int,
-                 accumulation: int, world_size: int, rank: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        collate: Callable[[list[Any]], dict[str, Any]],
+        *,
+        per_device: int,
+        accumulation: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
         if per_device <= 0 or accumulation <= 0:
             raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
         if len(dataset) == 0:
@@ -87,14 +101,19 @@ class SampleBatches:
     def set_epoch(self, epoch: int) -> SamplePlan:
         """Plan ``epoch`` (deterministic from the seed and the epoch number, the same on every rank)."""
         count = len(self.dataset)
-        order = (torch.randperm(count, generator=_epoch_generator(self.seed, epoch)).tolist() if self.shuffle
-                 else list(range(count)))
+        order = (
+            torch.randperm(count, generator=_epoch_generator(self.seed, epoch)).tolist()
+            if self.shuffle
+            else list(range(count))
+        )
         padded = order + order[: (-count) % self.world_size]
         per_rank = [padded[r :: self.world_size] for r in range(self.world_size)]
         size, accumulation = self.batch_size or 1, self.accumulation
         batches = [[tuple(share[i : i + size]) for i in range(0, len(share), size)] for share in per_rank]
-        steps = [SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
-                 for k in range(0, self.batches_per_epoch, accumulation)]
+        steps = [
+            SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
+            for k in range(0, self.batches_per_epoch, accumulation)
+        ]
         self.plan = SamplePlan(epoch, steps)
         return self.plan
 
@@ -115,8 +134,15 @@ class SampleEvalBatches:
     fewer batches runs its first batch again with no items counted (``indexed`` yields ``[]`` for it), so
     every rank runs the same number of forwards (sharded models all-gather parameters in forward)."""
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, per_device: int,
-                 world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        collate: Callable[[list[Any]], dict[str, Any]],
+        *,
+        per_device: int,
+        world_size: int,
+        rank: int,
+    ) -> None:
         self.dataset = dataset
         self.collate = collate
         self.batch_size: int | None = per_device

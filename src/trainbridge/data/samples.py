@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from trainbridge.data.dataset import Sample
+from trainbridge.data.types import Sample
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -153,8 +153,9 @@ class _ChunkedLists:
         """``(input_ids, labels)`` of table row ``row``."""
         chunk = int(np.searchsorted(self._starts, row, side="right")) - 1
         local = row - int(self._starts[chunk])
-        ids, labels = (tuple(values[offsets[local]:offsets[local + 1]].tolist())
-                       for offsets, values in self._view(chunk))
+        ids, labels = (
+            tuple(values[offsets[local] : offsets[local + 1]].tolist()) for offsets, values in self._view(chunk)
+        )
         return ids, labels
 
 

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 from trainbridge.core.config import TrainingArgs
 from trainbridge.data.cache import open_tokenized
 from trainbridge.data.chat import ChatTemplateError, resolve_chat_template
-from trainbridge.data.dataset import LoadStats, OverlongPolicy, Sample, validation_indices
 from trainbridge.data.inputs import default_cache_dir
 from trainbridge.data.records import DataOptions
 from trainbridge.data.samples import ArrowSamples, SampleSource
+from trainbridge.data.types import LoadStats, OverlongPolicy, Sample, validation_indices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,8 +50,10 @@ class RunData:
             sets = ", ".join(f"{name}: {len(source)}" for name, source in self.named_val.items())
             lines.append(f"data: {len(self.train)} training samples, validation sets ({sets} samples)")
         else:
-            lines.append(f"data: {len(self.train)} training samples, "
-                         f"{len(self.val) if self.val is not None else 0} validation samples")
+            lines.append(
+                f"data: {len(self.train)} training samples, "
+                f"{len(self.val) if self.val is not None else 0} validation samples"
+            )
         return "\n".join(lines)
 
 
@@ -99,15 +101,16 @@ def _template(tokenizer: PreTrainedTokenizerBase | None, options: DataOptions) -
         return None
 
 
-def open_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions,
-                 cache_dir: Path | None = None) -> tuple[ArrowSamples, LoadStats]:
+def open_dataset(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions, cache_dir: Path | None = None
+) -> tuple[ArrowSamples, LoadStats]:
     """The samples of one data file or folder (through the tokenisation cache)."""
-    return open_tokenized(Path(path), tokenizer, options, _template(tokenizer, options),
-                          cache_dir or default_cache_dir())
+    return open_tokenized(
+        Path(path), tokenizer, options, _template(tokenizer, options), cache_dir or default_cache_dir()
+    )
 
 
-def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *,
-                  report: bool = True) -> RunData:
+def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *, report: bool = True) -> RunData:
     """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``report`` (rank 0)."""
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import collate_padded
-from trainbridge.data.dataset import IGNORE_INDEX, Sample
+from trainbridge.data.types import IGNORE_INDEX, Sample
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 """Keys of a collator's batch the loop uses (others are dropped)."""
@@ -29,8 +29,9 @@ def sample_features(sample: Sample) -> dict[str, list[int]]:
     return features
 
 
-def collate_with(collator: Callable[[list[dict[str, Any]]], Any], samples: Sequence[Sample],
-                 pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_with(
+    collator: Callable[[list[dict[str, Any]]], Any], samples: Sequence[Sample], pad_token_id: int
+) -> dict[str, torch.Tensor]:
     """Collate ``samples`` with ``collator``; an empty (dummy) micro-batch uses ``collate_padded``."""
     if not samples:
         return collate_padded(samples, pad_token_id)

@@ -182,10 +182,14 @@ def write_arithmetic_dataset(
         assert tokenizer is not None
         prompt_ids = [tokenizer.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False)]
         answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-        lines.append(json.dumps({
-            "input_ids": prompt_ids + answer_ids,
-            "labels": [-100] * len(prompt_ids) + answer_ids,
-        }))
+        lines.append(
+            json.dumps(
+                {
+                    "input_ids": prompt_ids + answer_ids,
+                    "labels": [-100] * len(prompt_ids) + answer_ids,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -203,8 +207,7 @@ def arithmetic_conversations(n: int, seed: int, max_operand: int = 99) -> list[d
         messages = [{"role": "user", "content": f"{a}+{b}=?"}, {"role": "assistant", "content": str(a + b)}]
         if rng.random() < 0.5:
             c = rng.randint(0, max_operand)
-            messages += [{"role": "user", "content": f"plus {c}?"},
-                         {"role": "assistant", "content": str(a + b + c)}]
+            messages += [{"role": "user", "content": f"plus {c}?"}, {"role": "assistant", "content": str(a + b + c)}]
         if rng.random() < 0.25:
             messages.insert(0, {"role": "system", "content": "you add numbers."})
         samples.append({"messages": messages})

@@ -67,15 +67,18 @@ def share_accelerate_state(env: DistributedEnv, args: TrainingArgs) -> SharedAcc
     if filled_partial:
         PartialState._shared_state.update(process_state_for(env, args).__dict__)
     deepspeed = args.distributed_backend == "deepspeed" and env.world_size > 1
-    AcceleratorState._shared_state.update({
-        **PartialState._shared_state,
-        # under DeepSpeed accelerate reads the precision from the plugin's config ("no" here, as it sets it)
-        "_mixed_precision": "no" if deepspeed else args.mixed_precision_for(env.device.type),
-        "deepspeed_plugins": DeepSpeedPlugin(hf_ds_config=deepspeed_config(args, env)) if deepspeed else None,
-        "dynamo_plugin": TorchDynamoPlugin(),
-        "torch_tp_plugin": None,
-        "parallelism_config": None,
-        "device_mesh": None,
-    })
-    return SharedAccelerateState(dict(PartialState._shared_state) if filled_partial else None,
-                                 dict(AcceleratorState._shared_state))
+    AcceleratorState._shared_state.update(
+        {
+            **PartialState._shared_state,
+            # under DeepSpeed accelerate reads the precision from the plugin's config ("no" here, as it sets it)
+            "_mixed_precision": "no" if deepspeed else args.mixed_precision_for(env.device.type),
+            "deepspeed_plugins": DeepSpeedPlugin(hf_ds_config=deepspeed_config(args, env)) if deepspeed else None,
+            "dynamo_plugin": TorchDynamoPlugin(),
+            "torch_tp_plugin": None,
+            "parallelism_config": None,
+            "device_mesh": None,
+        }
+    )
+    return SharedAccelerateState(
+        dict(PartialState._shared_state) if filled_partial else None, dict(AcceleratorState._shared_state)
+    )

@@ -97,8 +97,9 @@ def build_training_arguments(args: TrainingArgs, env: DistributedEnv) -> Trainin
     return _onto_original(args.hf_args, hf_args, env, args)
 
 
-def _onto_original(original: TrainingArguments, run: TrainingArguments, env: DistributedEnv,
-                   args: TrainingArgs) -> TrainingArguments:
+def _onto_original(
+    original: TrainingArguments, run: TrainingArguments, env: DistributedEnv, args: TrainingArgs
+) -> TrainingArguments:
     """A copy of the user's ``original`` (same class, every field) with each field this run owns set to
     the value of ``run`` where the two differ (see "The user's own TrainingArguments" above)."""
     hf_args = copy.deepcopy(original)

@@ -48,17 +48,34 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     FieldLink("data_seed", None, from_hf=False),  # the data order follows seed
     FieldLink("bf16", "mixed_precision", reads="mixed_precision: bf16"),
     FieldLink("use_cpu", "device", reads="device: cpu"),
-    *_same("logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-           "eval_on_start", "save_strategy", "save_steps", "save_total_limit", "metric_for_best_model",
-           "greater_is_better", "load_best_model_at_end"),
+    *_same(
+        "logging_strategy",
+        "logging_steps",
+        "logging_first_step",
+        "eval_strategy",
+        "eval_steps",
+        "eval_delay",
+        "eval_on_start",
+        "save_strategy",
+        "save_steps",
+        "save_total_limit",
+        "metric_for_best_model",
+        "greater_is_better",
+        "load_best_model_at_end",
+    ),
     FieldLink("restore_callback_states_from_checkpoint", "restore_callback_states"),
     *_same("resume_from_checkpoint", "report_to", "run_name", "disable_tqdm"),
     FieldLink("ddp_timeout", "collective_timeout_s"),
     FieldLink("local_rank", None, from_hf=False),  # this process's rank
     *_same("include_num_input_tokens_seen", "logging_dir"),
     # read by the port only: the callbacks' args keep the user's values (or TrainingArguments' defaults)
-    *_same("lr_scheduler_kwargs", "gradient_checkpointing", "gradient_checkpointing_kwargs", "include_for_metrics",
-           to_hf=False),
+    *_same(
+        "lr_scheduler_kwargs",
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "include_for_metrics",
+        to_hf=False,
+    ),
     FieldLink("activation_checkpointing", None, to_hf=False),  # gradient_checkpointing (transformers >= 5)
     FieldLink("activation_checkpointing_kwargs", None, to_hf=False),
     FieldLink("fsdp", None, to_hf=False),  # distributed_backend
@@ -74,6 +91,9 @@ OWNED_FIELDS: tuple[str, ...] = tuple(link.hf for link in FIELD_LINKS if link.to
 CARRIED_OVER: frozenset[str] = frozenset(link.hf for link in FIELD_LINKS if link.from_hf)
 """The ``TrainingArguments`` fields ``training_args_from_hf`` carries over to ``TrainingArgs``."""
 
-RENAMED: dict[str, str] = {link.hf: link.reads or link.ours for link in FIELD_LINKS
-                           if link.from_hf and link.ours is not None and link.ours != link.hf}
+RENAMED: dict[str, str] = {
+    link.hf: link.reads or link.ours
+    for link in FIELD_LINKS
+    if link.from_hf and link.ours is not None and link.ours != link.hf
+}
 """``TrainingArguments`` fields carried over under another ``TrainingArgs`` name (or value)."""

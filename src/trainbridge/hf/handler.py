@@ -69,8 +69,7 @@ class AttributingCallbackHandler(CallbackHandler):
             except Exception as exc:
                 if self.on_error is None or event in SETUP_HOOKS:
                     raise HuggingFaceCallbackError(
-                        f"transformers callback {type(callback).__name__}.{event} raised "
-                        f"{type(exc).__name__}: {exc}"
+                        f"transformers callback {type(callback).__name__}.{event} raised {type(exc).__name__}: {exc}"
                     ) from exc
                 self.on_error(position, callback, event, exc)
                 continue

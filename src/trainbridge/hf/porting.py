@@ -33,13 +33,32 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
-NOT_WARNED = frozenset({
-    "do_train", "do_eval", "do_predict", "local_rank", "accelerator_config", "dataloader_pin_memory",
-    "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
-    "skip_memory_metrics", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
-    "hub_always_push", "hub_revision", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "fsdp_config",
-})
+NOT_WARNED = frozenset(
+    {
+        "do_train",
+        "do_eval",
+        "do_predict",
+        "local_rank",
+        "accelerator_config",
+        "dataloader_pin_memory",
+        "log_level",
+        "log_level_replica",
+        "log_on_each_node",
+        "logging_nan_inf_filter",
+        "skip_memory_metrics",
+        "hub_token",
+        "hub_private_repo",
+        "hub_model_id",
+        "hub_strategy",
+        "hub_always_push",
+        "hub_revision",
+        "project",
+        "trackio_space_id",
+        "trackio_bucket_id",
+        "trackio_static_space_id",
+        "fsdp_config",
+    }
+)
 
 # Why a field has no meaning here, for the fields users set most.
 EXPLANATIONS: dict[str, str] = {
@@ -53,8 +72,10 @@ EXPLANATIONS: dict[str, str] = {
         "as the token budget needs)"
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
-    "fp16": ("fp16 mixed precision (with loss scaling) is not implemented; the run trains in float32. "
-             "Set bf16=True (mixed_precision='bf16') for mixed precision"),
+    "fp16": (
+        "fp16 mixed precision (with loss scaling) is not implemented; the run trains in float32. "
+        "Set bf16=True (mixed_precision='bf16') for mixed precision"
+    ),
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
@@ -109,8 +130,10 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
         value = getattr(hf_args, name)
         reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
         if name not in _FIELDS:
-            reason = (f"{cls} is not TrainingArguments: trainbridge runs its own loop, so this {cls} field has no "
-                      f"effect (Hugging Face callbacks still read it from args)")
+            reason = (
+                f"{cls} is not TrainingArguments: trainbridge runs its own loop, so this {cls} field has no "
+                f"effect (Hugging Face callbacks still read it from args)"
+            )
         warnings.warn(f"{cls}.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning, stacklevel=2)
     data["hf_args"] = hf_args
     data.update(required)
@@ -129,8 +152,12 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
     if optim not in SUPPORTED_OPTIMIZERS:
         raise ValueError(f"TrainingArguments.optim={optim!r}: trainbridge supports {', '.join(SUPPORTED_OPTIMIZERS)}")
     if hf.num_train_epochs != math.ceil(hf.num_train_epochs):
-        warnings.warn(f"TrainingArguments.num_train_epochs={hf.num_train_epochs} is rounded up to whole epochs; "
-                      "use max_steps to stop mid-epoch", HFPortingWarning, stacklevel=3)
+        warnings.warn(
+            f"TrainingArguments.num_train_epochs={hf.num_train_epochs} is rounded up to whole epochs; "
+            "use max_steps to stop mid-epoch",
+            HFPortingWarning,
+            stacklevel=3,
+        )
     data: dict[str, Any] = {
         "ckpt_output_dir": Path(hf.output_dir or "trainer_output"),
         "num_epochs": max(1, math.ceil(hf.num_train_epochs)),
@@ -171,8 +198,9 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
     checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
     if checkpointing:
         data["gradient_checkpointing"] = True
-        kwargs = (getattr(hf, "activation_checkpointing_kwargs", None)
-                  or getattr(hf, "gradient_checkpointing_kwargs", None))
+        kwargs = getattr(hf, "activation_checkpointing_kwargs", None) or getattr(
+            hf, "gradient_checkpointing_kwargs", None
+        )
         if kwargs:
             data["gradient_checkpointing_kwargs"] = dict(kwargs)
     if hf.use_cpu:
@@ -246,8 +274,7 @@ def _absolute_steps(name: str, value: float, max_steps: int | None, allow_zero: 
         return int(value)
     if max_steps is None:
         raise ValueError(
-            f"TrainingArguments.{name}={value} is a ratio of max_steps, but max_steps is not set; "
-            f"give {name} in steps"
+            f"TrainingArguments.{name}={value} is a ratio of max_steps, but max_steps is not set; give {name} in steps"
         )
     return max(1, math.ceil(max_steps * value))
 

@@ -70,11 +70,11 @@ from transformers.integrations import (
 from transformers.integrations.integration_utils import TensorBoardCallback
 
 from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
+from trainbridge.core.agreement import ControlFlag
 from trainbridge.core.callback import Callback
+from trainbridge.core.callback_errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import ControlFlag
-from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import HF_EVENTS, Event
 from trainbridge.hf.accelerate_state import SharedAccelerateState, share_accelerate_state
 from trainbridge.hf.arguments import build_training_arguments
@@ -181,7 +181,10 @@ class HuggingFaceCallbacks(Callback):
                 "at the first step end after its background write finished, so later than under Trainer: "
                 "state.global_step is then past the checkpoint's step; read the folder from the "
                 "checkpoint's own step (checkpoint_path / the newest checkpoint-N), not from "
-                "state.global_step, or set checkpoint_async=False", HFPortingWarning, stacklevel=2)
+                "state.global_step, or set checkpoint_async=False",
+                HFPortingWarning,
+                stacklevel=2,
+            )
         if any(callback_class(cb) is EarlyStoppingCallback for cb in self.callbacks):
             if args.metric_for_best_model is None and not args.load_best_model_at_end:
                 raise ValueError("callbacks: EarlyStoppingCallback requires metric_for_best_model to be set")
@@ -203,8 +206,9 @@ class HuggingFaceCallbacks(Callback):
         """Build TrainingArguments, the callback handler, TrainerState and TrainerControl (as Trainer's
         ``__init__`` does), then call ``on_init_end``."""
         self._context = context
-        self._errors = CallbackErrorLedger(context.args.callback_error_policy,
-                                           context.args.callback_max_consecutive_errors)
+        self._errors = CallbackErrorLedger(
+            context.args.callback_error_policy, context.args.callback_max_consecutive_errors
+        )
         self.args = build_training_arguments(context.args, context.env)
         # as Trainer's Accelerator leaves it: PartialState() / AcceleratorState() describe this run
         self._accelerate = share_accelerate_state(context.env, context.args)
@@ -345,9 +349,7 @@ class HuggingFaceCallbacks(Callback):
         for name, callback in self._require()[1].flag_setters.items():
             if type(callback) is DefaultFlowCallback or not getattr(self.control, name):
                 continue
-            context.request(
-                CONTROL_FLAG_REQUESTS[name], f"{type(callback).__name__} set control.{name} in {hook}"
-            )
+            context.request(CONTROL_FLAG_REQUESTS[name], f"{type(callback).__name__} set control.{name} in {hook}")
 
     def _on_callback_error(self, position: int, callback: TrainerCallback, hook: str, exc: Exception) -> None:
         """The run's failure policy applied to one HF callback: logged once, counted, switched off on its own

@@ -45,8 +45,9 @@ class TrainerStateMirror:
         )
         self._tokens_at_train_begin = 0
 
-    def begin(self, context: TrainingContext, args: TrainingArguments, stateful: list[Any],
-              saved: Mapping[str, Any] | None) -> None:
+    def begin(
+        self, context: TrainingContext, args: TrainingArguments, stateful: list[Any], saved: Mapping[str, Any] | None
+    ) -> None:
         """Start the state as ``Trainer._init_training_state``: ``saved`` (a resumed state) or fresh."""
         if saved is not None:
             self.state = restored_state(saved)
@@ -92,8 +93,13 @@ class TrainerStateMirror:
         if context.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = state.num_input_tokens_seen
             if "loss" in logs and context.train_start_time is not None:  # a training log: Trainer's start_time
-                logs.update(speed_metrics("train", context.train_start_time,
-                                          num_tokens=state.num_input_tokens_seen - self._tokens_at_train_begin))
+                logs.update(
+                    speed_metrics(
+                        "train",
+                        context.train_start_time,
+                        num_tokens=state.num_input_tokens_seen - self._tokens_at_train_begin,
+                    )
+                )
         state.log_history.append({**logs, "step": state.global_step})
 
     def stamp_metrics(self, context: TrainingContext, metrics: dict[str, Any]) -> None:
@@ -136,8 +142,10 @@ def restored_state(saved: Mapping[str, Any]) -> TrainerState:
     known = {f.name for f in dataclasses.fields(TrainerState)}
     state = TrainerState(**{k: v for k, v in saved.items() if k in known})
     if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
-        logger.warning("the best checkpoint %s recorded in the resumed state does not exist anymore; "
-                       "ignoring it for this run", state.best_model_checkpoint)
+        logger.warning(
+            "the best checkpoint %s recorded in the resumed state does not exist anymore; ignoring it for this run",
+            state.best_model_checkpoint,
+        )
         state.best_model_checkpoint = None
     return state
 
@@ -165,6 +173,8 @@ def restore_callbacks(callbacks: list[Any], control: TrainerControl, stored: Any
                 position = next(i for i, cb in enumerate(callbacks) if cb is callback)
                 callbacks[position] = restored
     if not_found:
-        logger.warning("checkpoint includes callback states for callbacks not configured now; ignoring "
-                       "them (%s)", ", ".join(not_found))
+        logger.warning(
+            "checkpoint includes callback states for callbacks not configured now; ignoring them (%s)",
+            ", ".join(not_found),
+        )
     return control

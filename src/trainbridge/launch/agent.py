@@ -96,16 +96,18 @@ def failure_records(error: ChildFailedError) -> list[dict[str, object]]:
     records: list[dict[str, object]] = []
     for rank, failure in sorted(error.failures.items()):
         signal_name = failure.signal_name() if failure.exitcode < 0 else None
-        records.append({
-            "rank": int(rank),
-            "local_rank": int(failure.local_rank),
-            "pid": int(failure.pid),
-            "exitcode": int(failure.exitcode),
-            "signal": signal_name,
-            "error_file": failure.error_file if os.path.isfile(failure.error_file) else None,
-            "timestamp": int(failure.timestamp),
-            "message": failure.message if isinstance(failure.message, str) else json.dumps(failure.message),
-        })
+        records.append(
+            {
+                "rank": int(rank),
+                "local_rank": int(failure.local_rank),
+                "pid": int(failure.pid),
+                "exitcode": int(failure.exitcode),
+                "signal": signal_name,
+                "error_file": failure.error_file if os.path.isfile(failure.error_file) else None,
+                "timestamp": int(failure.timestamp),
+                "message": failure.message if isinstance(failure.message, str) else json.dumps(failure.message),
+            }
+        )
     return records
 
 

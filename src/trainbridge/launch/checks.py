@@ -42,8 +42,10 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     try:
         created = make_run_folder(path, share_with_group)
     except OSError as exc:
-        return (f"ckpt_output_dir = {str(path)!r}: cannot be created by this user{where}: {exc.strerror or exc}; "
-                "choose a folder you can write to.")
+        return (
+            f"ckpt_output_dir = {str(path)!r}: cannot be created by this user{where}: {exc.strerror or exc}; "
+            "choose a folder you can write to."
+        )
     try:
         problem = folder_problem(path, trust_group=share_with_group)
     except OSError as exc:
@@ -52,15 +54,19 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
         for folder in reversed(created):  # a refused run leaves nothing behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
-        return (f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-                "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
-                "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true")
+        return (
+            f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
+            "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
+            "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true"
+        )
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
             pass
     except OSError as exc:
-        return (f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}: {exc.strerror or exc}; "
-                "choose a folder you can write to.")
+        return (
+            f"ckpt_output_dir = {str(path)!r}: not writable by this user{where}: {exc.strerror or exc}; "
+            "choose a folder you can write to."
+        )
     return None
 
 
@@ -88,8 +94,10 @@ def check_trainable_model(model_path: Path | None, label_names: list[str] | None
 
         if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             return None
-        return (f"model_path: {str(model_path)!r} records no architectures and model_type {model_type!r} has no "
-                "causal LM; save the model with save_pretrained so config.json names its class")
+        return (
+            f"model_path: {str(model_path)!r} records no architectures and model_type {model_type!r} has no "
+            "causal LM; save the model with save_pretrained so config.json names its class"
+        )
     import transformers
 
     from trainbridge.step.model_loss import default_label_names, returns_loss, untrainable_reason
@@ -110,8 +118,10 @@ def check_resume_path(args: TrainingArgs) -> str | None:
     if not path.exists():
         return f"resume_from_checkpoint: {str(path)!r} does not exist"
     if not is_complete_checkpoint(path):
-        return (f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a checkpoint-<step> "
-                f"folder with a {COMPLETE_MARKER} marker); use 'auto' to take the newest complete one")
+        return (
+            f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (a checkpoint-<step> "
+            f"folder with a {COMPLETE_MARKER} marker); use 'auto' to take the newest complete one"
+        )
     problems = verify_checkpoint(path, checksums=False, allow_unverified=args.resume_allow_unverified)
     if problems:
         return f"resume_from_checkpoint: checkpoint {str(path)!r} is corrupt: {'; '.join(problems)}"
@@ -166,4 +176,3 @@ def input_problems(args: TrainingArgs) -> list[str]:
         *(check_data_file(f"eval_data_paths[{name!r}]", path) for name, path in args.eval_data_paths.items()),
     ]
     return [problem for problem in found if problem]
-

@@ -50,8 +50,9 @@ def check_data(args: TrainingArgs) -> None:
     try:
         tokenizer = load_tokenizer(args)
     except Exception as exc:
-        raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise PreflightError(
+            f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: {type(exc).__name__}: {exc}"
+        ) from exc
     if args.training_step == "model_loss":  # the files are the dataset's items (data.rows), not token rows
         _check_items(args, tokenizer)
         return
@@ -90,8 +91,9 @@ def _note_path(args: TrainingArgs) -> Path | None:
             "data": fingerprint(args.data_path),
             "val_data": fingerprint(args.val_data_path) if args.val_data_path is not None else None,
             "eval_data": {name: fingerprint(path) for name, path in sorted(args.eval_data_paths.items())},
-            "tokenizer": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                                for p in tokenizer_dir.iterdir() if p.is_file()),
+            "tokenizer": sorted(
+                (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in tokenizer_dir.iterdir() if p.is_file()
+            ),
             "options": data_options(args).key(),
         }
     except (OSError, ValueError, metadata.PackageNotFoundError):
@@ -112,8 +114,9 @@ def _note_holds(note: Path) -> bool:
         caches = json.loads(note.read_text())["caches"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return bool(caches) and all(isinstance(c, str) and (Path(c) / "meta.json").is_file()
-                                and entry_problem(Path(c)) is None for c in caches)
+    return bool(caches) and all(
+        isinstance(c, str) and (Path(c) / "meta.json").is_file() and entry_problem(Path(c)) is None for c in caches
+    )
 
 
 def _write_note(note: Path, caches: list[str]) -> None:

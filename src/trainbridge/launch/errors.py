@@ -16,8 +16,9 @@ class LaunchError(RuntimeError):
     def name_log_file(self, path: str | Path) -> None:
         """Record ``path`` as the launch log and say so at the end of the message."""
         self.log_file = str(path)
-        self.args = (f"{self.args[0] if self.args else ''}\n\nFull log (torchrun's own report, every rank's "
-                     f"error): {path}",)
+        self.args = (
+            f"{self.args[0] if self.args else ''}\n\nFull log (torchrun's own report, every rank's error): {path}",
+        )
 
 
 class PreflightError(LaunchError):

@@ -11,7 +11,7 @@ file); here the root cause is chosen:
 3. else the earliest consequence;
 
 ties broken by the rank that names itself as the cause of an error every rank raised (a ``fatal``
-callback error agreed across ranks: ``core.errors.OWN_CAUSE_MARKER``), then by time.  The others are
+callback error agreed across ranks: ``core.callback_errors.OWN_CAUSE_MARKER``), then by time.  The others are
 listed after it, one line each.  Without a failures file (the agent itself failed, or torchrun failed
 before starting workers) the per-rank error files and teed stderr logs are read as before.
 """
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainbridge.core.callback_errors import OWN_CAUSE_MARKER
 from trainbridge.core.config import TorchrunArgs
-from trainbridge.core.errors import OWN_CAUSE_MARKER
 from trainbridge.launch.errors import LaunchError, WorkerFailedError
 
 _CONSEQUENCE = re.compile(
@@ -104,16 +104,28 @@ def _rank_label(record: Mapping[str, Any]) -> str:
 def root_cause(records: list[dict[str, Any]], log_dir: Path | None = None, restarts: int = 0) -> WorkerFailedError:
     """The ``WorkerFailedError`` for the failures the agent recorded (at least one)."""
     described = [(record, *_describe(record)) for record in records]
-    described.sort(key=lambda item: (_tier(item[0], item[1]), OWN_CAUSE_MARKER not in item[1],
-                                     int(item[0].get("timestamp", 0)), item[0]["rank"]))
+    described.sort(
+        key=lambda item: (
+            _tier(item[0], item[1]),
+            OWN_CAUSE_MARKER not in item[1],
+            int(item[0].get("timestamp", 0)),
+            item[0]["rank"],
+        )
+    )
     root, message, trace = described[0]
     consequences = [f"{_rank_label(r)}: {m.strip().splitlines()[0] if m.strip() else m}" for r, m, _ in described[1:]]
     reported = {int(r["rank"]) for r, _, _ in described}
     consequences += _stopped_ranks(log_dir, {int(r["local_rank"]) for r, _, _ in described}, reported)
     code = int(root.get("exitcode", 1))
     return WorkerFailedError(
-        int(root["rank"]), code, message, traceback=trace, local_rank=int(root["local_rank"]),
-        signal_name=root.get("signal"), consequences=consequences, restarts=restarts,
+        int(root["rank"]),
+        code,
+        message,
+        traceback=trace,
+        local_rank=int(root["local_rank"]),
+        signal_name=root.get("signal"),
+        consequences=consequences,
+        restarts=restarts,
     )
 
 
@@ -170,14 +182,20 @@ def worker_failure(
         if logged is not None:
             local_rank, trace = logged
             return WorkerFailedError(
-                global_rank(torchrun_args, local_rank), None, trace.rstrip().splitlines()[-1],
-                traceback=trace, local_rank=local_rank, restarts=restarts,
+                global_rank(torchrun_args, local_rank),
+                None,
+                trace.rstrip().splitlines()[-1],
+                traceback=trace,
+                local_rank=local_rank,
+                restarts=restarts,
             )
         return WorkerFailedError(
-            None, None,
+            None,
+            None,
             "a worker exited without an error file (it failed before its @record entry point ran, was "
             f"killed by a signal or ran out of memory); torchrun exited with {returncode} and its own report "
-            "(the launch log named below, or the console above) names the rank", restarts=restarts,
+            "(the launch log named below, or the console above) names the rank",
+            restarts=restarts,
         )
 
     def first(item: tuple[int, dict[str, Any]]) -> tuple[int, int, int]:
@@ -190,7 +208,11 @@ def worker_failure(
     message, trace, _, _ = error_fields(data)
     exit_code = error_fields(root)[3] if root is not None else None
     return WorkerFailedError(
-        global_rank(torchrun_args, local_rank), exit_code, message, traceback=trace, local_rank=local_rank,
+        global_rank(torchrun_args, local_rank),
+        exit_code,
+        message,
+        traceback=trace,
+        local_rank=local_rank,
         restarts=restarts,
     )
 

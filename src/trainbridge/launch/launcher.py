@@ -73,9 +73,19 @@ from trainbridge.launch.transport import (
 from trainbridge.loop.result import RunResult
 
 __all__ = [
-    "LaunchError", "LaunchTimeoutError", "PreflightError", "RunFolderLockedError", "TrainingInterruptedError",
-    "WorkerFailedError", "build_torchrun_command", "build_worker_environment", "free_port", "preflight",
-    "run_training", "worker_failure", "worker_import_path",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "PreflightError",
+    "RunFolderLockedError",
+    "TrainingInterruptedError",
+    "WorkerFailedError",
+    "build_torchrun_command",
+    "build_worker_environment",
+    "free_port",
+    "preflight",
+    "run_training",
+    "worker_failure",
+    "worker_import_path",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,8 +147,9 @@ def preflight(args: TrainingArgs) -> None:
         try:
             callback.validate(args)
         except Exception as exc:
-            raise PreflightError(f"{callback.name} ({describe(callback)}) rejected the config: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise PreflightError(
+                f"{callback.name} ({describe(callback)}) rejected the config: {type(exc).__name__}: {exc}"
+            ) from exc
     check_transportable(args)
     check_data(args)
 
@@ -160,9 +171,13 @@ def build_torchrun_command(
 ) -> list[str]:
     """The torchrun command line (the payload path is on it; the payload and its key never are)."""
     command = [
-        sys.executable, "-m", AGENT_MODULE,
-        "--nnodes", str(torchrun_args.nnodes),
-        "--nproc-per-node", str(torchrun_args.nproc_per_node),
+        sys.executable,
+        "-m",
+        AGENT_MODULE,
+        "--nnodes",
+        str(torchrun_args.nnodes),
+        "--nproc-per-node",
+        str(torchrun_args.nproc_per_node),
     ]
     if torchrun_args.rdzv_endpoint:
         command += ["--rdzv-backend", torchrun_args.rdzv_backend, "--rdzv-endpoint", torchrun_args.rdzv_endpoint]
@@ -178,9 +193,12 @@ def build_torchrun_command(
                 )
             port = free_port(torchrun_args.master_addr)
         command += [
-            "--node-rank", str(torchrun_args.node_rank),
-            "--master-addr", torchrun_args.master_addr,
-            "--master-port", str(port),
+            "--node-rank",
+            str(torchrun_args.node_rank),
+            "--master-addr",
+            torchrun_args.master_addr,
+            "--master-port",
+            str(port),
         ]
     # torchrun's in-place restart is unreliable with gloo (connectFullMesh refused after a restart);
     # the launcher restarts the whole job itself instead (``run_training``).
@@ -212,7 +230,8 @@ def worker_import_path() -> list[str]:
 
 def _install_folders() -> set[Path]:
     return {
-        Path(p).resolve() for name in ("stdlib", "platstdlib", "purelib", "platlib")
+        Path(p).resolve()
+        for name in ("stdlib", "platstdlib", "purelib", "platlib")
         if (p := sysconfig.get_paths().get(name))
     }
 
@@ -465,20 +484,29 @@ def _run_with_restarts(
             restarts += 1
             from trainbridge.checkpoint.manager import CheckpointManager  # here: it imports the model layer
 
-            resume = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), None,
-                                       allow_unverified=args.resume_allow_unverified).latest_verified()
+            resume = CheckpointManager(
+                args.ckpt_output_dir, DistributedEnv(), None, allow_unverified=args.resume_allow_unverified
+            ).latest_verified()
             if resume is not None:
                 attempt_args = args.model_copy(update={"resume_from_checkpoint": resume})
             first_line = str(failure).splitlines()[0]
-            print(f"trainbridge: {first_line}\ntrainbridge: restart {restarts}/{launch.max_restarts}: a fresh "
-                  f"torchrun and rendezvous, resuming from "
-                  f"{resume or attempt_args.resume_from_checkpoint or 'the start'}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"trainbridge: {first_line}\ntrainbridge: restart {restarts}/{launch.max_restarts}: a fresh "
+                f"torchrun and rendezvous, resuming from "
+                f"{resume or attempt_args.resume_from_checkpoint or 'the start'}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _launch_once(
-    args: TrainingArgs, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str,
-    restarts: int, dry_run: bool = False,
+    args: TrainingArgs,
+    launch: TorchrunArgs,
+    timeout_s: float | None,
+    worker_module: str,
+    run_id: str,
+    restarts: int,
+    dry_run: bool = False,
 ) -> None:
     """One torchrun job; raises ``WorkerFailedError`` (or another ``LaunchError``) when it fails."""
     private_dir = make_payload_folder()
@@ -487,8 +515,9 @@ def _launch_once(
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
         failures_file = private_dir / "failures.json"
-        command = build_torchrun_command(launch, payload_path, log_dir, worker_module,
-                                         ["--dry-run"] if dry_run else None)
+        command = build_torchrun_command(
+            launch, payload_path, log_dir, worker_module, ["--dry-run"] if dry_run else None
+        )
         env = build_worker_environment(launch, key, torchrun_error_file)
         env.update(quiet_environment(args.device, env))
         env[lifeline.LAUNCHER_ENV] = lifeline.launcher_token()
@@ -520,9 +549,11 @@ def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -
     else:
         node = socket.gethostname() if launch.rdzv_endpoint else f"node{launch.node_rank}"
     path = launch_log_file(args.ckpt_output_dir, node)
-    header = (f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
-              f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "
-              f"--nproc-per-node {launch.nproc_per_node}, launcher pid {os.getpid()} =====\n")
+    header = (
+        f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
+        f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "
+        f"--nproc-per-node {launch.nproc_per_node}, launcher pid {os.getpid()} =====\n"
+    )
     return path if _append_to_log(path, header) else None
 
 

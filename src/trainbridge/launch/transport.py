@@ -208,7 +208,7 @@ def remove_stale_payload_folders(where: str | Path | None = None) -> list[Path]:
     for entry in entries:
         if not entry.name.startswith(PAYLOAD_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
             continue
-        token = entry.name[len(PAYLOAD_DIR_PREFIX):].rpartition("-")[0].replace("_", ":")
+        token = entry.name[len(PAYLOAD_DIR_PREFIX) :].rpartition("-")[0].replace("_", ":")
         pid, _, started = token.partition(":")
         try:
             info = entry.stat(follow_symlinks=False)
@@ -237,7 +237,7 @@ def _opened(path: str | Path, data: bytes, key: str, key_source: str) -> bytes:
     header = len(_MAGIC) + _MAC_SIZE
     if len(data) < header or not data.startswith(_MAGIC):
         raise PayloadIntegrityError(f"{path}: not a trainbridge payload file")
-    mac, body = data[len(_MAGIC):header], data[header:]
+    mac, body = data[len(_MAGIC) : header], data[header:]
     if not key or not hmac.compare_digest(mac, _mac(key, body)):
         raise PayloadIntegrityError(
             f"{path}: payload authentication failed (the file was modified or the key "
@@ -275,9 +275,7 @@ def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequen
     directory = Path(directory)
     mode = stat.S_IMODE(directory.stat().st_mode)
     if mode & 0o077:
-        raise PermissionError(
-            f"payload directory {str(directory)!r} has mode {mode:04o}; it must be private (0700)"
-        )
+        raise PermissionError(f"payload directory {str(directory)!r} has mode {mode:04o}; it must be private (0700)")
     header = json.dumps({"import_path": [str(p) for p in import_path]}).encode("utf-8")
     body = len(header).to_bytes(4, "big") + header + cloudpickle.dumps(args)
     key = secrets.token_hex(32)
@@ -298,11 +296,11 @@ def read_payload(path: str | Path, key: str) -> TrainingArgs:
     """
     body = _opened(path, Path(path).read_bytes(), key, PAYLOAD_KEY_ENV)
     size = int.from_bytes(body[:4], "big")
-    header = json.loads(body[4:4 + size])
+    header = json.loads(body[4 : 4 + size])
     for entry in header["import_path"]:
         if entry not in sys.path:
             sys.path.append(entry)  # after site-packages: a user folder never shadows an installed module
-    args = pickle.loads(body[4 + size:])
+    args = pickle.loads(body[4 + size :])
     if not isinstance(args, TrainingArgs):
         raise PayloadIntegrityError(f"{path}: payload holds a {type(args).__name__}, not TrainingArgs")
     return args

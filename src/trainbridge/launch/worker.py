@@ -43,8 +43,7 @@ def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
         result.write(result_file(args.ckpt_output_dir))
 
 
-def run_worker(argv: list[str] | None, module: str,
-               job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
+def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
     """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
     by ``--payload``, start the distributed seam (console configured per rank first), and tear the group
     down (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan

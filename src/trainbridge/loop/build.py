@@ -134,15 +134,25 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     engine.verify()
     logger.info("engine: %s; step: %s", engine.describe(), batches.step.describe())
     return RunComponents(
-        tokenizer=tokenizer, engine=engine, step=batches.step, eval_batches=batches.eval_batches,
+        tokenizer=tokenizer,
+        engine=engine,
+        step=batches.step,
+        eval_batches=batches.eval_batches,
         checkpoints=CheckpointManager(
-            args.ckpt_output_dir, env, args.save_total_limit,
+            args.ckpt_output_dir,
+            env,
+            args.save_total_limit,
             fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
-            checksums=args.checkpoint_checksums, weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
+            checksums=args.checkpoint_checksums,
+            weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
         ),
-        max_steps=max_steps, num_parameters=num_parameters, flops_parameters=flops_params, padded=batches.padded,
-        data_stats=batches.data_stats, named_eval_batches=batches.named_eval_batches,
+        max_steps=max_steps,
+        num_parameters=num_parameters,
+        flops_parameters=flops_params,
+        padded=batches.padded,
+        data_stats=batches.data_stats,
+        named_eval_batches=batches.named_eval_batches,
     )
 
 
@@ -151,13 +161,18 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
     LMs).  A ``ValueError`` for a model neither step can train, saying why and what to do."""
     causal = is_causal_lm(model)
     if args.training_step == "token_cross_entropy" and not causal:
-        raise ValueError(f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
-                         "is not one: use training_step='model_loss' (or 'auto')")
+        raise ValueError(
+            f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
+            "is not one: use training_step='model_loss' (or 'auto')"
+        )
     if args.training_step == "token_cross_entropy" and args.compute_loss is not None:
-        raise ValueError("training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
-                         "training_step='model_loss' (or 'auto')")
-    if args.training_step == "token_cross_entropy" or (args.training_step == "auto" and causal
-                                                       and args.compute_loss is None):
+        raise ValueError(
+            "training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
+            "training_step='model_loss' (or 'auto')"
+        )
+    if args.training_step == "token_cross_entropy" or (
+        args.training_step == "auto" and causal and args.compute_loss is None
+    ):
         return "token_cross_entropy"
     label_names = args.label_names or default_label_names(model)
     if args.compute_loss is None and not returns_loss(model, label_names):
@@ -165,8 +180,9 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
     return "model_loss"
 
 
-def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, *,
-                   from_rank0: bool, skeleton: bool) -> RunBatches:
+def _token_batches(
+    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, *, from_rank0: bool, skeleton: bool
+) -> RunBatches:
     """The token-budget step: samples tokenised through the cache, padding-free (or padded) micro-batches of
     the global plan, the summed token cross entropy."""
     data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
@@ -182,17 +198,33 @@ def _token_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, e
     eval_padded = padded or args.compute_metrics is not None
     eval_collate = collate if padded or not eval_padded else _collate_fn(model, tokenizer, True, None)
     train_batches = TrainBatches(
-        data.train, collate, effective_batch_size=args.effective_batch_size, world_size=env.world_size,
-        rank=env.rank, max_batch_len=args.max_batch_len, seed=args.seed, padded=padded,
+        data.train,
+        collate,
+        effective_batch_size=args.effective_batch_size,
+        world_size=env.world_size,
+        rank=env.rank,
+        max_batch_len=args.max_batch_len,
+        seed=args.seed,
+        padded=padded,
     )
 
     def eval_set(source: Any) -> EvalBatches:
-        return EvalBatches(source, eval_collate, world_size=env.world_size, rank=env.rank,
-                           max_batch_len=args.max_batch_len, padded=eval_padded)
+        return EvalBatches(
+            source,
+            eval_collate,
+            world_size=env.world_size,
+            rank=env.rank,
+            max_batch_len=args.max_batch_len,
+            padded=eval_padded,
+        )
 
-    return RunBatches(TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
-                      eval_set(data.val) if data.val else None,
-                      {name: eval_set(source) for name, source in data.named_val.items()}, data.stats, padded)
+    return RunBatches(
+        TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
+        eval_set(data.val) if data.val else None,
+        {name: eval_set(source) for name, source in data.named_val.items()},
+        data.stats,
+        padded,
+    )
 
 
 def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
@@ -205,23 +237,40 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
         train, val = split_rows(train, args.validation_split, args.seed)
     named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
     label_names = args.label_names or default_label_names(model)
-    keep = ([*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns
-            else None)
+    keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
-    train_batches = SampleBatches(train, collate, per_device=per_device, accumulation=accumulation,
-                                  world_size=env.world_size, rank=env.rank, seed=args.seed)
+    train_batches = SampleBatches(
+        train,
+        collate,
+        per_device=per_device,
+        accumulation=accumulation,
+        world_size=env.world_size,
+        rank=env.rank,
+        seed=args.seed,
+    )
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(dataset, collate, per_device=per_device, world_size=env.world_size, rank=env.rank)
 
     stats = [LoadStats(path=str(args.data_path), lines=len(train), samples=len(train))]
     if env.is_world_process_zero:
-        logger.info("data: %d training items, %s", len(train),
-                    f"{len(val)} validation items" if val is not None else "no validation data")
-    step = (ModelLoss(train_batches, model, env, label_names) if args.compute_loss is None
-            else CustomLoss(train_batches, model, env, args.compute_loss, label_names))
-    return RunBatches(step, eval_set(val) if val is not None else None,
-                      {name: eval_set(dataset) for name, dataset in named.items()}, stats, True)
+        logger.info(
+            "data: %d training items, %s",
+            len(train),
+            f"{len(val)} validation items" if val is not None else "no validation data",
+        )
+    step = (
+        ModelLoss(train_batches, model, env, label_names)
+        if args.compute_loss is None
+        else CustomLoss(train_batches, model, env, args.compute_loss, label_names)
+    )
+    return RunBatches(
+        step,
+        eval_set(val) if val is not None else None,
+        {name: eval_set(dataset) for name, dataset in named.items()},
+        stats,
+        True,
+    )
 
 
 def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:
@@ -233,7 +282,8 @@ def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:
         raise ValueError(
             f"effective_batch_size: {args.effective_batch_size} is not a multiple of per_device_batch_size "
             f"({per_device}) x world size ({world_size}); set effective_batch_size to "
-            f"{max(1, accumulation) * per_device * world_size} or change per_device_batch_size")
+            f"{max(1, accumulation) * per_device * world_size} or change per_device_batch_size"
+        )
     return per_device, accumulation
 
 
@@ -264,5 +314,8 @@ def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool, data_colla
         return functools.partial(collate_with, data_collator, pad_token_id=pad_id)
     if padded:
         return functools.partial(collate_padded, pad_token_id=pad_id)
-    return functools.partial(collate_padding_free, row_tokens=packed_row_tokens(model),
-                             flash_kwargs=model.config._attn_implementation.startswith("flash_attention"))
+    return functools.partial(
+        collate_padding_free,
+        row_tokens=packed_row_tokens(model),
+        flash_kwargs=model.config._attn_implementation.startswith("flash_attention"),
+    )

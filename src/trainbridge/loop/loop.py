@@ -3,7 +3,7 @@
 ``TrainingLoop.run`` is the whole run over components built beforehand (``trainbridge.loop.build``):
 ``on_init_end``, resume, ``on_train_begin``, epochs of optimizer steps, and ``on_train_end`` (or
 ``on_exception`` on any exit that is not clean).  The loop
-acts on control only after ``agree_control`` (``trainbridge.core.control``) has made every rank hold the
+acts on control only after ``agree_control`` (``trainbridge.core.agreement``) has made every rank hold the
 same decision, at the decision points marked ``DECISION POINT`` below.  Logging, evaluation and
 checkpoint *triggers* are callbacks (``trainbridge.callbacks.ScheduleCallback``); the loop only carries
 them out.
@@ -24,14 +24,14 @@ from typing import Any, NamedTuple
 import torch
 
 from trainbridge.checkpoint.manager import PendingCheckpoint
+from trainbridge.core.agreement import NO_VALUES, AgreedControl, Agreement, ControlFlag, Own, Summed, agree_control
 from trainbridge.core.callback import Callback
+from trainbridge.core.callback_errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import NO_VALUES, AgreedControl, Agreement, ControlFlag, Own, Summed, agree_control
+from trainbridge.core.dispatch import CallbackFatalError, CallbackManager
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.errors import OWN_CAUSE_MARKER, TrainingInterrupted
 from trainbridge.core.events import Event
-from trainbridge.core.manager import CallbackFatalError, CallbackManager
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
@@ -87,8 +87,9 @@ def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]
 class TrainingLoop:
     """One worker's training run over components built by ``trainbridge.loop.build.build_run``."""
 
-    def __init__(self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback],
-                 components: RunComponents):
+    def __init__(
+        self, args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback], components: RunComponents
+    ):
         self.args = args
         self.env = env
         self.callbacks = CallbackManager(
@@ -156,7 +157,8 @@ class TrainingLoop:
                 fire(Event.TRAIN_END, ctx)
                 if self.args.merge_adapter_at_end:
                     self._merged = self.checkpoints.export_merged(
-                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args))
+                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args)
+                    )
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 raise
@@ -170,7 +172,7 @@ class TrainingLoop:
         ctx, fire = self.context, self.callbacks.fire
         plan = self.train_batches.set_epoch(ctx.epoch_index)
         fire(Event.EPOCH_BEGIN, ctx)
-        for step_plan in plan.steps[ctx.step_in_epoch:]:
+        for step_plan in plan.steps[ctx.step_in_epoch :]:
             if ctx.global_step >= ctx.max_steps:
                 break
             outcome = self._train_step(step_plan)
@@ -180,13 +182,14 @@ class TrainingLoop:
             # The step's own metric sums (``TrainStep.metric_sums``) ride in it too.
             metric_sums = self.step.metric_sums()
             agreement = self._agree(
-                _with_metrics(StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()),
-                              metric_sums),
+                _with_metrics(
+                    StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()), metric_sums
+                ),
                 StepOwn(outcome.loss_sum, outcome.grad_norm),
             )
-            summed, own = StepSums(*agreement.summed[:len(StepSums._fields)]), agreement.own
+            summed, own = StepSums(*agreement.summed[: len(StepSums._fields)]), agreement.own
             if metric_sums:
-                self.step.add_metric_sums(agreement.summed[len(StepSums._fields):])
+                self.step.add_metric_sums(agreement.summed[len(StepSums._fields) :])
             finite = self.finite.check(ctx.global_step, float(summed.loss_sum), float(own.grad_norm))
             if not finite and self.finite.stops:  # nonfinite_policy="error": nothing saved, no rotation
                 self._publish_checkpoint()  # an earlier (finite) one still written in the background
@@ -254,8 +257,13 @@ class TrainingLoop:
         ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
         ctx.memory_bytes = self.env.memory_bytes()
         fire(Event.STEP_END, ctx)
-        return StepOutcome(batches, loss_sum, grad_norm if grad_norm is not None else NOT_MEASURED,
-                           sum(_input_tokens(b) for b in micro_batches), started)
+        return StepOutcome(
+            batches,
+            loss_sum,
+            grad_norm if grad_norm is not None else NOT_MEASURED,
+            sum(_input_tokens(b) for b in micro_batches),
+            started,
+        )
 
     def _log_evaluate_save(self, agreed: AgreedControl) -> set[ControlFlag]:
         """Carry out agreed log / evaluate / save, in Trainer's order; returns every flag agreed."""
@@ -270,8 +278,11 @@ class TrainingLoop:
             ran = True
         if ControlFlag.SAVE in flags:
             # checkpoint_async: in the background, unless the run is stopping (then written at once)
-            self._save(background=self.args.checkpoint_async and ControlFlag.STOP_TRAINING not in flags
-                       and not self._stop_training)
+            self._save(
+                background=self.args.checkpoint_async
+                and ControlFlag.STOP_TRAINING not in flags
+                and not self._stop_training
+            )
             ran = True
         if ran:
             flags |= self._agree().control.flags  # DECISION POINT: requests made in on_log / on_save
@@ -293,8 +304,9 @@ class TrainingLoop:
             raise RuntimeError("evaluation requested but no validation data is configured")
         return self._evaluate_set(self.eval_batches, "eval")
 
-    def _evaluate_set(self, eval_batches: EvalSource, prefix: str,
-                      earlier: dict[str, float] | None = None) -> dict[str, float]:
+    def _evaluate_set(
+        self, eval_batches: EvalSource, prefix: str, earlier: dict[str, float] | None = None
+    ) -> dict[str, float]:
         """Validation loss of one set over every rank's share, reduced by the step's loss units (tokens, or
         samples for the model's own loss); fires the eval events with this set's metrics (``ctx.metrics``
         also holds the ``earlier`` sets' of this evaluation)."""
@@ -309,8 +321,9 @@ class TrainingLoop:
             for indices, cpu_batch in eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
                 with engine.autocast(), sample_segments(cpu_batch):
-                    out = self.step.eval_batch(engine.module, batch, cpu_batch, outputs=predictions is not None,
-                                               rows=len(indices))
+                    out = self.step.eval_batch(
+                        engine.module, batch, cpu_batch, outputs=predictions is not None, rows=len(indices)
+                    )
                 if predictions is not None:
                     predictions.add(indices, batch, out.predictions, out.labels)
                 device_loss_sum += out.loss_sum.detach().to(torch.float64)
@@ -346,8 +359,12 @@ class TrainingLoop:
         ctx = self.context
         self._publish_checkpoint()
         self._pending_checkpoint = self.checkpoints.begin_save(
-            self.engine, self.tokenizer, ctx.global_step, training_state=self._training_state(),
-            extra_files=self.callbacks.checkpoint_files(ctx), background=background,
+            self.engine,
+            self.tokenizer,
+            ctx.global_step,
+            training_state=self._training_state(),
+            extra_files=self.callbacks.checkpoint_files(ctx),
+            background=background,
         )
         self._last_saved_step = ctx.global_step
         if self._pending_checkpoint.background_write is None:  # nothing left in the background
@@ -377,8 +394,9 @@ class TrainingLoop:
         ``on_train_end``, as ``Trainer._finalize_training`` does, so every callback sees them there."""
         ctx = self.context
         if self.args.load_best_model_at_end and ctx.best_checkpoint is not None:
-            logger.info("loading best model from %s (%s=%s)", ctx.best_checkpoint, self.args.best_metric_name,
-                        ctx.best_metric)
+            logger.info(
+                "loading best model from %s (%s=%s)", ctx.best_checkpoint, self.args.best_metric_name, ctx.best_metric
+            )
             self.checkpoints.load_model_weights(Path(ctx.best_checkpoint), self.engine)
 
     # ================================================================== resume
@@ -389,8 +407,7 @@ class TrainingLoop:
             return
         path = self.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
         if path is None:
-            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh",
-                        args.ckpt_output_dir)
+            logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return
         state = self.checkpoints.load(path, self.engine)
         ctx.global_step = state["global_step"]
@@ -405,8 +422,7 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        self.callbacks.load_state_dict(state.get("callbacks", {}),
-                                       restore_user_states=args.restore_callback_states)
+        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
@@ -540,8 +556,7 @@ def _input_tokens(cpu_batch: dict[str, Any]) -> int:
 def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
     ``max_length_*``) as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in cpu_batch.items()}
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
 
 
 @contextmanager

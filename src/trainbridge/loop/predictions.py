@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.data.dataset import IGNORE_INDEX
+from trainbridge.data.types import IGNORE_INDEX
 
 PADDING_INDEX = IGNORE_INDEX
 """Value that pads predictions and labels of different lengths (transformers' ``padding_index``)."""
@@ -80,19 +80,26 @@ class PredictionCollector:
         mask = batch.get("attention_mask")
         input_ids = batch.get("input_ids")
         # token-level outputs (labels [rows, width] as the mask) drop padding; others (a class per row) keep all
-        token_level = (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(labels, torch.Tensor)
-                       and labels.dim() == 2 and labels.shape[1] == mask.shape[1])
+        token_level = (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and isinstance(labels, torch.Tensor)
+            and labels.dim() == 2
+            and labels.shape[1] == mask.shape[1]
+        )
         width = mask.shape[1] if token_level and mask is not None else None
         losses = _row_losses(logits, labels) if self.include_loss else None
         for row, index in enumerate(indices):
             valid = mask[row].bool().cpu() if isinstance(mask, torch.Tensor) and width is not None else None
-            self._samples.append(SamplePrediction(
-                index=index,
-                predictions=_take_row(predictions, row, valid, width),
-                labels=_take_row(labels, row, valid, width),
-                inputs=_take_row(input_ids, row, valid, width) if self.include_inputs else None,
-                loss=float(losses[row]) if losses is not None else None,
-            ))
+            self._samples.append(
+                SamplePrediction(
+                    index=index,
+                    predictions=_take_row(predictions, row, valid, width),
+                    labels=_take_row(labels, row, valid, width),
+                    inputs=_take_row(input_ids, row, valid, width) if self.include_inputs else None,
+                    loss=float(losses[row]) if losses is not None else None,
+                )
+            )
 
     def gather(self, env: DistributedEnv) -> GatheredPredictions:
         """Every rank's samples, in dataset order (collective: ``all_gather_object``)."""
@@ -103,8 +110,7 @@ class PredictionCollector:
             raise RuntimeError("validation predictions: a sample was predicted on more than one rank")
         return GatheredPredictions(
             predictions=_stack_nested([s.predictions for s in samples]),
-            label_ids=_stack_nested([s.labels for s in samples]) if samples and samples[0].labels is not None
-            else None,
+            label_ids=_stack_nested([s.labels for s in samples]) if samples and samples[0].labels is not None else None,
             inputs=_stack([s.inputs for s in samples if s.inputs is not None]) if self.include_inputs else None,
             losses=np.array([s.loss for s in samples], dtype=np.float32) if self.include_loss else None,
             num_samples=len(samples),
@@ -122,9 +128,13 @@ class PredictionCollector:
                 extra["inputs"] = gathered.inputs
             if self.include_loss:
                 extra["losses"] = gathered.losses
-            result = self.compute_metrics(EvalPrediction(
-                predictions=gathered.predictions, label_ids=gathered.label_ids, **extra  # type: ignore[arg-type]
-            ))
+            result = self.compute_metrics(
+                EvalPrediction(
+                    predictions=gathered.predictions,
+                    label_ids=gathered.label_ids,
+                    **extra,  # type: ignore[arg-type]
+                )
+            )
             if not isinstance(result, dict):
                 raise TypeError(f"compute_metrics returned {type(result).__name__}; it must return a dict")
             metrics = {(k if k.startswith("eval_") else f"eval_{k}"): _plain(v) for k, v in result.items()}
@@ -136,8 +146,12 @@ class PredictionCollector:
 def _row_losses(logits: Any, labels: Any) -> list[float]:
     """Mean shifted token cross entropy of each row (``nan`` for a row without loss tokens; every row's
     ``nan`` when the outputs are not token logits with token labels)."""
-    if not (isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.dim() == 3
-            and labels.dim() == 2):
+    if not (
+        isinstance(logits, torch.Tensor)
+        and isinstance(labels, torch.Tensor)
+        and logits.dim() == 3
+        and labels.dim() == 2
+    ):
         rows = len(labels) if labels is not None else len(logits)
         return [float("nan")] * rows
     shifted = labels[:, 1:].to(logits.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainbridge.core.errors import CallbackErrorReport
+from trainbridge.core.callback_errors import CallbackErrorReport
 from trainbridge.core.private_files import replace_text
 
 

@@ -92,8 +92,10 @@ def _count(n: float) -> str:
 
 
 def _stats_line(stats: LoadStats, args: TrainingArgs) -> str:
-    dropped = [(stats.dropped_overlong, f"longer than max_seq_len={args.max_seq_len}"),
-               (stats.empty_skipped, "without loss tokens")]
+    dropped = [
+        (stats.dropped_overlong, f"longer than max_seq_len={args.max_seq_len}"),
+        (stats.empty_skipped, "without loss tokens"),
+    ]
     reasons = ", ".join(f"{n} {why}" for n, why in dropped if n) or "none"
     truncated = f", {stats.truncated} truncated to max_seq_len" if stats.truncated else ""
     return f"{Path(stats.path).name}: {stats.samples} samples kept of {stats.lines}; dropped: {reasons}{truncated}"
@@ -113,28 +115,52 @@ def format_run_plan(args: TrainingArgs, env: DistributedEnv, components: RunComp
     trainable = count_parameters(model, trainable_only=True)
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "n/a"
     precision = ", bf16 autocast" if args.mixed_precision == "bf16" else ""
-    rows = [("model", f"{type(model).__name__} from {args.model_path}: {_count(components.num_parameters)} "
-                      f"parameters ({_count(trainable)} trainable), {dtype}{precision}")]
+    rows = [
+        (
+            "model",
+            f"{type(model).__name__} from {args.model_path}: {_count(components.num_parameters)} "
+            f"parameters ({_count(trainable)} trainable), {dtype}{precision}",
+        )
+    ]
     train_lengths = _lengths(components.train_batches)
     for i, stats in enumerate(components.data_stats):
         rows.append(("train data" if i == 0 else "validation data", _stats_line(stats, args)))
     if train_lengths:
         total = sum(train_lengths)
-        rows.append(("train tokens", f"{total:,} in {len(train_lengths):,} samples; length mean "
-                                     f"{total / len(train_lengths):.1f}, max {max(train_lengths)}"))
+        rows.append(
+            (
+                "train tokens",
+                f"{total:,} in {len(train_lengths):,} samples; length mean "
+                f"{total / len(train_lengths):.1f}, max {max(train_lengths)}",
+            )
+        )
     val_lengths = _lengths(components.eval_batches)
     if val_lengths and len(components.data_stats) == 1:
-        rows.append(("validation data", f"{len(val_lengths):,} samples split off (validation_split="
-                                         f"{args.validation_split})"))
+        rows.append(
+            ("validation data", f"{len(val_lengths):,} samples split off (validation_split={args.validation_split})")
+        )
     steps = components.steps_per_epoch
     cap = f" (max_steps={args.max_steps})" if args.max_steps else ""
-    rows.append(("steps", f"{steps:,} per epoch, {components.max_steps:,} in total over "
-                          f"{components.num_epochs} epoch{'s' if components.num_epochs != 1 else ''}{cap}"))
+    rows.append(
+        (
+            "steps",
+            f"{steps:,} per epoch, {components.max_steps:,} in total over "
+            f"{components.num_epochs} epoch{'s' if components.num_epochs != 1 else ''}{cap}",
+        )
+    )
     rows.append(("effective batch", components.step.describe_batches(args.effective_batch_size)))
-    rows.append(("parallelism", f"{args.distributed_backend}, world size {env.world_size} "
-                                f"({env.backend or 'no process group'}, {env.device.type})"))
-    when = f"every {args.save_steps} steps" if args.save_strategy == "steps" and args.save_steps else \
-        f"save_strategy={args.save_strategy}"
+    rows.append(
+        (
+            "parallelism",
+            f"{args.distributed_backend}, world size {env.world_size} "
+            f"({env.backend or 'no process group'}, {env.device.type})",
+        )
+    )
+    when = (
+        f"every {args.save_steps} steps"
+        if args.save_strategy == "steps" and args.save_steps
+        else f"save_strategy={args.save_strategy}"
+    )
     limit = f", keep {args.save_total_limit}" if args.save_total_limit else ""
     final = ", and at the end" if args.save_final_checkpoint else ""
     rows.append(("checkpoints", f"{args.ckpt_output_dir}/{CHECKPOINT_PREFIX}<step> ({when}{final}{limit})"))

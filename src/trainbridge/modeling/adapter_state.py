@@ -47,6 +47,8 @@ def adapter_state_for_model(model: Any, saved: dict[str, torch.Tensor]) -> dict[
     unknown = sorted(set(saved) - set(mapping))
     missing = sorted(set(mapping) - set(saved))
     if unknown or missing:
-        raise KeyError(f"adapter weights do not match the model's adapter: not in the model {unknown[:5]}, "
-                       f"missing from the checkpoint {missing[:5]}")
+        raise KeyError(
+            f"adapter weights do not match the model's adapter: not in the model {unknown[:5]}, "
+            f"missing from the checkpoint {missing[:5]}"
+        )
     return {mapping[key]: value for key, value in saved.items()}

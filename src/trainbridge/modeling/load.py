@@ -58,8 +58,11 @@ def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase:
     path = args.resolved_tokenizer_path
     tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
     folder = Path(str(path))
-    if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files) \
-            and (folder / "preprocessor_config.json").is_file():
+    if (
+        folder.is_dir()
+        and not any((folder / f).is_file() for f in tokenizer_files)
+        and (folder / "preprocessor_config.json").is_file()
+    ):
         processor: Any = AutoProcessor.from_pretrained(str(path))  # an image model: its image processor
         return cast("PreTrainedTokenizerBase", processor)
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
@@ -73,9 +76,14 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
     ``from_pretrained`` keyword -- a quantization config, a config override, a revision -- could make the
     model differ from the one its ``config.json`` builds).  The same answer on every rank."""
     return (
-        args.fsdp_load_on_rank0 and args.distributed_backend == "fsdp" and world_size > 1
-        and args.model_init is None and args.peft_config is None and args.model_path is not None
-        and peft_adapter_base(args.model_path) is None and not args.model_kwargs.model_extra
+        args.fsdp_load_on_rank0
+        and args.distributed_backend == "fsdp"
+        and world_size > 1
+        and args.model_init is None
+        and args.peft_config is None
+        and args.model_path is not None
+        and peft_adapter_base(args.model_path) is None
+        and not args.model_kwargs.model_extra
         and quantization.saved_quantization(args.model_path) is None
     )
 
@@ -106,8 +114,10 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         model = apply_peft(model, args.peft_config)
     if is_peft_model(model):
         if model.active_peft_config.is_prompt_learning:  # type: ignore[union-attr]
-            raise ValueError(f"model: a {type(model.active_peft_config).__name__} adapter (prompt learning) is not "
-                             "supported; use an adapter method (LoRA, DoRA, IA3, ...)")
+            raise ValueError(
+                f"model: a {type(model.active_peft_config).__name__} adapter (prompt learning) is not "
+                "supported; use an adapter method (LoRA, DoRA, IA3, ...)"
+            )
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         logger.info("PEFT: %d of %d parameters trainable (%.2f%%)", trainable, total, 100.0 * trainable / max(total, 1))
@@ -119,8 +129,11 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
 def call_model_init(model_init: Any) -> nn.Module:
     """``model_init()``, or ``model_init(None)`` for Trainer's one-argument ``model_init(trial)``."""
     try:
-        required = [p for p in inspect.signature(model_init).parameters.values()
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [
+            p
+            for p in inspect.signature(model_init).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         required = []
     model = model_init(None) if len(required) == 1 else model_init()
@@ -146,9 +159,11 @@ def model_class(config: Any) -> Any:
         if auto_name.startswith("AutoModel") and (not architectures or str(target).endswith(architectures[0])):
             return getattr(transformers, auto_name)
     if architectures:
-        raise ValueError(f"model_path: config.json names architecture {architectures[0]!r}, which transformers "
-                         f"{transformers.__version__} does not have; upgrade transformers or save the model "
-                         "with a class it has")
+        raise ValueError(
+            f"model_path: config.json names architecture {architectures[0]!r}, which transformers "
+            f"{transformers.__version__} does not have; upgrade transformers or save the model "
+            "with a class it has"
+        )
     return transformers.AutoModelForCausalLM
 
 
@@ -223,8 +238,12 @@ def build_skeleton(path: Path | str, model_kwargs: ModelKwargs) -> PreTrainedMod
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     build_kwargs = {k: kwargs[k] for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
     with torch.device("meta"):
-        model = _from_config(model_class(config), config,
-                             dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **build_kwargs)
+        model = _from_config(
+            model_class(config),
+            config,
+            dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+            **build_kwargs,
+        )
     model.eval()  # as from_pretrained returns it
     if model.can_generate():
         from transformers import GenerationConfig
@@ -242,8 +261,11 @@ def load_adapter(base: nn.Module, adapter_dir: Path, trainable: bool) -> nn.Modu
     vocab = saved_vocab_size(adapter_dir)
     embeddings = getattr(base, "get_input_embeddings", lambda: None)()
     if vocab is not None and embeddings is not None and embeddings.weight.shape[0] != vocab:
-        logger.info("resizing the base model's token embeddings %d -> %d (saved with the adapter)",
-                    embeddings.weight.shape[0], vocab)
+        logger.info(
+            "resizing the base model's token embeddings %d -> %d (saved with the adapter)",
+            embeddings.weight.shape[0],
+            vocab,
+        )
         base.resize_token_embeddings(vocab)  # type: ignore[operator]
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
 
@@ -257,8 +279,11 @@ def saved_vocab_size(adapter_dir: Path) -> int | None:
         return None
     with safe_open(str(file), framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            if (key.endswith("embed_tokens.weight") or key.endswith("wte.weight")
-                    or key.endswith("word_embeddings.weight")):
+            if (
+                key.endswith("embed_tokens.weight")
+                or key.endswith("wte.weight")
+                or key.endswith("word_embeddings.weight")
+            ):
                 return int(handle.get_slice(key).get_shape()[0])
     return None
 
@@ -269,8 +294,10 @@ def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
     from peft import get_peft_model
 
     if is_peft_model(model):
-        raise ValueError("peft_config: the model is already a PeftModel (from model_init or an adapter folder); "
-                         "drop peft_config, or return the base model from model_init")
+        raise ValueError(
+            "peft_config: the model is already a PeftModel (from model_init or an adapter folder); "
+            "drop peft_config, or return the base model from model_init"
+        )
     try:
         return get_peft_model(model, peft_config)  # type: ignore[arg-type]
     except (ValueError, TypeError, KeyError) as exc:

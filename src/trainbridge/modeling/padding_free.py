@@ -33,10 +33,7 @@ PACKED_ROW_TOKENS = 512
 micro-batch is split into balanced packed rows (on CPU, 8 x 491 tokens cost a third of one 3,900-token
 row and 4 samples (~320 tokens) stay one row; ``benchmarks/packed_rows.py``)."""
 
-_MASK_BUILDERS = frozenset(
-    {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
-)
-
+_MASK_BUILDERS = frozenset({"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"})
 
 
 def packed_row_tokens(model: torch.nn.Module) -> int | None:
@@ -111,9 +108,7 @@ def _masks_get_position_ids(module_name: str) -> bool:
             if name not in kwargs_with_position_ids and _holds_position_ids(value, kwargs_with_position_ids):
                 kwargs_with_position_ids.add(name)
                 changed = True
-    calls = [
-        node for node in ast.walk(tree) if isinstance(node, ast.Call) and _called_name(node.func) in builders
-    ]
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and _called_name(node.func) in builders]
     return bool(calls) and all(
         any(
             keyword.arg == "position_ids"

@@ -151,8 +151,15 @@ def varlen_sdpa_attention_forward(
     return _per_sample_forward(query, key, value, bounds, dropout_p, scaling, gqa), None
 
 
-def _per_sample_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]],
-                        dropout_p: float, scaling: float | None, gqa: bool) -> torch.Tensor:
+def _per_sample_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[list[int]],
+    dropout_p: float,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
     """One causal sdpa call per sample (the fallback where torch's varlen kernel does not run: CPU, fp32,
     dropout); returns ``[B, T, H, D]``."""
     if all(len(row) == 2 for row in bounds):  # one sample per row: plain causal attention, one call
@@ -163,9 +170,7 @@ def _per_sample_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     # torch.split, not slicing: the backward of a split is one concatenation, while every slice's
     # backward writes a zero tensor of the whole row (quadratic in the number of samples).
     rows = []
-    for row_q, row_k, row_v, row_bounds in zip(
-        query.split(1), key.split(1), value.split(1), bounds, strict=True
-    ):
+    for row_q, row_k, row_v, row_bounds in zip(query.split(1), key.split(1), value.split(1), bounds, strict=True):
         lengths = [end - start for start, end in itertools.pairwise(row_bounds)]
         pieces = [
             F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -230,8 +235,7 @@ class _CumulativeLengths:
             return self._value
         starts = [row_index * length + start for row_index, row in enumerate(bounds) for start in row[:-1]]
         longest = max(end - start for row in bounds for start, end in itertools.pairwise(row))
-        host = torch.tensor([*starts, len(bounds) * length], dtype=torch.int32,
-                            pin_memory=device.type == "cuda")
+        host = torch.tensor([*starts, len(bounds) * length], dtype=torch.int32, pin_memory=device.type == "cuda")
         self._key, self._value = (bounds, length, device), (host.to(device, non_blocking=True), longest)
         return self._value
 
@@ -239,8 +243,14 @@ class _CumulativeLengths:
 _cumulative = _CumulativeLengths()
 
 
-def _torch_varlen_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]],
-                          scaling: float | None, gqa: bool) -> torch.Tensor:
+def _torch_varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[list[int]],
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
     """Every sample of every row in one call of torch's varlen kernel: the rows are flattened into one
     ``[B*T, H, D]`` sequence cut at ``cu_seq``; returns ``[B, T, H, D]``.  If the kernel's first call in
     this process raises (other than out of memory), this process keeps the per-sample path, with a warning."""
@@ -253,8 +263,18 @@ def _torch_varlen_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     kernel = cast(Callable[..., torch.Tensor], torch_varlen_kernel())
     try:
-        output = kernel(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest,
-                        scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        output = kernel(
+            flat(query),
+            flat(key),
+            flat(value),
+            cu_seq,
+            cu_seq,
+            longest,
+            longest,
+            scale=scaling,
+            window_size=(-1, 0),
+            enable_gqa=gqa,
+        )
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

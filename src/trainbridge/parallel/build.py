@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
 
 
-def build_engine(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
-                 weights_from_rank0: bool = False) -> TrainingEngine:
+def build_engine(
+    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, weights_from_rank0: bool = False
+) -> TrainingEngine:
     """Move ``model`` to ``env.device``, wrap it for ``args.distributed_backend``, and create AdamW (no decay
     on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps.
 

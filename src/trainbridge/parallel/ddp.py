@@ -41,8 +41,9 @@ class DDPEngine(TrainingEngine):
             raise RuntimeError(f"rank {self.env.rank}: ddp configured but the model is {type(self.module).__name__}")
 
 
-def build_ddp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
-              decay_names: set[str]) -> DDPEngine:
+def build_ddp(
+    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
+) -> DDPEngine:
     """``model`` on ``env.device`` in ``DistributedDataParallel``, with AdamW and the LR schedule."""
     cast(nn.Module, model).to(env.device)
     wrapped = DistributedDataParallel(

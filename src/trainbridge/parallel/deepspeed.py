@@ -108,8 +108,11 @@ class DeepSpeedEngine(TrainingEngine):
             if (missing and strict) or unexpected:
                 raise KeyError(f"state dict mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
             for prefix, submodule in self.unwrapped.named_modules():
-                params = {name: param for name, param in submodule.named_parameters(recurse=False)
-                          if (f"{prefix}.{name}" if prefix else name) in state}
+                params = {
+                    name: param
+                    for name, param in submodule.named_parameters(recurse=False)
+                    if (f"{prefix}.{name}" if prefix else name) in state
+                }
                 if not params:
                     continue
                 with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
@@ -212,16 +215,20 @@ def _import_deepspeed(env: DistributedEnv) -> Any:
     return deepspeed
 
 
-def build_deepspeed(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
-                    decay_names: set[str]) -> DeepSpeedEngine:
+def build_deepspeed(
+    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
+) -> DeepSpeedEngine:
     """``deepspeed.initialize`` over ``model`` on ``env.device`` with ``deepspeed_config``, AdamW (DeepSpeed's
     FusedAdam on CUDA) and the LR schedule."""
     deepspeed = _import_deepspeed(env)
     # Joins the process group DistributedEnv already started (gloo on CPU, NCCL on CUDA).
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
     cast(nn.Module, model).to(env.device)
-    optimizer = (_deepspeed_fused_adam(deepspeed, model, args, decay_names) if env.device.type == "cuda"
-                 else build_optimizer(model, args, decay_names, allow_fused=False))
+    optimizer = (
+        _deepspeed_fused_adam(deepspeed, model, args, decay_names)
+        if env.device.type == "cuda"
+        else build_optimizer(model, args, decay_names, allow_fused=False)
+    )
     # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
     scheduler = build_scheduler(optimizer, args, total_steps)
     ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -235,5 +242,10 @@ def _deepspeed_fused_adam(deepspeed: Any, model: nn.Module, args: TrainingArgs, 
     ``build_optimizer`` (its CUDA multi-tensor kernel; what DeepSpeed's own configs pick on GPUs)."""
     from deepspeed.ops.adam import FusedAdam
 
-    return FusedAdam(parameter_groups(model, args, decay_names), lr=args.learning_rate,
-                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adam_w_mode=True)
+    return FusedAdam(
+        parameter_groups(model, args, decay_names),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        adam_w_mode=True,
+    )

@@ -15,7 +15,7 @@ The loss handed to ``backward`` is ``sum_token_CE / global_loss_tokens * world_s
 *averages* gradients over ranks (DDP and FSDP2 natively, DeepSpeed with ``scale_wrt_gas=False``), so the
 gradient is the global per-token mean whatever the split.  No host-device synchronisation in the step:
 ``clip_grad_norm`` returns the norm as a device tensor; the loop reads it, with the loss, in the step's one
-reduction (``core.control.agree_control``).
+reduction (``core.agreement.agree_control``).
 
 Engines give and take state dicts (model, optimizer, scheduler); ``checkpoint/`` writes and reads them.
 With one process (``world_size == 1``) every backend runs the bare model (``LocalEngine``: no wrapper,
@@ -67,8 +67,15 @@ class TrainingEngine(ABC):
     """The backend writes its model and optimizer state in its own format (DeepSpeed's ZeRO partitions,
     fp32 master weights included): ``save_native_state`` / ``load_native_state`` instead of state dicts."""
 
-    def __init__(self, module: Any, unwrapped: PreTrainedModel, optimizer: Any, lr_scheduler: Any,
-                 args: TrainingArgs, env: DistributedEnv) -> None:
+    def __init__(
+        self,
+        module: Any,
+        unwrapped: PreTrainedModel,
+        optimizer: Any,
+        lr_scheduler: Any,
+        args: TrainingArgs,
+        env: DistributedEnv,
+    ) -> None:
         # Any: a DDP module, an FSDPModule, a DeepSpeed engine or the bare model, each with its own API.
         self.module: Any = module
         self.unwrapped = unwrapped
@@ -142,8 +149,11 @@ class TrainingEngine(ABC):
         """
         if not self.env.is_world_process_zero:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrapped.state_dict().items()
-                if names is None or k in names}
+        return {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in self.unwrapped.state_dict().items()
+            if names is None or k in names
+        }
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full state dict (every rank holds it) into the live, possibly sharded, model.  ``strict``:
@@ -227,7 +237,6 @@ class TrainingEngine(ABC):
         return f"world={self.env.world_size} device={self.env.device.type}"
 
 
-
 class LocalEngine(TrainingEngine):
     """One process: the bare model and plain AdamW (every backend with ``world_size == 1``)."""
 
@@ -239,8 +248,10 @@ class LocalEngine(TrainingEngine):
 
     def describe(self) -> str:
         """E.g. ``single process (ddp requested, world=1: no wrapper) device=cpu``."""
-        return (f"single process ({self.args.distributed_backend} requested, world=1: no wrapper) "
-                f"device={self.env.device.type}")
+        return (
+            f"single process ({self.args.distributed_backend} requested, world=1: no wrapper) "
+            f"device={self.env.device.type}"
+        )
 
     def _verify_wrapper(self) -> None:
         if self.env.world_size != 1:

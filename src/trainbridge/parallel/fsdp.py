@@ -36,8 +36,14 @@ class FSDP2Engine(TrainingEngine):
     sharded_model = True
     sharded_optimizer = True
 
-    def __init__(self, *args: Any, sharded_modules: int, mixed_precision_policy: bool,
-                 weights_from_rank0: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sharded_modules: int,
+        mixed_precision_policy: bool,
+        weights_from_rank0: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.sharded_modules = sharded_modules
         self.mixed_precision_policy = mixed_precision_policy
@@ -85,8 +91,9 @@ class FSDP2Engine(TrainingEngine):
         expected = set(self.unwrapped.state_dict().keys())
         if set(state) - expected:
             raise KeyError(f"weights not in the model: {sorted(set(state) - expected)}")
-        set_model_state_dict(self.module, cast(dict[str, Any], state),
-                             options=StateDictOptions(full_state_dict=True, strict=strict))
+        set_model_state_dict(
+            self.module, cast(dict[str, Any], state), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
 
     def sharded_model_state_dict(self) -> dict[str, Any]:
         """This rank's DTensor shards of the model (``get_model_state_dict``)."""
@@ -104,9 +111,11 @@ class FSDP2Engine(TrainingEngine):
         """E.g. ``fsdp2 (fully_shard) world=2 device=cpu, 3 sharded modules``."""
         precision = ", bf16 MixedPrecisionPolicy (fp32 reduce)" if self.mixed_precision_policy else ""
         sync = "reduce-scatter every micro-batch" if self.sync_every_micro_batch else "reduce-scatter per step"
-        return (f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules, {sync}, "
-                f"reshard_after_forward={self.args.fsdp_reshard_after_forward}{precision}"
-                f"{', weights read on rank 0 and broadcast' if self.weights_from_rank0 else ''}")
+        return (
+            f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules, {sync}, "
+            f"reshard_after_forward={self.args.fsdp_reshard_after_forward}{precision}"
+            f"{', weights read on rank 0 and broadcast' if self.weights_from_rank0 else ''}"
+        )
 
     def _verify_wrapper(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -166,15 +175,26 @@ def fsdp_unit_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     groups += [(f"decoder layer {i}", [layer]) for i, layer in enumerate(layers)]
     if isinstance(head, nn.Module) and not tied:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-        norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)),
-                    None)
-        groups.append(("norm + output layer" if norm is not None else "output layer",
-                       [norm, head] if norm is not None else [head]))
+        norm = next(
+            (getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None
+        )
+        groups.append(
+            (
+                "norm + output layer" if norm is not None else "output layer",
+                [norm, head] if norm is not None else [head],
+            )
+        )
     return groups
 
 
-def build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int,
-               decay_names: set[str], weights_from_rank0: bool = False) -> FSDP2Engine:
+def build_fsdp(
+    model: PreTrainedModel,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    total_steps: int,
+    decay_names: set[str],
+    weights_from_rank0: bool = False,
+) -> FSDP2Engine:
     """``fully_shard`` on each of ``fsdp_unit_groups``, then on the root, over a mesh of every rank, then
     AdamW on the DTensor shards.  ``weights_from_rank0``: rank 0's ``model`` holds the weights, the other
     ranks' a meta-device skeleton; rank 0 broadcasts every shard and buffer after sharding."""
@@ -187,8 +207,7 @@ def build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     packed = packed_quantized_weights(model)
     # A parameter cast would corrupt 4-bit weights packed in a float storage: a quantised model autocasts.
-    use_mp_policy = (args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda"
-                     and not packed)
+    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda" and not packed
     kwargs: dict[str, Any] = {"mesh": mesh}
     if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
         kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
@@ -206,9 +225,17 @@ def build_fsdp(model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, 
         _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
     optimizer = build_optimizer(model, args, decay_names)
-    return FSDP2Engine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env,
-                       sharded_modules=len(groups) + 1, mixed_precision_policy=use_mp_policy,
-                       weights_from_rank0=weights_from_rank0)
+    return FSDP2Engine(
+        model,
+        model,
+        optimizer,
+        build_scheduler(optimizer, args, total_steps),
+        args,
+        env,
+        sharded_modules=len(groups) + 1,
+        mixed_precision_policy=use_mp_policy,
+        weights_from_rank0=weights_from_rank0,
+    )
 
 
 def _tensor_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -224,8 +251,10 @@ def _rank0_full_state(model: nn.Module, env: DistributedEnv) -> dict[str, torch.
     expected = env.broadcast_object(layout)  # collective: rank 0's names, shapes and dtypes
     if layout != expected:
         differing = sorted(set(layout) ^ set(expected))[:5]
-        raise RuntimeError(f"rank {env.rank}: the model built from the config differs from rank 0's loaded model "
-                           f"(first differences: {differing}); set fsdp_load_on_rank0=False")
+        raise RuntimeError(
+            f"rank {env.rank}: the model built from the config differs from rank 0's loaded model "
+            f"(first differences: {differing}); set fsdp_load_on_rank0=False"
+        )
     if not env.is_world_process_zero:
         if not all(t.is_meta for t in model.parameters()):
             raise RuntimeError(f"rank {env.rank}: weights_from_rank0 expects a meta-device skeleton off rank 0")
@@ -243,8 +272,10 @@ def _fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | Non
 
     if not env.is_world_process_zero:
         model.to_empty(device=env.device)
-    set_model_state_dict(model, cast(dict[str, Any], full_state or {}),
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    set_model_state_dict(
+        model,
+        cast(dict[str, Any], full_state or {}),
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+    )
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)  # collective: one per buffer (a handful: rotary frequencies)
-

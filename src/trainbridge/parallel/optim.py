@@ -78,12 +78,24 @@ def build_optimizer(
 def _fused_allowed(groups: list[dict[str, Any]]) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return all((type(p) is nn.Parameter or isinstance(p, DTensor)) and p.is_floating_point()
-               and p.device.type in ("cpu", "cuda") for group in groups for p in group["params"])
+    return all(
+        (type(p) is nn.Parameter or isinstance(p, DTensor))
+        and p.is_floating_point()
+        and p.device.type in ("cpu", "cuda")
+        for group in groups
+        for p in group["params"]
+    )
 
 
-def _schedule_free(name: str, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
-                   warmup_steps: int, extra: dict[str, Any]) -> torch.optim.Optimizer:
+def _schedule_free(
+    name: str,
+    groups: list[dict[str, Any]],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    warmup_steps: int,
+    extra: dict[str, Any],
+) -> torch.optim.Optimizer:
     """``schedulefree``'s AdamW / RAdam / SGD (its own warm-up), switched to training mode."""
     schedulefree = require_package("schedulefree", name, "schedulefree")
     if name == "schedule_free_sgd":
@@ -91,8 +103,9 @@ def _schedule_free(name: str, groups: list[dict[str, Any]], lr: float, betas: tu
     elif name == "schedule_free_radam":
         optimizer = schedulefree.RAdamScheduleFree(groups, lr=lr, betas=betas, eps=eps, **extra)
     else:
-        optimizer = schedulefree.AdamWScheduleFree(groups, lr=lr, betas=betas, eps=eps, warmup_steps=warmup_steps,
-                                                   **extra)
+        optimizer = schedulefree.AdamWScheduleFree(
+            groups, lr=lr, betas=betas, eps=eps, warmup_steps=warmup_steps, **extra
+        )
     optimizer.train()
     return cast(torch.optim.Optimizer, optimizer)
 

@@ -82,8 +82,13 @@ def plot_metrics(run: str | Path, output: str | Path | None = None) -> Path:
     for axis, (title, keys) in zip(axes.flat, drawn):
         for key in keys:
             steps, values = series[key]
-            axis.plot(steps, values, marker="o" if key.startswith("eval_") or len(steps) < 20 else None,
-                      markersize=3, label=key)
+            axis.plot(
+                steps,
+                values,
+                marker="o" if key.startswith("eval_") or len(steps) < 20 else None,
+                markersize=3,
+                label=key,
+            )
         if not keys:
             axis.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes)
         axis.set_title(title)

@@ -96,8 +96,9 @@ class TrainStep(ABC):
         its ``micro_units`` entry."""
 
     @abstractmethod
-    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool, rows: int = 0) -> EvalOutput:
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
         """Loss sum and units of one validation batch (``outputs``: with predictions and labels); ``rows``
         is the number of validation samples it holds (0 for a rank's dummy batch)."""
 
@@ -121,4 +122,3 @@ class TrainStep(ABC):
     @abstractmethod
     def describe_batches(self, effective_batch_size: int) -> str:
         """The run plan's "effective batch" line: samples, tokens and micro-batches of a step."""
-

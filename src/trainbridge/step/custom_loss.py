@@ -26,8 +26,14 @@ class CustomLoss(ModelLoss):
 
     name = "the script's compute_loss (sample batches)"
 
-    def __init__(self, train_batches: SampleBatches, model: Any, env: DistributedEnv,
-                 compute_loss: Callable[..., Any], label_names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        train_batches: SampleBatches,
+        model: Any,
+        env: DistributedEnv,
+        compute_loss: Callable[..., Any],
+        label_names: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(train_batches, model, env, label_names)
         self.compute_loss = compute_loss
         # a compute_loss_func gets the step's items whatever the model (Trainer passes them to it)
@@ -39,8 +45,9 @@ class CustomLoss(ModelLoss):
         loss = self.compute_loss(model, inputs, return_outputs=False, num_items_in_batch=count)
         return loss * count if count is not None else loss
 
-    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool, rows: int = 0) -> EvalOutput:
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
         has_labels = all(batch.get(name) is not None for name in self.label_names)
         labels = tuple(batch.get(name) for name in self.label_names)
         loss, result = self.compute_loss(model, dict(batch), return_outputs=True, num_items_in_batch=None)
@@ -48,5 +55,9 @@ class CustomLoss(ModelLoss):
         units = float(rows) if has_labels else 0.0
         if not outputs:
             return EvalOutput(loss * rows, units)
-        return EvalOutput(loss * rows, units, predictions_of(result, self.ignore_keys),
-                          (labels[0] if len(labels) == 1 else labels) if has_labels else None)
+        return EvalOutput(
+            loss * rows,
+            units,
+            predictions_of(result, self.ignore_keys),
+            (labels[0] if len(labels) == 1 else labels) if has_labels else None,
+        )

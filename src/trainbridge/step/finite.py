@@ -1,7 +1,7 @@
 """The non-finite guard: a NaN or inf loss or gradient norm, noticed in the step's existing agreement.
 
 The step's summed loss and the global gradient norm already ride in the step's one collective
-(``core.control.agree_control``), so every rank sees the same values and takes the same decision, with no
+(``core.agreement.agree_control``), so every rank sees the same values and takes the same decision, with no
 collective of its own.  ``nonfinite_policy`` (``TrainingArgs``) says what happens:
 
 - ``error`` (default): the run stops with ``NonFiniteLossError`` naming the step; nothing is saved for
@@ -63,9 +63,15 @@ class NonFiniteGuard:
         self.last = (float(loss_sum), float(grad_norm))
         finite = math.isfinite(self.last[0]) and math.isfinite(self.last[1])
         if not finite and not self.stops:
-            logger.warning("step %d: %s; %s (nonfinite_policy=%r)", step, self._values(),
-                           "the update was not applied" if self.policy == "skip" and not math.isfinite(self.last[1])
-                           else "training goes on", self.policy)
+            logger.warning(
+                "step %d: %s; %s (nonfinite_policy=%r)",
+                step,
+                self._values(),
+                "the update was not applied"
+                if self.policy == "skip" and not math.isfinite(self.last[1])
+                else "training goes on",
+                self.policy,
+            )
         return finite
 
     def raise_error(self, step: int) -> None:
@@ -78,6 +84,8 @@ class NonFiniteGuard:
 
     def _values(self) -> str:
         loss, norm = self.last
-        parts = [f"loss sum {loss}" if not math.isfinite(loss) else "",
-                 f"gradient norm {norm}" if not math.isfinite(norm) else ""]
+        parts = [
+            f"loss sum {loss}" if not math.isfinite(loss) else "",
+            f"gradient norm {norm}" if not math.isfinite(norm) else "",
+        ]
         return "non-finite " + " and ".join(p for p in parts if p)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.data.dataset import IGNORE_INDEX
 from trainbridge.data.sample_batches import SampleBatches, SampleStep
+from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import is_causal_lm, unwrap_peft
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 
@@ -70,9 +70,11 @@ def untrainable_reason(model: Any, label_names: Sequence[str]) -> str:
     """One line: why the loop cannot train ``model`` (an instance or a class) and what to do."""
     inner = unwrap_peft(model)
     name = (inner if isinstance(inner, type) else type(inner)).__name__
-    return (f"model: {name} is not a causal LM and its forward takes no {', '.join(label_names)}, so it returns no "
-            f"loss to train on; load the model with a task head (e.g. {name.removesuffix('Model')}"
-            "ForSequenceClassification, ...ForMaskedLM) or set label_names to the forward's label arguments")
+    return (
+        f"model: {name} is not a causal LM and its forward takes no {', '.join(label_names)}, so it returns no "
+        f"loss to train on; load the model with a task head (e.g. {name.removesuffix('Model')}"
+        "ForSequenceClassification, ...ForMaskedLM) or set label_names to the forward's label arguments"
+    )
 
 
 def loss_of(outputs: Any) -> torch.Tensor:
@@ -80,8 +82,10 @@ def loss_of(outputs: Any) -> torch.Tensor:
     if isinstance(outputs, Mapping):
         loss = outputs.get("loss")
         if loss is None:
-            raise ValueError(f"the model returned no loss (only {', '.join(outputs.keys())}); its forward computes "
-                             "a loss only when it gets the labels: check label_names and the collator's keys")
+            raise ValueError(
+                f"the model returned no loss (only {', '.join(outputs.keys())}); its forward computes "
+                "a loss only when it gets the labels: check label_names and the collator's keys"
+            )
         return loss
     return outputs[0]
 
@@ -102,8 +106,9 @@ class ModelLoss(TrainStep):
     name = "the model's own loss (sample batches)"
     train_batches: SampleBatches
 
-    def __init__(self, train_batches: SampleBatches, model: Any, env: DistributedEnv,
-                 label_names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, train_batches: SampleBatches, model: Any, env: DistributedEnv, label_names: Sequence[str] | None = None
+    ) -> None:
         self.train_batches = train_batches
         self.env = env
         self.label_names = list(label_names) if label_names else default_label_names(model)
@@ -138,22 +143,29 @@ class ModelLoss(TrainStep):
         count = batch.get(NUM_ITEMS_KEY)
         return loss * count if count is not None else loss  # a sum over the step's items, or a batch mean
 
-    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool, rows: int = 0) -> EvalOutput:
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
         result = model(**batch)
         has_labels = all(batch.get(name) is not None for name in self.label_names)
         loss = loss_of(result).detach().float() if has_labels else torch.zeros((), device=_device(batch))
         if not outputs:
             return EvalOutput(loss * rows, float(rows) if has_labels else 0.0)
         labels = tuple(batch.get(name) for name in self.label_names)
-        return EvalOutput(loss * rows, float(rows) if has_labels else 0.0, predictions_of(result, self.ignore_keys),
-                          (labels[0] if len(labels) == 1 else labels) if has_labels else None)
+        return EvalOutput(
+            loss * rows,
+            float(rows) if has_labels else 0.0,
+            predictions_of(result, self.ignore_keys),
+            (labels[0] if len(labels) == 1 else labels) if has_labels else None,
+        )
 
     def describe_batches(self, effective_batch_size: int) -> str:
         batches = self.train_batches
-        return (f"{effective_batch_size} samples: {batches.batch_size} per micro-batch x "
-                f"{batches.accumulation} micro-batches x {batches.world_size} ranks, "
-                f"formed by {type(getattr(batches.collate, 'collator', batches.collate)).__name__}")
+        return (
+            f"{effective_batch_size} samples: {batches.batch_size} per micro-batch x "
+            f"{batches.accumulation} micro-batches x {batches.world_size} ranks, "
+            f"formed by {type(getattr(batches.collate, 'collator', batches.collate)).__name__}"
+        )
 
 
 def _tokens(batch: Mapping[str, Any]) -> int:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
-from trainbridge.data.dataset import IGNORE_INDEX
 from trainbridge.data.loader import TrainBatches
 from trainbridge.data.loss import forward_logits, logits_loss_sum, token_loss_sum
 from trainbridge.data.plan import StepPlan
+from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.step.token_metrics import TokenMetrics, token_metric_sums
 
@@ -33,8 +33,9 @@ class TokenCrossEntropy(TrainStep):
     name = "token cross entropy (token-budget batches)"
     train_batches: TrainBatches
 
-    def __init__(self, train_batches: TrainBatches, max_batch_len: int, padded: bool,
-                 token_metrics: bool = False) -> None:
+    def __init__(
+        self, train_batches: TrainBatches, max_batch_len: int, padded: bool, token_metrics: bool = False
+    ) -> None:
         self.train_batches = train_batches
         self.max_batch_len = max_batch_len
         self.padded = padded
@@ -46,8 +47,10 @@ class TokenCrossEntropy(TrainStep):
         micro_batches = self.train_batches.micro_batches(step)
         planned = self.train_batches.micro_batch_loss_tokens(step)
         # a user's collator's batch counts its own labels (on the CPU: no device synchronisation)
-        units = [float(n if isinstance(b, CollatedBatch) else cpu_loss_tokens(b))
-                 for n, b in zip(planned, micro_batches, strict=True)]
+        units = [
+            float(n if isinstance(b, CollatedBatch) else cpu_loss_tokens(b))
+            for n, b in zip(planned, micro_batches, strict=True)
+        ]
         return StepBatches(micro_batches, units, float(step.loss_tokens), step.num_samples, step.num_tokens)
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
@@ -73,13 +76,14 @@ class TokenCrossEntropy(TrainStep):
     def add_metric_sums(self, sums: Sequence[float]) -> None:
         if self.token_metrics is not None:
             for i in range(0, len(sums), 4):
-                self.token_metrics.add(list(sums[i:i + 3]), input_tokens=int(sums[i + 3]))
+                self.token_metrics.add(list(sums[i : i + 3]), input_tokens=int(sums[i + 3]))
 
     def metric_logs(self) -> dict[str, float]:
         return {} if self.token_metrics is None else self.token_metrics.log()
 
-    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool, rows: int = 0) -> EvalOutput:
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
         n_tokens = cpu_loss_tokens(cpu_batch)
         if not outputs:
             return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
@@ -92,9 +96,11 @@ class TokenCrossEntropy(TrainStep):
             return f"{effective_batch_size} samples"
         tokens = sum(step.num_tokens for step in plan_steps) / len(plan_steps)
         micro = sum(step.micro_batches_per_rank for step in plan_steps) / len(plan_steps)
-        return (f"{effective_batch_size} samples, ~{tokens:,.0f} tokens per step (all ranks); {micro:.1f} "
-                f"micro-batches of <= {self.max_batch_len} tokens per rank, "
-                f"{'padded' if self.padded else 'padding-free'}")
+        return (
+            f"{effective_batch_size} samples, ~{tokens:,.0f} tokens per step (all ranks); {micro:.1f} "
+            f"micro-batches of <= {self.max_batch_len} tokens per rank, "
+            f"{'padded' if self.padded else 'padding-free'}"
+        )
 
 
 def cpu_loss_tokens(cpu_batch: dict[str, Any]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainbridge.data.dataset import IGNORE_INDEX
+from trainbridge.data.types import IGNORE_INDEX
 
 
 def token_metric_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

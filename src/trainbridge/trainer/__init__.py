@@ -4,7 +4,7 @@
 - ``jobs``: train and evaluate, in place under the script's launcher or in torchrun workers it launches.
 - ``run_folder``: the job's inputs written into ``output_dir/.trainbridge/``, as a typed ``RunLayout``.
 - ``job_args``: the job's ``TrainingArgs``; ``results``: what it returns, as Trainer's state and metrics.
-- ``inputs``: datasets, collators and the model, made ready for the workers.
+- ``script_data``: datasets, collators and the model, made ready for the workers.
 - ``runner``: the jobs on each rank (in place, or as the torchrun workers' module).
 - ``script_events``: Trainer's events outside training, on the script's callbacks.
 """

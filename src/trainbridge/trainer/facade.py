@@ -36,11 +36,12 @@ from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
-from trainbridge.trainer import inputs, jobs, results, subclass
+from trainbridge.trainer import jobs, results, script_data, subclass
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
 
 logger = logging.getLogger("trainbridge.trainer")
+
 
 class UnsupportedTrainerFeatureError(ValueError):
     """A ``Trainer`` argument or override that trainbridge cannot honour; says what to do instead."""
@@ -75,8 +76,10 @@ class Trainer:
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         if not isinstance(args, TrainingArguments | TrainingArgs):
-            raise TypeError(f"args: expected transformers.TrainingArguments (or a subclass) or "
-                            f"trainbridge.TrainingArgs, got {type(args).__name__}")
+            raise TypeError(
+                f"args: expected transformers.TrainingArguments (or a subclass) or "
+                f"trainbridge.TrainingArgs, got {type(args).__name__}"
+            )
         self.args = args
         if model is None and model_init is None:
             raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
@@ -106,18 +109,23 @@ class Trainer:
         self._env: DistributedEnv | None = None
         self._loop: Any = None
         self._weights_dir: Path | None = None
-        self._collator_choice = inputs.classify_collator(data_collator)
+        self._collator_choice = script_data.classify_collator(data_collator)
         if data_collator is not None and subclass.subclass_loss(self) is not None:
             # the loss sees Trainer's batches: the collator is called as written on the dataset's items
-            self._collator_choice = inputs.CollatorChoice(False, description=type(data_collator).__name__)
+            self._collator_choice = script_data.CollatorChoice(False, description=type(data_collator).__name__)
         if self.is_world_process_zero():
-            logger.info("data collator: %s -> %s", self._collator_choice.description,
-                        "trainbridge's token-budget batching (reproduces it)" if self._collator_choice.reproduced
-                        else "called as written on padded micro-batches")
+            logger.info(
+                "data collator: %s -> %s",
+                self._collator_choice.description,
+                "trainbridge's token-budget batching (reproduces it)"
+                if self._collator_choice.reproduced
+                else "called as written on padded micro-batches",
+            )
 
     # ================================================================== construction checks
-    def _reject_unsupported(self, compute_loss_func: Any, optimizers: Any, optimizer_cls_and_kwargs: Any,
-                            kwargs: dict[str, Any]) -> None:
+    def _reject_unsupported(
+        self, compute_loss_func: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, kwargs: dict[str, Any]
+    ) -> None:
         if any(o is not None for o in optimizers or ()) or optimizer_cls_and_kwargs is not None:
             raise UnsupportedTrainerFeatureError(
                 "optimizers / optimizer_cls_and_kwargs: live optimizer and scheduler objects cannot be moved "
@@ -149,8 +157,9 @@ class Trainer:
 
     # Trainer methods a subclass may override (trainer.subclass: compute_loss runs in the workers; the others
     # are refused at construction, naming them)
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """``Trainer.compute_loss``: called in the workers on each micro-batch when a subclass overrides it
         (or with ``compute_loss_func``); ``super().compute_loss`` runs Trainer's default there."""
         return subclass.default_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
@@ -159,8 +168,7 @@ class Trainer:
         """Not called: optimizer steps run inside trainbridge's loop."""
         raise UnsupportedTrainerFeatureError("training_step runs inside trainbridge's loop")
 
-    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: Any = None) -> Any:
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
         """Not called: evaluation runs inside trainbridge's loop."""
         raise UnsupportedTrainerFeatureError("prediction_step runs inside trainbridge's loop")
 
@@ -218,20 +226,33 @@ class Trainer:
 
     def _model_source_for_jobs(self) -> ModelSource:
         """The model and tokenizer as a job writes them (``run_folder.write_model``)."""
-        return ModelSource(model=self.model, folder=self._model_source, trained=self._weights_dir,
-                           tokenizer=self._tokenizer(), save_tokenizer=self.processing_class is not None)
+        return ModelSource(
+            model=self.model,
+            folder=self._model_source,
+            trained=self._weights_dir,
+            tokenizer=self._tokenizer(),
+            save_tokenizer=self.processing_class is not None,
+        )
 
     def _row_preparation(self) -> RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._tokenizer(), "pad_token_id", None)
-        return RowPreparation(self._collator_choice, pad_id,
-                              items=inputs.uses_sample_batches(self.model, self._collator_choice)
-                              or subclass.subclass_loss(self) is not None)  # the script's loss: its items
+        return RowPreparation(
+            self._collator_choice,
+            pad_id,
+            items=script_data.uses_sample_batches(self.model, self._collator_choice)
+            or subclass.subclass_loss(self) is not None,
+        )  # the script's loss: its items
 
     # ================================================================== train
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Train and return ``TrainOutput(global_step, training_loss, metrics)`` (see the module doc)."""
         from transformers.trainer_utils import TrainOutput
 
@@ -248,12 +269,17 @@ class Trainer:
         return TrainOutput(result.global_step, train_loss, metrics)
 
     def _set_state(self, recorded: dict[str, Any]) -> None:
-        self.state = results.trainer_state(recorded, getattr(self.args, "per_device_train_batch_size", None),
-                                           self.is_world_process_zero(), self.is_local_process_zero())
+        self.state = results.trainer_state(
+            recorded,
+            getattr(self.args, "per_device_train_batch_size", None),
+            self.is_world_process_zero(),
+            self.is_local_process_zero(),
+        )
 
     # ================================================================== evaluate / predict
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Evaluate (loss plus ``compute_metrics``) on ``eval_dataset`` or the Trainer's; also after training.
         As Trainer: a dict evaluates each dataset (``<prefix>_<name>_`` keys); the metrics are logged
         (``state.log_history``, ``on_log``) and ``on_evaluate`` fires (``trainer.script_events``)."""
@@ -285,8 +311,7 @@ class Trainer:
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> Any:
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> Any:
         """``PredictionOutput(predictions, label_ids, metrics)`` over ``test_dataset`` (every rank's share,
         in dataset order); ``on_predict`` fires, as under Trainer."""
         from transformers.trainer_utils import PredictionOutput
@@ -309,8 +334,9 @@ class Trainer:
         """Fire a Trainer event outside training on the script's TrainerCallbacks (``script_events``)."""
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.is_local_process_zero = self.is_local_process_zero()
-        self.control = self._script_events.fire(hook, self.args, self.state, self.callbacks, self.model,
-                                                self.processing_class, **kwargs)
+        self.control = self._script_events.fire(
+            hook, self.args, self.state, self.callbacks, self.model, self.processing_class, **kwargs
+        )
 
     # ================================================================== saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -328,8 +354,11 @@ class Trainer:
             tokenizer = self.processing_class or self._tokenizer()
             from transformers.tokenization_utils_base import TOKENIZER_CONFIG_FILE
 
-            if (tokenizer is None and self._model_source is not None
-                    and (self._model_source / TOKENIZER_CONFIG_FILE).is_file()):
+            if (
+                tokenizer is None
+                and self._model_source is not None
+                and (self._model_source / TOKENIZER_CONFIG_FILE).is_file()
+            ):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
@@ -374,10 +403,18 @@ class Trainer:
         self._record_log(logs)
         self._fire("on_log", logs=logs)
 
-    def create_model_card(self, language: str | None = None, license: str | None = None,
-                          tags: str | list[str] | None = None, model_name: str | None = None,
-                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
-                          dataset_tags: Any = None, dataset: Any = None, dataset_args: Any = None) -> None:
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: Any = None,
+        dataset: Any = None,
+        dataset_args: Any = None,
+    ) -> None:
         """Write ``README.md`` (a model card) to ``output_dir`` from the run's state (no network)."""
         if not self.is_world_process_zero():
             return
@@ -409,8 +446,9 @@ class Trainer:
     def pop_callback(self, callback: Any) -> Any:
         """Remove and return a callback given as an instance or a class (its first instance)."""
         for i, existing in enumerate(self.callbacks):
-            if existing is callback or (isinstance(callback, type) and
-                                        (existing is callback or isinstance(existing, callback))):
+            if existing is callback or (
+                isinstance(callback, type) and (existing is callback or isinstance(existing, callback))
+            ):
                 return self.callbacks.pop(i)
         return None
 

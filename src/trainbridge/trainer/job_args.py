@@ -100,9 +100,15 @@ def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool
     """``args`` for one evaluation (no training, checkpoints, callbacks or reports) writing into
     ``output_dir``; ``keep_predictions`` (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
     updates: dict[str, Any] = {
-        "eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False,
-        "metric_for_best_model": None, "callbacks": [], "report_to": [], "eval_on_start": False,
-        "ckpt_output_dir": output_dir, "resume_from_checkpoint": None,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "load_best_model_at_end": False,
+        "metric_for_best_model": None,
+        "callbacks": [],
+        "report_to": [],
+        "eval_on_start": False,
+        "ckpt_output_dir": output_dir,
+        "resume_from_checkpoint": None,
     }
     if keep_predictions and args.compute_metrics is None:
         updates["compute_metrics"] = no_metrics

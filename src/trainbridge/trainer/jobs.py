@@ -68,8 +68,9 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
 
     layout = env.on_rank_zero(write, "writing the evaluation data") if env is not None else write()
     world_size = env.world_size if env is not None else world_size_of(launch_args(trainer))
-    args = job_args.evaluation_args(job_args.training_args(trainer, layout, world_size, None), folder.job_output,
-                                    keep_predictions)
+    args = job_args.evaluation_args(
+        job_args.training_args(trainer, layout, world_size, None), folder.job_output, keep_predictions
+    )
     job = FacadeJob("evaluate", args, folder.root, keep_predictions=keep_predictions)
     if env is not None:
         outcome = run_job(job, env)
@@ -113,8 +114,13 @@ def launch(job: FacadeJob, torchrun_args: TorchrunArgs) -> RunResult | None:
 
 
 def _write_training_inputs(trainer: Trainer) -> run_folder.RunLayout:
-    return run_folder.write_training_inputs(trainer._folder, trainer._model_source_for_jobs(),
-                                            trainer._row_preparation(), trainer.train_dataset, trainer.eval_dataset)
+    return run_folder.write_training_inputs(
+        trainer._folder,
+        trainer._model_source_for_jobs(),
+        trainer._row_preparation(),
+        trainer.train_dataset,
+        trainer.eval_dataset,
+    )
 
 
 def _train_in_place(trainer: Trainer, resume: Any) -> JobOutcome:

@@ -57,7 +57,7 @@ def prefixed(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     out = {}
     for key, value in metrics.items():
         if key.startswith("eval_"):
-            key = f"{prefix}_{key[len('eval_'):]}"
+            key = f"{prefix}_{key[len('eval_') :]}"
         out[key] = value
     return out
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.core.run_dir import FacadeDir
-from trainbridge.trainer import inputs
+from trainbridge.trainer import script_data
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,13 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class RowPreparation:
-    """How the datasets' rows are prepared for the workers (``inputs.prepare_rows``)."""
+    """How the datasets' rows are prepared for the workers (``script_data.prepare_rows``)."""
 
-    collator: inputs.CollatorChoice
+    collator: script_data.CollatorChoice
     pad_token_id: int | None
     items: bool = False
-    """The workers train on the model's own loss over the datasets' items (``inputs.uses_sample_batches``):
-    every column is written, tensors kept as tensors (``inputs.as_item_dataset``)."""
+    """The workers train on the model's own loss over the datasets' items (``script_data.uses_sample_batches``):
+    every column is written, tensors kept as tensors (``script_data.as_item_dataset``)."""
 
 
 def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | None]:
@@ -67,15 +67,17 @@ def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | No
         return source.folder, tokenizer_path
     if source.trained is not None and source.model is None:
         return source.trained, None
-    return inputs.write_model(source.model, source.tokenizer, folder.model), None
+    return script_data.write_model(source.model, source.tokenizer, folder.model), None
 
 
 def write_rows(dataset: Any, target: Path, what: str, rows: RowPreparation) -> tuple[Path, int | None]:
     """``dataset``'s rows written as Arrow into ``target`` -> ``(path, longest row)`` (None for items)."""
     if rows.items:
-        return inputs.write_dataset(inputs.as_item_dataset(dataset, what), target), None
-    prepared, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), rows.collator, rows.pad_token_id)
-    return inputs.write_dataset(prepared, target), longest
+        return script_data.write_dataset(script_data.as_item_dataset(dataset, what), target), None
+    prepared, longest = script_data.prepare_rows(
+        script_data.as_hf_dataset(dataset, what), rows.collator, rows.pad_token_id
+    )
+    return script_data.write_dataset(prepared, target), longest
 
 
 def is_dataset_dict(data: Any) -> bool:
@@ -83,8 +85,9 @@ def is_dataset_dict(data: Any) -> bool:
     return isinstance(data, Mapping)
 
 
-def write_eval_sets(data: Any, folder: FacadeDir, rows: RowPreparation) -> tuple[Path | None, dict[str, Path],
-                                                                                 int | None]:
+def write_eval_sets(
+    data: Any, folder: FacadeDir, rows: RowPreparation
+) -> tuple[Path | None, dict[str, Path], int | None]:
     """Evaluation data written into ``folder``: one dataset -> ``(its path, {}, longest)``; a dict (Trainer's
     named sets), each into ``eval_data(i)`` -> ``(None, {set: path}, longest of all)``."""
     if not is_dataset_dict(data):
@@ -97,8 +100,9 @@ def write_eval_sets(data: Any, folder: FacadeDir, rows: RowPreparation) -> tuple
     return None, paths, longest_of_all or None
 
 
-def write_training_inputs(folder: FacadeDir, source: ModelSource, rows: RowPreparation, train_dataset: Any,
-                          eval_dataset: Any) -> RunLayout:
+def write_training_inputs(
+    folder: FacadeDir, source: ModelSource, rows: RowPreparation, train_dataset: Any, eval_dataset: Any
+) -> RunLayout:
     """A train job's inputs: the model, ``train_dataset`` and ``eval_dataset`` (one dataset ->
     ``val_data_path``; a dict -> ``eval_data_paths``).  Clears the previous job's outputs first."""
     folder.root.mkdir(parents=True, exist_ok=True)
@@ -108,15 +112,22 @@ def write_training_inputs(folder: FacadeDir, source: ModelSource, rows: RowPrepa
     if train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset")
     data_path, longest = write_rows(train_dataset, folder.train_data, "train_dataset", rows)
-    val_path, sets, eval_longest = (None, {}, None) if eval_dataset is None else write_eval_sets(
-        eval_dataset, folder, rows)
-    return RunLayout(model_path=model_path, tokenizer_path=tokenizer_path, data_path=data_path,
-                     val_data_path=val_path, eval_data_paths=sets,
-                     longest=max(longest or 0, eval_longest or 0) or None)
+    val_path, sets, eval_longest = (
+        (None, {}, None) if eval_dataset is None else write_eval_sets(eval_dataset, folder, rows)
+    )
+    return RunLayout(
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        data_path=data_path,
+        val_data_path=val_path,
+        eval_data_paths=sets,
+        longest=max(longest or 0, eval_longest or 0) or None,
+    )
 
 
-def write_evaluation_inputs(folder: FacadeDir, model: ModelSource | Path, rows: RowPreparation,
-                            dataset: Any) -> RunLayout:
+def write_evaluation_inputs(
+    folder: FacadeDir, model: ModelSource | Path, rows: RowPreparation, dataset: Any
+) -> RunLayout:
     """An evaluation job's inputs in ``folder`` (``FacadeDir.evaluation``): the model (``model``: a folder
     holding the current weights already, or the Trainer's to write) and ``dataset``, one (``val_data_path``)
     or a dict of them (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first
@@ -126,5 +137,11 @@ def write_evaluation_inputs(folder: FacadeDir, model: ModelSource | Path, rows: 
     model_path, tokenizer_path = (model, None) if isinstance(model, Path) else write_model(folder, model)
     path, sets, longest = write_eval_sets(dataset, folder, rows)
     data_path = path if path is not None else next(iter(sets.values()))
-    return RunLayout(model_path=model_path, tokenizer_path=tokenizer_path, data_path=data_path,
-                     val_data_path=path, eval_data_paths=sets, longest=longest)
+    return RunLayout(
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        data_path=data_path,
+        val_data_path=path,
+        eval_data_paths=sets,
+        longest=longest,
+    )

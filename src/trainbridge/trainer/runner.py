@@ -93,8 +93,11 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
             # the launcher expects a result from every job; an evaluation trained no step
             job.args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
             RunResult(global_step=0, epoch=0.0, max_steps=0).write(result_file(job.args.ckpt_output_dir))
-            write_signed({"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
-                         FacadeDir(job.run_dir).evaluation_file, job.result_key)
+            write_signed(
+                {"metrics": metrics, "predictions": predictions if job.keep_predictions else None},
+                FacadeDir(job.run_dir).evaluation_file,
+                job.result_key,
+            )
         return JobOutcome(loop=loop, metrics=metrics, predictions=predictions)
     raise ValueError(f"unknown facade job kind {job.kind!r}")
 
@@ -135,9 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"{PAYLOAD_KEY_ENV}/{JOB_ENV} not set: this worker is started by trainbridge.Trainer")
 
     def job(args: TrainingArgs, env: DistributedEnv) -> None:
-        run_job(FacadeJob(kind=spec["kind"], args=args, run_dir=Path(spec["run_dir"]),
-                          keep_predictions=bool(spec.get("keep_predictions")),
-                          result_key=os.environ.get(RESULT_KEY_ENV)), env)
+        run_job(
+            FacadeJob(
+                kind=spec["kind"],
+                args=args,
+                run_dir=Path(spec["run_dir"]),
+                keep_predictions=bool(spec.get("keep_predictions")),
+                result_key=os.environ.get(RESULT_KEY_ENV),
+            ),
+            env,
+        )
 
     return run_worker(argv, "trainbridge.trainer.runner", job)
 

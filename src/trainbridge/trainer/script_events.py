@@ -39,8 +39,16 @@ class ScriptEvents:
         self._handler: CallbackHandler | None = None
         self._built_from: list[Any] = []
 
-    def fire(self, hook: str, args: Any, state: TrainerState, callbacks: list[Any], model: Any,
-             processing_class: Any, **kwargs: Any) -> TrainerControl:
+    def fire(
+        self,
+        hook: str,
+        args: Any,
+        state: TrainerState,
+        callbacks: list[Any],
+        model: Any,
+        processing_class: Any,
+        **kwargs: Any,
+    ) -> TrainerControl:
         """Call ``hook`` (``on_log``, ``on_evaluate``, ``on_predict``) on every ``TrainerCallback`` in
         ``callbacks`` with ``args``, ``state`` and ``control``; returns the control they leave.  ``args`` that
         are not ``TrainingArguments`` (trainbridge's own) have no Trainer callbacks to serve: nothing fires."""
@@ -50,8 +58,9 @@ class ScriptEvents:
         self.control = getattr(handler, hook)(args, state, self.control, **kwargs)
         return self.control
 
-    def _handler_for(self, args: TrainingArguments, callbacks: list[Any], model: Any,
-                     processing_class: Any) -> CallbackHandler:
+    def _handler_for(
+        self, args: TrainingArguments, callbacks: list[Any], model: Any, processing_class: Any
+    ) -> CallbackHandler:
         """transformers' handler over Trainer's default callbacks and the script's (rebuilt when the script
         added or removed one: instances are kept, classes instantiated once per build)."""
         if self._handler is None or self._built_from != list(callbacks):

@@ -26,11 +26,30 @@ from typing import Any
 import torch
 
 UNHONOURED = (
-    "training_step", "prediction_step", "evaluate", "evaluation_loop", "log", "create_optimizer",
-    "create_scheduler", "create_optimizer_and_scheduler", "get_train_dataloader", "get_eval_dataloader",
-    "get_test_dataloader", "_get_train_sampler", "_get_eval_sampler", "_save", "_save_checkpoint", "save_model",
-    "_maybe_log_save_evaluate", "_inner_training_loop", "_prepare_inputs", "get_batch_samples",
-    "compute_loss_context_manager", "_load_from_checkpoint", "_load_best_model", "_wrap_model",
+    "training_step",
+    "prediction_step",
+    "evaluate",
+    "evaluation_loop",
+    "log",
+    "create_optimizer",
+    "create_scheduler",
+    "create_optimizer_and_scheduler",
+    "get_train_dataloader",
+    "get_eval_dataloader",
+    "get_test_dataloader",
+    "_get_train_sampler",
+    "_get_eval_sampler",
+    "_save",
+    "_save_checkpoint",
+    "save_model",
+    "_maybe_log_save_evaluate",
+    "_inner_training_loop",
+    "_prepare_inputs",
+    "get_batch_samples",
+    "compute_loss_context_manager",
+    "_load_from_checkpoint",
+    "_load_best_model",
+    "_wrap_model",
 )
 """Trainer methods that Trainer calls during training and trainbridge's loop does not: overriding one in a
 script's subclass is refused at construction, naming it."""
@@ -139,18 +158,27 @@ class SubclassLoss:
             from trainbridge.step.model_loss import accepts_loss_kwargs
 
             instance.__dict__.update(
-                args=self.args, model=inner, state=TrainerState(), processing_class=self.processing_class,
-                compute_loss_func=self.compute_loss_func, model_accepts_loss_kwargs=accepts_loss_kwargs(inner),
-                label_smoother=LabelSmoother(epsilon=smoothing) if smoothing else None, _worker_accelerator=accelerator,
-                _env=None, callbacks=[], model_init=None,
+                args=self.args,
+                model=inner,
+                state=TrainerState(),
+                processing_class=self.processing_class,
+                compute_loss_func=self.compute_loss_func,
+                model_accepts_loss_kwargs=accepts_loss_kwargs(inner),
+                label_smoother=LabelSmoother(epsilon=smoothing) if smoothing else None,
+                _worker_accelerator=accelerator,
+                _env=None,
+                callbacks=[],
+                model_init=None,
             )
             self._instance = instance
         return self._instance
 
-    def __call__(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-                 num_items_in_batch: Any = None) -> Any:
-        return self.trainer(model).compute_loss(model, inputs, return_outputs=return_outputs,
-                                                num_items_in_batch=num_items_in_batch)
+    def __call__(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        return self.trainer(model).compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
 
 def subclass_loss(trainer: Any) -> SubclassLoss | None:
@@ -161,15 +189,17 @@ def subclass_loss(trainer: Any) -> SubclassLoss | None:
     return SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
 
 
-def default_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-                         num_items_in_batch: Any = None) -> Any:
+def default_compute_loss(
+    trainer: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+) -> Any:
     """``Trainer.compute_loss`` on a worker-side instance (see the module doc)."""
     from trainbridge.step.model_loss import loss_of
 
     compute_loss_func = getattr(trainer, "compute_loss_func", None)
     smoother = getattr(trainer, "label_smoother", None)
-    labels = inputs.pop("labels") if (smoother is not None or compute_loss_func is not None) and "labels" in inputs \
-        else None
+    labels = (
+        inputs.pop("labels") if (smoother is not None or compute_loss_func is not None) and "labels" in inputs else None
+    )
     if getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
         inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
     outputs = model(**inputs)

@@ -27,9 +27,21 @@ from trainbridge.trl.preference_loss import DPOLossSettings, SequenceLogps, dpo_
 from trainbridge.trl.sequence_logps import pack_pairs, sequence_stats
 
 METRIC_COLUMNS = (
-    "entropy_sum", "completion_tokens", "input_tokens", "chosen_logits", "chosen_tokens", "rejected_logits",
-    "rejected_tokens", "chosen_top1", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-    "rewards/margins", "logps/chosen", "logps/rejected", "pairs",
+    "entropy_sum",
+    "completion_tokens",
+    "input_tokens",
+    "chosen_logits",
+    "chosen_tokens",
+    "rejected_logits",
+    "rejected_tokens",
+    "chosen_top1",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "pairs",
 )
 """One micro-batch's sums, in the order ``metric_sums`` reports them."""
 
@@ -47,8 +59,17 @@ class PairBatches:
     batch_size: int | None
     """Pairs per micro-batch (``per_device_train_batch_size``)."""
 
-    def __init__(self, dataset: Any, pairs_per_micro: int, micro_per_step: int, world_size: int, rank: int,
-                 seed: int, max_length: int | None, truncation_mode: str = "keep_start") -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        pairs_per_micro: int,
+        micro_per_step: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        max_length: int | None,
+        truncation_mode: str = "keep_start",
+    ) -> None:
         self.dataset = dataset
         self.batch_size = self.pairs_per_micro = pairs_per_micro
         self.micro_per_step = micro_per_step
@@ -57,8 +78,10 @@ class PairBatches:
         self.pairs_per_step = pairs_per_micro * micro_per_step * world_size
         self.steps_per_epoch = len(dataset) // self.pairs_per_step
         if self.steps_per_epoch == 0:
-            raise ValueError(f"train_dataset: {len(dataset)} pairs, fewer than one step's {self.pairs_per_step} "
-                             "(per_device_train_batch_size x gradient_accumulation_steps x ranks); use a smaller batch")
+            raise ValueError(
+                f"train_dataset: {len(dataset)} pairs, fewer than one step's {self.pairs_per_step} "
+                "(per_device_train_batch_size x gradient_accumulation_steps x ranks); use a smaller batch"
+            )
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -67,19 +90,20 @@ class PairBatches:
         order = list(range(len(self.dataset)))
         random.Random(self.seed + epoch).shuffle(order)
         n = self.pairs_per_step
-        return PairPlan([order[i * n:(i + 1) * n] for i in range(self.steps_per_epoch)])
+        return PairPlan([order[i * n : (i + 1) * n] for i in range(self.steps_per_epoch)])
 
     def micro_batches(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """This rank's micro-batches of a step's pairs (``indices``, every rank's)."""
         per_rank = len(indices) // self.world_size
-        mine = list(indices[self.rank * per_rank:(self.rank + 1) * per_rank])
+        mine = list(indices[self.rank * per_rank : (self.rank + 1) * per_rank])
         size = self.pairs_per_micro
-        return [self.micro_batch(mine[i:i + size]) for i in range(0, len(mine), size)]
+        return [self.micro_batch(mine[i : i + size]) for i in range(0, len(mine), size)]
 
     def micro_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         rows = self.dataset[list(indices)]
-        packed = pack_pairs(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], self.max_length,
-                            self.truncation_mode)
+        packed = pack_pairs(
+            rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], self.max_length, self.truncation_mode
+        )
         batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
         batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
         if "ref_chosen_logps" in rows:
@@ -94,8 +118,9 @@ class PreferenceStep(TrainStep):
     name = "DPO (preference pairs, chosen and rejected in one padding-free forward)"
     train_batches: PairBatches
 
-    def __init__(self, train_batches: PairBatches, settings: DPOLossSettings,
-                 ref_model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, train_batches: PairBatches, settings: DPOLossSettings, ref_model: torch.nn.Module | None = None
+    ) -> None:
         self.train_batches = train_batches
         self.settings = settings
         self.ref_model = ref_model
@@ -109,10 +134,15 @@ class PreferenceStep(TrainStep):
     def prepare(self, step: list[int]) -> StepBatches:
         micro = self.train_batches.micro_batches(step)
         every = self.train_batches.micro_batch(step)["packed"]  # every rank's pairs: the step's counts
-        chosen_tokens = float(every.completion_tokens[:every.pairs].sum())
+        chosen_tokens = float(every.completion_tokens[: every.pairs].sum())
         self._chosen_tokens = chosen_tokens
-        return StepBatches(micro, [float(b["packed"].pairs) for b in micro], float(len(step)), len(step),
-                           int(every.batch["input_ids"].numel()))
+        return StepBatches(
+            micro,
+            [float(b["packed"].pairs) for b in micro],
+            float(len(step)),
+            len(step),
+            int(every.batch["input_ids"].numel()),
+        )
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         packed, s = batch["packed"], self.settings
@@ -128,11 +158,13 @@ class PreferenceStep(TrainStep):
         if s.use_weighting:
             mean_aligned = stats.aligned_logps / tokens.clamp(min=1)
             weights = pair_weights(*mean_aligned.chunk(2))
-        terms = dpo_loss_terms(policy, reference, s, tokens[:packed.pairs], tokens[packed.pairs:], weights)
+        terms = dpo_loss_terms(policy, reference, s, tokens[: packed.pairs], tokens[packed.pairs :], weights)
         step_pairs = float(self.train_batches.pairs_per_step)
         counts = {"pairs": step_pairs, "chosen_tokens": max(self._chosen_tokens, 1.0)}
-        loss = sum((t.weight * t.total * (step_pairs / counts[t.normaliser]) for t in terms),
-                   torch.zeros((), device=policy.chosen.device))
+        loss = sum(
+            (t.weight * t.total * (step_pairs / counts[t.normaliser]) for t in terms),
+            torch.zeros((), device=policy.chosen.device),
+        )
         self._rows.append(self._metric_row(stats, policy, reference, packed))
         return loss
 
@@ -143,11 +175,21 @@ class PreferenceStep(TrainStep):
             rejected_rewards = self.settings.beta * (policy.rejected - reference.rejected).detach()
             tokens = stats.tokens.float()
             values = [
-                stats.entropy.sum(), tokens.sum(), torch.tensor(float(packed.batch["input_ids"].numel())),
-                stats.mean_logits[:pairs].sum(), tokens[:pairs].sum(), stats.mean_logits[pairs:].sum(),
-                tokens[pairs:].sum(), stats.top1[:pairs].sum(), chosen_rewards.sum(), rejected_rewards.sum(),
-                (chosen_rewards > rejected_rewards).float().sum(), (chosen_rewards - rejected_rewards).sum(),
-                policy.chosen.detach().sum(), policy.rejected.detach().sum(), torch.tensor(float(pairs)),
+                stats.entropy.sum(),
+                tokens.sum(),
+                torch.tensor(float(packed.batch["input_ids"].numel())),
+                stats.mean_logits[:pairs].sum(),
+                tokens[:pairs].sum(),
+                stats.mean_logits[pairs:].sum(),
+                tokens[pairs:].sum(),
+                stats.top1[:pairs].sum(),
+                chosen_rewards.sum(),
+                rejected_rewards.sum(),
+                (chosen_rewards > rejected_rewards).float().sum(),
+                (chosen_rewards - rejected_rewards).sum(),
+                policy.chosen.detach().sum(),
+                policy.rejected.detach().sum(),
+                torch.tensor(float(pairs)),
             ]
             device = policy.chosen.device
             return torch.stack([v.to(device, torch.float64) for v in values])
@@ -160,7 +202,7 @@ class PreferenceStep(TrainStep):
     def add_metric_sums(self, sums: Sequence[float]) -> None:
         width = len(METRIC_COLUMNS)
         for i in range(0, len(sums), width):
-            self._logged.append(list(sums[i:i + width]))
+            self._logged.append(list(sums[i : i + width]))
 
     def metric_logs(self) -> dict[str, float]:
         """trl's DPO log: each micro-batch's ratios over every rank, averaged over the micro-batches."""
@@ -183,13 +225,20 @@ class PreferenceStep(TrainStep):
             "logits/rejected": mean(share("rejected_logits", "rejected_tokens")),
             "mean_token_accuracy": mean(share("chosen_top1", "chosen_tokens")),
         }
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                    "logps/chosen", "logps/rejected"):
+        for key in (
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/accuracies",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ):
             logs[key] = mean(share(key, "pairs"))
         return logs
 
-    def eval_batch(self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any],
-                   outputs: bool, rows: int = 0) -> EvalOutput:
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
         with torch.no_grad():
             loss = self.micro_loss(model, batch, float(batch["packed"].pairs))
         self._rows.pop()
@@ -198,5 +247,7 @@ class PreferenceStep(TrainStep):
 
     def describe_batches(self, effective_batch_size: int) -> str:
         b = self.train_batches
-        return (f"{b.pairs_per_step} preference pairs per step (all ranks); {b.micro_per_step} micro-batches of "
-                f"{b.pairs_per_micro} pairs per rank, chosen and rejected packed padding-free")
+        return (
+            f"{b.pairs_per_step} preference pairs per step (all ranks); {b.micro_per_step} micro-batches of "
+            f"{b.pairs_per_micro} pairs per rank, chosen and rejected packed padding-free"
+        )

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from trainbridge.data.collate import CollatedBatch
-from trainbridge.data.dataset import IGNORE_INDEX
 from trainbridge.data.loss import forward_logits
+from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.varlen_attention import sample_segments
 from trainbridge.trl.preference_loss import SequenceLogps
 

@@ -48,8 +48,9 @@ def token_ce_sum(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
 
 
-def train_step(engine: TrainingEngine, batches: list[torch.Tensor], global_tokens: int, scale: int,
-               max_norm: float | None) -> tuple[float, float]:
+def train_step(
+    engine: TrainingEngine, batches: list[torch.Tensor], global_tokens: int, scale: int, max_norm: float | None
+) -> tuple[float, float]:
     """One optimizer step over ``batches``; returns (this rank's CE sum, grad norm)."""
     ce_total = 0.0
     for i, ids in enumerate(batches):
@@ -91,29 +92,42 @@ def local_full_weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def check_weights_from_rank0(model_dir: Path, args: TrainingArgs, env: DistributedEnv, every_rank: TrainingEngine,
-                             batches: list[list[torch.Tensor]], global_tokens: int, total_steps: int,
-                             step: bool = False) -> dict[str, Any]:
+def check_weights_from_rank0(
+    model_dir: Path,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    every_rank: TrainingEngine,
+    batches: list[list[torch.Tensor]],
+    global_tokens: int,
+    total_steps: int,
+    step: bool = False,
+) -> dict[str, Any]:
     """FSDP2 built from rank 0's weights (the other ranks from a meta skeleton) vs ``every_rank`` (every rank
     loaded them): parameters, buffers, tied weights, and (``step``: on both, once) a step's loss."""
-    model = (AutoModelForCausalLM.from_pretrained(model_dir) if env.is_world_process_zero
-             else build_skeleton(model_dir, args.model_kwargs))
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir)
+        if env.is_world_process_zero
+        else build_skeleton(model_dir, args.model_kwargs)
+    )
     skeleton_was_meta = all(p.is_meta for p in model.parameters())
     engine = build_engine(model, args, env, total_steps, weights_from_rank0=True)
     unwrapped = engine.unwrapped
     found: dict[str, Any] = {
         "skeleton_was_meta": skeleton_was_meta,
         "param_max_diff": max_diff(local_full_weights(engine), local_full_weights(every_rank)),
-        "buffer_max_diff": max(float((a - b).abs().max()) for a, b in
-                               zip(unwrapped.buffers(), every_rank.unwrapped.buffers(), strict=True)),
+        "buffer_max_diff": max(
+            float((a - b).abs().max()) for a, b in zip(unwrapped.buffers(), every_rank.unwrapped.buffers(), strict=True)
+        ),
         "tied": unwrapped.get_output_embeddings().weight is unwrapped.get_input_embeddings().weight,
-        "tied_in_reference": (every_rank.unwrapped.get_output_embeddings().weight
-                              is every_rank.unwrapped.get_input_embeddings().weight),
+        "tied_in_reference": (
+            every_rank.unwrapped.get_output_embeddings().weight is every_rank.unwrapped.get_input_embeddings().weight
+        ),
     }
     if step:
         ce, norm = train_step(engine, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
-        reference_ce, reference_norm = train_step(every_rank, batches[env.rank], global_tokens, env.world_size,
-                                                  args.max_grad_norm)
+        reference_ce, reference_norm = train_step(
+            every_rank, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm
+        )
         found["loss"] = env.sum_floats([ce])[0]
         found["reference_loss"] = env.sum_floats([reference_ce])[0]
         found["norm"], found["reference_norm"] = norm, reference_norm
@@ -182,8 +196,9 @@ def main(spec: dict[str, Any]) -> None:
         result["local_shard_fraction"] = sum(p.to_local().numel() for p in params) / full_numel
 
     if engine.kind == "fsdp":
-        result["from_rank0"] = [check_weights_from_rank0(Path(spec["model_dir"]), args, env, engine, batches,
-                                                         global_tokens, total_steps)]
+        result["from_rank0"] = [
+            check_weights_from_rank0(Path(spec["model_dir"]), args, env, engine, batches, global_tokens, total_steps)
+        ]
         tied_dir = out_dir / "tied_model"
         if env.is_world_process_zero:
             config = AutoConfig.from_pretrained(spec["model_dir"])
@@ -193,12 +208,12 @@ def main(spec: dict[str, Any]) -> None:
         env.barrier()
         torch.manual_seed(0)
         tied = build_engine(AutoModelForCausalLM.from_pretrained(tied_dir), args, env, total_steps)
-        result["from_rank0"].append(check_weights_from_rank0(tied_dir, args, env, tied, batches, global_tokens,
-                                                             total_steps, step=True))
+        result["from_rank0"].append(
+            check_weights_from_rank0(tied_dir, args, env, tied, batches, global_tokens, total_steps, step=True)
+        )
 
     # Single-process reference: all ranks' micro-batches through one plain model.
-    reference = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, DistributedEnv(),
-                             total_steps)
+    reference = build_engine(AutoModelForCausalLM.from_pretrained(args.model_path), args, DistributedEnv(), total_steps)
     every_batch = [ids for rank_batches in batches for ids in rank_batches]
 
     losses, norms, reference_norms = [], [], []
@@ -223,8 +238,9 @@ def main(spec: dict[str, Any]) -> None:
 
     # Checkpoint at step STEPS, then one more step: the uninterrupted continuation.
     manager = CheckpointManager(args.ckpt_output_dir, env, save_total_limit=None)
-    checkpoint = manager.save(engine, None, STEPS, {"global_step": STEPS, "rank_count": env.world_size},
-                              {"note.txt": "hello"})
+    checkpoint = manager.save(
+        engine, None, STEPS, {"global_step": STEPS, "rank_count": env.world_size}, {"note.txt": "hello"}
+    )
     # The same state with the HF-layout weights exported in bf16 (the training weights are fp32).
     bf16_manager = CheckpointManager(out_dir / "bf16", env, save_total_limit=None, weights_dtype=torch.bfloat16)
     bf16_checkpoint = bf16_manager.save(engine, None, STEPS, {"global_step": STEPS}, {})
@@ -248,8 +264,10 @@ def main(spec: dict[str, Any]) -> None:
     train_step(resumed, batches[env.rank], global_tokens, env.world_size, args.max_grad_norm)
     result["resume_max_diff"] = max_diff(local_full_weights(resumed), continued)
     # where resume reads the weights: the checkpoint's own shards (FSDP2, a lower-precision export) or not
-    result["model_state_in_dcp"] = {"plain": has_model_state(resumed, checkpoint),
-                                    "bf16": has_model_state(resumed, bf16_checkpoint)}
+    result["model_state_in_dcp"] = {
+        "plain": has_model_state(resumed, checkpoint),
+        "bf16": has_model_state(resumed, bf16_checkpoint),
+    }
     resumed_from = {"bf16": bf16_checkpoint, "async": async_checkpoint}
     for name, path in resumed_from.items():  # each from the original weights again
         torch.manual_seed(0)
@@ -260,8 +278,9 @@ def main(spec: dict[str, Any]) -> None:
     if env.is_world_process_zero:
         from safetensors.torch import load_file
 
-        result["bf16_export_dtypes"] = sorted({str(t.dtype) for t in
-                                               load_file(bf16_checkpoint / "model.safetensors").values()})
+        result["bf16_export_dtypes"] = sorted(
+            {str(t.dtype) for t in load_file(bf16_checkpoint / "model.safetensors").values()}
+        )
         result["bf16_checkpoint_files"] = sorted(p.name for p in bf16_checkpoint.iterdir())
     result["latest"] = str(manager.latest())
 

@@ -50,7 +50,8 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 def rows(n, seed):
     texts = [p + a for p, a in arithmetic_problems(n, seed)]
     return datasets.Dataset.from_dict({"text": texts}).map(
-        lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+        lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"]
+    )
 
 
 train = rows(96, 1)
@@ -68,8 +69,11 @@ def compute_metrics(eval_pred):
     mask = labels != -100
     # the first character of each row (label 1: label 0 is <s>) identifies it; records order and count
     first = [int(row[1]) for row in eval_pred.label_ids]
-    return {"accuracy": float((preds[mask] == labels[mask]).mean()), "num_rows": float(len(first)),
-            "row_checksum": float(np.sum(np.arange(len(first)) * np.array(first)))}
+    return {
+        "accuracy": float((preds[mask] == labels[mask]).mean()),
+        "num_rows": float(len(first)),
+        "row_checksum": float(np.sum(np.arange(len(first)) * np.array(first))),
+    }
 
 
 class EventsAfterTraining(TrainerCallback):
@@ -96,18 +100,35 @@ class EventsAfterTraining(TrainerCallback):
 
 after_training = EventsAfterTraining()
 args = TrainingArguments(
-    output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-    learning_rate=3e-3, lr_scheduler_type="constant", num_train_epochs=2, logging_steps=2,
-    eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
-    per_device_eval_batch_size=5, metric_for_best_model="a_accuracy" if EVAL_DICT else "accuracy",
+    output_dir=str(out),
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=1,
+    learning_rate=3e-3,
+    lr_scheduler_type="constant",
+    num_train_epochs=2,
+    logging_steps=2,
+    eval_strategy="steps",
+    eval_steps=4,
+    save_strategy="steps",
+    save_steps=4,
+    save_total_limit=2,
+    per_device_eval_batch_size=5,
+    metric_for_best_model="a_accuracy" if EVAL_DICT else "accuracy",
     load_best_model_at_end=True,
-    report_to="none", use_cpu=True, seed=3, disable_tqdm=True,
+    report_to="none",
+    use_cpu=True,
+    seed=3,
+    disable_tqdm=True,
 )
 trainer = Trainer(
-    model=model, args=args, train_dataset=train, eval_dataset={"a": val, "b": rows(11, 4)} if EVAL_DICT else val,
+    model=model,
+    args=args,
+    train_dataset=train,
+    eval_dataset={"a": val, "b": rows(11, 4)} if EVAL_DICT else val,
     processing_class=tokenizer,
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+    compute_metrics=compute_metrics,
+    preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
     callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0), after_training],
 )
@@ -118,19 +139,30 @@ prediction = trainer.predict(val)
 trainer.save_model(str(out / "final"))
 if trainer.is_world_process_zero():
     summary = {
-        "global_step": result.global_step, "train_metrics": sorted(result.metrics),
-        "eval_metrics": metrics, "best": trainer.state.best_model_checkpoint,
+        "global_step": result.global_step,
+        "train_metrics": sorted(result.metrics),
+        "eval_metrics": metrics,
+        "best": trainer.state.best_model_checkpoint,
         "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
-        "eval_log_steps": [[e["step"], sorted(k for k in e if k.startswith("eval_"))]
-                           for e in trainer.state.log_history if any(k.startswith("eval_") for k in e)],
+        "eval_log_steps": [
+            [e["step"], sorted(k for k in e if k.startswith("eval_"))]
+            for e in trainer.state.log_history
+            if any(k.startswith("eval_") for k in e)
+        ],
         "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
         "final_files": sorted(f.name for f in (out / "final").iterdir()),
-        "predict": {"shape": list(prediction.predictions.shape), "metrics": sorted(prediction.metrics),
-                    "labels_rows": len(prediction.label_ids)},
+        "predict": {
+            "shape": list(prediction.predictions.shape),
+            "metrics": sorted(prediction.metrics),
+            "labels_rows": len(prediction.label_ids),
+        },
         "events_after_training": after_training.events,
-        "state": {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
-                  "epoch": trainer.state.epoch},
+        "state": {
+            "global_step": trainer.state.global_step,
+            "best_metric": trainer.state.best_metric,
+            "epoch": trainer.state.epoch,
+        },
         "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

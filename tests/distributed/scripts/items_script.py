@@ -70,8 +70,9 @@ class DataCollatorForSupervisedDataset:
 
     def __call__(self, instances):
         input_ids, labels = tuple([instance[key] for instance in instances] for key in ("input_ids", "labels"))
-        input_ids = torch.nn.utils.rnn.pad_sequence(input_ids, batch_first=True,
-                                                    padding_value=self.tokenizer.pad_token_id)
+        input_ids = torch.nn.utils.rnn.pad_sequence(
+            input_ids, batch_first=True, padding_value=self.tokenizer.pad_token_id
+        )
         labels = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value=-100)
         return dict(input_ids=input_ids, labels=labels, attention_mask=input_ids.ne(self.tokenizer.pad_token_id))
 
@@ -81,43 +82,82 @@ def accuracy(eval_pred):
     return {"accuracy": float((np.argmax(predictions, axis=-1) == labels).mean())}
 
 
-common = dict(output_dir=str(out), report_to="none", use_cpu=True, seed=3, disable_tqdm=True,
-              per_device_train_batch_size=4, logging_steps=2)
+common = dict(
+    output_dir=str(out),
+    report_to="none",
+    use_cpu=True,
+    seed=3,
+    disable_tqdm=True,
+    per_device_train_batch_size=4,
+    logging_steps=2,
+)
 if kind == "alpaca":
     tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.resize_token_embeddings(len(tokenizer))
-    args = TrainingArguments(**common, learning_rate=3e-3, lr_scheduler_type="constant", max_steps=10,
-                             save_strategy="no")
-    trainer = Trainer(model=model, args=args, train_dataset=SupervisedDataset(64, 1), processing_class=tokenizer,
-                      data_collator=DataCollatorForSupervisedDataset(tokenizer))
+    args = TrainingArguments(
+        **common, learning_rate=3e-3, lr_scheduler_type="constant", max_steps=10, save_strategy="no"
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=SupervisedDataset(64, 1),
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSupervisedDataset(tokenizer),
+    )
 else:
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64, num_labels=2, pad_token_id=tokenizer.pad_token_id))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
 
     def rows(n, seed):
         rng = np.random.default_rng(seed)
         labels = rng.integers(0, 2, n).tolist()
-        texts = [("x" if label else "y") + "".join(rng.choice(list("abcdefgh"), rng.integers(3, 12)))
-                 for label in labels]
+        texts = [
+            ("x" if label else "y") + "".join(rng.choice(list("abcdefgh"), rng.integers(3, 12))) for label in labels
+        ]
         data = datasets.Dataset.from_dict({"sentence": texts, "label": labels, "idx": list(range(n))})
         return data.map(lambda b: tokenizer(b["sentence"]), batched=True)
 
-    args = TrainingArguments(**common, learning_rate=5e-3, num_train_epochs=6, eval_strategy="steps",
-                             eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
-                             per_device_eval_batch_size=5, metric_for_best_model="eval_accuracy",
-                             load_best_model_at_end=True)
-    trainer = Trainer(model=model, args=args, train_dataset=rows(64, 1), eval_dataset=rows(21, 2),
-                      processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=accuracy,
-                      callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)])
+    args = TrainingArguments(
+        **common,
+        learning_rate=5e-3,
+        num_train_epochs=6,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        save_total_limit=2,
+        per_device_eval_batch_size=5,
+        metric_for_best_model="eval_accuracy",
+        load_best_model_at_end=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=rows(64, 1),
+        eval_dataset=rows(21, 2),
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=accuracy,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
+    )
 result = trainer.train()
 if trainer.is_world_process_zero():
     history = trainer.state.log_history
     summary = {
-        "global_step": result.global_step, "train_metrics": sorted(result.metrics),
+        "global_step": result.global_step,
+        "train_metrics": sorted(result.metrics),
         "loss_steps": [e["step"] for e in history if "loss" in e],
         "eval_steps": [[e["step"], sorted(k for k in e if k.startswith("eval_"))] for e in history if "eval_loss" in e],
         "losses": [e["loss"] for e in history if "loss" in e],

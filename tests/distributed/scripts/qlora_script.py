@@ -26,21 +26,39 @@ else:
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0,
-                                             task_type="CAUSAL_LM"))
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    )
     texts = [f"{a}+{b}={a + b}" for a in range(20) for b in range(4)]
     data = Dataset.from_dict({"text": texts}).map(lambda row: tokenizer(row["text"]), remove_columns=["text"])
-    args = TrainingArguments(str(out), per_device_train_batch_size=4, max_steps=6, logging_steps=2, save_steps=3,
-                             learning_rate=1e-2, gradient_checkpointing=True,
-                             gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=3)
-    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    args = TrainingArguments(
+        str(out),
+        per_device_train_batch_size=4,
+        max_steps=6,
+        logging_steps=2,
+        save_steps=3,
+        learning_rate=1e-2,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=3,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
     trainer.train()
     if trainer.is_world_process_zero():
         lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]

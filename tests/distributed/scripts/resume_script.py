@@ -48,7 +48,8 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 def rows(n, seed):
     texts = [p + a for p, a in arithmetic_problems(n, seed)]
     return datasets.Dataset.from_dict({"text": texts}).map(
-        lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+        lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"]
+    )
 
 
 def compute_metrics(eval_pred):
@@ -59,16 +60,35 @@ def compute_metrics(eval_pred):
 
 
 args = TrainingArguments(
-    output_dir=str(out), per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="constant",
-    max_steps=max_steps, logging_steps=2, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
-    per_device_eval_batch_size=5, metric_for_best_model="accuracy", load_best_model_at_end=True,
-    include_num_input_tokens_seen="non_padding", restore_callback_states_from_checkpoint=True, report_to="none",
-    use_cpu=True, seed=3, disable_tqdm=True,
+    output_dir=str(out),
+    per_device_train_batch_size=4,
+    learning_rate=3e-3,
+    lr_scheduler_type="constant",
+    max_steps=max_steps,
+    logging_steps=2,
+    eval_strategy="steps",
+    eval_steps=4,
+    save_strategy="steps",
+    save_steps=4,
+    per_device_eval_batch_size=5,
+    metric_for_best_model="accuracy",
+    load_best_model_at_end=True,
+    include_num_input_tokens_seen="non_padding",
+    restore_callback_states_from_checkpoint=True,
+    report_to="none",
+    use_cpu=True,
+    seed=3,
+    disable_tqdm=True,
 )
 trainer = Trainer(
-    model=model, args=args, train_dataset=rows(96, 1), eval_dataset=rows(10, 2), processing_class=tokenizer,
+    model=model,
+    args=args,
+    train_dataset=rows(96, 1),
+    eval_dataset=rows(10, 2),
+    processing_class=tokenizer,
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    compute_metrics=compute_metrics, preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    compute_metrics=compute_metrics,
+    preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     callbacks=[EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=1.0)],
 )
 trainer.train(resume_from_checkpoint=True if "resume" in sys.argv[3:] else None)
@@ -82,12 +102,24 @@ if trainer.is_world_process_zero():
         "saved_rows": [[e["step"], sorted(e)] for e in saved["log_history"]],
         "accuracy": [[e["step"], e["eval_accuracy"]] for e in state.log_history if "eval_accuracy" in e],
         "last_tokens": state.log_history[-1].get("num_input_tokens_seen"),
-        "best_metric": state.best_metric, "best_global_step": state.best_global_step,
+        "best_metric": state.best_metric,
+        "best_global_step": state.best_global_step,
         "best_model_checkpoint": state.best_model_checkpoint,
-        "total_flos": state.total_flos, "num_input_tokens_seen": state.num_input_tokens_seen,
+        "total_flos": state.total_flos,
+        "num_input_tokens_seen": state.num_input_tokens_seen,
         "stateful_callbacks": state.stateful_callbacks,
-        "saved": {k: saved[k] for k in ("global_step", "best_metric", "best_global_step", "best_model_checkpoint",
-                                        "total_flos", "num_input_tokens_seen", "stateful_callbacks")},
+        "saved": {
+            k: saved[k]
+            for k in (
+                "global_step",
+                "best_metric",
+                "best_global_step",
+                "best_model_checkpoint",
+                "total_flos",
+                "num_input_tokens_seen",
+                "stateful_callbacks",
+            )
+        },
     }
     (out / f"summary-{max_steps}.json").write_text(json.dumps(summary, indent=1, default=str))
 trainer.end()

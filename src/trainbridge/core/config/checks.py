@@ -20,12 +20,18 @@ def check_consistent(args: TrainingArgs) -> None:
     if args.val_data_path is not None and args.validation_split > 0:
         raise ValueError("give val_data_path or validation_split, not both")
     if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
-        raise ValueError("eval_data_paths: give named validation sets or val_data_path/validation_split, "
-                         "not both (name the single set too: eval_data_paths={'main': ..., ...})")
+        raise ValueError(
+            "eval_data_paths: give named validation sets or val_data_path/validation_split, "
+            "not both (name the single set too: eval_data_paths={'main': ..., ...})"
+        )
     if args.eval_strategy == "steps" and args.eval_steps is None:
         raise ValueError("eval_steps: required when eval_strategy='steps'")
-    if (args.eval_strategy != "no" and args.val_data_path is None and args.validation_split == 0
-            and not args.eval_data_paths):
+    if (
+        args.eval_strategy != "no"
+        and args.val_data_path is None
+        and args.validation_split == 0
+        and not args.eval_data_paths
+    ):
         raise ValueError("eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0")
     if args.eval_data_paths and args.tracks_best_metric and args.best_metric_eval_set is None:
         raise ValueError(
@@ -47,11 +53,15 @@ def check_consistent(args: TrainingArgs) -> None:
             if args.save_steps % args.eval_steps:
                 raise ValueError("save_steps: must be a multiple of eval_steps with load_best_model_at_end")
     if args.nonfinite_policy == "skip" and args.distributed_backend == "deepspeed":
-        raise ValueError("nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
-                         "applies its update inside its own step); use 'error' or 'warn'")
+        raise ValueError(
+            "nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
+            "applies its update inside its own step); use 'error' or 'warn'"
+        )
     if args.data_collator is not None and args.packing == "padding_free":
-        raise ValueError("packing: 'padding_free' cannot be used with a data_collator (it needs padded "
-                         "micro-batches); leave packing='auto' or set data_collator=None")
+        raise ValueError(
+            "packing: 'padding_free' cannot be used with a data_collator (it needs padded "
+            "micro-batches); leave packing='auto' or set data_collator=None"
+        )
     if args.max_batch_len < args.max_seq_len and args.packing != "padded":
         raise ValueError(
             f"max_batch_len: {args.max_batch_len} is smaller than max_seq_len {args.max_seq_len}; "
@@ -59,8 +69,13 @@ def check_consistent(args: TrainingArgs) -> None:
         )
 
 
-OPTIMIZER_PACKAGES = {"adamw_8bit": "bitsandbytes", "adamw_bnb_8bit": "bitsandbytes", "paged_": "bitsandbytes",
-                      "lion_": "bitsandbytes", "schedule_free_": "schedulefree"}
+OPTIMIZER_PACKAGES = {
+    "adamw_8bit": "bitsandbytes",
+    "adamw_bnb_8bit": "bitsandbytes",
+    "paged_": "bitsandbytes",
+    "lion_": "bitsandbytes",
+    "schedule_free_": "schedulefree",
+}
 """The package an ``optim`` name needs (by name or prefix)."""
 
 
@@ -73,8 +88,10 @@ def check_optimizer(args: TrainingArgs) -> None:
         extra = "'trainbridge[qlora]' (bitsandbytes)" if package == "bitsandbytes" else package
         raise ValueError(f"optim={args.optim!r}: needs the {package} package; pip install {extra}")
     if args.distributed_backend == "deepspeed" and args.optim not in ("adamw_torch", "adamw_torch_fused"):
-        raise ValueError(f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
-                         "optim='adamw_torch' with distributed_backend='deepspeed', or ddp/fsdp for this optimizer")
+        raise ValueError(
+            f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
+            "optim='adamw_torch' with distributed_backend='deepspeed', or ddp/fsdp for this optimizer"
+        )
 
 
 def check_model(args: TrainingArgs) -> None:
@@ -93,12 +110,11 @@ def check_model(args: TrainingArgs) -> None:
             )
         task = getattr(config, "task_type", None)
         if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
-            raise ValueError(
-                f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)"
-            )
+            raise ValueError(f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)")
         if getattr(config, "inference_mode", False):
-            raise ValueError("peft_config: inference_mode=True freezes the adapter, so nothing would train; "
-                             "set inference_mode=False")
+            raise ValueError(
+                "peft_config: inference_mode=True freezes the adapter, so nothing would train; set inference_mode=False"
+            )
         if getattr(config, "is_prompt_learning", False):
             raise ValueError(
                 f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
@@ -107,21 +123,25 @@ def check_model(args: TrainingArgs) -> None:
             )
     is_peft = config is not None or adapter_base is not None
     if args.merge_adapter_at_end and not is_peft and args.model_init is None:
-        raise ValueError(
-            "merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)"
-        )
+        raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
     if args.gradient_checkpointing_kwargs != {"use_reentrant": False} and not args.gradient_checkpointing:
         raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
     if args.model_kwargs.quantized():
         import importlib.util
 
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError("model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
-                             "pip install 'trainbridge[qlora]'")
+            raise ValueError(
+                "model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
+                "pip install 'trainbridge[qlora]'"
+            )
         if not is_peft and args.model_init is None:
-            raise ValueError("model_kwargs.quantization_config: a quantized base model trains through an adapter "
-                             "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords")
+            raise ValueError(
+                "model_kwargs.quantization_config: a quantized base model trains through an adapter "
+                "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords"
+            )
         if args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3:
-            raise ValueError("model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be "
-                             "partitioned by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) "
-                             "or ZeRO-1/2")
+            raise ValueError(
+                "model_kwargs.quantization_config: a bitsandbytes-quantized base cannot be "
+                "partitioned by DeepSpeed ZeRO-3 here; use ddp, fsdp (with bnb_4bit_quant_storage) "
+                "or ZeRO-1/2"
+            )

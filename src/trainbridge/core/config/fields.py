@@ -17,14 +17,37 @@ from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
 from trainbridge.core.events import Event
 
-SchedulerName = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr",
-                        "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_warmup_with_min_lr",
-                        "warmup_stable_decay"]
+SchedulerName = Literal[
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_min_lr",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+]
 """``transformers.SchedulerType`` values the loop can step (all but the metric-driven ``reduce_lr_on_plateau``
 and ``greedy``)."""
-OptimizerName = Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adamw_8bit", "adamw_bnb_8bit",
-                        "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit", "paged_lion_8bit",
-                        "paged_lion_32bit", "schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd"]
+OptimizerName = Literal[
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adafactor",
+    "sgd",
+    "adamw_8bit",
+    "adamw_bnb_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_lion_8bit",
+    "paged_lion_32bit",
+    "schedule_free_adamw",
+    "schedule_free_radam",
+    "schedule_free_sgd",
+]
 """Trainer's ``optim`` names trainbridge builds (``parallel.optim``)."""
 DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
 """The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
@@ -463,8 +486,10 @@ class ReportingFields(BaseModel):
         from transformers import TrainingArguments
 
         if not isinstance(value, TrainingArguments):
-            raise ValueError(f"expected a transformers.TrainingArguments (or subclass) instance, got "
-                             f"{type(value).__name__}; pass the object your script built, or leave it unset")
+            raise ValueError(
+                f"expected a transformers.TrainingArguments (or subclass) instance, got "
+                f"{type(value).__name__}; pass the object your script built, or leave it unset"
+            )
         return value
 
 
@@ -503,8 +528,9 @@ class CallbackFields(BaseModel):
                 if isinstance(item, dict | str):
                     item = CallbackSpec.model_validate(item if isinstance(item, dict) else {"class": item})
             except ValidationError as exc:  # every bad callback, one line each, without pydantic's noise
-                problems += [f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(
-                    exc, CallbackSpec)]
+                problems += [
+                    f"callbacks[{i}].{line}" for line in config_errors.describe_validation_error(exc, CallbackSpec)
+                ]
                 continue
             if item is None or isinstance(item, int | float | bool):
                 problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")

@@ -25,9 +25,10 @@ def resolve_import_path(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
-                         "sys.path: `trainbridge train` finds one in the config's folder or the working directory)"
-                         ) from exc
+        raise ValueError(
+            f"cannot import module {module_name!r}: {exc} (a module of your own must be on "
+            "sys.path: `trainbridge train` finds one in the config's folder or the working directory)"
+        ) from exc
     obj: Any = module
     owner = f"module {module_name!r}"
     for part in attr.split("."):
@@ -100,5 +101,6 @@ def not_a_callback(target: Any, path: str) -> str | None:
     if is_callback_class(target):
         return None
     what = f"the class {target.__module__}.{target.__qualname__}" if isinstance(target, type) else repr(target)
-    return (f"{path!r} is {what}, not a subclass of trainbridge.Callback or transformers.TrainerCallback; "
-            "it was not called")
+    return (
+        f"{path!r} is {what}, not a subclass of trainbridge.Callback or transformers.TrainerCallback; it was not called"
+    )

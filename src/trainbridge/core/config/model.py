@@ -35,8 +35,10 @@ class ModelKwargs(BaseModel):
                 raise ValueError(f"model_kwargs.{key}: not supported here ({fix})")
         for key in ("load_in_4bit", "load_in_8bit"):
             if key in extra:
-                raise ValueError(f"model_kwargs.{key}: transformers takes it inside quantization_config; set "
-                                 f"model_kwargs={{'quantization_config': BitsAndBytesConfig({key}=True)}}")
+                raise ValueError(
+                    f"model_kwargs.{key}: transformers takes it inside quantization_config; set "
+                    f"model_kwargs={{'quantization_config': BitsAndBytesConfig({key}=True)}}"
+                )
         return self
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:

@@ -151,16 +151,26 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of TrainingArgs fields at the top level")
         base = path.parent
-        for key in ("model_path", "tokenizer_path", "data_path", "val_data_path", "data_cache_dir", "ckpt_output_dir",
-                    "logging_dir", "metrics_file"):
+        for key in (
+            "model_path",
+            "tokenizer_path",
+            "data_path",
+            "val_data_path",
+            "data_cache_dir",
+            "ckpt_output_dir",
+            "logging_dir",
+            "metrics_file",
+        ):
             if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
         template = data.get("chat_template")
         if isinstance(template, str) and "{" not in template and (base / template).is_file():
             data["chat_template"] = str(base / template)  # a template file next to the YAML
         if isinstance(data.get("eval_data_paths"), dict):
-            data["eval_data_paths"] = {name: str(base / p) if isinstance(p, str) and not Path(p).is_absolute() else p
-                                       for name, p in data["eval_data_paths"].items()}
+            data["eval_data_paths"] = {
+                name: str(base / p) if isinstance(p, str) and not Path(p).is_absolute() else p
+                for name, p in data["eval_data_paths"].items()
+            }
         if isinstance(data.get("resume_from_checkpoint"), str) and data["resume_from_checkpoint"] != "auto":
             if not Path(data["resume_from_checkpoint"]).is_absolute():
                 data["resume_from_checkpoint"] = str(base / data["resume_from_checkpoint"])
@@ -170,8 +180,14 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
-        live = {"callbacks", "event_functions", "data_collator", "compute_metrics", "preprocess_logits_for_metrics",
-                "compute_loss"}
+        live = {
+            "callbacks",
+            "event_functions",
+            "data_collator",
+            "compute_metrics",
+            "preprocess_logits_for_metrics",
+            "compute_loss",
+        }
         data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):

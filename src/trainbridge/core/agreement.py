@@ -142,11 +142,17 @@ def agree_control(
         device = env.device
         if device.type == "cuda":  # pinned, so the copy is queued without waiting for the GPU
             flags_row = flags_row.pin_memory()
-        row = torch.cat([
-            torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device, torch.float64, non_blocking=True)
-                         .reshape(()) for v in values]),
-            flags_row.to(device, non_blocking=True),
-        ])
+        row = torch.cat(
+            [
+                torch.stack(
+                    [
+                        torch.as_tensor(v, dtype=torch.float64).to(device, torch.float64, non_blocking=True).reshape(())
+                        for v in values
+                    ]
+                ),
+                flags_row.to(device, non_blocking=True),
+            ]
+        )
     else:
         row = torch.cat([torch.tensor([float(v) for v in values], dtype=torch.float64), flags_row])
     rows = env.gather_rows(row)  # the one device -> host read of the step

@@ -27,10 +27,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainbridge.core.agreement import ControlFlag, ControlRequests
 from trainbridge.core.callback import Callback
+from trainbridge.core.callback_errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.control import ControlFlag, ControlRequests
-from trainbridge.core.errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.events import Event
 
 logger = logging.getLogger(__name__)
@@ -145,8 +145,7 @@ class CallbackManager:
                 f"callback {name} failed in {event.value} on rank {context.rank}: "
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             ) from exc
-        action = self._errors.failed(entry.index, name, event.value, exc, context.rank,
-                                     fatal_allowed=not observer)
+        action = self._errors.failed(entry.index, name, event.value, exc, context.rank, fatal_allowed=not observer)
         if action == "abort":
             context.requests.request(ControlFlag.ABORT, entry.index, f"{name} raised in {event.value}: {exc}")
         elif action == "disable":
@@ -156,9 +155,7 @@ class CallbackManager:
     # ------------------------------------------------------------------ non-blocking observers
     def _enqueue(self, entry: _Entry, event: Event, context: TrainingContext, kwargs: dict[str, Any]) -> None:
         if self._observers.thread is None:
-            self._observers.thread = threading.Thread(
-                target=self._observe, name="trainbridge-observers", daemon=True
-            )
+            self._observers.thread = threading.Thread(target=self._observe, name="trainbridge-observers", daemon=True)
             self._observers.thread.start()
         snapshot = self._snapshot(context)
         try:
@@ -166,8 +163,9 @@ class CallbackManager:
         except queue.Full:
             self._observers.dropped += 1
             if self._observers.dropped == 1:
-                logger.warning("non-blocking observer queue full (%d): dropping events (counted)",
-                               self._observers.maxsize)
+                logger.warning(
+                    "non-blocking observer queue full (%d): dropping events (counted)", self._observers.maxsize
+                )
 
     @staticmethod
     def _snapshot(context: TrainingContext) -> TrainingContext:
@@ -179,8 +177,15 @@ class CallbackManager:
         snap.checkpoints = list(context.checkpoints)
         snap.user_state = _detached_copy(context.user_state)
         snap.requests = _NoControlRequests()
-        for name in ("model", "unwrapped_model", "optimizer", "lr_scheduler", "train_dataloader",
-                     "eval_dataloader", "restore_model_weights"):
+        for name in (
+            "model",
+            "unwrapped_model",
+            "optimizer",
+            "lr_scheduler",
+            "train_dataloader",
+            "eval_dataloader",
+            "restore_model_weights",
+        ):
             setattr(snap, name, None)
         return snap
 
@@ -258,12 +263,15 @@ class CallbackManager:
                 cb.load_state_dict(states[key])
                 restored.append(key)
             elif _is_stateful(cb):
-                logger.warning("the checkpoint holds no state for callback %s (state key %r): "
-                               "it starts fresh", cb.name, key)
+                logger.warning(
+                    "the checkpoint holds no state for callback %s (state key %r): it starts fresh", cb.name, key
+                )
         for key in states:
             if key not in self._state_keys:
-                logger.warning("the checkpoint holds a state for %r, which no configured callback has as its "
-                               "state_key: ignored", key)
+                logger.warning(
+                    "the checkpoint holds a state for %r, which no configured callback has as its state_key: ignored",
+                    key,
+                )
         return restored
 
     def checkpoint_files(self, context: TrainingContext) -> dict[str, str | bytes]:
@@ -286,8 +294,6 @@ class CallbackManager:
         return self._observers.dropped
 
 
-
-
 def _is_stateful(cb: Callback) -> bool:
     """The callback's class overrides ``state_dict`` (it may still return None, e.g. before set-up)."""
     return type(cb).state_dict is not Callback.state_dict
@@ -305,9 +311,12 @@ def _unique_state_keys(callbacks: list[Callback]) -> list[str]:
     for key, count in seen.items():
         sharing = [cb for cb in callbacks if cb.state_key == key]
         if count > 1 and any(_is_stateful(cb) for cb in sharing):
-            logger.warning("%d stateful callbacks share the state key %r: their states are matched by order "
-                           "among them; set state_id on each (e.g. cb.state_id = 'a') to key them stably",
-                           count, key)
+            logger.warning(
+                "%d stateful callbacks share the state key %r: their states are matched by order "
+                "among them; set state_id on each (e.g. cb.state_id = 'a') to key them stably",
+                count,
+                key,
+            )
     return keys
 
 
@@ -328,8 +337,9 @@ def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
     every value is new or immutable, so the loop's later changes cannot reach it."""
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
-        scalars = isinstance(value, dict) and all(isinstance(v, int | float | str | bool | None)
-                                                  for v in value.values())
+        scalars = isinstance(value, dict) and all(
+            isinstance(v, int | float | str | bool | None) for v in value.values()
+        )
         if scalars:
             out[key] = dict(value)
         elif hasattr(value, "detach"):

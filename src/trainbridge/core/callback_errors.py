@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-logger = logging.getLogger("trainbridge.core.manager")
+logger = logging.getLogger("trainbridge.core.dispatch")
 
 OWN_CAUSE_MARKER = " (this rank: "
 """In an error every rank raises for one agreed failure (a ``fatal`` callback error), the text that only
@@ -63,22 +63,29 @@ class CallbackErrorLedger:
         self.max_consecutive = max_consecutive
         self._records: dict[Hashable, _ErrorRecord] = {}
 
-    def failed(self, key: Hashable, name: str, event: str, exc: BaseException, rank: int,
-               fatal_allowed: bool = True) -> str:
+    def failed(
+        self, key: Hashable, name: str, event: str, exc: BaseException, rank: int, fatal_allowed: bool = True
+    ) -> str:
         """Record that callback ``key`` (called ``name``) raised ``exc`` in ``event``; returns the action."""
         record = self._records.get(key)
         if record is None:
             record = self._records[key] = _ErrorRecord(name, event, f"{type(exc).__name__}: {exc}")
-            logger.error("callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
-                         name, event, rank, "".join(traceback.format_exception(exc)))
+            logger.error(
+                "callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
+                name,
+                event,
+                rank,
+                "".join(traceback.format_exception(exc)),
+            )
         record.count += 1
         record.consecutive += 1
         if self.policy == "fatal" and fatal_allowed:
             return "abort"
         if record.consecutive >= self.max_consecutive and not record.disabled:
             record.disabled = True
-            logger.error("callback %s switched off on rank %d after %d consecutive errors",
-                         name, rank, record.consecutive)
+            logger.error(
+                "callback %s switched off on rank %d after %d consecutive errors", name, rank, record.consecutive
+            )
             return "disable"
         return "continue"
 
@@ -99,8 +106,9 @@ class CallbackErrorLedger:
         with contextlib.suppress(TypeError):  # registration order when keys are positions
             items.sort(key=lambda item: item[0])  # type: ignore[arg-type,return-value]
         return [
-            CallbackErrorReport(callback=r.name, rank=rank, event=r.event, count=r.count, disabled=r.disabled,
-                                first_error=r.first_error)
+            CallbackErrorReport(
+                callback=r.name, rank=rank, event=r.event, count=r.count, disabled=r.disabled, first_error=r.first_error
+            )
             for _, r in items
         ]
 

@@ -22,13 +22,20 @@ IGNORE_INDEX = -100
 OverlongPolicy = Literal["drop", "truncate", "error"]
 
 
-
 class DataFormatError(ValueError):
     """Bad rows in a data file.  The message starts with the first one, ``file:line: problem`` (JSONL) or
     ``file row N: problem``, then the counts by reason and a few more examples when there are several."""
 
-    def __init__(self, path: str | Path, line: int | None, problem: str, *, row: int | None = None,
-                 counts: dict[str, int] | None = None, examples: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        line: int | None,
+        problem: str,
+        *,
+        row: int | None = None,
+        counts: dict[str, int] | None = None,
+        examples: Sequence[str] = (),
+    ) -> None:
         where = f"{path}:{line}" if line is not None else f"{path} row {row}" if row is not None else str(path)
         message = f"{where}: {problem}"
         if counts and sum(counts.values()) > 1:
@@ -89,17 +96,23 @@ class LoadStats:
 
     def describe(self, max_seq_len: int) -> str:
         """One line for the start-up summary."""
-        skipped = [f"{n} {what}" for n, what in ((self.dropped_overlong, f"dropped as longer than max_seq_len="
-                                                  f"{max_seq_len}"), (self.truncated, "truncated"),
-                                                 (self.empty_skipped, "without loss tokens skipped")) if n]
+        skipped = [
+            f"{n} {what}"
+            for n, what in (
+                (self.dropped_overlong, f"dropped as longer than max_seq_len={max_seq_len}"),
+                (self.truncated, "truncated"),
+                (self.empty_skipped, "without loss tokens skipped"),
+            )
+            if n
+        ]
         source = f"cache hit {self.cache}" if self.cache_hit else f"tokenised into {self.cache}"
-        return (f"{self.path}: {self.lines} rows -> {self.samples} samples, {self.tokens} tokens"
-                f"{' (' + ', '.join(skipped) + ')' if skipped else ''}; {source} in {self.seconds:.1f} s")
+        return (
+            f"{self.path}: {self.lines} rows -> {self.samples} samples, {self.tokens} tokens"
+            f"{' (' + ', '.join(skipped) + ')' if skipped else ''}; {source} in {self.seconds:.1f} s"
+        )
 
 
-def split_validation(
-    samples: Sequence[Sample], fraction: float, seed: int
-) -> tuple[list[Sample], list[Sample]]:
+def split_validation(samples: Sequence[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
     """Hold out ``fraction`` of the samples (at least one when ``fraction > 0``) for validation.
 
     The choice depends only on ``seed`` and the number of samples; both parts keep file order.

@@ -35,7 +35,10 @@ def send_control(run_dir: Path, action: str) -> str:
     try:
         path = write_request(run_dir, action)
     except OSError as exc:
-        raise ControlRequestError(f"cannot write a request into {run_dir / CONTROL_DIR_NAME}: {exc} (only the "
-                                  "run's own user can control it)") from None
-    return (f"asked {running[0].describe()} to {action} at its next step end (request {path.name}; "
-            "ExternalControl needs external_control=True, the default)")
+        raise ControlRequestError(
+            f"cannot write a request into {run_dir / CONTROL_DIR_NAME}: {exc} (only the run's own user can control it)"
+        ) from None
+    return (
+        f"asked {running[0].describe()} to {action} at its next step end (request {path.name}; "
+        "ExternalControl needs external_control=True, the default)"
+    )

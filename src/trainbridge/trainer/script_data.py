@@ -49,8 +49,10 @@ def as_hf_dataset(data: Any, what: str) -> Any:
     elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         rows = [data[i] for i in range(len(data))]
     else:
-        raise TypeError(f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
-                        f"got {type(data).__name__}")
+        raise TypeError(
+            f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
+            f"got {type(data).__name__}"
+        )
     for i, row in enumerate(rows[:1]):
         if not isinstance(row, Mapping):
             raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
@@ -75,11 +77,15 @@ def as_item_dataset(data: Any, what: str) -> Any:
     if isinstance(data, datasets.Dataset):
         return data
     if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
-        raise TypeError(f"{what}: an iterable dataset is not supported by the facade; materialise it "
-                        "(datasets: .take(n) then Dataset.from_list / from_generator)")
+        raise TypeError(
+            f"{what}: an iterable dataset is not supported by the facade; materialise it "
+            "(datasets: .take(n) then Dataset.from_list / from_generator)"
+        )
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
-                        f"got {type(data).__name__}")
+        raise TypeError(
+            f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
+            f"got {type(data).__name__}"
+        )
     items = [data[i] for i in range(len(data))]
     if not items:
         raise ValueError(f"{what}: the dataset is empty")
@@ -125,8 +131,9 @@ def classify_collator(collator: Any) -> CollatorChoice:
     ):
         if collator.mlm:
             return CollatorChoice(False, description="DataCollatorForLanguageModeling(mlm=True)")
-        return CollatorChoice(True, labels_from_input_ids=True,
-                              description="DataCollatorForLanguageModeling(mlm=False)")
+        return CollatorChoice(
+            True, labels_from_input_ids=True, description="DataCollatorForLanguageModeling(mlm=False)"
+        )
     for name in ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening"):
         cls = getattr(transformers, name, None)
         if cls is not None and type(collator) is cls:
@@ -153,6 +160,7 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
     keep = [c for c in TOKEN_COLUMNS if c in columns and not (c == "labels" and choice.labels_from_input_ids)]
     rows = dataset.select_columns(keep)
     if choice.labels_from_input_ids and pad_token_id is not None:
+
         def _labels(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
             return {"labels": [[-100 if t == pad_token_id else t for t in ids] for ids in batch["input_ids"]]}
 
