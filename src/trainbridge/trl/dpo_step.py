@@ -23,7 +23,13 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.preference_data import reference_stats
-from trainbridge.trl.preference_loss import DPOLossSettings, SequenceLogps, dpo_loss_terms, pair_weights
+from trainbridge.trl.preference_loss import (
+    METRIC_KEYS,
+    DPOLossSettings,
+    SequenceLogps,
+    dpo_loss_terms,
+    pair_weights,
+)
 from trainbridge.trl.sequence_logps import pack_pairs, sequence_stats
 
 METRIC_COLUMNS = (
@@ -35,12 +41,7 @@ METRIC_COLUMNS = (
     "rejected_logits",
     "rejected_tokens",
     "chosen_top1",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
+    *METRIC_KEYS,
     "pairs",
 )
 """One micro-batch's sums, in the order ``metric_sums`` reports them."""
@@ -225,14 +226,7 @@ class PreferenceStep(TrainStep):
             "logits/rejected": mean(share("rejected_logits", "rejected_tokens")),
             "mean_token_accuracy": mean(share("chosen_top1", "chosen_tokens")),
         }
-        for key in (
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/accuracies",
-            "rewards/margins",
-            "logps/chosen",
-            "logps/rejected",
-        ):
+        for key in METRIC_KEYS:
             logs[key] = mean(share(key, "pairs"))
         return logs
 
