@@ -52,12 +52,27 @@ def check_data(args: TrainingArgs) -> None:
     except Exception as exc:
         raise PreflightError(f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: "
                              f"{type(exc).__name__}: {exc}") from exc
+    if args.training_step == "model_loss":  # the files are the dataset's items (data.rows), not token rows
+        _check_items(args, tokenizer)
+        return
     try:
         data = load_run_data(args, tokenizer)
     except ValueError as exc:  # DataFormatError, DataInputError, no usable sample
         raise PreflightError(f"data: {exc}") from exc
     if note is not None:
         _write_note(note, [stats.cache for stats in data.stats if stats.cache])
+
+
+def _check_items(args: TrainingArgs, tokenizer: Any) -> None:
+    """``model_loss``: every data path opens as the dataset's items (``data.rows.open_rows``)."""
+    from trainbridge.data.rows import open_rows
+
+    paths = [args.data_path, args.val_data_path, *args.eval_data_paths.values()]
+    for path in (p for p in paths if p is not None):
+        try:
+            open_rows(path, tokenizer, args.max_seq_len)
+        except ValueError as exc:  # DataInputError: unreadable or empty
+            raise PreflightError(f"data: {exc}") from exc
 
 
 def _note_path(args: TrainingArgs) -> Path | None:

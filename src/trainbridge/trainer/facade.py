@@ -225,7 +225,9 @@ class Trainer:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._tokenizer(), "pad_token_id", None)
-        return RowPreparation(self._collator_choice, pad_id)
+        return RowPreparation(self._collator_choice, pad_id,
+                              items=inputs.uses_sample_batches(self.model, self._collator_choice)
+                              or subclass.subclass_loss(self) is not None)  # the script's loss: its items
 
     # ================================================================== train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,

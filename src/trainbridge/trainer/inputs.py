@@ -2,6 +2,8 @@
 
 - ``as_hf_dataset``: a ``datasets.Dataset``, a torch map-style ``Dataset`` of dicts or a list of dicts as
   one ``datasets.Dataset`` (tensors and numpy arrays as lists).
+- ``as_item_dataset``: a dataset kept as the items its ``__getitem__`` returns (every column; tensors come
+  back as tensors), for the model's-own-loss step (``uses_sample_batches``).
 - ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
   not called: samples go through padding-free token-budget batching) or it must be called as written
   on the padded path.
@@ -53,6 +55,42 @@ def as_hf_dataset(data: Any, what: str) -> Any:
         if not isinstance(row, Mapping):
             raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
     return datasets.Dataset.from_list([{k: _plain(v) for k, v in row.items()} for row in rows])
+
+
+def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:
+    """Whether the workers train on Trainer's sample batches and the model's own loss (``model_loss``): the
+    model is not a causal LM, or the script's collator is not reproduced by the padding-free batching (it is
+    then called on the items exactly as the dataset returns them)."""
+    from trainbridge.modeling.load import is_causal_lm
+
+    return not choice.reproduced or (model is not None and not is_causal_lm(model))
+
+
+def as_item_dataset(data: Any, what: str) -> Any:
+    """``data`` as a ``datasets.Dataset`` whose rows are the items ``data[i]`` returns: a ``datasets.Dataset``
+    as it is (all its columns); a torch map-style ``Dataset`` or list of dicts with the keys that held
+    tensors formatted back to tensors (``with_format("torch")``, kept by ``save_to_disk``)."""
+    import datasets
+
+    if isinstance(data, datasets.Dataset):
+        return data
+    if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
+        raise TypeError(f"{what}: an iterable dataset is not supported by the facade; materialise it "
+                        "(datasets: .take(n) then Dataset.from_list / from_generator)")
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise TypeError(f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
+                        f"got {type(data).__name__}")
+    items = [data[i] for i in range(len(data))]
+    if not items:
+        raise ValueError(f"{what}: the dataset is empty")
+    if not all(isinstance(item, Mapping) for item in items):
+        bad = next(item for item in items if not isinstance(item, Mapping))
+        raise TypeError(f"{what}: every item must be a dict of columns (input_ids...), got {type(bad).__name__}")
+    tensor_keys = sorted({k for item in items for k, v in item.items() if isinstance(v, torch.Tensor)})
+    rows = datasets.Dataset.from_list([{k: _plain(v) for k, v in item.items()} for item in items])
+    if tensor_keys:
+        rows = rows.with_format("torch", columns=tensor_keys, output_all_columns=True)
+    return rows
 
 
 def _plain(value: Any) -> Any:

@@ -43,6 +43,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "compute_loss": subclass_loss(trainer),
     }
+    if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
+        fields.update(_sample_batch_fields(trainer))
     if layout.eval_data_paths:  # a dict eval_dataset: named sets, each evaluated in turn
         fields["eval_data_paths"] = dict(layout.eval_data_paths)
     if trainer._peft_config is not None:
@@ -79,6 +81,19 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
     return training_args_from_hf(hf, **fields)
+
+
+def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
+    """The ``model_loss`` fields of a job whose workers train on the datasets' items (``RowPreparation.items``)."""
+    hf = trainer.args
+    fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
+    if not isinstance(hf, TrainingArgs):
+        fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
+        fields["remove_unused_columns"] = bool(getattr(hf, "remove_unused_columns", True))
+        label_names = getattr(hf, "label_names", None)
+        if label_names:
+            fields["label_names"] = list(label_names)
+    return fields
 
 
 def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool) -> TrainingArgs:

@@ -52,6 +52,9 @@ class RowPreparation:
 
     collator: inputs.CollatorChoice
     pad_token_id: int | None
+    items: bool = False
+    """The workers train on the model's own loss over the datasets' items (``inputs.uses_sample_batches``):
+    every column is written, tensors kept as tensors (``inputs.as_item_dataset``)."""
 
 
 def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | None]:
@@ -68,7 +71,9 @@ def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | No
 
 
 def write_rows(dataset: Any, target: Path, what: str, rows: RowPreparation) -> tuple[Path, int | None]:
-    """``dataset``'s rows written as Arrow into ``target`` -> ``(path, longest row)``."""
+    """``dataset``'s rows written as Arrow into ``target`` -> ``(path, longest row)`` (None for items)."""
+    if rows.items:
+        return inputs.write_dataset(inputs.as_item_dataset(dataset, what), target), None
     prepared, longest = inputs.prepare_rows(inputs.as_hf_dataset(dataset, what), rows.collator, rows.pad_token_id)
     return inputs.write_dataset(prepared, target), longest
 

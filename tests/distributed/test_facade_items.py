@@ -1,0 +1,51 @@
+"""Trainer scripts whose collators take the dataset's own items, with only the import changed, both launch
+styles on 2 gloo ranks, against transformers.Trainer under torchrun (``scripts/items_script.py``).
+
+- ``alpaca``: stanford_alpaca's ``train.py`` in small (torch ``Dataset`` of tensors, its ``pad_sequence``
+  collator, resized embeddings): under the facade the collator must get tensors, as under Trainer.
+- ``classify``: ``BertForSequenceClassification`` on its own loss, ``DataCollatorWithPadding``, accuracy in
+  ``compute_metrics``, ``EarlyStoppingCallback`` on ``eval_accuracy``: the same global step (the early stop),
+  log steps, metric keys and checkpoints as Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainbridge.launch.launcher import free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "items_script.py"
+SAME = ("global_step", "train_metrics", "loss_steps", "eval_steps", "checkpoints", "embeddings")
+
+
+def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINBRIDGE_NPROC_PER_NODE": "2"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    script = [str(SCRIPT), str(out), kind, *(["real"] if real else [])]
+    command = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), *script] if launch == "torchrun" else [sys.executable, *script])
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["alpaca", "classify"])
+def test_items_reach_the_scripts_collator_as_under_trainer(kind: str, tmp_path: Path) -> None:
+    reference = _run(tmp_path / "real", kind, "torchrun", real=True)
+    in_place = _run(tmp_path / "in_place", kind, "torchrun")
+    launched = _run(tmp_path / "launched", kind, "python")
+    for ours in (in_place, launched):
+        assert {k: ours[k] for k in SAME} == {k: reference[k] for k in SAME}
+    assert in_place["losses"] == pytest.approx(launched["losses"], rel=1e-4)  # the same run both ways
+    if kind == "classify":
+        assert reference["global_step"] == 8  # stopped early at the 2nd evaluation (of 48 steps)
+        assert ["eval_accuracy" in keys for _, keys in reference["eval_steps"]] == [True, True]
