@@ -51,8 +51,14 @@ ACCUMULATION = 2
 SAMPLES_PER_STEP = PER_DEVICE * ACCUMULATION * WORLD_SIZE
 MAX_SEQ_LEN = 128
 """Tokens per sample at most (the longest text is 120 characters + ``<s>``)."""
-BERT: dict[str, Any] = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-            max_position_embeddings=MAX_SEQ_LEN, num_labels=2)
+BERT: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=512,
+    max_position_embeddings=MAX_SEQ_LEN,
+    num_labels=2,
+)
 RESULTS_BEGIN = "<!-- classification results: begin (written by benchmarks/classification.py) -->"
 RESULTS_END = "<!-- classification results: end -->"
 WORDS = ("alpha", "beta", "gamma", "delta", "train", "model", "loss", "step", "rank", "batch", "good", "bad")
@@ -112,16 +118,32 @@ def run_trainer_worker(argv: Sequence[str]) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(options.model, dtype=torch.float32)
     rows = [json.loads(line) for line in options.data.read_text().splitlines() if line]
     encoded = tokenizer([row["text"] for row in rows], truncation=True, max_length=MAX_SEQ_LEN)
-    dataset = [{"input_ids": ids, "attention_mask": mask, "labels": row["label"]}
-               for ids, mask, row in zip(encoded["input_ids"], encoded["attention_mask"], rows)]
+    dataset = [
+        {"input_ids": ids, "attention_mask": mask, "labels": row["label"]}
+        for ids, mask, row in zip(encoded["input_ids"], encoded["attention_mask"], rows)
+    ]
     args = TrainingArguments(
-        output_dir=str(options.out / "trainer-output"), use_cpu=True, per_device_train_batch_size=PER_DEVICE,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=options.steps, learning_rate=options.learning_rate,
-        lr_scheduler_type="constant", seed=options.seed, report_to="none", save_strategy="no",
-        logging_steps=LOGGING_STEPS, disable_tqdm=True,
+        output_dir=str(options.out / "trainer-output"),
+        use_cpu=True,
+        per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=options.steps,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="constant",
+        seed=options.seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=LOGGING_STEPS,
+        disable_tqdm=True,
     )
-    Trainer(model=model, args=args, train_dataset=dataset, data_collator=DataCollatorWithPadding(tokenizer),
-            processing_class=tokenizer, callbacks=[StepClock(str(options.out))]).train()
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        callbacks=[StepClock(str(options.out))],
+    ).train()
     if torch.distributed.is_initialized():  # without it gloo's threads abort the exit
         torch.distributed.destroy_process_group()
 
@@ -132,11 +154,24 @@ def run_trainbridge(model: Path, data: Path, out: Path, steps: int, learning_rat
     from trainbridge.launch.console import console_to
 
     args = TrainingArgs(
-        model_path=model, data_path=data, ckpt_output_dir=out, training_step="model_loss",
-        max_seq_len=MAX_SEQ_LEN, overlong_policy="truncate", per_device_batch_size=PER_DEVICE,
-        effective_batch_size=SAMPLES_PER_STEP, max_steps=steps, learning_rate=learning_rate,
-        lr_scheduler="constant", seed=seed, device="cpu", logging_steps=LOGGING_STEPS, save_strategy="no",
-        save_final_checkpoint=False, disable_tqdm=True, callbacks=[StepClock(str(out))],
+        model_path=model,
+        data_path=data,
+        ckpt_output_dir=out,
+        training_step="model_loss",
+        max_seq_len=MAX_SEQ_LEN,
+        overlong_policy="truncate",
+        per_device_batch_size=PER_DEVICE,
+        effective_batch_size=SAMPLES_PER_STEP,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler="constant",
+        seed=seed,
+        device="cpu",
+        logging_steps=LOGGING_STEPS,
+        save_strategy="no",
+        save_final_checkpoint=False,
+        disable_tqdm=True,
+        callbacks=[StepClock(str(out))],
     )
     with console_to(out / "run.log"):
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
@@ -157,33 +192,51 @@ def samples_per_s(out: Path, steps: int) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------- report
 def _ratio_line(ratios: list[float]) -> str:
-    return (f"median {statistics.median(ratios):.2f} (range {min(ratios):.2f}–{max(ratios):.2f}; "
-            f"per repetition {', '.join(f'{r:.2f}' for r in ratios)})")
+    return (
+        f"median {statistics.median(ratios):.2f} (range {min(ratios):.2f}–{max(ratios):.2f}; "
+        f"per repetition {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
 
-def results_section(command: str, facts: list[str], runs: dict[str, list[tuple[float, float]]], steps: int,
-                    rows: int) -> str:
+def results_section(
+    command: str, facts: list[str], runs: dict[str, list[tuple[float, float]]], steps: int, rows: int
+) -> str:
     """The generated part of the report (between the markers)."""
-    table = ["| runner | samples/s per repetition | median | samples/CPU-s per repetition | median |",
-             "|---|---|---:|---|---:|"]
+    table = [
+        "| runner | samples/s per repetition | median | samples/CPU-s per repetition | median |",
+        "|---|---|---:|---|---:|",
+    ]
     for name, label in (("trainer", "transformers.Trainer"), ("trainbridge", "trainbridge (model_loss)")):
         wall, cpu = [w for w, _ in runs[name]], [c for _, c in runs[name]]
-        table.append(f"| {label} | {', '.join(f'{v:.1f}' for v in wall)} | {statistics.median(wall):.1f} "
-                     f"| {', '.join(f'{v:.1f}' for v in cpu)} | {statistics.median(cpu):.1f} |")
+        table.append(
+            f"| {label} | {', '.join(f'{v:.1f}' for v in wall)} | {statistics.median(wall):.1f} "
+            f"| {', '.join(f'{v:.1f}' for v in cpu)} | {statistics.median(cpu):.1f} |"
+        )
     pairs = list(zip(runs["trainbridge"], runs["trainer"]))
-    return "\n".join([
-        RESULTS_BEGIN, "", "```", command, "```", "", *facts,
-        f"- BertForSequenceClassification (hidden 128, 2 layers), {rows} text rows (8..120 characters), "
-        f"{steps} optimizer steps of {SAMPLES_PER_STEP} samples ({PER_DEVICE} per micro-batch x "
-        f"{ACCUMULATION} accumulation x {WORLD_SIZE} ranks); samples/s over steps 2..{steps}; "
-        f"{len(pairs)} repetition(s), interleaved",
-        "", *table, "",
-        "trainbridge / Trainer, same repetition:",
-        "",
-        f"- wall clock (samples/s): {_ratio_line([tb[0] / tr[0] for tb, tr in pairs])}",
-        f"- CPU-normalised (samples/CPU-s): {_ratio_line([tb[1] / tr[1] for tb, tr in pairs])}",
-        "", RESULTS_END,
-    ])
+    return "\n".join(
+        [
+            RESULTS_BEGIN,
+            "",
+            "```",
+            command,
+            "```",
+            "",
+            *facts,
+            f"- BertForSequenceClassification (hidden 128, 2 layers), {rows} text rows (8..120 characters), "
+            f"{steps} optimizer steps of {SAMPLES_PER_STEP} samples ({PER_DEVICE} per micro-batch x "
+            f"{ACCUMULATION} accumulation x {WORLD_SIZE} ranks); samples/s over steps 2..{steps}; "
+            f"{len(pairs)} repetition(s), interleaved",
+            "",
+            *table,
+            "",
+            "trainbridge / Trainer, same repetition:",
+            "",
+            f"- wall clock (samples/s): {_ratio_line([tb[0] / tr[0] for tb, tr in pairs])}",
+            f"- CPU-normalised (samples/CPU-s): {_ratio_line([tb[1] / tr[1] for tb, tr in pairs])}",
+            "",
+            RESULTS_END,
+        ]
+    )
 
 
 def write_report(path: Path, section: str) -> None:
@@ -193,7 +246,7 @@ def write_report(path: Path, section: str) -> None:
     if start < 0 or end < start:
         text = text.rstrip() + "\n\n" + section + "\n"
     else:
-        text = text[:start] + section + text[end + len(RESULTS_END):]
+        text = text[:start] + section + text[end + len(RESULTS_END) :]
     path.write_text(text)
 
 
@@ -225,16 +278,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True)
             launch = time.time()
             if name == "trainer":
-                run_torchrun_script(Path(__file__).name, [
-                    "--worker", "--model", str(model), "--data", str(data), "--out", str(out), "--steps",
-                    str(options.steps), "--learning-rate", str(options.learning_rate), "--seed", str(options.seed),
-                ], out / "run.log")
+                run_torchrun_script(
+                    Path(__file__).name,
+                    [
+                        "--worker",
+                        "--model",
+                        str(model),
+                        "--data",
+                        str(data),
+                        "--out",
+                        str(out),
+                        "--steps",
+                        str(options.steps),
+                        "--learning-rate",
+                        str(options.learning_rate),
+                        "--seed",
+                        str(options.seed),
+                    ],
+                    out / "run.log",
+                )
             else:
                 run_trainbridge(model, data, out, options.steps, options.learning_rate, options.seed)
             runs[name].append(samples_per_s(out, options.steps))
-            print(f"[{repeat + 1}/{options.repeats}] {name:12} {runs[name][-1][0]:7.1f} samples/s  "
-                  f"{runs[name][-1][1]:7.1f} samples/CPU-s  "
-                  f"wall {time.time() - launch:5.1f} s", flush=True)
+            print(
+                f"[{repeat + 1}/{options.repeats}] {name:12} {runs[name][-1][0]:7.1f} samples/s  "
+                f"{runs[name][-1][1]:7.1f} samples/CPU-s  "
+                f"wall {time.time() - launch:5.1f} s",
+                flush=True,
+            )
     facts.append("- load average after the run: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     command = "python benchmarks/classification.py " + " ".join(sys.argv[1:] if argv is None else argv)
     section = results_section(command.strip(), facts, runs, options.steps, options.rows)
