@@ -185,3 +185,14 @@ def test_every_checkpoint_file_is_private_whatever_the_umask(args):  # noqa: F81
         if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)
     }
     assert loose == {}, f"readable by others under umask 022: {loose}"
+
+
+def test_a_run_shared_with_its_group_writes_checkpoints_its_group_can_read(args_for):
+    """``share_run_dir_with_group`` reaches the checkpoint manager: folders 0750, files 0640."""
+    from trainbridge.loop.build import build_run
+
+    components = build_run(args_for(share_run_dir_with_group=True), DistributedEnv())
+    assert components.checkpoints.share_with_group
+    path = components.checkpoints.save(components.engine, components.tokenizer, 1, {"global_step": 1}, {})
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [path, *path.rglob("*")] if p.is_dir()} == {"0o750"}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in path.rglob("*") if p.is_file()} == {"0o640"}

@@ -146,6 +146,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             checksums=args.checkpoint_checksums,
             weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
+            share_with_group=args.share_run_dir_with_group,
         ),
         max_steps=max_steps,
         num_parameters=num_parameters,

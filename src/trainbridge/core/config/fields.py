@@ -173,7 +173,8 @@ class DataFields(BaseModel):
     ckpt_output_dir: Path
     """Where checkpoints ``checkpoint-{global_step}/``, ``metrics.jsonl`` and ``result.json`` go."""
     share_run_dir_with_group: bool = False
-    """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700, and a
+    """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700 (and
+    checkpoints 0750 / files 0640 instead of 0700 / 0600), and a
     folder (or a parent) its group can write to is accepted: the group's members are trusted.  By default the
     run folder is private, and one that anyone but you (or root) could change is refused before launch."""
 
