@@ -35,11 +35,19 @@ def _hf_args(tmp_path: Path, **kw: Any) -> TrainingArguments:
 
 
 # ---------------------------------------------------------------------------- unsupported
-def test_live_optimizers_fail_at_construction(tiny: Any, tmp_path: Path) -> None:
+def test_live_optimizers_reach_the_jobs_as_their_rebuild(tiny: Any, tmp_path: Path) -> None:
+    from trainbridge.trainer.optimizers import Rebuilt
+
     model, _ = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(UnsupportedTrainerFeatureError, match=r"optimizers.*learning_rate"):
-        Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
+    trainer = Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    layout = RunLayout(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
+    factory = job_args.training_args(trainer, layout, world_size=1, resume=None).optimizer_factory
+    assert isinstance(factory, Rebuilt) and factory.cls is torch.optim.SGD and factory.scheduler_cls is None
+    with pytest.raises(ValueError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):
+        Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), optimizer_cls_and_kwargs=(1, {}))
 
 
 def test_unhonoured_overrides_fail_at_construction_naming_them(tiny: Any, tmp_path: Path) -> None:

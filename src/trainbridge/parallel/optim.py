@@ -54,6 +54,8 @@ def build_optimizer(
     training mode).
     """
     groups = parameter_groups(model, args, decay_names)
+    if args.optimizer_factory is not None:  # the script's own optimizer (TrainingArgs.optimizer_factory)
+        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups))
     name, extra = args.optim, dict(args.optim_args)
     lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     if name in ("adamw_torch", "adamw_torch_fused"):
@@ -121,7 +123,12 @@ def require_package(package: str, optim: str, install: str) -> Any:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int) -> Any:
-    """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``."""
+    """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``, or the
+    schedule of ``args.optimizer_factory`` where it gives one."""
+    if args.optimizer_factory is not None:
+        scheduler = args.optimizer_factory.scheduler(optimizer, total_steps)
+        if scheduler is not None:
+            return scheduler
     return get_scheduler(
         args.lr_scheduler,
         optimizer=optimizer,

@@ -37,6 +37,7 @@ from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
 from trainbridge.trainer import jobs, results, script_data, subclass
+from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
 
@@ -70,7 +71,7 @@ class Trainer:
         torchrun_args: TorchrunArgs | None = None,
         **kwargs: Any,
     ) -> None:
-        self._reject_unsupported(compute_loss_func, optimizers, optimizer_cls_and_kwargs, kwargs)
+        self._reject_unsupported(kwargs)
         from transformers import TrainerState, TrainingArguments
 
         if args is None:
@@ -102,6 +103,8 @@ class Trainer:
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
+        # optimizers= / optimizer_cls_and_kwargs=: rebuilt in the workers (trainer.optimizers)
+        self._optimizer_factory = optimizer_factory(self, optimizers, optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self.state = TrainerState()
         self._script_events = ScriptEvents()
@@ -123,16 +126,7 @@ class Trainer:
             )
 
     # ================================================================== construction checks
-    def _reject_unsupported(
-        self, compute_loss_func: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, kwargs: dict[str, Any]
-    ) -> None:
-        if any(o is not None for o in optimizers or ()) or optimizer_cls_and_kwargs is not None:
-            raise UnsupportedTrainerFeatureError(
-                "optimizers / optimizer_cls_and_kwargs: live optimizer and scheduler objects cannot be moved "
-                "into the training processes (and would be built before the model is wrapped). Set "
-                "learning_rate, weight_decay, adam_beta1/adam_beta2/adam_epsilon and lr_scheduler_type "
-                "(constant, constant_with_warmup, linear, cosine, cosine_with_min_lr) in the TrainingArguments."
-            )
+    def _reject_unsupported(self, kwargs: dict[str, Any]) -> None:
         unhonoured = subclass.unhonoured_overrides(type(self))
         if unhonoured:
             raise UnsupportedTrainerFeatureError(

@@ -87,6 +87,12 @@ def check_optimizer(args: TrainingArgs) -> None:
     if package is not None and importlib.util.find_spec(package) is None:
         extra = "'trainbridge[qlora]' (bitsandbytes)" if package == "bitsandbytes" else package
         raise ValueError(f"optim={args.optim!r}: needs the {package} package; pip install {extra}")
+    if args.distributed_backend == "deepspeed" and args.optimizer_factory is not None:
+        raise ValueError(
+            "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "
+            "script's optimizer (optimizers= / optimizer_cls_and_kwargs= / create_optimizer) cannot be used; "
+            "drop it and set optim='adamw_torch', or use distributed_backend='ddp'"
+        )
     if args.distributed_backend == "deepspeed" and args.optim not in ("adamw_torch", "adamw_torch_fused"):
         raise ValueError(
             f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "

@@ -286,6 +286,12 @@ class ScheduleFields(BaseModel):
     optim_args: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments of the optimizer's constructor (Trainer's ``optim_args``), e.g.
     ``{"momentum": 0.9}`` for ``sgd``."""
+    optimizer_factory: Any | None = None
+    """The script's own optimizer, replacing ``optim`` (ddp, fsdp and single-process runs; not DeepSpeed):
+    an object with ``optimizer(model, groups) -> torch.optim.Optimizer`` (``groups``: the two weight-decay
+    groups ``optim`` would use) and ``scheduler(optimizer, total_steps)`` returning the schedule, or None for
+    ``lr_scheduler``.  It travels to the workers by value; the facade sets it for ``optimizers=``,
+    ``optimizer_cls_and_kwargs=`` (``trainbridge.trainer.optimizers``)."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)

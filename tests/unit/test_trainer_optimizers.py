@@ -1,0 +1,152 @@
+"""``optimizers=`` and ``optimizer_cls_and_kwargs=`` (``trainer.optimizers``): the script's optimizer class,
+hyperparameters per group and scheduler are the ones the loop steps with, rebuilt on the worker's model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from transformers import BertForSequenceClassification, TrainingArguments
+
+from trainbridge import Trainer
+from trainbridge.callbacks import ScheduleCallback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
+
+
+@pytest.fixture(scope="module")
+def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertConfig
+
+    from trainbridge.demos.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("cls")
+    config = BertConfig(
+        vocab_size=80,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+def _rows(path: Path, count: int) -> Path:
+    rng = random.Random(1)
+    with path.open("w") as handle:
+        for _ in range(count):
+            label = rng.randrange(2)
+            text = ("x" if label else "y") + "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(3, 12)))
+            handle.write(json.dumps({"text": text, "label": label}) + "\n")
+    return path
+
+
+def _run(path: Path, tmp_path: Path, factory: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    factory = cloudpickle.loads(cloudpickle.dumps(factory))  # as it reaches the workers
+    args = TrainingArgs(
+        model_path=path,
+        data_path=_rows(tmp_path / "train.jsonl", 32),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=8,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        max_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        optimizer_factory=factory,
+    )
+    components = build_run(args, DistributedEnv())
+    before = {n: p.detach().clone() for n, p in components.engine.module.named_parameters()}
+    TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    return components, before
+
+
+def test_optimizers_are_rebuilt_with_their_class_groups_and_scheduler(bert_classifier: Path, tmp_path: Path) -> None:
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    encoder = [p for n, p in model.named_parameters() if n.startswith("bert.encoder")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("bert.encoder")]
+    optimizer = torch.optim.SGD(
+        [{"params": encoder, "lr": 0.2, "dampening": 0.1}, {"params": rest}], lr=0.05, momentum=0.9
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))
+    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+
+    used = components.engine.optimizer
+    assert type(used) is torch.optim.SGD
+    assert [len(g["params"]) for g in used.param_groups] == [len(encoder), len(rest)]
+    assert [g["momentum"] for g in used.param_groups] == [0.9, 0.9]
+    assert [g["dampening"] for g in used.param_groups] == [0.1, 0.0]
+    assert [g["initial_lr"] for g in used.param_groups] == [0.2, 0.05]
+    scheduler_used = components.engine.lr_scheduler
+    assert type(scheduler_used) is torch.optim.lr_scheduler.LambdaLR
+    assert [g["lr"] for g in used.param_groups] == pytest.approx([0.2 * 0.25, 0.05 * 0.25])  # 2 steps of 0.5
+    assert all(used.state[p]["momentum_buffer"] is not None for p in used.param_groups[0]["params"])
+    after = dict(components.engine.module.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_optimizer_cls_and_kwargs_builds_the_class_over_the_weight_decay_groups(
+    bert_classifier: Path, tmp_path: Path
+) -> None:
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, weight_decay=0.1)
+    trainer = Trainer(
+        model=model, args=hf, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.3, "momentum": 0.8})
+    )
+    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    used = components.engine.optimizer
+    assert type(used) is torch.optim.SGD
+    assert [g["momentum"] for g in used.param_groups] == [0.8, 0.8]
+    assert sorted(g["weight_decay"] for g in used.param_groups) == [0.0, 0.0]  # TrainingArgs' weight_decay: 0
+    assert [g["lr"] for g in used.param_groups] == [0.3, 0.3]
+    after = dict(components.engine.module.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_an_optimizer_over_other_parameters_fails_at_construction(bert_classifier: Path, tmp_path: Path) -> None:
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    stranger = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"not parameters of the Trainer's model"):
+        Trainer(model=model, args=hf, optimizers=(stranger, None))
+
+
+def test_a_scheduler_that_cannot_be_rebuilt_is_refused_naming_why(bert_classifier: Path, tmp_path: Path) -> None:
+    class Opaque(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self, optimizer: Any, secret: float) -> None:
+            super().__init__(optimizer)
+
+        def get_lr(self) -> list[float]:
+            return [g["lr"] for g in self.optimizer.param_groups]
+
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):
+        Trainer(model=model, args=hf, optimizers=(optimizer, Opaque(optimizer, 1.0)))
+
+
+def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"DeepSpeed builds and steps its own optimizer"):
+        TrainingArgs(
+            model_path=bert_classifier,
+            data_path=_rows(tmp_path / "x.jsonl", 4),
+            ckpt_output_dir=tmp_path / "out",
+            distributed_backend="deepspeed",
+            optimizer_factory=object(),
+        )
