@@ -61,7 +61,7 @@ def test_unhonoured_overrides_fail_at_construction_naming_them(tiny: Any, tmp_pa
         def create_optimizer(self) -> Any:
             return None
 
-    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides training_step\(\), create_optimizer\(\)"):
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides training_step\(\):"):
         MyTrainer(model=tiny[0], args=_hf_args(tmp_path))
 
 

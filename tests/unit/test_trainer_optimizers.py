@@ -105,9 +105,7 @@ def test_optimizer_cls_and_kwargs_builds_the_class_over_the_weight_decay_groups(
 ) -> None:
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, weight_decay=0.1)
-    trainer = Trainer(
-        model=model, args=hf, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.3, "momentum": 0.8})
-    )
+    trainer = Trainer(model=model, args=hf, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.3, "momentum": 0.8}))
     components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
     used = components.engine.optimizer
     assert type(used) is torch.optim.SGD
@@ -150,3 +148,47 @@ def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path
             distributed_backend="deepspeed",
             optimizer_factory=object(),
         )
+
+
+class ClassifierOnlyTrainer(Trainer):
+    def create_optimizer(self) -> Any:
+        self.optimizer = torch.optim.SGD(self.model.classifier.parameters(), lr=0.1, momentum=0.5)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        return self.lr_scheduler
+
+
+class TweakedDefaultTrainer(Trainer):
+    def create_optimizer(self) -> Any:
+        optimizer = super().create_optimizer()
+        for group in optimizer.param_groups:
+            group["lr"] = 0.123
+        return optimizer
+
+
+def test_a_subclass_create_optimizer_and_scheduler_run_on_the_worker_model(bert_classifier: Path, tmp_path: Path):
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = ClassifierOnlyTrainer(model=model, args=hf)
+    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    used, module = components.engine.optimizer, components.engine.module
+    assert type(used) is torch.optim.SGD and used.param_groups[0]["momentum"] == 0.5
+    assert {id(p) for p in used.param_groups[0]["params"]} == {id(p) for p in module.classifier.parameters()}
+    assert type(components.engine.lr_scheduler) is torch.optim.lr_scheduler.LambdaLR
+    assert used.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
+    after = dict(module.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == {"classifier.weight", "classifier.bias"}
+
+
+def test_super_create_optimizer_builds_the_default(bert_classifier: Path, tmp_path: Path) -> None:
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = TweakedDefaultTrainer(model=model, args=hf)
+    components, _ = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    used = components.engine.optimizer
+    assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [0.123, 0.123]
+    with pytest.raises(ValueError, match="runs in the workers"):
+        trainer.create_optimizer()

@@ -55,7 +55,11 @@ def build_optimizer(
     """
     groups = parameter_groups(model, args, decay_names)
     if args.optimizer_factory is not None:  # the script's own optimizer (TrainingArgs.optimizer_factory)
-        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups))
+
+        def default() -> torch.optim.Optimizer:
+            return build_optimizer(model, args.model_copy(update={"optimizer_factory": None}), decay_names, allow_fused)
+
+        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups, default))
     name, extra = args.optim, dict(args.optim_args)
     lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     if name in ("adamw_torch", "adamw_torch_fused"):
@@ -126,7 +130,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_
     """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``, or the
     schedule of ``args.optimizer_factory`` where it gives one."""
     if args.optimizer_factory is not None:
-        scheduler = args.optimizer_factory.scheduler(optimizer, total_steps)
+        plain = args.model_copy(update={"optimizer_factory": None})
+        scheduler = args.optimizer_factory.scheduler(
+            optimizer, total_steps, lambda chosen: build_scheduler(chosen, plain, total_steps)
+        )
         if scheduler is not None:
             return scheduler
     return get_scheduler(

@@ -158,6 +158,25 @@ class Trainer:
         (or with ``compute_loss_func``); ``super().compute_loss`` runs Trainer's default there."""
         return subclass.default_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
+    def create_optimizer(self) -> Any:
+        """``Trainer.create_optimizer``: called in the workers (``trainer.optimizers.SubclassOptimizer``) when a
+        subclass overrides it; ``super().create_optimizer()`` sets ``self.optimizer`` to what ``optim`` (or
+        ``optimizers=`` / ``optimizer_cls_and_kwargs=``) builds on the worker's model."""
+        if getattr(self, "optimizer", None) is None:
+            if "_default_optimizer" not in vars(self):
+                raise UnsupportedTrainerFeatureError("create_optimizer runs in the workers, inside train()")
+            self.optimizer = vars(self)["_default_optimizer"]()
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """``Trainer.create_scheduler``: called in the workers after ``create_optimizer``; ``super()`` sets
+        ``self.lr_scheduler`` to ``lr_scheduler_type``'s schedule (or the script's scheduler)."""
+        if getattr(self, "lr_scheduler", None) is None:
+            if "_default_scheduler" not in vars(self):
+                raise UnsupportedTrainerFeatureError("create_scheduler runs in the workers, inside train()")
+            self.lr_scheduler = vars(self)["_default_scheduler"](optimizer if optimizer is not None else self.optimizer)
+        return self.lr_scheduler
+
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """Not called: optimizer steps run inside trainbridge's loop."""
         raise UnsupportedTrainerFeatureError("training_step runs inside trainbridge's loop")

@@ -26,10 +26,10 @@ class ClassAndKwargs:
     def __init__(self, cls: type, kwargs: dict[str, Any]) -> None:
         self.cls, self.kwargs = cls, dict(kwargs)
 
-    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
         return self.cls(groups, **self.kwargs)  # type: ignore[no-any-return]
 
-    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
         return None
 
 
@@ -62,9 +62,12 @@ class Rebuilt:
             if "initial_lr" in group:  # a scheduler already scaled 'lr': the worker's scheduler does it again
                 hyper["lr"] = group["initial_lr"]
             self.groups.append(([names[id(p)] for p in group["params"]], hyper))
-        self.scheduler_cls, self.scheduler_kwargs = (None, {}) if scheduler is None else _scheduler_spec(scheduler)
+        self.scheduler_cls: type | None = None
+        self.scheduler_kwargs: dict[str, Any] = {}
+        if scheduler is not None:
+            self.scheduler_cls, self.scheduler_kwargs = _scheduler_spec(scheduler)
 
-    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
         params = dict(model.named_parameters())
         missing = sorted({n for names, _ in self.groups for n in names} - set(params))
         if missing:
@@ -75,7 +78,7 @@ class Rebuilt:
         rebuilt = [{"params": [params[n] for n in names], **hyper} for names, hyper in self.groups]
         return self.cls(rebuilt, **self.defaults)  # type: ignore[no-any-return]
 
-    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
         if self.scheduler_cls is None:
             return None
         return self.scheduler_cls(optimizer, **self.scheduler_kwargs)
@@ -103,9 +106,54 @@ def _scheduler_spec(scheduler: Any) -> tuple[type, dict[str, Any]]:
     return cls, kwargs
 
 
+class SubclassOptimizer:
+    """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler``: called in each worker on the
+    worker-side instance (``trainer.subclass``) with ``self.model`` the worker's model; ``super()`` builds
+    what ``optim`` / ``lr_scheduler_type`` (or the script's ``optimizers=``, ``inner``) would."""
+
+    def __init__(self, worker: Any, inner: Any) -> None:
+        self.worker, self.inner = worker, inner
+
+    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
+        instance = self.worker.trainer(model)
+        instance.optimizer, instance.lr_scheduler = None, None
+        if self.inner is not None:
+            instance._default_optimizer = lambda: self.inner.optimizer(model, groups, default)
+        else:
+            instance._default_optimizer = default
+        instance.create_optimizer()
+        if not isinstance(instance.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{type(instance).__name__}.create_optimizer() left self.optimizer as "
+                f"{type(instance.optimizer).__name__}; it must set a torch.optim.Optimizer, as under Trainer"
+            )
+        return instance.optimizer
+
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
+        instance = self.worker.trainer(None)
+        if self.inner is not None:
+            instance._default_scheduler = lambda chosen: (
+                self.inner.scheduler(chosen, total_steps, default) or default(chosen)
+            )
+        else:
+            instance._default_scheduler = default
+        instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+        return instance.lr_scheduler
+
+
 def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
-    """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``,
-    or None when it has neither."""
+    """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
+    and a subclass's ``create_optimizer`` / ``create_scheduler``, or None when it has none of them."""
+    from trainbridge.trainer.subclass import SubclassLoss, overrides
+
+    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs)
+    if not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
+        return inner
+    worker = SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
+    return SubclassOptimizer(worker, inner)
+
+
+def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
     optimizer, scheduler = tuple(optimizers or (None, None))
     if optimizer is not None or scheduler is not None:
         if optimizer_cls_and_kwargs is not None:

@@ -31,8 +31,6 @@ UNHONOURED = (
     "evaluate",
     "evaluation_loop",
     "log",
-    "create_optimizer",
-    "create_scheduler",
     "create_optimizer_and_scheduler",
     "get_train_dataloader",
     "get_eval_dataloader",
@@ -63,6 +61,16 @@ def unhonoured_overrides(cls: type) -> list[str]:
             break
         found += [name for name in UNHONOURED if name in vars(klass) and name not in found]
     return found
+
+
+def overrides(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether a class of the script's (not trainbridge's own) defines one of ``names``."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("trainbridge.") or klass is object:
+            return False
+        if any(name in vars(klass) for name in names):
+            return True
+    return False
 
 
 def overrides_compute_loss(cls: type) -> bool:

@@ -288,10 +288,11 @@ class ScheduleFields(BaseModel):
     ``{"momentum": 0.9}`` for ``sgd``."""
     optimizer_factory: Any | None = None
     """The script's own optimizer, replacing ``optim`` (ddp, fsdp and single-process runs; not DeepSpeed):
-    an object with ``optimizer(model, groups) -> torch.optim.Optimizer`` (``groups``: the two weight-decay
-    groups ``optim`` would use) and ``scheduler(optimizer, total_steps)`` returning the schedule, or None for
-    ``lr_scheduler``.  It travels to the workers by value; the facade sets it for ``optimizers=``,
-    ``optimizer_cls_and_kwargs=`` (``trainbridge.trainer.optimizers``)."""
+    an object with ``optimizer(model, groups, default) -> torch.optim.Optimizer`` (``groups``: the two
+    weight-decay groups ``optim`` would use; ``default()`` builds ``optim``'s) and ``scheduler(optimizer,
+    total_steps, default)`` returning the schedule, or None for ``lr_scheduler`` (``default(optimizer)``).
+    It travels to the workers by value; the facade sets it for ``optimizers=``, ``optimizer_cls_and_kwargs=``
+    and a subclass's ``create_optimizer``/``create_scheduler`` (``trainbridge.trainer.optimizers``)."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
