@@ -123,7 +123,9 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    if choose_step(model, args) == "token_cross_entropy":
+    if args.train_step is not None:
+        batches = _factory_batches(model, tokenizer, args, env)
+    elif choose_step(model, args) == "token_cross_entropy":
         batches = _token_batches(model, tokenizer, args, env, from_rank0=from_rank0, skeleton=skeleton)
     else:
         batches = _sample_batches(model, tokenizer, args, env)
@@ -287,6 +289,14 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
         stats,
         True,
     )
+
+
+def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
+    """The step ``args.train_step`` builds (its own batches and loss; no validation batches)."""
+    step = args.train_step(model, tokenizer, args, env) if args.train_step is not None else None
+    if not isinstance(step, TrainStep):
+        raise TypeError(f"train_step: {args.train_step!r} returned {type(step).__name__}, not a TrainStep")
+    return RunBatches(step, None, {}, [], False)
 
 
 def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:

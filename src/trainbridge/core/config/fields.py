@@ -237,6 +237,11 @@ class BatchFields(BaseModel):
     """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
     replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
     ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    train_step: Callable[..., Any] | None = None
+    """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
+    called in each worker once the model is loaded, before the engine wraps it, it forms the training
+    batches and the loss itself (``trainbridge.DPOTrainer`` sets one for preference pairs).  Replaces the
+    step ``training_step`` would choose.  A picklable object: it travels to the workers with the arguments."""
     token_metrics: bool = False
     """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
     the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
