@@ -43,6 +43,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "compute_loss": subclass_loss(trainer),
         "optimizer_factory": trainer._optimizer_factory,
+        "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))

@@ -188,6 +188,8 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "preprocess_logits_for_metrics",
             "compute_loss",
             "optimizer_factory",
+            "train_step",
+            "train_stream",
         }
         data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
