@@ -51,7 +51,11 @@ class GeneratedPredictions(ModelLoss):
         labels = batch.get("labels")
         dropped = {"labels", NUM_ITEMS_KEY}
         decoder_ids = batch.get("decoder_input_ids")
-        if isinstance(labels, torch.Tensor) and isinstance(decoder_ids, torch.Tensor) and labels.shape == decoder_ids.shape:
+        if (
+            isinstance(labels, torch.Tensor)
+            and isinstance(decoder_ids, torch.Tensor)
+            and labels.shape == decoder_ids.shape
+        ):
             dropped |= {"decoder_input_ids", "decoder_attention_mask"}
         inputs = {k: v for k, v in batch.items() if k not in dropped}
         tokens = generator.generate(**inputs, **self.generation_kwargs, synced_gpus=self.synced_gpus)
