@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.data.sample_batches import SampleBatches
 from trainbridge.step.base import EvalOutput
-from trainbridge.step.model_loss import NUM_ITEMS_KEY, ModelLoss
+from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
 
 
 class GeneratedPredictions(ModelLoss):
@@ -29,7 +28,7 @@ class GeneratedPredictions(ModelLoss):
 
     def __init__(
         self,
-        train_batches: SampleBatches,
+        train_batches: ItemBatches,
         model: Any,
         env: DistributedEnv,
         label_names: Sequence[str] | None,
