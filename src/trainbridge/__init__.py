@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.loop.result import RunResult as RunResult
     from trainbridge.trainer import Trainer as Trainer
     from trainbridge.trainer.seq2seq import Seq2SeqTrainer as Seq2SeqTrainer
+    from trainbridge.trl import DPOTrainer as DPOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
     __version__: str
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "Trainer": "trainbridge.trainer",
     "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
     "Seq2SeqTrainer": "trainbridge.trainer.seq2seq",  # transformers' Seq2SeqTrainer (predict_with_generate)
+    "DPOTrainer": "trainbridge.trl",  # trl's DPOTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",
