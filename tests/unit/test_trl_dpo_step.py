@@ -132,34 +132,39 @@ def test_one_micro_batch_gives_trls_per_token_metrics(tiny_llama: Path, tmp_path
         assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
-def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path) -> None:
-    import dataclasses
+class _Logs:
+    def __init__(self) -> None:
+        self.logs: list[tuple[int, dict[str, float]]] = []
 
+    def on_log(self, context, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        self.logs.append((context.global_step, dict(logs or {})))
+
+
+def _run_dpo(args_for, tmp_path: Path, tiny_llama: Path, **factory_kwargs: object) -> tuple[list, object]:  # type: ignore[no-untyped-def]
+    """Three DPO steps of 2 pairs on the real loop, the step built in the worker by ``TrainingArgs.train_step``."""
     from trainbridge.callbacks import ScheduleCallback
     from trainbridge.core.callback import Callback
     from trainbridge.core.distributed import DistributedEnv
     from trainbridge.loop.build import build_run
     from trainbridge.loop.loop import TrainingLoop
+    from trainbridge.trl.dpo_step import DPOStepFactory
 
-    class Logs(Callback):
-        def __init__(self) -> None:
-            self.logs: list[tuple[int, dict[str, float]]] = []
-
-        def on_log(self, context, logs=None, **kwargs):  # type: ignore[no-untyped-def]
-            self.logs.append((context.global_step, dict(logs or {})))
-
-    args = args_for(max_steps=3, logging_steps=1, val_data_path=None)
-    components = build_run(args, DistributedEnv())
-    config = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, max_length=12)
-    prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), components.tokenizer, config)
-    ref = copy.deepcopy(components.engine.module)
-    step = PreferenceStep(
-        PairBatches(prepared, 1, 2, 1, 0, 0, config.max_length), DPOLossSettings.from_config(config), ref_model=ref
+    config = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, max_length=12, beta=0.2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), tokenizer, config)
+    factory = DPOStepFactory(
+        prepared, DPOLossSettings.from_config(config), 1, 2, config.max_length, seed=0, **factory_kwargs
     )
-    seen = Logs()
-    components = dataclasses.replace(components, step=step, max_steps=3)
+    args = args_for(max_steps=3, logging_steps=1, val_data_path=None, train_step=factory)
+    components = build_run(args, DistributedEnv())
+    assert isinstance(components.step, PreferenceStep)
+    seen = type("Logs", (_Logs, Callback), {})()
     TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], components).run()
-    step_logs = [(s, logs) for s, logs in seen.logs if "loss" in logs]
+    return [(s, logs) for s, logs in seen.logs if "loss" in logs], factory
+
+
+def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path, tiny_llama: Path) -> None:
+    step_logs, _ = _run_dpo(args_for, tmp_path, tiny_llama)
     assert [s for s, _ in step_logs] == [1, 2, 3]
     first = step_logs[0][1]
     assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy is its reference at step 1: log 2
@@ -179,3 +184,41 @@ def test_the_loop_runs_the_dpo_step_and_logs_trls_keys(args_for, tmp_path: Path)
     } <= set(first)
     assert step_logs[2][1]["rewards/margins"] != 0.0  # the policy moved away from the reference
     assert step_logs[2][1]["num_tokens"] > step_logs[1][1]["num_tokens"] > first["num_tokens"] > 0
+
+
+def test_the_loops_first_dpo_step_gives_trls_loss(args_for, tmp_path: Path, tiny_llama: Path) -> None:
+    """A reference unlike the policy (so the loss is not log 2): the loop's first logged loss and rewards
+    equal trl's ``DPOTrainer.compute_loss`` on the same two pairs."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    step_logs, factory = _run_dpo(args_for, tmp_path, tiny_llama, ref_model=copy.deepcopy(ref))
+    pairs = PairBatches(factory.dataset, 1, 2, 1, 0, 0, 12).set_epoch(0).steps[0]
+
+    config = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        max_length=12,
+        beta=0.2,
+        per_device_train_batch_size=1,
+    )
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        ref_model=ref,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    model = trainer.model.train()
+    losses = [trainer.compute_loss(model, trainer.data_collator([trainer.train_dataset[i]])) for i in pairs]
+    trl_logs = {key: sum(v) / len(v) for key, v in trainer._metrics["train"].items()}
+    first = step_logs[0][1]
+    assert first["loss"] == pytest.approx(float(sum(losses)) / len(losses), rel=1e-4)
+    assert abs(first["loss"] - 0.6931) > 1e-3
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert first[key] == pytest.approx(trl_logs[key], rel=1e-4, abs=1e-5), key

@@ -28,6 +28,7 @@ from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import open_rows, split_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
 from trainbridge.data.sources import load_run_data
+from trainbridge.data.stream_batches import StreamBatches
 from trainbridge.data.user_collate import collate_with
 from trainbridge.modeling import (
     VARLEN_SDPA,
@@ -122,7 +123,9 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    if choose_step(model, args) == "token_cross_entropy":
+    if args.train_step is not None:
+        batches = _factory_batches(model, tokenizer, args, env)
+    elif choose_step(model, args) == "token_cross_entropy":
         batches = _token_batches(model, tokenizer, args, env, from_rank0=from_rank0, skeleton=skeleton)
     else:
         batches = _sample_batches(model, tokenizer, args, env)
@@ -172,7 +175,7 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
             "training_step='model_loss' (or 'auto')"
         )
     if args.training_step == "token_cross_entropy" or (
-        args.training_step == "auto" and causal and args.compute_loss is None
+        args.training_step == "auto" and causal and args.compute_loss is None and args.train_stream is None
     ):
         return "token_cross_entropy"
     label_names = args.label_names or default_label_names(model)
@@ -232,32 +235,46 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
     collator (the script's, else Trainer's default), the loss the forward returns."""
     per_device, accumulation = sample_batch_shape(args, env.world_size)
-    train = open_rows(args.data_path, tokenizer, args.max_seq_len)
+    stream: Any = args.train_stream
+    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if stream is None else None
     val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
-    if args.validation_split > 0:
+    if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)
     named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
-    train_batches = SampleBatches(
-        train,
-        collate,
-        per_device=per_device,
-        accumulation=accumulation,
-        world_size=env.world_size,
-        rank=env.rank,
-        seed=args.seed,
+    train_batches: SampleBatches | StreamBatches = (
+        SampleBatches(
+            train,
+            collate,
+            per_device=per_device,
+            accumulation=accumulation,
+            world_size=env.world_size,
+            rank=env.rank,
+            seed=args.seed,
+        )
+        if train is not None
+        else StreamBatches(
+            stream,
+            collate,
+            per_device=per_device,
+            accumulation=accumulation,
+            world_size=env.world_size,
+            rank=env.rank,
+            max_steps=args.max_steps,
+        )
     )
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(dataset, collate, per_device=per_device, world_size=env.world_size, rank=env.rank)
 
-    stats = [LoadStats(path=str(args.data_path), lines=len(train), samples=len(train))]
+    count = len(train) if train is not None else 0
+    stats = [LoadStats(path=str(args.data_path) if train is not None else "train_stream", lines=count, samples=count)]
     if env.is_world_process_zero:
         logger.info(
-            "data: %d training items, %s",
-            len(train),
+            "data: %s, %s",
+            f"{count} training items" if train is not None else f"streaming {type(stream).__name__}",
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     step = (
@@ -272,6 +289,14 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
         stats,
         True,
     )
+
+
+def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
+    """The step ``args.train_step`` builds (its own batches and loss; no validation batches)."""
+    step = args.train_step(model, tokenizer, args, env) if args.train_step is not None else None
+    if not isinstance(step, TrainStep):
+        raise TypeError(f"train_step: {args.train_step!r} returned {type(step).__name__}, not a TrainStep")
+    return RunBatches(step, None, {}, [], False)
 
 
 def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.data.sample_batches import SampleBatches
 from trainbridge.step.base import EvalOutput
-from trainbridge.step.model_loss import NUM_ITEMS_KEY, ModelLoss, predictions_of
+from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss, predictions_of
 
 
 class CustomLoss(ModelLoss):
@@ -28,7 +27,7 @@ class CustomLoss(ModelLoss):
 
     def __init__(
         self,
-        train_batches: SampleBatches,
+        train_batches: ItemBatches,
         model: Any,
         env: DistributedEnv,
         compute_loss: Callable[..., Any],

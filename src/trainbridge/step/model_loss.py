@@ -2,8 +2,9 @@
 (sequence / token classification, masked LM, encoder-decoder, image classification, several inputs;
 PEFT-wrapped too).
 
-Batches are ``data.sample_batches.SampleBatches``: ``per_device`` items per micro-batch formed by the
-collator, ``accumulation`` micro-batches per step.  The loss follows ``transformers.Trainer``
+Batches are ``data.sample_batches.SampleBatches`` (``data.stream_batches.StreamBatches`` for a stream):
+``per_device`` items per micro-batch formed by the collator, ``accumulation``
+micro-batches per step.  The loss follows ``transformers.Trainer``
 (``compute_loss`` / ``training_step`` / ``_get_num_items_in_batch``):
 
 - when the model accepts loss kwargs (``accepts_loss_kwargs``, else a ``**kwargs`` forward) and the batch
@@ -23,18 +24,31 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.data.sample_batches import SampleBatches, SampleStep
+from trainbridge.data.sample_batches import SampleStep
+from trainbridge.data.stream_batches import StreamStep
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import is_causal_lm, unwrap_peft
-from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.step.base import EvalOutput, StepBatches, TrainSource, TrainStep
 
 NUM_ITEMS_KEY = "num_items_in_batch"
 """The batch entry that carries the step's item count to the forward (Trainer passes it the same way)."""
+
+
+class ItemBatches(TrainSource, Protocol):
+    """Micro-batches of dataset items (``SampleBatches``, or ``StreamBatches`` for a stream)."""
+
+    accumulation: int
+    world_size: int
+    collate: Any
+
+    def micro_batches(self, step: Any) -> list[dict[str, Any]]:
+        """Collated micro-batches (CPU) of this rank in ``step``, an entry of the epoch plan's steps."""
+        ...
 
 
 def accepts_loss_kwargs(model: Any) -> bool:
@@ -104,10 +118,14 @@ class ModelLoss(TrainStep):
     """Sample batches and the loss the model's forward returns (see the module docstring)."""
 
     name = "the model's own loss (sample batches)"
-    train_batches: SampleBatches
+    train_batches: ItemBatches
 
     def __init__(
-        self, train_batches: SampleBatches, model: Any, env: DistributedEnv, label_names: Sequence[str] | None = None
+        self,
+        train_batches: ItemBatches,
+        model: Any,
+        env: DistributedEnv,
+        label_names: Sequence[str] | None = None,
     ) -> None:
         self.train_batches = train_batches
         self.env = env
@@ -118,7 +136,7 @@ class ModelLoss(TrainStep):
         self.shifts_labels = is_causal_lm(inner) and not getattr(config, "is_encoder_decoder", False)
         self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
 
-    def prepare(self, step: SampleStep) -> StepBatches:
+    def prepare(self, step: SampleStep | StreamStep) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
         counted = self.counts_items and all("labels" in b for b in micro_batches)
         items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)

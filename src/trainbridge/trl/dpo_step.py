@@ -245,3 +245,59 @@ class PreferenceStep(TrainStep):
             f"{b.pairs_per_step} preference pairs per step (all ranks); {b.micro_per_step} micro-batches of "
             f"{b.pairs_per_micro} pairs per rank, chosen and rejected packed padding-free"
         )
+
+
+class DPOStepFactory:
+    """``TrainingArgs.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
+
+    It carries the prepared pairs (``prepare_preference_dataset``), the loss settings and the batch shape;
+    called with the worker's model it plans this rank's pairs and picks the reference: the rows'
+    precomputed log-probs when they carry them, else ``ref_model`` (a frozen model object, moved to the
+    policy's device), else a frozen copy of the freshly loaded policy, or, for a PEFT policy, the policy
+    with its adapter disabled.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        settings: DPOLossSettings,
+        pairs_per_micro: int,
+        micro_per_step: int,
+        max_length: int | None,
+        truncation_mode: str = "keep_start",
+        ref_model: torch.nn.Module | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.dataset, self.settings = dataset, settings
+        self.pairs_per_micro, self.micro_per_step = pairs_per_micro, micro_per_step
+        self.max_length, self.truncation_mode = max_length, truncation_mode
+        self.ref_model, self.seed = ref_model, seed
+
+    def reference(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
+        """The reference model the step scores with (None: precomputed columns or the PEFT base)."""
+        if "ref_chosen_logps" in self.dataset.column_names or (
+            self.ref_model is None and hasattr(model, "disable_adapter")
+        ):
+            return None
+        if self.ref_model is None and any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                "ref_model: a copy of the policy cannot be taken from a rank that loads no weights "
+                "(fsdp_load_on_rank0); pass ref_model or precompute_ref_log_probs=True"
+            )
+        import copy
+
+        reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
+        return reference.to(device).eval().requires_grad_(False)
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
+        batches = PairBatches(
+            self.dataset,
+            self.pairs_per_micro,
+            self.micro_per_step,
+            env.world_size,
+            env.rank,
+            self.seed,
+            self.max_length,
+            self.truncation_mode,
+        )
+        return PreferenceStep(batches, self.settings, self.reference(model, env.device))

@@ -17,6 +17,7 @@ def check_consistent(args: TrainingArgs) -> None:
     """The fields together: evaluation, best model, saving and batching settings that must agree."""
     check_model(args)
     check_optimizer(args)
+    check_stream(args)
     if args.val_data_path is not None and args.validation_split > 0:
         raise ValueError("give val_data_path or validation_split, not both")
     if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
@@ -67,6 +68,21 @@ def check_consistent(args: TrainingArgs) -> None:
             f"max_batch_len: {args.max_batch_len} is smaller than max_seq_len {args.max_seq_len}; "
             "a longest sample would not fit in one micro-batch"
         )
+
+
+def check_stream(args: TrainingArgs) -> None:
+    """``train_stream``: a stream has no length, so it needs ``max_steps``; it has no rows to split or plan."""
+    if args.train_stream is None:
+        return
+    if args.max_steps is None:
+        raise ValueError(
+            "max_steps: a streaming train_stream has no length, so the number of steps cannot be derived "
+            "from num_epochs; set max_steps to a positive number (as Trainer requires)"
+        )
+    if args.validation_split > 0:
+        raise ValueError("validation_split: a train_stream cannot be split; give val_data_path instead")
+    if args.training_step == "token_cross_entropy":
+        raise ValueError("training_step: a train_stream trains on 'model_loss' batches; leave it 'auto'")
 
 
 OPTIMIZER_PACKAGES = {

@@ -219,6 +219,12 @@ class BatchFields(BaseModel):
     its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
     become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
     must not be ``padding_free``).  None: trainbridge's own collation."""
+    train_stream: Any | None = None
+    """A streaming training set trained on instead of ``data_path``'s rows: a ``torch.utils.data.IterableDataset``
+    or a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) whose items the collator gets
+    as they come.  Needs ``max_steps`` (a stream has no length) and trains on ``model_loss`` batches; the
+    ranks take disjoint micro-batches (rank ``r`` every ``r``-th of ``world size``) and a resumed run skips the
+    items already trained on.  In-process and under ``torchrun`` only (``data_path`` must still name a file)."""
     training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
     """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
     batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches
@@ -231,6 +237,11 @@ class BatchFields(BaseModel):
     """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
     replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
     ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    train_step: Callable[..., Any] | None = None
+    """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
+    called in each worker once the model is loaded, before the engine wraps it, it forms the training
+    batches and the loss itself (``trainbridge.DPOTrainer`` sets one for preference pairs).  Replaces the
+    step ``training_step`` would choose.  A picklable object: it travels to the workers with the arguments."""
     token_metrics: bool = False
     """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
     the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so

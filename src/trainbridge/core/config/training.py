@@ -187,6 +187,8 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "compute_metrics",
             "preprocess_logits_for_metrics",
             "compute_loss",
+            "train_step",
+            "train_stream",
         }
         data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder

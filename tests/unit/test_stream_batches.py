@@ -1,0 +1,141 @@
+"""Streaming training data (``data.stream_batches``, ``TrainingArgs.train_stream``): a generator-backed
+``IterableDataset`` trains ``max_steps`` steps through the real loop in-process, ranks take disjoint items,
+a resumed run skips what was consumed and reaches the weights of an uninterrupted one, and a stream without
+``max_steps`` is refused when the arguments are built."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainbridge.callbacks import ScheduleCallback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data.stream_batches import StreamBatches
+from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
+from trainbridge.step.model_loss import ModelLoss
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    """A generator-backed stream of classification items; ``idx`` says which item it is."""
+
+    def __init__(self, count: int = 1000) -> None:
+        self.count = count
+
+    def __iter__(self) -> Any:
+        rng = random.Random(0)
+        for i in range(self.count):
+            label = rng.randrange(2)
+            ids = [2 + label * 10 + rng.randrange(8) for _ in range(rng.randrange(3, 9))]
+            yield {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": label, "idx": i}
+
+
+def _collate_idx(items: list[Any]) -> dict[str, Any]:
+    return {"idx": [item["idx"] for item in items]}
+
+
+def _batches(rank: int, world: int, max_steps: int = 5) -> StreamBatches:
+    return StreamBatches(
+        Numbers(), _collate_idx, per_device=2, accumulation=3, world_size=world, rank=rank, max_steps=max_steps
+    )
+
+
+def _seen(batches: StreamBatches, start: int = 0) -> list[list[int]]:
+    return [
+        [i for micro in batches.micro_batches(step) for i in micro["idx"]]
+        for step in batches.set_epoch(0).steps[start:]
+    ]
+
+
+def test_ranks_take_disjoint_micro_batches_covering_the_stream_in_order():
+    ranks = [_seen(_batches(rank, 2)) for rank in range(2)]
+    assert [len(steps) for steps in ranks] == [5, 5]
+    flat = [sorted(i for step in steps for i in step) for steps in ranks]
+    assert not set(flat[0]) & set(flat[1])
+    assert sorted(flat[0] + flat[1]) == list(range(5 * 2 * 3 * 2))
+    assert ranks[0][0] == [0, 1, 4, 5, 8, 9] and ranks[1][0] == [2, 3, 6, 7, 10, 11]
+
+
+def test_slicing_the_plan_skips_the_consumed_steps():
+    whole = _seen(_batches(1, 2))
+    assert _seen(_batches(1, 2), start=3) == whole[3:]
+
+
+def test_a_stream_needs_max_steps_naming_the_field():
+    with pytest.raises(ValueError, match="max_steps"):
+        _batches(0, 1, max_steps=0)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=80,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    folder = tmp_path_factory.mktemp("cls")
+    BertForSequenceClassification(config).save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+def _args(classifier: Path, tmp_path: Path, out: str, **overrides: Any) -> TrainingArgs:
+    placeholder = tmp_path / "unused.jsonl"
+    placeholder.write_text('{"text": "x"}\n')
+    fields: dict[str, Any] = dict(
+        model_path=classifier,
+        data_path=placeholder,
+        train_stream=Numbers(),
+        ckpt_output_dir=tmp_path / out,
+        effective_batch_size=4,
+        per_device_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        disable_tqdm=True,
+        seed=3,
+    )
+    fields.update(overrides)
+    return TrainingArgs(**fields)
+
+
+def _train(args: TrainingArgs) -> Any:
+    components = build_run(args, DistributedEnv())
+    assert isinstance(components.step, ModelLoss)
+    assert isinstance(components.train_batches, StreamBatches)
+    return TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+
+
+def test_a_stream_trains_max_steps_and_a_resumed_run_reaches_the_same_weights(classifier, tmp_path):
+    whole = _train(_args(classifier, tmp_path, "whole"))
+    assert whole.global_step == 6
+    cut = _train(_args(classifier, tmp_path, "cut", max_steps=3))
+    assert cut.global_step == 3
+    resumed = _train(_args(classifier, tmp_path, "cut", resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3")))
+    assert resumed.global_step == 6
+    a = load_file(tmp_path / "whole" / "checkpoint-6" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoint-6" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_stream_without_max_steps_is_refused_before_launch(classifier, tmp_path):
+    with pytest.raises(ValueError, match="max_steps: a streaming train_stream"):
+        _args(classifier, tmp_path, "out", max_steps=None)
