@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.launch.transport import register_by_value as register_by_value
     from trainbridge.loop.result import RunResult as RunResult
     from trainbridge.trainer import Trainer as Trainer
+    from trainbridge.trl import DPOTrainer as DPOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
     __version__: str
@@ -44,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     # transformers.Trainer's (and trl's SFTTrainer's) API on the same loop
     "Trainer": "trainbridge.trainer",
     "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
+    "DPOTrainer": "trainbridge.trl",  # trl's DPOTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",

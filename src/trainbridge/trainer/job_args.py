@@ -42,6 +42,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "compute_loss": subclass_loss(trainer),
+        "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))

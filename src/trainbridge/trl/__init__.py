@@ -1,6 +1,7 @@
 """trl's trainers on trainbridge's loop.
 
 - ``sft_trainer``: ``SFTTrainer`` (trl's constructor on the ``Trainer`` facade).
+- ``dpo_trainer``: ``DPOTrainer`` (trl's constructor on the facade, the DPO step through ``train_step``).
 - ``dpo_step``: DPO on the step seam (``PreferenceStep``, ``PairBatches``).
 - ``sft_data``: trl's SFT data preparation, run by trl, as samples for padding-free batches.
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
@@ -10,7 +11,7 @@
 
 from typing import Any
 
-__all__ = ["SFTTrainer"]
+__all__ = ["DPOTrainer", "SFTTrainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from trainbridge.trl.sft_trainer import SFTTrainer
 
         return SFTTrainer
+    if name == "DPOTrainer":
+        from trainbridge.trl.dpo_trainer import DPOTrainer
+
+        return DPOTrainer
     raise AttributeError(f"module 'trainbridge.trl' has no attribute {name!r}")

@@ -250,7 +250,8 @@ class PreferenceStep(TrainStep):
 class DPOStepFactory:
     """``TrainingArgs.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
-    It carries the prepared pairs (``prepare_preference_dataset``), the loss settings and the batch shape;
+    It carries the prepared pairs (``prepare_preference_dataset``; None: the job's ``data_path``, as the
+    facade writes them), the loss settings and the batch shape;
     called with the worker's model it plans this rank's pairs and picks the reference: the rows'
     precomputed log-probs when they carry them, else ``ref_model`` (a frozen model object, moved to the
     policy's device), else a frozen copy of the freshly loaded policy, or, for a PEFT policy, the policy
@@ -272,12 +273,11 @@ class DPOStepFactory:
         self.pairs_per_micro, self.micro_per_step = pairs_per_micro, micro_per_step
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.ref_model, self.seed = ref_model, seed
+        self.columns: list[str] = list(dataset.column_names) if dataset is not None else []
 
     def reference(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
         """The reference model the step scores with (None: precomputed columns or the PEFT base)."""
-        if "ref_chosen_logps" in self.dataset.column_names or (
-            self.ref_model is None and hasattr(model, "disable_adapter")
-        ):
+        if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
         if self.ref_model is None and any(p.is_meta for p in model.parameters()):
             raise ValueError(
@@ -290,8 +290,14 @@ class DPOStepFactory:
         return reference.to(device).eval().requires_grad_(False)
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
+        dataset = self.dataset
+        if dataset is None:
+            from trainbridge.data.rows import open_rows
+
+            dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
+        self.columns = list(dataset.column_names)
         batches = PairBatches(
-            self.dataset,
+            dataset,
             self.pairs_per_micro,
             self.micro_per_step,
             env.world_size,

@@ -1,0 +1,115 @@
+"""``trainbridge.DPOTrainer`` takes trl's arguments as they are and trains DPO on the loop (in place, 1 rank):
+trl's metric keys at the log steps, and a first-step loss equal to trl's DPOTrainer on the same pairs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig
+
+from trainbridge import DPOTrainer
+from trainbridge.trl.dpo_step import PairBatches
+from trainbridge.trl.preference_loss import METRIC_KEYS
+
+ROWS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a * b + 3)}
+    for a, b in [(1, 2), (13, 25), (7, 70), (9, 1), (4, 44), (30, 3), (5, 6), (8, 12)]
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+
+
+def _config(out: Path, **overrides: object) -> DPOConfig:
+    values: dict[str, object] = dict(
+        output_dir=str(out),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=12,
+        beta=0.2,
+        learning_rate=1e-3,
+        model_init_kwargs={"dtype": "float32"},
+    )
+    values.update(overrides)
+    return DPOConfig(**values)  # type: ignore[arg-type]
+
+
+def test_a_model_path_trains_dpo_with_trls_metrics(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path / "out")
+    _in_place(monkeypatch)
+    trainer = DPOTrainer(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+    out = trainer.train()
+    assert out.global_step == 3
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["step"] for row in logged] == [1, 2, 3]
+    assert logged[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the frozen copy is the policy at step 1
+    for row in logged:
+        assert set(METRIC_KEYS) | {"logits/chosen", "logits/rejected", "entropy", "num_tokens"} <= set(row)
+    assert logged[-1]["rewards/margins"] != 0.0
+
+
+def test_first_step_loss_equals_trls_with_a_ref_model(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trl import DPOTrainer as TrlDPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    config = _config(tmp_path / "out", loss_type=["sigmoid"], label_smoothing=0.1)
+    trl = TrlDPOTrainer(  # trl first: its config sets up accelerate before the in-place environment
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        ref_model=copy.deepcopy(ref),
+        args=_config(tmp_path / "trl", loss_type=["sigmoid"], label_smoothing=0.1),
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    _in_place(monkeypatch)
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        ref_model=ref,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    first = next(row for row in trainer.state.log_history if "loss" in row)
+
+    factory = trainer.step_factory
+    pairs = PairBatches(trainer.train_dataset, 2, 1, 1, 0, factory.seed, 12).set_epoch(0).steps[0]
+    loss = trl.compute_loss(trl.model.train(), trl.data_collator([trl.train_dataset[i] for i in pairs]))
+    assert abs(float(loss) - 0.6931) > 1e-3
+    assert first["loss"] == pytest.approx(float(loss), rel=1e-4)
+    trl_logs = {key: sum(v) / len(v) for key, v in trl._metrics["train"].items()}
+    for key in METRIC_KEYS:
+        assert first[key] == pytest.approx(trl_logs[key], rel=1e-4, abs=1e-5), key
