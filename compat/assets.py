@@ -98,3 +98,45 @@ def collate_fixed_length(features: list[dict[str, list[int]]]) -> dict[str, torc
         "labels": torch.tensor([f["labels"] for f in features], dtype=torch.long),
         "attention_mask": torch.ones_like(input_ids),
     }
+
+
+# ============================================================================ sequence classification
+def classification_model(tokenizer: Any) -> Any:
+    """A tiny ``BertForSequenceClassification`` (2 labels) over the tiny Llama's tokenizer, built from a
+    config with a fixed seed, so both runners start from the same weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def classification_data(tokenizer: Any, n: int, seed: int) -> Any:
+    """``n`` texts of varying length whose first letter gives the label, tokenized as a ``datasets.Dataset``
+    (``sentence``, ``label``, ``idx``, ``input_ids``, ``attention_mask``: the unused text columns are
+    dropped by ``remove_unused_columns``)."""
+    import datasets
+
+    rng = random.Random(seed)
+    labels = [rng.randint(0, 1) for _ in range(n)]
+    texts = [("x" if label else "y") + "".join(rng.choices("abcdefgh", k=rng.randint(3, 11))) for label in labels]
+    data = datasets.Dataset.from_dict({"sentence": texts, "label": labels, "idx": list(range(n))})
+    return data.map(lambda batch: tokenizer(batch["sentence"]), batched=True)
+
+
+def accuracy(eval_pred: Any) -> dict[str, float]:
+    """``compute_metrics``: the share of argmax predictions equal to the labels."""
+    import numpy as np
+
+    predictions, labels = eval_pred
+    return {"accuracy": float((np.argmax(predictions, axis=-1) == labels).mean())}

@@ -1,5 +1,6 @@
 """Run a scenario with ``transformers.Trainer`` (torchrun + ``compat.trainer_worker``) or with
-trainbridge (``run_training`` with ``TrainingArgs`` ported by ``training_args_from_hf``).
+trainbridge (``run_training`` with ``TrainingArgs`` ported by ``training_args_from_hf``; for a
+non-causal scenario, the same worker with ``trainbridge.Trainer``, the facade, in place).
 
 Layout of one run, ``{work}/{scenario}/{runner}-ws{N}/``: ``out/`` (output_dir: checkpoints, TensorBoard
 runs, observations), ``trace/`` (and ``trace-resume/`` for a resume phase), ``mlruns/``, ``wandb/``,
@@ -98,6 +99,9 @@ def run_scenarios(
     outcomes = [_fresh_outcome(spec, runner, world_size, work) for spec in specs]
     if runner == "trainbridge":
         for spec, outcome in zip(specs, outcomes):
+            if spec.task != "causal-lm":
+                _launch_trainer([(spec, outcome)], world_size, assets, facade=True)
+                continue
             start = time.monotonic()
             outcome.console = outcome.run_dir / "console.log"
             for phase, resume_from in _phases(spec):
@@ -128,8 +132,11 @@ def _fresh_outcome(spec: Scenario, runner: Runner, world_size: int, work: Path) 
 
 
 # ============================================================================ transformers.Trainer
-def _launch_trainer(group: Sequence[tuple[Scenario, RunOutcome]], world_size: int, assets: CompatAssets) -> None:
-    """One torchrun launch of ``compat.trainer_worker`` running every phase of every scenario of ``group``."""
+def _launch_trainer(
+    group: Sequence[tuple[Scenario, RunOutcome]], world_size: int, assets: CompatAssets, *, facade: bool = False
+) -> None:
+    """One torchrun launch of ``compat.trainer_worker`` running every phase of every scenario of ``group``
+    (``facade``: with ``trainbridge.Trainer`` in place of ``transformers.Trainer``)."""
     jobs = [
         {
             "scenario": spec.name,
@@ -139,6 +146,7 @@ def _launch_trainer(group: Sequence[tuple[Scenario, RunOutcome]], world_size: in
             "resume_from": resume_from,
             "env": integration_environment(outcome.run_dir),
             "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json"),
+            "trainer": "trainbridge" if facade else "transformers",
         }
         for spec, outcome in group
         for phase, resume_from in _phases(spec)

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from transformers import EarlyStoppingCallback, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -155,6 +155,11 @@ class Scenario:
     expected_callback_errors: tuple[str, ...] = ()
     """Callback classes trainbridge must report in ``RunResult.callback_errors`` (anything else is a
     difference)."""
+    task: Literal["causal-lm", "classification"] = "causal-lm"
+    """``causal-lm``: the tiny Llama on the fixed-width problems; trainbridge runs ``run_training``.
+    ``classification``: the tiny BERT classifier of ``compat.assets`` on its own loss, with
+    ``DataCollatorWithPadding`` and ``compute_metrics``; trainbridge runs the same worker with
+    ``trainbridge.Trainer`` (the facade) in place of ``transformers.Trainer``."""
 
     def arguments_class(self) -> type:
         """The class named by ``config_class``."""
@@ -203,6 +208,12 @@ class Scenario:
 def _early_stopping() -> list[TrainerCallback]:
     # evaluations at steps 2, 4, 6, 8: best at step 4 (0.5), no improvement at 6 and 8 -> stop at 8
     return [ScriptedEvalLoss([0.9, 0.5, 0.7, 0.6, 0.4]), EarlyStoppingCallback(early_stopping_patience=2)]
+
+
+def _accuracy_early_stopping() -> list[TrainerCallback]:
+    # threshold 1.0: no evaluation after the first can improve on it, so with evaluations every 2 steps and
+    # patience 2 the stop is at step 6 whatever the accuracies are
+    return [EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=1.0)]
 
 
 def _third_party_best() -> list[TrainerCallback]:
@@ -376,6 +387,26 @@ SCENARIOS: tuple[Scenario, ...] = (
         callbacks=lambda: [HookCounter("before"), StepTally("tally"), HookCounter("after")],
         trainbridge_extra=lambda: [RaisesAtStepEnd()],
         expected_callback_errors=("RaisesAtStepEnd",),
+    ),
+    Scenario(
+        "classification",
+        "a non-causal model on its own loss: BertForSequenceClassification, DataCollatorWithPadding, "
+        "compute_metrics accuracy, EarlyStoppingCallback on eval_accuracy (stop at step 6 of 12), "
+        "save_total_limit=2, load_best_model_at_end; trainbridge side: trainbridge.Trainer",
+        {
+            "learning_rate": 5e-3,
+            "num_train_epochs": 3,
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "steps",
+            "save_steps": 2,
+            "save_total_limit": 2,
+            "metric_for_best_model": "eval_accuracy",
+            "load_best_model_at_end": True,
+        },
+        callbacks=_accuracy_early_stopping,
+        task="classification",
     ),
     Scenario(
         "one_rank_stop",

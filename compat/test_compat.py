@@ -2,9 +2,9 @@
 
 - Unit part (no processes): trace alignment, explanations, the attribute-access patch.
 - CI part (``distributed``): the ``fast`` selection of ``compat.scenarios`` (every scenario's one-rank
-  runs but the long ones, ``step_schedules`` and ``one_rank_stop`` on two ranks), run once for the
-  module with Trainer batched into one launch per world size; each (scenario, ranks) is a test that
-  fails on an unexplained difference.
+  runs but the long ones, ``classification`` included; ``step_schedules`` and ``one_rank_stop`` on two
+  ranks), run once for the module with Trainer batched into one launch per world size; each
+  (scenario, ranks) is a test that fails on an unexplained difference.
 - Full part (``compat_full``): every other pair, as ``python -m compat`` runs them.  CI deselects it:
   ``python -m pytest -m "not compat_full"``.
 """
@@ -131,6 +131,23 @@ def test_one_rank_stop_stops_every_trainbridge_rank_at_the_same_step(fast_suite)
             if s["event"] == "on_step_end"
         ]
         assert steps == [1, 2, 3], f"rank {rank} ran steps {steps}"
+
+
+@pytest.mark.distributed
+def test_classification_stops_early_on_eval_accuracy(fast_suite):
+    comparison = fast_suite[("classification", 1)]
+    from compat.recorder import read_trace
+
+    trace = read_trace(comparison.trainbridge.trace_dir(), 0)
+    evaluations = [s for s in trace if s["event"] == "on_evaluate"]
+    assert [s["global_step"] for s in evaluations] == [2, 4, 6]  # patience 2 of 12 steps
+    assert all("eval_accuracy" in s["metrics"] for s in evaluations)  # compute_metrics ran
+    assert trace[-1]["event"] == "on_train_end" and trace[-1]["global_step"] == 6
+
+
+def test_the_classification_scenario_runs_in_ci_on_one_rank_and_in_full_on_two():
+    assert ("classification", 1) in {(s.name, ws) for s, ws in fast_pairs()}
+    assert ("classification", 2) in {(s.name, ws) for s, ws in all_pairs()}
 
 
 # ============================================================================ full part

@@ -3,12 +3,16 @@
     python -m torch.distributed.run --nproc-per-node N -m compat.trainer_worker --assets JSON --jobs JSON
 
 Each job is one scenario phase (``{"scenario", "world_size", "out", "trace", "resume_from", "env",
-"status"}``); jobs run one after another in this process (several scenarios per launch save the
-interpreter and torchrun start-up, which dominates these tiny runs).  A job builds the scenario's
-``TrainingArguments`` (``use_cpu=True``; accelerate sets up gloo), the tiny model and the fixed-length
-data of ``compat.assets``, the scenario's callbacks followed by the ``TraceRecorder``, and trains with a
-stock ``Trainer`` while ``AttributeAccessLog`` records what the transformers callbacks read.  Rank 0
-writes ``{"status": "completed"}`` to the job's status file; a failing job ends the process.
+"status", "trainer"}``); jobs run one after another in this process (several scenarios per launch save
+the interpreter and torchrun start-up, which dominates these tiny runs).  A job builds the scenario's
+``TrainingArguments`` (``use_cpu=True``; accelerate sets up gloo), the model and data of
+``compat.assets`` (the tiny Llama on fixed-length problems; for a ``classification`` scenario the tiny
+BERT classifier on tokenized texts, ``DataCollatorWithPadding`` and ``compute_metrics`` accuracy), the
+scenario's callbacks followed by the ``TraceRecorder``, and trains with a stock ``Trainer`` while
+``AttributeAccessLog`` records what the transformers callbacks read.  ``"trainer": "trainbridge"`` runs
+the same job with ``trainbridge.Trainer`` (the facade, in place under this torchrun): the script with
+only its import changed.  Rank 0 writes ``{"status": "completed"}`` to the job's status file; a failing
+job ends the process.
 """
 
 from __future__ import annotations
@@ -20,9 +24,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, Trainer
 
-from compat.assets import CompatAssets, TokenizedJsonl, collate_fixed_length
+from compat.assets import (
+    EVAL_SAMPLES,
+    TRAIN_SAMPLES,
+    CompatAssets,
+    TokenizedJsonl,
+    accuracy,
+    classification_data,
+    classification_model,
+    collate_fixed_length,
+)
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessLog, TraceRecorder, access_path
 from compat.scenarios import scenario
 
@@ -37,17 +50,37 @@ def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
     try:
         args = spec.arguments_class()(**spec.training_arguments(job["out"], job["world_size"]))
         rank = args.process_index
-        trainer = Trainer(
-            model=AutoModelForCausalLM.from_pretrained(assets.model),
-            args=args,
-            train_dataset=TokenizedJsonl(assets.train),
-            eval_dataset=TokenizedJsonl(assets.val),
-            data_collator=collate_fixed_length,
-            processing_class=AutoTokenizer.from_pretrained(assets.model),
-            callbacks=[*spec.callbacks(), TraceRecorder(job["trace"])],
-        )
+        tokenizer = AutoTokenizer.from_pretrained(assets.model)
+        trainer_class = Trainer
+        if job.get("trainer") == "trainbridge":
+            from trainbridge import Trainer as trainer_class  # the facade: the script with its import changed
+        callbacks = [*spec.callbacks(), TraceRecorder(job["trace"])]
+        if spec.task == "classification":
+            trainer = trainer_class(
+                model=classification_model(tokenizer),
+                args=args,
+                train_dataset=classification_data(tokenizer, TRAIN_SAMPLES, seed=1),
+                eval_dataset=classification_data(tokenizer, EVAL_SAMPLES, seed=2),
+                data_collator=DataCollatorWithPadding(tokenizer),
+                processing_class=tokenizer,
+                compute_metrics=accuracy,
+                callbacks=callbacks,
+            )
+        else:
+            trainer = trainer_class(
+                model=AutoModelForCausalLM.from_pretrained(assets.model),
+                args=args,
+                train_dataset=TokenizedJsonl(assets.train),
+                eval_dataset=TokenizedJsonl(assets.val),
+                data_collator=collate_fixed_length,
+                processing_class=tokenizer,
+                callbacks=callbacks,
+            )
         resume = job["resume_from"]
         trainer.train(resume_from_checkpoint=None if resume is None else str(Path(job["out"]) / f"checkpoint-{resume}"))
+        end = getattr(trainer, "end", None)  # the facade's end of the run (its process group)
+        if end is not None:
+            end()
     finally:
         log.restore()
         log.write(access_path(job["trace"], rank))

@@ -139,3 +139,16 @@ def test_a_stream_trains_max_steps_and_a_resumed_run_reaches_the_same_weights(cl
 def test_a_stream_without_max_steps_is_refused_before_launch(classifier, tmp_path):
     with pytest.raises(ValueError, match="max_steps: a streaming train_stream"):
         _args(classifier, tmp_path, "out", max_steps=None)
+
+
+def test_a_datasets_stream_over_local_files_trains_max_steps(classifier, tmp_path):
+    import json
+
+    import datasets
+
+    rows = tmp_path / "stream.jsonl"
+    rows.write_text("".join(json.dumps({k: v for k, v in item.items() if k != "idx"}) + "\n" for item in Numbers(64)))
+    stream = datasets.load_dataset("json", data_files=str(rows), split="train", streaming=True)
+    assert isinstance(stream, datasets.IterableDataset)
+    result = _train(_args(classifier, tmp_path, "hf", train_stream=stream, max_steps=4, save_strategy="no"))
+    assert result.global_step == 4
