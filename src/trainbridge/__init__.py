@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.launch.transport import register_by_value as register_by_value
     from trainbridge.loop.result import RunResult as RunResult
     from trainbridge.trainer import Trainer as Trainer
+    from trainbridge.trainer.seq2seq import Seq2SeqTrainer as Seq2SeqTrainer
     from trainbridge.trl import DPOTrainer as DPOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
@@ -45,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     # transformers.Trainer's (and trl's SFTTrainer's) API on the same loop
     "Trainer": "trainbridge.trainer",
     "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
+    "Seq2SeqTrainer": "trainbridge.trainer.seq2seq",  # transformers' Seq2SeqTrainer (predict_with_generate)
     "DPOTrainer": "trainbridge.trl",  # trl's DPOTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",

@@ -98,6 +98,9 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "fp16": ("mixed_precision",),
     "deepspeed": ("distributed_backend",),
     "fsdp": ("distributed_backend",),
+    "predict_with_generate": ("predict_with_generate",),
+    "generation_max_length": ("generation_kwargs",),
+    "generation_num_beams": ("generation_kwargs",),
 }
 
 

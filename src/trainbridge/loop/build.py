@@ -41,6 +41,7 @@ from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
 from trainbridge.step.custom_loss import CustomLoss
+from trainbridge.step.generated import GeneratedPredictions
 from trainbridge.step.model_loss import (
     ModelLoss,
     default_label_names,
@@ -169,13 +170,27 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
             "is not one: use training_step='model_loss' (or 'auto')"
         )
+    if args.training_step == "token_cross_entropy" and args.predict_with_generate:
+        raise ValueError(
+            "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
+            "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
+        )
+    if args.predict_with_generate and args.compute_loss is not None:
+        raise ValueError(
+            "predict_with_generate: generated predictions with a compute_loss (a Trainer subclass's "
+            "compute_loss or compute_loss_func) are not supported yet; drop one of them"
+        )
     if args.training_step == "token_cross_entropy" and args.compute_loss is not None:
         raise ValueError(
             "training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
             "training_step='model_loss' (or 'auto')"
         )
     if args.training_step == "token_cross_entropy" or (
-        args.training_step == "auto" and causal and args.compute_loss is None and args.train_stream is None
+        args.training_step == "auto"
+        and causal
+        and args.compute_loss is None
+        and args.train_stream is None
+        and not args.predict_with_generate
     ):
         return "token_cross_entropy"
     label_names = args.label_names or default_label_names(model)
@@ -277,11 +292,18 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
             f"{count} training items" if train is not None else f"streaming {type(stream).__name__}",
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
-    step = (
-        ModelLoss(train_batches, model, env, label_names)
-        if args.compute_loss is None
-        else CustomLoss(train_batches, model, env, args.compute_loss, label_names)
-    )
+    step: ModelLoss
+    if args.compute_loss is not None:
+        step = CustomLoss(train_batches, model, env, args.compute_loss, label_names)
+    elif args.predict_with_generate:
+        sharded = args.distributed_backend == "fsdp" or (
+            args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
+        )
+        step = GeneratedPredictions(
+            train_batches, model, env, label_names, args.generation_kwargs, synced_gpus=sharded and env.world_size > 1
+        )
+    else:
+        step = ModelLoss(train_batches, model, env, label_names)
     return RunBatches(
         step,
         eval_set(val) if val is not None else None,

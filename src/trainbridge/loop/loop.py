@@ -325,7 +325,7 @@ class TrainingLoop:
                         engine.module, batch, cpu_batch, outputs=predictions is not None, rows=len(indices)
                     )
                 if predictions is not None:
-                    predictions.add(indices, batch, out.predictions, out.labels)
+                    predictions.add(indices, batch, out.predictions, out.labels, out.inputs_aligned)
                 device_loss_sum += out.loss_sum.detach().to(torch.float64)
                 loss_units += out.units
                 steps += 1

@@ -67,11 +67,13 @@ class PredictionCollector:
         """Forget the previous evaluation's samples."""
         self._samples = []
 
-    def add(self, indices: Sequence[int], batch: dict[str, Any], logits: Any, labels: Any) -> None:
+    def add(
+        self, indices: Sequence[int], batch: dict[str, Any], logits: Any, labels: Any, aligned: bool = True
+    ) -> None:
         """Keep the predictions of ``batch``, whose row ``r`` holds validation sample ``indices[r]``:
         ``logits`` a tensor or a (nested) tuple of the model's outputs, ``labels`` a tensor, a tuple of them
         (several ``label_names``) or None.  Positions where the batch's ``attention_mask`` is 0 are dropped
-        from sequence-shaped values."""
+        from sequence-shaped values when they run along the inputs (``aligned``)."""
         if not indices:
             return  # a dummy micro-batch (this rank has fewer validation batches than others)
         predictions: Any = _detach(logits)
@@ -81,7 +83,8 @@ class PredictionCollector:
         input_ids = batch.get("input_ids")
         # token-level outputs (labels [rows, width] as the mask) drop padding; others (a class per row) keep all
         token_level = (
-            isinstance(mask, torch.Tensor)
+            aligned
+            and isinstance(mask, torch.Tensor)
             and mask.dim() == 2
             and isinstance(labels, torch.Tensor)
             and labels.dim() == 2

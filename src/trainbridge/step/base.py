@@ -48,6 +48,9 @@ class EvalOutput(NamedTuple):
     predictions: Any = None
     """Logits (a tensor, or a tuple of the model's outputs other than the loss); None when not asked."""
     labels: Any = None
+    inputs_aligned: bool = True
+    """Whether sequence-shaped predictions and labels run along the inputs (their padding is then dropped
+    by the batch's ``attention_mask``); False for decoder-side outputs (an encoder-decoder's)."""
 
 
 class BatchSource(Protocol):

@@ -133,7 +133,8 @@ class ModelLoss(TrainStep):
         self.counts_items = accepts_loss_kwargs(model)
         inner = unwrap_peft(model)
         config = getattr(inner, "config", None)
-        self.shifts_labels = is_causal_lm(inner) and not getattr(config, "is_encoder_decoder", False)
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        self.shifts_labels = is_causal_lm(inner) and not self.encoder_decoder
         self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
 
     def prepare(self, step: SampleStep | StreamStep) -> StepBatches:
@@ -175,6 +176,7 @@ class ModelLoss(TrainStep):
             float(rows) if has_labels else 0.0,
             predictions_of(result, self.ignore_keys),
             (labels[0] if len(labels) == 1 else labels) if has_labels else None,
+            inputs_aligned=not self.encoder_decoder,
         )
 
     def describe_batches(self, effective_batch_size: int) -> str:

@@ -53,6 +53,9 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     model_kwargs = getattr(trainer.args, "model_init_kwargs", None)  # trl configs: from_pretrained kwargs
     if trainer._model_source is not None and isinstance(model_kwargs, dict):
         fields["model_kwargs"] = _model_kwargs(model_kwargs)
+    generation_fields = getattr(trainer, "generation_fields", None)  # Seq2SeqTrainer: predict_with_generate
+    if generation_fields is not None:
+        fields.update(generation_fields())
     if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics
         fields["token_metrics"] = True
     if resume is True:

@@ -390,6 +390,15 @@ class EvaluationFields(BaseModel):
     include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
     """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss``
     (``EvalPrediction.inputs``/``.losses``)."""
+    predict_with_generate: bool = False
+    """``model_loss``: the validation predictions are the token ids ``model.generate`` returns for each batch
+    (its inputs without the labels), padded to the generation config's ``max_length`` with the pad token,
+    labels padded the same way, as ``Seq2SeqTrainer.prediction_step`` gives them; the loss is still the
+    forward's.  ``Seq2SeqTrainer`` sets it from ``Seq2SeqTrainingArguments.predict_with_generate``."""
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """``predict_with_generate``: keyword arguments of ``model.generate`` (``max_length``, ``num_beams``:
+    ``Seq2SeqTrainingArguments.generation_max_length`` / ``generation_num_beams``); the model's generation
+    config gives the rest."""
 
 
 class CheckpointFields(BaseModel):

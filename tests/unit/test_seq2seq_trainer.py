@@ -1,0 +1,158 @@
+"""``Seq2SeqTrainer`` with ``predict_with_generate``: a tiny T5 trains in place, and ``compute_metrics`` gets
+the generated token ids and labels that ``transformers.Seq2SeqTrainer`` gives it on the same model and
+data (one rank)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
+
+from trainbridge import Seq2SeqTrainer
+from trainbridge.demos.tiny_model import build_tokenizer
+
+T5 = dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)
+
+
+def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+
+
+def _reverse_rows(count: int, seed: int) -> datasets.Dataset:
+    rng = random.Random(seed)
+    sources = [[rng.randrange(4, 40) for _ in range(rng.randrange(3, 9))] for _ in range(count)]
+    return datasets.Dataset.from_dict(
+        {"input_ids": sources, "labels": [[t + 1 for t in reversed(s)] + [2] for s in sources]}
+    )
+
+
+class Recorder:
+    """``compute_metrics``: a ROUGE/BLEU-style metric on decoded generations; keeps what it was given."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def __call__(self, p: Any) -> dict[str, float]:
+        predictions, labels = np.asarray(p.predictions), np.asarray(p.label_ids)
+        self.seen.append((predictions, labels))
+        pad = self.tokenizer.pad_token_id
+        decoded = self.tokenizer.batch_decode(np.where(predictions != -100, predictions, pad), skip_special_tokens=True)
+        references = self.tokenizer.batch_decode(np.where(labels != -100, labels, pad), skip_special_tokens=True)
+        overlap = [len(set(d) & set(r)) / max(1, len(set(r))) for d, r in zip(decoded, references)]
+        return {"overlap": float(np.mean(overlap)), "gen_len": float(np.mean([len(d) for d in decoded]))}
+
+
+def _args(out: Path, **overrides: Any) -> Seq2SeqTrainingArguments:
+    values: dict[str, Any] = dict(
+        output_dir=str(out),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        predict_with_generate=True,
+        generation_max_length=12,
+        seed=3,
+    )
+    values.update(overrides)
+    return Seq2SeqTrainingArguments(**values)
+
+
+@pytest.fixture
+def t5(tmp_path: Path) -> tuple[Any, Any]:
+    tok = build_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    config = T5Config(**T5, vocab_size=80, pad_token_id=0, decoder_start_token_id=0, eos_token_id=2)
+    return T5ForConditionalGeneration(config), tok
+
+
+def test_evaluate_gives_compute_metrics_the_generated_ids_seq2seq_trainer_gives(
+    t5: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    model, tok = t5
+    # 8 rows, two full batches: on a shorter last batch Trainer weighs its mean loss by the first batch's size
+    train, evaluation = _reverse_rows(32, seed=0), _reverse_rows(8, seed=1)
+    ours, theirs = Recorder(tok), Recorder(tok)
+    reference = transformers.Seq2SeqTrainer(
+        model=copy.deepcopy(model),
+        args=_args(tmp_path / "hf"),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tok,
+        data_collator=DataCollatorForSeq2Seq(tok, model=model),
+        compute_metrics=theirs,
+    )
+    expected = reference.evaluate()
+    args = _args(tmp_path / "tb")
+    _in_place(monkeypatch)  # (after the arguments: TrainingArguments would set up torch.distributed)
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tok,
+        data_collator=DataCollatorForSeq2Seq(tok, model=model),
+        compute_metrics=ours,
+    )
+    got = trainer.evaluate()
+    (predictions, labels), (want_predictions, want_labels) = ours.seen[-1], theirs.seen[-1]
+    # generated ids (max_length 12 from generation_max_length), padded to the generation config's 20 with
+    # the pad token, as are the labels: the same arrays as Seq2SeqTrainer's, not the forward's logits
+    assert predictions.shape == want_predictions.shape == (8, 20)
+    np.testing.assert_array_equal(predictions, want_predictions)
+    np.testing.assert_array_equal(labels, want_labels)
+    assert got["eval_overlap"] == pytest.approx(expected["eval_overlap"])
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-4)
+
+
+def test_seq2seq_trainer_trains_and_evaluates_on_generated_ids(
+    t5: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok = t5
+    recorder = Recorder(tok)
+    args = _args(tmp_path / "out", max_steps=6, eval_strategy="steps", eval_steps=3, generation_num_beams=2)
+    _in_place(monkeypatch)
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=_reverse_rows(32, seed=0),
+        eval_dataset=_reverse_rows(6, seed=1),
+        processing_class=tok,
+        data_collator=DataCollatorForSeq2Seq(tok, model=model),
+        compute_metrics=recorder,
+    )
+    out = trainer.train()
+    assert out.global_step == 6
+    evals = [e for e in trainer.state.log_history if "eval_overlap" in e]
+    assert [e["step"] for e in evals] == [3, 6] and all("eval_gen_len" in e and "eval_loss" in e for e in evals)
+    predictions, labels = recorder.seen[-1]
+    assert predictions.shape == (6, 20) and predictions.dtype.kind == "i"  # token ids, not logits
+    assert labels.shape == (6, 20)
+
+
+def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_path: Path) -> None:
+    from trainbridge.trainer import job_args
+    from trainbridge.trainer.run_folder import RunLayout
+
+    model = t5[0]
+    trainer = Seq2SeqTrainer(
+        model=model, args=_args(tmp_path / "out", generation_num_beams=3), train_dataset=_reverse_rows(8, seed=0)
+    )
+    model.save_pretrained(tmp_path / "model")
+    layout = RunLayout(model_path=tmp_path / "model", data_path=tmp_path)
+    ported = job_args.training_args(trainer, layout, 1, None)
+    assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
