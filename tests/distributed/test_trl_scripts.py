@@ -44,13 +44,13 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _run(assets: Path, script: str, output: str, launcher: list[str]) -> Path:
+def _run(assets: Path, script: str, output: str, launcher: list[str], data: str = "data") -> Path:
     out = assets / output
     args = [
         "--model_name_or_path",
         str(assets / "model"),
         "--dataset_name",
-        str(assets / "data"),
+        str(assets / data),
         "--output_dir",
         str(out),
         "--max_steps",
@@ -110,3 +110,36 @@ def test_trl_sft_script_with_the_import_changed(assets: Path, launch: str) -> No
         assert keys == trl_keys  # trl's entropy, mean_token_accuracy and num_tokens among them
     assert files - TRAINBRIDGE_FILES == trl_files
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()  # save_model at the end
+
+
+TRL_DPO = Path(trl.__file__).parent / "scripts" / "dpo.py"
+DPO_IMPORT = "    from trl import DPOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
+DPO_PORTED_IMPORT = (
+    "    from trainbridge import DPOTrainer\n"
+    "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
+)
+
+
+def test_trl_dpo_script_with_the_import_changed(assets: Path) -> None:
+    """trl's ``dpo.py`` (reference: a frozen copy of the policy) on 2 ranks against the unchanged script."""
+    source = TRL_DPO.read_text()
+    assert DPO_IMPORT in source, "trl's dpo.py changed its import line"
+    (assets / "dpo_trl.py").write_text(source)
+    (assets / "dpo_trainbridge.py").write_text(source.replace(DPO_IMPORT, DPO_PORTED_IMPORT))
+    pairs = assets / "pairs"
+    pairs.mkdir(exist_ok=True)
+    with (pairs / "train.jsonl").open("w") as f:
+        for a in range(32):
+            row = {"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)}
+            f.write(json.dumps(row) + "\n")
+    runs = [
+        _summary(_run(assets, script, f"out-{script}", _launcher("torchrun"), data="pairs"))
+        for script in ("dpo_trl.py", "dpo_trainbridge.py")
+    ]
+    (trl_step, trl_rows, trl_files), (global_step, rows, files) = runs
+    assert global_step == trl_step == 4
+    assert [step for step, _ in rows] == [step for step, _ in trl_rows] == [2, 4]
+    for (_, keys), (_, trl_keys) in zip(rows, trl_rows, strict=True):
+        assert keys == trl_keys
+        assert {"rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen"} <= keys
+    assert files - TRAINBRIDGE_FILES == trl_files
