@@ -17,6 +17,7 @@ from typing import Any
 
 from trainbridge.trainer import Trainer
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+from trainbridge.trl.arguments import trl_config, trl_tokenizer
 from trainbridge.trl.dpo_step import DPOStepFactory
 from trainbridge.trl.preference_data import precompute_reference_logps, prepare_preference_dataset
 from trainbridge.trl.preference_loss import DPOLossSettings
@@ -43,27 +44,17 @@ class DPOTrainer(Trainer):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from trl import DPOConfig
 
-        source = (
-            model if isinstance(model, str | Path) else getattr(getattr(model, "config", None), "_name_or_path", "")
-        )
-        if args is None:
-            args = DPOConfig(f"{Path(str(source)).name or 'model'}-DPO")
-        if not isinstance(args, DPOConfig):
-            args = DPOConfig(**{k: v for k, v in args.to_dict().items() if k in DPOConfig.__dataclass_fields__})
+        args = trl_config(args, DPOConfig, model, "DPO")
         if eval_dataset is not None:
             raise UnsupportedTrainerFeatureError(
                 "eval_dataset: DPOTrainer does not evaluate preference pairs yet; pass eval_dataset=None"
             )
         if train_dataset is None:
             raise ValueError("train_dataset: DPOTrainer needs preference pairs (prompt/chosen/rejected rows)")
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(str(source))
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.pad_token is None:  # as trl: pad with the EOS token
-            tokenizer.pad_token = tokenizer.eos_token
+        processing_class, tokenizer = trl_tokenizer(processing_class, model)
         pairs = prepare_preference_dataset(train_dataset, tokenizer, args)
         if args.precompute_ref_log_probs and "ref_chosen_logps" not in pairs.column_names:
             policy = (

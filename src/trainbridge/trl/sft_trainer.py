@@ -11,11 +11,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trainer import Trainer
+from trainbridge.trl.arguments import trl_config, trl_tokenizer
 from trainbridge.trl.sft_data import prepare_sft_dataset
 
 
@@ -77,21 +77,10 @@ class SFTTrainer(Trainer):
         formatting_func: Any = None,
         **kwargs: Any,
     ) -> None:
-        from transformers import AutoTokenizer
         from trl import SFTConfig
 
-        source = (
-            model if isinstance(model, str | Path) else getattr(getattr(model, "config", None), "_name_or_path", "")
-        )
-        if args is None:
-            args = SFTConfig(f"{Path(str(source)).name or 'model'}-SFT")
-        if not isinstance(args, SFTConfig):
-            args = SFTConfig(**{k: v for k, v in args.to_dict().items() if k in SFTConfig.__dataclass_fields__})
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(str(source))
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.pad_token is None:  # as trl: pad with the EOS token
-            tokenizer.pad_token = tokenizer.eos_token
+        args = trl_config(args, SFTConfig, model, "SFT")
+        processing_class, tokenizer = trl_tokenizer(processing_class, model)
         if train_dataset is not None:
             train_dataset = prepare_sft_dataset(train_dataset, tokenizer, args, formatting_func, "train")
         if eval_dataset is not None:
