@@ -11,47 +11,22 @@ an uneven last batch: the gathered predictions must hold each row exactly once, 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainbridge.launch.launcher import free_port
+from tests.distributed.script_runs import run_script, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "facade_script.py"
 
 
-def _run(command: list[str], out: Path, **env: str) -> dict:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        full_env.pop(name, None)
-    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "summary.json").read_text())
-
-
-def _torchrun(script_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(SCRIPT),
-        *script_args,
-    ]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("facade") / "real"
-    return _run(_torchrun([str(out), "real"]), out)
+    return run_script(torchrun(SCRIPT, str(out), "real"), out)
 
 
 def _check_against_reference(ours: dict, reference: dict) -> None:
@@ -101,7 +76,7 @@ def _check_against_reference(ours: dict, reference: dict) -> None:
 
 def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
-    ours = _run(_torchrun([str(out)]), out)
+    ours = run_script(torchrun(SCRIPT, str(out)), out)
     _check_against_reference(ours, reference)
     # one training, not one per rank: the metrics file holds each logged step once
     steps = [
@@ -114,7 +89,7 @@ def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
 
 def test_python_script_launches_its_workers(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
-    ours = _run([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
     _check_against_reference(ours, reference)
 
 
@@ -124,7 +99,7 @@ def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(tmp_pat
     ``trainer.evaluate()``) logs set a then set b, each ``eval_<name>_`` only; best model and early stopping
     follow ``eval_a_accuracy``; compute_metrics sees each set's rows once per rank pair, in order."""
     out = tmp_path / "ours"
-    ours = _run(_torchrun([str(out), "dict"]), out)
+    ours = run_script(torchrun(SCRIPT, str(out), "dict"), out)
     keys = ["accuracy", "loss", "num_rows", "row_checksum", "runtime", "samples_per_second", "steps_per_second"]
     expected = [[step, [f"eval_{name}_{k}" for k in keys]] for step in (4, 8, 8) for name in "ab"]
     assert ours["eval_log_steps"] == expected

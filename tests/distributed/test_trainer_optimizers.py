@@ -4,39 +4,22 @@ momentum and per-group learning rates, and the logged learning_rate follows the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainbridge.launch.launcher import free_port
+from tests.distributed.script_runs import run_script, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "optimizers_script.py"
 
 
-def _run(command: list[str], out: Path, **env: str) -> dict:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        full_env.pop(name, None)
-    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "summary.json").read_text())
-
-
-def _torchrun() -> list[str]:
-    port = str(free_port())
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("optimizers") / "real"
-    return _run([*_torchrun(), str(SCRIPT), str(out), "real"], out)
+    return run_script(torchrun(SCRIPT, str(out), "real"), out)
 
 
 def _check(ours: dict, reference: dict) -> None:
@@ -50,9 +33,9 @@ def _check(ours: dict, reference: dict) -> None:
 
 def test_torchrun_steps_the_scripts_optimizer_and_schedule(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
-    _check(_run([*_torchrun(), str(SCRIPT), str(out)], out), reference)
+    _check(run_script(torchrun(SCRIPT, str(out)), out), reference)
 
 
 def test_python_rebuilds_them_in_its_workers(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
-    _check(_run([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2"), reference)
+    _check(run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2"), reference)
