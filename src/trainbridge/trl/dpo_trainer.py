@@ -107,6 +107,13 @@ class DPOTrainer(Trainer):
             **kwargs,
         )
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Train; then, as trl's DPOTrainer writes at each checkpoint, its model card in ``output_dir``."""
+        result = super().train(*args, **kwargs)
+        if any(self.output_dir.glob("checkpoint-*")):
+            self.create_model_card(model_name=self.output_dir.name)
+        return result
+
     def _row_preparation(self) -> Any:
         """The prepared pairs are the job's items, written as they are (every column)."""
         return dataclasses.replace(super()._row_preparation(), items=True)
