@@ -13,6 +13,8 @@ from pathlib import Path
 
 import datasets
 
+from trainbridge.demos.tiny_model import build_tiny_llama
+
 real = "real" in sys.argv[3:]
 kind = sys.argv[2]
 if kind == "orpo":
@@ -29,8 +31,6 @@ else:
         from trl.experimental.cpo import CPOTrainer as PreferenceTrainer
     else:
         from trainbridge import CPOTrainer as PreferenceTrainer
-
-from trainbridge.demos.tiny_model import build_tiny_llama
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
