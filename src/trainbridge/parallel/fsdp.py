@@ -247,16 +247,22 @@ def _shard_kwargs(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> 
     return kwargs, use_mp_policy
 
 
-def shard_frozen(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> nn.Module:
+def shard_frozen(
+    model: nn.Module, args: TrainingArgs, env: DistributedEnv, weights_from_rank0: bool = False
+) -> nn.Module:
     """A model that only runs forwards (DPO's reference) sharded as ``build_fsdp`` shards the policy: the
     same unit groups, then the root, each rank keeping its DTensor shards, gathered for each forward
-    (collective: every rank shards it, and runs every forward)."""
+    (collective: every rank shards it, and runs every forward).  ``weights_from_rank0``: the other ranks
+    hold a meta-device skeleton, filled from rank 0's weights after sharding, as the policy is."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs, _ = _shard_kwargs(model, args, env)
+    full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
     for _, modules in fsdp_unit_groups(model):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=True, **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)
+    if weights_from_rank0:
+        _fill_from_rank0(model, full_state, env)
     return model.eval().requires_grad_(False)
 
 

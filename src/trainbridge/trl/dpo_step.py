@@ -375,18 +375,21 @@ class DPOStepFactory:
         FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``)."""
         if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
-        if self.ref_model is None and any(p.is_meta for p in model.parameters()):
-            raise ValueError(
-                "ref_model: a copy of the policy cannot be taken from a rank that loads no weights "
-                "(fsdp_load_on_rank0); pass ref_model or precompute_ref_log_probs=True"
-            )
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
         if getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1:
+            from trainbridge.modeling.load import loads_on_rank0_only
             from trainbridge.parallel.fsdp import shard_frozen
 
-            return shard_frozen(reference, args, env)
+            # fsdp_load_on_rank0: the copy of the policy is a skeleton off rank 0, filled from rank 0's
+            from_rank0 = self.ref_model is None and loads_on_rank0_only(args, env.world_size)
+            return shard_frozen(reference, args, env, weights_from_rank0=from_rank0)
+        if any(p.is_meta for p in reference.parameters()):
+            raise ValueError(
+                "ref_model: a copy of the policy cannot be taken from a rank that loads no weights; "
+                "pass ref_model or precompute_ref_log_probs=True"
+            )
         return reference.to(env.device).eval().requires_grad_(False)
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
