@@ -112,6 +112,7 @@ trainer = PenaltyTrainer(
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
 )
 result = trainer.train()
+trainer.accelerator.wait_for_everyone()  # every rank's marker lines are written before rank 0 reads them
 if trainer.is_world_process_zero():
     calls = {p.name: p.read_text().splitlines() for p in sorted(out.glob("*-rank*.txt"))}
     (out / "summary.json").write_text(
