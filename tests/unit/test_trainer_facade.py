@@ -55,13 +55,13 @@ def test_unhonoured_overrides_fail_at_construction_naming_them(tiny: Any, tmp_pa
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
             return 0  # honoured: runs in the workers
 
-        def training_step(self, *args: Any, **kw: Any) -> Any:
+        def _inner_training_loop(self, *args: Any, **kw: Any) -> Any:
             return 0
 
         def create_optimizer(self) -> Any:
             return None
 
-    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides training_step\(\):"):
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides _inner_training_loop\(\):"):
         MyTrainer(model=tiny[0], args=_hf_args(tmp_path))
 
 

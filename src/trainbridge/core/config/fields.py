@@ -240,8 +240,12 @@ class BatchFields(BaseModel):
     dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
     compute_loss: Callable[..., Any] | None = None
     """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
-    replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
-    ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    replaces the forward's own loss of each micro-batch.  Selects ``model_loss`` batches under ``auto``."""
+    trainer_methods: Any = None
+    """A Trainer subclass's methods run in the workers in place of the step's own (``trainbridge.step.
+    trainer_methods``): its ``training_step`` on each micro-batch and ``prediction_step`` on each validation
+    batch (the facade sets it for a subclass overriding ``training_step``, ``prediction_step`` or
+    ``compute_loss``, or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
     train_step: Callable[..., Any] | None = None
     """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
     called in each worker once the model is loaded, before the engine wraps it, it forms the training
