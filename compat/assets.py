@@ -140,3 +140,17 @@ def accuracy(eval_pred: Any) -> dict[str, float]:
 
     predictions, labels = eval_pred
     return {"accuracy": float((np.argmax(predictions, axis=-1) == labels).mean())}
+
+
+# ============================================================================ preference pairs (DPO)
+def preference_data(n: int, seed: int) -> Any:
+    """``n`` preference pairs (``prompt``, ``chosen``: the right sum, ``rejected``: a wrong one) as a
+    ``datasets.Dataset``, as trl's DPOTrainer takes them."""
+    import datasets
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"prompt": f"{a:02d}+{b:02d}=", "chosen": f"{a + b:03d}", "rejected": f"{(a * b) % 1000:03d}"})
+    return datasets.Dataset.from_list(rows)

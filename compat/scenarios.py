@@ -155,11 +155,13 @@ class Scenario:
     expected_callback_errors: tuple[str, ...] = ()
     """Callback classes trainbridge must report in ``RunResult.callback_errors`` (anything else is a
     difference)."""
-    task: Literal["causal-lm", "classification"] = "causal-lm"
+    task: Literal["causal-lm", "classification", "dpo"] = "causal-lm"
     """``causal-lm``: the tiny Llama on the fixed-width problems; trainbridge runs ``run_training``.
     ``classification``: the tiny BERT classifier of ``compat.assets`` on its own loss, with
     ``DataCollatorWithPadding`` and ``compute_metrics``; trainbridge runs the same worker with
-    ``trainbridge.Trainer`` (the facade) in place of ``transformers.Trainer``."""
+    ``trainbridge.Trainer`` (the facade) in place of ``transformers.Trainer``.  ``dpo``: the tiny Llama on
+    preference pairs with trl's ``DPOTrainer`` (its reference a frozen copy), and ``trainbridge.DPOTrainer``
+    in its place."""
 
     def arguments_class(self) -> type:
         """The class named by ``config_class``."""
@@ -407,6 +409,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         },
         callbacks=_accuracy_early_stopping,
         task="classification",
+    ),
+    Scenario(
+        "dpo",
+        "trl's DPOTrainer (sigmoid loss, the reference a frozen copy of the policy) with HF callbacks "
+        "(an ExportableState tally, a hook counter), evaluation of preference pairs every 2 steps, "
+        "checkpoints every 4; trainbridge side: trainbridge.DPOTrainer",
+        {
+            "learning_rate": 1e-3,
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "steps",
+            "save_steps": 4,
+            "max_steps": 8,
+            "max_length": 32,
+            "beta": 0.1,
+            "bf16": False,
+            "gradient_checkpointing": False,
+        },
+        callbacks=lambda: [StepTally("tally"), HookCounter("dpo")],
+        config_class="trl:DPOConfig",
+        task="dpo",
     ),
     Scenario(
         "one_rank_stop",

@@ -150,6 +150,22 @@ def test_the_classification_scenario_runs_in_ci_on_one_rank_and_in_full_on_two()
     assert ("classification", 2) in {(s.name, ws) for s, ws in all_pairs()}
 
 
+@pytest.mark.distributed
+def test_dpo_evaluates_preference_pairs_with_trls_eval_metrics(fast_suite):
+    comparison = fast_suite[("dpo", 1)]
+    from compat.recorder import read_trace
+
+    trace = read_trace(comparison.trainbridge.trace_dir(), 0)
+    evaluations = [s for s in trace if s["event"] == "on_evaluate"]
+    assert [s["global_step"] for s in evaluations] == [2, 4, 6, 8]
+    assert all({"eval_loss", "eval_rewards/margins", "eval_logps/chosen"} <= set(s["metrics"]) for s in evaluations)
+
+
+def test_the_dpo_scenario_runs_in_ci_on_one_rank_and_in_full_on_two():
+    assert ("dpo", 1) in {(s.name, ws) for s, ws in fast_pairs()}
+    assert ("dpo", 2) in {(s.name, ws) for s, ws in all_pairs()}
+
+
 # ============================================================================ full part
 SLOW = [(s, ws) for s, ws in all_pairs() if (s, ws) not in FAST]
 

@@ -7,11 +7,13 @@ Each job is one scenario phase (``{"scenario", "world_size", "out", "trace", "re
 the interpreter and torchrun start-up, which dominates these tiny runs).  A job builds the scenario's
 ``TrainingArguments`` (``use_cpu=True``; accelerate sets up gloo), the model and data of
 ``compat.assets`` (the tiny Llama on fixed-length problems; for a ``classification`` scenario the tiny
-BERT classifier on tokenized texts, ``DataCollatorWithPadding`` and ``compute_metrics`` accuracy), the
+BERT classifier on tokenized texts, ``DataCollatorWithPadding`` and ``compute_metrics`` accuracy; for a
+``dpo`` scenario preference pairs and trl's ``DPOTrainer``), the
 scenario's callbacks followed by the ``TraceRecorder``, and trains with a stock ``Trainer`` while
 ``AttributeAccessLog`` records what the transformers callbacks read.  ``"trainer": "trainbridge"`` runs
-the same job with ``trainbridge.Trainer`` (the facade, in place under this torchrun): the script with
-only its import changed.  Rank 0 writes ``{"status": "completed"}`` to the job's status file; a failing
+the same job with ``trainbridge.Trainer`` (``trainbridge.DPOTrainer``; the facade, in place under this
+torchrun): the script with only its import changed.  Rank 0 writes ``{"status": "completed"}`` to the
+job's status file; a failing
 job ends the process.
 """
 
@@ -35,6 +37,7 @@ from compat.assets import (
     classification_data,
     classification_model,
     collate_fixed_length,
+    preference_data,
 )
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessLog, TraceRecorder, access_path
 from compat.scenarios import scenario
@@ -55,7 +58,20 @@ def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
         if job.get("trainer") == "trainbridge":
             from trainbridge import Trainer as trainer_class  # the facade: the script with its import changed
         callbacks = [*spec.callbacks(), TraceRecorder(job["trace"])]
-        if spec.task == "classification":
+        if spec.task == "dpo":
+            from trl import DPOTrainer as dpo_trainer_class
+
+            if job.get("trainer") == "trainbridge":
+                from trainbridge import DPOTrainer as dpo_trainer_class  # the script with its import changed
+            trainer = dpo_trainer_class(
+                model=AutoModelForCausalLM.from_pretrained(assets.model),
+                args=args,
+                train_dataset=preference_data(TRAIN_SAMPLES, seed=1),
+                eval_dataset=preference_data(EVAL_SAMPLES, seed=2),
+                processing_class=tokenizer,
+                callbacks=callbacks,
+            )
+        elif spec.task == "classification":
             trainer = trainer_class(
                 model=classification_model(tokenizer),
                 args=args,
