@@ -113,3 +113,37 @@ def test_first_step_loss_equals_trls_with_a_ref_model(
     trl_logs = {key: sum(v) / len(v) for key, v in trl._metrics["train"].items()}
     for key in METRIC_KEYS:
         assert first[key] == pytest.approx(trl_logs[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_sync_ref_model_mixes_the_policy_into_the_reference_the_step_scores_with(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """``sync_ref_model`` adds trl's ``SyncRefModelCallback`` (unchanged) as trl does, holding the DPO step's
+    reference: with ``ref_model_mixup_alpha=1`` every step the reference becomes the policy, so every
+    step starts from policy == reference (loss log 2, zero margins); without it the policy drifts away."""
+    config = _config(
+        tmp_path / "out",
+        max_steps=4,
+        learning_rate=2e-2,
+        sync_ref_model=sync,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=1.0,
+    )
+    _in_place(monkeypatch)
+    trainer = DPOTrainer(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+    assert any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callbacks) == sync
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    later = [abs(row["rewards/margins"]) for row in logged[1:]]
+    if sync:
+        assert all(margin < 1e-6 for margin in later)
+        assert all(row["loss"] == pytest.approx(0.6931, abs=1e-4) for row in logged)
+    else:
+        assert max(later) > 1e-3
+
+
+def test_sync_ref_model_with_precomputed_reference_log_probs_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path / "out", sync_ref_model=True, precompute_ref_log_probs=True)
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        DPOTrainer(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))

@@ -422,4 +422,8 @@ class DPOStepFactory:
 
         named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
         single = eval_set(evaluation) if evaluation is not None and not named else None
-        return PreferenceStep(batches, self.settings, self.reference(model, args, env), single, dict(named))
+        reference = self.reference(model, args, env)
+        for callback in args.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
+            if type(callback).__name__ == "SyncRefModelCallback" and getattr(callback, "ref_model", 0) is None:
+                callback.ref_model = reference
+        return PreferenceStep(batches, self.settings, reference, single, dict(named))

@@ -56,6 +56,16 @@ class DPOTrainer(Trainer):
             )
         if train_dataset is None:
             raise ValueError("train_dataset: DPOTrainer needs preference pairs (prompt/chosen/rejected rows)")
+        if args.sync_ref_model:
+            if args.precompute_ref_log_probs or peft_config is not None or hasattr(model, "peft_config"):
+                raise ValueError(
+                    "sync_ref_model=True: the reference must be a model of its own (not precomputed log-probs "
+                    "or a PEFT base); set sync_ref_model=False, or train without PEFT / precompute_ref_log_probs"
+                )
+            from trl.trainer.callbacks import SyncRefModelCallback
+
+            # as trl adds it; the workers' DPO step hands it the reference it scores with
+            callbacks = [*(callbacks or []), SyncRefModelCallback(ref_model=None, accelerator=None)]  # type: ignore[arg-type]
         processing_class, tokenizer = trl_tokenizer(processing_class, model)
         policy: Any = None
 
