@@ -147,3 +147,35 @@ def test_sync_ref_model_with_precomputed_reference_log_probs_is_refused(tiny_lla
     config = _config(tmp_path / "out", sync_ref_model=True, precompute_ref_log_probs=True)
     with pytest.raises(ValueError, match="sync_ref_model"):
         DPOTrainer(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+
+
+def test_evaluate_after_training_scores_against_the_untrained_reference(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``eval_dataset`` is evaluated at the evaluation steps with trl's keys; ``evaluate()`` after training
+    (a job of its own, on the trained weights) still scores against the untrained model as the reference,
+    and prepares raw rows passed to it as trl does."""
+    config = _config(
+        tmp_path / "out",
+        max_steps=2,
+        learning_rate=2e-2,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=2,
+    )
+    _in_place(monkeypatch)
+    trainer = DPOTrainer(
+        model=str(tiny_llama),
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        eval_dataset=datasets.Dataset.from_list(ROWS[:3]),
+    )
+    trainer.train()
+    during = [row for row in trainer.state.log_history if "eval_loss" in row]
+    assert [row["step"] for row in during] == [1, 2]
+    assert {f"eval_{key}" for key in METRIC_KEYS} <= set(during[-1])
+    after = trainer.evaluate()
+    assert after["eval_rewards/margins"] == pytest.approx(during[-1]["eval_rewards/margins"], rel=1e-3, abs=1e-6)
+    assert abs(after["eval_rewards/margins"]) > 1e-5  # not a copy of the trained policy
+    raw = trainer.evaluate(eval_dataset=datasets.Dataset.from_list(ROWS[3:]))
+    assert {"eval_loss", "eval_rewards/accuracies", "eval_logps/chosen"} <= set(raw)

@@ -76,6 +76,7 @@ class PairBatches:
         seed: int,
         max_length: int | None,
         truncation_mode: str = "keep_start",
+        evaluation_only: bool = False,
     ) -> None:
         self.dataset = dataset
         self.batch_size = self.pairs_per_micro = pairs_per_micro
@@ -83,8 +84,9 @@ class PairBatches:
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.pairs_per_step = pairs_per_micro * micro_per_step * world_size
-        self.steps_per_epoch = len(dataset) // self.pairs_per_step
-        if self.steps_per_epoch == 0:
+        # an evaluation job never trains: one nominal step keeps the loop's epoch arithmetic defined
+        self.steps_per_epoch = max(len(dataset) // self.pairs_per_step, int(evaluation_only))
+        if self.steps_per_epoch == 0 and not evaluation_only:
             raise ValueError(
                 f"train_dataset: {len(dataset)} pairs, fewer than one step's {self.pairs_per_step} "
                 "(per_device_train_batch_size x gradient_accumulation_steps x ranks); use a smaller batch"
@@ -406,6 +408,8 @@ class DPOStepFactory:
             self.seed,
             self.max_length,
             self.truncation_mode,
+            # an evaluation job (the facade's evaluate()): its data_path is the first set evaluated
+            evaluation_only=args.data_path in {args.val_data_path, *args.eval_data_paths.values()},
         )
         evaluation = self.eval_dataset
         if evaluation is None and args.val_data_path is not None:

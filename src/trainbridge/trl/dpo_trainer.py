@@ -84,6 +84,7 @@ class DPOTrainer(Trainer):
                 pairs, policy, ref_model, args, args.precompute_ref_batch_size or batch_size
             )
 
+        self._prepared = prepared
         pairs = prepared(train_dataset, "train", 8)
         eval_batch = int(args.per_device_eval_batch_size)
         if isinstance(eval_dataset, dict):
@@ -123,6 +124,29 @@ class DPOTrainer(Trainer):
         if any(self.output_dir.glob("checkpoint-*")):
             self.create_model_card(model_name=self.output_dir.name)
         return result
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
+        """Evaluate the Trainer's pairs, or ``eval_dataset`` (rows prepared by trl's code first, as trl does)."""
+        factory = self.step_factory
+        own_reference = factory.ref_model is not None or "ref_chosen_logps" in factory.columns
+        if self.state.global_step > 0 and not own_reference and not hasattr(self.model, "peft_config"):
+            # the default reference is the untrained policy: after training, loaded again from its folder
+            if self._model_source is None:
+                raise UnsupportedTrainerFeatureError(
+                    "evaluate() after train(): the reference (a copy of the untrained model object) is gone; "
+                    "pass ref_model= to DPOTrainer, or give the model as a path"
+                )
+            from transformers import AutoModelForCausalLM
+
+            factory.ref_model = AutoModelForCausalLM.from_pretrained(
+                str(self._model_source), **(getattr(self.args, "model_init_kwargs", None) or {})
+            )
+        batch = int(self.args.per_device_eval_batch_size or 8)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: self._prepared(data, str(name), batch) for name, data in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self._prepared(eval_dataset, "eval", batch)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _row_preparation(self) -> Any:
         """The prepared pairs are the job's items, written as they are (every column)."""
