@@ -93,6 +93,11 @@ def test_attribute_access_log_attributes_reads_to_the_callback_class_and_restore
 FAST = fast_pairs()
 
 
+FAST_SUITE_TIMEOUT_S = 1500
+"""The fast suite runs once, in the set-up of whichever of its tests comes first (every CI scenario on a
+shared 2-core machine): longer than the default per-test limit."""
+
+
 @pytest.fixture(scope="module")
 def fast_suite(tmp_path_factory):
     result = run_suite(FAST, tmp_path_factory.mktemp("compat"), skip_expected_trainer_failures=True)
@@ -110,6 +115,7 @@ def _failure_message(comparison) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(FAST_SUITE_TIMEOUT_S)
 @pytest.mark.parametrize(
     ("name", "world_size"), [(s.name, ws) for s, ws in FAST], ids=[f"{s.name}-x{ws}" for s, ws in FAST]
 )
@@ -119,6 +125,7 @@ def test_trainbridge_matches_trainer(fast_suite, name, world_size):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(FAST_SUITE_TIMEOUT_S)
 def test_one_rank_stop_stops_every_trainbridge_rank_at_the_same_step(fast_suite):
     comparison = fast_suite[("one_rank_stop", 2)]
     assert comparison.trainbridge.status == "completed"
@@ -134,6 +141,7 @@ def test_one_rank_stop_stops_every_trainbridge_rank_at_the_same_step(fast_suite)
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(FAST_SUITE_TIMEOUT_S)
 def test_classification_stops_early_on_eval_accuracy(fast_suite):
     comparison = fast_suite[("classification", 1)]
     from compat.recorder import read_trace
@@ -151,6 +159,7 @@ def test_the_classification_scenario_runs_in_ci_on_one_rank_and_in_full_on_two()
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(FAST_SUITE_TIMEOUT_S)
 def test_dpo_evaluates_preference_pairs_with_trls_eval_metrics(fast_suite):
     comparison = fast_suite[("dpo", 1)]
     from compat.recorder import read_trace
