@@ -138,17 +138,13 @@ class ModelLoss(TrainStep):
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         self.shifts_labels = is_causal_lm(inner) and not self.encoder_decoder
         self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
-        self.main_input = str(getattr(inner, "main_input_name", "input_ids"))
-        """The input ``total_flos`` counts when it holds no tokens (``pixel_values``), as Trainer's estimate."""
 
     def prepare(self, step: SampleStep | StreamStep) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
         counted = self.counts_items and all("labels" in b for b in micro_batches)
         items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)
         # collective: the step's items and non-padding tokens over every rank (Trainer gathers the items too)
-        total_items, tokens = self.env.sum_floats(
-            [float(sum(items)), float(sum(_tokens(b, self.main_input) for b in micro_batches))]
-        )
+        total_items, tokens = self.env.sum_floats([float(sum(items)), float(sum(map(_tokens, micro_batches)))])
         if counted and total_items > 0:
             count = torch.tensor(total_items)
             for batch in micro_batches:
@@ -201,13 +197,13 @@ class ModelLoss(TrainStep):
         )
 
 
-def _tokens(batch: Mapping[str, Any], main_input: str = "input_ids") -> int:
-    """Non-padding input tokens of a batch (its ``attention_mask``'s ones, else its ``input_ids``); for inputs
-    without tokens, the elements of the model's main input (``pixel_values``: Trainer's ``estimate_tokens``)."""
+def _tokens(batch: Mapping[str, Any]) -> int:
+    """Non-padding input tokens of a batch (its ``attention_mask``'s ones, else its ``input_ids``; 0 for
+    inputs without tokens)."""
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         return int(mask.sum())
-    input_ids = batch.get("input_ids", batch.get(main_input))
+    input_ids = batch.get("input_ids")
     return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
 
 
