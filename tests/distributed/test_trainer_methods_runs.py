@@ -14,7 +14,7 @@ import torch
 from transformers import TrainingArguments
 
 from tests.unit.test_model_loss import BERT, _classification_rows, _save
-from trainbridge import Trainer, TorchrunArgs, TrainingArgs, run_training
+from trainbridge import TorchrunArgs, Trainer, TrainingArgs, run_training
 from trainbridge.trainer.subclass import script_trainer
 
 pytestmark = pytest.mark.distributed

@@ -294,3 +294,6 @@ def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
             return super().evaluate(*args, **kwargs)
 
     assert unhonoured_overrides(Evaluating) == ["evaluate"]
+    hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"overrides evaluate\(\).*put extra metrics into compute_metrics"):
+        Evaluating(model=torch.nn.Linear(2, 2), args=hf_args)
