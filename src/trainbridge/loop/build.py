@@ -285,7 +285,13 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     )
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
-        return SampleEvalBatches(dataset, collate, per_device=per_device, world_size=env.world_size, rank=env.rank)
+        return SampleEvalBatches(
+            dataset,
+            collate,
+            per_device=args.per_device_eval_batch_size or per_device,
+            world_size=env.world_size,
+            rank=env.rank,
+        )
 
     count = len(train) if train is not None else 0
     stats = [LoadStats(path=str(args.data_path) if train is not None else "train_stream", lines=count, samples=count)]

@@ -111,6 +111,7 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
+        fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
         fields["remove_unused_columns"] = bool(getattr(hf, "remove_unused_columns", True))
         label_names = getattr(hf, "label_names", None)
         if label_names:

@@ -259,6 +259,9 @@ class BatchFields(BaseModel):
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
     micro-batch per step, ``effective_batch_size / world size`` items."""
+    per_device_eval_batch_size: int | None = Field(default=None, gt=0)
+    """``model_loss``: validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``);
+    None: ``per_device_batch_size``."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
     sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""
