@@ -245,9 +245,14 @@ class ScriptTrainer:
             accelerator.backward_fn = None
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        return tuple(self.trainer(model).prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        instance = self.trainer(model)
+        instance.__dict__["_eval_num_items"] = num_items_in_batch  # what super().prediction_step counts
+        try:
+            return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        finally:
+            instance.__dict__.pop("_eval_num_items", None)
 
 
 class ScriptTrainerEvents(Callback):
