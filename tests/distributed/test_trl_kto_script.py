@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-trl = pytest.importorskip("trl")
-
 from trainbridge.launch.launcher import free_port
+
+trl = pytest.importorskip("trl")
 
 TRL_KTO = Path(trl.__file__).parent / "scripts" / "kto.py"
 KTO_IMPORT = "    from trl import KTOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
