@@ -151,9 +151,9 @@ def test_a_training_step_calling_super_gives_trainers_gradients_and_logged_loss(
     assert [(c[1], c[2]) for c in SuperStep.calls] == [(0.25, 8)] * 2 + [(0.25, 8)] * 2
     for name, value in _weights(reference).items():
         torch.testing.assert_close(_weights(ours)[name], value, rtol=1e-5, atol=1e-6)
-    for key in ("loss", "grad_norm"):  # Adam hides a gradient's scale from the weights: the norm shows it
-        values = [log[key] for log in ours_logs.logs if "loss" in log]
-        assert values == pytest.approx([log[key] for log in reference_logs.logs if "loss" in log], rel=1e-5)
+    for key in ("loss", "grad_norm", "eval_loss"):  # Adam hides a gradient's scale from the weights: the norm
+        values = [log[key] for log in ours_logs.logs if key in log]
+        assert values and values == pytest.approx([log[key] for log in reference_logs.logs if key in log], rel=1e-5)
 
 
 class DoubledStep(Trainer):
@@ -294,3 +294,6 @@ def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
             return super().evaluate(*args, **kwargs)
 
     assert unhonoured_overrides(Evaluating) == ["evaluate"]
+    hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"overrides evaluate\(\).*put extra metrics into compute_metrics"):
+        Evaluating(model=torch.nn.Linear(2, 2), args=hf_args)

@@ -325,11 +325,12 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
 
 
 def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
-    """The step ``args.train_step`` builds (its own batches and loss; no validation batches)."""
+    """The step ``args.train_step`` builds (its own batches, loss and validation batches)."""
     step = args.train_step(model, tokenizer, args, env) if args.train_step is not None else None
     if not isinstance(step, TrainStep):
         raise TypeError(f"train_step: {args.train_step!r} returned {type(step).__name__}, not a TrainStep")
-    return RunBatches(step, None, {}, [], False)
+    eval_batches, named_eval_batches = step.own_eval_sets()
+    return RunBatches(step, eval_batches, named_eval_batches, [], False)
 
 
 def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:

@@ -344,9 +344,9 @@ class TrainingLoop:
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
         loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
-        # collective: every rank's validation loss sum and units, in one all_reduce
-        total_sum, total_units, total_samples = self.env.sum_floats(
-            [loss_sum, loss_units, eval_batches.num_samples_local]
+        # collective: every rank's validation loss sum and units (and the step's metric sums), in one all_reduce
+        total_sum, total_units, total_samples, *step_sums = self.env.sum_floats(
+            [loss_sum, loss_units, eval_batches.num_samples_local, *self.step.eval_metric_sums()]
         )
         runtime = max(time.time() - start, 1e-9)
         computed = predictions.compute(self.env) if predictions is not None else {}
@@ -356,6 +356,7 @@ class TrainingLoop:
             f"{prefix}_runtime": round(runtime, 4),
             f"{prefix}_samples_per_second": round(total_samples / runtime, 3),
             f"{prefix}_steps_per_second": round(steps / runtime, 3),
+            **{f"{prefix}_{key}": value for key, value in self.step.eval_metric_logs(step_sums).items()},
             "epoch": ctx.epoch,
         }
         ctx.metrics = {**(earlier or {}), **metrics}

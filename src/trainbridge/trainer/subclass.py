@@ -58,6 +58,16 @@ UNHONOURED = (
 """Trainer methods that Trainer calls during training and trainbridge's loop does not: overriding one in a
 script's subclass is refused at construction, naming it."""
 
+HINTS = {
+    "evaluate": (
+        "evaluate(): the evaluations during train() run in the workers' loop, not through evaluate() (a "
+        "trainer.evaluate() call of the script's runs it); put extra metrics into compute_metrics, extra "
+        "evaluation sets into a dict eval_dataset (each evaluated in turn, eval_<name>_ metrics), or evaluate "
+        "them after train()"
+    ),
+}
+"""What to do instead, for the refused overrides a script most often has."""
+
 STEP_METHODS = ("compute_loss", "training_step", "prediction_step")
 """Overrides that make the workers step through the script's ``training_step`` (``step.trainer_methods``)."""
 
@@ -78,6 +88,11 @@ def unhonoured_overrides(cls: type) -> list[str]:
     for klass in _script_classes(cls):
         found += [name for name in UNHONOURED if name in vars(klass) and name not in found]
     return found
+
+
+def override_hints(names: list[str]) -> str:
+    """``HINTS`` of the refused ``names``, as sentences to append to the refusal (empty when none has one)."""
+    return "".join(f" {HINTS[name]}." for name in names if name in HINTS)
 
 
 def overrides(cls: type, names: tuple[str, ...]) -> bool:
@@ -230,9 +245,14 @@ class ScriptTrainer:
             accelerator.backward_fn = None
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        return tuple(self.trainer(model).prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        instance = self.trainer(model)
+        instance.__dict__["_eval_num_items"] = num_items_in_batch  # what super().prediction_step counts
+        try:
+            return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        finally:
+            instance.__dict__.pop("_eval_num_items", None)
 
 
 class ScriptTrainerEvents(Callback):
