@@ -132,6 +132,7 @@ class TrainingLoop:
         ctx.tokenizer = self.tokenizer
         ctx.num_parameters = components.num_parameters
         ctx.flops_parameters = components.flops_parameters
+        ctx.flops_input_positions = self.step.flops_input_positions
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
