@@ -69,7 +69,7 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
     layout = env.on_rank_zero(write, "writing the evaluation data") if env is not None else write()
     world_size = env.world_size if env is not None else world_size_of(launch_args(trainer))
     args = job_args.evaluation_args(
-        job_args.training_args(trainer, layout, world_size, None), folder.job_output, keep_predictions
+        job_args.training_args(trainer, layout, world_size, None), folder.job_output, keep_predictions, dataset
     )
     job = FacadeJob("evaluate", args, folder.root, keep_predictions=keep_predictions)
     if env is not None:
