@@ -43,9 +43,10 @@ class TrainerMethods(Protocol):
         inputs: dict[str, Any],
         num_items_in_batch: Any,
         backward: Callable[[torch.Tensor], None],
+        accumulation: int,
     ) -> torch.Tensor:
-        """``Trainer.training_step`` on this worker's instance; its ``accelerator.backward(loss)`` calls
-        ``backward(loss)``; returns the (detached) loss it reports."""
+        """``Trainer.training_step`` on this worker's instance (``accumulation`` micro-batches per step); its
+        ``accelerator.backward(loss)`` calls ``backward(loss)``; returns the (detached) loss it reports."""
         ...
 
     def prediction_step(
@@ -90,7 +91,8 @@ class TrainerMethodsStep(ModelLoss):
             backward(loss / scale)
 
         with forward():  # as accelerate autocasts the model's forward under Trainer, whoever calls it
-            reported = self.methods.training_step(model, inputs, count, backward_as_trainer)
+            accumulation = self.train_batches.accumulation
+            reported = self.methods.training_step(model, inputs, count, backward_as_trainer, accumulation)
         if not isinstance(reported, torch.Tensor):
             reported = torch.as_tensor(float(reported))
         return reported.detach().reshape(()).to(torch.float64) / scale

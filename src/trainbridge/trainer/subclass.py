@@ -218,7 +218,7 @@ class ScriptTrainer:
             or (default_label_names(inner) if inner is not None else ["labels"]),
             can_return_loss=can_return_loss(type(unwrap_peft(inner))) if inner is not None else False,
             loss_is_scaled_for_ga=None,
-            current_gradient_accumulation_steps=int(getattr(self.args, "gradient_accumulation_steps", 1) or 1),
+            current_gradient_accumulation_steps=1,  # the step's, set on each training_step
             optimizer=None,
             lr_scheduler=None,
             _worker_accelerator=accelerator,
@@ -235,8 +235,10 @@ class ScriptTrainer:
         inputs: dict[str, Any],
         num_items_in_batch: Any,
         backward: Callable[[torch.Tensor], None],
+        accumulation: int,
     ) -> torch.Tensor:
         instance = self.trainer(model)
+        instance.current_gradient_accumulation_steps = accumulation
         accelerator = instance.__dict__["_worker_accelerator"]
         accelerator.backward_fn = backward
         try:
