@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
@@ -48,6 +50,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "model_init": script_model(trainer._optimizer_factory),  # optimizers= in place: the script's model
         "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
+        "requires_grad": _requires_grad(trainer),
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
@@ -90,6 +93,15 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
     return training_args_from_hf(hf, **fields)
+
+
+def _requires_grad(trainer: Trainer) -> dict[str, bool] | None:
+    """Which of the script's model's parameters train, by name (``TrainingArgs.requires_grad``): the workers
+    rebuild the model from its ``save_pretrained`` folder, which keeps no ``requires_grad`` (frozen layers)."""
+    model = trainer.model
+    if trainer._peft_config is not None or not isinstance(model, torch.nn.Module):
+        return None  # a model path, or an adapter applied in the workers: their loading decides
+    return {name: parameter.requires_grad for name, parameter in model.named_parameters()}
 
 
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
