@@ -13,13 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from tests.unit.test_checkpoint import (  # noqa: F401 (fixture)
-    args,
-    assert_same_weights,
-    new_engine,
-    train_step,
-    weights,
-)
+from tests.unit.test_checkpoint import assert_same_weights, new_engine, save_tiny_llama, train_step, weights
 from trainbridge import Trainer
 from trainbridge.checkpoint.folders import CheckpointError
 from trainbridge.checkpoint.manager import CheckpointManager
@@ -28,6 +22,20 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
 from trainbridge.trainer.save_overrides import subclass_save
+
+
+@pytest.fixture()
+def ckpt_args(tmp_path: Path) -> TrainingArgs:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    return TrainingArgs(
+        model_path=save_tiny_llama(tmp_path / "model"),
+        data_path=data,
+        ckpt_output_dir=tmp_path / "out",
+        learning_rate=1e-2,
+        lr_scheduler="linear",
+        device="cpu",
+    )
 
 
 class ValueHeadTrainer(Trainer):
@@ -66,7 +74,10 @@ def _model_files(cls: type, args: TrainingArgs, tmp_path: Path) -> Any:
     return cloudpickle.loads(cloudpickle.dumps(files))  # as it reaches the workers
 
 
-def test_the_override_writes_into_each_checkpoint_before_it_is_published(args: TrainingArgs, tmp_path: Path) -> None:
+def test_the_override_writes_into_each_checkpoint_before_it_is_published(
+    ckpt_args: TrainingArgs, tmp_path: Path
+) -> None:
+    args = ckpt_args
     engine = new_engine(args)
     train_step(engine, seed=1)
     files = _model_files(ValueHeadTrainer, args, tmp_path)
@@ -82,7 +93,8 @@ def test_the_override_writes_into_each_checkpoint_before_it_is_published(args: T
     assert [p.name for p in args.ckpt_output_dir.iterdir()] == ["checkpoint-1"]
 
 
-def test_resume_is_exact_when_the_override_writes_only_some_weights(args: TrainingArgs, tmp_path: Path) -> None:
+def test_resume_is_exact_when_the_override_writes_only_some_weights(ckpt_args: TrainingArgs, tmp_path: Path) -> None:
+    args = ckpt_args
     engine = new_engine(args)
     train_step(engine, seed=1)
     files = _model_files(HeadOnlyTrainer, args, tmp_path)
@@ -98,7 +110,8 @@ def test_resume_is_exact_when_the_override_writes_only_some_weights(args: Traini
     assert_same_weights(weights(resumed), uninterrupted)
 
 
-def test_a_failing_override_leaves_the_previous_checkpoint_whole(args: TrainingArgs, tmp_path: Path) -> None:
+def test_a_failing_override_leaves_the_previous_checkpoint_whole(ckpt_args: TrainingArgs, tmp_path: Path) -> None:
+    args = ckpt_args
     engine = new_engine(args)
     train_step(engine, seed=1)
     files = _model_files(FailingTrainer, args, tmp_path)
@@ -114,7 +127,8 @@ def test_a_failing_override_leaves_the_previous_checkpoint_whole(args: TrainingA
     assert [p.name for p in args.ckpt_output_dir.iterdir()] == ["checkpoint-1"]  # the temp folder removed
 
 
-def test_the_scripts_final_save_model_calls_its_save_override(args: TrainingArgs, tmp_path: Path) -> None:
+def test_the_scripts_final_save_model_calls_its_save_override(ckpt_args: TrainingArgs, tmp_path: Path) -> None:
+    args = ckpt_args
     model = AutoModelForCausalLM.from_pretrained(args.model_path)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     ValueHeadTrainer(model=model, args=hf).save_model(str(tmp_path / "final"))
@@ -123,13 +137,17 @@ def test_the_scripts_final_save_model_calls_its_save_override(args: TrainingArgs
     assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict(), model.state_dict())
 
 
-def test_a_save_checkpoint_override_is_refused_naming_it(args: TrainingArgs, tmp_path: Path) -> None:
+def test_a_save_checkpoint_override_is_refused_naming_it(ckpt_args: TrainingArgs, tmp_path: Path) -> None:
+    args = ckpt_args
+
     class ProjectorTrainer(Trainer):
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             super()._save_checkpoint(model, trial)
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    with pytest.raises(UnsupportedTrainerFeatureError, match=r"_save_checkpoint\(\).*override _save|_save or save_model"):
+    with pytest.raises(
+        UnsupportedTrainerFeatureError, match=r"_save_checkpoint\(\).*override _save|_save or save_model"
+    ):
         ProjectorTrainer(model=model, args=hf)
     assert subclass_save(Trainer(model=model, args=hf)) is None  # no override: the checkpoint's own files

@@ -77,7 +77,7 @@ trainer = ValueHeadTrainer(
 result = trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
 trainer.save_model(str(out / "final"))
 if trainer.is_world_process_zero():
-    folders = sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-")) + [out / "final"]
+    folders = [*sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-")), out / "final"]
     (out / "summary.json").write_text(
         json.dumps(
             {
