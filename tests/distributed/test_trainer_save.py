@@ -1,7 +1,7 @@
-"""A Trainer subclass overriding ``_save`` (``scripts/save_script.py``), both launch styles on 2 ranks, against
-transformers.Trainer: the override runs at every checkpoint on every rank, in the workers, and at the script's
-final ``save_model``; its extra file is in every checkpoint and the final folder; resuming from such a
-checkpoint works."""
+"""A Trainer subclass overriding ``_save``, or ``_save_checkpoint`` (``scripts/save_script.py``), both launch
+styles on 2 ranks, against transformers.Trainer: the override runs at every checkpoint on every rank, in the
+workers, and (``_save``) at the script's final ``save_model``; its extra file is in every checkpoint (and the
+final folder); resuming from such a checkpoint works."""
 
 from __future__ import annotations
 
@@ -63,3 +63,32 @@ def test_python_runs_the_override_in_its_workers(reference: tuple[dict, dict], t
     assert _checkpoint_flags(rank0) == ["True", "True", "False"] and _checkpoint_flags(rank1) == ["True", "True"]
     assert all(line.split()[0] != script for line in rank0[:2] + rank1) and rank0[2].split()[0] == script
     assert rank0[0].split()[0] != rank1[0].split()[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("save_checkpoint") / "real"
+    return run_script(torchrun(SCRIPT, str(out), "real", "checkpoint"), out)
+
+
+def _check_checkpoint_override(ours: dict, reference: dict) -> None:
+    assert ours["global_step"] == reference["global_step"] == 4
+    assert ours["heads"] == reference["heads"]
+    assert sorted(reference["heads"]) == ["checkpoint-2", "checkpoint-4"]
+    for folder in ("checkpoint-2", "checkpoint-4"):
+        assert set(ours["files"][folder]) >= MODEL_FILES, folder
+    assert sorted(ours["checkpoint_calls"]) == sorted(reference["checkpoint_calls"])
+    for name, lines in ours["checkpoint_calls"].items():
+        assert [line.split()[1] for line in lines] == [line.split()[1] for line in reference["checkpoint_calls"][name]]
+
+
+def test_a_save_checkpoint_override_adds_its_file_under_torchrun(checkpoint_reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    _check_checkpoint_override(run_script(torchrun(SCRIPT, str(out), "checkpoint"), out), checkpoint_reference)
+
+
+def test_a_save_checkpoint_override_runs_in_the_python_workers(checkpoint_reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = run_script([sys.executable, str(SCRIPT), str(out), "checkpoint"], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    _check_checkpoint_override(ours, checkpoint_reference)
+    assert all(line.split()[0] != str(ours["pid"]) for lines in ours["checkpoint_calls"].values() for line in lines)

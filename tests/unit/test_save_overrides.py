@@ -1,10 +1,12 @@
-"""A Trainer subclass's ``_save`` / ``save_model`` (``trainer.save_overrides``): run by the checkpoint manager
-for the model part of each checkpoint, inside its temporary folder before publication; resume exact whatever
-the override wrote; a failing override leaves the previous checkpoint whole; ``_save_checkpoint`` refused."""
+"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` (``trainer.save_overrides``): run by
+the checkpoint manager for the model part of each checkpoint, inside its temporary folder before
+publication; resume exact whatever the override wrote; a failing override leaves the previous checkpoint
+whole."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +139,53 @@ def test_the_scripts_final_save_model_calls_its_save_override(ckpt_args: Trainin
     assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict(), model.state_dict())
 
 
-def test_a_save_checkpoint_override_is_refused_naming_it(ckpt_args: TrainingArgs, tmp_path: Path) -> None:
+class ProjectorTrainer(Trainer):
+    """As LLaVA's: only the projector's weights when tuning it, else Trainer's checkpoint plus a file."""
+
+    projector_only = False
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if type(self).projector_only:
+            os.makedirs(folder, exist_ok=True)
+            head = {k: v for k, v in self.model.state_dict().items() if k.startswith("lm_head")}
+            torch.save(head, os.path.join(folder, "mm_projector.bin"))
+            return
+        super()._save_checkpoint(model, trial)
+        Path(self.args.output_dir, f"checkpoint-{self.state.global_step}", "extra.txt").write_text(folder)
+
+
+def test_a_save_checkpoint_override_writes_into_the_checkpoint_being_written(
+    ckpt_args: TrainingArgs, tmp_path: Path
+) -> None:
     args = ckpt_args
+    engine = new_engine(args)
+    train_step(engine, seed=1)
+    files = _model_files(ProjectorTrainer, args, tmp_path)
+    manager = CheckpointManager(args.ckpt_output_dir, DistributedEnv(), save_total_limit=None, model_files=files)
+    path = manager.save(engine, None, 3, {"global_step": 3}, {})
+    assert (path / "extra.txt").read_text().endswith("checkpoint-3")
+    assert {"extra.txt", "model.safetensors", "training_args.bin", "optimizer.pt"} <= set(
+        (read_manifest(path) or {})["files"]
+    )
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path).state_dict(), weights(engine))
+    assert sorted(p.name for p in args.ckpt_output_dir.iterdir()) == ["checkpoint-3"]  # nothing beside it
+    assert not [p for p in path.rglob("*") if p.is_symlink()]
 
-    class ProjectorTrainer(Trainer):
-        def _save_checkpoint(self, model: Any, trial: Any) -> None:
-            super()._save_checkpoint(model, trial)
-
+    ProjectorTrainer.projector_only = True
+    try:
+        path = manager.save(engine, None, 4, {"global_step": 4}, {})
+    finally:
+        ProjectorTrainer.projector_only = False
+    assert (path / "mm_projector.bin").is_file() and not (path / "model.safetensors").exists()
+    train_step(engine, seed=2)
+    uninterrupted = weights(engine)
+    resumed = new_engine(args)
+    assert manager.load(path, resumed) == {"global_step": 4}
+    train_step(resumed, seed=2)
+    assert_same_weights(weights(resumed), uninterrupted)
     model = AutoModelForCausalLM.from_pretrained(args.model_path)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    with pytest.raises(
-        UnsupportedTrainerFeatureError, match=r"_save_checkpoint\(\).*override _save|_save or save_model"
-    ):
-        ProjectorTrainer(model=model, args=hf)
     assert subclass_save(Trainer(model=model, args=hf)) is None  # no override: the checkpoint's own files
+    with pytest.raises(UnsupportedTrainerFeatureError, match="runs in the workers"):
+        ProjectorTrainer(model=model, args=hf)._save_checkpoint(model, None)

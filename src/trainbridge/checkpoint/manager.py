@@ -178,7 +178,13 @@ class CheckpointManager:
         error: BaseException | None = None
         try:
             self.model_files.write(
-                engine.unwrapped, tmp, full_state, tokenizer, self.weights_dtype, self.env.is_world_process_zero
+                engine.unwrapped,
+                tmp,
+                global_step,
+                full_state,
+                tokenizer,
+                self.weights_dtype,
+                self.env.is_world_process_zero,
             )
             del full_state
             if self.env.is_world_process_zero:

@@ -8,9 +8,9 @@ gathered (``state``: on rank 0, None on the others), so an implementation may ta
 ``HFModelFiles`` (the default): rank 0 writes the weights in Hugging Face layout in the export dtype
 (``checkpoint.weights.write_model_files``; a PEFT model its adapter) and the tokenizer.  Another
 implementation (``TrainingArgs.checkpoint_model_files``: the facade's for a Trainer subclass overriding
-``_save``/``save_model``) may write them differently; its ``keeps_model_state`` then makes the checkpoint keep
-the model's own weights in ``dcp/`` too, so resume never depends on what it wrote (a PEFT model's adapter is
-still read from its adapter files).
+``_save`` / ``save_model`` / ``_save_checkpoint``) may write them differently; its ``keeps_model_state``
+then makes the checkpoint keep the model's own weights in ``dcp/`` too, so resume never depends on what it
+wrote (a PEFT model's adapter is still read from its adapter files).
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ class ModelFiles(Protocol):
         self,
         model: Any,
         folder: Path,
+        step: int,
         state: dict[str, torch.Tensor] | None,
         tokenizer: Any,
         weights_dtype: torch.dtype | None,
         is_rank_zero: bool,
     ) -> None:
-        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder`` (every rank)."""
+        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder``, the
+        temporary folder of the checkpoint of ``step`` (every rank)."""
 
 
 class HFModelFiles:
@@ -50,6 +52,7 @@ class HFModelFiles:
         self,
         model: Any,
         folder: Path,
+        step: int,
         state: dict[str, torch.Tensor] | None,
         tokenizer: Any,
         weights_dtype: torch.dtype | None,

@@ -36,7 +36,7 @@ from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
-from trainbridge.trainer import jobs, results, save_overrides, script_data, subclass
+from trainbridge.trainer import jobs, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
@@ -130,14 +130,11 @@ class Trainer:
     def _reject_unsupported(self, kwargs: dict[str, Any]) -> None:
         unhonoured = subclass.unhonoured_overrides(type(self))
         if unhonoured:
-            reasons = "".join(
-                f" {name}(): {save_overrides.REFUSED[name]}." for name in unhonoured if name in save_overrides.REFUSED
-            )
             raise UnsupportedTrainerFeatureError(
                 f"{type(self).__name__} overrides {', '.join(f'{n}()' for n in unhonoured)}: trainbridge's "
                 "distributed loop does not call this Trainer method, so the override would never run. Move the "
                 "logic into a callback (trainbridge.Callback, or a transformers.TrainerCallback) or into a "
-                "compute_loss override (which runs in the workers)." + reasons
+                "compute_loss override (which runs in the workers)."
             )
         unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:
@@ -362,6 +359,18 @@ class Trainer:
         )
 
     # ================================================================== saving
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint``: in a worker at a checkpoint (``trainer.save_overrides``), its model part:
+        ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
+        writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
+        if "_checkpoint_write" not in vars(self):
+            raise UnsupportedTrainerFeatureError("_save_checkpoint runs in the workers, at each checkpoint")
+        self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """``Trainer._get_output_dir``: ``args.output_dir`` (no hyper-parameter search)."""
+        return str(self.args.output_dir)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model (HF layout), tokenizer and ``training_args.bin`` to ``output_dir`` through
         ``self._save``, as Trainer (every rank calls it; after training in place the weights are gathered

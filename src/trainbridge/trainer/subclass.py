@@ -36,7 +36,6 @@ UNHONOURED = (
     "get_test_dataloader",
     "_get_train_sampler",
     "_get_eval_sampler",
-    "_save_checkpoint",
     "_maybe_log_save_evaluate",
     "_inner_training_loop",
     "_prepare_inputs",

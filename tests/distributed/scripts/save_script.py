@@ -1,10 +1,13 @@
 """A Trainer script whose subclass overrides ``_save`` (used by test_trainer_save.py).
 
-Run as ``torchrun --nproc_per_node=2 save_script.py OUT [real] [resume]`` or ``python save_script.py OUT``;
-``real`` uses transformers.Trainer (the reference); ``resume`` resumes OUT's run from its checkpoint-2.  The
-override saves the model as Trainer does, then writes ``value_head.json`` beside it, and appends a line to
-``OUT/save-rank<RANK>.txt`` (its process id, and whether the folder is a checkpoint) from whatever process
-it runs in.  Checkpoints every 2 steps of 4, then ``trainer.save_model(OUT/final)``.
+Run as ``torchrun --nproc_per_node=2 save_script.py OUT [real] [resume] [checkpoint]`` or ``python
+save_script.py OUT [checkpoint]``; ``real`` uses transformers.Trainer (the reference); ``resume`` resumes
+OUT's run from its checkpoint-2.  The override saves the model as Trainer does, then writes
+``value_head.json`` beside it, and appends a line to ``OUT/save-rank<RANK>.txt`` (its process id, and
+whether the folder is a checkpoint) from whatever process it runs in.  With ``checkpoint`` the subclass
+overrides ``_save_checkpoint`` instead: ``super()``, then ``value_head.json`` into
+``output_dir/checkpoint-<step>``, and a line (process id, step) in ``OUT/ckpt-rank<RANK>.txt``.
+Checkpoints every 2 steps of 4, then ``trainer.save_model(OUT/final)``.
 """
 
 import json
@@ -52,6 +55,16 @@ class ValueHeadTrainer(Trainer):
             Path(output_dir, "value_head.json").write_text(json.dumps(head))
 
 
+class CheckpointFileTrainer(Trainer):
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = Path(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        with (out / f"ckpt-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(f"{os.getpid()} {self.state.global_step}\n")
+        if self.args.should_save:
+            (folder / "value_head.json").write_text(json.dumps({"step": self.state.global_step, "resumed": resume}))
+
+
 args = TrainingArguments(
     output_dir=str(out),
     per_device_train_batch_size=4,
@@ -67,7 +80,8 @@ args = TrainingArguments(
     seed=3,
 )
 out.mkdir(parents=True, exist_ok=True)
-trainer = ValueHeadTrainer(
+trainer_class = CheckpointFileTrainer if "checkpoint" in sys.argv[2:] else ValueHeadTrainer
+trainer = trainer_class(
     model=model,
     args=args,
     train_dataset=train,
@@ -85,7 +99,12 @@ if trainer.is_world_process_zero():
                 "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
                 "saves": {p.name: p.read_text().splitlines() for p in sorted(out.glob("save-rank*.txt"))},
                 "files": {p.name: sorted(f.name for f in p.iterdir()) for p in folders},
-                "heads": {p.name: json.loads((p / "value_head.json").read_text()) for p in folders},
+                "heads": {
+                    p.name: json.loads((p / "value_head.json").read_text())
+                    for p in folders
+                    if (p / "value_head.json").is_file()
+                },
+                "checkpoint_calls": {p.name: p.read_text().splitlines() for p in sorted(out.glob("ckpt-rank*.txt"))},
                 "pid": os.getpid(),
             }
         )
