@@ -369,7 +369,7 @@ class Trainer:
 
     def _get_output_dir(self, trial: Any) -> str:
         """``Trainer._get_output_dir``: ``args.output_dir`` (no hyper-parameter search)."""
-        return str(self.args.output_dir)
+        return str(getattr(self.args, "output_dir", None) or self.output_dir)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model (HF layout), tokenizer and ``training_args.bin`` to ``output_dir`` through
