@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.trainer.seq2seq import Seq2SeqTrainer as Seq2SeqTrainer
     from trainbridge.trl import CPOTrainer as CPOTrainer
     from trainbridge.trl import DPOTrainer as DPOTrainer
+    from trainbridge.trl import KTOTrainer as KTOTrainer
     from trainbridge.trl import ORPOTrainer as ORPOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
@@ -52,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "DPOTrainer": "trainbridge.trl",  # trl's DPOTrainer on the same loop
     "ORPOTrainer": "trainbridge.trl",  # trl.experimental's ORPOTrainer on the same loop
     "CPOTrainer": "trainbridge.trl",  # trl.experimental's CPOTrainer (SimPO, AlphaPO) on the same loop
+    "KTOTrainer": "trainbridge.trl",  # trl's KTOTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",

@@ -138,8 +138,9 @@ def set_requires_grad(model: nn.Module, plan: dict[str, bool]) -> None:
         raise ValueError(
             "requires_grad: the model loaded in the workers does not have the parameters of the model it was "
             f"saved from (missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}): a change made in memory that "
-            "save_pretrained does not record; build the model in a model_init function instead"
+            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}): a change made in memory (a replaced or "
+            "added module) that save_pretrained does not record; make it part of the model's class or config "
+            "so that from_pretrained rebuilds it"
         )
     for name, parameter in parameters.items():
         parameter.requires_grad_(plan[name])

@@ -235,14 +235,13 @@ def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: A
     """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
     None when it has none of them.  ``in_place``: the Trainer runs under the script's launcher."""
-    from trainbridge.trainer.subclass import SubclassLoss, overrides
+    from trainbridge.trainer.subclass import overrides, script_trainer
 
     inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs, in_place)
     both = overrides(type(trainer), ("create_optimizer_and_scheduler",))
     if not both and not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
         return inner
-    worker = SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
-    return SubclassOptimizer(worker, inner, both)
+    return SubclassOptimizer(script_trainer(trainer), inner, both)
 
 
 def script_model(factory: Any) -> Any:

@@ -42,7 +42,7 @@ import torch
 from trainbridge.checkpoint.layout import TRAINING_ARGS_FILE
 from trainbridge.checkpoint.model_files import HFModelFiles
 from trainbridge.core.run_dir import checkpoint_dir
-from trainbridge.trainer.subclass import SubclassLoss, overrides
+from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class SubclassSave:
 
     keeps_model_state = True
 
-    def __init__(self, worker: SubclassLoss, whole_checkpoint: bool) -> None:
+    def __init__(self, worker: ScriptTrainer, whole_checkpoint: bool) -> None:
         self.worker = worker
         self.whole_checkpoint = whole_checkpoint
         """The subclass overrides ``_save_checkpoint``: that is the entry point."""
@@ -139,5 +139,6 @@ def subclass_save(trainer: Any) -> SubclassSave | None:
     one of ``SAVE_METHODS``, else None (the checkpoint's default files)."""
     if not overrides(type(trainer), SAVE_METHODS):
         return None
-    worker = SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
+    worker = script_trainer(trainer)
+    assert worker is not None  # its class overrides a method of SAVE_METHODS
     return SubclassSave(worker, overrides(type(trainer), ("_save_checkpoint",)))

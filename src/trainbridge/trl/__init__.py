@@ -11,11 +11,13 @@
 - ``reference_free_step``: ORPO/CPO on the step seam; ``reference_free_loss``: their losses and metrics.
 - ``reference_free_data``: trl's ORPO/CPO data preparation, run by trl; ``pair_scores``: labelled pairs
   scored by one padding-free forward.
+- ``kto_trainer``: ``KTOTrainer`` (trl's constructor and data preparation); ``kto_step``: KTO on the step
+  seam (unpaired rows, the KL reference point); ``kto_loss``: its loss and metrics.
 """
 
 from typing import Any
 
-__all__ = ["CPOTrainer", "DPOTrainer", "ORPOTrainer", "SFTTrainer"]
+__all__ = ["CPOTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "SFTTrainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from trainbridge.trl.dpo_trainer import DPOTrainer
 
         return DPOTrainer
+    if name == "KTOTrainer":
+        from trainbridge.trl.kto_trainer import KTOTrainer
+
+        return KTOTrainer
     if name in ("ORPOTrainer", "CPOTrainer"):
         from trainbridge.trl import reference_free_trainer
 
