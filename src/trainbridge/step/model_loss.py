@@ -120,6 +120,7 @@ class ModelLoss(TrainStep):
     """Sample batches and the loss the model's forward returns (see the module docstring)."""
 
     name = "the model's own loss (sample batches)"
+    flops_input_positions = True
     train_batches: ItemBatches
 
     def __init__(

@@ -17,6 +17,7 @@ from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
 from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.save_overrides import subclass_save
+from trainbridge.trainer.script_data import dataset_transforms
 from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
 
 if TYPE_CHECKING:
@@ -112,7 +113,11 @@ def _requires_grad(trainer: Trainer) -> dict[str, bool] | None:
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     """The ``model_loss`` fields of a job whose workers train on the datasets' items (``RowPreparation.items``)."""
     hf = trainer.args
-    fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
+    fields: dict[str, Any] = {
+        "training_step": "model_loss",
+        "data_collator": trainer.data_collator,
+        "dataset_transforms": dataset_transforms(trainer.train_dataset, trainer.eval_dataset),
+    }
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
         fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
@@ -123,11 +128,12 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     return fields
 
 
-def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool) -> TrainingArgs:
-    """``args`` for one evaluation (no training, checkpoints, callbacks or reports, no optimizer of the
-    script's: the model the run folder holds) writing into ``output_dir``; ``keep_predictions``
+def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool, dataset: Any = None) -> TrainingArgs:
+    """``args`` for one evaluation of ``dataset`` (no training, checkpoints, callbacks or reports, no optimizer
+    of the script's: the model the run folder holds) writing into ``output_dir``; ``keep_predictions``
     (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
     updates: dict[str, Any] = {
+        "dataset_transforms": dataset_transforms(None, dataset),
         "optimizer_factory": None,
         "model_init": None,
         "checkpoint_model_files": None,
