@@ -190,4 +190,7 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
         return
     state = read_safetensors_weights(folder)
     fill_tied_weights(state, trainer.model)
+    if set(trainer.model.state_dict()) - set(state):
+        # saved under transformers' checkpoint names, not the modules' (ViT in transformers 5): its loader maps them
+        state = type(trainer.model).from_pretrained(str(folder)).state_dict()
     trainer.model.load_state_dict(state, strict=False)

@@ -192,13 +192,19 @@ class KTOStepFactory(DPOStepFactory):
         ref_model: torch.nn.Module | None = None,
         seed: int = 0,
         sequential: bool = True,
+        disable_dropout: bool = True,
     ) -> None:
         super().__init__(None, DPOLossSettings(), rows_per_micro, micro_per_step, max_length, ref_model=ref_model)
         self.loss, self.seed, self.sequential = loss, seed, sequential
+        self.disable_dropout = disable_dropout
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> KTOStep:  # type: ignore[override]
         from trainbridge.data.rows import open_rows
 
+        if self.disable_dropout:  # trl's default: on the model the worker trains, however it was given
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
         dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(

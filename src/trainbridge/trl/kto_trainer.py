@@ -95,6 +95,7 @@ class KTOTrainer(Trainer):
             ref_model=ref_model,
             seed=int(args.seed),
             sequential=args.train_sampling_strategy == "sequential",
+            disable_dropout=bool(args.disable_dropout),
         )
         super().__init__(
             model=model,
