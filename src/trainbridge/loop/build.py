@@ -152,6 +152,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
             share_with_group=args.share_run_dir_with_group,
+            model_files=args.checkpoint_model_files,
         ),
         max_steps=max_steps,
         num_parameters=num_parameters,
@@ -249,6 +250,15 @@ def _token_batches(
     )
 
 
+def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
+    """``rows`` with a ``TrainingArgs.dataset_transforms`` entry applied (``set_transform``), or as they are."""
+    if rows is None or transform is None:
+        return rows
+    return rows.with_transform(
+        transform["transform"], columns=transform["columns"], output_all_columns=transform["output_all_columns"]
+    )
+
+
 def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
     """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
     collator (the script's, else Trainer's default), the loss the forward returns."""
@@ -259,6 +269,10 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)
     named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
+    transforms = args.dataset_transforms  # the script's on-the-fly transforms, as its datasets apply them
+    train = _transformed(train, transforms.get("train"))
+    val = _transformed(val, transforms.get("eval"))
+    named = {name: _transformed(rows, transforms.get(f"eval:{name}")) for name, rows in named.items()}
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)

@@ -103,6 +103,8 @@ class TrainingLoop:
         self.tokenizer = components.tokenizer
         self.engine = components.engine
         self.step = components.step
+        self._main_input = str(getattr(self.engine.unwrapped, "main_input_name", None) or "input_ids")
+        """The input ``total_flos`` counts without ``input_ids`` (``pixel_values``), as Trainer's estimate."""
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
         self.named_eval_batches = components.named_eval_batches
@@ -130,6 +132,7 @@ class TrainingLoop:
         ctx.tokenizer = self.tokenizer
         ctx.num_parameters = components.num_parameters
         ctx.flops_parameters = components.flops_parameters
+        ctx.flops_input_positions = self.step.flops_input_positions
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
@@ -261,7 +264,7 @@ class TrainingLoop:
             batches,
             loss_sum,
             grad_norm if grad_norm is not None else NOT_MEASURED,
-            sum(_input_tokens(b) for b in micro_batches),
+            sum(_input_tokens(b, self._main_input) for b in micro_batches),
             started,
         )
 
@@ -559,9 +562,10 @@ def _with_metrics(sums: StepSums, metric_sums: Sequence[torch.Tensor | float]) -
     return _sums_type(len(metric_sums))(*sums, *metric_sums) if metric_sums else sums
 
 
-def _input_tokens(cpu_batch: dict[str, Any]) -> int:
-    """Input positions of a CPU batch (``input_ids`` elements; 0 for a batch without them)."""
-    input_ids = cpu_batch.get("input_ids")
+def _input_tokens(cpu_batch: dict[str, Any], main_input: str = "input_ids") -> int:
+    """Input positions of a CPU batch (``input_ids`` elements; without them, the model's main input's
+    elements, as ``transformers``' ``estimate_tokens``; 0 for neither)."""
+    input_ids = cpu_batch.get("input_ids", cpu_batch.get(main_input))
     return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
 
 

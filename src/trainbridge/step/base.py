@@ -90,6 +90,9 @@ class TrainStep(ABC):
     """One kind of optimizer step: its batches and its loss (see the module docstring)."""
 
     name: str = ""
+    flops_input_positions: bool = False
+    """Whether ``total_flos`` counts every input position, padding included (a step on Trainer's own batches,
+    as Trainer counts them), rather than the real tokens (batches of trainbridge's own forming)."""
     train_batches: TrainSource
     """This rank's training batches (``train_dataloader`` for callbacks)."""
 

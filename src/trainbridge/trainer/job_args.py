@@ -14,7 +14,10 @@ import torch
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
+from trainbridge.trainer.optimizers import script_model
 from trainbridge.trainer.run_folder import RunLayout
+from trainbridge.trainer.save_overrides import subclass_save
+from trainbridge.trainer.script_data import dataset_transforms
 from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
 
 if TYPE_CHECKING:
@@ -50,6 +53,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "trainer_methods": subclass_loss(trainer),
         "optimizer_factory": trainer._optimizer_factory,
+        "model_init": script_model(trainer._optimizer_factory),  # optimizers= in place: the script's model
+        "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
         "requires_grad": _requires_grad(trainer),
     }
@@ -108,7 +113,11 @@ def _requires_grad(trainer: Trainer) -> dict[str, bool] | None:
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     """The ``model_loss`` fields of a job whose workers train on the datasets' items (``RowPreparation.items``)."""
     hf = trainer.args
-    fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
+    fields: dict[str, Any] = {
+        "training_step": "model_loss",
+        "data_collator": trainer.data_collator,
+        "dataset_transforms": dataset_transforms(trainer.train_dataset, trainer.eval_dataset),
+    }
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
         fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
@@ -119,10 +128,15 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     return fields
 
 
-def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool) -> TrainingArgs:
-    """``args`` for one evaluation (no training, checkpoints, callbacks or reports) writing into
-    ``output_dir``; ``keep_predictions`` (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
+def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool, dataset: Any = None) -> TrainingArgs:
+    """``args`` for one evaluation of ``dataset`` (no training, checkpoints, callbacks or reports, no optimizer
+    of the script's: the model the run folder holds) writing into ``output_dir``; ``keep_predictions``
+    (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
     updates: dict[str, Any] = {
+        "dataset_transforms": dataset_transforms(None, dataset),
+        "optimizer_factory": None,
+        "model_init": None,
+        "checkpoint_model_files": None,
         "eval_strategy": "no",
         "save_strategy": "no",
         "load_best_model_at_end": False,

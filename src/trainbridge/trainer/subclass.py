@@ -16,7 +16,9 @@ What runs there:
   ``compute_loss``, or has a ``compute_loss_func``; ``super()`` runs Trainer's (``worker_methods``);
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``: training, evaluation and the final
   logs), before the other callbacks see the logs, so what the override adds lands;
-- ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers.SubclassOptimizer``).
+- ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``
+  (``trainer.optimizers.SubclassOptimizer``);
+- ``_save`` / ``save_model`` / ``_save_checkpoint`` at each checkpoint (``trainer.save_overrides``).
 
 Overrides of the methods in ``UNHONOURED`` are refused at construction (``unhonoured_overrides``).
 """
@@ -37,15 +39,11 @@ from trainbridge.core.context import TrainingContext
 UNHONOURED = (
     "evaluate",
     "evaluation_loop",
-    "create_optimizer_and_scheduler",
     "get_train_dataloader",
     "get_eval_dataloader",
     "get_test_dataloader",
     "_get_train_sampler",
     "_get_eval_sampler",
-    "_save",
-    "_save_checkpoint",
-    "save_model",
     "_maybe_log_save_evaluate",
     "_inner_training_loop",
     "_prepare_inputs",
@@ -57,6 +55,16 @@ UNHONOURED = (
 )
 """Trainer methods that Trainer calls during training and trainbridge's loop does not: overriding one in a
 script's subclass is refused at construction, naming it."""
+
+HINTS = {
+    "evaluate": (
+        "evaluate(): the evaluations during train() run in the workers' loop, not through evaluate() (a "
+        "trainer.evaluate() call of the script's runs it); put extra metrics into compute_metrics, extra "
+        "evaluation sets into a dict eval_dataset (each evaluated in turn, eval_<name>_ metrics), or evaluate "
+        "them after train()"
+    ),
+}
+"""What to do instead, for the refused overrides a script most often has."""
 
 STEP_METHODS = ("compute_loss", "training_step", "prediction_step")
 """Overrides that make the workers step through the script's ``training_step`` (``step.trainer_methods``)."""
@@ -78,6 +86,11 @@ def unhonoured_overrides(cls: type) -> list[str]:
     for klass in _script_classes(cls):
         found += [name for name in UNHONOURED if name in vars(klass) and name not in found]
     return found
+
+
+def override_hints(names: list[str]) -> str:
+    """``HINTS`` of the refused ``names``, as sentences to append to the refusal (empty when none has one)."""
+    return "".join(f" {HINTS[name]}." for name in names if name in HINTS)
 
 
 def overrides(cls: type, names: tuple[str, ...]) -> bool:
@@ -203,7 +216,7 @@ class ScriptTrainer:
             or (default_label_names(inner) if inner is not None else ["labels"]),
             can_return_loss=can_return_loss(type(unwrap_peft(inner))) if inner is not None else False,
             loss_is_scaled_for_ga=None,
-            current_gradient_accumulation_steps=int(getattr(self.args, "gradient_accumulation_steps", 1) or 1),
+            current_gradient_accumulation_steps=1,  # the step's, set on each training_step
             optimizer=None,
             lr_scheduler=None,
             _worker_accelerator=accelerator,
@@ -220,8 +233,10 @@ class ScriptTrainer:
         inputs: dict[str, Any],
         num_items_in_batch: Any,
         backward: Callable[[torch.Tensor], None],
+        accumulation: int,
     ) -> torch.Tensor:
         instance = self.trainer(model)
+        instance.current_gradient_accumulation_steps = accumulation
         accelerator = instance.__dict__["_worker_accelerator"]
         accelerator.backward_fn = backward
         try:
@@ -230,9 +245,14 @@ class ScriptTrainer:
             accelerator.backward_fn = None
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        return tuple(self.trainer(model).prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        instance = self.trainer(model)
+        instance.__dict__["_eval_num_items"] = num_items_in_batch  # what super().prediction_step counts
+        try:
+            return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        finally:
+            instance.__dict__.pop("_eval_num_items", None)
 
 
 class ScriptTrainerEvents(Callback):
@@ -260,11 +280,24 @@ class ScriptTrainerEvents(Callback):
             logs.update(logged)
 
 
+WORKER_METHODS = (
+    "log",
+    "create_optimizer",
+    "create_scheduler",
+    "create_optimizer_and_scheduler",
+    "_save",
+    "save_model",
+    "_save_checkpoint",
+)
+"""Besides ``STEP_METHODS``, the overrides that run on the worker-side instance (``trainer.optimizers``,
+``trainer.save_overrides``)."""
+
+
 def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers or
     it has a ``compute_loss_func``, else None."""
     cls = type(trainer)
-    if not overrides(cls, (*STEP_METHODS, "log", "create_optimizer", "create_scheduler")):
+    if not overrides(cls, (*STEP_METHODS, *WORKER_METHODS)):
         if trainer.compute_loss_func is None:
             return None
     worker = trainer.__dict__.get("_script_trainer")
@@ -292,6 +325,7 @@ def bind_state(args: Any, state_source: Callable[[], Any]) -> None:
     """Give the job's ``ScriptTrainer`` (``args.trainer_methods``, its callback's, the optimizer factory's) the
     run's live state."""
     candidates = [args.trainer_methods, getattr(args.optimizer_factory, "worker", None)]
+    candidates.append(getattr(args.checkpoint_model_files, "worker", None))
     candidates += [getattr(c, "worker", None) for c in args.callbacks]
     for candidate in candidates:
         if isinstance(candidate, ScriptTrainer):
