@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -100,7 +101,10 @@ class RunComponents:
 
     @property
     def num_epochs(self) -> int:
-        """Epochs the run takes: ``ceil(max_steps / steps_per_epoch)``."""
+        """Epochs the run takes: ``ceil(max_steps / steps_per_epoch)``; batches without a length (``unsized``:
+        a stream) repeat their passes until ``max_steps`` (Trainer's ``sys.maxsize`` epochs)."""
+        if getattr(self.train_batches, "unsized", False):
+            return sys.maxsize
         return math.ceil(self.max_steps / self.steps_per_epoch)
 
 
@@ -251,7 +255,7 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     collator (the script's, else Trainer's default), the loss the forward returns."""
     per_device, accumulation = sample_batch_shape(args, env.world_size)
     stream: Any = args.train_stream
-    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if stream is None else None
+    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if args.data_path and stream is None else None
     val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
     if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)

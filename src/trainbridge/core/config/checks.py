@@ -71,8 +71,11 @@ def check_consistent(args: TrainingArgs) -> None:
 
 
 def check_stream(args: TrainingArgs) -> None:
-    """``train_stream``: a stream has no length, so it needs ``max_steps``; it has no rows to split or plan."""
+    """``data_path`` or ``train_stream``; a stream has no length, so it needs ``max_steps``; it has no rows to
+    split or plan."""
     if args.train_stream is None:
+        if args.data_path is None:
+            raise ValueError("data_path: the training data is required (a file or folder), or give a train_stream")
         return
     if args.max_steps is None:
         raise ValueError(
