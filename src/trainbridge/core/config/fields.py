@@ -141,10 +141,11 @@ class DataFields(BaseModel):
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
     data_path: Path | None = None
-    """Training data (required unless ``train_stream`` is given): a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
-    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
-    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
-    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
+    """Training data (required unless ``train_stream`` is given): a JSONL, JSON, parquet or Arrow file, or a
+    ``Dataset.save_to_disk`` folder (read with ``datasets``, tokenised once into a memory-mapped cache).
+    Rows hold pre-tokenized ``input_ids`` (optional ``labels`` with -100 masking, ``attention_mask``), chat
+    ``messages`` (loss on the assistant turns), ``prompt``/``completion`` (loss on the completion) or
+    ``text``."""
     val_data_path: Path | None = None
     """Validation data in the same formats; exclusive with ``validation_split``."""
     eval_data_paths: dict[str, Path] = Field(default_factory=dict)
