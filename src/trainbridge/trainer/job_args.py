@@ -14,6 +14,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.subclass import subclass_loss
+from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import Trainer
@@ -44,6 +45,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "compute_loss": subclass_loss(trainer),
         "optimizer_factory": trainer._optimizer_factory,
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
+        "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
+        "train_loader": subclass_loader(trainer),  # a subclass's get_train_dataloader / _get_train_sampler
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
@@ -114,6 +117,8 @@ def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool
         "eval_on_start": False,
         "ckpt_output_dir": output_dir,
         "resume_from_checkpoint": None,
+        "train_stream": None,
+        "train_loader": None,
     }
     if keep_predictions and args.compute_metrics is None:
         updates["compute_metrics"] = no_metrics

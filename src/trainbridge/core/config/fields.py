@@ -228,6 +228,12 @@ class BatchFields(BaseModel):
     items already trained on.  When a pass over the stream ends before ``max_steps``, the stream is iterated
 again (the next epoch; ``set_epoch`` first when it has one), as Trainer does.  ``data_path`` is then not
 needed.  It reaches self-launched workers by value (cloudpickle) and is iterated there."""
+    train_loader: Callable[..., Any] | None = None
+    """``fn(dataset, collate, model) -> DataLoader``: this rank's training batches as a script builds them (the
+    facade sets it for a Trainer subclass overriding ``get_train_dataloader`` or ``_get_train_sampler``), called
+    once per run in each worker with the training items (``data_path``'s rows or ``train_stream``), the
+    collator (unused columns removed) and the model.  Its batches are trained ``accumulation`` at a time
+    (``data.loader_batches``); needs ``model_loss`` batches."""
     training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
     """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
     batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches
