@@ -218,3 +218,23 @@ def test_a_stream_with_no_full_step_ends_the_run_at_once(classifier, tmp_path):
 def test_data_path_is_required_without_a_stream(classifier, tmp_path):
     with pytest.raises(ValueError, match="data_path: the training data is required"):
         _args(classifier, tmp_path, "out", train_stream=None)
+
+
+def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classifier, tmp_path):
+    from transformers import TrainingArguments
+
+    from trainbridge import Trainer
+    from trainbridge.trainer import job_args, run_folder
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="max_steps has to be specified"):  # as Trainer, at construction
+        Trainer(
+            model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none"), train_dataset=Numbers()
+        )
+    stream = Numbers()
+    hf = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=hf, train_dataset=stream)
+    assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
+    layout = run_folder.RunLayout(model_path=classifier, data_path=None)
+    args = job_args.training_args(trainer, layout, 2, None)
+    assert args.train_stream is stream and args.data_path is None and args.training_step == "model_loss"
