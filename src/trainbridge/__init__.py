@@ -32,7 +32,10 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.loop.result import RunResult as RunResult
     from trainbridge.trainer import Trainer as Trainer
     from trainbridge.trainer.seq2seq import Seq2SeqTrainer as Seq2SeqTrainer
+    from trainbridge.trl import CPOTrainer as CPOTrainer
     from trainbridge.trl import DPOTrainer as DPOTrainer
+    from trainbridge.trl import KTOTrainer as KTOTrainer
+    from trainbridge.trl import ORPOTrainer as ORPOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
     __version__: str
@@ -48,6 +51,9 @@ _EXPORTS: dict[str, str] = {
     "SFTTrainer": "trainbridge.trl",  # trl's SFTTrainer on the same loop
     "Seq2SeqTrainer": "trainbridge.trainer.seq2seq",  # transformers' Seq2SeqTrainer (predict_with_generate)
     "DPOTrainer": "trainbridge.trl",  # trl's DPOTrainer on the same loop
+    "ORPOTrainer": "trainbridge.trl",  # trl.experimental's ORPOTrainer on the same loop
+    "CPOTrainer": "trainbridge.trl",  # trl.experimental's CPOTrainer (SimPO, AlphaPO) on the same loop
+    "KTOTrainer": "trainbridge.trl",  # trl's KTOTrainer on the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",

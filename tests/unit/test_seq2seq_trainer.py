@@ -156,3 +156,91 @@ def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_
     layout = RunLayout(model_path=tmp_path / "model", data_path=tmp_path)
     ported = job_args.training_args(trainer, layout, 1, None)
     assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
+
+
+def _trainer(
+    cls: Any, model: Any, tok: Any, out: Path, monkeypatch: pytest.MonkeyPatch | None = None, **arg_overrides: Any
+) -> tuple[Any, Recorder]:
+    """``cls`` (``transformers.Seq2SeqTrainer``, or ours with ``monkeypatch``: in place) on ``model``, with a
+    ``Recorder`` as compute_metrics.  Run the reference's evaluations before building ours: ours resets
+    accelerate's state."""
+    recorder = Recorder(tok)
+    args = _args(out, **arg_overrides)
+    if monkeypatch is not None:
+        _in_place(monkeypatch)  # (after the arguments: TrainingArguments would set up torch.distributed)
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=_reverse_rows(16, seed=0),
+        eval_dataset=_reverse_rows(8, seed=1),
+        processing_class=tok,
+        data_collator=DataCollatorForSeq2Seq(tok, model=model),
+        compute_metrics=recorder,
+    )
+    return trainer, recorder
+
+
+def test_evaluate_and_predict_pass_their_generate_arguments_as_seq2seq_trainer(
+    t5: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    model, tok = t5
+    test_rows = _reverse_rows(6, seed=2)
+    reference, theirs = _trainer(transformers.Seq2SeqTrainer, copy.deepcopy(model), tok, tmp_path / "hf")
+    reference.evaluate(max_length=5, num_beams=2)
+    expected = reference.predict(test_rows, max_new_tokens=3, repetition_penalty=1.5)
+    reference.evaluate()
+    trainer, ours = _trainer(Seq2SeqTrainer, model, tok, tmp_path / "tb", monkeypatch)
+    # evaluate(max_length=, num_beams=): shorter generations than generation_max_length's 12, beam search
+    trainer.evaluate(max_length=5, num_beams=2)
+    np.testing.assert_array_equal(ours.seen[0][0], theirs.seen[0][0])
+    assert (ours.seen[0][0][:, 5:] == tok.pad_token_id).all()  # max_length 5, padded to the config's 20
+    # predict(max_new_tokens=): replaces generation_max_length; any other generate argument passes through
+    got = trainer.predict(test_rows, max_new_tokens=3, repetition_penalty=1.5)
+    np.testing.assert_array_equal(got.predictions, expected.predictions)
+    assert (got.predictions[:, 4:] == tok.pad_token_id).all()
+    # the call's arguments last for that call only: evaluate() generates with generation_max_length again
+    trainer.evaluate()
+    np.testing.assert_array_equal(ours.seen[-1][0], theirs.seen[-1][0])
+    assert not (ours.seen[-1][0][:, 5:12] == tok.pad_token_id).all()
+
+
+def test_the_generation_config_argument_and_the_models_own_are_used_as_seq2seq_trainer(
+    t5: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+    from transformers import GenerationConfig
+
+    model, tok = t5
+    # the model's own generation config: generate's defaults and the length predictions are padded to
+    model.generation_config.max_length = 9
+    model.generation_config.no_repeat_ngram_size = 2
+    # Seq2SeqTrainingArguments(generation_config=...) replaces the model's
+    config = GenerationConfig(
+        max_length=7, num_beams=2, decoder_start_token_id=0, eos_token_id=2, pad_token_id=0, length_penalty=0.5
+    )
+    hf = transformers.Seq2SeqTrainer
+    reference, theirs = _trainer(hf, copy.deepcopy(model), tok, tmp_path / "hf", generation_max_length=None)
+    reference.evaluate()
+    reference, theirs_configured = _trainer(
+        hf, copy.deepcopy(model), tok, tmp_path / "hf2", generation_max_length=None, generation_config=config
+    )
+    reference.evaluate()
+    trainer, ours = _trainer(
+        Seq2SeqTrainer, copy.deepcopy(model), tok, tmp_path / "tb", monkeypatch, generation_max_length=None
+    )
+    trainer.evaluate()
+    (predictions, labels), (want, want_labels) = ours.seen[-1], theirs.seen[-1]
+    assert predictions.shape == want.shape == (8, 9)
+    np.testing.assert_array_equal(predictions, want)
+    np.testing.assert_array_equal(labels, want_labels)
+    monkeypatch.undo()  # (the arguments of the next trainer are built outside the launcher's environment)
+    trainer, ours = _trainer(
+        Seq2SeqTrainer, model, tok, tmp_path / "tb2", monkeypatch, generation_max_length=None, generation_config=config
+    )
+    assert trainer.model.generation_config.max_length == 7
+    trainer.evaluate()
+    (predictions, _), (want, _) = ours.seen[-1], theirs_configured.seen[-1]
+    assert predictions.shape == want.shape == (8, 7)
+    np.testing.assert_array_equal(predictions, want)

@@ -101,6 +101,7 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "predict_with_generate": ("predict_with_generate",),
     "generation_max_length": ("generation_kwargs",),
     "generation_num_beams": ("generation_kwargs",),
+    "generation_config": ("generation_kwargs",),
 }
 
 

@@ -112,6 +112,8 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.peft_config is not None:
         model = apply_peft(model, args.peft_config)
+    if args.requires_grad is not None:
+        set_requires_grad(model, args.requires_grad)
     if is_peft_model(model):
         if model.active_peft_config.is_prompt_learning:  # type: ignore[union-attr]
             raise ValueError(
@@ -124,6 +126,24 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
         if trainable == 0:
             raise ValueError("the PEFT model has no trainable parameter (an adapter loaded for inference?)")
     return cast("PreTrainedModel", model)
+
+
+def set_requires_grad(model: nn.Module, plan: dict[str, bool]) -> None:
+    """Each parameter's ``requires_grad`` from ``plan`` (``TrainingArgs.requires_grad``), which must name
+    exactly the model's parameters: a model rebuilt from a script's ``save_pretrained`` that lost a change
+    made in memory (a replaced or added module) is refused, not trained differently."""
+    parameters = dict(model.named_parameters())
+    missing, unexpected = sorted(plan.keys() - parameters.keys()), sorted(parameters.keys() - plan.keys())
+    if missing or unexpected:
+        raise ValueError(
+            "requires_grad: the model loaded in the workers does not have the parameters of the model it was "
+            f"saved from (missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}): a change made in memory (a replaced or "
+            "added module) that save_pretrained does not record; make it part of the model's class or config "
+            "so that from_pretrained rebuilds it"
+        )
+    for name, parameter in parameters.items():
+        parameter.requires_grad_(plan[name])
 
 
 def call_model_init(model_init: Any) -> nn.Module:

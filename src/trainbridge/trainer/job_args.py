@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
@@ -47,6 +49,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
         "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
         "train_loader": subclass_loader(trainer),  # a subclass's get_train_dataloader / _get_train_sampler
+        "requires_grad": _requires_grad(trainer),
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
@@ -89,6 +92,15 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
     return training_args_from_hf(hf, **fields)
+
+
+def _requires_grad(trainer: Trainer) -> dict[str, bool] | None:
+    """Which of the script's model's parameters train, by name (``TrainingArgs.requires_grad``): the workers
+    rebuild the model from its ``save_pretrained`` folder, which keeps no ``requires_grad`` (frozen layers)."""
+    model = trainer.model
+    if trainer._peft_config is not None or not isinstance(model, torch.nn.Module):
+        return None  # a model path, or an adapter applied in the workers: their loading decides
+    return {name: parameter.requires_grad for name, parameter in model.named_parameters()}
 
 
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:

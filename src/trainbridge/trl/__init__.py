@@ -7,11 +7,17 @@
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
 - ``preference_data``: trl's DPO data preparation, run by trl; the reference model's log-probs.
+- ``reference_free_trainer``: ``ORPOTrainer`` and ``CPOTrainer`` (trl's constructors on the facade).
+- ``reference_free_step``: ORPO/CPO on the step seam; ``reference_free_loss``: their losses and metrics.
+- ``reference_free_data``: trl's ORPO/CPO data preparation, run by trl; ``pair_scores``: labelled pairs
+  scored by one padding-free forward.
+- ``kto_trainer``: ``KTOTrainer`` (trl's constructor and data preparation); ``kto_step``: KTO on the step
+  seam (unpaired rows, the KL reference point); ``kto_loss``: its loss and metrics.
 """
 
 from typing import Any
 
-__all__ = ["DPOTrainer", "SFTTrainer"]
+__all__ = ["CPOTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "SFTTrainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +30,12 @@ def __getattr__(name: str) -> Any:
         from trainbridge.trl.dpo_trainer import DPOTrainer
 
         return DPOTrainer
+    if name == "KTOTrainer":
+        from trainbridge.trl.kto_trainer import KTOTrainer
+
+        return KTOTrainer
+    if name in ("ORPOTrainer", "CPOTrainer"):
+        from trainbridge.trl import reference_free_trainer
+
+        return getattr(reference_free_trainer, name)
     raise AttributeError(f"module 'trainbridge.trl' has no attribute {name!r}")

@@ -83,6 +83,11 @@ class ModelFields(BaseModel):
     """With a PEFT model: when training ends, merge the final adapter (the best one under
     ``load_best_model_at_end``) into the base weights (``merge_and_unload``) and write the merged model in
     Hugging Face layout to ``ckpt_output_dir/merged`` (loadable with ``AutoModelForCausalLM``)."""
+    requires_grad: dict[str, bool] | None = None
+    """Every parameter of the model by name (``named_parameters()`` once loaded, with its PEFT adapter) and
+    whether it trains.  The loaded model must have exactly these parameters (another set is an error naming
+    the difference), and each one's ``requires_grad`` is set from here.  ``trainbridge.Trainer`` records it
+    from the script's model, so layers a script froze stay frozen in the workers.  None: as loaded."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (``model.gradient_checkpointing_enable``), applied before
     wrapping (also under FSDP2); trades compute for activation memory."""

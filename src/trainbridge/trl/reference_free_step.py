@@ -1,0 +1,139 @@
+"""ORPO and CPO as a training step (``step.base.TrainStep``): reference-free pairs, trl's loss and metrics.
+
+``LabelledPairBatches`` plans steps of pairs as ``dpo_step.PairBatches`` does and packs a micro-batch's
+pairs with their labels (``pair_scores.pack_labelled_pairs``: chosen and rejected in one padding-free
+forward).  ``ReferenceFreeStep.micro_loss`` returns the micro-batch's loss (``ORPOLoss``/``CPOLoss``,
+trl's value for that micro-batch), one loss unit each, so the loop's division gives trl's mean over
+micro-batches and ranks.  trl logs, per micro-batch, its metrics over every rank (pair means and means of
+per-rank values), averaged over the micro-batches since the last log; each micro-batch's sums ride in
+the step's agreement (``metric_sums``) and ``metric_logs`` does the same division.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from trainbridge.data.collate import CollatedBatch
+from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.trl.dpo_step import PairBatches
+from trainbridge.trl.pair_scores import pack_labelled_pairs, score_pairs
+from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
+
+PairLoss = ORPOLoss | CPOLoss
+
+
+class LabelledPairBatches(PairBatches):
+    """Pairs of trl's ORPO/CPO preparation (``reference_free_data.COLUMNS`` rows), packed with their labels."""
+
+    def __init__(self, dataset: Any, *args: Any, whole_sequence: bool = False, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.whole_sequence = whole_sequence
+
+    def micro_batch(self, indices: Sequence[int]) -> dict[str, Any]:
+        rows = self.dataset[list(indices)]
+        packed = pack_labelled_pairs(
+            rows["chosen_input_ids"],
+            rows["chosen_labels"],
+            rows["rejected_input_ids"],
+            rows["rejected_labels"],
+            self.whole_sequence,
+        )
+        batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
+        batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
+        return batch
+
+
+class ReferenceFreeStep(TrainStep):
+    """trl's ORPO or CPO step on labelled pair batches (see the module docstring)."""
+
+    train_batches: LabelledPairBatches
+
+    def __init__(self, train_batches: LabelledPairBatches, loss: PairLoss) -> None:
+        self.train_batches = train_batches
+        self.loss = loss
+        self.name = f"{type(loss).__name__[:-4]} (preference pairs, chosen and rejected in one padding-free forward)"
+        self.columns = ("pairs", "ranks", *PAIR_KEYS, *loss.rank_keys)
+        self._rows: list[torch.Tensor] = []
+        self._logged: list[list[float]] = []
+
+    def prepare(self, step: list[int]) -> StepBatches:
+        micro = self.train_batches.micro_batches(step)
+        rows = self.train_batches.dataset[list(step)]
+        tokens = sum(len(ids) for ids in rows["chosen_input_ids"]) + sum(len(ids) for ids in rows["rejected_input_ids"])
+        every_micro = float(len(micro) * self.train_batches.world_size)
+        return StepBatches(micro, [1.0] * len(micro), every_micro, len(step), tokens)
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        result = self.loss.micro(score_pairs(model, batch["packed"]))
+        values = [torch.tensor(float(batch["packed"].pairs)), torch.tensor(1.0)]
+        values += [result.pair_sums[key] for key in PAIR_KEYS]
+        values += [result.rank_means[key] for key in self.loss.rank_keys]
+        device = result.loss.device
+        self._rows.append(torch.stack([v.detach().to(device, torch.float64) for v in values]))
+        return result.loss * units
+
+    def metric_sums(self) -> list[torch.Tensor | float]:
+        sums: list[torch.Tensor | float] = [value for row in self._rows for value in row]
+        self._rows.clear()
+        return sums
+
+    def add_metric_sums(self, sums: Sequence[float]) -> None:
+        width = len(self.columns)
+        for i in range(0, len(sums), width):
+            self._logged.append(list(sums[i : i + width]))
+
+    def metric_logs(self) -> dict[str, float]:
+        """trl's log: each micro-batch's metrics over every rank, averaged over the micro-batches."""
+        rows, self._logged = self._logged, []
+        if not rows:
+            return {}
+        logs = {}
+        for j, key in enumerate(self.columns[2:], start=2):
+            by = 0 if key in PAIR_KEYS else 1  # pair sums over pairs, per-rank values over ranks
+            logs[key] = sum(row[j] / max(row[by], 1.0) for row in rows) / len(rows)
+        return logs
+
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
+        with torch.no_grad():
+            loss = self.loss.micro(score_pairs(model, batch["packed"])).loss
+        return EvalOutput(loss.detach(), 1.0)
+
+    def describe_batches(self, effective_batch_size: int) -> str:
+        b = self.train_batches
+        return (
+            f"{b.pairs_per_step} preference pairs per step (all ranks); {b.micro_per_step} micro-batches of "
+            f"{b.pairs_per_micro} pairs per rank, chosen and rejected packed padding-free"
+        )
+
+
+class ReferenceFreeStepFactory:
+    """``TrainingArgs.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
+    worker over the job's prepared pairs (``dataset`` None: the job's ``data_path``, as the facade writes
+    them)."""
+
+    def __init__(self, dataset: Any, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0):
+        self.dataset, self.loss = dataset, loss
+        self.pairs_per_micro, self.micro_per_step, self.seed = pairs_per_micro, micro_per_step, seed
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> ReferenceFreeStep:
+        dataset = self.dataset
+        if dataset is None:
+            from trainbridge.data.rows import open_rows
+
+            dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
+        batches = LabelledPairBatches(
+            dataset,
+            self.pairs_per_micro,
+            self.micro_per_step,
+            env.world_size,
+            env.rank,
+            self.seed,
+            None,
+            whole_sequence=self.loss.whole_sequence,
+        )
+        return ReferenceFreeStep(batches, self.loss)

@@ -1,0 +1,58 @@
+"""A ``Seq2SeqTrainer`` script with ``predict_with_generate`` (``scripts/seq2seq_script.py``), both launch
+styles on 2 ranks, against transformers.Seq2SeqTrainer: the same global_step, log and eval steps, metric keys
+and checkpoint files; ``compute_metrics`` gets generated token ids padded as Seq2SeqTrainer pads them, with
+``generation_max_length`` during training and the ``generate`` arguments ``evaluate``/``predict`` pass.
+Differs: Seq2SeqTrainer on 2 ranks hands ``compute_metrics`` the samples accelerate repeats to even out the
+ranks' batches; trainbridge hands over each sample once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.script_runs import run_script, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "seq2seq_script.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("seq2seq") / "real"
+    return run_script(torchrun(SCRIPT, str(out), "real"), out)
+
+
+def _check(ours: dict, reference: dict) -> None:
+    assert ours["global_step"] == reference["global_step"] == 4
+    assert ours["log_steps"] == reference["log_steps"] == [1, 2, 3, 4]
+    assert ours["eval_steps"] == reference["eval_steps"] == [2, 4, 4]  # the last: evaluate() after training
+    assert set(reference["eval_keys"]) <= set(ours["eval_keys"])
+    assert ours["evaluate_keys"] == reference["evaluate_keys"]
+    assert ours["predict_keys"] == reference["predict_keys"]
+    # each sample once; Seq2SeqTrainer gathers with accelerator.gather, keeping the samples that accelerate's
+    # even batches repeat on the second rank (8 rows for 6, 16 for 10)
+    assert ours["predict_shape"] == [6, 20] and reference["predict_shape"] == [8, 20]
+    assert sorted(ours["checkpoints"]) == sorted(reference["checkpoints"]) == ["checkpoint-2", "checkpoint-4"]
+    for name, files in reference["checkpoints"].items():
+        assert set(files) <= set(ours["checkpoints"][name]), (name, files)
+    # compute_metrics: two evaluations while training (generation_max_length 10), evaluate(max_length=6),
+    # predict(max_new_tokens=3): token ids padded to the generation config's max_length (20), as Seq2SeqTrainer
+    assert [c["shape"] for c in ours["calls"]] == [[10, 20], [10, 20], [10, 20], [6, 20]]
+    assert [c["shape"] for c in reference["calls"]] == [[16, 20], [16, 20], [16, 20], [8, 20]]
+    assert all(c["dtype"] == "i" for c in ours["calls"])
+    # the longest generation: generation_max_length while training, then the calls' own limits
+    assert [c["longest"] for c in ours["calls"]] == [c["longest"] for c in reference["calls"]] == [10, 10, 6, 4]
+
+
+def test_torchrun_seq2seq_script_generates_in_place(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    _check(run_script(torchrun(SCRIPT, str(out)), out), reference)
+
+
+def test_python_seq2seq_script_generates_in_its_workers(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    _check(ours, reference)

@@ -1,0 +1,83 @@
+"""A script's in-memory changes to its model reach the workers or are refused: layers it froze stay frozen
+(``TrainingArgs.requires_grad``), and a module it replaced, which ``save_pretrained``/``from_pretrained`` would
+silently rebuild as the original, fails naming the parameters (in place, one rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
+
+from trainbridge import Trainer
+from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.modeling.load import set_requires_grad
+
+
+def _classifier(tok: Any) -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        pad_token_id=tok.pad_token_id,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _trainer(tmp_path: Path, tok: Any, model: Any, monkeypatch: pytest.MonkeyPatch) -> Trainer:
+    texts = [("x" if i % 2 else "y") + "abcdefg"[: 2 + i % 5] for i in range(16)]
+    data = datasets.Dataset.from_dict({"sentence": texts, "label": [i % 2 for i in range(16)]})
+    data = data.map(lambda b: tok(b["sentence"]), batched=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        save_strategy="no",
+        learning_rate=5e-2,
+        disable_tqdm=True,
+    )
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # in place, one rank
+        monkeypatch.setenv(name, value)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorWithPadding(tok))
+
+
+def test_layers_the_script_froze_stay_frozen_in_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = build_tokenizer(tmp_path / "tok")
+    model = _classifier(tok)
+    for parameter in model.bert.parameters():  # train the head only, as many classification scripts do
+        parameter.requires_grad = False
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = _trainer(tmp_path, tok, model, monkeypatch)
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    changed = {name for name, value in before.items() if not torch.equal(value, after[name].detach())}
+    assert changed == {"classifier.weight", "classifier.bias"}, sorted(changed)[:5]
+    assert not any(p.requires_grad for p in trainer.model.bert.parameters())
+
+
+def test_a_module_replaced_in_memory_is_refused_not_rebuilt_as_the_original(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = build_tokenizer(tmp_path / "tok")
+    model = _classifier(tok)
+    model.classifier = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    with pytest.raises(Exception, match=r"requires_grad: .*missing \['classifier.0.bias'.*from_pretrained rebuilds it"):
+        _trainer(tmp_path, tok, model, monkeypatch).train()
+
+
+def test_set_requires_grad_names_the_difference() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    set_requires_grad(model, {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True})
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+    with pytest.raises(ValueError, match=r"missing \['2.weight'\], unexpected \['1.bias'\]"):
+        set_requires_grad(model, {"0.weight": True, "0.bias": True, "1.weight": True, "2.weight": True})

@@ -1,0 +1,134 @@
+"""``trainbridge.KTOTrainer``: trl's KTO loss and metrics on the same tensors, trl's data preparation, and an
+in-place run with trl's config as it is (trl's keys at trl's log steps; first-step loss and metrics equal to
+trl's ``KTOTrainer.compute_loss`` on the same rows and reference model)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import KTOConfig
+from trl import KTOTrainer as TrlKTOTrainer
+
+from trainbridge import KTOTrainer
+from trainbridge.trl.kto_loss import KTOLoss
+from trainbridge.trl.kto_step import UnpairedBatches
+
+ROWS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a * b + 3)}
+    for a, b in [(1, 2), (13, 25), (7, 70), (9, 1), (4, 44), (30, 3), (5, 6), (8, 12)]
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+def _config(out: Path, **overrides: object) -> KTOConfig:
+    values: dict[str, object] = dict(
+        output_dir=str(out),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=12,
+        beta=0.3,
+        learning_rate=1e-3,
+        desirable_weight=1.5,
+    )
+    values.update(overrides)
+    return KTOConfig(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_loss_equals_trls_formula(loss_type: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logps, ref = -torch.rand(6, generator=generator) * 5, -torch.rand(6, generator=generator) * 5
+    desirable = torch.tensor([True, False, True, True, False, False])
+    loss = KTOLoss(loss_type=loss_type, beta=0.4, desirable_weight=1.3, undesirable_weight=0.7)
+    kl = torch.tensor(0.25)
+    value, sums = loss.micro(logps, ref, desirable, kl)
+    ratio = logps - ref
+    if loss_type == "kto":
+        chosen = 1 - torch.sigmoid(0.4 * (ratio[desirable] - kl))
+        rejected = 1 - torch.sigmoid(0.4 * (kl - ratio[~desirable]))
+    else:
+        chosen, rejected = 1 - torch.sigmoid(0.4 * ratio[desirable]), torch.sigmoid(0.4 * ratio[~desirable])
+    expected = torch.cat([1.3 * chosen, 0.7 * rejected]).mean()
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)
+    assert float(sums["rewards/chosen"]) == pytest.approx(float(0.4 * ratio[desirable].sum()), rel=1e-6)
+    assert float(sums["chosen"]) == 3 and float(sums["rejected"]) == 3
+
+
+def test_sequential_plan_is_trls_batch_order() -> None:
+    rows = datasets.Dataset.from_dict({"label": [True] * 16})
+    plan = UnpairedBatches(rows, 2, 2, 2, 0, 0, None, sequential=True).set_epoch(0)
+    # batch k (2 rows) goes to rank k % 2; a rank's 2 micro-batches are its next two batches
+    assert plan.steps[0] == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert plan.steps[1] == [8, 9, 12, 13, 10, 11, 14, 15]
+
+
+def test_in_place_run_equals_trls_first_step(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def trl_trainer(out: str) -> Any:
+        return TrlKTOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+            ref_model=copy.deepcopy(ref),
+            args=_config(tmp_path / out),
+            train_dataset=datasets.Dataset.from_list(ROWS),
+            processing_class=tokenizer,
+        )
+
+    trl = trl_trainer("trl")
+    trl.train()
+    trl_logged = [row for row in trl.state.log_history if "loss" in row]
+    fresh = trl_trainer("trl2")
+    batch = fresh.data_collator([fresh.train_dataset[i] for i in range(4)])  # trl's first batch (sequential)
+    loss = fresh.compute_loss(fresh.model.train(), batch)
+    metrics = {key: sum(v) / len(v) for key, v in fresh._metrics["train"].items()}
+    config = _config(tmp_path / "out")
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)  # after trl's configs: they set up accelerate first
+    trainer = KTOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        ref_model=ref,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    assert trainer.train_dataset["completion_ids"] == fresh.train_dataset["completion_ids"]  # trl's preparation
+    assert trainer.train_dataset["KL_completion_ids"] == fresh.train_dataset["KL_completion_ids"]
+    out = trainer.train()
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert out.global_step == trl.state.global_step == 3
+    assert [row["step"] for row in logged] == [row["step"] for row in trl_logged] == [1, 2, 3]
+    for row, trl_row in zip(logged, trl_logged, strict=True):
+        assert set(row) == set(trl_row)
+
+    assert logged[0]["loss"] == pytest.approx(float(loss), rel=1e-4)
+    for key, value in metrics.items():
+        assert logged[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert metrics["kl"] > 0  # the perturbed reference: the KL term is in play
