@@ -1,6 +1,8 @@
-"""A Trainer subclass overriding ``compute_loss`` (``scripts/subclass_script.py``), both launch styles on 2
-ranks, against transformers.Trainer: the override runs in each worker on every micro-batch, with the step's
-``num_items_in_batch``; the same global_step, log steps and metric keys."""
+"""A Trainer subclass overriding ``compute_loss``, ``training_step``, ``prediction_step`` and ``log``
+(``scripts/subclass_script.py``), both launch styles on 2 ranks, against transformers.Trainer: each override
+runs in each worker where Trainer runs it (every micro-batch, every validation batch, every log), with the
+step's ``num_items_in_batch``, the live ``state`` and the ``__init__``'s attribute; the same global_step,
+log steps and metric keys."""
 
 from __future__ import annotations
 
@@ -27,9 +29,25 @@ def _check(ours: dict, reference: dict) -> None:
     assert ours["log_steps"] == reference["log_steps"] == [1, 2, 3, 4]
     assert ours["train_metrics"] == reference["train_metrics"]
     assert set(reference["log_keys"]) <= set(ours["log_keys"])
-    # the override ran in both ranks' processes, once per micro-batch (4 steps x 2), as under Trainer
-    assert sorted(ours["calls"]) == sorted(reference["calls"]) == ["calls-rank0.txt", "calls-rank1.txt"]
-    for name, lines in ours["calls"].items():
+    assert "alpha" in ours["log_keys"] and "eval_token_accuracy" in ours["log_keys"]
+    assert ours["entries"] == reference["entries"]  # every log's keys, the override's alpha included
+    methods = ("calls", "log", "prediction_step", "training_step")
+    expected = sorted(f"{method}-rank{rank}.txt" for method in methods for rank in (0, 1))
+    assert sorted(ours["calls"]) == sorted(reference["calls"]) == expected
+    for rank in (0, 1):
+        # training_step: every micro-batch (4 steps x 2), with the live global_step / max_steps and the attribute
+        steps = ours["calls"][f"training_step-rank{rank}.txt"]
+        assert steps == reference["calls"][f"training_step-rank{rank}.txt"]
+        assert steps == [f"{step} 0.3 4" for step in (0, 0, 1, 1, 2, 2, 3, 3)]
+        # log: on every rank, at the same steps and kinds of log as Trainer (train, eval, the final summary)
+        assert ours["calls"][f"log-rank{rank}.txt"] == reference["calls"][f"log-rank{rank}.txt"]
+        # prediction_step: each evaluation (steps 2 and 4), with outputs for compute_metrics
+        predicted = {line for line in ours["calls"][f"prediction_step-rank{rank}.txt"]}
+        assert predicted == {line for line in reference["calls"][f"prediction_step-rank{rank}.txt"]}
+        assert predicted == {"2 False", "4 False"}
+    # compute_loss ran in both ranks' processes, once per micro-batch (4 steps x 2), as under Trainer
+    for name in ("calls-rank0.txt", "calls-rank1.txt"):
+        lines = ours["calls"][name]
         assert len(lines) == len(reference["calls"][name]) == 8, (name, lines)
         assert lines[0].split()[1] == ("True" if name.endswith("0.txt") else "False")
         assert all(line.split()[2] == "LlamaForCausalLM" for line in lines)

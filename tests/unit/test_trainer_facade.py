@@ -55,13 +55,13 @@ def test_unhonoured_overrides_fail_at_construction_naming_them(tiny: Any, tmp_pa
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
             return 0  # honoured: runs in the workers
 
-        def training_step(self, *args: Any, **kw: Any) -> Any:
+        def _inner_training_loop(self, *args: Any, **kw: Any) -> Any:
             return 0
 
         def create_optimizer(self) -> Any:
             return None
 
-    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides training_step\(\):"):
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"overrides _inner_training_loop\(\):"):
         MyTrainer(model=tiny[0], args=_hf_args(tmp_path))
 
 
@@ -590,3 +590,20 @@ def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) 
     assert flops_parameters(model) == model.num_parameters(exclude_embeddings=True)
     assert flops_parameters(model) == sum(p.numel() for p in model.parameters()) - embeddings
     assert flops_parameters(torch.nn.Linear(2, 3)) == 9
+
+
+def test_flops_estimate_counts_padded_input_positions_like_trainer() -> None:
+    """run_glue.py (padded to max_seq_length): Trainer's ``floating_point_ops`` counts ``input_ids.numel()``,
+    padding included, not the attended tokens."""
+    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.context import TrainingContext
+    from trainbridge.core.distributed import DistributedEnv
+
+    ctx = TrainingContext(
+        args=TrainingArgs.model_construct(),
+        env=DistributedEnv(),
+        flops_parameters=3,
+        tokens_seen=7,
+        input_tokens_seen=10,
+    )
+    assert ctx.total_flos == 6 * 3 * 10

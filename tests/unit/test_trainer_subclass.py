@@ -18,8 +18,8 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
-from trainbridge.step.custom_loss import CustomLoss
-from trainbridge.trainer.subclass import SubclassLoss
+from trainbridge.step.trainer_methods import TrainerMethodsStep
+from trainbridge.trainer.subclass import ScriptTrainer, script_trainer, subclass_loss
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,19 @@ class CountingTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
-def _run(path: Path, tmp_path: Path, compute_loss: Any) -> tuple[Any, Any]:
+def _methods(cls: type, tmp_path: Path, **kwargs: Any) -> ScriptTrainer:
+    """The worker-side methods of a ``cls`` Trainer, as the facade hands them to its jobs."""
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = cls(model=torch.nn.Linear(2, 2), args=hf, **kwargs)
+    worker = script_trainer(trainer)
+    assert worker is not None
+    worker.take_attributes(trainer, check_transport=True)
+    return worker
+
+
+def _run(
+    path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] | None = None, **fields: Any
+) -> tuple[Any, Any]:
     args = TrainingArgs(
         model_path=path,
         data_path=_classification_rows(tmp_path / "train.jsonl", 32, 1),
@@ -93,17 +105,17 @@ def _run(path: Path, tmp_path: Path, compute_loss: Any) -> tuple[Any, Any]:
         eval_steps=2,
         save_strategy="no",
         disable_tqdm=True,
-        compute_loss=compute_loss,
+        trainer_methods=methods,
+        **fields,
     )
     components = build_run(args, DistributedEnv())
-    return components, TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    return components, TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *(callbacks or [])], components).run()
 
 
 def test_a_compute_loss_override_runs_on_every_micro_batch_with_the_model_and_batch(bert_classifier, tmp_path):
     CountingTrainer.calls.clear()
-    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    components, result = _run(bert_classifier, tmp_path, SubclassLoss(CountingTrainer, hf, None, None))
-    assert isinstance(components.step, CustomLoss) and result.global_step == 2
+    components, result = _run(bert_classifier, tmp_path, _methods(CountingTrainer, tmp_path))
+    assert isinstance(components.step, TrainerMethodsStep) and result.global_step == 2
     training = [c for c in CountingTrainer.calls if not c["return_outputs"]]
     assert len(training) == 4  # 2 steps x 2 micro-batches, each through the override
     first = training[0]
@@ -123,18 +135,15 @@ def test_compute_loss_func_gets_outputs_labels_and_the_step_items(bert_classifie
         seen.append((type(outputs).__name__, int(num_items_in_batch)))
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / num_items_in_batch
 
-    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    _, result = _run(bert_classifier, tmp_path, SubclassLoss(Trainer, hf, None, loss_func))
+    _, result = _run(bert_classifier, tmp_path, _methods(Trainer, tmp_path, compute_loss_func=loss_func))
     assert result.global_step == 2
     assert len(seen) == 4 and seen[0] == ("SequenceClassifierOutput", 8)
 
 
 def test_the_facade_hands_a_subclass_or_loss_func_to_its_jobs(tmp_path: Path) -> None:
-    from trainbridge.trainer.subclass import subclass_loss
-
     model = torch.nn.Linear(2, 2)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     assert subclass_loss(Trainer(model=model, args=hf)) is None
     loss = subclass_loss(CountingTrainer(model=model, args=hf))
-    assert loss is not None and loss.trainer_cls is CountingTrainer and not loss.counts_items
+    assert isinstance(loss, ScriptTrainer) and loss.trainer_cls is CountingTrainer and not loss.counts_items
     assert subclass_loss(Trainer(model=model, args=hf, compute_loss_func=len)).counts_items

@@ -152,9 +152,10 @@ class TrainingContext:
     # ------------------------------------------------------------------ derived
     @property
     def total_flos(self) -> float:
-        """Estimated training floating-point operations so far: ``6 x flops_parameters x tokens_seen``
-        (forward and backward, as ``transformers.Trainer``'s ``total_flos`` estimate)."""
-        return float(6 * self.flops_parameters * self.tokens_seen)
+        """Estimated training floating-point operations so far: ``6 x flops_parameters x input_tokens_seen``
+        (forward and backward over every input position, padding included, as ``transformers.Trainer``'s
+        ``total_flos`` estimate counts ``input_ids.numel()``)."""
+        return float(6 * self.flops_parameters * self.input_tokens_seen)
 
     # ------------------------------------------------------------------ values kept on the device
     # The loop keeps the loss and the gradient norm on the device until the step's one reduction

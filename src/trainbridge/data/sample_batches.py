@@ -130,9 +130,14 @@ class SampleBatches:
 
 
 class SampleEvalBatches:
-    """Validation micro-batches of items, in order: rank ``r`` takes items ``r, r + world, ...``; a rank with
-    fewer batches runs its first batch again with no items counted (``indexed`` yields ``[]`` for it), so
-    every rank runs the same number of forwards (sharded models all-gather parameters in forward)."""
+    """Validation micro-batches of items as Trainer's evaluation ``DataLoader`` (prepared by accelerate,
+    ``even_batches``) gives them: the items in order, cut into batches of ``per_device``, batch ``j`` on rank
+    ``j % world``; with several ranks the tail is completed with the data set's first items (cycled) up to a
+    multiple of ``per_device x world``, so every rank runs the same number of full batches.  The completing
+    rows run through the model (they are in the batch's mean loss, as under Trainer) but are not samples:
+    ``indexed`` yields only the real items' indices, which lead each batch, and a batch's loss counts once
+    per real item (Trainer repeats it ``eval_batch_size`` times and drops the gathered copies past the data
+    set's end, which is the same weight)."""
 
     def __init__(
         self,
@@ -147,22 +152,27 @@ class SampleEvalBatches:
         self.collate = collate
         self.batch_size: int | None = per_device
         count = len(dataset)
-        mine = list(range(rank, count, world_size))
-        self.num_samples_local = len(mine)
-        longest = math.ceil(math.ceil(count / world_size) / per_device) if count else 0
-        self.groups: list[list[int]] = [mine[i : i + per_device] for i in range(0, len(mine), per_device)]
-        self._dummies = longest - len(self.groups)
+        order = list(range(count))
+        if world_size > 1 and count:
+            start = order[: per_device * world_size]
+            order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]
+        batches = [order[i : i + per_device] for i in range(0, len(order), per_device)]
+        self.groups: list[tuple[list[int], list[int]]] = []
+        """``(item indices of the batch's rows, indices of its real items)`` of this rank's batches."""
+        for number in range(rank, len(batches), world_size):
+            rows = batches[number]
+            first = number * per_device
+            self.groups.append((rows, rows[: max(0, min(len(rows), count - first))]))
+        self.num_samples_local = sum(len(real) for _, real in self.groups)
 
     def __len__(self) -> int:
-        return len(self.groups) + self._dummies
+        return len(self.groups)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for _, batch in self.indexed():
             yield batch
 
     def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """``(item indices, batch)`` pairs; a dummy batch (item 0, counted nowhere) has no indices."""
-        for group in self.groups:
-            yield group, self.collate([self.dataset[i] for i in group])
-        for _ in range(self._dummies):
-            yield [], self.collate([self.dataset[0]])
+        """``(real item indices, batch)`` pairs; rows past the indices complete the batch (counted nowhere)."""
+        for rows, real in self.groups:
+            yield real, self.collate([self.dataset[i] for i in rows])

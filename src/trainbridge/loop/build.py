@@ -52,6 +52,7 @@ from trainbridge.step.model_loss import (
     untrainable_reason,
 )
 from trainbridge.step.token_ce import TokenCrossEntropy
+from trainbridge.step.trainer_methods import TrainerMethodsStep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -170,6 +171,7 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
     """``token_cross_entropy`` or ``model_loss`` (``args.training_step``; ``auto``: the token step for causal
     LMs).  A ``ValueError`` for a model neither step can train, saying why and what to do."""
     causal = is_causal_lm(model)
+    own_loss = args.compute_loss is not None or args.trainer_methods is not None  # the script's loss
     if args.training_step == "token_cross_entropy" and not causal:
         raise ValueError(
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
@@ -180,12 +182,13 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
         )
-    if args.predict_with_generate and args.compute_loss is not None:
+    if args.predict_with_generate and own_loss:
         raise ValueError(
             "predict_with_generate: generated predictions with a compute_loss (a Trainer subclass's "
-            "compute_loss or compute_loss_func) are not supported yet; drop one of them"
+            "compute_loss, training_step or prediction_step, or compute_loss_func) are not supported yet; drop "
+            "one of them"
         )
-    if args.training_step == "token_cross_entropy" and args.compute_loss is not None:
+    if args.training_step == "token_cross_entropy" and own_loss:
         raise ValueError(
             "training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
             "training_step='model_loss' (or 'auto')"
@@ -193,14 +196,14 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
     if args.training_step == "token_cross_entropy" or (
         args.training_step == "auto"
         and causal
-        and args.compute_loss is None
+        and not own_loss
         and args.train_stream is None
         and args.train_loader is None
         and not args.predict_with_generate
     ):
         return "token_cross_entropy"
     label_names = args.label_names or default_label_names(model)
-    if args.compute_loss is None and not returns_loss(model, label_names):
+    if not own_loss and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
     return "model_loss"
 
@@ -272,7 +275,13 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
         train_batches = _item_batches(args, env, train, stream, collate)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
-        return SampleEvalBatches(dataset, collate, per_device=per_device, world_size=env.world_size, rank=env.rank)
+        return SampleEvalBatches(
+            dataset,
+            collate,
+            per_device=args.per_device_eval_batch_size or per_device,
+            world_size=env.world_size,
+            rank=env.rank,
+        )
 
     count = len(train) if train is not None else 0
     stats = [LoadStats(path=str(args.data_path) if train is not None else "train_stream", lines=count, samples=count)]
@@ -283,7 +292,9 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     step: ModelLoss
-    if args.compute_loss is not None:
+    if args.trainer_methods is not None:
+        step = TrainerMethodsStep(train_batches, model, env, args.trainer_methods, label_names)
+    elif args.compute_loss is not None:
         step = CustomLoss(train_batches, model, env, args.compute_loss, label_names)
     elif args.predict_with_generate:
         sharded = args.distributed_backend == "fsdp" or (

@@ -233,15 +233,15 @@ class TrainingLoop:
             units = batches.micro_units[i]
             with engine.micro_batch(is_last):
                 fire(Event.BEFORE_FORWARD, ctx, batch=batch)
-                with engine.autocast(), sample_segments(cpu_batch):
-                    micro_sum = self.step.micro_loss(engine.module, batch, units)
-                loss = micro_sum * scale
-                ctx.local_loss = micro_sum.detach() / units if units else 0.0
-                fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
-                fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
-                engine.backward(loss)
-                fire(Event.AFTER_BACKWARD, ctx)
-            loss_sum += micro_sum.detach().to(torch.float64)
+                micro_sum = self.step.micro_step(
+                    engine.module,
+                    batch,
+                    units,
+                    scale,
+                    forward=functools.partial(_forward_context, engine, cpu_batch),
+                    backward=functools.partial(self._backward, batch=batch, units=units, scale=scale),
+                )
+            loss_sum += micro_sum.to(torch.float64)
             if not is_last:
                 fire(Event.SUBSTEP_END, ctx)
         ctx.tokens_seen += batches.num_tokens  # every rank's: known without a collective
@@ -270,6 +270,17 @@ class TrainingLoop:
             sum(_input_tokens(b) for b in micro_batches),
             started,
         )
+
+    def _backward(self, micro_sum: torch.Tensor, batch: dict[str, Any], units: float, scale: float) -> None:
+        """Backpropagate one micro-batch's loss sum, scaled by ``world_size / loss_units`` (the step calls it
+        from ``TrainStep.micro_step``), between its forward and backward events."""
+        ctx, fire = self.context, self.callbacks.fire
+        loss = micro_sum * scale
+        ctx.local_loss = micro_sum.detach() / units if units else 0.0
+        fire(Event.AFTER_FORWARD, ctx, batch=batch, loss=loss)
+        fire(Event.BEFORE_BACKWARD, ctx, loss=loss)
+        self.engine.backward(loss)
+        fire(Event.AFTER_BACKWARD, ctx)
 
     def _log_evaluate_save(self, agreed: AgreedControl) -> set[ControlFlag]:
         """Carry out agreed log / evaluate / save, in Trainer's order; returns every flag agreed."""
@@ -563,6 +574,13 @@ def _to_device(cpu_batch: dict[str, Any], device: torch.device) -> dict[str, Any
     """The batch's tensors on ``device`` (queued, not waited for); Python values (flash attention's
     ``max_length_*``) as they are."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
+
+
+@contextmanager
+def _forward_context(engine: Any, cpu_batch: dict[str, Any]) -> Any:
+    """The context a micro-batch's forward runs in: the engine's autocast and the batch's sample segments."""
+    with engine.autocast(), sample_segments(cpu_batch):
+        yield
 
 
 @contextmanager

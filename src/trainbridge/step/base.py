@@ -1,25 +1,28 @@
 """The interface every training step implements: how a step's batches are formed and what its loss is.
 
 The loop (``trainbridge.loop.loop``) runs one optimizer step the same way whatever the task: it asks the
-step for this rank's micro-batches (``prepare``), and for each micro-batch the loss *sum*
-(``micro_loss``), which it scales by ``world_size / loss_units`` before ``backward`` (the engines average
-gradients over ranks).  The step's logged loss is the sum over every rank and micro-batch divided by
-``loss_units``: token cross entropy counts loss tokens, the model's own loss counts what Trainer divides
-by (``num_items_in_batch``, or micro-batches).  A step may add values to the training log: after each
-optimizer step the loop takes its ``metric_sums`` (this rank's), sums them over ranks in the step's
-agreement (no collective of their own), hands them back (``add_metric_sums``) and adds ``metric_logs``
-to each training log.  Evaluation asks ``eval_batch`` for a batch's loss sum, its
-units and, for ``compute_metrics``, its outputs.
+step for this rank's micro-batches (``prepare``), and runs each micro-batch through ``micro_step``: by
+default the loss *sum* (``micro_loss``) under the engine's forward context, then the loop's ``backward`` of
+it, which scales it by ``world_size / loss_units`` (the engines average gradients over ranks). A step that
+runs the backward itself (a Trainer subclass's ``training_step``) overrides ``micro_step``. The step's
+logged loss is the sum over every rank and micro-batch divided by ``loss_units``: token cross entropy counts
+loss tokens, the model's own loss counts what Trainer divides by (``num_items_in_batch``, or micro-batches).
+A step may add values to the training log: after each optimizer step the loop takes its ``metric_sums``
+(this rank's), sums them over ranks in the step's agreement (no collective of their own), hands them back
+(``add_metric_sums``) and adds ``metric_logs`` to each training log. Evaluation asks ``eval_batch`` for a
+batch's loss sum, its units and, for ``compute_metrics``, its outputs.
 
 Implementations: ``token_ce.TokenCrossEntropy`` (padding-free token-budget batches, the summed token cross
-entropy; causal LMs' default) and ``model_loss.ModelLoss`` (Trainer's sample batches, the loss the
-model's forward returns).  ``build_run`` chooses one at build time.
+entropy; causal LMs' default), ``model_loss.ModelLoss`` (Trainer's sample batches, the loss the
+model's forward returns) and ``trainer_methods.TrainerMethodsStep`` (a Trainer subclass's ``training_step``
+and ``prediction_step``).  ``build_run`` chooses one at build time.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -97,6 +100,24 @@ class TrainStep(ABC):
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         """The loss sum of one micro-batch already on the device (autograd graph attached); ``units`` are
         its ``micro_units`` entry."""
+
+    def micro_step(
+        self,
+        model: torch.nn.Module,
+        batch: dict[str, Any],
+        units: float,
+        scale: float,
+        forward: Callable[[], AbstractContextManager[Any]],
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch already on the device; returns its loss sum, detached.
+        ``forward()`` is the context a forward runs in (the engine's autocast); ``backward(loss_sum)``
+        backpropagates ``loss_sum * scale`` (with the backward events).  By default: ``micro_loss`` under
+        ``forward``, then ``backward`` of it."""
+        with forward():
+            loss_sum = self.micro_loss(model, batch, units)
+        backward(loss_sum)
+        return loss_sum.detach()
 
     @abstractmethod
     def eval_batch(

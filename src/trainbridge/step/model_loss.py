@@ -15,7 +15,9 @@ micro-batches per step.  The loss follows ``transformers.Trainer``
 - otherwise the model's loss is a per-batch mean and the step's loss is the mean over micro-batches and
   ranks (Trainer divides by ``gradient_accumulation_steps``; the engines average ranks).
 
-Evaluation: the batch's mean loss weighted by its items (Trainer's ``eval_loss``), predictions as
+Evaluation: each batch's loss as ``Trainer.prediction_step`` computes it (with ``num_items_in_batch`` over
+every rank and the world-size scale when the model accepts loss kwargs), weighted by the batch's real
+items (Trainer's ``eval_loss``), predictions as
 ``Trainer.prediction_step`` gives them (the outputs other than the loss, one tensor when there is one) and
 labels from ``label_names``.
 """
@@ -165,9 +167,16 @@ class ModelLoss(TrainStep):
     def eval_batch(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
-        result = model(**batch)
         has_labels = all(batch.get(name) is not None for name in self.label_names)
-        loss = loss_of(result).detach().float() if has_labels else torch.zeros((), device=_device(batch))
+        scale = 1.0
+        if self.counts_items and isinstance(batch.get("labels"), torch.Tensor):
+            # Trainer.prediction_step: the batch's items over every rank go to the forward, and compute_loss
+            # scales the loss by the world size (average_tokens_across_devices)
+            (items,) = self.env.sum_floats([float(self._items(batch))])  # collective: every rank, every batch
+            batch = {**batch, NUM_ITEMS_KEY: torch.tensor(items)}
+            scale = float(self.env.world_size)
+        result = model(**batch)
+        loss = loss_of(result).detach().float() * scale if has_labels else torch.zeros((), device=_device(batch))
         if not outputs:
             return EvalOutput(loss * rows, float(rows) if has_labels else 0.0)
         labels = tuple(batch.get(name) for name in self.label_names)

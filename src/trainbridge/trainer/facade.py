@@ -37,7 +37,7 @@ from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
 from trainbridge.data.stream_batches import is_stream
-from trainbridge.trainer import jobs, results, script_data, subclass, subclass_data
+from trainbridge.trainer import jobs, results, script_data, subclass, subclass_data, worker_methods
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
@@ -136,8 +136,9 @@ class Trainer:
             raise UnsupportedTrainerFeatureError(
                 f"{type(self).__name__} overrides {', '.join(f'{n}()' for n in unhonoured)}: trainbridge's "
                 "distributed loop does not call this Trainer method, so the override would never run. Move the "
-                "logic into a callback (trainbridge.Callback, or a transformers.TrainerCallback) or into a "
-                "compute_loss override (which runs in the workers)."
+                "logic into a callback (trainbridge.Callback, or a transformers.TrainerCallback) or into an "
+                "override that runs in the workers (compute_loss, training_step, prediction_step, log, "
+                "create_optimizer, create_scheduler)."
             )
         unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:
@@ -153,14 +154,14 @@ class Trainer:
                 "'prompt'/'completion' columns; trainbridge tokenises those itself."
             )
 
-    # Trainer methods a subclass may override (trainer.subclass: compute_loss runs in the workers; the others
-    # are refused at construction, naming them)
+    # Trainer methods a subclass may override (trainer.subclass: they run in the workers on a worker-side
+    # instance, where super() runs these; the others are refused at construction, naming them)
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """``Trainer.compute_loss``: called in the workers on each micro-batch when a subclass overrides it
-        (or with ``compute_loss_func``); ``super().compute_loss`` runs Trainer's default there."""
-        return subclass.default_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        """``Trainer.compute_loss``: called in the workers by ``training_step`` / ``prediction_step`` when a
+        subclass overrides one of them (or with ``compute_loss_func``); ``super()`` runs Trainer's there."""
+        return worker_methods.default_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self) -> Any:
         """``Trainer.create_optimizer``: called in the workers (``trainer.optimizers.SubclassOptimizer``) when a
@@ -182,12 +183,18 @@ class Trainer:
         return self.lr_scheduler
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        """Not called: optimizer steps run inside trainbridge's loop."""
-        raise UnsupportedTrainerFeatureError("training_step runs inside trainbridge's loop")
+        """``Trainer.training_step``: called in the workers on each micro-batch (``step.trainer_methods``) when
+        a subclass overrides it or ``compute_loss``; ``super()`` runs Trainer's there."""
+        if "_worker_accelerator" not in vars(self):
+            raise UnsupportedTrainerFeatureError("training_step runs in the workers, inside train()")
+        return worker_methods.default_training_step(self, model, inputs, num_items_in_batch)
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
-        """Not called: evaluation runs inside trainbridge's loop."""
-        raise UnsupportedTrainerFeatureError("prediction_step runs inside trainbridge's loop")
+        """``Trainer.prediction_step``: called in the workers on each validation batch when a subclass
+        overrides it or ``compute_loss``; ``super()`` runs Trainer's there."""
+        if "_worker_accelerator" not in vars(self):
+            raise UnsupportedTrainerFeatureError("prediction_step runs in the workers, inside evaluation")
+        return worker_methods.default_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
 
     # ================================================================== process helpers
     def is_world_process_zero(self) -> bool:
@@ -418,7 +425,11 @@ class Trainer:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """As ``Trainer.log`` outside training: ``epoch`` added, appended to ``state.log_history``, ``on_log``
-        fired on the script's callbacks (during training the loop logs)."""
+        fired on the script's callbacks (during training the loop logs; a worker-side instance hands ``logs``
+        back to it, ``trainer.subclass.ScriptTrainerEvents``)."""
+        if "_worker_accelerator" in vars(self):
+            self.__dict__["_logged"] = logs
+            return
         self._record_log(logs)
         self._fire("on_log", logs=logs)
 
@@ -484,7 +495,7 @@ class Trainer:
     @property
     def accelerator(self) -> Any:
         """A stand-in for scripts calling ``trainer.accelerator.print`` / ``.is_main_process``; in a worker
-        running a ``compute_loss`` override, ``trainer.subclass.WorkerAccelerator`` (``gather``,
+        running an override, ``trainer.worker_methods.WorkerAccelerator`` (``backward``, ``gather``,
         ``unwrap_model``...)."""
         worker = self.__dict__.get("_worker_accelerator")
         return worker if worker is not None else _ProcessPrinter(self)

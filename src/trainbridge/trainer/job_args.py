@@ -15,7 +15,7 @@ import torch
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
-from trainbridge.trainer.subclass import subclass_loss
+from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
 from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
@@ -33,18 +33,23 @@ def no_metrics(eval_prediction: Any) -> dict[str, float]:
 def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
     """The ``TrainingArgs`` of a job of ``trainer`` over ``layout`` on ``world_size`` ranks; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
+    from trainbridge.core.distributed import launched_worker
     from trainbridge.hf.porting import training_args_from_hf
 
+    worker = script_trainer(trainer)  # a subclass's overrides: they run in the workers (trainer.subclass)
+    if worker is not None:
+        worker.take_attributes(trainer, check_transport=not launched_worker())
+    events = script_events(trainer)
     fields: dict[str, Any] = {
         "model_path": layout.model_path,
         "tokenizer_path": layout.tokenizer_path,
         "data_path": layout.data_path,
         "val_data_path": layout.val_data_path,
-        "callbacks": list(trainer.callbacks),
+        "callbacks": [events, *trainer.callbacks] if events is not None else list(trainer.callbacks),
         "compute_metrics": trainer.compute_metrics,
         "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
-        "compute_loss": subclass_loss(trainer),
+        "trainer_methods": subclass_loss(trainer),
         "optimizer_factory": trainer._optimizer_factory,
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
         "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
@@ -72,7 +77,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     if isinstance(trainer.args, TrainingArgs):
         data = {name: getattr(trainer.args, name) for name in TrainingArgs.model_fields}
         data.update({k: v for k, v in fields.items() if v is not None or k == "data_collator"})
-        data["callbacks"] = [*trainer.args.callbacks, *trainer.callbacks]
+        data["callbacks"] = [*trainer.args.callbacks, *fields["callbacks"]]
         return TrainingArgs.model_validate(data)
     hf = trainer.args
     # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
@@ -80,7 +85,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     from transformers import TrainerCallback
 
     if not any(is_hf_callback(c) for c in trainer.callbacks):
-        fields["callbacks"] = [*trainer.callbacks, TrainerCallback()]
+        fields["callbacks"] = [*fields["callbacks"], TrainerCallback()]
     per_device = int(hf.per_device_train_batch_size)
     accumulation = int(hf.gradient_accumulation_steps)
     fields["effective_batch_size"] = per_device * accumulation * world_size
@@ -109,6 +114,7 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
+        fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
         fields["remove_unused_columns"] = bool(getattr(hf, "remove_unused_columns", True))
         label_names = getattr(hf, "label_names", None)
         if label_names:

@@ -144,13 +144,12 @@ class SubclassOptimizer:
 def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
     """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer`` / ``create_scheduler``, or None when it has none of them."""
-    from trainbridge.trainer.subclass import SubclassLoss, overrides
+    from trainbridge.trainer.subclass import overrides, script_trainer
 
     inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs)
     if not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
         return inner
-    worker = SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
-    return SubclassOptimizer(worker, inner)
+    return SubclassOptimizer(script_trainer(trainer), inner)
 
 
 def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:

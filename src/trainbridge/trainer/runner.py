@@ -34,6 +34,7 @@ from trainbridge.launch.worker import run_worker
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
+from trainbridge.trainer.subclass import bind_state
 
 
 def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:
@@ -75,6 +76,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, callbacks: list[Any] | None = N
     if job.kind == "train":
         given = callbacks if callbacks is not None else assemble_callbacks(job.args)
         run_callbacks, hf = with_trainer_state(given)
+        bind_state(job.args, lambda: hf.state)  # a subclass's self.state is the run's live TrainerState
         loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
         result = loop.run()
         export_model(loop, FacadeDir(job.run_dir).final_model)

@@ -1,36 +1,42 @@
-"""A Trainer subclass's ``compute_loss`` (and ``compute_loss_func``) run in the workers, on the real model
-and batches.
+"""A Trainer subclass's overrides, run in the workers on the real model and batches.
 
-``subclass_loss(trainer)`` is the ``TrainingArgs.compute_loss`` of a facade job: a picklable ``SubclassLoss``
-holding the script's Trainer class (sent by value when the script defines it, as callbacks travel) and what
-a typical override reads.  In each worker it builds, once, an instance of that class without running its
-``__init__`` and calls its ``compute_loss(model, inputs, return_outputs=..., num_items_in_batch=...)``.  The
-instance has ``args`` (the script's ``TrainingArguments``), ``model`` (the unwrapped model), ``state``,
-``processing_class``, ``compute_loss_func``, ``label_smoother``, ``model_accepts_loss_kwargs`` and
-``accelerator`` (``gather``, ``unwrap_model``, ``is_main_process``, ``num_processes``, ``device``).
+``script_trainer(trainer)`` is the one worker-side stand-in of a facade's Trainer (a ``ScriptTrainer``,
+picklable, the same object for every part of a job): it holds the script's Trainer class (sent by value
+when the script defines it, as callbacks travel), the arguments a typical override reads and the
+attributes the script's ``__init__`` set (``self.alpha = alpha``), carried by value.  In each worker it
+builds, once, an instance of that class without running its ``__init__``: the script's attributes, then
+``args``, ``model`` (unwrapped), ``state`` (the run's live ``TrainerState``, once ``bind_state`` gave it the
+job's ``HuggingFaceCallbacks``), ``processing_class``, ``compute_loss_func``, ``label_smoother``,
+``label_names``, ``model_accepts_loss_kwargs`` and ``accelerator`` (``worker_methods.WorkerAccelerator``).
 
-``default_compute_loss`` is ``Trainer.compute_loss`` (what ``super().compute_loss`` runs): the forward with
-``num_items_in_batch`` when the model accepts loss kwargs, ``compute_loss_func(outputs, labels,
-num_items_in_batch)`` or the label smoother on the popped labels, else the forward's loss.  Unlike Trainer it
-never multiplies by the world size: the loop itself normalises by the step's items over every rank.
+What runs there:
+
+- ``training_step`` on each micro-batch and ``prediction_step`` on each validation batch
+  (``TrainingArgs.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of them or
+  ``compute_loss``, or has a ``compute_loss_func``; ``super()`` runs Trainer's (``worker_methods``);
+- ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``: training, evaluation and the final
+  logs), before the other callbacks see the logs, so what the override adds lands;
+- ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers.SubclassOptimizer``).
 
 Overrides of the methods in ``UNHONOURED`` are refused at construction (``unhonoured_overrides``).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import dis
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
+
 UNHONOURED = (
-    "training_step",
-    "prediction_step",
     "evaluate",
     "evaluation_loop",
-    "log",
     "create_optimizer_and_scheduler",
     "get_eval_dataloader",
     "get_test_dataloader",
@@ -50,171 +56,241 @@ UNHONOURED = (
 """Trainer methods that Trainer calls during training and trainbridge's loop does not: overriding one in a
 script's subclass is refused at construction, naming it."""
 
+STEP_METHODS = ("compute_loss", "training_step", "prediction_step")
+"""Overrides that make the workers step through the script's ``training_step`` (``step.trainer_methods``)."""
 
-def unhonoured_overrides(cls: type) -> list[str]:
-    """The methods of ``UNHONOURED`` that a class of the script's (not trainbridge's own) defines."""
+
+def _script_classes(cls: type) -> list[type]:
+    """The classes of ``cls``'s MRO that are the script's (before trainbridge's own)."""
     found = []
     for klass in cls.__mro__:
         if klass.__module__.startswith("trainbridge.") or klass is object:
             break
+        found.append(klass)
+    return found
+
+
+def unhonoured_overrides(cls: type) -> list[str]:
+    """The methods of ``UNHONOURED`` that a class of the script's (not trainbridge's own) defines."""
+    found: list[str] = []
+    for klass in _script_classes(cls):
         found += [name for name in UNHONOURED if name in vars(klass) and name not in found]
     return found
 
 
 def overrides(cls: type, names: tuple[str, ...]) -> bool:
     """Whether a class of the script's (not trainbridge's own) defines one of ``names``."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("trainbridge.") or klass is object:
-            return False
-        if any(name in vars(klass) for name in names):
-            return True
-    return False
+    return any(name in vars(klass) for klass in _script_classes(cls) for name in names)
 
 
 def overrides_compute_loss(cls: type) -> bool:
     """Whether a class of the script's (not trainbridge's own) defines ``compute_loss``."""
+    return overrides(cls, ("compute_loss",))
+
+
+@functools.cache
+def facade_attribute_names(cls: Any) -> frozenset[str]:
+    """The attributes trainbridge's own classes in ``cls``'s MRO assign on ``self`` (any method): the rest of a
+    facade instance's attributes are the script's."""
+    names: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.startswith("trainbridge.") or klass is object:
-            return False
-        if "compute_loss" in vars(klass):
-            return True
-    return False
+        if not klass.__module__.startswith("trainbridge."):
+            continue
+        for member in vars(klass).values():
+            function = member.fget if isinstance(member, property) else member
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                names |= _stored_attributes(code)
+    return frozenset(names)
 
 
-class WorkerAccelerator:
-    """``trainer.accelerator`` in a worker: what a loss override calls on it."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-
-    @property
-    def num_processes(self) -> int:
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-    @property
-    def process_index(self) -> int:
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self._model.parameters()).device
-
-    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> Any:
-        """The model inside DDP / DeepSpeed / torch.compile wrappers."""
-        while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        return getattr(model, "_orig_mod", model)
-
-    def gather(self, tensor: Any) -> Any:
-        """Every rank's ``tensor`` concatenated along the first dimension (a scalar becomes one row), in rank
-        order (collective), as ``Accelerator.gather``."""
-        if isinstance(tensor, Mapping):
-            return {k: self.gather(v) for k, v in tensor.items()}
-        if isinstance(tensor, list | tuple):
-            return type(tensor)(self.gather(v) for v in tensor)
-        rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        if self.num_processes == 1:
-            return rows
-        parts = [torch.empty_like(rows) for _ in range(self.num_processes)]
-        torch.distributed.all_gather(parts, rows.contiguous())
-        return torch.cat(parts)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
+def _stored_attributes(code: Any) -> set[str]:
+    names = {str(i.argval) for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _stored_attributes(const)
+    return names
 
 
-class SubclassLoss:
-    """``TrainingArgs.compute_loss`` for a Trainer subclass or ``compute_loss_func`` (see the module doc)."""
+def script_attributes(trainer: Any) -> dict[str, Any]:
+    """The attributes of ``trainer`` its script set (``self.alpha = alpha`` in a subclass's ``__init__``)."""
+    own = facade_attribute_names(type(trainer)) | {"_script_trainer"}  # type: ignore[arg-type]
+    return {name: value for name, value in vars(trainer).items() if name not in own}
 
-    def __init__(self, trainer_cls: type, args: Any, processing_class: Any, compute_loss_func: Any) -> None:
-        self.trainer_cls = trainer_cls
-        self.args = args
-        self.processing_class = processing_class
-        self.compute_loss_func = compute_loss_func
+
+class ScriptTrainer:
+    """The worker-side stand-in of a facade's Trainer (see the module doc)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer_cls = type(trainer)
+        self.args = trainer.args
+        self.processing_class = trainer.processing_class
+        self.compute_loss_func = trainer.compute_loss_func
+        self.attributes: dict[str, Any] = {}
+        """The script's attributes, taken when a job starts (``take_attributes``)."""
+        self.state: Any = None
+        """The script's ``TrainerState`` when the job started (the state of an evaluation job's instance)."""
+        self._state_source: Callable[[], Any] | None = None
         self._instance: Any = None
 
     @property
     def counts_items(self) -> bool:
-        """Whether the step counts ``num_items_in_batch`` whatever the model: Trainer passes it to a
+        """Whether the step counts ``num_items_in_batch`` whatever the model: Trainer counts them for a
         ``compute_loss_func``, whose loss is then a mean over those items."""
         return self.compute_loss_func is not None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_instance": None}
+        return {**self.__dict__, "_instance": None, "_state_source": None}
+
+    def take_attributes(self, trainer: Any, check_transport: bool) -> None:
+        """Take ``trainer``'s script attributes and state for a job; ``check_transport`` (a self-launched job):
+        fail naming an attribute that cannot be pickled to the workers."""
+        self.attributes = script_attributes(trainer)
+        self.state = trainer.state
+        if not check_transport:
+            return
+        import cloudpickle
+
+        for name, value in self.attributes.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise TypeError(
+                    f"{self.trainer_cls.__name__}.{name} cannot be sent to the workers ({type(exc).__name__}: {exc}); "
+                    f"the subclass travels by value with its attributes: create {name} lazily in the method that "
+                    "uses it (it then runs in each worker), or run the script under torchrun"
+                ) from exc
+
+    def bind_state(self, source: Callable[[], Any]) -> None:
+        """Read ``self.state`` from ``source`` (the run's ``HuggingFaceCallbacks.state``) once it has one."""
+        self._state_source = source
 
     def trainer(self, model: Any) -> Any:
-        """This worker's instance of the script's Trainer class (built once; ``__init__`` not run)."""
+        """This worker's instance of the script's Trainer class (built once; ``__init__`` not run), its
+        ``state`` the run's live one."""
         if self._instance is None:
-            from transformers import TrainerState
-            from transformers.trainer_pt_utils import LabelSmoother
-
-            instance: Any = object.__new__(self.trainer_cls)
-            accelerator = WorkerAccelerator(model)
-            smoothing = float(getattr(self.args, "label_smoothing_factor", 0.0) or 0.0)
-            inner = accelerator.unwrap_model(model)
-            from trainbridge.step.model_loss import accepts_loss_kwargs
-
-            instance.__dict__.update(
-                args=self.args,
-                model=inner,
-                state=TrainerState(),
-                processing_class=self.processing_class,
-                compute_loss_func=self.compute_loss_func,
-                model_accepts_loss_kwargs=accepts_loss_kwargs(inner),
-                label_smoother=LabelSmoother(epsilon=smoothing) if smoothing else None,
-                _worker_accelerator=accelerator,
-                _env=None,
-                callbacks=[],
-                model_init=None,
-            )
-            self._instance = instance
+            self._instance = self._build(model)
+        live = self._state_source() if self._state_source is not None else None
+        if live is not None:
+            self._instance.__dict__["state"] = live
         return self._instance
 
-    def __call__(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:
-        return self.trainer(model).compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+    def _build(self, model: Any) -> Any:
+        from transformers import TrainerState
+        from transformers.trainer_pt_utils import LabelSmoother
+        from transformers.utils import can_return_loss
+
+        from trainbridge.modeling.load import unwrap_peft
+        from trainbridge.step.model_loss import accepts_loss_kwargs, default_label_names
+        from trainbridge.trainer.worker_methods import WorkerAccelerator
+
+        instance: Any = object.__new__(self.trainer_cls)
+        accelerator = WorkerAccelerator(model)
+        smoothing = float(getattr(self.args, "label_smoothing_factor", 0.0) or 0.0)
+        inner = accelerator.unwrap_model(model) if model is not None else None
+        instance.__dict__.update(self.attributes)
+        instance.__dict__.update(
+            args=self.args,
+            model=inner,
+            state=self.state if self.state is not None else TrainerState(),
+            processing_class=self.processing_class,
+            compute_loss_func=self.compute_loss_func,
+            model_accepts_loss_kwargs=accepts_loss_kwargs(inner) if inner is not None else False,
+            label_smoother=LabelSmoother(epsilon=smoothing) if smoothing else None,
+            label_names=list(getattr(self.args, "label_names", None) or [])
+            or (default_label_names(inner) if inner is not None else ["labels"]),
+            can_return_loss=can_return_loss(type(unwrap_peft(inner))) if inner is not None else False,
+            loss_is_scaled_for_ga=None,
+            current_gradient_accumulation_steps=int(getattr(self.args, "gradient_accumulation_steps", 1) or 1),
+            optimizer=None,
+            lr_scheduler=None,
+            _worker_accelerator=accelerator,
+            _env=None,
+            callbacks=[],
+            model_init=None,
         )
+        return instance
+
+    # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        instance = self.trainer(model)
+        accelerator = instance.__dict__["_worker_accelerator"]
+        accelerator.backward_fn = backward
+        try:
+            return instance.training_step(model, inputs, num_items_in_batch)
+        finally:
+            accelerator.backward_fn = None
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+    ) -> tuple[Any, Any, Any]:
+        return tuple(self.trainer(model).prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
 
 
-def subclass_loss(trainer: Any) -> SubclassLoss | None:
-    """The ``compute_loss`` of ``trainer``'s jobs: a ``SubclassLoss`` when its class overrides ``compute_loss``
-    or it has a ``compute_loss_func``, else None (the model's own loss, or the token step)."""
-    if not overrides_compute_loss(type(trainer)) and trainer.compute_loss_func is None:
+class ScriptTrainerEvents(Callback):
+    """The worker-side instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler``
+    set at ``on_init_end``, and the script's ``log`` called on every log before the other callbacks, so what it
+    adds to (or removes from) ``logs``, or the dict it hands to ``super().log``, is what is logged."""
+
+    def __init__(self, worker: ScriptTrainer) -> None:
+        self.worker = worker
+
+    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        instance = self.worker.trainer(context.model)
+        if instance.optimizer is None:
+            instance.optimizer, instance.lr_scheduler = context.optimizer, context.lr_scheduler
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        logs = kwargs["logs"]
+        instance = self.worker.trainer(context.model)
+        instance.__dict__.pop("_logged", None)
+        training = "loss" in logs and context.train_start_time is not None  # Trainer passes start_time then
+        instance.log(logs, context.train_start_time if training else None)
+        logged = instance.__dict__.pop("_logged", logs)
+        if logged is not logs:
+            logs.clear()
+            logs.update(logged)
+
+
+def script_trainer(trainer: Any) -> ScriptTrainer | None:
+    """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers or
+    it has a ``compute_loss_func``, else None."""
+    cls = type(trainer)
+    if not overrides(cls, (*STEP_METHODS, "log", "create_optimizer", "create_scheduler")):
+        if trainer.compute_loss_func is None:
+            return None
+    worker = trainer.__dict__.get("_script_trainer")
+    if worker is None:
+        worker = trainer.__dict__["_script_trainer"] = ScriptTrainer(trainer)
+    return worker
+
+
+def subclass_loss(trainer: Any) -> ScriptTrainer | None:
+    """The ``TrainingArgs.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
+    overrides ``training_step``, ``prediction_step`` or ``compute_loss`` or it has a ``compute_loss_func`` (the
+    workers then step through ``training_step``), else None (the model's own loss, or the token step)."""
+    if not overrides(type(trainer), STEP_METHODS) and trainer.compute_loss_func is None:
         return None
-    return SubclassLoss(type(trainer), trainer.args, trainer.processing_class, trainer.compute_loss_func)
+    return script_trainer(trainer)
 
 
-def default_compute_loss(
-    trainer: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-) -> Any:
-    """``Trainer.compute_loss`` on a worker-side instance (see the module doc)."""
-    from trainbridge.step.model_loss import loss_of
+def script_events(trainer: Any) -> ScriptTrainerEvents | None:
+    """The callback of ``trainer``'s ``ScriptTrainer`` in its jobs (``ScriptTrainerEvents``), or None."""
+    worker = script_trainer(trainer)
+    return ScriptTrainerEvents(worker) if worker is not None else None
 
-    compute_loss_func = getattr(trainer, "compute_loss_func", None)
-    smoother = getattr(trainer, "label_smoother", None)
-    labels = (
-        inputs.pop("labels") if (smoother is not None or compute_loss_func is not None) and "labels" in inputs else None
-    )
-    if getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
-        inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-    outputs = model(**inputs)
-    if labels is not None and compute_loss_func is not None:
-        loss = compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-    elif labels is not None and smoother is not None:
-        from trainbridge.modeling.load import is_causal_lm
 
-        loss = smoother(outputs, labels, shift_labels=is_causal_lm(trainer.accelerator.unwrap_model(model)))
-    else:
-        loss = loss_of(outputs)
-    return (loss, outputs) if return_outputs else loss
+def bind_state(args: Any, state_source: Callable[[], Any]) -> None:
+    """Give the job's ``ScriptTrainer`` (``args.trainer_methods``, its callback's, the optimizer factory's) the
+    run's live state."""
+    candidates = [args.trainer_methods, getattr(args.optimizer_factory, "worker", None)]
+    candidates += [getattr(c, "worker", None) for c in args.callbacks]
+    for candidate in candidates:
+        if isinstance(candidate, ScriptTrainer):
+            candidate.bind_state(state_source)

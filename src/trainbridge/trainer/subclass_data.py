@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from trainbridge.trainer.subclass import WorkerAccelerator, overrides
+from trainbridge.trainer.subclass import overrides
+from trainbridge.trainer.worker_methods import WorkerAccelerator
 
 LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler")
 """The Trainer methods whose overrides build the training batches in the workers."""

@@ -249,8 +249,12 @@ needed.  It reaches self-launched workers by value (cloudpickle) and is iterated
     dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
     compute_loss: Callable[..., Any] | None = None
     """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
-    replaces the forward's own loss of each micro-batch (the facade sets it for a Trainer subclass overriding
-    ``compute_loss`` or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    replaces the forward's own loss of each micro-batch.  Selects ``model_loss`` batches under ``auto``."""
+    trainer_methods: Any = None
+    """A Trainer subclass's methods run in the workers in place of the step's own (``trainbridge.step.
+    trainer_methods``): its ``training_step`` on each micro-batch and ``prediction_step`` on each validation
+    batch (the facade sets it for a subclass overriding ``training_step``, ``prediction_step`` or
+    ``compute_loss``, or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
     train_step: Callable[..., Any] | None = None
     """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
     called in each worker once the model is loaded, before the engine wraps it, it forms the training
@@ -264,6 +268,9 @@ needed.  It reaches self-launched workers by value (cloudpickle) and is iterated
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
     micro-batch per step, ``effective_batch_size / world size`` items."""
+    per_device_eval_batch_size: int | None = Field(default=None, gt=0)
+    """``model_loss``: validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``);
+    None: ``per_device_batch_size``."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
     sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""

@@ -187,6 +187,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "compute_metrics",
             "preprocess_logits_for_metrics",
             "compute_loss",
+            "trainer_methods",
             "optimizer_factory",
             "train_step",
             "train_stream",

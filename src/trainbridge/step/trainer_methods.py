@@ -1,0 +1,115 @@
+"""A Trainer subclass's own step: its ``training_step`` runs each micro-batch and its ``prediction_step``
+each validation batch, in the workers, with the real model and batches (``TrainingArgs.trainer_methods``,
+set by the facade for a subclass overriding ``training_step``, ``prediction_step`` or ``compute_loss``, or
+given a ``compute_loss_func``).
+
+Batches and item counting are ``model_loss.ModelLoss``'s (Trainer's sample batches; the step's items over
+every rank when the model accepts loss kwargs or there is a ``compute_loss_func``, as Trainer counts them).
+Each micro-batch calls ``methods.training_step(model, inputs, num_items_in_batch, backward)``: Trainer's
+``training_step`` (or the override), whose ``accelerator.backward(loss)`` backpropagates ``loss`` exactly
+(the loss Trainer backpropagates, scaled by accumulation or items and ranks, is the loop's ``loss_sum x
+scale``), so the gradients are Trainer's.  The value it returns is what Trainer adds to its logged loss;
+the loop's loss sum is that value divided by ``scale``, so the logged loss is Trainer's too.
+
+Evaluation calls ``methods.prediction_step(model, inputs, prediction_loss_only)``; its ``(loss, logits,
+labels)`` give the batch's loss (a batch mean, weighted by the batch's items as Trainer's ``eval_loss``) and
+what ``compute_metrics`` gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.step.base import EvalOutput
+from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
+
+
+class TrainerMethods(Protocol):
+    """The script's Trainer methods as a worker runs them (``trainer.subclass.ScriptTrainer``)."""
+
+    counts_items: bool
+    """Whether the step's items are counted whatever the model (Trainer counts them for a
+    ``compute_loss_func``)."""
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        """``Trainer.training_step`` on this worker's instance; its ``accelerator.backward(loss)`` calls
+        ``backward(loss)``; returns the (detached) loss it reports."""
+        ...
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+    ) -> tuple[Any, Any, Any]:
+        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``."""
+        ...
+
+
+class TrainerMethodsStep(ModelLoss):
+    """``ModelLoss``'s batches, stepped by the script's ``training_step`` (see the module docstring)."""
+
+    name = "the script's Trainer training_step / prediction_step (sample batches)"
+
+    def __init__(
+        self,
+        train_batches: ItemBatches,
+        model: Any,
+        env: DistributedEnv,
+        methods: TrainerMethods,
+        label_names: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(train_batches, model, env, label_names)
+        self.methods = methods
+        self.counts_items = self.counts_items or bool(methods.counts_items)
+
+    def micro_step(
+        self,
+        model: torch.nn.Module,
+        batch: dict[str, Any],
+        units: float,
+        scale: float,
+        forward: Callable[[], AbstractContextManager[Any]],
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        inputs = dict(batch)
+        count = inputs.pop(NUM_ITEMS_KEY, None)
+
+        def backward_as_trainer(loss: torch.Tensor) -> None:
+            # the loop backpropagates loss_sum x scale: hand it loss / scale (the same gradients, exactly)
+            backward(loss / scale)
+
+        with forward():  # as accelerate autocasts the model's forward under Trainer, whoever calls it
+            reported = self.methods.training_step(model, inputs, count, backward_as_trainer)
+        if not isinstance(reported, torch.Tensor):
+            reported = torch.as_tensor(float(reported))
+        return reported.detach().reshape(()).to(torch.float64) / scale
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        raise TypeError(
+            "TrainerMethodsStep runs the script's training_step, which backpropagates itself: use micro_step"
+        )
+
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
+        loss, logits, labels = self.methods.prediction_step(model, dict(batch), prediction_loss_only=not outputs)
+        if loss is None:
+            loss_sum, units = torch.zeros((), device=_device(batch)), 0.0
+        else:
+            loss_sum, units = loss.detach().float().mean() * rows, float(rows)
+        if not outputs:
+            return EvalOutput(loss_sum, units)
+        return EvalOutput(loss_sum, units, logits, labels, inputs_aligned=not self.encoder_decoder)
+
+
+def _device(batch: dict[str, Any]) -> torch.device:
+    return next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))

@@ -1,0 +1,296 @@
+"""A Trainer subclass's ``training_step``, ``prediction_step`` and ``log`` overrides run in the loop
+(``step.trainer_methods``, ``trainer.subclass``) on the real model and batches; the worker-side instance has
+the script's ``__init__`` attributes and the run's live ``TrainerState``."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from trainbridge import Trainer
+from trainbridge.callbacks import ScheduleCallback
+from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
+from trainbridge.core.context import TrainingContext
+from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
+from trainbridge.step.model_loss import ModelLoss
+from trainbridge.step.trainer_methods import TrainerMethodsStep
+from trainbridge.trainer.subclass import (
+    ScriptTrainer,
+    ScriptTrainerEvents,
+    bind_state,
+    script_attributes,
+    script_trainer,
+    unhonoured_overrides,
+)
+
+
+@pytest.fixture(scope="module")
+def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from trainbridge.demos.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("cls")
+    config = BertConfig(
+        vocab_size=80,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+def _rows(path: Path, count: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for _ in range(count):
+            label = rng.randrange(2)
+            text = ("x" if label else "y") + "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(3, 12)))
+            handle.write(json.dumps({"text": text, "label": label}) + "\n")
+    return path
+
+
+def _methods(cls: type, tmp_path: Path, **kwargs: Any) -> ScriptTrainer:
+    hf = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, gradient_accumulation_steps=2
+    )
+    trainer = cls(model=torch.nn.Linear(2, 2), args=hf, **kwargs)
+    worker = script_trainer(trainer)
+    assert worker is not None
+    worker.take_attributes(trainer, check_transport=True)
+    return pickle.loads(cloudpickle.dumps(worker))  # as a self-launched job's workers get it
+
+
+class Logs(Callback):
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.logs.append(dict(kwargs["logs"]))
+
+
+def _accuracy(prediction: Any) -> dict[str, float]:
+    return {"accuracy": float((np.asarray(prediction.predictions).argmax(-1) == prediction.label_ids).mean())}
+
+
+def _run(path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] = (), **fields: Any) -> tuple[Any, Any]:
+    args = TrainingArgs(
+        model_path=path,
+        data_path=_rows(tmp_path / "train.jsonl", 32, 1),
+        val_data_path=_rows(tmp_path / "val.jsonl", 8, 2),
+        ckpt_output_dir=tmp_path / "out",
+        training_step="model_loss",
+        effective_batch_size=8,
+        per_device_batch_size=4,
+        learning_rate=5e-3,
+        lr_scheduler="constant",
+        max_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        trainer_methods=methods,
+        callbacks=[ScheduleCallback(), *callbacks],
+        **fields,
+    )
+    components = build_run(args, DistributedEnv())
+    bind_state(args, lambda: next((c.state for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None))
+    return components, TrainingLoop(args, DistributedEnv(), args.callbacks, components).run()
+
+
+def _weights(components: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in components.engine.unwrapped.state_dict().items()}
+
+
+class SuperStep(Trainer):
+    calls: ClassVar[list[tuple[int, float, int]]] = []
+
+    def __init__(self, *args: Any, alpha: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.alpha = alpha
+        self.flags = {"seen": True}
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        SuperStep.calls.append((self.state.global_step, self.alpha, int(num_items_in_batch)))
+        return loss
+
+
+def test_a_training_step_calling_super_gives_trainers_gradients_and_logged_loss(bert_classifier, tmp_path):
+    reference_logs, ours_logs = Logs(), Logs()
+    reference, _ = _run(bert_classifier, tmp_path / "a", None, [reference_logs])
+    assert isinstance(reference.step, ModelLoss)
+    SuperStep.calls.clear()
+    ours, result = _run(bert_classifier, tmp_path / "b", _methods(SuperStep, tmp_path, alpha=0.25), [ours_logs])
+    assert isinstance(ours.step, TrainerMethodsStep) and result.global_step == 2
+    # each micro-batch (2 steps x 2) ran the override, with the script's attribute and the step's items
+    assert [(c[1], c[2]) for c in SuperStep.calls] == [(0.25, 8)] * 2 + [(0.25, 8)] * 2
+    for name, value in _weights(reference).items():
+        torch.testing.assert_close(_weights(ours)[name], value, rtol=1e-5, atol=1e-6)
+    for key in ("loss", "grad_norm"):  # Adam hides a gradient's scale from the weights: the norm shows it
+        values = [log[key] for log in ours_logs.logs if "loss" in log]
+        assert values == pytest.approx([log[key] for log in reference_logs.logs if "loss" in log], rel=1e-5)
+
+
+class DoubledStep(Trainer):
+    """Adversarial-style: its own forward and backward twice per micro-batch, reading the gradients between."""
+
+    increments: ClassVar[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        weight = self.accelerator.unwrap_model(model).classifier.weight
+        grads = [weight.grad.clone() if weight.grad is not None else torch.zeros_like(weight)]
+        for _ in range(2):
+            loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            self.accelerator.backward(loss)
+            grads.append(weight.grad.clone())
+        DoubledStep.increments.append((grads[1] - grads[0], grads[2] - grads[1]))
+        return loss.detach()
+
+
+class ClearingStep(Trainer):
+    """Custom gradient manipulation: drops every gradient after Trainer's backward."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        for parameter in model.parameters():
+            parameter.grad = None
+        return loss
+
+
+def test_a_training_step_with_its_own_backward_is_what_the_step_runs(bert_classifier, tmp_path):
+    DoubledStep.increments.clear()
+    _run(bert_classifier, tmp_path / "a", _methods(DoubledStep, tmp_path))
+    assert len(DoubledStep.increments) == 4
+    for first, second in DoubledStep.increments:  # each backward added the same gradient where it was called
+        assert first.abs().sum() > 0
+        torch.testing.assert_close(second, first)
+    start = _weights(build_run(_args_only(bert_classifier, tmp_path / "c"), DistributedEnv()))
+    cleared, _ = _run(bert_classifier, tmp_path / "b", _methods(ClearingStep, tmp_path))
+    for name, value in start.items():  # the override's gradient manipulation is what the optimizer saw
+        torch.testing.assert_close(_weights(cleared)[name], value)
+
+
+def _args_only(path: Path, tmp_path: Path) -> TrainingArgs:
+    return TrainingArgs(
+        model_path=path,
+        data_path=_rows(tmp_path / "train.jsonl", 32, 1),
+        ckpt_output_dir=tmp_path / "out",
+        training_step="model_loss",
+        effective_batch_size=8,
+        per_device_batch_size=4,
+        max_steps=2,
+    )
+
+
+class Predicting(Trainer):
+    calls: ClassVar[list[tuple[bool, list[str]]]] = []
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        Predicting.calls.append((prediction_loss_only, sorted(inputs)))
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss * 0 + 7.0, -logits, labels  # what compute_metrics and eval_loss get is the override's
+
+
+def test_a_prediction_step_override_feeds_eval_loss_and_compute_metrics(bert_classifier, tmp_path):
+    reference_logs, ours_logs = Logs(), Logs()
+    _run(bert_classifier, tmp_path / "a", None, [reference_logs], compute_metrics=_accuracy)
+    Predicting.calls.clear()
+    _run(bert_classifier, tmp_path / "b", _methods(Predicting, tmp_path), [ours_logs], compute_metrics=_accuracy)
+    assert Predicting.calls and all(not only for only, _ in Predicting.calls)
+    assert Predicting.calls[0][1] == ["attention_mask", "input_ids", "labels"]
+    reference = next(log for log in reference_logs.logs if "eval_loss" in log)
+    ours = next(log for log in ours_logs.logs if "eval_loss" in log)
+    assert ours["eval_loss"] == pytest.approx(7.0)
+    assert ours["eval_accuracy"] == pytest.approx(1.0 - reference["eval_accuracy"])  # negated logits
+
+
+class LoggingTrainer(Trainer):
+    seen: ClassVar[list[tuple[int, float | None, list[str]]]] = []
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        LoggingTrainer.seen.append((self.state.global_step, start_time, sorted(logs)))
+        logs["custom_metric"] = 3.0
+        super().log({k: v for k, v in logs.items() if k != "grad_norm"}, start_time)
+
+
+def test_a_log_override_runs_on_each_log_and_what_it_logs_lands(bert_classifier, tmp_path):
+    worker = _methods(LoggingTrainer, tmp_path)
+    LoggingTrainer.seen.clear()
+    logs, hf = Logs(), HuggingFaceCallbacks([], progress=False)
+    _run(bert_classifier, tmp_path, None, [ScriptTrainerEvents(worker), hf, logs])
+    assert [entry[0] for entry in LoggingTrainer.seen] == [1, 2, 2, 2]  # two train logs, eval, final summary
+    assert LoggingTrainer.seen[0][1] is not None and LoggingTrainer.seen[2][1] is None  # start_time as Trainer
+    assert all(log["custom_metric"] == 3.0 and "grad_norm" not in log for log in logs.logs)
+    history = hf.state.log_history
+    assert all(entry["custom_metric"] == 3.0 for entry in history) and len(history) == 4
+
+
+class Stateful(Trainer):
+    steps: ClassVar[list[tuple[int, bool]]] = []
+
+    def __init__(self, *args: Any, alpha: float = 0.5, **kwargs: Any) -> None:
+        self.before = "set before super().__init__"
+        super().__init__(*args, **kwargs)
+        self.alpha = alpha
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        Stateful.steps.append((self.state.global_step, self.state.max_steps == 2 and self.alpha == 0.75))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_the_worker_instance_has_the_scripts_attributes_and_the_live_state(bert_classifier, tmp_path):
+    hf_args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = Stateful(model=torch.nn.Linear(2, 2), args=hf_args, alpha=0.75)
+    assert sorted(script_attributes(trainer)) == ["alpha", "before"]
+    Stateful.steps.clear()
+    hf = HuggingFaceCallbacks([], progress=False)
+    _run(bert_classifier, tmp_path, _methods(Stateful, tmp_path, alpha=0.75), [hf])
+    assert Stateful.steps == [(0, True), (0, True), (1, True), (1, True)]
+
+
+def test_an_attribute_that_cannot_travel_is_refused_naming_it(tmp_path):
+    hf_args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = Stateful(model=torch.nn.Linear(2, 2), args=hf_args)
+    trainer.lock = threading.Lock()
+    worker = script_trainer(trainer)
+    assert worker is not None
+    worker.take_attributes(trainer, check_transport=False)  # in place (torchrun): nothing is pickled
+    with pytest.raises(TypeError, match=r"Stateful\.lock cannot be sent to the workers"):
+        worker.take_attributes(trainer, check_transport=True)
+
+
+def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
+    assert unhonoured_overrides(Stateful) == [] and unhonoured_overrides(LoggingTrainer) == []
+
+    class Evaluating(Predicting):
+        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+            return super().evaluate(*args, **kwargs)
+
+    assert unhonoured_overrides(Evaluating) == ["evaluate"]
