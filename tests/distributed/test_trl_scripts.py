@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,17 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _run(assets: Path, script: str, output: str, launcher: list[str], data: str = "data") -> Path:
+def _run(
+    assets: Path,
+    script: str,
+    output: str,
+    launcher: list[str],
+    data: str = "data",
+    extra: tuple[str, ...] = (),
+    nproc: int = 1,
+) -> Path:
+    """``script`` run by ``launcher`` with the shared arguments and ``extra``; ``nproc``: the ranks
+    trainbridge's self-launch starts under plain python."""
     out = assets / output
     args = [
         "--model_name_or_path",
@@ -73,8 +84,14 @@ def _run(assets: Path, script: str, output: str, launcher: list[str], data: str 
         "float32",
         "--disable_tqdm",
         "true",
+        *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "TRAINBRIDGE_NPROC_PER_NODE": str(nproc),
+    }
     done = subprocess.run(
         [*launcher, str(assets / script), *args], env=env, capture_output=True, text=True, timeout=540, cwd=assets
     )
@@ -120,26 +137,64 @@ DPO_PORTED_IMPORT = (
 )
 
 
-def test_trl_dpo_script_with_the_import_changed(assets: Path) -> None:
-    """trl's ``dpo.py`` (reference: a frozen copy of the policy) on 2 ranks against the unchanged script."""
+DPO_RUNS = {
+    "torchrun-eval": (
+        "torchrun",
+        ("--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4"),
+    ),
+    "python": ("python", ()),
+    "python-peft": ("python", ("--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")),
+}
+"""Each DPO run: the launcher and the script's extra arguments.  Under plain python trl runs one process in
+place and trainbridge self-launches 2 ranks (``TRAINBRIDGE_NPROC_PER_NODE=2``); with 32 pairs of 4 per rank
+both reach ``max_steps`` 4 in an epoch."""
+
+
+@pytest.fixture(scope="module")
+def dpo_assets(assets: Path) -> Path:
     source = TRL_DPO.read_text()
     assert DPO_IMPORT in source, "trl's dpo.py changed its import line"
     (assets / "dpo_trl.py").write_text(source)
     (assets / "dpo_trainbridge.py").write_text(source.replace(DPO_IMPORT, DPO_PORTED_IMPORT))
     pairs = assets / "pairs"
     pairs.mkdir(exist_ok=True)
-    with (pairs / "train.jsonl").open("w") as f:
-        for a in range(32):
-            row = {"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)}
-            f.write(json.dumps(row) + "\n")
-    runs = [
-        _summary(_run(assets, script, f"out-{script}", _launcher("torchrun"), data="pairs"))
+    for split, offset, count in (("train", 0, 32), ("test", 100, 6)):
+        with (pairs / f"{split}.jsonl").open("w") as f:
+            for a in range(offset, offset + count):
+                row = {"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)}
+                f.write(json.dumps(row) + "\n")
+    return assets
+
+
+def _rng_files_as_one(files: set[str]) -> set[str]:
+    """Trainer writes ``rng_state.pth`` on one process, ``rng_state_<rank>.pth`` on several."""
+    return {"rng_state*.pth" if re.fullmatch(r"rng_state(_\d+)?\.pth", name) else name for name in files}
+
+
+@pytest.mark.parametrize("run", list(DPO_RUNS))
+def test_trl_dpo_script_with_the_import_changed(dpo_assets: Path, run: str) -> None:
+    """trl's ``dpo.py`` against the unchanged script: the reference a frozen copy of the policy (with
+    ``--use_peft``, the base with the adapter disabled; checkpoints and the final save hold the adapter
+    only, as trl writes them), evaluated at trl's steps with trl's ``eval_`` keys."""
+    launch, extra = DPO_RUNS[run]
+    outs = [
+        _run(dpo_assets, script, f"out-{run}-{script}", _launcher(launch), "pairs", extra, nproc=2)
         for script in ("dpo_trl.py", "dpo_trainbridge.py")
     ]
-    (trl_step, trl_rows, trl_files), (global_step, rows, files) = runs
+    (trl_step, trl_rows, trl_files), (global_step, rows, files) = map(_summary, outs)
     assert global_step == trl_step == 4
-    assert [step for step, _ in rows] == [step for step, _ in trl_rows] == [2, 4]
+    assert [step for step, _ in rows] == [step for step, _ in trl_rows]
+    assert [step for step, _ in rows] == ([2, 2, 4, 4] if "eval" in run else [2, 4])
     for (_, keys), (_, trl_keys) in zip(rows, trl_rows, strict=True):
         assert keys == trl_keys
-        assert {"rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen"} <= keys
-    assert files - TRAINBRIDGE_FILES == trl_files
+        assert {"rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen"} <= keys or {
+            "eval_loss",
+            "eval_rewards/margins",
+            "eval_logps/chosen",
+            "eval_logits/rejected",
+        } <= keys
+    assert _rng_files_as_one(files - TRAINBRIDGE_FILES) == _rng_files_as_one(trl_files)
+    final = {p.name for p in outs[1].iterdir() if p.is_file()}
+    assert final >= {p.name for p in outs[0].iterdir() if p.is_file()}  # trainer.save_model at the end
+    if "peft" in run:
+        assert "adapter_model.safetensors" in files and "model.safetensors" not in files | final

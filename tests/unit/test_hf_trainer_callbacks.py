@@ -372,7 +372,7 @@ def test_hooks_get_real_trainer_objects_and_trainers_keyword_arguments(files):
     num_parameters = ctx.unwrapped_model.num_parameters(exclude_embeddings=True)  # as Trainer
     assert ctx.tokens_seen == 2 * 2 * 4  # 2 steps x 2 samples x 4 tokens
     assert state.num_input_tokens_seen == 0  # include_num_input_tokens_seen="no", Trainer's default
-    assert state.total_flos == 6 * num_parameters * ctx.input_tokens_seen  # input_ids.numel(), as Trainer
+    assert state.total_flos == 6 * num_parameters * ctx.tokens_seen
     assert state.is_world_process_zero and state.is_local_process_zero
     assert state.trial_name is None and state.trial_params is None
     assert [entry["step"] for entry in state.log_history] == [1, 2, 2, 2]

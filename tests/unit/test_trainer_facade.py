@@ -598,12 +598,15 @@ def test_flops_estimate_counts_padded_input_positions_like_trainer() -> None:
     from trainbridge.core.config import TrainingArgs
     from trainbridge.core.context import TrainingContext
     from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.step.model_loss import ModelLoss
+    from trainbridge.step.token_ce import TokenCrossEntropy
 
-    ctx = TrainingContext(
-        args=TrainingArgs.model_construct(),
-        env=DistributedEnv(),
-        flops_parameters=3,
-        tokens_seen=7,
-        input_tokens_seen=10,
+    counts: dict[str, Any] = dict(flops_parameters=3, tokens_seen=7, input_tokens_seen=10)
+    on_trainers_batches = TrainingContext(
+        args=TrainingArgs.model_construct(), env=DistributedEnv(), flops_input_positions=True, **counts
     )
-    assert ctx.total_flos == 6 * 3 * 10
+    assert on_trainers_batches.total_flos == 6 * 3 * 10
+    # token-budget batches are trainbridge's own: their real tokens stand for Trainer's (unpadded) blocks
+    own_batches = TrainingContext(args=TrainingArgs.model_construct(), env=DistributedEnv(), **counts)
+    assert own_batches.total_flos == 6 * 3 * 7
+    assert ModelLoss.flops_input_positions and not TokenCrossEntropy.flops_input_positions

@@ -130,9 +130,8 @@ def test_compute_loss_func_gets_outputs_labels_and_the_step_items(bert_classifie
     seen: list[tuple[str, int]] = []
 
     def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
-        if num_items_in_batch is None:  # evaluation: Trainer's prediction_step passes none either
-            return torch.nn.functional.cross_entropy(outputs.logits, labels)
-        seen.append((type(outputs).__name__, int(num_items_in_batch)))
+        if torch.is_grad_enabled():  # training (evaluation counts the items too, as Trainer 5's prediction_step)
+            seen.append((type(outputs).__name__, int(num_items_in_batch)))
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / num_items_in_batch
 
     _, result = _run(bert_classifier, tmp_path, _methods(Trainer, tmp_path, compute_loss_func=loss_func))

@@ -151,9 +151,30 @@ def test_a_training_step_calling_super_gives_trainers_gradients_and_logged_loss(
     assert [(c[1], c[2]) for c in SuperStep.calls] == [(0.25, 8)] * 2 + [(0.25, 8)] * 2
     for name, value in _weights(reference).items():
         torch.testing.assert_close(_weights(ours)[name], value, rtol=1e-5, atol=1e-6)
-    for key in ("loss", "grad_norm"):  # Adam hides a gradient's scale from the weights: the norm shows it
-        values = [log[key] for log in ours_logs.logs if "loss" in log]
-        assert values == pytest.approx([log[key] for log in reference_logs.logs if "loss" in log], rel=1e-5)
+    for key in ("loss", "grad_norm", "eval_loss"):  # Adam hides a gradient's scale from the weights: the norm
+        values = [log[key] for log in ours_logs.logs if key in log]
+        assert values and values == pytest.approx([log[key] for log in reference_logs.logs if key in log], rel=1e-5)
+
+
+class PerBatchMean(Trainer):
+    """Trainer's training_step for a model whose loss ignores ``num_items_in_batch``: a per-batch mean,
+    divided by the accumulation steps."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        self.model_accepts_loss_kwargs = False
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_a_per_batch_mean_is_divided_by_the_steps_accumulation(bert_classifier, tmp_path):
+    reference_logs, ours_logs = Logs(), Logs()
+    _run(bert_classifier, tmp_path / "a", None, [reference_logs])
+    _run(bert_classifier, tmp_path / "b", _methods(PerBatchMean, tmp_path), [ours_logs])
+    reference, ours = reference_logs.logs[0], ours_logs.logs[0]
+    # the model's own loss step treats Bert's (item-ignoring) mean as normalised by the step's items, as
+    # Trainer does: its first-step gradient is the sum over the 2 micro-batches; Trainer's per-batch path
+    # divides each micro-batch's mean by the 2 accumulation steps
+    assert ours["grad_norm"] == pytest.approx(reference["grad_norm"] / 2, rel=1e-5)
+    assert ours["loss"] == pytest.approx(reference["loss"] / 2, rel=1e-5)
 
 
 class DoubledStep(Trainer):
@@ -261,7 +282,8 @@ class Stateful(Trainer):
         self.alpha = alpha
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        Stateful.steps.append((self.state.global_step, self.state.max_steps == 2 and self.alpha == 0.75))
+        live = self.state.max_steps == 2 and self.alpha == 0.75 and self.optimizer is not None
+        Stateful.steps.append((self.state.global_step, live))
         return super().training_step(model, inputs, num_items_in_batch)
 
 
@@ -271,7 +293,8 @@ def test_the_worker_instance_has_the_scripts_attributes_and_the_live_state(bert_
     assert sorted(script_attributes(trainer)) == ["alpha", "before"]
     Stateful.steps.clear()
     hf = HuggingFaceCallbacks([], progress=False)
-    _run(bert_classifier, tmp_path, _methods(Stateful, tmp_path, alpha=0.75), [hf])
+    worker = _methods(Stateful, tmp_path, alpha=0.75)
+    _run(bert_classifier, tmp_path, worker, [ScriptTrainerEvents(worker), hf])
     assert Stateful.steps == [(0, True), (0, True), (1, True), (1, True)]
 
 
@@ -294,3 +317,6 @@ def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
             return super().evaluate(*args, **kwargs)
 
     assert unhonoured_overrides(Evaluating) == ["evaluate"]
+    hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"overrides evaluate\(\).*put extra metrics into compute_metrics"):
+        Evaluating(model=torch.nn.Linear(2, 2), args=hf_args)

@@ -132,3 +132,28 @@ def test_in_place_run_equals_trls_first_step(tiny_llama: Path, tmp_path: Path, m
     for key, value in metrics.items():
         assert logged[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     assert metrics["kl"] > 0  # the perturbed reference: the KL term is in play
+
+
+def test_a_peft_policy_is_its_own_reference_with_the_adapter_disabled(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peft import LoraConfig
+
+    config = _config(
+        tmp_path / "out", max_steps=2, save_steps=2, save_strategy="steps", desirable_weight=1.0, learning_rate=1e-2
+    )
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    trainer = KTOTrainer(
+        model=str(tiny_llama),
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    first, second = [row for row in trainer.state.log_history if "loss" in row]
+    assert first["loss"] == pytest.approx(0.5, abs=1e-6)  # a fresh LoRA is its base: log-ratios and KL are 0
+    assert first["kl"] == 0.0
+    assert abs(second["loss"] - 0.5) > 1e-4  # the trained adapter against the base, not against itself
+    files = {p.name for p in (tmp_path / "out" / "checkpoint-2").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files

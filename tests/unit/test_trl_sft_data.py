@@ -18,6 +18,7 @@ import datasets
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
+from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.sft_data import prepare_sft_dataset, sft_data_settings
 
 GENERATION_TEMPLATE = (
@@ -108,7 +109,8 @@ def test_bfd_packing_is_trl_sequences_unbinned(tiny_llama: Path, tmp_path: Path,
         tiny_llama, tmp_path, data, packing=True, packing_strategy=strategy, max_length=16
     )
     assert any(len(lengths) > 1 for lengths in theirs["seq_lengths"])  # trl's bins hold several sequences
-    ours = prepare_sft_dataset(datasets.Dataset.from_list(data), tokenizer, args)
+    with pytest.warns(HFPortingWarning, match=rf"training sequences into {len(theirs)} bins"):
+        ours = prepare_sft_dataset(datasets.Dataset.from_list(data), tokenizer, args)
     trl_sequences = sorted(
         tuple(row[start : start + length])
         for row, lengths in zip(theirs["input_ids"], theirs["seq_lengths"], strict=True)

@@ -75,6 +75,8 @@ class TrainingContext:
     """Parameters of the model being trained, counted before wrapping (always)."""
     flops_parameters: int = 0
     """Parameters the FLOPs estimate counts (input embeddings left out, as Trainer's ``floating_point_ops``)."""
+    flops_input_positions: bool = False
+    """Whether the FLOPs estimate counts input positions (the step's ``flops_input_positions``)."""
     input_tokens_seen: int = 0
     """Input positions fed to the model (``input_ids`` elements, padding included), all ranks together
     (updated after the step's agreement, which sums it over ranks: at ``on_step_end`` it does not include
@@ -152,10 +154,12 @@ class TrainingContext:
     # ------------------------------------------------------------------ derived
     @property
     def total_flos(self) -> float:
-        """Estimated training floating-point operations so far: ``6 x flops_parameters x input_tokens_seen``
-        (forward and backward over every input position, padding included, as ``transformers.Trainer``'s
-        ``total_flos`` estimate counts ``input_ids.numel()``)."""
-        return float(6 * self.flops_parameters * self.input_tokens_seen)
+        """Estimated training floating-point operations so far: ``6 x flops_parameters x tokens``, the tokens
+        being ``input_tokens_seen`` (every input position, padding included, as ``transformers.Trainer``
+        counts ``input_ids.numel()`` of its batches) when the step trains on Trainer's batches
+        (``flops_input_positions``), else ``tokens_seen``."""
+        tokens = self.input_tokens_seen if self.flops_input_positions else self.tokens_seen
+        return float(6 * self.flops_parameters * tokens)
 
     # ------------------------------------------------------------------ values kept on the device
     # The loop keeps the loss and the gradient norm on the device until the step's one reduction

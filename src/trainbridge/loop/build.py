@@ -255,6 +255,15 @@ def _token_batches(
     )
 
 
+def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
+    """``rows`` with a ``TrainingArgs.dataset_transforms`` entry applied (``set_transform``), or as they are."""
+    if rows is None or transform is None:
+        return rows
+    return rows.with_transform(
+        transform["transform"], columns=transform["columns"], output_all_columns=transform["output_all_columns"]
+    )
+
+
 def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
     """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
     collator (the script's, else Trainer's default), the loss the forward returns."""
@@ -265,6 +274,10 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)
     named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
+    transforms = args.dataset_transforms  # the script's on-the-fly transforms, as its datasets apply them
+    train = _transformed(train, transforms.get("train"))
+    val = _transformed(val, transforms.get("eval"))
+    named = {name: _transformed(rows, transforms.get(f"eval:{name}")) for name, rows in named.items()}
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
@@ -359,11 +372,12 @@ def _loader_batches(
 
 
 def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
-    """The step ``args.train_step`` builds (its own batches and loss; no validation batches)."""
+    """The step ``args.train_step`` builds (its own batches, loss and validation batches)."""
     step = args.train_step(model, tokenizer, args, env) if args.train_step is not None else None
     if not isinstance(step, TrainStep):
         raise TypeError(f"train_step: {args.train_step!r} returned {type(step).__name__}, not a TrainStep")
-    return RunBatches(step, None, {}, [], False)
+    eval_batches, named_eval_batches = step.own_eval_sets()
+    return RunBatches(step, eval_batches, named_eval_batches, [], False)
 
 
 def sample_batch_shape(args: TrainingArgs, world_size: int) -> tuple[int, int]:

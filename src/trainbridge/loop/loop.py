@@ -103,6 +103,8 @@ class TrainingLoop:
         self.tokenizer = components.tokenizer
         self.engine = components.engine
         self.step = components.step
+        self._main_input = str(getattr(self.engine.unwrapped, "main_input_name", None) or "input_ids")
+        """The input ``total_flos`` counts without ``input_ids`` (``pixel_values``), as Trainer's estimate."""
         self.train_batches = components.train_batches
         self.eval_batches = components.eval_batches
         self.named_eval_batches = components.named_eval_batches
@@ -130,6 +132,7 @@ class TrainingLoop:
         ctx.tokenizer = self.tokenizer
         ctx.num_parameters = components.num_parameters
         ctx.flops_parameters = components.flops_parameters
+        ctx.flops_input_positions = self.step.flops_input_positions
         ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
 
     # ================================================================== the run
@@ -267,7 +270,7 @@ class TrainingLoop:
             batches,
             loss_sum,
             grad_norm if grad_norm is not None else NOT_MEASURED,
-            sum(_input_tokens(b) for b in micro_batches),
+            sum(_input_tokens(b, self._main_input) for b in micro_batches),
             started,
         )
 
@@ -349,9 +352,9 @@ class TrainingLoop:
                 fire(Event.PREDICTION_STEP, ctx, batch=batch)
         engine.module.train()
         loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
-        # collective: every rank's validation loss sum and units, in one all_reduce
-        total_sum, total_units, total_samples = self.env.sum_floats(
-            [loss_sum, loss_units, eval_batches.num_samples_local]
+        # collective: every rank's validation loss sum and units (and the step's metric sums), in one all_reduce
+        total_sum, total_units, total_samples, *step_sums = self.env.sum_floats(
+            [loss_sum, loss_units, eval_batches.num_samples_local, *self.step.eval_metric_sums()]
         )
         runtime = max(time.time() - start, 1e-9)
         computed = predictions.compute(self.env) if predictions is not None else {}
@@ -361,6 +364,7 @@ class TrainingLoop:
             f"{prefix}_runtime": round(runtime, 4),
             f"{prefix}_samples_per_second": round(total_samples / runtime, 3),
             f"{prefix}_steps_per_second": round(steps / runtime, 3),
+            **{f"{prefix}_{key}": value for key, value in self.step.eval_metric_logs(step_sums).items()},
             "epoch": ctx.epoch,
         }
         ctx.metrics = {**(earlier or {}), **metrics}
@@ -564,9 +568,10 @@ def _with_metrics(sums: StepSums, metric_sums: Sequence[torch.Tensor | float]) -
     return _sums_type(len(metric_sums))(*sums, *metric_sums) if metric_sums else sums
 
 
-def _input_tokens(cpu_batch: dict[str, Any]) -> int:
-    """Input positions of a CPU batch (``input_ids`` elements; 0 for a batch without them)."""
-    input_ids = cpu_batch.get("input_ids")
+def _input_tokens(cpu_batch: dict[str, Any], main_input: str = "input_ids") -> int:
+    """Input positions of a CPU batch (``input_ids`` elements; without them, the model's main input's
+    elements, as ``transformers``' ``estimate_tokens``; 0 for neither)."""
+    input_ids = cpu_batch.get("input_ids", cpu_batch.get(main_input))
     return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
 
 

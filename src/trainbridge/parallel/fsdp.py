@@ -198,22 +198,9 @@ def build_fsdp(
     """``fully_shard`` on each of ``fsdp_unit_groups``, then on the root, over a mesh of every rank, then
     AdamW on the DTensor shards.  ``weights_from_rank0``: rank 0's ``model`` holds the weights, the other
     ranks' a meta-device skeleton; rank 0 broadcasts every shard and buffer after sharding."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    # An explicit mesh: fully_shard's default is a CUDA mesh whenever CUDA exists, even for device='cpu'.
-    # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
-    # so no rank ever holds the whole model on the GPU.
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
-    packed = packed_quantized_weights(model)
-    # A parameter cast would corrupt 4-bit weights packed in a float storage: a quantised model autocasts.
-    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda" and not packed
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
-        kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
-    if use_mp_policy:
-        # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs, use_mp_policy = _shard_kwargs(model, args, env)
     full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
     groups = fsdp_unit_groups(model)
     for i, (_, modules) in enumerate(groups):
@@ -236,6 +223,47 @@ def build_fsdp(
         mixed_precision_policy=use_mp_policy,
         weights_from_rank0=weights_from_rank0,
     )
+
+
+def _shard_kwargs(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> tuple[dict[str, Any], bool]:
+    """``fully_shard``'s keyword arguments for ``model`` (mesh, ignored packed weights, bf16 policy) and
+    whether they hold a mixed-precision policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # An explicit mesh: fully_shard's default is a CUDA mesh whenever CUDA exists, even for device='cpu'.
+    # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
+    # so no rank ever holds the whole model on the GPU.
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    packed = packed_quantized_weights(model)
+    # A parameter cast would corrupt 4-bit weights packed in a float storage: a quantised model autocasts.
+    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda" and not packed
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
+        kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
+    if use_mp_policy:
+        # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return kwargs, use_mp_policy
+
+
+def shard_frozen(
+    model: nn.Module, args: TrainingArgs, env: DistributedEnv, weights_from_rank0: bool = False
+) -> nn.Module:
+    """A model that only runs forwards (DPO's reference) sharded as ``build_fsdp`` shards the policy: the
+    same unit groups, then the root, each rank keeping its DTensor shards, gathered for each forward
+    (collective: every rank shards it, and runs every forward).  ``weights_from_rank0``: the other ranks
+    hold a meta-device skeleton, filled from rank 0's weights after sharding, as the policy is."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs, _ = _shard_kwargs(model, args, env)
+    full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
+    for _, modules in fsdp_unit_groups(model):
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=True, **kwargs)
+    fully_shard(model, reshard_after_forward=True, **kwargs)
+    if weights_from_rank0:
+        _fill_from_rank0(model, full_state, env)
+    return model.eval().requires_grad_(False)
 
 
 def _tensor_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

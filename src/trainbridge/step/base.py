@@ -10,7 +10,8 @@ loss tokens, the model's own loss counts what Trainer divides by (``num_items_in
 A step may add values to the training log: after each optimizer step the loop takes its ``metric_sums``
 (this rank's), sums them over ranks in the step's agreement (no collective of their own), hands them back
 (``add_metric_sums``) and adds ``metric_logs`` to each training log. Evaluation asks ``eval_batch`` for a
-batch's loss sum, its units and, for ``compute_metrics``, its outputs.
+batch's loss sum, its units and, for ``compute_metrics``, its outputs; a step may add its own evaluation
+metrics (``eval_metric_sums``, reduced with the loss, then ``eval_metric_logs``).
 
 Implementations: ``token_ce.TokenCrossEntropy`` (padding-free token-budget batches, the summed token cross
 entropy; causal LMs' default), ``model_loss.ModelLoss`` (Trainer's sample batches, the loss the
@@ -89,6 +90,9 @@ class TrainStep(ABC):
     """One kind of optimizer step: its batches and its loss (see the module docstring)."""
 
     name: str = ""
+    flops_input_positions: bool = False
+    """Whether ``total_flos`` counts every input position, padding included (a step on Trainer's own batches,
+    as Trainer counts them), rather than the real tokens (batches of trainbridge's own forming)."""
     train_batches: TrainSource
     """This rank's training batches (``train_dataloader`` for callbacks)."""
 
@@ -137,6 +141,21 @@ class TrainStep(ABC):
 
     def metric_logs(self) -> dict[str, float]:
         """What the next training log adds (the values since the last log); none by default."""
+        return {}
+
+    def own_eval_sets(self) -> tuple[EvalSource | None, dict[str, EvalSource]]:
+        """Validation batches a step forms itself (a ``train_step`` factory's step): the one set and the
+        named sets; none by default (the loop's build forms them)."""
+        return None, {}
+
+    def eval_metric_sums(self) -> list[float]:
+        """This rank's metric sums of the evaluation just run (the same count on every rank), summed over
+        ranks in the evaluation's one reduction; none by default."""
+        return []
+
+    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+        """The evaluation's metrics (without the ``eval_`` prefix) from ``eval_metric_sums`` summed over
+        every rank; none by default."""
         return {}
 
     def describe(self) -> str:

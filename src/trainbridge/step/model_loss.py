@@ -77,9 +77,10 @@ def default_label_names(model: Any) -> list[str]:
 
 
 def returns_loss(model: Any, label_names: Sequence[str]) -> bool:
-    """Whether the forward can compute a loss: it takes every label name."""
+    """Whether the forward can compute a loss: it takes every label name, or a ``return_loss`` flag (CLIP-like
+    models, whose collator passes ``return_loss=True``)."""
     parameters = set(forward_parameters(model))
-    return all(name in parameters for name in label_names)
+    return "return_loss" in parameters or all(name in parameters for name in label_names)
 
 
 def untrainable_reason(model: Any, label_names: Sequence[str]) -> str:
@@ -120,6 +121,7 @@ class ModelLoss(TrainStep):
     """Sample batches and the loss the model's forward returns (see the module docstring)."""
 
     name = "the model's own loss (sample batches)"
+    flops_input_positions = True
     train_batches: ItemBatches
 
     def __init__(
@@ -167,7 +169,8 @@ class ModelLoss(TrainStep):
     def eval_batch(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
-        has_labels = all(batch.get(name) is not None for name in self.label_names)
+        # a loss without labels when the batch asks for one (``return_loss=True``: CLIP-like), as Trainer
+        has_labels = all(batch.get(name) is not None for name in self.label_names) or batch.get("return_loss") is True
         scale = 1.0
         if self.counts_items and isinstance(batch.get("labels"), torch.Tensor):
             # Trainer.prediction_step: the batch's items over every rank go to the forward, and compute_loss

@@ -11,9 +11,10 @@ Each micro-batch calls ``methods.training_step(model, inputs, num_items_in_batch
 scale``), so the gradients are Trainer's.  The value it returns is what Trainer adds to its logged loss;
 the loop's loss sum is that value divided by ``scale``, so the logged loss is Trainer's too.
 
-Evaluation calls ``methods.prediction_step(model, inputs, prediction_loss_only)``; its ``(loss, logits,
-labels)`` give the batch's loss (a batch mean, weighted by the batch's items as Trainer's ``eval_loss``) and
-what ``compute_metrics`` gets.
+Evaluation calls ``methods.prediction_step(model, inputs, prediction_loss_only, num_items_in_batch)``, with
+the batch's items over every rank counted as in training (Trainer's ``prediction_step`` counts them); its
+``(loss, logits, labels)`` give the batch's loss (weighted by the batch's rows, as Trainer's ``eval_loss``)
+and what ``compute_metrics`` gets.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ class TrainerMethods(Protocol):
         inputs: dict[str, Any],
         num_items_in_batch: Any,
         backward: Callable[[torch.Tensor], None],
+        accumulation: int,
     ) -> torch.Tensor:
-        """``Trainer.training_step`` on this worker's instance; its ``accelerator.backward(loss)`` calls
-        ``backward(loss)``; returns the (detached) loss it reports."""
+        """``Trainer.training_step`` on this worker's instance (``accumulation`` micro-batches per step); its
+        ``accelerator.backward(loss)`` calls ``backward(loss)``; returns the (detached) loss it reports."""
         ...
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``."""
+        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``; ``super()`` passes
+        ``num_items_in_batch`` (the batch's items over every rank, or None) to ``compute_loss``."""
         ...
 
 
@@ -88,7 +91,8 @@ class TrainerMethodsStep(ModelLoss):
             backward(loss / scale)
 
         with forward():  # as accelerate autocasts the model's forward under Trainer, whoever calls it
-            reported = self.methods.training_step(model, inputs, count, backward_as_trainer)
+            accumulation = self.train_batches.accumulation
+            reported = self.methods.training_step(model, inputs, count, backward_as_trainer, accumulation)
         if not isinstance(reported, torch.Tensor):
             reported = torch.as_tensor(float(reported))
         return reported.detach().reshape(()).to(torch.float64) / scale
@@ -101,7 +105,12 @@ class TrainerMethodsStep(ModelLoss):
     def eval_batch(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
-        loss, logits, labels = self.methods.prediction_step(model, dict(batch), prediction_loss_only=not outputs)
+        count = None
+        if self.counts_items and isinstance(batch.get("labels"), torch.Tensor):
+            # Trainer.prediction_step counts the batch's items over every rank, as in training
+            (items,) = self.env.sum_floats([float(self._items(batch))])  # collective: every rank, every batch
+            count = torch.tensor(items)
+        loss, logits, labels = self.methods.prediction_step(model, dict(batch), not outputs, count)
         if loss is None:
             loss_sum, units = torch.zeros((), device=_device(batch)), 0.0
         else:

@@ -138,7 +138,7 @@ class Trainer:
                 "distributed loop does not call this Trainer method, so the override would never run. Move the "
                 "logic into a callback (trainbridge.Callback, or a transformers.TrainerCallback) or into an "
                 "override that runs in the workers (compute_loss, training_step, prediction_step, log, "
-                "create_optimizer, create_scheduler)."
+                "create_optimizer, create_scheduler)." + subclass.override_hints(unhonoured)
             )
         unknown = sorted(set(kwargs) - {"peft_config", "formatting_func", "quantization_config"})
         if unknown:

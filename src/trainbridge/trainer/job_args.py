@@ -15,6 +15,7 @@ import torch
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.run_folder import RunLayout
+from trainbridge.trainer.script_data import dataset_transforms
 from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
 from trainbridge.trainer.subclass_data import subclass_loader
 
@@ -111,7 +112,11 @@ def _requires_grad(trainer: Trainer) -> dict[str, bool] | None:
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     """The ``model_loss`` fields of a job whose workers train on the datasets' items (``RowPreparation.items``)."""
     hf = trainer.args
-    fields: dict[str, Any] = {"training_step": "model_loss", "data_collator": trainer.data_collator}
+    fields: dict[str, Any] = {
+        "training_step": "model_loss",
+        "data_collator": trainer.data_collator,
+        "dataset_transforms": dataset_transforms(trainer.train_dataset, trainer.eval_dataset),
+    }
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
         fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
@@ -122,10 +127,11 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     return fields
 
 
-def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool) -> TrainingArgs:
-    """``args`` for one evaluation (no training, checkpoints, callbacks or reports) writing into
+def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool, dataset: Any = None) -> TrainingArgs:
+    """``args`` for one evaluation of ``dataset`` (no training, checkpoints, callbacks or reports) writing into
     ``output_dir``; ``keep_predictions`` (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
     updates: dict[str, Any] = {
+        "dataset_transforms": dataset_transforms(None, dataset),
         "eval_strategy": "no",
         "save_strategy": "no",
         "load_best_model_at_end": False,

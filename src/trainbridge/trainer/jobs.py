@@ -69,7 +69,7 @@ def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[di
     layout = env.on_rank_zero(write, "writing the evaluation data") if env is not None else write()
     world_size = env.world_size if env is not None else world_size_of(launch_args(trainer))
     args = job_args.evaluation_args(
-        job_args.training_args(trainer, layout, world_size, None), folder.job_output, keep_predictions
+        job_args.training_args(trainer, layout, world_size, None), folder.job_output, keep_predictions, dataset
     )
     job = FacadeJob("evaluate", args, folder.root, keep_predictions=keep_predictions)
     if env is not None:
@@ -178,8 +178,12 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
         set_peft_model_state_dict(trainer.model, load_file(str(adapter_file)))
         return
     if trainer.model is None:
-        from trainbridge.modeling.load import load_saved_model
+        from trainbridge.modeling.load import load_adapter, load_saved_model
 
+        if adapter_file.is_file() and trainer._model_source is not None:  # a model path with peft_config
+            base = load_saved_model(trainer._model_source, use_safetensors=True)
+            trainer.model = load_adapter(base, folder, trainable=True)
+            return
         trainer.model = load_saved_model(folder, use_safetensors=True)  # never a pickle; the class saved
         return
     state = read_safetensors_weights(folder)

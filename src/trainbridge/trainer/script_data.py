@@ -87,6 +87,28 @@ def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:
     return not choice.reproduced or (model is not None and not is_causal_lm(model))
 
 
+def dataset_transform(data: Any) -> dict[str, Any] | None:
+    """The on-the-fly transform of a ``datasets.Dataset`` (``set_transform`` / ``with_transform``) as
+    ``TrainingArgs.dataset_transforms`` holds it, else None."""
+    import datasets
+
+    if not isinstance(data, datasets.Dataset) or data.format.get("type") != "custom":
+        return None
+    return {
+        "transform": data.format["format_kwargs"]["transform"],
+        "columns": data.format.get("columns"),
+        "output_all_columns": bool(data.format.get("output_all_columns", False)),
+    }
+
+
+def dataset_transforms(train: Any, evaluation: Any) -> dict[str, dict[str, Any]]:
+    """``TrainingArgs.dataset_transforms`` of a job over ``train`` and ``evaluation`` (one dataset or a dict)."""
+    named = evaluation.items() if isinstance(evaluation, Mapping) else [("", evaluation)]
+    found = {"train": dataset_transform(train)}
+    found.update({f"eval:{name}" if name else "eval": dataset_transform(part) for name, part in named})
+    return {key: value for key, value in found.items() if value is not None}
+
+
 def as_item_dataset(data: Any, what: str) -> Any:
     """``data`` as a ``datasets.Dataset`` whose rows are the items ``data[i]`` returns: a ``datasets.Dataset``
     as it is (all its columns); a torch map-style ``Dataset`` or list of dicts with the keys that held
@@ -94,7 +116,8 @@ def as_item_dataset(data: Any, what: str) -> Any:
     import datasets
 
     if isinstance(data, datasets.Dataset):
-        return data
+        # an on-the-fly transform travels as TrainingArgs.dataset_transforms (dataset_transform): the rows as stored
+        return data.with_format(None) if dataset_transform(data) is not None else data
     if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
         raise TypeError(
             f"{what}: an iterable dataset is not supported by the facade; materialise it "

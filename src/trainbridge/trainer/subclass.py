@@ -56,6 +56,16 @@ UNHONOURED = (
 """Trainer methods that Trainer calls during training and trainbridge's loop does not: overriding one in a
 script's subclass is refused at construction, naming it."""
 
+HINTS = {
+    "evaluate": (
+        "evaluate(): the evaluations during train() run in the workers' loop, not through evaluate() (a "
+        "trainer.evaluate() call of the script's runs it); put extra metrics into compute_metrics, extra "
+        "evaluation sets into a dict eval_dataset (each evaluated in turn, eval_<name>_ metrics), or evaluate "
+        "them after train()"
+    ),
+}
+"""What to do instead, for the refused overrides a script most often has."""
+
 STEP_METHODS = ("compute_loss", "training_step", "prediction_step")
 """Overrides that make the workers step through the script's ``training_step`` (``step.trainer_methods``)."""
 
@@ -76,6 +86,11 @@ def unhonoured_overrides(cls: type) -> list[str]:
     for klass in _script_classes(cls):
         found += [name for name in UNHONOURED if name in vars(klass) and name not in found]
     return found
+
+
+def override_hints(names: list[str]) -> str:
+    """``HINTS`` of the refused ``names``, as sentences to append to the refusal (empty when none has one)."""
+    return "".join(f" {HINTS[name]}." for name in names if name in HINTS)
 
 
 def overrides(cls: type, names: tuple[str, ...]) -> bool:
@@ -201,7 +216,7 @@ class ScriptTrainer:
             or (default_label_names(inner) if inner is not None else ["labels"]),
             can_return_loss=can_return_loss(type(unwrap_peft(inner))) if inner is not None else False,
             loss_is_scaled_for_ga=None,
-            current_gradient_accumulation_steps=int(getattr(self.args, "gradient_accumulation_steps", 1) or 1),
+            current_gradient_accumulation_steps=1,  # the step's, set on each training_step
             optimizer=None,
             lr_scheduler=None,
             _worker_accelerator=accelerator,
@@ -218,8 +233,10 @@ class ScriptTrainer:
         inputs: dict[str, Any],
         num_items_in_batch: Any,
         backward: Callable[[torch.Tensor], None],
+        accumulation: int,
     ) -> torch.Tensor:
         instance = self.trainer(model)
+        instance.current_gradient_accumulation_steps = accumulation
         accelerator = instance.__dict__["_worker_accelerator"]
         accelerator.backward_fn = backward
         try:
@@ -228,9 +245,14 @@ class ScriptTrainer:
             accelerator.backward_fn = None
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        return tuple(self.trainer(model).prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        instance = self.trainer(model)
+        instance.__dict__["_eval_num_items"] = num_items_in_batch  # what super().prediction_step counts
+        try:
+            return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        finally:
+            instance.__dict__.pop("_eval_num_items", None)
 
 
 class ScriptTrainerEvents(Callback):

@@ -9,8 +9,9 @@
 - ``default_training_step``: ``compute_loss``, divided by the accumulation steps unless already normalised
   by the step's items (``loss_is_scaled_for_ga``), ``accelerator.backward(loss)``; returns the detached loss.
 - ``default_prediction_step``: labels taken first (``label_names``), ``compute_loss(return_outputs=True)``
-  without gradients (or the bare forward without labels); the outputs other than the loss and
-  ``ignore_keys`` are the logits.
+  without gradients with the batch's items over every rank (counted by ``step.trainer_methods`` when the
+  training step counts them, as Trainer 5), or the bare forward without labels; the outputs other than the
+  loss and ``ignore_keys`` are the logits.
 
 ``WorkerAccelerator.backward`` backpropagates through the loop (``step.trainer_methods``): the gradients are
 those of the loss handed to it, as ``Accelerator.backward``'s.
@@ -148,7 +149,8 @@ def default_prediction_step(
         labels = values[0] if len(values) == 1 else values
     with torch.no_grad():
         if has_labels or loss_without_labels:
-            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=None)
+            items = trainer.__dict__.get("_eval_num_items")  # the batch's items over every rank, as Trainer counts
+            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=items)
             loss = loss.detach().mean()
             dropped = [*ignore_keys, "loss"]
         else:

@@ -8,29 +8,35 @@ a frozen copy on the policy's device; the PEFT policy with its adapter disabled;
 ``ref_chosen_logps``/``ref_rejected_logps``), and returns the loss terms of ``preference_loss`` scaled so
 that the loop's division by the step's pair count gives each term its own normaliser.  trl's metrics are
 reported per micro-batch as sums (``metric_sums``), reduced over ranks in the step's agreement, and
-logged as trl logs them: the mean over micro-batches of each micro-batch's ratio.
+logged as trl logs them: the mean over micro-batches of each micro-batch's ratio.  ``PairEvalBatches``
+forms the validation pairs; an evaluation reports ``eval_loss`` (each batch's loss weighted by its pairs,
+as Trainer averages it) and trl's metrics with the ``eval_`` prefix, their sums reduced with the loss.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainbridge.data.collate import CollatedBatch
-from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.step.base import EvalOutput, EvalSource, StepBatches, TrainStep
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import (
     METRIC_KEYS,
     DPOLossSettings,
+    LossTerm,
+    Normaliser,
     SequenceLogps,
+    combine_terms,
     dpo_loss_terms,
     pair_weights,
 )
-from trainbridge.trl.sequence_logps import pack_pairs, sequence_stats
+from trainbridge.trl.sequence_logps import SequenceStats, pack_pairs, sequence_stats
 
 METRIC_COLUMNS = (
     "entropy_sum",
@@ -101,16 +107,59 @@ class PairBatches:
         return [self.micro_batch(mine[i : i + size]) for i in range(0, len(mine), size)]
 
     def micro_batch(self, indices: Sequence[int]) -> dict[str, Any]:
-        rows = self.dataset[list(indices)]
-        packed = pack_pairs(
-            rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], self.max_length, self.truncation_mode
-        )
-        batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
-        batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
-        if "ref_chosen_logps" in rows:
-            batch["ref_chosen_logps"] = torch.tensor(rows["ref_chosen_logps"], dtype=torch.float32)
-            batch["ref_rejected_logps"] = torch.tensor(rows["ref_rejected_logps"], dtype=torch.float32)
-        return batch
+        return pair_batch(self.dataset, indices, self.max_length, self.truncation_mode)
+
+
+def pair_batch(dataset: Any, indices: Sequence[int], max_length: int | None, truncation_mode: str) -> dict[str, Any]:
+    """The pairs ``indices`` of ``dataset`` packed into one padding-free row (``pack_pairs``), with their
+    precomputed reference log-probs when the rows carry them."""
+    rows = dataset[list(indices)]
+    packed = pack_pairs(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], max_length, truncation_mode)
+    batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
+    batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
+    if "ref_chosen_logps" in rows:
+        batch["ref_chosen_logps"] = torch.tensor(rows["ref_chosen_logps"], dtype=torch.float32)
+        batch["ref_rejected_logps"] = torch.tensor(rows["ref_rejected_logps"], dtype=torch.float32)
+    return batch
+
+
+class PairEvalBatches:
+    """Validation pairs (an ``EvalSource``): batches of ``pairs_per_micro`` pairs in the dataset's order,
+    batch ``i`` on rank ``i % world_size``.  A rank short of a batch in the last round gets a dummy (its
+    pairs counted as none), so every rank runs the same forwards (FSDP2 gathers in them)."""
+
+    dataset: Any
+    batch_size: int | None
+    num_samples_local: int
+
+    def __init__(
+        self,
+        dataset: Any,
+        pairs_per_micro: int,
+        world_size: int,
+        rank: int,
+        max_length: int | None,
+        truncation_mode: str = "keep_start",
+    ) -> None:
+        if len(dataset) == 0:
+            raise ValueError("eval_dataset: no preference pairs to evaluate; pass pairs or eval_dataset=None")
+        self.dataset, self.batch_size, self.pairs_per_micro = dataset, pairs_per_micro, pairs_per_micro
+        self.max_length, self.truncation_mode = max_length, truncation_mode
+        starts = range(0, len(dataset), pairs_per_micro)
+        rounds = math.ceil(len(starts) / world_size)
+        self._mine = [
+            list(range(starts[i], min(starts[i] + pairs_per_micro, len(dataset)))) if i < len(starts) else []
+            for i in (r * world_size + rank for r in range(rounds))
+        ]
+        self.num_samples_local = sum(len(indices) for indices in self._mine)
+
+    def __len__(self) -> int:
+        return len(self._mine)
+
+    def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        dummy = list(range(min(self.pairs_per_micro, len(self.dataset))))
+        for indices in self._mine:
+            yield indices, pair_batch(self.dataset, indices or dummy, self.max_length, self.truncation_mode)
 
 
 class PreferenceStep(TrainStep):
@@ -120,14 +169,22 @@ class PreferenceStep(TrainStep):
     train_batches: PairBatches
 
     def __init__(
-        self, train_batches: PairBatches, settings: DPOLossSettings, ref_model: torch.nn.Module | None = None
+        self,
+        train_batches: PairBatches,
+        settings: DPOLossSettings,
+        ref_model: torch.nn.Module | None = None,
+        eval_batches: PairEvalBatches | None = None,
+        named_eval_batches: dict[str, EvalSource] | None = None,
     ) -> None:
         self.train_batches = train_batches
         self.settings = settings
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
+        self.eval_batches = eval_batches
+        self.named_eval_batches = named_eval_batches or {}
         self._rows: list[torch.Tensor] = []
+        self._eval_rows: list[torch.Tensor] = []
         self._logged: list[list[float]] = []
         self._total_tokens = 0.0
         self._chosen_tokens = 0.0
@@ -145,7 +202,10 @@ class PreferenceStep(TrainStep):
             int(every.batch["input_ids"].numel()),
         )
 
-    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+    def _score(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[SequenceStats, SequenceLogps, SequenceLogps, list[LossTerm]]:
+        """The policy's and the reference's log-probs of a micro-batch's pairs and the loss terms."""
         packed, s = batch["packed"], self.settings
         stats = sequence_stats(model, packed, s.ld_alpha)
         policy = stats.pair_logps()
@@ -160,13 +220,17 @@ class PreferenceStep(TrainStep):
             mean_aligned = stats.aligned_logps / tokens.clamp(min=1)
             weights = pair_weights(*mean_aligned.chunk(2))
         terms = dpo_loss_terms(policy, reference, s, tokens[: packed.pairs], tokens[packed.pairs :], weights)
+        return stats, policy, reference, terms
+
+    def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
+        stats, policy, reference, terms = self._score(model, batch)
         step_pairs = float(self.train_batches.pairs_per_step)
         counts = {"pairs": step_pairs, "chosen_tokens": max(self._chosen_tokens, 1.0)}
         loss = sum(
             (t.weight * t.total * (step_pairs / counts[t.normaliser]) for t in terms),
             torch.zeros((), device=policy.chosen.device),
         )
-        self._rows.append(self._metric_row(stats, policy, reference, packed))
+        self._rows.append(self._metric_row(stats, policy, reference, batch["packed"]))
         return loss
 
     def _metric_row(self, stats: Any, policy: SequenceLogps, reference: SequenceLogps, packed: Any) -> torch.Tensor:
@@ -210,34 +274,22 @@ class PreferenceStep(TrainStep):
         rows, self._logged = self._logged, []
         for row in rows:
             self._total_tokens += row[2]
-        if not rows:
-            return {"num_tokens": self._total_tokens}
+        return _metric_means(rows, self._total_tokens)
 
-        def mean(ratio: Any) -> float:
-            return sum(ratio(dict(zip(METRIC_COLUMNS, row, strict=True))) for row in rows) / len(rows)
+    def own_eval_sets(self) -> tuple[EvalSource | None, dict[str, EvalSource]]:
+        return self.eval_batches, self.named_eval_batches
 
-        def share(num: str, den: str) -> Any:
-            return lambda r: r[num] / r[den] if r[den] > 0 else 0.0
+    def eval_metric_sums(self) -> list[float]:
+        sums = [float(value) for row in self._eval_rows for value in row]
+        self._eval_rows.clear()
+        return sums
 
-        logs = {
-            "entropy": mean(share("entropy_sum", "completion_tokens")),
-            "num_tokens": self._total_tokens,
-            "logits/chosen": mean(share("chosen_logits", "chosen_tokens")),
-            "logits/rejected": mean(share("rejected_logits", "rejected_tokens")),
-            "mean_token_accuracy": mean(share("chosen_top1", "chosen_tokens")),
-        }
-        for key in METRIC_KEYS:
-            logs[key] = mean(share(key, "pairs"))
-        return logs
-
-    def eval_batch(
-        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
-    ) -> EvalOutput:
-        with torch.no_grad():
-            loss = self.micro_loss(model, batch, float(batch["packed"].pairs))
-        self._rows.pop()
-        pairs = float(batch["packed"].pairs)
-        return EvalOutput(loss * pairs / float(self.train_batches.pairs_per_step), pairs)
+    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+        """trl's metrics of an evaluation: each batch's ratios over every rank, averaged over the batches;
+        ``num_tokens`` is the training's count so far, as trl reports it."""
+        width = len(METRIC_COLUMNS)
+        rows = [list(sums[i : i + width]) for i in range(0, len(sums), width)]
+        return _metric_means(rows, self._total_tokens + sum(row[2] for row in self._logged))
 
     def describe_batches(self, effective_batch_size: int) -> str:
         b = self.train_batches
@@ -245,6 +297,45 @@ class PreferenceStep(TrainStep):
             f"{b.pairs_per_step} preference pairs per step (all ranks); {b.micro_per_step} micro-batches of "
             f"{b.pairs_per_micro} pairs per rank, chosen and rejected packed padding-free"
         )
+
+    def eval_batch(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
+        """trl's loss of one validation batch (normalised by its own pairs or chosen tokens), weighted by
+        its pairs; a dummy batch (``rows`` 0) counts as nothing."""
+        packed = batch["packed"]
+        stats, policy, reference, terms = self._score(model, batch)
+        counts: dict[Normaliser, float] = {
+            "pairs": float(packed.pairs),
+            "chosen_tokens": float(stats.tokens[: packed.pairs].sum()),
+        }
+        row = self._metric_row(stats, policy, reference, packed)
+        pairs = float(packed.pairs) if rows else 0.0
+        self._eval_rows.append(row if rows else torch.zeros_like(row))
+        return EvalOutput(combine_terms(terms, counts).detach() * pairs, pairs)
+
+
+def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float]:
+    """trl's DPO metrics from per-micro-batch sums (``METRIC_COLUMNS`` rows, every rank's summed)."""
+    if not rows:
+        return {"num_tokens": num_tokens}
+
+    def mean(ratio: Any) -> float:
+        return sum(ratio(dict(zip(METRIC_COLUMNS, row, strict=True))) for row in rows) / len(rows)
+
+    def share(num: str, den: str) -> Any:
+        return lambda r: r[num] / r[den] if r[den] > 0 else 0.0
+
+    logs = {
+        "entropy": mean(share("entropy_sum", "completion_tokens")),
+        "num_tokens": num_tokens,
+        "logits/chosen": mean(share("chosen_logits", "chosen_tokens")),
+        "logits/rejected": mean(share("rejected_logits", "rejected_tokens")),
+        "mean_token_accuracy": mean(share("chosen_top1", "chosen_tokens")),
+    }
+    for key in METRIC_KEYS:
+        logs[key] = mean(share(key, "pairs"))
+    return logs
 
 
 class DPOStepFactory:
@@ -268,33 +359,43 @@ class DPOStepFactory:
         truncation_mode: str = "keep_start",
         ref_model: torch.nn.Module | None = None,
         seed: int = 0,
+        eval_dataset: Any = None,
+        eval_pairs_per_micro: int | None = None,
     ) -> None:
         self.dataset, self.settings = dataset, settings
         self.pairs_per_micro, self.micro_per_step = pairs_per_micro, micro_per_step
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.ref_model, self.seed = ref_model, seed
+        self.eval_dataset = eval_dataset
+        self.eval_pairs_per_micro = eval_pairs_per_micro or pairs_per_micro
         self.columns: list[str] = list(dataset.column_names) if dataset is not None else []
 
-    def reference(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
-        """The reference model the step scores with (None: precomputed columns or the PEFT base)."""
+    def reference(self, model: torch.nn.Module, args: Any, env: Any) -> torch.nn.Module | None:
+        """The reference model the step scores with (None: precomputed columns or the PEFT base); under
+        FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``)."""
         if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
-        if self.ref_model is None and any(p.is_meta for p in model.parameters()):
-            raise ValueError(
-                "ref_model: a copy of the policy cannot be taken from a rank that loads no weights "
-                "(fsdp_load_on_rank0); pass ref_model or precompute_ref_log_probs=True"
-            )
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
-        return reference.to(device).eval().requires_grad_(False)
+        if getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1:
+            from trainbridge.modeling.load import loads_on_rank0_only
+            from trainbridge.parallel.fsdp import shard_frozen
+
+            # fsdp_load_on_rank0: the copy of the policy is a skeleton off rank 0, filled from rank 0's
+            from_rank0 = self.ref_model is None and loads_on_rank0_only(args, env.world_size)
+            return shard_frozen(reference, args, env, weights_from_rank0=from_rank0)
+        if any(p.is_meta for p in reference.parameters()):
+            raise ValueError(
+                "ref_model: a copy of the policy cannot be taken from a rank that loads no weights; "
+                "pass ref_model or precompute_ref_log_probs=True"
+            )
+        return reference.to(env.device).eval().requires_grad_(False)
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
-        dataset = self.dataset
-        if dataset is None:
-            from trainbridge.data.rows import open_rows
+        from trainbridge.data.rows import open_rows
 
-            dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
+        dataset = self.dataset if self.dataset is not None else open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = PairBatches(
             dataset,
@@ -306,4 +407,19 @@ class DPOStepFactory:
             self.max_length,
             self.truncation_mode,
         )
-        return PreferenceStep(batches, self.settings, self.reference(model, env.device))
+        evaluation = self.eval_dataset
+        if evaluation is None and args.val_data_path is not None:
+            evaluation = open_rows(args.val_data_path, tokenizer, args.max_seq_len)
+        if evaluation is None and args.eval_data_paths:
+            evaluation = {
+                name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()
+            }
+
+        def eval_set(data: Any) -> PairEvalBatches:
+            return PairEvalBatches(
+                data, self.eval_pairs_per_micro, env.world_size, env.rank, self.max_length, self.truncation_mode
+            )
+
+        named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
+        single = eval_set(evaluation) if evaluation is not None and not named else None
+        return PreferenceStep(batches, self.settings, self.reference(model, args, env), single, dict(named))

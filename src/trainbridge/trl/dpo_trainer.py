@@ -4,9 +4,10 @@ It takes trl's arguments as they are (``DPOConfig``, a model object or a path wi
 ``ref_model``, ``peft_config``, ``processing_class``), prepares the pairs with trl's own preparation
 (``preference_data.prepare_preference_dataset``) and hands the workers a ``dpo_step.DPOStepFactory`` as the
 job's ``train_step``: the facade writes the prepared pairs as the job's items and each worker builds the
-DPO step over them (``beta``, ``loss_type``, ``label_smoothing``, ``max_length`` from the config).  With
-``precompute_ref_log_probs`` the reference scores the pairs here, before launch, and the workers read the
-columns.
+DPO step over them (``beta``, ``loss_type``, ``label_smoothing``, ``max_length`` from the config); an
+``eval_dataset`` (one, or a dict of named sets) is prepared the same way and evaluated with trl's metrics.
+With ``precompute_ref_log_probs`` the reference scores the pairs here, before launch, and the workers
+read the columns.
 """
 
 from __future__ import annotations
@@ -48,21 +49,37 @@ class DPOTrainer(Trainer):
         from trl import DPOConfig
 
         args = trl_config(args, DPOConfig, model, "DPO")
-        if eval_dataset is not None:
+        if compute_metrics is not None:
             raise UnsupportedTrainerFeatureError(
-                "eval_dataset: DPOTrainer does not evaluate preference pairs yet; pass eval_dataset=None"
+                "compute_metrics: DPOTrainer evaluates trl's loss and metrics (eval_loss, eval_rewards/*, "
+                "eval_logps/*, eval_logits/*); pass compute_metrics=None"
             )
         if train_dataset is None:
             raise ValueError("train_dataset: DPOTrainer needs preference pairs (prompt/chosen/rejected rows)")
         processing_class, tokenizer = trl_tokenizer(processing_class, model)
-        pairs = prepare_preference_dataset(train_dataset, tokenizer, args)
-        if args.precompute_ref_log_probs and "ref_chosen_logps" not in pairs.column_names:
-            policy = (
-                AutoModelForCausalLM.from_pretrained(str(model), **(args.model_init_kwargs or {}))
-                if isinstance(model, str | Path)
-                else model
+        policy: Any = None
+
+        def prepared(dataset: Any, name: str, batch_size: int) -> Any:
+            nonlocal policy
+            pairs = prepare_preference_dataset(dataset, tokenizer, args, name)
+            if not args.precompute_ref_log_probs or "ref_chosen_logps" in pairs.column_names:
+                return pairs
+            if policy is None:
+                policy = (
+                    AutoModelForCausalLM.from_pretrained(str(model), **(args.model_init_kwargs or {}))
+                    if isinstance(model, str | Path)
+                    else model
+                )
+            return precompute_reference_logps(
+                pairs, policy, ref_model, args, args.precompute_ref_batch_size or batch_size
             )
-            pairs = precompute_reference_logps(pairs, policy, ref_model, args, args.precompute_ref_batch_size or 8)
+
+        pairs = prepared(train_dataset, "train", 8)
+        eval_batch = int(args.per_device_eval_batch_size)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: prepared(data, str(name), eval_batch) for name, data in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepared(eval_dataset, "eval", eval_batch)
         self.step_factory = DPOStepFactory(
             None,
             DPOLossSettings.from_config(args),
@@ -72,13 +89,14 @@ class DPOTrainer(Trainer):
             truncation_mode=args.truncation_mode,
             ref_model=None if args.precompute_ref_log_probs else ref_model,
             seed=int(args.seed),
+            eval_pairs_per_micro=eval_batch,
         )
         super().__init__(
             model=model,
             args=args,
             data_collator=None,
             train_dataset=pairs,
-            eval_dataset=None,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             compute_metrics=compute_metrics,
             callbacks=callbacks,
@@ -88,6 +106,13 @@ class DPOTrainer(Trainer):
             peft_config=peft_config,
             **kwargs,
         )
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Train; then, as trl's DPOTrainer writes at each checkpoint, its model card in ``output_dir``."""
+        result = super().train(*args, **kwargs)
+        if any(self.output_dir.glob("checkpoint-*")):
+            self.create_model_card(model_name=self.output_dir.name)
+        return result
 
     def _row_preparation(self) -> Any:
         """The prepared pairs are the job's items, written as they are (every column)."""

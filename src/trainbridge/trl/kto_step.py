@@ -211,4 +211,4 @@ class KTOStepFactory(DPOStepFactory):
             self.max_length,
             sequential=self.sequential,
         )
-        return KTOStep(batches, self.loss, self.reference(model, env.device), env)
+        return KTOStep(batches, self.loss, self.reference(model, args, env), env)

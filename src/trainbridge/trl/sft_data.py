@@ -67,8 +67,31 @@ def prepare_sft_dataset(
     prepare = SFTTrainer._prepare_dataset
     prepared = prepare(stand_in, dataset, tokenizer, config, packing, formatting_func, name)  # type: ignore[arg-type]
     if packing and config.packing_strategy != "wrapped":
+        bins = len(prepared)
         prepared = prepared.map(_unpack, batched=True, remove_columns=prepared.column_names)
+        if name == "train":
+            _warn_bins_are_split(config, bins, len(prepared))
     return prepared.select_columns(["input_ids", "labels"])
+
+
+def _warn_bins_are_split(config: Any, bins: int, sequences: int) -> None:
+    """trl's ``per_device_train_batch_size`` counts ``bfd`` bins; here a batch counts the sequences the bins
+    are split back into (a sample is one sequence), so an epoch has more steps than trl's: say how many."""
+    import warnings
+
+    from trainbridge.hf.porting import HFPortingWarning
+
+    if sequences == bins:
+        return
+    per_device = round(config.per_device_train_batch_size * sequences / bins)
+    warnings.warn(
+        f"SFTConfig.packing_strategy={config.packing_strategy!r}: trl packs the {sequences} training sequences "
+        f"into {bins} bins of max_length tokens and its per_device_train_batch_size counts bins; trainbridge "
+        f"trains the sequences padding-free and counts sequences, so an epoch has about {sequences / bins:.1f}x "
+        f"trl's steps.  For about trl's sequences per step, set per_device_train_batch_size={per_device}.",
+        HFPortingWarning,
+        stacklevel=3,
+    )
 
 
 def _unpack(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:

@@ -225,6 +225,12 @@ class BatchFields(BaseModel):
     its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
     become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
     must not be ``padding_free``).  None: trainbridge's own collation."""
+    dataset_transforms: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """``model_loss``: on-the-fly transforms (``datasets.Dataset.set_transform`` / ``with_transform``) the workers
+    re-apply to the rows they read, so each item is made as the script's dataset makes it (random
+    augmentations included): ``"train"``, ``"eval"`` (the validation rows) or ``"eval:<name>"`` (a named set)
+    -> ``{"transform": fn, "columns": list | None, "output_all_columns": bool}``.  The facade sets it from the
+    script's datasets."""
     train_stream: Any | None = None
     """A streaming training set trained on instead of ``data_path``'s rows: a ``torch.utils.data.IterableDataset``
     or a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) whose items the collator gets
