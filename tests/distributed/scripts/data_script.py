@@ -6,6 +6,7 @@ collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``
 
 - ``stream``: a torch ``IterableDataset`` defined here (24 items; a step takes 8), ``max_steps=5``: the
   stream runs out after 3 steps and is iterated again (its ``set_epoch`` records each pass).
+- ``hfstream``: the same items as a ``datasets`` stream (``Dataset.to_iterable_dataset()``, torch format).
 - ``sampler``: a map-style ``Dataset`` and a Trainer subclass whose ``_get_train_sampler`` returns a custom
   curriculum sampler (a fixed order); the override records ``OUT/sampler-rank<RANK>.txt`` where it runs.
 - ``loader``: a Trainer subclass whose ``get_train_dataloader`` builds its own ``DataLoader`` (batch size 3,
@@ -114,7 +115,7 @@ args = TrainingArguments(
     output_dir=str(out),
     per_device_train_batch_size=2,
     gradient_accumulation_steps=2,
-    max_steps=5 if kind == "stream" else -1,
+    max_steps=5 if kind.endswith("stream") else -1,
     num_train_epochs=2,
     logging_steps=1,
     save_strategy="steps",
@@ -127,11 +128,18 @@ args = TrainingArguments(
     remove_unused_columns=False,
     seed=3,
 )
-trainer_cls = {"stream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
+if kind == "hfstream":
+    import datasets
+
+    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()} for i in range(COUNT)]
+    train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
+else:
+    train_dataset = Stream() if kind == "stream" else Items()
+trainer_cls = {"stream": Trainer, "hfstream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
 trainer = trainer_cls(
     model=model,
     args=args,
-    train_dataset=Stream() if kind == "stream" else Items(),
+    train_dataset=train_dataset,
     data_collator=Collator(),
 )
 result = trainer.train()
