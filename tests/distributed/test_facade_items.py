@@ -5,7 +5,8 @@ styles on 2 gloo ranks, against transformers.Trainer under torchrun (``scripts/i
   collator, resized embeddings): under the facade the collator must get tensors, as under Trainer.
 - ``classify``: ``BertForSequenceClassification`` on its own loss, ``DataCollatorWithPadding``, accuracy in
   ``compute_metrics``, ``EarlyStoppingCallback`` on ``eval_accuracy``: the same global step (the early stop),
-  log steps, metric keys and checkpoints as Trainer.
+  log steps, metric keys and checkpoints as Trainer, and the same ``eval_loss`` of the untrained model
+  (``evaluate()`` before training: 21 items, 5 per batch on 2 ranks, a padded last batch).
 """
 
 from __future__ import annotations
@@ -61,13 +62,9 @@ def test_items_reach_the_scripts_collator_as_under_trainer(kind: str, tmp_path: 
     if kind == "classify":
         assert reference["global_step"] == 8  # stopped early at the 2nd evaluation (of 48 steps)
         assert ["eval_accuracy" in keys for _, keys in reference["eval_steps"]] == [True, True]
-
-
-def test_eval_loss_is_trainers_with_a_padded_last_batch(tmp_path: Path) -> None:
-    """The untrained classifier's ``evaluate()``: 21 items, 5 per batch on 2 ranks.  Trainer's eval batches
-    (accelerate's ``even_batches``: the last one completed with the first items), each batch's loss with
-    ``num_items_in_batch`` over the ranks and the world-size scale, weighted by its real items."""
-    reference = _run(tmp_path / "real", "evaluate", "torchrun", real=True)["metrics"]
-    ours = _run(tmp_path / "in_place", "evaluate", "torchrun")["metrics"]
-    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
-    assert ours["eval_accuracy"] == reference["eval_accuracy"]
+        # evaluate() of the untrained classifier: Trainer's eval batches (accelerate's even_batches, the last one
+        # completed with the first items), each batch's loss with num_items_in_batch over the ranks and the
+        # world-size scale, weighted by its real items
+        for ours in (in_place, launched):
+            assert ours["before"]["eval_loss"] == pytest.approx(reference["before"]["eval_loss"], rel=1e-6)
+            assert ours["before"]["eval_accuracy"] == reference["before"]["eval_accuracy"]

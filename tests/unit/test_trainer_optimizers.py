@@ -192,3 +192,91 @@ def test_super_create_optimizer_builds_the_default(bert_classifier: Path, tmp_pa
     assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [0.123, 0.123]
     with pytest.raises(ValueError, match="runs in the workers"):
         trainer.create_optimizer()
+
+
+class BothTrainer(Trainer):
+    steps_seen: list[int] = []
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        type(self).steps_seen.append(num_training_steps)
+        self.optimizer = torch.optim.SGD(self.model.classifier.parameters(), lr=0.4)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1 - s / num_training_steps)
+
+
+class BothSuperTrainer(Trainer):
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        super().create_optimizer_and_scheduler(num_training_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.321
+
+
+def test_a_subclass_create_optimizer_and_scheduler_runs_with_the_runs_steps(bert_classifier: Path, tmp_path: Path):
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    BothTrainer.steps_seen.clear()
+    components, _ = _run(bert_classifier, tmp_path, BothTrainer(model=model, args=hf)._optimizer_factory)
+    assert BothTrainer.steps_seen == [2]
+    used, module = components.engine.optimizer, components.engine.module
+    assert type(used) is torch.optim.SGD
+    assert {id(p) for p in used.param_groups[0]["params"]} == {id(p) for p in module.classifier.parameters()}
+    assert type(components.engine.lr_scheduler) is torch.optim.lr_scheduler.LambdaLR
+    assert used.param_groups[0]["lr"] == pytest.approx(0.0)  # 1 - 2/2 after the run's 2 steps
+
+    (tmp_path / "super").mkdir()
+    components, _ = _run(bert_classifier, tmp_path / "super", BothSuperTrainer(model=model, args=hf)._optimizer_factory)
+    used = components.engine.optimizer
+    assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [0.321, 0.321]
+    assert components.engine.lr_scheduler is not None  # lr_scheduler_type's, built over the chosen optimizer
+
+
+def _in_place(bert_classifier: Path, tmp_path: Path, momentum: float = 0.9) -> tuple[Any, Any, Any, Any]:
+    from trainbridge.trainer.optimizers import optimizer_factory
+
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=hf)
+    return model, optimizer, scheduler, optimizer_factory(trainer, (optimizer, scheduler), None, in_place=True)
+
+
+def test_in_place_the_scripts_model_optimizer_and_scheduler_objects_train(bert_classifier: Path, tmp_path: Path):
+    model, optimizer, scheduler, factory = _in_place(bert_classifier, tmp_path)
+    args = TrainingArgs(
+        model_path=bert_classifier,
+        model_init=factory.model_init,
+        data_path=_rows(tmp_path / "train.jsonl", 32),
+        ckpt_output_dir=tmp_path / "out",
+        effective_batch_size=8,
+        per_device_batch_size=8,
+        max_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        optimizer_factory=factory,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    components = build_run(args, DistributedEnv())
+    TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    assert components.engine.unwrapped is model
+    assert components.engine.optimizer is optimizer and components.engine.lr_scheduler is scheduler
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert len(optimizer.state) > 0 and scheduler.last_epoch == 2
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    with pytest.raises(TypeError, match="cannot be sent"):
+        cloudpickle.dumps(factory)
+
+
+def test_in_place_groups_follow_parameters_an_engine_replaced(bert_classifier: Path, tmp_path: Path) -> None:
+    import copy
+
+    model, optimizer, _, factory = _in_place(bert_classifier, tmp_path)
+    replaced = copy.deepcopy(model)  # FSDP2 replaces the parameters by sharded ones of the same names
+    assert factory.optimizer(replaced, [], None, 2) is optimizer
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in replaced.parameters()]
+
+    model, optimizer, _, factory = _in_place(bert_classifier, tmp_path)
+    loss = model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([1])).loss
+    loss.backward()
+    optimizer.step()  # state for the script's parameters, which the engine would replace
+    with pytest.raises(RuntimeError, match="already holds state"):
+        factory.optimizer(copy.deepcopy(model), [], None, 2)

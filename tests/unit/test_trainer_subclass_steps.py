@@ -320,3 +320,14 @@ def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
     hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match=r"overrides evaluate\(\).*put extra metrics into compute_metrics"):
         Evaluating(model=torch.nn.Linear(2, 2), args=hf_args)
+
+
+def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_classifier, tmp_path):
+    with pytest.raises(ValueError, match=r"train_step: the step factory .* would never run"):
+        TrainingArgs(
+            model_path=bert_classifier,
+            data_path=_rows(tmp_path / "train.jsonl", 8, 1),
+            ckpt_output_dir=tmp_path / "out",
+            train_step=len,
+            trainer_methods=_methods(SuperStep, tmp_path),
+        )

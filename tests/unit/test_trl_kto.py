@@ -157,3 +157,36 @@ def test_a_peft_policy_is_its_own_reference_with_the_adapter_disabled(
     assert abs(second["loss"] - 0.5) > 1e-4  # the trained adapter against the base, not against itself
     files = {p.name for p in (tmp_path / "out" / "checkpoint-2").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
+
+
+def test_precomputed_reference_columns_equal_trls(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trl = TrlKTOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        ref_model=copy.deepcopy(ref),
+        args=_config(tmp_path / "trl", precompute_ref_log_probs=True),
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    config = _config(tmp_path / "out", precompute_ref_log_probs=True, max_steps=2)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    trainer = KTOTrainer(
+        model=str(tiny_llama),
+        ref_model=ref,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    theirs = trl.train_dataset  # trl scores the reference in its constructor
+    for column in ("ref_logps", "ref_KL_logps"):
+        assert trainer.train_dataset[column] == pytest.approx(theirs[column], rel=1e-4, abs=1e-4), column
+    trainer.train()
+    assert [row["step"] for row in trainer.state.log_history if "loss" in row] == [1, 2]

@@ -22,6 +22,7 @@ from trl.experimental.orpo import ORPOTrainer as TrlORPOTrainer
 
 from trainbridge import CPOTrainer, ORPOTrainer
 from trainbridge.trl.pair_scores import PairScores, score_pairs
+from trainbridge.trl.reference_free_data import COLUMNS as REFERENCE_FREE_COLUMNS
 from trainbridge.trl.reference_free_data import prepare_reference_free_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
 from trainbridge.trl.reference_free_step import LabelledPairBatches
@@ -214,3 +215,15 @@ def test_in_place_run_logs_trls_keys_and_first_step_loss(
     logits_differ = {"logits/chosen", "logits/rejected"}  # trl's include pad positions
     for key in [*PAIR_KEYS, *(k for k in plan.loss.rank_keys if k not in logits_differ)]:
         assert first[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_the_workers_model_has_no_dropout_unless_asked(disable: bool) -> None:
+    """trl's ``disable_dropout`` (default True) reaches the model each worker trains, however it was given."""
+    from trainbridge.trl.reference_free_step import ReferenceFreeStepFactory
+
+    pairs = datasets.Dataset.from_dict({key: [[1, 2, 3]] * 2 for key in REFERENCE_FREE_COLUMNS})
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3))
+    factory = ReferenceFreeStepFactory(pairs, ORPOLoss(), 1, 1, disable_dropout=disable)
+    factory(model, None, SimpleNamespace(), SimpleNamespace(world_size=1, rank=0))
+    assert model[1].p == (0.0 if disable else 0.3)

@@ -1,17 +1,19 @@
 """``CheckpointManager``: the checkpoints of one run: saving and publishing them, rotation, resume.
 
 A checkpoint ``output_dir/checkpoint-{global_step}/`` (every file is named in ``checkpoint.layout``)
-holds the model in Hugging Face layout, loadable with ``from_pretrained`` (for a PEFT model its adapter,
+holds the model's files, as the run's ``ModelFiles`` writes them (``checkpoint.model_files``; by default
+the model in Hugging Face layout, loadable with ``from_pretrained`` (for a PEFT model its adapter,
 in PEFT's layout: only the adapter's weights are gathered, never the frozen base) and the tokenizer
-files; ``training_state.json`` (the loop's counters, sampler position and callback states); each rank's
+files); ``training_state.json`` (the loop's counters, sampler position and callback states); each rank's
 RNG states; the engine's optimizer and scheduler state (``checkpoint.engine_state``); any
 ``extra_files`` (e.g. the ``trainer_state.json`` of ``HuggingFaceCallbacks``); ``manifest.json`` (every file's size and
 SHA-256, the run's fingerprint) and ``COMPLETE``, written last, after every file was fsynced.
 
 The checkpoint's ``dcp/`` also holds the model's own weights, in their training dtype, whenever the
 HF-layout files are not those weights: always under FSDP2 (each rank writes and, at resume, reads only
-its shards), and under DDP / one process when the export dtype (``checkpoint_weights_dtype``; by default
-the original checkpoint's, e.g. bf16 for fp32 training) is lower than the parameters'.  Resume then
+its shards), under a ``ModelFiles`` that ``keeps_model_state``, and under DDP / one process when the
+export dtype (``checkpoint_weights_dtype``; by default the original checkpoint's, e.g. bf16 for fp32
+training) is lower than the parameters'.  Resume then
 loads the weights from ``dcp/`` and is exact.
 
 Atomicity: everything is written into a temporary folder (``checkpoint.folders``), the ranks agree that
@@ -49,15 +51,11 @@ from trainbridge.checkpoint.folders import (
 )
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, MERGED_DIR, OWNER_FILE, TRAINING_STATE_FILE
 from trainbridge.checkpoint.manifest import write_manifest
+from trainbridge.checkpoint.model_files import HFModelFiles, ModelFiles
 from trainbridge.checkpoint.resume import choose_resume, latest_verified, load_checkpoint, require_own_checkpoint
 from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
-from trainbridge.checkpoint.weights import (
-    fill_tied_weights,
-    load_model_weights,
-    read_safetensors_weights,
-    write_model_files,
-)
+from trainbridge.checkpoint.weights import fill_tied_weights, load_model_weights, read_safetensors_weights
 from trainbridge.checkpoint.weights_dtype import exports_lossy
 from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import checkpoint_dir
@@ -115,6 +113,7 @@ class CheckpointManager:
         weights_dtype: torch.dtype | None = None,
         allow_unverified: bool = False,
         share_with_group: bool = False,
+        model_files: ModelFiles | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
@@ -130,6 +129,8 @@ class CheckpointManager:
         """Use checkpoints without a manifest or with unlisted files (``resume_allow_unverified``)."""
         self.share_with_group = share_with_group
         """Checkpoints readable by the run folder's group (0750/0640); by default private (0700/0600)."""
+        self.model_files: ModelFiles = model_files if model_files is not None else HFModelFiles()
+        """What writes the model part of each checkpoint (``checkpoint.model_files``)."""
         self._published: set[Path] = set()
         """Checkpoints this manager published (trusted without verifying them again)."""
 
@@ -176,16 +177,29 @@ class CheckpointManager:
         full_state = engine.full_model_state_dict(adapter_weight_names(engine.unwrapped))
         error: BaseException | None = None
         try:
-            if self.env.is_world_process_zero:
-                self._write_rank_zero_files(engine, tokenizer, tmp, full_state, training_state, extra_files or {})
+            self.model_files.write(
+                engine.unwrapped,
+                tmp,
+                global_step,
+                full_state,
+                tokenizer,
+                self.weights_dtype,
+                self.env.is_world_process_zero,
+            )
             del full_state
+            if self.env.is_world_process_zero:
+                self._write_rank_zero_files(tmp, training_state, extra_files or {})
             save_rng(tmp, self.env)
         except Exception as exc:
             error = exc
         self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
 
         peft = is_peft_model(engine.unwrapped)
-        model_state = not peft and (engine.sharded_model or exports_lossy(engine.unwrapped, self.weights_dtype))
+        model_state = not peft and (
+            engine.sharded_model
+            or self.model_files.keeps_model_state
+            or exports_lossy(engine.unwrapped, self.weights_dtype)
+        )
         background_write = None
         try:
             background_write = save_engine_state(engine, tmp, model_state=model_state, background=background)
@@ -223,19 +237,8 @@ class CheckpointManager:
         return final
 
     def _write_rank_zero_files(
-        self,
-        engine: TrainingEngine,
-        tokenizer: Any,
-        tmp: Path,
-        full_state: dict[str, torch.Tensor] | None,
-        training_state: dict[str, Any],
-        extra_files: dict[str, str | bytes],
+        self, tmp: Path, training_state: dict[str, Any], extra_files: dict[str, str | bytes]
     ) -> None:
-        if full_state is None:
-            raise CheckpointError(f"{type(engine).__name__}.full_model_state_dict() returned None on rank 0")
-        write_model_files(engine.unwrapped, tmp, full_state, self.weights_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
         try:
             text = json.dumps(training_state, indent=2, sort_keys=True)
         except (TypeError, ValueError) as exc:

@@ -157,6 +157,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
             share_with_group=args.share_run_dir_with_group,
+            model_files=args.checkpoint_model_files,
         ),
         max_steps=max_steps,
         num_parameters=num_parameters,

@@ -39,7 +39,7 @@ def build_engine(
         compile_decoder_layers(model)
     if env.world_size == 1:
         cast(nn.Module, model).to(env.device)
-        optimizer = build_optimizer(model, args, decay_names)
+        optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
         return LocalEngine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
     if backend == "ddp":
         return build_ddp(model, args, env, total_steps, decay_names)

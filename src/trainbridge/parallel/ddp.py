@@ -56,5 +56,5 @@ def build_ddp(
         # buffers (rotary frequencies, masks) are constants, never updated by training.
         broadcast_buffers=False,
     )
-    optimizer = build_optimizer(model, args, decay_names)
+    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
     return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)

@@ -227,7 +227,7 @@ def build_deepspeed(
     optimizer = (
         _deepspeed_fused_adam(deepspeed, model, args, decay_names)
         if env.device.type == "cuda"
-        else build_optimizer(model, args, decay_names, allow_fused=False)
+        else build_optimizer(model, args, decay_names, allow_fused=False, total_steps=total_steps)
     )
     # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
     scheduler = build_scheduler(optimizer, args, total_steps)

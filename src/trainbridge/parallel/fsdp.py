@@ -211,7 +211,7 @@ def build_fsdp(
     if weights_from_rank0:
         _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
-    optimizer = build_optimizer(model, args, decay_names)
+    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
     return FSDP2Engine(
         model,
         model,

@@ -40,7 +40,7 @@ def parameter_groups(model: nn.Module, args: TrainingArgs, decay_names: set[str]
 
 
 def build_optimizer(
-    model: nn.Module, args: TrainingArgs, decay_names: set[str], allow_fused: bool = True
+    model: nn.Module, args: TrainingArgs, decay_names: set[str], allow_fused: bool = True, total_steps: int = 0
 ) -> torch.optim.Optimizer:
     """``args.optim`` over ``model``'s trainable parameters in two groups (``parameter_groups``), with
     ``args.learning_rate``, the Adam betas/epsilon where the optimizer takes them, and ``args.optim_args``.
@@ -51,7 +51,7 @@ def build_optimizer(
     shard-locally); ``adamw_torch_fused`` asks for it.  The others follow Trainer's
     ``get_optimizer_cls_and_kwargs``: transformers' Adafactor with a fixed learning rate, torch SGD,
     bitsandbytes' AdamW / Lion (8-bit or 32-bit state, paged), the ``schedulefree`` optimizers (put in
-    training mode).
+    training mode).  ``total_steps`` (the run's optimizer steps) is passed on to ``args.optimizer_factory``.
     """
     groups = parameter_groups(model, args, decay_names)
     if args.optimizer_factory is not None:  # the script's own optimizer (TrainingArgs.optimizer_factory)
@@ -59,7 +59,7 @@ def build_optimizer(
         def default() -> torch.optim.Optimizer:
             return build_optimizer(model, args.model_copy(update={"optimizer_factory": None}), decay_names, allow_fused)
 
-        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups, default))
+        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups, default, total_steps))
     name, extra = args.optim, dict(args.optim_args)
     lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     if name in ("adamw_torch", "adamw_torch_fused"):

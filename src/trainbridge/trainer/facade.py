@@ -105,8 +105,9 @@ class Trainer:
         self.torchrun_args = torchrun_args
         script_data.check_stream_steps(train_dataset, args)
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
-        # optimizers= / optimizer_cls_and_kwargs=: rebuilt in the workers (trainer.optimizers)
-        self._optimizer_factory = optimizer_factory(self, optimizers, optimizer_cls_and_kwargs)
+        # optimizers= (in place under the script's launcher, else rebuilt in the workers) /
+        # optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
+        self._optimizer_factory = optimizer_factory(self, optimizers, optimizer_cls_and_kwargs, launched_worker())
         self._fallback_tokenizer: Any = None
         self.state = TrainerState()
         self._script_events = ScriptEvents()
@@ -172,6 +173,12 @@ class Trainer:
                 raise UnsupportedTrainerFeatureError("create_optimizer runs in the workers, inside train()")
             self.optimizer = vars(self)["_default_optimizer"]()
         return self.optimizer
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """``Trainer.create_optimizer_and_scheduler``: called in the workers when a subclass overrides it, with
+        the run's optimizer steps; the default is ``create_optimizer()`` then ``create_scheduler()``."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """``Trainer.create_scheduler``: called in the workers after ``create_optimizer``; ``super()`` sets
@@ -365,33 +372,64 @@ class Trainer:
         )
 
     # ================================================================== saving
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint``: in a worker at a checkpoint (``trainer.save_overrides``), its model part:
+        ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
+        writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
+        if "_checkpoint_write" not in vars(self):
+            raise UnsupportedTrainerFeatureError("_save_checkpoint runs in the workers, at each checkpoint")
+        self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """``Trainer._get_output_dir``: ``args.output_dir`` (no hyper-parameter search)."""
+        return str(getattr(self.args, "output_dir", None) or self.output_dir)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the model (HF layout), tokenizer and ``training_args.bin`` to ``output_dir``."""
+        """Write the model (HF layout), tokenizer and ``training_args.bin`` to ``output_dir`` through
+        ``self._save``, as Trainer (every rank calls it; after training in place the weights are gathered
+        first, collectively).  In a worker at a checkpoint (``trainer.save_overrides``) ``output_dir`` is the
+        checkpoint being written and ``state_dict`` its gathered weights."""
+        writing = vars(self).get("_checkpoint_write")
+        if writing is not None:
+            self._save(output_dir, state_dict=writing.state)
+            return
+        state = self._loop.engine.full_model_state_dict() if self._loop is not None else None
+        self._save(output_dir, state_dict=state)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """``Trainer._save``: rank 0 writes the model's weights (``state_dict`` when given), its tokenizer and
+        ``training_args.bin`` into ``output_dir``; in a worker at a checkpoint, the checkpoint's model files."""
         target = Path(output_dir) if output_dir is not None else self.output_dir
+        writing = vars(self).get("_checkpoint_write")
+        if writing is not None:
+            writing.default_save(target, state_dict, self.args)
+            return
+        if not self.is_world_process_zero():
+            return
         if self._loop is not None:
-            jobs.export_model(self._loop, target)
-        elif self.is_world_process_zero():
+            model = self._loop.engine.unwrapped
+        else:
             if self.model is None and self._model_source is not None:
                 from trainbridge.modeling.load import load_saved_model
 
                 self.model = load_saved_model(self._model_source)
-            target.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(target)
-            tokenizer = self.processing_class or self._tokenizer()
-            from transformers.tokenization_utils_base import TOKENIZER_CONFIG_FILE
+            model = self.model
+        target.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(target, state_dict=state_dict)
+        tokenizer = self.processing_class or self._tokenizer()
+        from transformers.tokenization_utils_base import TOKENIZER_CONFIG_FILE
 
-            if (
-                tokenizer is None
-                and self._model_source is not None
-                and (self._model_source / TOKENIZER_CONFIG_FILE).is_file()
-            ):
-                from transformers import AutoTokenizer
+        if (
+            tokenizer is None
+            and self._model_source is not None
+            and (self._model_source / TOKENIZER_CONFIG_FILE).is_file()
+        ):
+            from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
-            if tokenizer is not None:
-                tokenizer.save_pretrained(target)
-        if self.is_world_process_zero():
-            torch.save(self.args, target / TRAINING_ARGS_FILE)
+            tokenizer = AutoTokenizer.from_pretrained(self._model_source)  # SFTTrainer loads it from the model
+        if tokenizer is not None:
+            tokenizer.save_pretrained(target)
+        torch.save(self.args, target / TRAINING_ARGS_FILE)
 
     def save_state(self) -> None:
         """Write ``trainer_state.json`` to ``output_dir`` (rank 0)."""

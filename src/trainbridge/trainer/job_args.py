@@ -14,7 +14,9 @@ import torch
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.hf.handler import is_hf_callback
+from trainbridge.trainer.optimizers import script_model
 from trainbridge.trainer.run_folder import RunLayout
+from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.script_data import dataset_transforms
 from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
 from trainbridge.trainer.subclass_data import subclass_loader
@@ -52,6 +54,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "trainer_methods": subclass_loss(trainer),
         "optimizer_factory": trainer._optimizer_factory,
+        "model_init": script_model(trainer._optimizer_factory),  # optimizers= in place: the script's model
+        "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
         "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
         "train_loader": subclass_loader(trainer),  # a subclass's get_train_dataloader / _get_train_sampler
@@ -128,10 +132,14 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
 
 
 def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool, dataset: Any = None) -> TrainingArgs:
-    """``args`` for one evaluation of ``dataset`` (no training, checkpoints, callbacks or reports) writing into
-    ``output_dir``; ``keep_predictions`` (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
+    """``args`` for one evaluation of ``dataset`` (no training, checkpoints, callbacks or reports, no optimizer
+    of the script's: the model the run folder holds) writing into ``output_dir``; ``keep_predictions``
+    (``predict()``) with no ``compute_metrics`` gets ``no_metrics``."""
     updates: dict[str, Any] = {
         "dataset_transforms": dataset_transforms(None, dataset),
+        "optimizer_factory": None,
+        "model_init": None,
+        "checkpoint_model_files": None,
         "eval_strategy": "no",
         "save_strategy": "no",
         "load_best_model_at_end": False,

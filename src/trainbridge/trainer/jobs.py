@@ -136,6 +136,8 @@ def _train_in_place(trainer: Trainer, resume: Any) -> JobOutcome:
 def _take_trained_weights(trainer: Trainer, outcome: JobOutcome) -> None:
     """In place: ``trainer.model`` gets the loop's trained weights (the same object, as under Trainer)."""
     unwrapped = outcome.loop.engine.unwrapped
+    if unwrapped is trainer.model:  # optimizers= in place: the job trained the script's model itself
+        return
     if trainer.model is None or not hasattr(trainer.model, "load_state_dict"):
         trainer.model = unwrapped
         return
@@ -188,4 +190,7 @@ def _load_weights(trainer: Trainer, folder: Path) -> None:
         return
     state = read_safetensors_weights(folder)
     fill_tied_weights(state, trainer.model)
+    if set(trainer.model.state_dict()) - set(state):
+        # saved under transformers' checkpoint names, not the modules' (ViT in transformers 5): its loader maps them
+        state = type(trainer.model).from_pretrained(str(folder)).state_dict()
     trainer.model.load_state_dict(state, strict=False)

@@ -1,11 +1,22 @@
-"""A script's own optimizer and schedule, rebuilt in the workers: ``TrainingArgs.optimizer_factory`` of a facade job.
+"""A script's own optimizer and schedule in the workers: ``TrainingArgs.optimizer_factory`` of a facade job.
 
 ``ClassAndKwargs`` is ``optimizer_cls_and_kwargs=(cls, kwargs)``: ``cls(groups, **kwargs)`` over Trainer's two
-weight-decay groups.  ``Rebuilt`` is ``optimizers=(optimizer, scheduler)``: the optimizer's class, its
-``defaults`` and each parameter group's hyperparameters, the group's parameters matched to the worker model's
-by name; the scheduler's class called with the constructor arguments read back from its attributes
-(``LambdaLR``'s lambdas travel by value, with cloudpickle).  Both are built fresh in every worker, in both
-launch styles, so optimizer state starts empty as it does under Trainer at step 0.
+weight-decay groups.  ``optimizers=(optimizer, scheduler)`` takes one of two forms, chosen when the Trainer
+is built:
+
+- ``InPlace`` under the script's launcher (``torchrun script.py``: the job runs in this process): the job
+  trains the script's model object itself (``model_init``) and the script's optimizer and scheduler objects
+  step it, as under Trainer.  The engine wraps the model first (DDP keeps its parameters; FSDP2 replaces them
+  by sharded ones), then each parameter group is pointed at the model's parameters of the same names, as
+  accelerate does for FSDP2: the script's ``optimizer.param_groups`` and ``optimizer.state`` are the live ones.
+- ``Rebuilt`` in a self-launched run (plain ``python``): the optimizer's class, its ``defaults`` and each
+  parameter group's hyperparameters, the group's parameters matched to the worker model's by name; the
+  scheduler's class called with the constructor arguments read back from its attributes (``LambdaLR``'s
+  lambdas travel by value, with cloudpickle).  Built fresh in every worker, so optimizer state starts empty
+  as it does under Trainer at step 0.
+
+``SubclassOptimizer`` runs a subclass's ``create_optimizer``/``create_scheduler`` (or
+``create_optimizer_and_scheduler``) in each worker, over any of the above.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ class ClassAndKwargs:
     def __init__(self, cls: type, kwargs: dict[str, Any]) -> None:
         self.cls, self.kwargs = cls, dict(kwargs)
 
-    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
+    def optimizer(
+        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
+    ) -> torch.optim.Optimizer:
         return self.cls(groups, **self.kwargs)  # type: ignore[no-any-return]
 
     def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
@@ -42,32 +55,22 @@ class Rebuilt:
                 "optimizers=(None, scheduler): a scheduler needs the optimizer it drives; pass both, or set "
                 "lr_scheduler_type in the TrainingArguments"
             )
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                "optimizers=: the optimizer's parameters are matched to the Trainer's model by name; pass model="
-            )
-        names = {id(p): n for n, p in model.named_parameters()}
         self.cls = type(optimizer)
         self.defaults = dict(optimizer.defaults)
         self.groups: list[tuple[list[str], dict[str, Any]]] = []
-        for group in optimizer.param_groups:
-            unknown = [p for p in group["params"] if id(p) not in names]
-            if unknown:
-                raise ValueError(
-                    f"optimizers=: {len(unknown)} parameter(s) of the optimizer's groups are not parameters of the "
-                    "Trainer's model (build the optimizer on trainer's model, e.g. model.parameters(), after any "
-                    "change to it such as get_peft_model)"
-                )
+        for group, names in zip(optimizer.param_groups, group_parameter_names(model, optimizer), strict=True):
             hyper = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
             if "initial_lr" in group:  # a scheduler already scaled 'lr': the worker's scheduler does it again
                 hyper["lr"] = group["initial_lr"]
-            self.groups.append(([names[id(p)] for p in group["params"]], hyper))
+            self.groups.append((names, hyper))
         self.scheduler_cls: type | None = None
         self.scheduler_kwargs: dict[str, Any] = {}
         if scheduler is not None:
             self.scheduler_cls, self.scheduler_kwargs = _scheduler_spec(scheduler)
 
-    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
+    def optimizer(
+        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
+    ) -> torch.optim.Optimizer:
         params = dict(model.named_parameters())
         missing = sorted({n for names, _ in self.groups for n in names} - set(params))
         if missing:
@@ -82,6 +85,80 @@ class Rebuilt:
         if self.scheduler_cls is None:
             return None
         return self.scheduler_cls(optimizer, **self.scheduler_kwargs)
+
+
+def group_parameter_names(model: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names in ``model`` of each parameter group's parameters; refused, saying what to do, when a
+    parameter is not one of the model's."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            "optimizers=: the optimizer's parameters are matched to the Trainer's model by name; pass model="
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(
+                f"optimizers=: {len(unknown)} parameter(s) of the optimizer's groups are not parameters of the "
+                "Trainer's model (build the optimizer on trainer's model, e.g. model.parameters(), after any "
+                "change to it such as get_peft_model)"
+            )
+        found.append([names[id(p)] for p in group["params"]])
+    return found
+
+
+class InPlace:
+    """``optimizers=(optimizer, scheduler)`` under the script's launcher: the script's own objects, stepping
+    the script's own model (see the module doc).  Never leaves the script's process."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+        if optimizer is None:
+            raise ValueError(
+                "optimizers=(None, scheduler): a scheduler needs the optimizer it drives; pass both, or set "
+                "lr_scheduler_type in the TrainingArguments"
+            )
+        self.model = model
+        self.names = group_parameter_names(model, optimizer)
+        self.script_optimizer = optimizer
+        self.script_scheduler = scheduler
+
+    def model_init(self) -> nn.Module:
+        """The job's model: the script's own object (``TrainingArgs.model_init`` of the in-place train job)."""
+        return self.model
+
+    def optimizer(
+        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
+    ) -> torch.optim.Optimizer:
+        """The script's optimizer, each group pointed at ``model``'s parameters of the same names (the same
+        objects under DDP and on one process; FSDP2's sharded ones)."""
+        params = dict(model.named_parameters())
+        optimizer = self.script_optimizer
+        for group, names in zip(optimizer.param_groups, self.names, strict=True):
+            missing = [n for n in names if n not in params]
+            if missing:
+                raise RuntimeError(
+                    f"optimizers=: the trained model has no parameter(s) {missing[:3]} that the script's optimizer "
+                    "holds (was the model changed after the optimizer was built, e.g. by peft_config?)"
+                )
+            moved = [p for n, p in zip(names, group["params"], strict=True) if params[n] is not p]
+            if any(p in optimizer.state for p in moved):
+                raise RuntimeError(
+                    "optimizers=: the script's optimizer already holds state for parameters that the engine "
+                    "replaced (FSDP2 shards them); pass an optimizer that has not stepped yet"
+                )
+            group["params"] = [params[n] for n in names]
+        return optimizer
+
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
+        """The script's scheduler (None: ``lr_scheduler_type``'s over the script's optimizer)."""
+        return self.script_scheduler
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "optimizers=: the script's optimizer is used in place under the script's launcher and cannot be "
+            "sent to other processes"
+        )
 
 
 def _scheduler_spec(scheduler: Any) -> tuple[type, dict[str, Any]]:
@@ -107,21 +184,30 @@ def _scheduler_spec(scheduler: Any) -> tuple[type, dict[str, Any]]:
 
 
 class SubclassOptimizer:
-    """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler``: called in each worker on the
-    worker-side instance (``trainer.subclass``) with ``self.model`` the worker's model; ``super()`` builds
-    what ``optim`` / ``lr_scheduler_type`` (or the script's ``optimizers=``, ``inner``) would."""
+    """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler`` or
+    ``create_optimizer_and_scheduler``: called in each worker on the worker-side instance
+    (``trainer.subclass``) with ``self.model`` the worker's model; ``super()`` builds what ``optim`` /
+    ``lr_scheduler_type`` (or the script's ``optimizers=``, ``inner``) would.  ``create_optimizer_and_scheduler``
+    runs when the engine builds the optimizer, with the run's optimizer steps; a schedule its ``super()``
+    leaves to Trainer's default is built right after, over the optimizer it chose."""
 
-    def __init__(self, worker: Any, inner: Any) -> None:
-        self.worker, self.inner = worker, inner
+    def __init__(self, worker: Any, inner: Any, both: bool = False) -> None:
+        self.worker, self.inner, self.both = worker, inner, both
 
-    def optimizer(self, model: nn.Module, groups: list[dict[str, Any]], default: Any) -> torch.optim.Optimizer:
+    def optimizer(
+        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
+    ) -> torch.optim.Optimizer:
         instance = self.worker.trainer(model)
         instance.optimizer, instance.lr_scheduler = None, None
         if self.inner is not None:
-            instance._default_optimizer = lambda: self.inner.optimizer(model, groups, default)
+            instance._default_optimizer = lambda: self.inner.optimizer(model, groups, default, total_steps)
         else:
             instance._default_optimizer = default
-        instance.create_optimizer()
+        if self.both:
+            instance._default_scheduler = lambda chosen: None  # built in scheduler(), where the default is known
+            instance.create_optimizer_and_scheduler(num_training_steps=total_steps)
+        else:
+            instance.create_optimizer()
         if not isinstance(instance.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"{type(instance).__name__}.create_optimizer() left self.optimizer as "
@@ -137,27 +223,42 @@ class SubclassOptimizer:
             )
         else:
             instance._default_scheduler = default
+        if self.both:
+            if instance.lr_scheduler is None:
+                instance.lr_scheduler = instance._default_scheduler(optimizer)
+            return instance.lr_scheduler
         instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
         return instance.lr_scheduler
 
 
-def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
+def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, in_place: bool) -> Any:
     """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
-    and a subclass's ``create_optimizer`` / ``create_scheduler``, or None when it has none of them."""
+    and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
+    None when it has none of them.  ``in_place``: the Trainer runs under the script's launcher."""
     from trainbridge.trainer.subclass import overrides, script_trainer
 
-    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs)
-    if not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
+    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs, in_place)
+    both = overrides(type(trainer), ("create_optimizer_and_scheduler",))
+    if not both and not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
         return inner
-    return SubclassOptimizer(script_trainer(trainer), inner)
+    return SubclassOptimizer(script_trainer(trainer), inner, both)
 
 
-def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
+def script_model(factory: Any) -> Any:
+    """The ``model_init`` of a train job whose ``optimizer_factory`` is ``factory``: the script's model object
+    when the script's optimizer steps it in place (``InPlace``, also under a ``SubclassOptimizer``), else None."""
+    inner = factory.inner if isinstance(factory, SubclassOptimizer) else factory
+    return inner.model_init if isinstance(inner, InPlace) else None
+
+
+def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, in_place: bool) -> Any:
     optimizer, scheduler = tuple(optimizers or (None, None))
     if optimizer is not None or scheduler is not None:
         if optimizer_cls_and_kwargs is not None:
             raise ValueError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
-        return Rebuilt(trainer.model, optimizer, scheduler)
+        return (
+            InPlace(trainer.model, optimizer, scheduler) if in_place else Rebuilt(trainer.model, optimizer, scheduler)
+        )
     if optimizer_cls_and_kwargs is not None:
         cls, kwargs = optimizer_cls_and_kwargs
         return ClassAndKwargs(cls, kwargs)

@@ -16,7 +16,9 @@ What runs there:
   ``compute_loss``, or has a ``compute_loss_func``; ``super()`` runs Trainer's (``worker_methods``);
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``: training, evaluation and the final
   logs), before the other callbacks see the logs, so what the override adds lands;
-- ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers.SubclassOptimizer``).
+- ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``
+  (``trainer.optimizers.SubclassOptimizer``);
+- ``_save`` / ``save_model`` / ``_save_checkpoint`` at each checkpoint (``trainer.save_overrides``).
 
 Overrides of the methods in ``UNHONOURED`` are refused at construction (``unhonoured_overrides``).
 """
@@ -37,13 +39,9 @@ from trainbridge.core.context import TrainingContext
 UNHONOURED = (
     "evaluate",
     "evaluation_loop",
-    "create_optimizer_and_scheduler",
     "get_eval_dataloader",
     "get_test_dataloader",
     "_get_eval_sampler",
-    "_save",
-    "_save_checkpoint",
-    "save_model",
     "_maybe_log_save_evaluate",
     "_inner_training_loop",
     "_prepare_inputs",
@@ -280,11 +278,24 @@ class ScriptTrainerEvents(Callback):
             logs.update(logged)
 
 
+WORKER_METHODS = (
+    "log",
+    "create_optimizer",
+    "create_scheduler",
+    "create_optimizer_and_scheduler",
+    "_save",
+    "save_model",
+    "_save_checkpoint",
+)
+"""Besides ``STEP_METHODS``, the overrides that run on the worker-side instance (``trainer.optimizers``,
+``trainer.save_overrides``)."""
+
+
 def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers or
     it has a ``compute_loss_func``, else None."""
     cls = type(trainer)
-    if not overrides(cls, (*STEP_METHODS, "log", "create_optimizer", "create_scheduler")):
+    if not overrides(cls, (*STEP_METHODS, *WORKER_METHODS)):
         if trainer.compute_loss_func is None:
             return None
     worker = trainer.__dict__.get("_script_trainer")
@@ -312,6 +323,7 @@ def bind_state(args: Any, state_source: Callable[[], Any]) -> None:
     """Give the job's ``ScriptTrainer`` (``args.trainer_methods``, its callback's, the optimizer factory's) the
     run's live state."""
     candidates = [args.trainer_methods, getattr(args.optimizer_factory, "worker", None)]
+    candidates.append(getattr(args.checkpoint_model_files, "worker", None))
     candidates += [getattr(c, "worker", None) for c in args.callbacks]
     for candidate in candidates:
         if isinstance(candidate, ScriptTrainer):

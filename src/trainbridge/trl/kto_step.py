@@ -5,7 +5,8 @@
 batches of ``per_device_train_batch_size`` rows, batch ``k`` on rank ``k % world_size``.  A micro-batch packs
 each row's prompt + completion and prompt + mismatched completion (trl's ``KL_completion_ids``, rotated
 within those batches) into one padding-free row (``sequence_logps.pack_pairs``), scored by the policy and
-the reference as DPO's pairs are (``preference_data.reference_stats``).  The KL reference point is the mean
+the reference as DPO's pairs are (``preference_data.reference_stats``), or read from the rows'
+``ref_logps``/``ref_KL_logps`` (``precompute_ref_log_probs``).  The KL reference point is the mean
 over every rank of each rank's mean mismatched log-ratio, as trl gathers it: one all-reduce of a scalar per
 micro-batch.  The loss is trl's per micro-batch, one loss unit each; trl's metrics ride in the step's
 agreement (``metric_sums``) and are logged as trl averages them.
@@ -74,6 +75,9 @@ class UnpairedBatches(PairBatches):
         batch = CollatedBatch(input_ids=packed.batch["input_ids"], packed=packed)
         batch.seq_lens = packed.batch.seq_lens  # the loop's forward context reads the sequences' bounds
         batch["desirable"] = torch.tensor([bool(label) for label in rows["label"]], dtype=torch.bool)
+        if "ref_logps" in rows:  # precompute_ref_log_probs: the reference's columns, mismatched pairs second
+            mismatched_ref = rows["ref_KL_logps"] if "ref_KL_logps" in rows else rows["ref_logps"]
+            batch["ref_logps"] = torch.tensor([*rows["ref_logps"], *mismatched_ref], dtype=torch.float32)
         return batch
 
 
@@ -101,8 +105,11 @@ class KTOStep(TrainStep):
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         packed, rows = batch["packed"], batch["packed"].pairs
         stats = sequence_stats(model, packed)
-        reference = reference_stats(model, self.ref_model, packed).logps
         device = stats.logps.device
+        if "ref_logps" in batch:
+            reference = batch["ref_logps"].to(device, stats.logps.dtype)
+        else:
+            reference = reference_stats(model, self.ref_model, packed).logps
         desirable = batch["desirable"].to(device)
         kl = torch.zeros((), device=device, dtype=torch.float64)
         if self.loss.uses_kl:
@@ -192,13 +199,19 @@ class KTOStepFactory(DPOStepFactory):
         ref_model: torch.nn.Module | None = None,
         seed: int = 0,
         sequential: bool = True,
+        disable_dropout: bool = True,
     ) -> None:
         super().__init__(None, DPOLossSettings(), rows_per_micro, micro_per_step, max_length, ref_model=ref_model)
         self.loss, self.seed, self.sequential = loss, seed, sequential
+        self.disable_dropout = disable_dropout
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> KTOStep:  # type: ignore[override]
         from trainbridge.data.rows import open_rows
 
+        if self.disable_dropout:  # trl's default: on the model the worker trains, however it was given
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
         dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(
@@ -211,4 +224,5 @@ class KTOStepFactory(DPOStepFactory):
             self.max_length,
             sequential=self.sequential,
         )
-        return KTOStep(batches, self.loss, self.reference(model, args, env), env)
+        reference = None if "ref_logps" in self.columns else self.reference(model, args, env)
+        return KTOStep(batches, self.loss, reference, env)

@@ -10,6 +10,7 @@ prompt fills ``max_length`` dropped, the mismatched ``KL_completion_ids``) and h
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,7 @@ from trainbridge.trl.arguments import trl_config, trl_tokenizer
 from trainbridge.trl.kto_loss import KTOLoss
 from trainbridge.trl.kto_step import KTOStepFactory
 
-KTO_COLUMNS = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+KTO_COLUMNS = ("prompt_ids", "completion_ids", "KL_completion_ids", "label", "ref_logps", "ref_KL_logps")
 
 
 def prepare_kto_dataset(dataset: Any, tokenizer: Any, config: Any, loss: KTOLoss) -> Any:
@@ -37,6 +38,33 @@ def prepare_kto_dataset(dataset: Any, tokenizer: Any, config: Any, loss: KTOLoss
     )
     prepared = KTOTrainer._prepare_dataset(stand_in, dataset, tokenizer, config, "train")  # type: ignore[arg-type]
     return prepared.select_columns([c for c in KTO_COLUMNS if c in prepared.column_names])
+
+
+def precompute_kto_reference(rows: Any, policy: Any, ref_model: Any, config: Any, with_kl: bool) -> Any:
+    """``rows`` with trl's ``ref_logps`` (and, for the KL term, ``ref_KL_logps``) columns: the reference
+    (``ref_model``, the PEFT policy's base, or the untrained policy itself, as trl) scores
+    ``precompute_ref_batch_size`` rows and their mismatched completions per packed forward."""
+    from trainbridge.trl.preference_data import reference_stats
+    from trainbridge.trl.sequence_logps import pack_pairs
+
+    reference = ref_model if ref_model is not None or hasattr(policy, "disable_adapter") else policy
+    size = int(config.precompute_ref_batch_size or 8)
+    ref_logps: list[float] = []
+    ref_kl_logps: list[float] = []
+    was_training = (reference or policy).training
+    (reference or policy).eval()
+    try:
+        for start in range(0, len(rows), size):
+            chunk = rows[start : start + size]
+            mismatched = chunk["KL_completion_ids"] if with_kl else chunk["completion_ids"]
+            packed = pack_pairs(chunk["prompt_ids"], chunk["completion_ids"], mismatched, config.max_length)
+            logps = reference_stats(policy, reference, packed).logps.float().cpu().tolist()
+            ref_logps.extend(logps[: packed.pairs])
+            ref_kl_logps.extend(logps[packed.pairs :])
+    finally:
+        (reference or policy).train(was_training)
+    rows = rows.add_column("ref_logps", ref_logps)
+    return rows.add_column("ref_KL_logps", ref_kl_logps) if with_kl else rows
 
 
 class KTOTrainer(Trainer):
@@ -71,10 +99,6 @@ class KTOTrainer(Trainer):
             raise UnsupportedTrainerFeatureError(
                 "quantization_config: pass it in model_init_kwargs (bitsandbytes bases load there)"
             )
-        if args.precompute_ref_log_probs:
-            raise UnsupportedTrainerFeatureError(
-                "precompute_ref_log_probs: not supported by KTOTrainer yet; the reference scores every micro-batch"
-            )
         loss = KTOLoss.from_config(args)
         if loss.uses_kl and args.train_sampling_strategy != "sequential":
             raise ValueError(
@@ -87,6 +111,15 @@ class KTOTrainer(Trainer):
             )
         processing_class, tokenizer = trl_tokenizer(processing_class, model)
         rows = prepare_kto_dataset(train_dataset, tokenizer, args, loss)
+        if args.precompute_ref_log_probs:
+            from transformers import AutoModelForCausalLM
+
+            policy = (
+                AutoModelForCausalLM.from_pretrained(str(model), **(args.model_init_kwargs or {}))
+                if isinstance(model, str | Path)
+                else model
+            )
+            rows = precompute_kto_reference(rows, policy, ref_model, args, loss.uses_kl)
         self.step_factory = KTOStepFactory(
             loss,
             rows_per_micro=int(args.per_device_train_batch_size),
@@ -95,6 +128,7 @@ class KTOTrainer(Trainer):
             ref_model=ref_model,
             seed=int(args.seed),
             sequential=args.train_sampling_strategy == "sequential",
+            disable_dropout=bool(args.disable_dropout),
         )
         super().__init__(
             model=model,

@@ -116,11 +116,24 @@ class ReferenceFreeStepFactory:
     worker over the job's prepared pairs (``dataset`` None: the job's ``data_path``, as the facade writes
     them)."""
 
-    def __init__(self, dataset: Any, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0):
+    def __init__(
+        self,
+        dataset: Any,
+        loss: PairLoss,
+        pairs_per_micro: int,
+        micro_per_step: int,
+        seed: int = 0,
+        disable_dropout: bool = True,
+    ) -> None:
         self.dataset, self.loss = dataset, loss
         self.pairs_per_micro, self.micro_per_step, self.seed = pairs_per_micro, micro_per_step, seed
+        self.disable_dropout = disable_dropout
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> ReferenceFreeStep:
+        if self.disable_dropout:  # trl's default: on the model the worker trains, however it was given
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
         dataset = self.dataset
         if dataset is None:
             from trainbridge.data.rows import open_rows

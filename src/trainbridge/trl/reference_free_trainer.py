@@ -69,16 +69,13 @@ class _ReferenceFreeTrainer(Trainer):
         loss = self._loss(args)
         processing_class, tokenizer = trl_tokenizer(processing_class, model)
         pairs = prepare_reference_free_pairs(train_dataset, tokenizer, args, trl_trainer)
-        if args.disable_dropout and model is not None and not isinstance(model, str):
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(model)
         self.step_factory = ReferenceFreeStepFactory(
             None,
             loss,
             pairs_per_micro=int(args.per_device_train_batch_size),
             micro_per_step=int(args.gradient_accumulation_steps),
             seed=int(args.seed),
+            disable_dropout=bool(args.disable_dropout),
         )
         super().__init__(
             model=model,

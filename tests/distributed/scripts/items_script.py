@@ -5,9 +5,8 @@
   tensors, its own ``DataCollatorForSupervisedDataset`` calling ``pad_sequence``, embeddings resized for an
   added token; tiny Llama.
 - ``classify``: text classification: ``BertForSequenceClassification``, ``DataCollatorWithPadding``,
-  ``compute_metrics`` with accuracy, ``EarlyStoppingCallback`` on ``eval_accuracy``.
-- ``evaluate``: the ``classify`` trainer's ``evaluate()`` before any training (21 items, 5 per batch on 2
-  ranks: a padded last batch).
+  ``compute_metrics`` with accuracy, ``EarlyStoppingCallback`` on ``eval_accuracy``; ``evaluate()`` before
+  training (21 items, 5 per batch on 2 ranks: a padded last batch).
 """
 
 import json
@@ -154,13 +153,8 @@ else:
         compute_metrics=accuracy,
         callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
     )
-if kind == "evaluate":  # the untrained classifier: the same weights under both, so the same eval_loss
-    metrics = trainer.evaluate()
-    if trainer.is_world_process_zero():
-        (out / "summary.json").write_text(json.dumps({"metrics": metrics}, indent=1))
-    trainer.end() if hasattr(trainer, "end") else None
-    sys.stdout.flush()
-    os._exit(0)
+# the untrained classifier's evaluation: the same weights under both, so the same eval_loss
+before = trainer.evaluate() if kind == "classify" else {}
 result = trainer.train()
 if trainer.is_world_process_zero():
     history = trainer.state.log_history
@@ -168,10 +162,16 @@ if trainer.is_world_process_zero():
         "global_step": result.global_step,
         "train_metrics": sorted(result.metrics),
         "loss_steps": [e["step"] for e in history if "loss" in e],
-        "eval_steps": [[e["step"], sorted(k for k in e if k.startswith("eval_"))] for e in history if "eval_loss" in e],
+        # Trainer adds eval_model_preparation_time to every evaluation after an evaluate() before train()
+        "eval_steps": [
+            [e["step"], sorted(k for k in e if k.startswith("eval_") and k != "eval_model_preparation_time")]
+            for e in history
+            if "eval_loss" in e
+        ],
         "losses": [e["loss"] for e in history if "loss" in e],
         "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "embeddings": int(trainer.model.get_input_embeddings().weight.shape[0]),
+        "before": {k: before[k] for k in ("eval_loss", "eval_accuracy") if k in before},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("SUMMARY", json.dumps(summary, default=str))

@@ -3,7 +3,7 @@
 Run as ``torchrun --nproc_per_node=2 optimizers_script.py OUT [real]`` or ``python optimizers_script.py OUT``;
 ``real`` uses transformers.Trainer (the reference).  A callback writes, from each rank's process, the
 optimizer's class, each group's momentum, lr and size, and the scheduler's class at every step end, in
-``OUT/optim-rank<RANK>.txt``.
+``OUT/optim-rank<RANK>.txt``, and whether that optimizer is the script's own object.
 """
 
 import json
@@ -53,14 +53,16 @@ class OptimizerProbe(TrainerCallback):
         marker = Path(args.output_dir) / f"optim-rank{os.environ.get('RANK', '0')}.txt"
         marker.parent.mkdir(parents=True, exist_ok=True)
         groups = [[g["momentum"], round(g["lr"], 8), len(g["params"])] for g in inner.param_groups]
+        step = [state.global_step, type(inner).__name__, type(sched).__name__, groups, inner is SCRIPT_OPTIMIZER[0]]
         with marker.open("a") as handle:
-            handle.write(json.dumps([state.global_step, type(inner).__name__, type(sched).__name__, groups]) + "\n")
+            handle.write(json.dumps(step) + "\n")
 
 
 embeddings = [p for n, p in model.named_parameters() if "embed" in n]
 others = [p for n, p in model.named_parameters() if "embed" not in n]
 optimizer = torch.optim.SGD([{"params": others}, {"params": embeddings, "lr": 0.02}], lr=0.05, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+SCRIPT_OPTIMIZER = [optimizer]
 
 args = TrainingArguments(
     output_dir=str(out),
@@ -93,6 +95,9 @@ if trainer.is_world_process_zero():
                 "global_step": result.global_step,
                 "learning_rates": [e["learning_rate"] for e in trainer.state.log_history if "loss" in e],
                 "probes": probes,
+                # the script's own optimizer object stepped, over the parameters of the script's own model
+                "stepped_in_place": len(optimizer.state) > 0,
+                "groups_hold_model_parameters": optimizer.param_groups[0]["params"][0] is others[0],
             }
         )
     )

@@ -18,6 +18,7 @@ def check_consistent(args: TrainingArgs) -> None:
     check_model(args)
     check_optimizer(args)
     check_stream(args)
+    check_step_factory(args)
     if args.val_data_path is not None and args.validation_split > 0:
         raise ValueError("give val_data_path or validation_split, not both")
     if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
@@ -67,6 +68,16 @@ def check_consistent(args: TrainingArgs) -> None:
         raise ValueError(
             f"max_batch_len: {args.max_batch_len} is smaller than max_seq_len {args.max_seq_len}; "
             "a longest sample would not fit in one micro-batch"
+        )
+
+
+def check_step_factory(args: TrainingArgs) -> None:
+    """``train_step``: a step factory forms its own loss, so nothing else may claim the step."""
+    if args.train_step is not None and (args.trainer_methods is not None or args.compute_loss is not None):
+        raise ValueError(
+            "train_step: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
+            "compute_loss_func or a subclass's training_step / prediction_step / compute_loss would never run; "
+            "drop them, or subclass trainbridge.Trainer instead"
         )
 
 

@@ -326,8 +326,8 @@ class ScheduleFields(BaseModel):
     ``{"momentum": 0.9}`` for ``sgd``."""
     optimizer_factory: Any | None = None
     """The script's own optimizer, replacing ``optim`` (ddp, fsdp and single-process runs; not DeepSpeed):
-    an object with ``optimizer(model, groups, default) -> torch.optim.Optimizer`` (``groups``: the two
-    weight-decay groups ``optim`` would use; ``default()`` builds ``optim``'s) and ``scheduler(optimizer,
+    an object with ``optimizer(model, groups, default, total_steps) -> torch.optim.Optimizer`` (``groups``: the
+    two weight-decay groups ``optim`` would use; ``default()`` builds ``optim``'s) and ``scheduler(optimizer,
     total_steps, default)`` returning the schedule, or None for ``lr_scheduler`` (``default(optimizer)``).
     It travels to the workers by value; the facade sets it for ``optimizers=``, ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer``/``create_scheduler`` (``trainbridge.trainer.optimizers``)."""
@@ -471,6 +471,12 @@ class CheckpointFields(BaseModel):
     parameters' dtype.  Resume stays exact whatever this is: when the export is of another dtype than the
     parameters, the parameters themselves are kept in the checkpoint's sharded state (``dcp/``) and resume
     reads them from there.  A PEFT adapter is written in its training dtype."""
+    checkpoint_model_files: Any | None = None
+    """What writes the model part of each checkpoint inside its temporary folder (``checkpoint.model_files``):
+    an object with ``keeps_model_state`` and ``write(model, folder, state, tokenizer, weights_dtype,
+    is_rank_zero)``, called on every rank.  None: rank 0 writes the weights in Hugging Face layout and the
+    tokenizer.  The facade sets it for a Trainer subclass overriding ``_save`` / ``save_model``; it travels to
+    the workers by value."""
     checkpoint_async: bool = False
     """Write intermediate checkpoints' sharded state (``dcp/``: the optimizer state -- under DDP / one
     process it then goes there instead of ``optimizer.pt`` -- and the model's shards or full-precision

@@ -189,6 +189,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "compute_loss",
             "trainer_methods",
             "optimizer_factory",
+            "checkpoint_model_files",
             "train_step",
             "train_stream",
             "train_loader",

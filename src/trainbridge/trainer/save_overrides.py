@@ -1,0 +1,144 @@
+"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` run where Trainer runs them: at each
+checkpoint, in the workers, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
+
+``SubclassSave`` is the ``TrainingArgs.checkpoint_model_files`` of such a subclass's train job
+(``checkpoint.model_files.ModelFiles``).  The checkpoint manager stays the one writer of the checkpoint
+folder (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation); inside the
+checkpoint's temporary folder, before publication, it calls ``SubclassSave.write`` on every rank (Trainer
+calls these on every rank too), which calls the worker-side instance's methods as Trainer chains them:
+
+- ``_save_checkpoint(model, trial=None)``: Trainer's ``super()`` writes the whole checkpoint into
+  ``<output_dir>/checkpoint-<step>``, and overrides add files there (or, as LLaVA's, write only some weights
+  there).  For the call, the instance's ``args`` is a copy whose ``output_dir`` is a folder of this rank's
+  inside the temporary folder, where ``checkpoint-<step>`` leads back to the temporary folder, and
+  ``self.state.global_step`` is the step: whatever the override writes into ``checkpoint-<step>`` lands in
+  the checkpoint being written.  ``super()._save_checkpoint`` is its model part, ``self.save_model(that
+  folder, _internal_call=True)``; the manager writes the rest.  Anything written into ``output_dir`` itself
+  is discarded (with a warning).
+- ``save_model(folder, _internal_call=True)``: calls ``self._save(folder, state_dict=<the gathered full
+  weights on rank 0, None elsewhere>)`` (what Trainer passes under FSDP);
+- ``super()._save`` writes, on rank 0, what the checkpoint writes by default (the weights in Hugging Face
+  layout in the export dtype, a PEFT model's adapter, the tokenizer) and ``training_args.bin``.
+
+Files an override adds are part of the checkpoint and its manifest; a crash leaves the previous checkpoint
+whole.  Because an override may write the weights its own way, such a checkpoint also keeps the model's own
+weights in ``dcp/`` (``keeps_model_state``) and resume reads them there: exact whatever the override wrote.
+A PEFT model's adapter is the exception: resume reads ``adapter_model.safetensors``, so an override must
+leave it (calling ``super()`` or ``self.model.save_pretrained(output_dir)`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbridge.checkpoint.layout import TRAINING_ARGS_FILE
+from trainbridge.checkpoint.model_files import HFModelFiles
+from trainbridge.core.run_dir import checkpoint_dir
+from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
+
+logger = logging.getLogger(__name__)
+
+SAVE_METHODS = ("_save", "save_model", "_save_checkpoint")
+"""The saving methods a subclass may override (each run at every checkpoint, in the workers)."""
+
+
+@dataclass
+class CheckpointWrite:
+    """On the worker-side instance while a checkpoint's model files are written: what the facade's
+    ``_save_checkpoint`` / ``save_model`` / ``_save`` use there."""
+
+    model: Any
+    folder: Path
+    state: dict[str, torch.Tensor] | None
+    """The gathered full weights (rank 0), as Trainer passes ``state_dict`` under FSDP."""
+    tokenizer: Any
+    weights_dtype: torch.dtype | None
+    is_rank_zero: bool
+
+    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: Any) -> None:
+        """``Trainer._save``: rank 0 writes the model's files (``state_dict``, else the gathered weights) as
+        the checkpoint would, the tokenizer and ``training_args.bin``; other ranks nothing."""
+        if not self.is_rank_zero:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state
+        HFModelFiles().write(self.model, output_dir, 0, state, self.tokenizer, self.weights_dtype, True)
+        torch.save(args, output_dir / TRAINING_ARGS_FILE)
+
+
+class SubclassSave:
+    """``ModelFiles`` for a Trainer subclass overriding a method of ``SAVE_METHODS`` (see the module doc)."""
+
+    keeps_model_state = True
+
+    def __init__(self, worker: ScriptTrainer, whole_checkpoint: bool) -> None:
+        self.worker = worker
+        self.whole_checkpoint = whole_checkpoint
+        """The subclass overrides ``_save_checkpoint``: that is the entry point."""
+
+    def write(
+        self,
+        model: Any,
+        folder: Path,
+        step: int,
+        state: dict[str, torch.Tensor] | None,
+        tokenizer: Any,
+        weights_dtype: torch.dtype | None,
+        is_rank_zero: bool,
+    ) -> None:
+        instance = self.worker.trainer(model)
+        instance.__dict__["_checkpoint_write"] = CheckpointWrite(
+            model, folder, state, tokenizer, weights_dtype, is_rank_zero
+        )
+        try:
+            if self.whole_checkpoint:
+                _save_checkpoint_into(instance, model, folder, step)
+            else:
+                instance.save_model(str(folder), _internal_call=True)
+        finally:
+            instance.__dict__.pop("_checkpoint_write", None)
+
+
+def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) -> None:
+    """``instance._save_checkpoint(model, None)`` with ``<args.output_dir>/checkpoint-<step>`` leading to
+    ``folder`` (see the module doc)."""
+    rank = int(os.environ.get("RANK", "0"))
+    stage = folder / f".output-dir-{rank}"
+    stage.mkdir(exist_ok=True)
+    checkpoint_dir(stage, step).symlink_to("..", target_is_directory=True)
+    args = instance.args
+    staged = copy.copy(args)
+    staged.output_dir = str(stage)
+    instance.args = staged
+    instance.state.global_step = step
+    try:
+        instance._save_checkpoint(model, None)
+    finally:
+        instance.args = args
+        checkpoint_dir(stage, step).unlink()
+        stray = sorted(p.name for p in stage.iterdir())
+        if stray:
+            logger.warning(
+                "%s._save_checkpoint wrote %s into output_dir itself, not into the checkpoint: discarded",
+                type(instance).__name__,
+                stray,
+            )
+        shutil.rmtree(stage)
+
+
+def subclass_save(trainer: Any) -> SubclassSave | None:
+    """The ``checkpoint_model_files`` of ``trainer``'s train jobs: a ``SubclassSave`` when its class overrides
+    one of ``SAVE_METHODS``, else None (the checkpoint's default files)."""
+    if not overrides(type(trainer), SAVE_METHODS):
+        return None
+    worker = script_trainer(trainer)
+    assert worker is not None  # its class overrides a method of SAVE_METHODS
+    return SubclassSave(worker, overrides(type(trainer), ("_save_checkpoint",)))

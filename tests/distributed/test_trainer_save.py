@@ -1,0 +1,94 @@
+"""A Trainer subclass overriding ``_save``, or ``_save_checkpoint`` (``scripts/save_script.py``), both launch
+styles on 2 ranks, against transformers.Trainer: the override runs at every checkpoint on every rank, in the
+workers, and (``_save``) at the script's final ``save_model``; its extra file is in every checkpoint (and the
+final folder); resuming from such a checkpoint works."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.script_runs import run_script, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "save_script.py"
+MODEL_FILES = {"config.json", "model.safetensors", "training_args.bin", "value_head.json"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("save") / "real"
+    first = run_script(torchrun(SCRIPT, str(out), "real"), out)
+    return first, run_script(torchrun(SCRIPT, str(out), "real", "resume"), out)
+
+
+def _check_files(ours: dict, reference: dict) -> None:
+    assert sorted(ours["files"]) == sorted(reference["files"]) == ["checkpoint-2", "checkpoint-4", "final"]
+    for folder, names in ours["files"].items():
+        assert set(names) >= MODEL_FILES and set(reference["files"][folder]) >= MODEL_FILES, folder
+    assert ours["heads"] == reference["heads"]
+    assert ours["global_step"] == reference["global_step"] == 4
+    assert ours["log_steps"] == reference["log_steps"]
+
+
+def _checkpoint_flags(lines: list[str]) -> list[str]:
+    return [line.split()[1] for line in lines]
+
+
+def test_torchrun_runs_the_override_in_place_and_resumes(reference: tuple[dict, dict], tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = run_script(torchrun(SCRIPT, str(out)), out)
+    _check_files(ours, reference[0])
+    # every rank, at both checkpoints and the final save_model, as under Trainer (in each rank's own process)
+    assert sorted(ours["saves"]) == sorted(reference[0]["saves"]) == ["save-rank0.txt", "save-rank1.txt"]
+    for name, lines in ours["saves"].items():
+        assert _checkpoint_flags(lines) == _checkpoint_flags(reference[0]["saves"][name]) == ["True", "True", "False"]
+        assert len({line.split()[0] for line in lines}) == 1  # in place: the script's own process
+    resumed = run_script(torchrun(SCRIPT, str(out), "resume"), out)
+    _check_files(resumed, reference[1])
+    assert resumed["log_steps"] == reference[1]["log_steps"] == [1, 2, 3, 4]  # the history restored
+    assert resumed["heads"]["checkpoint-4"]["resumed"] is True
+
+
+def test_python_runs_the_override_in_its_workers(reference: tuple[dict, dict], tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    _check_files(ours, reference[0])
+    script = str(ours["pid"])
+    rank0, rank1 = ours["saves"]["save-rank0.txt"], ours["saves"]["save-rank1.txt"]
+    # both checkpoints on both workers, then the final save_model in the script's process
+    assert _checkpoint_flags(rank0) == ["True", "True", "False"] and _checkpoint_flags(rank1) == ["True", "True"]
+    assert all(line.split()[0] != script for line in rank0[:2] + rank1) and rank0[2].split()[0] == script
+    assert rank0[0].split()[0] != rank1[0].split()[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("save_checkpoint") / "real"
+    return run_script(torchrun(SCRIPT, str(out), "real", "checkpoint"), out)
+
+
+def _check_checkpoint_override(ours: dict, reference: dict) -> None:
+    assert ours["global_step"] == reference["global_step"] == 4
+    assert ours["heads"] == reference["heads"]
+    assert sorted(reference["heads"]) == ["checkpoint-2", "checkpoint-4"]
+    for folder in ("checkpoint-2", "checkpoint-4"):
+        assert set(ours["files"][folder]) >= MODEL_FILES, folder
+    assert sorted(ours["checkpoint_calls"]) == sorted(reference["checkpoint_calls"])
+    for name, lines in ours["checkpoint_calls"].items():
+        assert [line.split()[1] for line in lines] == [line.split()[1] for line in reference["checkpoint_calls"][name]]
+
+
+def test_a_save_checkpoint_override_adds_its_file_under_torchrun(checkpoint_reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    _check_checkpoint_override(run_script(torchrun(SCRIPT, str(out), "checkpoint"), out), checkpoint_reference)
+
+
+def test_a_save_checkpoint_override_runs_in_the_python_workers(checkpoint_reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ours"
+    ours = run_script([sys.executable, str(SCRIPT), str(out), "checkpoint"], out, TRAINBRIDGE_NPROC_PER_NODE="2")
+    _check_checkpoint_override(ours, checkpoint_reference)
+    assert all(line.split()[0] != str(ours["pid"]) for lines in ours["checkpoint_calls"].values() for line in lines)
