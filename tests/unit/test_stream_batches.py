@@ -1,7 +1,9 @@
 """Streaming training data (``data.stream_batches``, ``TrainingArgs.train_stream``): a generator-backed
 ``IterableDataset`` trains ``max_steps`` steps through the real loop in-process, ranks take disjoint items,
-a resumed run skips what was consumed and reaches the weights of an uninterrupted one, and a stream without
-``max_steps`` is refused when the arguments are built."""
+a resumed run skips what was consumed and reaches the weights of an uninterrupted one, a stream shorter than
+``max_steps`` is iterated again epoch after epoch (``set_epoch`` first, as Trainer does) and resumes exactly
+across a pass, an empty one ends the run, and a stream without ``max_steps`` is refused when the arguments
+are built (``data_path`` is not needed beside a stream)."""
 
 from __future__ import annotations
 
@@ -94,11 +96,8 @@ def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(classifier: Path, tmp_path: Path, out: str, **overrides: Any) -> TrainingArgs:
-    placeholder = tmp_path / "unused.jsonl"
-    placeholder.write_text('{"text": "x"}\n')
     fields: dict[str, Any] = dict(
         model_path=classifier,
-        data_path=placeholder,
         train_stream=Numbers(),
         ckpt_output_dir=tmp_path / out,
         effective_batch_size=4,
@@ -152,3 +151,90 @@ def test_a_datasets_stream_over_local_files_trains_max_steps(classifier, tmp_pat
     assert isinstance(stream, datasets.IterableDataset)
     result = _train(_args(classifier, tmp_path, "hf", train_stream=stream, max_steps=4, save_strategy="no"))
     assert result.global_step == 4
+
+
+class ShortStream(Numbers):
+    """``Numbers`` of ``count`` items that records each ``set_epoch``."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+class EpochsAndLogs(ScheduleCallback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_epochs: list[tuple[int, float]] = []
+        self.epoch_ends = 0
+
+    def on_step_end(self, context: Any, **kwargs: Any) -> None:
+        self.step_epochs.append((context.global_step, round(context.epoch, 4)))
+        super().on_step_end(context, **kwargs)
+
+    def on_epoch_end(self, context: Any, **kwargs: Any) -> None:
+        self.epoch_ends += 1
+        super().on_epoch_end(context, **kwargs)
+
+
+def test_a_stream_shorter_than_max_steps_is_iterated_again_each_epoch_as_trainer_does(classifier, tmp_path):
+    stream = ShortStream(10)  # 4 items a step: 2 steps a pass, its last 2 items dropped
+    args = _args(classifier, tmp_path, "short", train_stream=stream, max_steps=5, save_strategy="no")
+    recorder = EpochsAndLogs()
+    components = build_run(args, DistributedEnv())
+    result = TrainingLoop(args, DistributedEnv(), [recorder], components).run()
+    assert result.global_step == 5 and not result.stopped_early
+    assert stream.epochs == [0, 1, 2]
+    # Trainer's epoch over a stream: epoch + steps taken in it / max_steps
+    assert recorder.step_epochs == [(1, 0.2), (2, 0.4), (3, 1.2), (4, 1.4), (5, 2.2)]
+    assert recorder.epoch_ends == 3
+
+
+def test_a_resumed_run_skips_what_was_consumed_across_passes(classifier, tmp_path):
+    def args(out: str, **overrides: Any) -> TrainingArgs:
+        return _args(classifier, tmp_path, out, train_stream=ShortStream(10), **overrides)
+
+    whole = _train(args("whole", max_steps=5, save_steps=5))
+    _train(args("cut", max_steps=3, save_steps=3))  # checkpoint-3: epoch 1, one step into its pass
+    resumed = _train(
+        args("cut", max_steps=5, save_steps=5, resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    )
+    assert whole.global_step == resumed.global_step == 5
+    a = load_file(tmp_path / "whole" / "checkpoint-5" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoint-5" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_stream_with_no_full_step_ends_the_run_at_once(classifier, tmp_path):
+    args = _args(classifier, tmp_path, "empty", train_stream=ShortStream(3), max_steps=4, save_strategy="no")
+    result = _train(args)
+    assert result.global_step == 0 and result.stopped_early
+    assert "ran out" in (result.stop_reason or "")
+
+
+def test_data_path_is_required_without_a_stream(classifier, tmp_path):
+    with pytest.raises(ValueError, match="data_path: the training data is required"):
+        _args(classifier, tmp_path, "out", train_stream=None)
+
+
+def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classifier, tmp_path):
+    from transformers import TrainingArguments
+
+    from trainbridge import Trainer
+    from trainbridge.trainer import job_args, run_folder
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="max_steps has to be specified"):  # as Trainer, at construction
+        Trainer(
+            model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none"), train_dataset=Numbers()
+        )
+    stream = Numbers()
+    hf = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=hf, train_dataset=stream)
+    assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
+    layout = run_folder.RunLayout(model_path=classifier, data_path=None)
+    args = job_args.training_args(trainer, layout, 2, None)
+    assert args.train_stream is stream and args.data_path is None and args.training_step == "model_loss"

@@ -112,6 +112,8 @@ def open_dataset(
 
 def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *, report: bool = True) -> RunData:
     """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``report`` (rank 0)."""
+    if args.data_path is None:
+        raise ValueError("data_path: token-budget batches read a data file; a train_stream trains on 'model_loss'")
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()
     train, stats = open_dataset(args.data_path, tokenizer, options, cache_dir)

@@ -1,14 +1,16 @@
 """Trainer's sample batches from a stream: a ``torch.utils.data.IterableDataset``, a ``datasets``
 ``IterableDataset`` (``load_dataset(..., streaming=True)``) or any re-iterable of items, with no length.
 
-A stream has no epoch plan, so the run needs ``max_steps`` (as under Trainer); one "epoch" is the
-``max_steps`` steps.  Items are grouped ``per_device`` at a time into micro-batches in stream order and
-micro-batch ``i`` goes to rank ``i % world_size`` (every rank reads the stream and keeps its share, as
-accelerate's dispatching of iterable datasets does), so ranks see disjoint items.  A step takes
-``accumulation`` micro-batches per rank; the stream ending before a step is full ends the run (the ranks
-all see the same end).  Resume: the loop walks ``plan.steps[step_in_epoch:]``, and slicing the plan skips
-the micro-batches of the steps already taken, so a resumed run trains on exactly the items an
-uninterrupted one would.
+A stream has no epoch plan, so the run needs ``max_steps`` (as under Trainer); one "epoch" is one pass
+over the stream, of at most ``max_steps`` steps (``steps_per_epoch``, Trainer's ``steps_in_epoch``).  Items
+are grouped ``per_device`` at a time into micro-batches in stream order and micro-batch ``i`` goes to rank
+``i % world_size`` (every rank reads the stream and keeps its share, as accelerate's dispatching of iterable
+datasets does under Trainer), so ranks see disjoint items.  A step takes ``accumulation`` micro-batches per
+rank; a pass ends at the first step the stream cannot fill (its last items are dropped, as accelerate
+drops a round it cannot give every rank).  ``unsized``: the loop then starts the next epoch, a fresh pass
+(``set_epoch`` first, as Trainer does), until ``max_steps``; a pass with no step ends the run.  Resume: the
+loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
+steps already taken, so a resumed run trains on exactly the items an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class StreamPlan:
 class StreamBatches:
     """This rank's micro-batches of a stream, ``accumulation`` per optimizer step (see module doc)."""
 
+    unsized = True
+    """No length: passes repeat until ``max_steps`` (``RunComponents.num_epochs``)."""
+
     def __init__(
         self,
         dataset: Iterable[Any],
@@ -95,7 +100,7 @@ class StreamBatches:
         self.collate = collate
         self.batch_size: int | None = per_device
         self.accumulation, self.world_size, self.rank, self.seed = accumulation, world_size, rank, seed
-        self.plan = self.set_epoch(0)
+        self.plan = StreamPlan(self, 0)
 
     def set_epoch(self, epoch: int) -> StreamPlan:
         """A fresh pass over the stream (a ``datasets`` stream's shuffle buffer is reseeded per epoch)."""

@@ -88,7 +88,7 @@ def _note_path(args: TrainingArgs) -> Path | None:
         inputs: dict[str, Any] = {
             "trainbridge": metadata.version("trainbridge"),
             "transformers": metadata.version("transformers"),
-            "data": fingerprint(args.data_path),
+            "data": fingerprint(args.data_path) if args.data_path is not None else None,
             "val_data": fingerprint(args.val_data_path) if args.val_data_path is not None else None,
             "eval_data": {name: fingerprint(path) for name, path in sorted(args.eval_data_paths.items())},
             "tokenizer": sorted(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -24,6 +25,7 @@ from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
+from trainbridge.data.loader_batches import LoaderBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import open_rows, split_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
@@ -101,7 +103,10 @@ class RunComponents:
 
     @property
     def num_epochs(self) -> int:
-        """Epochs the run takes: ``ceil(max_steps / steps_per_epoch)``."""
+        """Epochs the run takes: ``ceil(max_steps / steps_per_epoch)``; batches without a length (``unsized``:
+        a stream) repeat their passes until ``max_steps`` (Trainer's ``sys.maxsize`` epochs)."""
+        if getattr(self.train_batches, "unsized", False):
+            return sys.maxsize
         return math.ceil(self.max_steps / self.steps_per_epoch)
 
 
@@ -194,6 +199,7 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
         and causal
         and not own_loss
         and args.train_stream is None
+        and args.train_loader is None
         and not args.predict_with_generate
     ):
         return "token_cross_entropy"
@@ -262,9 +268,9 @@ def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
 def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
     """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
     collator (the script's, else Trainer's default), the loss the forward returns."""
-    per_device, accumulation = sample_batch_shape(args, env.world_size)
+    per_device, _ = sample_batch_shape(args, env.world_size)
     stream: Any = args.train_stream
-    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if stream is None else None
+    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if args.data_path and stream is None else None
     val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
     if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)
@@ -276,27 +282,11 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
-    train_batches: SampleBatches | StreamBatches = (
-        SampleBatches(
-            train,
-            collate,
-            per_device=per_device,
-            accumulation=accumulation,
-            world_size=env.world_size,
-            rank=env.rank,
-            seed=args.seed,
-        )
-        if train is not None
-        else StreamBatches(
-            stream,
-            collate,
-            per_device=per_device,
-            accumulation=accumulation,
-            world_size=env.world_size,
-            rank=env.rank,
-            max_steps=args.max_steps,
-        )
-    )
+    train_batches: SampleBatches | StreamBatches | LoaderBatches
+    if args.train_loader is not None:  # the script's own DataLoader (a Trainer subclass's), this rank's share
+        train_batches = _loader_batches(args, env, train if train is not None else stream, collate, model)
+    else:
+        train_batches = _item_batches(args, env, train, stream, collate)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(
@@ -336,6 +326,50 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
         stats,
         True,
     )
+
+
+def _item_batches(
+    args: TrainingArgs, env: DistributedEnv, train: Any, stream: Any, collate: ItemCollator
+) -> SampleBatches | StreamBatches:
+    """Trainer's sample batches of the items (``train``), or of the stream (``train_stream``)."""
+    per_device, accumulation = sample_batch_shape(args, env.world_size)
+    if train is not None:
+        return SampleBatches(
+            train,
+            collate,
+            per_device=per_device,
+            accumulation=accumulation,
+            world_size=env.world_size,
+            rank=env.rank,
+            seed=args.seed,
+        )
+    return StreamBatches(
+        stream,
+        collate,
+        per_device=per_device,
+        accumulation=accumulation,
+        world_size=env.world_size,
+        rank=env.rank,
+        max_steps=args.max_steps,
+    )
+
+
+def _loader_batches(
+    args: TrainingArgs, env: DistributedEnv, dataset: Any, collate: ItemCollator, model: PreTrainedModel
+) -> LoaderBatches:
+    """The batches of the DataLoader ``args.train_loader`` builds on this rank; every rank's must be as long
+    (collective: the lengths, so a mismatch fails here rather than hanging a later collective)."""
+    assert args.train_loader is not None
+    _, accumulation = sample_batch_shape(args, env.world_size)
+    loader = args.train_loader(dataset, collate, model)
+    batches = LoaderBatches(loader, accumulation=accumulation, world_size=env.world_size, max_steps=args.max_steps)
+    lengths = env.all_gather_objects(None if batches.unsized else len(batches))
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"get_train_dataloader: the ranks' DataLoaders have different lengths {lengths}; prepare it with "
+            "self.accelerator.prepare(...) (as Trainer's own) so every rank gets an even share"
+        )
+    return batches
 
 
 def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:

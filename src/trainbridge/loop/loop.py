@@ -175,6 +175,7 @@ class TrainingLoop:
         ctx, fire = self.context, self.callbacks.fire
         plan = self.train_batches.set_epoch(ctx.epoch_index)
         fire(Event.EPOCH_BEGIN, ctx)
+        first_step = ctx.global_step
         for step_plan in plan.steps[ctx.step_in_epoch :]:
             if ctx.global_step >= ctx.max_steps:
                 break
@@ -203,6 +204,11 @@ class TrainingLoop:
             flags = self._log_evaluate_save(agreement.control)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
                 break
+        if ctx.global_step == first_step and ctx.global_step < ctx.max_steps and not self._stop_training:
+            # as Trainer: an epoch without one step (a stream that ran out) ends the run
+            logger.warning("the training data ran out: an epoch had no step; stopping at step %d", ctx.global_step)
+            self._stop_training = True
+            ctx.stop_reason = f"the training data ran out at step {ctx.global_step} (an epoch had no step)"
         fire(Event.EPOCH_END, ctx)
         self._log_evaluate_save(self._agree().control)  # DECISION POINT: after on_epoch_end
         ctx.epoch_index += 1

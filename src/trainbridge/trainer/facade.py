@@ -36,7 +36,8 @@ from trainbridge.checkpoint.layout import TRAINER_STATE_FILE, TRAINING_ARGS_FILE
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
-from trainbridge.trainer import jobs, results, script_data, subclass, worker_methods
+from trainbridge.data.stream_batches import is_stream
+from trainbridge.trainer import jobs, results, script_data, subclass, subclass_data, worker_methods
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
@@ -102,6 +103,7 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
+        script_data.check_stream_steps(train_dataset, args)
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
         # optimizers= (in place under the script's launcher, else rebuilt in the workers) /
         # optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
@@ -114,7 +116,9 @@ class Trainer:
         self._loop: Any = None
         self._weights_dir: Path | None = None
         self._collator_choice = script_data.classify_collator(data_collator)
-        if data_collator is not None and subclass.subclass_loss(self) is not None:
+        if data_collator is not None and (
+            subclass.subclass_loss(self) is not None or subclass_data.subclass_loader(self) is not None
+        ):
             # the loss sees Trainer's batches: the collator is called as written on the dataset's items
             self._collator_choice = script_data.CollatorChoice(False, description=type(data_collator).__name__)
         if self.is_world_process_zero():
@@ -269,8 +273,10 @@ class Trainer:
             self._collator_choice,
             pad_id,
             items=script_data.uses_sample_batches(self.model, self._collator_choice)
-            or subclass.subclass_loss(self) is not None,
-        )  # the script's loss: its items
+            or subclass.subclass_loss(self) is not None
+            or is_stream(self.train_dataset)
+            or subclass_data.subclass_loader(self) is not None,
+        )  # the script's loss, a stream, its own DataLoader: its items
 
     # ================================================================== train
     def train(
@@ -540,10 +546,20 @@ class Trainer:
             self._loop = None
 
     def get_train_dataloader(self) -> Any:
-        raise UnsupportedTrainerFeatureError(
-            "get_train_dataloader: batches are planned by token budget inside the workers; there is no "
-            "DataLoader in the script's process"
-        )
+        """``Trainer.get_train_dataloader``: called in the workers (``trainer.subclass_data``) when a subclass
+        overrides it or ``_get_train_sampler``; ``super()`` builds Trainer's DataLoader there, this rank's share."""
+        if not subclass_data.in_worker(self):
+            raise UnsupportedTrainerFeatureError(
+                "get_train_dataloader: batches are formed inside the workers; there is no DataLoader in the "
+                "script's process (a subclass's override runs there, inside train())"
+            )
+        return subclass_data.default_train_dataloader(self)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """``Trainer._get_train_sampler``: called in the workers by ``get_train_dataloader``."""
+        if not subclass_data.in_worker(self):
+            raise UnsupportedTrainerFeatureError("_get_train_sampler runs in the workers, inside train()")
+        return subclass_data.default_train_sampler(self, train_dataset)
 
     def num_examples(self, dataloader: Any) -> int:
         return len(dataloader.dataset)

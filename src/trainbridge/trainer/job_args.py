@@ -19,6 +19,7 @@ from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.script_data import dataset_transforms
 from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
+from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import Trainer
@@ -56,6 +57,8 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "model_init": script_model(trainer._optimizer_factory),  # optimizers= in place: the script's model
         "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
+        "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
+        "train_loader": subclass_loader(trainer),  # a subclass's get_train_dataloader / _get_train_sampler
         "requires_grad": _requires_grad(trainer),
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
@@ -146,6 +149,8 @@ def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool
         "eval_on_start": False,
         "ckpt_output_dir": output_dir,
         "resume_from_checkpoint": None,
+        "train_stream": None,
+        "train_loader": None,
     }
     if keep_predictions and args.compute_metrics is None:
         updates["compute_metrics"] = no_metrics

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.core.run_dir import FacadeDir
+from trainbridge.data.stream_batches import is_stream
 from trainbridge.trainer import script_data
 
 
@@ -21,7 +22,8 @@ class RunLayout:
     """Where a job's inputs are: the fields of its ``TrainingArgs`` that the run folder provides."""
 
     model_path: Path
-    data_path: Path
+    data_path: Path | None
+    """The training rows (None: a streaming ``train_dataset``, iterated in the workers as ``train_stream``)."""
     tokenizer_path: Path | None = None
     val_data_path: Path | None = None
     eval_data_paths: dict[str, Path] = field(default_factory=dict)
@@ -104,14 +106,19 @@ def write_training_inputs(
     folder: FacadeDir, source: ModelSource, rows: RowPreparation, train_dataset: Any, eval_dataset: Any
 ) -> RunLayout:
     """A train job's inputs: the model, ``train_dataset`` and ``eval_dataset`` (one dataset ->
-    ``val_data_path``; a dict -> ``eval_data_paths``).  Clears the previous job's outputs first."""
+    ``val_data_path``; a dict -> ``eval_data_paths``; a stream is not written: the job streams it).  Clears
+    the previous job's outputs first."""
     folder.root.mkdir(parents=True, exist_ok=True)
     for stale in (folder.state_file, folder.evaluation_file):
         stale.unlink(missing_ok=True)
     model_path, tokenizer_path = write_model(folder, source)
     if train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset")
-    data_path, longest = write_rows(train_dataset, folder.train_data, "train_dataset", rows)
+    data_path, longest = (
+        (None, None)
+        if is_stream(train_dataset)
+        else write_rows(train_dataset, folder.train_data, "train_dataset", rows)
+    )
     val_path, sets, eval_longest = (
         (None, {}, None) if eval_dataset is None else write_eval_sets(eval_dataset, folder, rows)
     )

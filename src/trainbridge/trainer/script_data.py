@@ -4,6 +4,9 @@
   one ``datasets.Dataset`` (tensors and numpy arrays as lists).
 - ``as_item_dataset``: a dataset kept as the items its ``__getitem__`` returns (every column; tensors come
   back as tensors), for the model's-own-loss step (``uses_sample_batches``).
+- a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it travels to the workers as
+  ``TrainingArgs.train_stream`` (by value, when self-launched) and is iterated there
+  (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
 - ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
   not called: samples go through padding-free token-budget batching) or it must be called as written
   on the padded path.
@@ -57,6 +60,22 @@ def as_hf_dataset(data: Any, what: str) -> Any:
         if not isinstance(row, Mapping):
             raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
     return datasets.Dataset.from_list([{k: _plain(v) for k, v in row.items()} for row in rows])
+
+
+STREAM_NEEDS_MAX_STEPS = (
+    "The train_dataset does not implement __len__, so the number of training steps cannot be inferred; "
+    "max_steps has to be specified (TrainingArguments(max_steps=N), N > 0), as transformers.Trainer requires."
+)
+
+
+def check_stream_steps(train_dataset: Any, args: Any) -> None:
+    """Trainer's check at construction: a streaming ``train_dataset`` (an ``IterableDataset``, no length)
+    needs a positive ``max_steps`` (a ``ValueError`` otherwise, as Trainer raises)."""
+    from trainbridge.data.stream_batches import is_stream
+
+    max_steps = getattr(args, "max_steps", None)
+    if is_stream(train_dataset) and (max_steps is None or max_steps <= 0):
+        raise ValueError(STREAM_NEEDS_MAX_STEPS)
 
 
 def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:

@@ -39,10 +39,8 @@ from trainbridge.core.context import TrainingContext
 UNHONOURED = (
     "evaluate",
     "evaluation_loop",
-    "get_train_dataloader",
     "get_eval_dataloader",
     "get_test_dataloader",
-    "_get_train_sampler",
     "_get_eval_sampler",
     "_maybe_log_save_evaluate",
     "_inner_training_loop",

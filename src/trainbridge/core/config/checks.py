@@ -82,8 +82,13 @@ def check_step_factory(args: TrainingArgs) -> None:
 
 
 def check_stream(args: TrainingArgs) -> None:
-    """``train_stream``: a stream has no length, so it needs ``max_steps``; it has no rows to split or plan."""
+    """``data_path`` or ``train_stream``; a stream has no length, so it needs ``max_steps``; it has no rows to
+    split or plan."""
+    if args.train_loader is not None and args.training_step == "token_cross_entropy":
+        raise ValueError("training_step: a train_loader's batches train on 'model_loss'; leave it 'auto'")
     if args.train_stream is None:
+        if args.data_path is None:
+            raise ValueError("data_path: the training data is required (a file or folder), or give a train_stream")
         return
     if args.max_steps is None:
         raise ValueError(

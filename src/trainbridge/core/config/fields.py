@@ -145,11 +145,12 @@ class DataFields(BaseModel):
 
     tokenizer_path: Path | None = None
     """Tokenizer directory; defaults to ``model_path``."""
-    data_path: Path
-    """Training data: a JSONL, JSON, parquet or Arrow file, or a ``Dataset.save_to_disk`` folder (read with
-    ``datasets``, tokenised once into a memory-mapped cache).  Rows hold pre-tokenized ``input_ids``
-    (optional ``labels`` with -100 masking, ``attention_mask``), chat ``messages`` (loss on the assistant
-    turns), ``prompt``/``completion`` (loss on the completion) or ``text``."""
+    data_path: Path | None = None
+    """Training data (required unless ``train_stream`` is given): a JSONL, JSON, parquet or Arrow file, or a
+    ``Dataset.save_to_disk`` folder (read with ``datasets``, tokenised once into a memory-mapped cache).
+    Rows hold pre-tokenized ``input_ids`` (optional ``labels`` with -100 masking, ``attention_mask``), chat
+    ``messages`` (loss on the assistant turns), ``prompt``/``completion`` (loss on the completion) or
+    ``text``."""
     val_data_path: Path | None = None
     """Validation data in the same formats; exclusive with ``validation_split``."""
     eval_data_paths: dict[str, Path] = Field(default_factory=dict)
@@ -235,7 +236,15 @@ class BatchFields(BaseModel):
     or a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) whose items the collator gets
     as they come.  Needs ``max_steps`` (a stream has no length) and trains on ``model_loss`` batches; the
     ranks take disjoint micro-batches (rank ``r`` every ``r``-th of ``world size``) and a resumed run skips the
-    items already trained on.  In-process and under ``torchrun`` only (``data_path`` must still name a file)."""
+    items already trained on.  When a pass over the stream ends before ``max_steps``, the stream is iterated
+again (the next epoch; ``set_epoch`` first when it has one), as Trainer does.  ``data_path`` is then not
+needed.  It reaches self-launched workers by value (cloudpickle) and is iterated there."""
+    train_loader: Callable[..., Any] | None = None
+    """``fn(dataset, collate, model) -> DataLoader``: this rank's training batches as a script builds them (the
+    facade sets it for a Trainer subclass overriding ``get_train_dataloader`` or ``_get_train_sampler``), called
+    once per run in each worker with the training items (``data_path``'s rows or ``train_stream``), the
+    collator (unused columns removed) and the model.  Its batches are trained ``accumulation`` at a time
+    (``data.loader_batches``); needs ``model_loss`` batches."""
     training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
     """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
     batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches

@@ -192,6 +192,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "checkpoint_model_files",
             "train_step",
             "train_stream",
+            "train_loader",
         }
         data = self.model_dump(mode="json", exclude=live, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder

@@ -1,0 +1,159 @@
+"""Trainer scripts that bring their own data path (used by tests/distributed/test_facade_data.py).
+
+``python|torchrun data_script.py OUT KIND [real]``; ``real`` uses transformers.Trainer (the reference).
+A tiny ``BertForSequenceClassification`` on items of fixed length, each with its ``idx``; the script's own
+collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``OUT/seen-rank<RANK>.txt``.
+
+- ``stream``: a torch ``IterableDataset`` defined here (24 items; a step takes 8), ``max_steps=5``: the
+  stream runs out after 3 steps and is iterated again (its ``set_epoch`` records each pass).
+- ``hfstream``: the same items as a ``datasets`` stream (``Dataset.to_iterable_dataset()``, torch format).
+- ``sampler``: a map-style ``Dataset`` and a Trainer subclass whose ``_get_train_sampler`` returns a custom
+  curriculum sampler (a fixed order); the override records ``OUT/sampler-rank<RANK>.txt`` where it runs.
+- ``loader``: a Trainer subclass whose ``get_train_dataloader`` builds its own ``DataLoader`` (batch size 3,
+  the curriculum sampler, its own collate function) and prepares it with ``self.accelerator``; it records
+  ``OUT/loader-rank<RANK>.txt`` (with the process id: the summary names the script's).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+if "real" in sys.argv[3:]:
+    from transformers import Trainer
+else:
+    from trainbridge import Trainer
+
+out, kind = Path(sys.argv[1]), sys.argv[2]
+COUNT = 24
+
+
+def item(i):
+    ids = torch.tensor([2 + (i * 7 + k) % 30 for k in range(8)])
+    return {"input_ids": ids, "attention_mask": torch.ones(8, dtype=torch.long), "labels": i % 2, "idx": i}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(COUNT):
+            yield item(i)
+
+    def set_epoch(self, epoch):
+        with (out / f"epochs-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(f"{epoch}\n")
+
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return COUNT
+
+    def __getitem__(self, i):
+        return item(i)
+
+
+class Collator:
+    """Stacks the items' tensors (they must arrive as tensors) and records their ``idx``."""
+
+    def __call__(self, items):
+        assert all(isinstance(x["input_ids"], torch.Tensor) for x in items), [type(x["input_ids"]) for x in items]
+        with (out / f"seen-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(" ".join(str(int(x["idx"])) for x in items) + "\n")
+        return {
+            "input_ids": torch.stack([x["input_ids"] for x in items]),
+            "attention_mask": torch.stack([x["attention_mask"] for x in items]),
+            "labels": torch.tensor([int(x["labels"]) for x in items]),
+        }
+
+
+class Curriculum(torch.utils.data.Sampler):
+    """A fixed order: odd items first, then even ones."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __iter__(self):
+        return iter([*range(1, self.count, 2), *range(0, self.count, 2)])
+
+    def __len__(self):
+        return self.count
+
+
+class SamplerTrainer(Trainer):
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        with (out / f"sampler-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(f"{len(dataset)} {os.getpid()}\n")
+        return Curriculum(len(dataset))
+
+
+class LoaderTrainer(Trainer):
+    def get_train_dataloader(self):
+        with (out / f"loader-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(f"{len(self.train_dataset)} {os.getpid()}\n")
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset, batch_size=3, sampler=Curriculum(len(self.train_dataset)), collate_fn=Collator()
+        )
+        return self.accelerator.prepare(loader)
+
+
+out.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+config = BertConfig(
+    vocab_size=40,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=16,
+    num_labels=2,
+)
+model = BertForSequenceClassification(config)
+args = TrainingArguments(
+    output_dir=str(out),
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=5 if kind.endswith("stream") else -1,
+    num_train_epochs=2,
+    logging_steps=1,
+    save_strategy="steps",
+    save_steps=2,
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    remove_unused_columns=False,
+    seed=3,
+)
+if kind == "hfstream":
+    import datasets
+
+    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()} for i in range(COUNT)]
+    train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
+else:
+    train_dataset = Stream() if kind == "stream" else Items()
+trainer_cls = {"stream": Trainer, "hfstream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
+trainer = trainer_cls(
+    model=model,
+    args=args,
+    train_dataset=train_dataset,
+    data_collator=Collator(),
+)
+result = trainer.train()
+if trainer.is_world_process_zero():
+    last = out / f"checkpoint-{result.global_step}"
+    summary = {
+        "global_step": result.global_step,
+        "train_metrics": sorted(result.metrics),
+        "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+        "log_epochs": [round(e["epoch"], 4) for e in trainer.state.log_history if "loss" in e],
+        "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+        "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+        "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
+        "pid": os.getpid(),
+        "markers": {p.name: p.read_text().split("\n")[:-1] for p in sorted(out.glob("*-rank*.txt"))},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,79 @@
+"""Trainer scripts that bring their own data path, with only the import changed, both launch styles on 2 gloo
+ranks, against transformers.Trainer under torchrun (``scripts/data_script.py``): the same global_step, log
+steps and epochs, metric keys and checkpoints; the script's collator gets the items (tensors) in the workers.
+
+- ``stream``: a torch ``IterableDataset`` defined in the script, shorter than ``max_steps`` needs: it travels
+  to self-launched workers by value, each rank takes disjoint micro-batches, and it is iterated again for
+  the next epoch (``set_epoch`` in each worker) as under Trainer, on the same items Trainer trained on;
+  ``hfstream``: the same with a ``datasets`` stream (``to_iterable_dataset()``).
+- ``sampler``: a subclass's ``_get_train_sampler`` (a curriculum order) and ``loader``: a subclass's
+  ``get_train_dataloader`` (its own batch size, sampler and collate function, prepared with
+  ``self.accelerator``): the override runs in each worker process (per-rank markers, never the script's
+  process when self-launched) and each rank trains on exactly the batches it trains on under Trainer
+  (accelerate's sharding).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.script_runs import run_script, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "data_script.py"
+SAME = ("global_step", "train_metrics", "log_steps", "log_epochs", "checkpoints")
+
+
+def _runs(tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:
+    """The reference (real Trainer under torchrun), then ours in place (torchrun) and self-launched (python)."""
+    real = run_script(torchrun(SCRIPT, str(tmp_path / "real"), kind, "real"), tmp_path / "real")
+    in_place = run_script(torchrun(SCRIPT, str(tmp_path / "in_place"), kind), tmp_path / "in_place")
+    launched_out = tmp_path / "launched"
+    launched = run_script(
+        [sys.executable, str(SCRIPT), str(launched_out), kind], launched_out, TRAINBRIDGE_NPROC_PER_NODE="2"
+    )
+    for ours in (in_place, launched):
+        assert {k: ours[k] for k in SAME} == {k: real[k] for k in SAME}
+        assert set(real["log_keys"]) <= set(ours["log_keys"])
+        assert set(real["checkpoint_files"]) <= set(ours["checkpoint_files"])
+    return real, [in_place, launched]
+
+
+def _batches(lines: list[str]) -> list[list[int]]:
+    return [[int(i) for i in line.split()] for line in lines]
+
+
+@pytest.mark.parametrize("kind", ["stream", "hfstream"])
+def test_an_iterable_dataset_streams_as_under_trainer(kind: str, tmp_path: Path) -> None:
+    real, ours_runs = _runs(tmp_path, kind)
+    assert real["global_step"] == 5 and real["log_epochs"] == [0.2, 0.4, 0.6, 1.2, 1.4]  # a second pass
+    # under Trainer rank 0 reads and collates every micro-batch (accelerate dispatches them; it reads ahead)
+    consumed = [i for batch in _batches(real["markers"]["seen-rank0.txt"])[: 5 * 2 * 2] for i in batch]
+    for ours in ours_runs:
+        ranks = [_batches(ours["markers"][f"seen-rank{r}.txt"]) for r in range(2)]
+        assert [len(batches) for batches in ranks] == [10, 10]  # 5 steps x 2 micro-batches, each rank
+        assert all(len(batch) == 2 for batches in ranks for batch in batches)  # per_device_train_batch_size
+        first_pass = [set(i for batch in batches[:6] for i in batch) for batches in ranks]
+        assert not first_pass[0] & first_pass[1]  # disjoint shares
+        assert Counter(i for batches in ranks for batch in batches for i in batch) == Counter(consumed)
+        for rank in range(2 if kind == "stream" else 0):  # each worker iterated the stream again, with set_epoch
+            assert sorted(set(ours["markers"][f"epochs-rank{rank}.txt"])) == ["0", "1"]
+
+
+@pytest.mark.parametrize("kind", ["sampler", "loader"])
+def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(kind: str, tmp_path: Path) -> None:
+    real, (in_place, launched) = _runs(tmp_path, kind)
+    assert real["global_step"] == (6 if kind == "sampler" else 4)  # 2 epochs of len(DataLoader) / accumulation
+    for ours in (in_place, launched):
+        for rank in range(2):
+            marker = f"{kind}-rank{rank}.txt"
+            assert [line.split()[0] for line in ours["markers"][marker]] == ["24"], (marker, ours["markers"])
+            seen = f"seen-rank{rank}.txt"
+            assert ours["markers"][seen] == real["markers"][seen]  # this rank's batches, in Trainer's order
+    pids = {line.split()[1] for rank in range(2) for line in launched["markers"][f"{kind}-rank{rank}.txt"]}
+    assert len(pids) == 2 and str(launched["pid"]) not in pids  # two worker processes, not the script's
