@@ -10,25 +10,16 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
+from transformers import BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
 
 from trainbridge import Trainer
-from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
 from trainbridge.modeling.load import set_requires_grad
 
 
 def _classifier(tok: Any) -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-        pad_token_id=tok.pad_token_id,
-    )
+    config = tiny_bert_config(len(tok), pad_token_id=tok.pad_token_id)
     return BertForSequenceClassification(config)
 
 
