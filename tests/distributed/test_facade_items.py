@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.script_runs import run_checked
 from trainbridge.launch.launcher import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -46,8 +46,7 @@ def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict:
         if launch == "torchrun"
         else [sys.executable, *script]
     )
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    run_checked(command, env, out)
     return json.loads((out / "summary.json").read_text())
 
 

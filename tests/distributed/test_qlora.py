@@ -12,8 +12,6 @@ gets the trained adapter back.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed.script_runs import run_script
 from tests.distributed.training_fixtures import base_args, make_assets
 from trainbridge import Callback, TorchrunArgs, run_training
 from trainbridge.launch.launcher import free_port
@@ -134,15 +133,6 @@ def test_fsdp2_shards_a_base_stored_as_bnb_4bit_quant_storage_and_trains_as_ddp(
     assert adapter and all("lora_" in key for key in adapter)
 
 
-def _run_script(command: list[str], out: Path, **env: str) -> dict:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        full_env.pop(name, None)
-    proc = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "summary.json").read_text())
-
-
 def _torchrun(*args: str) -> list[str]:
     port = str(free_port())
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port, *args]
@@ -152,17 +142,17 @@ def _torchrun(*args: str) -> list[str]:
 def real_trainer(assets, tmp_path_factory) -> dict:
     """The same script under real ``transformers.Trainer`` on 2 DDP ranks (bitsandbytes 0.50 trains 4-bit on CPU)."""
     out = tmp_path_factory.mktemp("qlora-real") / "out"
-    return _run_script(_torchrun(str(SCRIPT), str(assets["model"]), str(out), "real"), out)
+    return run_script(_torchrun(str(SCRIPT), str(assets["model"]), str(out), "real"), out)
 
 
 @pytest.mark.parametrize("launch", ["torchrun", "python"])
 def test_a_qlora_trainer_script_runs_with_its_import_changed(assets, tmp_path, launch, real_trainer):
     out = tmp_path / "out"
     if launch == "torchrun":
-        summary = _run_script(_torchrun(str(SCRIPT), str(assets["model"]), str(out)), out)
+        summary = run_script(_torchrun(str(SCRIPT), str(assets["model"]), str(out)), out)
     else:  # self-launched: 2 workers, as torchrun
         command = [sys.executable, str(SCRIPT), str(assets["model"]), str(out)]
-        summary = _run_script(command, out, TRAINBRIDGE_NPROC_PER_NODE="2")
+        summary = run_script(command, out, TRAINBRIDGE_NPROC_PER_NODE="2")
     assert summary["global_step"] == real_trainer["global_step"] == 6
     assert len(summary["losses"]) == len(real_trainer["losses"]) == 3
     assert summary["still_4bit"] and summary["trained_lora_b"]  # the script's model got the adapter back

@@ -1,4 +1,4 @@
-"""A Trainer subclass overriding ``compute_loss``, ``training_step``, ``prediction_step`` and ``log``
+"""A Trainer subclass overriding ``compute_loss``, ``training_step``, ``prediction_step``, ``evaluate`` and ``log``
 (``scripts/subclass_script.py``), both launch styles on 2 ranks, against transformers.Trainer: each override
 runs in each worker where Trainer runs it (every micro-batch, every validation batch, every log), with the
 step's ``num_items_in_batch``, the live ``state`` and the ``__init__``'s attribute; the same global_step,
@@ -31,7 +31,7 @@ def _check(ours: dict, reference: dict) -> None:
     assert set(reference["log_keys"]) <= set(ours["log_keys"])
     assert "alpha" in ours["log_keys"] and "eval_token_accuracy" in ours["log_keys"]
     assert ours["entries"] == reference["entries"]  # every log's keys, the override's alpha included
-    methods = ("calls", "log", "prediction_step", "training_step")
+    methods = ("calls", "evaluate", "log", "prediction_step", "training_step")
     expected = sorted(f"{method}-rank{rank}.txt" for method in methods for rank in (0, 1))
     assert sorted(ours["calls"]) == sorted(reference["calls"]) == expected
     for rank in (0, 1):
@@ -45,6 +45,10 @@ def _check(ours: dict, reference: dict) -> None:
         predicted = {line for line in ours["calls"][f"prediction_step-rank{rank}.txt"]}
         assert predicted == {line for line in reference["calls"][f"prediction_step-rank{rank}.txt"]}
         assert predicted == {"2 False", "4 False"}
+        # evaluate: around each evaluation during training (steps 2 and 4), super() returning Trainer's metrics
+        evaluated = ours["calls"][f"evaluate-rank{rank}.txt"]
+        assert evaluated == reference["calls"][f"evaluate-rank{rank}.txt"]
+        assert [line.split()[0] for line in evaluated] == ["2", "4"] and "eval_token_accuracy" in evaluated[0]
     # compute_loss ran in both ranks' processes, once per micro-batch (4 steps x 2), as under Trainer
     for name in ("calls-rank0.txt", "calls-rank1.txt"):
         lines = ours["calls"][name]

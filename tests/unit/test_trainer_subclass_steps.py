@@ -23,6 +23,7 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -299,17 +300,55 @@ def test_an_attribute_that_cannot_travel_is_refused_naming_it(tmp_path):
         worker.take_attributes(trainer, check_transport=True)
 
 
-def test_only_the_overrides_trainbridge_cannot_run_are_refused() -> None:
-    assert unhonoured_overrides(Stateful) == [] and unhonoured_overrides(LoggingTrainer) == []
+class Evaluating(Trainer):
+    seen: ClassVar[list[tuple[int, list[str]]]] = []
 
-    class Evaluating(Predicting):
-        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-            return super().evaluate(*args, **kwargs)
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # the loop's evaluation
+        Evaluating.seen.append((self.state.global_step, sorted(metrics)))
+        self.log({"sample": 1.0})  # not one of the loop's logs: warned, as it is not logged
+        return {**metrics, "eval_extra": 1.0}
 
-    assert unhonoured_overrides(Evaluating) == ["evaluate"]
+
+class OtherSet(Trainer):
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
+        return super().evaluate([{"text": "x", "label": 1}], ignore_keys, "train")  # another set: refused
+
+
+def test_an_evaluate_override_runs_around_each_evaluation_during_training(bert_classifier, tmp_path):
+    assert unhonoured_overrides(Stateful) == [] and unhonoured_overrides(Evaluating) == []
+    worker = _methods(Evaluating, tmp_path)
+    Evaluating.seen.clear()
+    logs, hf = Logs(), HuggingFaceCallbacks([], progress=False)
+    with pytest.warns(HFPortingWarning, match=r"Evaluating\.log\(\['sample'\]\) called during training"):
+        _run(
+            bert_classifier,
+            tmp_path,
+            None,
+            [ScriptTrainerEvents(worker), hf, logs],
+            evaluation=worker.evaluation,
+            eval_on_start=True,
+            compute_metrics=_accuracy,
+        )
+    keys = ["epoch", "eval_accuracy", "eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"]
+    assert Evaluating.seen == [(0, keys), (2, keys)]  # on start and at step 2: the loop's metrics via super()
+    assert [log["eval_loss"] for log in logs.logs if "eval_loss" in log] and not any(
+        "sample" in log for log in logs.logs
+    )
+    other = _methods(OtherSet, tmp_path / "other")
+    with pytest.raises(Exception, match=r"evaluate\(eval_dataset=\.\.\., metric_key_prefix=\.\.\.\) inside train"):
+        _run(bert_classifier, tmp_path / "other", None, [ScriptTrainerEvents(other)], evaluation=other.evaluation)
+
+
+def test_overrides_trainbridge_cannot_run_are_refused_naming_them() -> None:
+    class Looping(Predicting):
+        def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+            return super().evaluation_loop(*args, **kwargs)
+
+    assert unhonoured_overrides(Looping) == ["evaluation_loop"]
     hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"overrides evaluate\(\).*put extra metrics into compute_metrics"):
-        Evaluating(model=torch.nn.Linear(2, 2), args=hf_args)
+    with pytest.raises(ValueError, match=r"overrides evaluation_loop\(\)"):
+        Looping(model=torch.nn.Linear(2, 2), args=hf_args)
 
 
 def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_classifier, tmp_path):

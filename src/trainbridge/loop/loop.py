@@ -312,6 +312,10 @@ class TrainingLoop:
         return flags
 
     def evaluate(self) -> dict[str, float]:
+        """One evaluation: ``args.evaluation`` (a Trainer subclass's ``evaluate``) around ``evaluate_sets``."""
+        return self.args.evaluation(self.evaluate_sets) if self.args.evaluation else self.evaluate_sets()
+
+    def evaluate_sets(self) -> dict[str, float]:
         """Evaluate the validation set (``eval_`` metrics) or, with named sets (``eval_data_paths``), each set
         in turn (``eval_<name>_`` metrics, each with its own ``on_log``/``on_evaluate``, as Trainer evaluates a
         dict ``eval_dataset``); returns the metrics of every set."""

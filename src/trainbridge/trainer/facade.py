@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trainer import jobs, results, script_data, subclass, subclass_data, worker_methods
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
@@ -319,13 +321,15 @@ class Trainer:
         """Evaluate (loss plus ``compute_metrics``) on ``eval_dataset`` or the Trainer's; also after training.
         As Trainer: a dict evaluates each dataset (``<prefix>_<name>_`` keys); the metrics are logged
         (``state.log_history``, ``on_log``) and ``on_evaluate`` fires (``trainer.script_events``)."""
+        if "_worker_accelerator" in vars(self):  # super().evaluate() of an override, during train() in a worker
+            return subclass.evaluate_in_worker(self, eval_dataset, metric_key_prefix)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         loop = self._loop
         if eval_dataset is None and loop is not None and (loop.eval_batches is not None or loop.named_eval_batches):
             # in place after training, the run's own sets: the loop logs and fires the events on every rank
-            metrics: dict[str, Any] = dict(loop.evaluate())
+            metrics: dict[str, Any] = dict(loop.evaluate_sets())  # not loop.evaluate(): an override is calling
             for part in results.per_set(metrics, list(loop.named_eval_batches)):
                 self._record_log(results.prefixed(part, metric_key_prefix))
             return results.prefixed(metrics, metric_key_prefix)
@@ -469,6 +473,14 @@ class Trainer:
         fired on the script's callbacks (during training the loop logs; a worker-side instance hands ``logs``
         back to it, ``trainer.subclass.ScriptTrainerEvents``)."""
         if "_worker_accelerator" in vars(self):
+            if not vars(self).get(subclass.IN_LOG_EVENT):
+                warnings.warn(  # a call of the script's own (e.g. from compute_loss): not one of the loop's logs
+                    f"{type(self).__name__}.log({sorted(logs)}) called during training in a worker is not logged: "
+                    "trainbridge logs at the loop's logging steps; add values to those logs in a log() override "
+                    "or a callback's on_log",
+                    HFPortingWarning,
+                    stacklevel=2,
+                )
             self.__dict__["_logged"] = logs
             return
         self._record_log(logs)

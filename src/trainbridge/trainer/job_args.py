@@ -18,7 +18,7 @@ from trainbridge.trainer.optimizers import script_model
 from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.script_data import dataset_transforms
-from trainbridge.trainer.subclass import script_events, script_trainer, subclass_loss
+from trainbridge.trainer.subclass import script_events, script_trainer, subclass_evaluation, subclass_loss
 from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
         "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
         "trainer_methods": subclass_loss(trainer),
+        "evaluation": subclass_evaluation(trainer),  # a subclass's evaluate, around each evaluation in train()
         "optimizer_factory": trainer._optimizer_factory,
         "model_init": script_model(trainer._optimizer_factory),  # optimizers= in place: the script's model
         "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
@@ -151,6 +152,7 @@ def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool
         "resume_from_checkpoint": None,
         "train_stream": None,
         "train_loader": None,
+        "evaluation": None,  # the script's evaluate override is what called this job
     }
     if keep_predictions and args.compute_metrics is None:
         updates["compute_metrics"] = no_metrics

@@ -37,7 +37,6 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 
 UNHONOURED = (
-    "evaluate",
     "evaluation_loop",
     "get_eval_dataloader",
     "get_test_dataloader",
@@ -55,11 +54,9 @@ UNHONOURED = (
 script's subclass is refused at construction, naming it."""
 
 HINTS = {
-    "evaluate": (
-        "evaluate(): the evaluations during train() run in the workers' loop, not through evaluate() (a "
-        "trainer.evaluate() call of the script's runs it); put extra metrics into compute_metrics, extra "
-        "evaluation sets into a dict eval_dataset (each evaluated in turn, eval_<name>_ metrics), or evaluate "
-        "them after train()"
+    "get_eval_dataloader": (
+        "get_eval_dataloader(): validation batches are formed in the workers from eval_dataset with "
+        "per_device_eval_batch_size and the data_collator; set those, or evaluate with your own loader after train()"
     ),
 }
 """What to do instead, for the refused overrides a script most often has."""
@@ -224,6 +221,16 @@ class ScriptTrainer:
         )
         return instance
 
+    def evaluation(self, run: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``TrainingArgs.evaluation``: the script's ``evaluate`` override for each evaluation during training,
+        its ``super().evaluate()`` being ``run`` (the loop's evaluation: logs, ``on_evaluate``)."""
+        instance = self.trainer(None)
+        instance.__dict__[LOOP_EVALUATION] = run
+        try:
+            return dict(instance.evaluate(ignore_keys=None))
+        finally:
+            instance.__dict__.pop(LOOP_EVALUATION, None)
+
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
         self,
@@ -271,7 +278,11 @@ class ScriptTrainerEvents(Callback):
         instance = self.worker.trainer(context.model)
         instance.__dict__.pop("_logged", None)
         training = "loss" in logs and context.train_start_time is not None  # Trainer passes start_time then
-        instance.log(logs, context.train_start_time if training else None)
+        instance.__dict__[IN_LOG_EVENT] = True
+        try:
+            instance.log(logs, context.train_start_time if training else None)
+        finally:
+            instance.__dict__.pop(IN_LOG_EVENT, None)
         logged = instance.__dict__.pop("_logged", logs)
         if logged is not logs:
             logs.clear()
@@ -279,6 +290,7 @@ class ScriptTrainerEvents(Callback):
 
 
 WORKER_METHODS = (
+    "evaluate",
     "log",
     "create_optimizer",
     "create_scheduler",
@@ -289,6 +301,35 @@ WORKER_METHODS = (
 )
 """Besides ``STEP_METHODS``, the overrides that run on the worker-side instance (``trainer.optimizers``,
 ``trainer.save_overrides``)."""
+
+
+IN_LOG_EVENT = "_in_log_event"
+"""Set on the worker-side instance while its ``log`` runs for one of the loop's logs."""
+
+LOOP_EVALUATION = "_loop_evaluation"
+"""The worker-side instance's attribute holding the loop's evaluation while its ``evaluate`` override runs."""
+
+
+def evaluate_in_worker(instance: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
+    """``super().evaluate()`` of an ``evaluate`` override on the worker-side instance: the loop's evaluation
+    of the run's validation sets (what Trainer's ``evaluate()`` does during training)."""
+    run = vars(instance).get(LOOP_EVALUATION)
+    if run is None:
+        raise RuntimeError("evaluate() runs in the workers only as the loop's evaluation during train()")
+    if eval_dataset is not None or metric_key_prefix != "eval":
+        raise ValueError(
+            "evaluate(eval_dataset=..., metric_key_prefix=...) inside train(): the workers evaluate the Trainer's "
+            "eval_dataset only; give extra sets as a dict eval_dataset (each evaluated in turn, eval_<name>_ "
+            "metrics), or evaluate them after train()"
+        )
+    return run()
+
+
+def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
+    """The ``TrainingArgs.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
+    when its class overrides ``evaluate``, else None."""
+    worker = script_trainer(trainer) if overrides(type(trainer), ("evaluate",)) else None
+    return worker.evaluation if worker is not None else None
 
 
 def script_trainer(trainer: Any) -> ScriptTrainer | None:

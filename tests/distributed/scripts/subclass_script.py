@@ -1,5 +1,5 @@
-"""A Trainer script whose subclass overrides ``compute_loss``, ``training_step``, ``prediction_step`` and
-``log`` and sets an attribute in its ``__init__`` (used by test_trainer_subclass.py).
+"""A Trainer script whose subclass overrides ``compute_loss``, ``training_step``, ``prediction_step``,
+``evaluate`` and ``log`` and sets an attribute in its ``__init__`` (used by test_trainer_subclass.py).
 
 Run as ``torchrun --nproc_per_node=2 subclass_script.py OUT [real]`` or ``python subclass_script.py OUT``;
 ``real`` uses transformers.Trainer (the reference).  Each override writes a line per call into
@@ -78,6 +78,11 @@ class PenaltyTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         mark(self, "prediction_step", f"{self.state.global_step} {prediction_loss_only}")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        mark(self, "evaluate", f"{self.state.global_step} {' '.join(sorted(metrics))}")
+        return metrics
 
     def log(self, logs, start_time=None):
         mark(self, "log", f"{self.state.global_step} {'loss' in logs} {start_time is not None}")

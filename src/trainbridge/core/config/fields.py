@@ -261,6 +261,10 @@ needed.  It reaches self-launched workers by value (cloudpickle) and is iterated
     trainer_methods``): its ``training_step`` on each micro-batch and ``prediction_step`` on each validation
     batch (the facade sets it for a subclass overriding ``training_step``, ``prediction_step`` or
     ``compute_loss``, or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
+    evaluation: Callable[..., Any] | None = None
+    """How each evaluation during training runs: ``evaluation(run) -> metrics``, where ``run()`` is the loop's
+    own evaluation (it logs and fires ``on_evaluate``).  The facade sets it for a Trainer subclass overriding
+    ``evaluate``, whose ``super().evaluate()`` is ``run()``.  None: ``run()`` alone."""
     train_step: Callable[..., Any] | None = None
     """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
     called in each worker once the model is loaded, before the engine wraps it, it forms the training

@@ -188,6 +188,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
             "preprocess_logits_for_metrics",
             "compute_loss",
             "trainer_methods",
+            "evaluation",
             "optimizer_factory",
             "checkpoint_model_files",
             "train_step",
