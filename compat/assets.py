@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.demos.tiny_model import build_tiny_llama
+from trainbridge.demos.tiny_model import build_tiny_llama, tiny_bert_config
 
 TRAIN_SAMPLES = 32
 """Training samples (a multiple of every scenario's samples per optimizer step)."""
@@ -104,21 +104,10 @@ def collate_fixed_length(features: list[dict[str, list[int]]]) -> dict[str, torc
 def classification_model(tokenizer: Any) -> Any:
     """A tiny ``BertForSequenceClassification`` (2 labels) over the tiny Llama's tokenizer, built from a
     config with a fixed seed, so both runners start from the same weights."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     torch.manual_seed(0)
-    return BertForSequenceClassification(
-        BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    return BertForSequenceClassification(tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id))
 
 
 def classification_data(tokenizer: Any, n: int, seed: int) -> Any:

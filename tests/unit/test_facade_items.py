@@ -17,7 +17,7 @@ import transformers
 from transformers import TrainingArguments
 
 from trainbridge import Trainer
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer, tiny_bert_config
 from trainbridge.trainer import script_data
 
 
@@ -102,22 +102,11 @@ def test_alpaca_style_script_trains_in_place(tmp_path: Path, monkeypatch: pytest
 
 
 def test_classifier_trains_on_its_own_loss_with_its_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding
+    from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
     tok = build_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
-    model = BertForSequenceClassification(
-        BertConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
+    model = BertForSequenceClassification(tiny_bert_config(len(tok), pad_token_id=tok.pad_token_id))
     texts = [("x" if i % 2 else "y") + "abcdefg"[: 2 + i % 5] for i in range(32)]
     data = datasets.Dataset.from_dict({"sentence": texts, "label": [i % 2 for i in range(32)], "idx": list(range(32))})
     data = data.map(lambda b: tok(b["sentence"]), batched=True)

@@ -1,6 +1,7 @@
-"""A script's in-memory changes to its model reach the workers or are refused: layers it froze stay frozen
+"""A script's model reaches the workers as it is or is refused: layers it froze stay frozen
 (``TrainingArgs.requires_grad``), and a module it replaced, which ``save_pretrained``/``from_pretrained`` would
-silently rebuild as the original, fails naming the parameters (in place, one rank)."""
+silently rebuild as the original, fails naming the parameters (in place, one rank); a plain ``nn.Module``, which
+the workers cannot rebuild, is refused before any job."""
 
 from __future__ import annotations
 
@@ -10,25 +11,16 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
+from transformers import BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
 
 from trainbridge import Trainer
-from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
 from trainbridge.modeling.load import set_requires_grad
 
 
 def _classifier(tok: Any) -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-        pad_token_id=tok.pad_token_id,
-    )
+    config = tiny_bert_config(len(tok), pad_token_id=tok.pad_token_id)
     return BertForSequenceClassification(config)
 
 
@@ -81,3 +73,24 @@ def test_set_requires_grad_names_the_difference() -> None:
     assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
     with pytest.raises(ValueError, match=r"missing \['2.weight'\], unexpected \['1.bias'\]"):
         set_requires_grad(model, {"0.weight": True, "0.bias": True, "1.weight": True, "2.weight": True})
+
+
+def test_a_plain_module_is_refused_before_any_job_in_one_line(tmp_path: Path) -> None:
+    from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+
+    class Regressor(torch.nn.Module):  # Trainer trains it; the workers could not rebuild it
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": (self.linear(x) - labels).pow(2).mean()}
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none")
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"model: a plain Regressor .*PreTrainedModel"):
+        Trainer(model=Regressor(), args=args, train_dataset=[{"x": torch.zeros(2), "labels": torch.zeros(2)}]).train()
+    with pytest.raises(UnsupportedTrainerFeatureError, match=r"model: a plain Regressor"):
+        Trainer(
+            model_init=Regressor, args=args, train_dataset=[{"x": torch.zeros(2), "labels": torch.zeros(2)}]
+        ).train()
+    assert not (tmp_path / ".trainbridge").exists()  # refused before anything was written

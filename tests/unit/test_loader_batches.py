@@ -123,6 +123,18 @@ class LoaderTrainer(Trainer):
         return loader
 
 
+class StridedTrainer(Trainer):
+    """A sampler reading an attribute the script's ``__init__`` set."""
+
+    def __init__(self, *args: Any, stride: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stride = stride
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        count = len(train_dataset if train_dataset is not None else self.train_dataset)
+        return [i for start in range(self.stride) for i in range(start, count, self.stride)]
+
+
 class EvalLoaderTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         return None
@@ -132,10 +144,13 @@ def test_the_override_is_called_on_a_worker_side_instance_with_the_items(tmp_pat
     hf = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True)
     model = torch.nn.Linear(2, 2)
     collate = ItemCollator(_collate, None)
-    loader = SubclassLoader(SamplerTrainer, hf, None)(_items(6), collate, model)
+    loader = SubclassLoader(SamplerTrainer, hf, None, {})(_items(6), collate, model)
     assert [b["idx"].tolist() for b in loader] == [[5, 4], [3, 2], [1, 0]]
-    loader = SubclassLoader(LoaderTrainer, hf, None)(_items(6), collate, model)
+    loader = SubclassLoader(LoaderTrainer, hf, None, {})(_items(6), collate, model)
     assert sorted(i for b in loader for i in b["idx"].tolist()) == list(range(6))
+    strided = subclass_loader(StridedTrainer(model=model, args=hf, stride=3))  # with the script's attribute
+    assert strided is not None
+    assert [b["idx"].tolist() for b in strided(_items(6), collate, model)] == [[0, 3], [1, 4], [2, 5]]
     assert subclass_loader(SamplerTrainer(model=model, args=hf)) is not None  # no longer refused
     assert subclass_loader(Trainer(model=model, args=hf)) is None
     with pytest.raises(UnsupportedTrainerFeatureError, match="get_eval_dataloader"):
@@ -159,7 +174,7 @@ def _train(model_path: Path, tmp_path: Path, out: str, **overrides: Any) -> Any:
     fields: dict[str, Any] = dict(
         model_path=model_path,
         data_path=_rows(tmp_path / "train.jsonl", 10),
-        train_loader=SubclassLoader(SamplerTrainer, hf, None),
+        train_loader=SubclassLoader(SamplerTrainer, hf, None, {}),
         ckpt_output_dir=tmp_path / out,
         effective_batch_size=4,
         per_device_batch_size=2,

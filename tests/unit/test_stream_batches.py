@@ -19,7 +19,7 @@ from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.stream_batches import StreamBatches
-from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.step.model_loss import ModelLoss
@@ -77,18 +77,10 @@ def test_a_stream_needs_max_steps_naming_the_field():
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=80,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-    )
+    config = tiny_bert_config()
     folder = tmp_path_factory.mktemp("cls")
     BertForSequenceClassification(config).save_pretrained(folder)
     build_tokenizer(folder)

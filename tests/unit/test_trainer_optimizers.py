@@ -23,21 +23,12 @@ from trainbridge.loop.loop import TrainingLoop
 
 @pytest.fixture(scope="module")
 def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import BertConfig
 
-    from trainbridge.demos.tiny_model import build_tokenizer
+    from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("cls")
-    config = BertConfig(
-        vocab_size=80,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-    )
+    config = tiny_bert_config()
     BertForSequenceClassification(config).save_pretrained(folder)
     build_tokenizer(folder)
     return folder

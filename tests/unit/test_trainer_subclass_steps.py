@@ -40,23 +40,13 @@ from trainbridge.trainer.subclass import (
 
 @pytest.fixture(scope="module")
 def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    from trainbridge.demos.tiny_model import build_tokenizer
+    from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("cls")
-    config = BertConfig(
-        vocab_size=80,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = tiny_bert_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     BertForSequenceClassification(config).save_pretrained(folder)
     build_tokenizer(folder)
     return folder

@@ -1,4 +1,4 @@
-"""Tiny local Llama models, a character tokenizer and a learnable arithmetic data set.
+"""Tiny local Llama models, a tiny BERT config, a character tokenizer and a learnable arithmetic data set.
 
 Used by the demo, the tests, the benchmarks and the compat scenarios: everything is built from a
 config on disk (no model hub), saved with ``save_pretrained`` and loaded back with ``from_pretrained``
@@ -11,10 +11,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import BertConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -133,6 +133,23 @@ def build_tiny_llama(
         model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(directory)
     return directory
+
+
+def tiny_bert_config(vocab_size: int = 80, **overrides: Any) -> BertConfig:
+    """A tiny BERT (hidden 32, one layer, two heads, 64 positions, 2 labels) for the encoder models of the
+    tests, compat scenarios and examples; ``overrides`` are further ``BertConfig`` keywords (``pad_token_id``,
+    dropout...)."""
+    from transformers import BertConfig
+
+    shape: dict[str, Any] = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    return BertConfig(vocab_size=vocab_size, **{**shape, **overrides})
 
 
 def build_benchmark_llama(directory: str | Path, *, seed: int = 0) -> Path:

@@ -295,6 +295,9 @@ class Trainer:
             raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}")
         if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
+        problem = script_data.model_travel_problem(self.model) if self.model is not None else None
+        if problem is not None:  # before any job: the workers could not be given this model
+            raise UnsupportedTrainerFeatureError(problem)
         result, state = jobs.train(self, resume_from_checkpoint)
         self._set_state(state)
         metrics = results.train_metrics(state["log_history"], bool(getattr(self.args, "disable_tqdm", False)))

@@ -241,6 +241,18 @@ def write_dataset(rows: Any, folder: Path) -> Path:
     return folder
 
 
+def model_travel_problem(model: Any) -> str | None:
+    """Why the workers cannot be given ``model`` (they rebuild it with ``from_pretrained`` from the folder its
+    ``save_pretrained`` writes), or None."""
+    if hasattr(model, "save_pretrained"):
+        return None
+    return (
+        f"model: a plain {type(model).__name__} (torch.nn.Module) cannot be handed to trainbridge's workers, "
+        "which load the model from a save_pretrained folder; make it a transformers.PreTrainedModel (a "
+        "PretrainedConfig and a PreTrainedModel subclass), or keep transformers.Trainer for this script"
+    )
+
+
 def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
     """Save ``model`` and ``tokenizer`` into ``folder``; returns the ``model_path`` for the workers.
 

@@ -2,11 +2,12 @@
 
 ``subclass_loader(trainer)`` is the ``TrainingArgs.train_loader`` of a facade job whose class overrides one of
 them: a picklable ``SubclassLoader`` holding the script's Trainer class (by value when the script defines
-it, as callbacks travel).  In each worker it builds an instance of that class without running its
-``__init__`` -- ``args``, ``model``, ``train_dataset`` (the training items as the dataset's ``__getitem__``
-returned them, same indices; a stream as it is), ``data_collator`` (the script's), ``processing_class``,
-``state``, ``_train_batch_size`` and an ``accelerator`` whose ``prepare`` shards a ``DataLoader`` across
-ranks as accelerate does under Trainer -- and calls its ``get_train_dataloader()``.
+it, as callbacks travel) and the attributes the script set on its instance.  In each worker it builds an
+instance of that class without running its ``__init__`` -- those attributes, ``args``, ``model``,
+``train_dataset`` (the training items as the dataset's ``__getitem__`` returned them, same indices; a stream
+as it is), ``data_collator`` (the script's), ``processing_class``, ``state``, ``_train_batch_size`` and an
+``accelerator`` whose ``prepare`` shards a ``DataLoader`` across ranks as accelerate does under Trainer --
+and calls its ``get_train_dataloader()``.
 
 Trainer's own ``get_train_dataloader`` (what ``super()`` runs, and what runs with only ``_get_train_sampler``
 overridden) is ``default_train_dataloader``: a ``DataLoader`` of ``per_device_train_batch_size`` items with the
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.trainer.subclass import overrides
+from trainbridge.trainer.subclass import overrides, script_attributes
 from trainbridge.trainer.worker_methods import WorkerAccelerator
 
 LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler")
@@ -90,16 +91,20 @@ def shard_loader(loader: Any, world_size: int, rank: int, data_seed: int | None)
 class SubclassLoader:
     """``TrainingArgs.train_loader`` for a Trainer subclass (see the module doc)."""
 
-    def __init__(self, trainer_cls: type, args: Any, processing_class: Any) -> None:
+    def __init__(self, trainer_cls: type, args: Any, processing_class: Any, attributes: dict[str, Any]) -> None:
         self.trainer_cls = trainer_cls
         self.args = args
         self.processing_class = processing_class
+        self.attributes = attributes
+        """The attributes the script set on its Trainer (``subclass.script_attributes``), as the other
+        worker-side overrides see them."""
 
     def __call__(self, dataset: Any, collate: Any, model: Any) -> Any:
         from transformers import TrainerState
 
         instance: Any = object.__new__(self.trainer_cls)
         accelerator = LoaderAccelerator(model, _data_seed(self.args))
+        instance.__dict__.update(self.attributes)
         instance.__dict__.update(
             args=self.args,
             model=accelerator.unwrap_model(model),
@@ -134,7 +139,7 @@ def subclass_loader(trainer: Any) -> SubclassLoader | None:
     ``_get_train_sampler``, else None (Trainer's sample batches)."""
     if not overrides(type(trainer), LOADER_METHODS):
         return None
-    return SubclassLoader(type(trainer), trainer.args, trainer.processing_class)
+    return SubclassLoader(type(trainer), trainer.args, trainer.processing_class, script_attributes(trainer))
 
 
 def in_worker(trainer: Any) -> bool:

@@ -22,7 +22,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    BertConfig,
     BertForSequenceClassification,
     DataCollatorWithPadding,
     EarlyStoppingCallback,
@@ -34,7 +33,7 @@ if "real" in sys.argv[3:]:
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, tiny_bert_config
 
 out, kind = Path(sys.argv[1]), sys.argv[2]
 model_dir = out.parent / "tiny-model"
@@ -108,18 +107,7 @@ if kind == "alpaca":
     )
 else:
     torch.manual_seed(0)
-    model = BertForSequenceClassification(
-        BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    model = BertForSequenceClassification(tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id))
 
     def rows(n, seed):
         rng = np.random.default_rng(seed)
