@@ -142,12 +142,12 @@ DPO_RUNS = {
         "torchrun",
         ("--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4"),
     ),
-    "python": ("python", ()),
     "python-peft": ("python", ("--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")),
 }
-"""Each DPO run: the launcher and the script's extra arguments.  Under plain python trl runs one process in
-place and trainbridge self-launches 2 ranks (``TRAINBRIDGE_NPROC_PER_NODE=2``); with 32 pairs of 4 per rank
-both reach ``max_steps`` 4 in an epoch."""
+"""Each DPO run: the launcher and the script's extra arguments (two runs, to keep the suite short; plain
+python runs with ``--use_peft``).  Under plain python trl runs one process in place and trainbridge
+self-launches 2 ranks (``TRAINBRIDGE_NPROC_PER_NODE=2``); with 32 pairs of 4 per rank both reach
+``max_steps`` 4 in an epoch."""
 
 
 @pytest.fixture(scope="module")
