@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from trainbridge.core.config.fields import OptimizerName, SchedulerName
+from trainbridge.core.config.names import OptimizerName, SchedulerName
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.loop import train
 from trainbridge.parallel.optim import build_optimizer, build_scheduler, decay_parameter_names

@@ -19,7 +19,7 @@ from typing import Any, get_args
 from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.core.config.fields import OptimizerName, SchedulerName
+from trainbridge.core.config.names import OptimizerName, SchedulerName
 from trainbridge.hf.arguments import defaults_of
 from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 

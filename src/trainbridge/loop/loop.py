@@ -11,7 +11,6 @@ them out.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import signal
@@ -19,7 +18,7 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -35,45 +34,14 @@ from trainbridge.core.events import Event
 from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
+from trainbridge.loop.step_values import StepOutcome, StepOwn, StepSums, with_metrics
 from trainbridge.loop.summary import announce_run
 from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
-from trainbridge.step.base import EvalSource, StepBatches
+from trainbridge.step.base import EvalSource
 from trainbridge.step.finite import NOT_MEASURED, NonFiniteGuard
 
 logger = logging.getLogger(__name__)
-
-
-class StepSums(NamedTuple):
-    """The step's values summed over ranks in its agreement."""
-
-    loss_sum: float | torch.Tensor
-    """The step's loss sum (``TrainStep.micro_loss`` summed over micro-batches), every rank."""
-    input_tokens: float
-    """Input positions of the step's micro-batches (``input_tokens_seen``)."""
-    checkpoint_unwritten: float
-    """Ranks whose background checkpoint write is still going on."""
-
-
-class StepOwn(NamedTuple):
-    """The step's values each rank keeps as its own in the agreement."""
-
-    loss_sum: float | torch.Tensor
-    """This rank's loss sum."""
-    grad_norm: float | torch.Tensor
-    """The global gradient norm before clipping (the same on every rank; ``NOT_MEASURED`` when the engine
-    reports none)."""
-
-
-class StepOutcome(NamedTuple):
-    """What one optimizer step returns for its agreement and bookkeeping (device values not yet read)."""
-
-    batches: StepBatches
-    loss_sum: torch.Tensor
-    grad_norm: torch.Tensor | float
-    input_tokens: int
-    started: float
-    """``time.perf_counter()`` at the step's start."""
 
 
 def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
@@ -186,7 +154,7 @@ class TrainingLoop:
             # The step's own metric sums (``TrainStep.metric_sums``) ride in it too.
             metric_sums = self.step.metric_sums()
             agreement = self._agree(
-                _with_metrics(
+                with_metrics(
                     StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()), metric_sums
                 ),
                 StepOwn(outcome.loss_sum, outcome.grad_norm),
@@ -559,17 +527,6 @@ class TrainingLoop:
             resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
             merged_model=str(self._merged) if self._merged else None,
         )
-
-
-@functools.cache
-def _sums_type(metrics: int) -> Any:
-    """``StepSums`` followed by ``metrics`` values (a ``NamedTuple`` type, as the agreement takes)."""
-    return collections.namedtuple("StepSumsAndMetrics", [*StepSums._fields, *(f"metric_{i}" for i in range(metrics))])
-
-
-def _with_metrics(sums: StepSums, metric_sums: Sequence[torch.Tensor | float]) -> Any:
-    """``sums`` and the step's metric sums as one row of the step's agreement."""
-    return _sums_type(len(metric_sums))(*sums, *metric_sums) if metric_sums else sums
 
 
 def _input_tokens(cpu_batch: dict[str, Any], main_input: str = "input_ids") -> int:

@@ -43,6 +43,7 @@ from trainbridge.trainer import jobs, results, script_data, subclass, subclass_d
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
 from trainbridge.trainer.script_events import ScriptEvents
+from trainbridge.trainer.script_handles import CallbackList, ScriptAccelerator
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -252,7 +253,7 @@ class Trainer:
         tokenizer saved beside the model the script loaded, if its folder has one."""
         tok = self.processing_class
         if tok is None and self._fallback_tokenizer is None and self.model is not None:
-            self._fallback_tokenizer = _tokenizer_beside(self.model)
+            self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
         if tok is None:
             tok = self._fallback_tokenizer
         return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
@@ -542,7 +543,7 @@ class Trainer:
     @property
     def callback_handler(self) -> Any:
         """A stand-in with ``callbacks`` (the list this Trainer will run), for scripts that read it."""
-        return _CallbackList(self.callbacks)
+        return CallbackList(self.callbacks)
 
     # ================================================================== misc Trainer API
     @property
@@ -551,7 +552,7 @@ class Trainer:
         running an override, ``trainer.worker_methods.WorkerAccelerator`` (``backward``, ``gather``,
         ``unwrap_model``...)."""
         worker = self.__dict__.get("_worker_accelerator")
-        return worker if worker is not None else _ProcessPrinter(self)
+        return worker if worker is not None else ScriptAccelerator(self)
 
     def end(self) -> None:
         """Finish: under a launcher, leave the process group (every rank calls it, as Trainer's ``end``)."""
@@ -586,50 +587,3 @@ class Trainer:
     @property
     def is_fsdp_enabled(self) -> bool:
         return bool(getattr(self.args, "fsdp", None))
-
-
-def _tokenizer_beside(model: Any) -> Any:
-    """``AutoTokenizer`` of the local folder ``model`` was loaded from (a PEFT model: its base), or None."""
-    from transformers import AutoTokenizer
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    source = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
-    if not source or not Path(source).is_dir():
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        return None
-
-
-class _ProcessPrinter:
-    """``trainer.accelerator`` for scripts that use it to print or to ask for the main process."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._trainer.is_world_process_zero()
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._trainer.is_local_process_zero()
-
-    @property
-    def num_processes(self) -> int:
-        env = self._trainer._env
-        return env.world_size if env is not None else int(os.environ.get("WORLD_SIZE", "1"))
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        if self._trainer._env is not None:
-            self._trainer._env.barrier()
-
-
-class _CallbackList:
-    def __init__(self, callbacks: list[Any]) -> None:
-        self.callbacks = callbacks

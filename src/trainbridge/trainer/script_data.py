@@ -253,6 +253,20 @@ def model_travel_problem(model: Any) -> str | None:
     )
 
 
+def tokenizer_beside(model: Any) -> Any:
+    """``AutoTokenizer`` of the local folder ``model`` was loaded from (a PEFT model: its base), or None."""
+    from transformers import AutoTokenizer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    if not source or not Path(source).is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
 def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
     """Save ``model`` and ``tokenizer`` into ``folder``; returns the ``model_path`` for the workers.
 

@@ -11,9 +11,9 @@ it, and an invalid value raises a ``pydantic.ValidationError`` naming the field.
 - ``torchrun``: ``TorchrunArgs`` (its default process count: ``core.nproc``).
 """
 
-from trainbridge.core.config.fields import DataColumn
 from trainbridge.core.config.imports import CallbackSpec, NotACallbackError, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
+from trainbridge.core.config.names import DataColumn
 from trainbridge.core.config.torchrun import TorchrunArgs
 from trainbridge.core.config.training import TrainingArgs
 

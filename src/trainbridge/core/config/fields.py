@@ -15,42 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serial
 from trainbridge.core import config_errors
 from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
+from trainbridge.core.config.names import DataColumn, OptimizerName, SchedulerName
 from trainbridge.core.events import Event
-
-SchedulerName = Literal[
-    "constant",
-    "constant_with_warmup",
-    "linear",
-    "cosine",
-    "cosine_with_min_lr",
-    "cosine_with_restarts",
-    "polynomial",
-    "inverse_sqrt",
-    "cosine_warmup_with_min_lr",
-    "warmup_stable_decay",
-]
-"""``transformers.SchedulerType`` values the loop can step (all but the metric-driven ``reduce_lr_on_plateau``
-and ``greedy``)."""
-OptimizerName = Literal[
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adafactor",
-    "sgd",
-    "adamw_8bit",
-    "adamw_bnb_8bit",
-    "paged_adamw_8bit",
-    "paged_adamw_32bit",
-    "lion_8bit",
-    "lion_32bit",
-    "paged_lion_8bit",
-    "paged_lion_32bit",
-    "schedule_free_adamw",
-    "schedule_free_radam",
-    "schedule_free_sgd",
-]
-"""Trainer's ``optim`` names trainbridge builds (``parallel.optim``)."""
-DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
-"""The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
 
 _GROUP = ConfigDict(use_attribute_docstrings=True)
 
