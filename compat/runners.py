@@ -185,6 +185,9 @@ def _launch_trainer(
         except subprocess.TimeoutExpired:
             _kill_session(process)
             error = ("timeout", f"no exit within {timeout:.0f} s (a hang); the process tree was killed")
+        except BaseException:  # interrupted (Ctrl-C, a test's timeout): no torchrun worker may outlive this run
+            _kill_session(process)
+            raise
     seconds = (time.monotonic() - start) / len(group)
     for _, outcome in group:
         outcome.seconds = seconds
