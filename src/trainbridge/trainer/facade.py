@@ -23,6 +23,7 @@ evaluate; in place or launched), ``trainer.run_folder`` writes their inputs, ``t
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -241,6 +242,8 @@ class Trainer:
         if self._env is None:
             timeout_s: Any = getattr(self.args, "ddp_timeout", None) or getattr(self.args, "collective_timeout_s", 1800)
             self._env = DistributedEnv.initialize(self._device(), float(timeout_s))
+            if self._env.started_group:  # in place: the script goes on after train(); leave the group at its exit,
+                atexit.register(self._env.teardown, clean=False)  # not to gloo's threads at interpreter teardown
         return self._env
 
     # ================================================================== what the jobs read
