@@ -135,6 +135,23 @@ def build_tiny_llama(
     return directory
 
 
+def build_tiny_llama_once(directory: str | Path) -> Path:
+    """``build_tiny_llama(directory)`` unless it exists, safe for several processes at once (each rank of a
+    script): each builds into its own folder and the first rename publishes it."""
+    import os
+    import shutil
+
+    directory = Path(directory)
+    if not directory.exists():
+        staging = directory.with_name(f"{directory.name}.{os.getpid()}")
+        build_tiny_llama(staging)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process published first
+            shutil.rmtree(staging)
+    return directory
+
+
 def tiny_bert_config(vocab_size: int = 80, **overrides: Any) -> BertConfig:
     """A tiny BERT (hidden 32, one layer, two heads, 64 positions, 2 labels) for the encoder models of the
     tests, compat scenarios and examples; ``overrides`` are further ``BertConfig`` keywords (``pad_token_id``,

@@ -11,7 +11,6 @@
 
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +32,11 @@ if "real" in sys.argv[3:]:
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, tiny_bert_config
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once, tiny_bert_config
 
 out, kind = Path(sys.argv[1]), sys.argv[2]
 model_dir = out.parent / "tiny-model"
-if not model_dir.exists():  # every rank builds into its own folder; the first rename publishes it
-    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
-    build_tiny_llama(staging)
-    try:
-        staging.rename(model_dir)
-    except OSError:
-        shutil.rmtree(staging)
+build_tiny_llama_once(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
 

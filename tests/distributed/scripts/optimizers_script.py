@@ -8,7 +8,6 @@ optimizer's class, each group's momentum, lr and size, and the scheduler's class
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,17 +26,11 @@ if "real" in sys.argv[2:]:
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
-if not model_dir.exists():
-    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
-    build_tiny_llama(staging)
-    try:
-        staging.rename(model_dir)
-    except OSError:  # another rank published first
-        shutil.rmtree(staging)
+build_tiny_llama_once(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 texts = [p + a for p, a in arithmetic_problems(64, 1)]

@@ -6,14 +6,12 @@ Rank 0 writes ``OUT/summary.json``: global_step, the logged rows' steps and keys
 """
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import datasets
 
-from trainbridge.demos.tiny_model import build_tiny_llama
+from trainbridge.demos.tiny_model import build_tiny_llama_once
 
 real = "real" in sys.argv[3:]
 kind = sys.argv[2]
@@ -34,13 +32,7 @@ else:
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
-if not model_dir.exists():
-    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
-    build_tiny_llama(staging)
-    try:
-        staging.rename(model_dir)
-    except OSError:  # another rank published first
-        shutil.rmtree(staging)
+build_tiny_llama_once(model_dir)
 rows = [{"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)} for a in range(32)]
 extra = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "simpo" else {}
 config = Config(

@@ -12,7 +12,6 @@ Checkpoints every 2 steps of 4, then ``trainer.save_model(OUT/final)``.
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,18 +23,12 @@ if "real" in sys.argv[2:]:
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
 
 out = Path(sys.argv[1])
 resume = "resume" in sys.argv[2:]
 model_dir = out.parent / "tiny-model"
-if not model_dir.exists():
-    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
-    build_tiny_llama(staging)
-    try:
-        staging.rename(model_dir)
-    except OSError:  # another rank published first
-        shutil.rmtree(staging)
+build_tiny_llama_once(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 texts = [p + a for p, a in arithmetic_problems(64, 1)]

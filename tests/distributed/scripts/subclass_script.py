@@ -9,7 +9,6 @@ Run as ``torchrun --nproc_per_node=2 subclass_script.py OUT [real]`` or ``python
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,17 +21,11 @@ if "real" in sys.argv[2:]:
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
-if not model_dir.exists():
-    staging = model_dir.with_name(f"{model_dir.name}.{os.getpid()}")
-    build_tiny_llama(staging)
-    try:
-        staging.rename(model_dir)
-    except OSError:  # another rank published first
-        shutil.rmtree(staging)
+build_tiny_llama_once(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 texts = [p + a for p, a in arithmetic_problems(80, 1)]
