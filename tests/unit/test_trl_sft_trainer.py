@@ -50,7 +50,7 @@ def test_model_path_formatting_func_and_trl_collator(
         formatting_func=lambda row: f"{row['question']}={row['answer']}",
         data_collator=DataCollatorForLanguageModeling(pad_token_id=0),
     )
-    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    assert trainer.train_dataset.column_names == ["input_ids", "labels", "seq_lengths"]  # trl's bins
     assert trainer.data_collator is None  # trl's collator: reproduced by padding-free batches, not called
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)  # max_length, model_init_kwargs, packing... are honoured

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 """Bumped whenever the cached columns or their meaning change (part of the key)."""
 
 MAX_EXAMPLES = 5

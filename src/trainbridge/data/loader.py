@@ -4,7 +4,14 @@
 columns) into this rank's micro-batch tensors, step by step, fetching each micro-batch's samples from
 the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches`` splits the validation
 set across ranks and packs it to the token budget, padding with dummy micro-batches so every rank runs
-the same number of forwards (sharded models all-gather parameters in forward).
+the same number of forwards (sharded models all-gather parameters in forward); with ``per_device`` it
+takes Trainer's validation batches instead (that many samples per rank, as accelerate shards them).
+
+A multi-sequence sample (``Sample.seq_lengths``: a packed bin) is one sample to the plan and the batch
+counts, and reaches the collator as its sequences (``Sample.sequences``), so a padding-free row lays the
+bin out as trl's padding-free collator does: ``position_ids`` restarting at each sequence, each
+sequence's first label ``-100``, attention within each sequence (``modeling.varlen_attention`` reads the
+boundaries from the row's ``seq_lens``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ class SampleRows(Sequence[dict[str, list[int]]]):
         if not 0 <= position < len(self):
             raise IndexError(f"sample {index} out of range ({len(self)} samples)")
         sample = self._samples.fetch([position])[0]
-        return {"input_ids": list(sample.input_ids), "labels": list(sample.labels)}
+        row = {"input_ids": list(sample.input_ids), "labels": list(sample.labels)}
+        if sample.seq_lengths is not None:
+            row["seq_lengths"] = list(sample.seq_lengths)
+        return row
 
 
 class TrainBatches:
@@ -81,7 +91,7 @@ class TrainBatches:
 
     def micro_batches(self, step: StepPlan) -> list[dict[str, torch.Tensor]]:
         """Collated tensors (CPU) of this rank's micro-batches in ``step``."""
-        return [self.collate(self.samples.fetch(indices)) for indices in step.micro_batches[self.rank]]
+        return [self.collate(sequences(self.samples.fetch(indices))) for indices in step.micro_batches[self.rank]]
 
     def micro_batch_loss_tokens(self, step: StepPlan) -> list[int]:
         """Loss tokens of each of this rank's micro-batches in ``step`` (from the length columns)."""
@@ -108,24 +118,28 @@ class EvalBatches:
         rank: int,
         max_batch_len: int,
         padded: bool,
+        per_device: int | None = None,
+        row_per_sample: bool = False,
     ):
         self.samples = as_source(samples)
         self.collate = collate
         count = len(self.samples)
-        mine = range(rank, count, world_size)
-        counts = []
-        groups_by_rank = []
-        lengths = self.samples.lengths
-        for r in range(world_size):
-            groups = _pack(range(r, count, world_size), lengths, max_batch_len, padded)
-            groups_by_rank.append(groups)
-            counts.append(len(groups))
-        self.groups: list[list[int]] = groups_by_rank[rank] + [[] for _ in range(max(counts) - counts[rank])]
-        self.num_samples_local = len(mine)
+        if per_device is not None:
+            groups_by_rank = _trainer_batches(count, per_device, world_size)
+        else:
+            groups_by_rank = [
+                _pack(range(r, count, world_size), self.samples.lengths, max_batch_len, padded)
+                for r in range(world_size)
+            ]
+        most = max(len(groups) for groups in groups_by_rank)
+        self.groups: list[list[int]] = groups_by_rank[rank] + [[] for _ in range(most - len(groups_by_rank[rank]))]
+        self.num_samples_local = sum(len(group) for group in self.groups)
+        self.row_per_sample = row_per_sample
+        """Row ``r`` of a batch must hold sample ``r`` of its group (predictions for ``compute_metrics``)."""
         self.dataset = SampleRows(self.samples)
         """Every validation sample (all ranks'), as ``DataLoader.dataset`` gives it to callbacks."""
-        self.batch_size: int | None = None
-        """None: micro-batches follow the token budget (see ``TrainBatches.batch_size``)."""
+        self.batch_size: int | None = per_device
+        """``per_device``; None when micro-batches follow the token budget (see ``TrainBatches.batch_size``)."""
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -137,7 +151,29 @@ class EvalBatches:
     def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
         """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]``."""
         for group in self.groups:
-            yield group, self.collate(self.samples.fetch(group))
+            samples = self.samples.fetch(group)
+            parts = sequences(samples)
+            if len(parts) != len(samples) and self.row_per_sample:
+                raise ValueError(
+                    "compute_metrics: validation predictions need one row per validation sample, and these "
+                    "samples are packed sequences (seq_lengths); evaluate unpacked samples (trl: eval_packing=False)"
+                )
+            yield group, self.collate(parts)
+
+
+def sequences(samples: Sequence[Sample]) -> list[Sample]:
+    """The sequences of ``samples`` in order (a multi-sequence sample gives each of its own)."""
+    if all(sample.seq_lengths is None for sample in samples):
+        return list(samples)
+    return [part for sample in samples for part in sample.sequences()]
+
+
+def _trainer_batches(count: int, per_device: int, world_size: int) -> list[list[list[int]]]:
+    """Trainer's validation batches of ``count`` samples on each rank: consecutive batches of ``per_device``
+    samples in order, batch ``i`` on rank ``i % world_size`` (accelerate's sharding), without accelerate's
+    repeated samples in an incomplete last round (a rank short of batches runs dummy ones)."""
+    batches = [list(range(start, min(start + per_device, count))) for start in range(0, count, per_device)]
+    return [batches[rank::world_size] for rank in range(world_size)]
 
 
 def _pack(indices: Sequence[int], lengths: np.ndarray, budget: int, padded: bool) -> list[list[int]]:

@@ -4,7 +4,8 @@ A row is one of (first match wins, after ``DataOptions.columns`` renamed the use
 
 * ``input_ids`` (pre-tokenized), optional ``labels`` (``-100`` = not trained on) and
   ``attention_mask``: without ``labels``, every attended token is trained on; tokens with
-  ``attention_mask`` 0 get label ``-100``, and leading/trailing ones (padding) are removed;
+  ``attention_mask`` 0 get label ``-100``, and leading/trailing ones (padding) are removed; optional
+  ``seq_lengths`` (trl's packed bins): the row is several sequences, one sample (``types.Sample``);
 * ``messages``: a chat conversation, optional ``tools``; rendered with the chat template, loss on
   assistant tokens (``data.chat``);
 * ``prompt`` + ``completion``: strings (tokenized with the tokenizer's special tokens, then the
@@ -28,7 +29,7 @@ import numpy as np
 
 from trainbridge.core.config import DataColumn
 from trainbridge.data.chat import ChatEncoder, ChatTemplateError, ChatTrainOn, normalize_messages
-from trainbridge.data.types import IGNORE_INDEX, OverlongPolicy
+from trainbridge.data.types import IGNORE_INDEX, OverlongPolicy, as_seq_lengths, loss_token_count
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -109,10 +110,13 @@ class RowEncoder:
                     continue
                 if isinstance(record, _Bad):
                     raise _RowError(record.reason, record.problem)
-                result = batched[position] if position in batched else self._encode(record)
-                if isinstance(result, _RowError):
-                    raise result
-                self._finish(out, *result)
+                if position in batched:
+                    result = batched[position]
+                    if isinstance(result, _RowError):
+                        raise result
+                    self._finish(out, *result)
+                else:
+                    self._finish(out, *self._encode(record))
             except _RowError as exc:
                 self._emit(out, [], [], STATUS_ERROR, exc.reason, f"{self.where(row)}: {exc.problem}")
         return out
@@ -134,13 +138,13 @@ class RowEncoder:
         record = {str(k): v for k, v in record.items()}
         return {self.rename.get(k, k): v for k, v in record.items()}
 
-    def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
+    def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int], tuple[int, ...] | None]:
         if record.get("input_ids") is not None:
             return _pretokenized(record)
         if _is_chat(record):
             raise AssertionError("chat rows are encoded in batches")  # pragma: no cover
         if record.get("prompt") is not None or record.get("completion") is not None:
-            return self._prompt_completion(record)
+            return (*self._prompt_completion(record), None)
         if "text" in record and record["text"] is not None:
             raise AssertionError("text rows are tokenized in batches")  # pragma: no cover
         present = sorted(k for k, v in record.items() if v is not None)
@@ -254,7 +258,13 @@ class RowEncoder:
         )
 
     # ------------------------------------------------------------------ output
-    def _finish(self, out: dict[str, list[Any]], input_ids: list[int], labels: list[int]) -> None:
+    def _finish(
+        self,
+        out: dict[str, list[Any]],
+        input_ids: list[int],
+        labels: list[int],
+        seq_lengths: tuple[int, ...] | None = None,
+    ) -> None:
         top = max(max(input_ids, default=0), max(labels, default=0))
         vocab = self.options.vocab_size
         if vocab is not None and top >= vocab:
@@ -274,8 +284,9 @@ class RowEncoder:
                 self._emit(out, [], [], STATUS_OVERLONG)
                 return
             input_ids, labels, truncated = input_ids[:max_len], labels[:max_len], True
-        status = STATUS_OK if loss_token_count(labels) else STATUS_NO_LOSS
-        self._emit(out, input_ids, labels, status, truncated=truncated)
+            seq_lengths = _cut(seq_lengths, max_len)
+        status = STATUS_OK if loss_token_count(labels, seq_lengths) else STATUS_NO_LOSS
+        self._emit(out, input_ids, labels, status, truncated=truncated, seq_lengths=seq_lengths)
 
     @staticmethod
     def _emit(
@@ -286,11 +297,13 @@ class RowEncoder:
         reason: str = "",
         error: str = "",
         truncated: bool = False,
+        seq_lengths: tuple[int, ...] | None = None,
     ) -> None:
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
+        out["seq_lengths"].append(list(seq_lengths or ()))
         out["length"].append(len(input_ids))
-        out["loss_tokens"].append(loss_token_count(labels))
+        out["loss_tokens"].append(loss_token_count(labels, seq_lengths))
         out["status"].append(status)
         out["truncated"].append(truncated)
         out["reason"].append(reason)
@@ -300,7 +313,17 @@ class RowEncoder:
 TOKEN_ID_MAX = 2**31 - 1
 """The largest token id the tokenised cache holds (int32 columns)."""
 
-OUTPUT_COLUMNS = ("input_ids", "labels", "length", "loss_tokens", "status", "truncated", "reason", "error")
+OUTPUT_COLUMNS = (
+    "input_ids",
+    "labels",
+    "seq_lengths",
+    "length",
+    "loss_tokens",
+    "status",
+    "truncated",
+    "reason",
+    "error",
+)
 
 
 def output_features() -> Any:
@@ -311,6 +334,7 @@ def output_features() -> Any:
         {
             "input_ids": List(Value("int32")),
             "labels": List(Value("int32")),
+            "seq_lengths": List(Value("int32")),
             "length": Value("int32"),
             "loss_tokens": Value("int32"),
             "status": Value("int8"),
@@ -321,9 +345,17 @@ def output_features() -> Any:
     )
 
 
-def loss_token_count(labels: list[int]) -> int:
-    """Positions ``t >= 1`` with a label (position 0 is never predicted by the shifted causal-LM loss)."""
-    return len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
+def _cut(seq_lengths: tuple[int, ...] | None, length: int) -> tuple[int, ...] | None:
+    """``seq_lengths`` of a row truncated to its first ``length`` tokens."""
+    if seq_lengths is None:
+        return None
+    kept, total = [], 0
+    for n in seq_lengths:
+        if total >= length:
+            break
+        kept.append(min(n, length - total))
+        total += kept[-1]
+    return as_seq_lengths(kept, length)
 
 
 def _is_chat(record: dict[str, Any]) -> bool:
@@ -376,7 +408,7 @@ def _token_list(record: dict[str, Any], key: str) -> list[int]:
     return value
 
 
-def _pretokenized(record: dict[str, Any]) -> tuple[list[int], list[int]]:
+def _pretokenized(record: dict[str, Any]) -> tuple[list[int], list[int], tuple[int, ...] | None]:
     input_ids = _token_list(record, "input_ids")
     if input_ids and min(input_ids) < 0:
         raise _RowError("bad tokens", "'input_ids' must be non-negative token ids")
@@ -393,7 +425,13 @@ def _pretokenized(record: dict[str, Any]) -> tuple[list[int], list[int]]:
             labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask)]
         attended = [k for k, m in enumerate(mask) if m]
         if not attended:
-            return [], []
+            return [], [], None
         start, stop = attended[0], attended[-1] + 1  # padding at either end goes; the model never saw it
         input_ids, labels = input_ids[start:stop], labels[start:stop]
-    return input_ids, labels if labels is not None else input_ids
+    seq_lengths = None
+    if record.get("seq_lengths") is not None:  # a packed row (trl's bin): one sample of several sequences
+        try:
+            seq_lengths = as_seq_lengths(_token_list(record, "seq_lengths"), len(input_ids))
+        except ValueError as exc:
+            raise _RowError("bad seq_lengths", str(exc)) from None
+    return input_ids, labels if labels is not None else input_ids, seq_lengths

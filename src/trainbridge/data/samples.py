@@ -109,7 +109,7 @@ class ArrowSamples(_LengthColumns):
 
     def fetch(self, indices: Sequence[int]) -> list[Sample]:
         rows = self.rows[np.asarray(indices, dtype=np.int64)] if len(indices) else ()
-        return [Sample(*self._chunks.row(int(row))) for row in rows]
+        return [self._chunks.sample(int(row)) for row in rows]
 
     def subset(self, indices: np.ndarray) -> ArrowSamples:
         indices = np.asarray(indices, dtype=np.int64)
@@ -120,20 +120,21 @@ class ArrowSamples(_LengthColumns):
 
 
 class _ChunkedLists:
-    """Row ``i`` of a table's ``input_ids``/``labels`` list columns, read from the chunks' flat buffers.
+    """Row ``i`` of a table's ``input_ids``/``labels`` (and ``seq_lengths``, where the table has it) list
+    columns, read from the chunks' flat buffers.
 
     A chunk's offsets and values become numpy views (no copy: the pages stay the memory map's) the first
     time one of its rows is read; a row is found by bisecting the chunks' first-row numbers.
     """
 
-    COLUMNS = ("input_ids", "labels")
+    COLUMNS = ("input_ids", "labels", "seq_lengths")
 
     def __init__(self, table: pa.Table):
-        columns = [table.column(name) for name in self.COLUMNS]
+        columns = [table.column(name) for name in self.COLUMNS if name in table.column_names]
         sizes = [len(chunk) for chunk in columns[0].chunks]
         if any([len(c) for c in column.chunks] != sizes for column in columns[1:]):  # not as the cache writes
             table = table.combine_chunks()
-            columns = [table.column(name) for name in self.COLUMNS]
+            columns = [table.column(name) for name in self.COLUMNS if name in table.column_names]
             sizes = [len(chunk) for chunk in columns[0].chunks]
         self._columns = columns
         self._starts = np.cumsum([0, *sizes], dtype=np.int64)
@@ -149,14 +150,14 @@ class _ChunkedLists:
             self._views[chunk] = views
         return views
 
-    def row(self, row: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(input_ids, labels)`` of table row ``row``."""
+    def sample(self, row: int) -> Sample:
+        """Table row ``row`` as a ``Sample`` (an empty ``seq_lengths`` is one sequence)."""
         chunk = int(np.searchsorted(self._starts, row, side="right")) - 1
         local = row - int(self._starts[chunk])
-        ids, labels = (
+        ids, labels, *seq_lengths = (
             tuple(values[offsets[local] : offsets[local + 1]].tolist()) for offsets, values in self._view(chunk)
         )
-        return ids, labels
+        return Sample(ids, labels, seq_lengths[0] if seq_lengths and len(seq_lengths[0]) > 1 else None)
 
 
 def _numpy_view(array: pa.Array) -> np.ndarray:

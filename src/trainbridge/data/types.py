@@ -8,6 +8,7 @@ Reading files and tokenising rows: ``data.inputs``, ``data.records``, ``data.cac
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +53,18 @@ class DataFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One training sequence: token ids and their labels (``-100`` = not trained on)."""
+    """One training sample: token ids and their labels (``-100`` = not trained on).
+
+    A sample is one sequence, or several packed into one (``seq_lengths``: the length of each, in order,
+    summing to ``length``), as trl's ``bfd`` packing makes a bin: the planner counts it as one sample,
+    and its sequences are batched apart (``sequences``), each attending to itself only and starting with
+    an unpredicted token, as trl's padding-free collator lays a bin out.
+    """
 
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
+    seq_lengths: tuple[int, ...] | None = None
+    """Lengths of the packed sequences (two or more); None for a sample of one sequence."""
 
     @property
     def length(self) -> int:
@@ -64,12 +73,47 @@ class Sample:
 
     @property
     def loss_tokens(self) -> int:
-        """Tokens that contribute to the shifted causal-LM loss: positions ``t >= 1`` with a label.
+        """Tokens that contribute to the shifted causal-LM loss: positions ``t >= 1`` of each sequence with
+        a label.
 
-        Position 0 is never predicted (nothing precedes it), so its label does not count; this is
-        exactly the count ``data.loss.token_loss_sum`` reports for the sample.
+        A sequence's first position is never predicted (nothing of it precedes it), so its label does
+        not count; this is exactly the count ``data.loss.token_loss_sum`` reports for the sample.
         """
-        return len(self.labels) - 1 - self.labels[1:].count(IGNORE_INDEX) if self.labels else 0
+        return loss_token_count(self.labels, self.seq_lengths)
+
+    def sequences(self) -> list[Sample]:
+        """The sample's sequences, each a one-sequence ``Sample`` (itself when it is one)."""
+        if self.seq_lengths is None:
+            return [self]
+        out, start = [], 0
+        for length in self.seq_lengths:
+            out.append(Sample(self.input_ids[start : start + length], self.labels[start : start + length]))
+            start += length
+        return out
+
+
+def loss_token_count(labels: Sequence[int], seq_lengths: Sequence[int] | None = None) -> int:
+    """Loss tokens of ``labels``: positions with a label other than each sequence's first (the whole row is
+    one sequence without ``seq_lengths``)."""
+    if not labels:
+        return 0
+    starts = [0] if not seq_lengths else [0, *itertools.accumulate(seq_lengths[:-1])]
+    return (
+        len(labels)
+        - sum(1 for t in labels if t == IGNORE_INDEX)
+        - sum(1 for s in starts if s < len(labels) and labels[s] != IGNORE_INDEX)
+    )
+
+
+def as_seq_lengths(value: Sequence[int] | None, length: int) -> tuple[int, ...] | None:
+    """``seq_lengths`` as a ``Sample`` keeps them: None for one sequence (none given, empty, or one entry);
+    raises ``ValueError`` unless they are positive and sum to ``length``."""
+    if value is None or len(value) == 0:
+        return None
+    lengths = tuple(int(n) for n in value)
+    if min(lengths) <= 0 or sum(lengths) != length:
+        raise ValueError(f"'seq_lengths' {list(lengths)} must be positive and sum to the {length} tokens")
+    return lengths if len(lengths) > 1 else None
 
 
 @dataclass

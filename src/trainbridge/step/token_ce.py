@@ -5,7 +5,8 @@ locally and the loss is normalised by it without a collective: ``loss = sum_toke
 * world_size``.  Batches are packed rows (or padded rows, or a user's collator's) within the token budget
 ``max_batch_len`` (``data.loader.TrainBatches``); the loss is ``data.loss.token_loss_sum`` (the installed
 chunked / Liger loss head when there is one).  With ``token_metrics`` the step also reports trl's SFT
-metrics (``token_metrics.TokenMetrics``) from the micro-batches' full logits.
+metrics (``token_metrics.TokenMetrics``) from the micro-batches' full logits, in training and evaluation
+(each validation batch's sums ride in the evaluation's one reduction).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainbridge.data.loss import forward_logits, logits_loss_sum, token_loss_su
 from trainbridge.data.plan import StepPlan
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
-from trainbridge.step.token_metrics import TokenMetrics, token_metric_sums
+from trainbridge.step.token_metrics import TokenMetrics, eval_logs, token_metric_sums
 
 PLAN_SAMPLE_STEPS = 64
 """Steps of the first epoch's plan the run plan averages its "effective batch" line over."""
@@ -42,6 +43,7 @@ class TokenCrossEntropy(TrainStep):
         self.token_metrics = TokenMetrics() if token_metrics else None
         self._micro_sums: list[torch.Tensor] = []
         self._micro_inputs: list[int] = []
+        self._eval_sums: list[torch.Tensor] = []
 
     def prepare(self, step: StepPlan) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
@@ -85,10 +87,25 @@ class TokenCrossEntropy(TrainStep):
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
         n_tokens = cpu_loss_tokens(cpu_batch)
-        if not outputs:
+        if not outputs and self.token_metrics is None:
             return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
-        logits = forward_logits(model, batch)  # full logits are needed for the predictions
-        return EvalOutput(logits_loss_sum(logits, batch["labels"], n_tokens)[0], n_tokens, logits, batch["labels"])
+        logits = forward_logits(model, batch)  # full logits are needed for the predictions and the metrics
+        if self.token_metrics is not None:  # read once, after the evaluation (eval_metric_sums)
+            self._eval_sums.append(token_metric_sums(logits, batch["labels"]))
+        loss_sum = logits_loss_sum(logits, batch["labels"], n_tokens)[0]
+        if not outputs:
+            return EvalOutput(loss_sum, n_tokens)
+        return EvalOutput(loss_sum, n_tokens, logits, batch["labels"])
+
+    def eval_metric_sums(self) -> list[float]:
+        rows, self._eval_sums = self._eval_sums, []
+        return [float(v) for v in torch.stack(rows).flatten().tolist()] if rows else []
+
+    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+        """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` of an evaluation (``eval_logs``)."""
+        if self.token_metrics is None:
+            return {}
+        return eval_logs(list(sums), self.token_metrics.total_tokens)
 
     def describe_batches(self, effective_batch_size: int) -> str:
         plan_steps = self.train_batches.plan.steps[:PLAN_SAMPLE_STEPS]  # steps are packed when read

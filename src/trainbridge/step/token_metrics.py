@@ -4,7 +4,8 @@
 head yields over the scored tokens: the next-token distribution's entropy, the tokens whose label is
 the top-1 prediction, and their count.  ``TokenMetrics`` keeps trl's logging rule: each micro-batch
 contributes one ratio (its sums reduced over ranks, then divided), a log reports the mean of the ratios
-since the last log, and ``num_tokens`` is the running count of every rank's input tokens.
+since the last log, and ``num_tokens`` is the running count of every rank's input tokens.  An evaluation
+reports the mean of its batches' ratios (``eval_logs``) and the training's ``num_tokens`` so far.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ class TokenMetrics:
         self.entropy.clear()
         self.accuracy.clear()
         return logs
+
+
+def eval_logs(sums: list[float], total_tokens: int) -> dict[str, float]:
+    """An evaluation's ``entropy``/``mean_token_accuracy`` (the mean over its batches of each batch's ratio,
+    ``sums`` holding every batch's ``token_metric_sums`` reduced over ranks, three values a batch) and
+    ``num_tokens``, the training's input tokens so far, as trl's ``SFTTrainer`` logs them."""
+    metrics = TokenMetrics(total_tokens=total_tokens)
+    for i in range(0, len(sums), 3):
+        metrics.add(list(sums[i : i + 3]))
+    return metrics.log()

@@ -74,8 +74,10 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     generation_fields = getattr(trainer, "generation_fields", None)  # Seq2SeqTrainer: predict_with_generate
     if generation_fields is not None:
         fields.update(generation_fields())
-    if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics
+    if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
+        if getattr(trainer.args, "per_device_eval_batch_size", None):
+            fields["per_device_eval_batch_size"] = int(trainer.args.per_device_eval_batch_size)
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:

@@ -29,7 +29,7 @@ from trainbridge.modeling.quantization import state_dict_honoured
 
 logger = logging.getLogger(__name__)
 
-TOKEN_COLUMNS = ("input_ids", "labels")
+TOKEN_COLUMNS = ("input_ids", "labels", "seq_lengths")
 """Columns of pre-tokenised rows the workers read (``attention_mask`` is implied by the lengths)."""
 
 RAW_COLUMNS = ("text", "messages", "prompt", "completion")

@@ -10,8 +10,10 @@ then maps to samples:
 - ``packing=False``: one sample per example; batches are padding-free token budgets (trl pads, or
   flattens with ``padding_free=True``: the same loss either way).
 - ``packing_strategy="bfd"`` / ``"bfd_split"``: trl packs whole (truncated / split) sequences into
-  ``max_length`` bins and attends within each sequence (its ``seq_lengths``).  Our padding-free batches
-  do the same without the bins: the packed rows are split back into their sequences.
+  ``max_length`` bins and attends within each sequence (its ``seq_lengths``).  Each bin is one sample
+  here too, of several sequences (``data.types.Sample.seq_lengths``): the planner counts bins as trl's
+  ``per_device_train_batch_size`` does, and a padding-free row lays each bin's sequences out as trl's
+  padding-free collator does (``position_ids`` restarting, attention within each sequence).
 - ``packing_strategy="wrapped"``: trl cuts the token stream into ``max_length`` blocks attended as
   one sequence; each block is one sample here too.
 """
@@ -66,44 +68,10 @@ def prepare_sft_dataset(
     stand_in = _stand_in(dataset, tokenizer, config)
     prepare = SFTTrainer._prepare_dataset
     prepared = prepare(stand_in, dataset, tokenizer, config, packing, formatting_func, name)  # type: ignore[arg-type]
+    columns = ["input_ids", "labels"]
     if packing and config.packing_strategy != "wrapped":
-        bins = len(prepared)
-        prepared = prepared.map(_unpack, batched=True, remove_columns=prepared.column_names)
-        if name == "train":
-            _warn_bins_are_split(config, bins, len(prepared))
-    return prepared.select_columns(["input_ids", "labels"])
-
-
-def _warn_bins_are_split(config: Any, bins: int, sequences: int) -> None:
-    """trl's ``per_device_train_batch_size`` counts ``bfd`` bins; here a batch counts the sequences the bins
-    are split back into (a sample is one sequence), so an epoch has more steps than trl's: say how many."""
-    import warnings
-
-    from trainbridge.hf.porting import HFPortingWarning
-
-    if sequences == bins:
-        return
-    per_device = round(config.per_device_train_batch_size * sequences / bins)
-    warnings.warn(
-        f"SFTConfig.packing_strategy={config.packing_strategy!r}: trl packs the {sequences} training sequences "
-        f"into {bins} bins of max_length tokens and its per_device_train_batch_size counts bins; trainbridge "
-        f"trains the sequences padding-free and counts sequences, so an epoch has about {sequences / bins:.1f}x "
-        f"trl's steps.  For about trl's sequences per step, set per_device_train_batch_size={per_device}.",
-        HFPortingWarning,
-        stacklevel=3,
-    )
-
-
-def _unpack(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """Split trl's packed rows back into their sequences (``seq_lengths``)."""
-    input_ids, labels = [], []
-    for ids, row_labels, lengths in zip(rows["input_ids"], rows["labels"], rows["seq_lengths"], strict=True):
-        start = 0
-        for length in lengths:
-            input_ids.append(ids[start : start + length])
-            labels.append(row_labels[start : start + length])
-            start += length
-    return {"input_ids": input_ids, "labels": labels}
+        columns.append("seq_lengths")  # a bin's sequences: one multi-sequence sample
+    return prepared.select_columns(columns)
 
 
 def sft_data_settings(config: Any, longest: int) -> dict[str, Any]:

@@ -245,8 +245,10 @@ needed.  It reaches self-launched workers by value (cloudpickle) and is iterated
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
     micro-batch per step, ``effective_batch_size / world size`` items."""
     per_device_eval_batch_size: int | None = Field(default=None, gt=0)
-    """``model_loss``: validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``);
-    None: ``per_device_batch_size``."""
+    """Validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``): ``model_loss``
+    (None: ``per_device_batch_size``); ``token_cross_entropy``: batches of that many samples in order, batch
+    ``i`` on rank ``i % world size``, as Trainer's validation batches (trl's per-batch evaluation metrics
+    follow them); None: filled up to ``max_batch_len`` tokens."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
     sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""

@@ -36,5 +36,7 @@ OptimizerName = Literal[
     "schedule_free_sgd",
 ]
 """Trainer's ``optim`` names trainbridge builds (``parallel.optim``)."""
-DataColumn = Literal["input_ids", "labels", "attention_mask", "messages", "tools", "prompt", "completion", "text"]
+DataColumn = Literal[
+    "input_ids", "labels", "attention_mask", "seq_lengths", "messages", "tools", "prompt", "completion", "text"
+]
 """The column names data rows are read from (``TrainingArgs.data_columns`` maps other names onto them)."""
