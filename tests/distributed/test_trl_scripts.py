@@ -2,9 +2,9 @@
 
 The script is copied from the installed trl with ``from trl import SFTTrainer`` replaced by ``from
 trainbridge import SFTTrainer`` and run under ``torchrun --nproc_per_node=2`` and plain ``python`` on a
-tiny local Llama and local chat data; the unchanged script runs under torchrun as the reference.  The
-runs give the same checkpoint layout, log steps, ``global_step`` and logged keys (trl's SFT metrics
-among them).
+tiny local Llama and local chat data, with ``--packing`` (trl's ``bfd`` bins) and evaluation at steps;
+the unchanged script runs under torchrun as the reference.  The runs give the same checkpoint layout,
+log steps, epochs, ``global_step`` and logged keys (trl's SFT metrics among them, ``eval_`` ones too).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_tiny_llama(root / "model")
     (root / "data").mkdir()
     write_chat_dataset(root / "data" / "train.jsonl", 48, seed=0)
+    write_chat_dataset(root / "data" / "test.jsonl", 8, seed=1)
     source = TRL_SFT.read_text()
     assert ORIGINAL_IMPORT in source, "trl's sft.py changed its import line"
     (root / "sft_trl.py").write_text(source)
@@ -106,7 +107,24 @@ def _torchrun(port: int) -> list[str]:
 def _summary(out: Path) -> tuple[int, list[tuple[int, frozenset[str]]], set[str]]:
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     rows = [(row["step"], frozenset(row) - {"step"}) for row in state["log_history"]]
+    _epochs[out] = [(row["step"], round(row["epoch"], 6)) for row in state["log_history"]]
     return state["global_step"], rows, {p.name for p in (out / "checkpoint-4").iterdir()}
+
+
+_epochs: dict[Path, list[tuple[int, float]]] = {}
+"""The (step, epoch) of each logged row of a run's ``checkpoint-4``, by output folder (``_summary``)."""
+
+SFT_PACKED_EVAL = (
+    "--packing",
+    "true",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "2",
+    "--per_device_eval_batch_size",
+    "2",
+)
+"""``sft.py --packing --eval_strategy steps``: steps train trl's bins; evaluations log trl's ``eval_`` metrics."""
 
 
 def _launcher(launch: str) -> list[str]:
@@ -118,13 +136,16 @@ def _launcher(launch: str) -> list[str]:
 @pytest.mark.parametrize("launch", ["torchrun", "python"])
 def test_trl_sft_script_with_the_import_changed(assets: Path, launch: str) -> None:
     """Under plain python both run one process (trainbridge's self-launch on a CPU machine, trl in place)."""
-    trl_step, trl_rows, trl_files = _summary(_run(assets, "sft_trl.py", f"out-trl-{launch}", _launcher(launch)))
-    out = _run(assets, "sft_trainbridge.py", f"out-{launch}", _launcher(launch))
+    trl_out = _run(assets, "sft_trl.py", f"out-trl-{launch}", _launcher(launch), extra=SFT_PACKED_EVAL)
+    trl_step, trl_rows, trl_files = _summary(trl_out)
+    out = _run(assets, "sft_trainbridge.py", f"out-{launch}", _launcher(launch), extra=SFT_PACKED_EVAL)
     global_step, rows, files = _summary(out)
     assert global_step == trl_step == 4
-    assert [step for step, _ in rows] == [step for step, _ in trl_rows] == [2, 4]
+    assert [step for step, _ in rows] == [step for step, _ in trl_rows] == [2, 2, 4, 4]
+    assert _epochs[out] == _epochs[trl_out]  # trl's bins per step: the same steps per epoch
     for (_, keys), (_, trl_keys) in zip(rows, trl_rows, strict=True):
         assert keys == trl_keys  # trl's entropy, mean_token_accuracy and num_tokens among them
+        assert "num_tokens" in keys or {"eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"} <= keys
     assert files - TRAINBRIDGE_FILES == trl_files
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()  # save_model at the end
 

@@ -130,3 +130,45 @@ def test_a_run_logs_the_token_metrics_at_its_log_steps(args_for) -> None:
         assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logs)
         assert logs["entropy"] > 0.0 and 0.0 <= logs["mean_token_accuracy"] <= 1.0
     assert step_logs[1][1]["num_tokens"] > step_logs[0][1]["num_tokens"] > 0
+
+
+def test_evaluation_sums_each_batch_over_ranks_and_averages_the_batches() -> None:
+    """Two ranks' validation batches: each batch's sums are added over the ranks (the evaluation's one
+    reduction), then trl's rule: the mean over batches of each batch's ratio, and the training's tokens."""
+    from trainbridge.step.token_ce import TokenCrossEntropy
+
+    model = _tiny_llama()
+    generator = torch.Generator().manual_seed(1)
+    batches = []  # [rank][batch]
+    for lengths in ((9, 6), (12, 4)):
+        row = []
+        for length in lengths:
+            input_ids = torch.randint(4, 40, (1, length), generator=generator)
+            labels = input_ids.clone()
+            labels[0, : length // 3] = -100
+            row.append({"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(length)[None]})
+        batches.append(row)
+    steps = [TokenCrossEntropy(None, 64, padded=False, token_metrics=True) for _ in range(2)]  # type: ignore[arg-type]
+    for step, rank_batches in zip(steps, batches, strict=True):
+        step.token_metrics.total_tokens = 57  # type: ignore[union-attr]  # trained so far
+        for batch in rank_batches:
+            out = step.eval_batch(model, batch, batch, outputs=False, rows=1)
+            assert out.units == int((batch["labels"][:, 1:] != -100).sum())
+    rank_sums = [step.eval_metric_sums() for step in steps]
+    assert len(rank_sums[0]) == 6 and steps[0].eval_metric_sums() == []  # taken once per evaluation
+    reduced = [a + b for a, b in zip(*rank_sums, strict=True)]
+    logs = steps[0].eval_metric_logs(reduced)
+    fused = copy.deepcopy(model)
+    add_fused_lm_head(fused, outputs=("log_probs", "entropy", "is_top1"))
+    entropy, accuracy = [], []
+    with torch.no_grad():
+        for k in range(2):  # trl: each batch's sums gathered over the ranks, then one ratio
+            outs = [fused(input_ids=b[k]["input_ids"], labels=b[k]["labels"], fused_lm_head=True) for b in batches]
+            valid = sum(o.label_mask.sum() for o in outs)
+            entropy.append((sum(o.entropy.sum() for o in outs) / valid).item())
+            accuracy.append((sum(o.is_top1.sum() for o in outs) / valid).item())
+    assert logs == {
+        "entropy": pytest.approx(sum(entropy) / 2, rel=1e-5),
+        "mean_token_accuracy": pytest.approx(sum(accuracy) / 2, rel=1e-6),
+        "num_tokens": 57.0,
+    }

@@ -48,7 +48,7 @@ def _config(out: Path, **extra: Any) -> SFTConfig:
         max_length=24,
         packing=True,
         per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
+        per_device_eval_batch_size=3,
         num_train_epochs=1,
         learning_rate=1e-12,  # below float32 resolution of the weights: the model stays as it is
         logging_steps=2,

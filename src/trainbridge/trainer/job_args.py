@@ -76,8 +76,9 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         fields.update(generation_fields())
     if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
-        if getattr(trainer.args, "per_device_eval_batch_size", None):
-            fields["per_device_eval_batch_size"] = int(trainer.args.per_device_eval_batch_size)
+        eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
+        if eval_batch:
+            fields["per_device_eval_batch_size"] = int(eval_batch)
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
