@@ -7,7 +7,6 @@ order: before training and at the end of the epoch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +18,13 @@ import trl
 from trl import SFTConfig
 
 import trainbridge
+from tests.unit.test_trl_sft_data import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
 
 ROWS = [{"text": f"{a}+{b}={a + b}" + "!" * (a % 5)} for a in range(9) for b in range(3)]
 """27 texts of 8 to 11 tokens: ``bfd`` packs them into 12 bins of up to 24 tokens (6 steps of 2 bins)."""
 
 EVAL_ROWS = [{"text": f"{a}*{b}:-{a * b}" + "s-" * (b % 4)} for a in range(4) for b in range(4)]
 """Characters the tiny model's untrained head often predicts, so some tokens are hits."""
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    """trl's trainer fills accelerate's process-wide state; leave none behind."""
-    yield
-    from accelerate.state import AcceleratorState, PartialState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._reset_state()
 
 
 def _config(out: Path, **extra: Any) -> SFTConfig:
