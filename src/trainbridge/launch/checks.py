@@ -51,13 +51,19 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     except OSError as exc:
         return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
     if problem:
+        only_group = not share_with_group and folder_problem(path, trust_group=True) is None
         for folder in reversed(created):  # a refused run leaves nothing behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        fix = (
+            "share the run folder with that group (share_run_dir_with_group=true) if you trust all its members, "
+            "else take the group's write permission away (chmod g-w) or choose another ckpt_output_dir"
+            if only_group
+            else "make it yours and writable only by you (chmod go-w) or choose another ckpt_output_dir"
+        )
         return (
-            f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-            "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
-            "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true"
+            f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through or "
+            f"load; to allow it, {fix}"
         )
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):

@@ -155,9 +155,10 @@ def check_model(args: TrainingArgs, plan: RunPlan) -> None:
             raise ValueError(
                 "peft_config: inference_mode=True freezes the adapter, so nothing would train; set inference_mode=False"
             )
-        if build_peft_config(config).is_prompt_learning:
+        peft_object = build_peft_config(config)
+        if peft_object.is_prompt_learning:
             raise ValueError(
-                f"peft_config: {type(build_peft_config(config)).__name__} is a prompt-learning method, not supported here: its "
+                f"peft_config: {type(peft_object).__name__} is a prompt-learning method, not supported here: its "
                 "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
                 "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
             )
