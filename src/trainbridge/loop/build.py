@@ -262,7 +262,7 @@ def _token_batches(
             max_batch_len=args.max_batch_len,
             padded=eval_padded,
             per_device=args.per_device_eval_batch_size,
-            row_per_sample=args.compute_metrics is not None,
+            row_per_sample=plan.compute_metrics is not None,
         )
 
     return RunBatches(
