@@ -29,6 +29,9 @@ from pathlib import Path
 
 from trainbridge.core.nproc import visible_gpu_count
 
+RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
+"""torchrun's prefix of a teed rank's lines (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` unless the user set one)."""
+
 
 def quiet_environment(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Variables to add to ``base`` (default ``os.environ``) so libraries stay quiet in a run on
