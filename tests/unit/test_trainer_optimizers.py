@@ -19,6 +19,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
+from trainbridge.trainer.optimizers import optimizer_factory
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_optimizers_are_rebuilt_with_their_class_groups_and_scheduler(bert_class
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))
-    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    # the rebuild (``Rebuilt``: another process's copy); a Trainer's own jobs now always run in place (``InPlace``)
+    rebuilt = optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
+    components, before = _run(bert_classifier, tmp_path, rebuilt)
 
     used = components.engine.optimizer
     assert type(used) is torch.optim.SGD
