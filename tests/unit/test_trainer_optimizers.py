@@ -129,8 +129,10 @@ def test_a_scheduler_that_cannot_be_rebuilt_is_refused_naming_why(bert_classifie
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):
-        Trainer(model=model, args=hf, optimizers=(optimizer, Opaque(optimizer, 1.0)))
+    scheduler = Opaque(optimizer, 1.0)
+    trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))  # in place: its own object steps
+    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):  # the rebuild for another process cannot
+        optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
 
 
 def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path: Path) -> None:
