@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.private_files import make_run_folder
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 from trainbridge.launch.launcher import run_training
 from trainbridge.loop.result import RunResult
@@ -37,6 +38,7 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS, chat: 
     """
     from transformers import EarlyStoppingCallback
 
+    make_run_folder(output_dir)  # private (0700) whatever the umask, as the run folder inside it
     model_dir = output_dir / "model"
     if not (model_dir / "config.json").is_file():
         build_tiny_llama(model_dir, seed=0)

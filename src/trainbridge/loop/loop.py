@@ -415,7 +415,8 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
+        states = self.checkpoints.settle_best(state.get("callbacks", {}), path)  # before any step
+        self.callbacks.load_state_dict(states, restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:

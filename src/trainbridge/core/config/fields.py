@@ -148,7 +148,8 @@ class DataFields(BaseModel):
     """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700 (and
     checkpoints 0750 / files 0640 instead of 0700 / 0600), and a
     folder (or a parent) its group can write to is accepted: the group's members are trusted.  By default the
-    run folder is private, and one that anyone but you (or root) could change is refused before launch."""
+    run folder is private, and one that anyone but you (or root) could change is refused before launch (a
+    folder writable by your own private group, as umask 002 makes them, is yours alone: accepted)."""
 
     @field_validator("data_path", "val_data_path")
     @classmethod
