@@ -89,7 +89,12 @@ def _entry(cache: Path) -> Path:
 
 
 def test_cache_entries_are_private(tmp_path: Path) -> None:
-    _open(tmp_path, GOOD)
+    old = os.umask(0o002)  # a login user's
+    try:
+        _open(tmp_path, GOOD)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700  # a missing cache folder too
     entry = _entry(tmp_path / "cache")
     assert entry.stat().st_mode & 0o777 == 0o700
     assert {p.stat().st_mode & 0o777 for p in entry.iterdir()} == {0o600}

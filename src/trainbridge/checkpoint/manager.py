@@ -52,7 +52,7 @@ from trainbridge.checkpoint.folders import (
 )
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, MERGED_DIR, OWNER_FILE, TRAINING_STATE_FILE
 from trainbridge.checkpoint.manifest import write_manifest
-from trainbridge.checkpoint.model_files import HFModelFiles, ModelFiles
+from trainbridge.checkpoint.model_files import HFModelFiles
 from trainbridge.checkpoint.resume import (
     choose_resume,
     latest_verified,
@@ -66,6 +66,7 @@ from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
 from trainbridge.checkpoint.weights import fill_tied_weights, load_model_weights, read_safetensors_weights
 from trainbridge.checkpoint.weights_dtype import exports_lossy
+from trainbridge.core.config.plan import ModelFiles
 from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_weight_names

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.inputs import DataInputError, describe_columns, fingerprint, read_input
 from trainbridge.data.records import (
     KNOWN_COLUMNS,
@@ -139,7 +140,7 @@ def open_tokenized(
     if not hit:
         from filelock import FileLock
 
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        make_run_folder(cache_dir)  # a missing cache folder is created private (0700), whatever the umask
         with FileLock(str(lock_folder(cache_dir) / f"{key}.lock")):
             if not (target / "meta.json").is_file():
                 _build(path, tokenizer, options, chat_template, target)
