@@ -10,8 +10,13 @@ interleaved.  Both take ``--steps`` optimizer steps of ``per_device_train_batch_
 per step), the reference a frozen copy of the policy, sigmoid loss, ``max_length=256``.  trl pads chosen and
 rejected into one ``[16, T]`` batch per rank; trainbridge packs them into one padding-free row.
 Throughput is pairs per second of ``train_runtime`` (the ``train()`` call: model and data preparation
-excluded for both).  Prints each side's median and range, and the ratio with its spread (the slowest
-trainbridge run over the fastest trl run, and the reverse).
+excluded for both); CPU-normalised, pairs per CPU second of the ranks' mean CPU time over the same call; and
+each rank's peak RSS (``script_probe.py``, added identically to both scripts).  Prints each side's median
+and range, the ratio of medians, and the same-repetition ratios (median and range), wall clock and
+CPU-normalised, with the load average before and after.
+
+``--profile DIR`` runs each side once under ``py-spy record --subprocesses --format raw`` (both ranks
+sampled; slower, not for timing) and writes the collapsed stacks and a top-functions summary to ``DIR``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import ast
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +42,7 @@ PORTED_IMPORT = (
     "    from trainbridge import DPOTrainer\n"
     "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
 )
+PROBE = "    import script_probe\n\n    script_probe.wrap(DPOTrainer)\n"
 PER_DEVICE = 8
 RANKS = 2
 CONFIGS = {"trl": "dpo_trl.py", "trainbridge": "dpo_trainbridge.py"}
@@ -54,9 +61,10 @@ def write_pairs(path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"prompt": text(4, 40), "chosen": text(2, 30), "rejected": text(2, 30)}) + "\n")
 
 
-def run(root: Path, script: str, steps: int, port: int) -> float:
-    """Pairs per second of one run's ``train_runtime``."""
+def run(root: Path, script: str, steps: int, port: int, profile: Path | None = None) -> dict[str, float]:
+    """One run: pairs per second of ``train_runtime``, pairs per CPU second and the ranks' peak RSS."""
     command = [
+        *([] if profile is None else pyspy_prefix(profile)),
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -104,7 +112,98 @@ def run(root: Path, script: str, steps: int, port: int) -> float:
         if line.lstrip().startswith("{'")
     ]
     runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
-    return steps * PER_DEVICE * RANKS / runtime
+    return measure(steps * PER_DEVICE * RANKS, runtime, done.stdout + done.stderr)
+
+
+def measure(units: float, runtime: float, output: str) -> dict[str, float]:
+    """Units per second of ``runtime``, units per CPU second (the ranks' mean over ``train()``) and the
+    largest peak RSS of a rank, from the ``BENCH_PROBE`` lines (``script_probe.py``)."""
+    probes = [json.loads(line.split("BENCH_PROBE ", 1)[1]) for line in output.splitlines() if "BENCH_PROBE " in line]
+    if len(probes) != RANKS:
+        raise RuntimeError(f"expected {RANKS} BENCH_PROBE lines, got {len(probes)}")
+    cpu = statistics.mean(p["train_cpu_s"] for p in probes)
+    result = {
+        "per_s": units / runtime,
+        "per_cpu_s": units / cpu,
+        "peak_rss_mib": max(max(p["peak_rss_mib"], p["children_peak_rss_mib"]) for p in probes),
+    }
+    if any("peak_cuda_mib" in p for p in probes):
+        result["peak_cuda_mib"] = max(p.get("peak_cuda_mib", 0.0) for p in probes)
+    return result
+
+
+def pyspy_prefix(profile: Path) -> list[str]:
+    """``py-spy record`` of the launcher and every rank it starts, collapsed stacks into ``profile``."""
+    return [
+        shutil.which("py-spy") or "py-spy",
+        "record",
+        "--subprocesses",
+        "--format",
+        "raw",
+        "--rate",
+        "50",
+        "-o",
+        str(profile),
+        "--",
+    ]
+
+
+def top_functions(profile: Path, limit: int = 25) -> str:
+    """The functions with most samples in a collapsed-stack file: own (leaf) samples and inclusive samples,
+    as a share of the samples of the ranks' training (stacks through ``train``)."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in profile.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        frames = stack.split(";")
+        if not any("timed_train (" in frame for frame in frames):
+            continue
+        count = int(count_text)
+        total += count
+        names = [
+            frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")"
+            for frame in frames
+        ]
+        own[names[-1]] = own.get(names[-1], 0) + count
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + count
+    lines = [f"{total} samples in train()", "own %  | function"]
+    lines += [f"{100 * n / total:5.1f} | {name}" for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:limit]]
+    lines += ["inclusive % | function"]
+    lines += [
+        f"{100 * n / total:5.1f} | {name}" for name, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:limit]
+    ]
+    return "\n".join(lines)
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def summary(results: dict[str, list[dict[str, float]]], ours: str, theirs: str, unit: str) -> list[str]:
+    """Median and range per side, then same-repetition ratios of ``ours`` to ``theirs``."""
+    lines = [
+        f"| side | {unit}/s (median) | range | {unit}/CPU-s (median) | range | peak RSS per rank, MiB (max) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        wall = [r["per_s"] for r in runs]
+        cpu = [r["per_cpu_s"] for r in runs]
+        memory = max(r["peak_rss_mib"] for r in runs)
+        lines.append(
+            f"| {name} | {statistics.median(wall):.2f} | {min(wall):.2f}-{max(wall):.2f} | "
+            f"{statistics.median(cpu):.2f} | {min(cpu):.2f}-{max(cpu):.2f} | {memory:.0f} |"
+        )
+    for key, label in (("per_s", "wall clock"), ("per_cpu_s", "CPU-normalised")):
+        pairs = [a[key] / b[key] for a, b in zip(results[ours], results[theirs], strict=False)]
+        lines.append(
+            f"{ours} / {theirs}, {label}: same-repetition median {statistics.median(pairs):.2f}x "
+            f"(range {min(pairs):.2f}-{max(pairs):.2f}; {', '.join(f'{x:.2f}' for x in pairs)})"
+        )
+    memory = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(results[ours], results[theirs], strict=False)]
+    lines.append(f"{ours} / {theirs}, peak RSS per rank: {', '.join(f'{x:.2f}' for x in memory)}")
+    return lines
 
 
 def main() -> None:
@@ -112,6 +211,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=1000)
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy each side once into this folder")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trl-dpo-bench-"))
     build_benchmark_llama(root / "model")
@@ -120,23 +221,34 @@ def main() -> None:
     source = (Path(trl.__file__).parent / "scripts" / "dpo.py").read_text()
     if ORIGINAL_IMPORT not in source:
         raise SystemExit("trl's dpo.py changed its import line")
-    (root / "dpo_trl.py").write_text(source)
-    (root / "dpo_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT))
-    results: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    port = 29700
-    for _ in range(args.repeats):
-        for name, script in CONFIGS.items():
+    (root / "dpo_trl.py").write_text(source.replace(ORIGINAL_IMPORT, ORIGINAL_IMPORT + PROBE))
+    (root / "dpo_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT + PROBE))
+    shutil.copy(Path(__file__).with_name("script_probe.py"), root / "script_probe.py")
+    port = 29700 + os.getpid() % 200 * 10
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for name in args.only:
             port += 1
-            results[name].append(run(root, script, args.steps, port))
-            print(f"{name}: {results[name][-1]:.1f} pairs/s", flush=True)
-    ours, theirs = results["trainbridge"], results["trl"]
+            stacks = args.profile / f"dpo-{name}.txt"
+            run(root, CONFIGS[name], args.steps, port, profile=stacks)
+            (args.profile / f"dpo-{name}-top.txt").write_text(top_functions(stacks))
+            print(f"{name}: profile in {stacks}", flush=True)
+        return
+    before = load()
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.only}
+    for _ in range(args.repeats):
+        for name in args.only:
+            port += 1
+            results[name].append(run(root, CONFIGS[name], args.steps, port))
+            r = results[name][-1]
+            print(
+                f"{name}: {r['per_s']:.2f} pairs/s, {r['per_cpu_s']:.2f} pairs/CPU-s, {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     print(f"\n{args.steps} steps, {PER_DEVICE * RANKS} pairs per step, {RANKS} gloo ranks, trl {trl.__version__}")
-    print("| side | pairs/s (median) | range |")
-    print("| --- | --- | --- |")
-    for name, values in results.items():
-        print(f"| {name} | {statistics.median(values):.1f} | {min(values):.1f}-{max(values):.1f} |")
-    ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"trainbridge / trl: {ratio:.2f}x (spread {min(ours) / max(theirs):.2f}-{max(ours) / min(theirs):.2f})")
+    print(f"load average before: {before}; after: {load()}")
+    if set(args.only) == set(CONFIGS):
+        print("\n".join(summary(results, "trainbridge", "trl", "pairs")))
     print(json.dumps(results))
 
 
