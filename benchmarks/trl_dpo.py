@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import trl
 
+from script_probe import load, measure, pyspy_prefix, summary, top_functions
 from trainbridge.demos.tiny_model import build_benchmark_llama
 
 ORIGINAL_IMPORT = "    from trl import DPOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
@@ -102,7 +102,9 @@ def run(root: Path, script: str, steps: int, port: int, profile: Path | None = N
         "--learning_rate",
         "1e-5",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    probes = root / f"probes-{port}"
+    probes.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_PROBE_DIR": str(probes)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -112,98 +114,7 @@ def run(root: Path, script: str, steps: int, port: int, profile: Path | None = N
         if line.lstrip().startswith("{'")
     ]
     runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
-    return measure(steps * PER_DEVICE * RANKS, runtime, done.stdout + done.stderr)
-
-
-def measure(units: float, runtime: float, output: str) -> dict[str, float]:
-    """Units per second of ``runtime``, units per CPU second (the ranks' mean over ``train()``) and the
-    largest peak RSS of a rank, from the ``BENCH_PROBE`` lines (``script_probe.py``)."""
-    probes = [json.loads(line.split("BENCH_PROBE ", 1)[1]) for line in output.splitlines() if "BENCH_PROBE " in line]
-    if len(probes) != RANKS:
-        raise RuntimeError(f"expected {RANKS} BENCH_PROBE lines, got {len(probes)}")
-    cpu = statistics.mean(p["train_cpu_s"] for p in probes)
-    result = {
-        "per_s": units / runtime,
-        "per_cpu_s": units / cpu,
-        "peak_rss_mib": max(max(p["peak_rss_mib"], p["children_peak_rss_mib"]) for p in probes),
-    }
-    if any("peak_cuda_mib" in p for p in probes):
-        result["peak_cuda_mib"] = max(p.get("peak_cuda_mib", 0.0) for p in probes)
-    return result
-
-
-def pyspy_prefix(profile: Path) -> list[str]:
-    """``py-spy record`` of the launcher and every rank it starts, collapsed stacks into ``profile``."""
-    return [
-        shutil.which("py-spy") or "py-spy",
-        "record",
-        "--subprocesses",
-        "--format",
-        "raw",
-        "--rate",
-        "50",
-        "-o",
-        str(profile),
-        "--",
-    ]
-
-
-def top_functions(profile: Path, limit: int = 25) -> str:
-    """The functions with most samples in a collapsed-stack file: own (leaf) samples and inclusive samples,
-    as a share of the samples of the ranks' training (stacks through ``train``)."""
-    own: dict[str, int] = {}
-    inclusive: dict[str, int] = {}
-    total = 0
-    for line in profile.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        frames = stack.split(";")
-        if not any("timed_train (" in frame for frame in frames):
-            continue
-        count = int(count_text)
-        total += count
-        names = [
-            frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")"
-            for frame in frames
-        ]
-        own[names[-1]] = own.get(names[-1], 0) + count
-        for name in set(names):
-            inclusive[name] = inclusive.get(name, 0) + count
-    lines = [f"{total} samples in train()", "own %  | function"]
-    lines += [f"{100 * n / total:5.1f} | {name}" for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:limit]]
-    lines += ["inclusive % | function"]
-    lines += [
-        f"{100 * n / total:5.1f} | {name}" for name, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:limit]
-    ]
-    return "\n".join(lines)
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def summary(results: dict[str, list[dict[str, float]]], ours: str, theirs: str, unit: str) -> list[str]:
-    """Median and range per side, then same-repetition ratios of ``ours`` to ``theirs``."""
-    lines = [
-        f"| side | {unit}/s (median) | range | {unit}/CPU-s (median) | range | peak RSS per rank, MiB (max) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, runs in results.items():
-        wall = [r["per_s"] for r in runs]
-        cpu = [r["per_cpu_s"] for r in runs]
-        memory = max(r["peak_rss_mib"] for r in runs)
-        lines.append(
-            f"| {name} | {statistics.median(wall):.2f} | {min(wall):.2f}-{max(wall):.2f} | "
-            f"{statistics.median(cpu):.2f} | {min(cpu):.2f}-{max(cpu):.2f} | {memory:.0f} |"
-        )
-    for key, label in (("per_s", "wall clock"), ("per_cpu_s", "CPU-normalised")):
-        pairs = [a[key] / b[key] for a, b in zip(results[ours], results[theirs], strict=False)]
-        lines.append(
-            f"{ours} / {theirs}, {label}: same-repetition median {statistics.median(pairs):.2f}x "
-            f"(range {min(pairs):.2f}-{max(pairs):.2f}; {', '.join(f'{x:.2f}' for x in pairs)})"
-        )
-    memory = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(results[ours], results[theirs], strict=False)]
-    lines.append(f"{ours} / {theirs}, peak RSS per rank: {', '.join(f'{x:.2f}' for x in memory)}")
-    return lines
+    return measure(steps * PER_DEVICE * RANKS, runtime, probes, RANKS)
 
 
 def main() -> None:
@@ -247,8 +158,7 @@ def main() -> None:
             )
     print(f"\n{args.steps} steps, {PER_DEVICE * RANKS} pairs per step, {RANKS} gloo ranks, trl {trl.__version__}")
     print(f"load average before: {before}; after: {load()}")
-    if set(args.only) == set(CONFIGS):
-        print("\n".join(summary(results, "trainbridge", "trl", "pairs")))
+    print("\n".join(summary(results, [("trainbridge", "trl")], "pairs")))
     print(json.dumps(results))
 
 
