@@ -1,18 +1,19 @@
 """Attention over a packed row without a varlen kernel: per-sample sdpa calls vs gathered padded batches.
 
-    python benchmarks/varlen_layouts.py [--repeats 30] [--flex]
+    python benchmarks/varlen_layouts.py [--repeats 30]
 
 ``modeling.varlen_attention`` runs one causal ``scaled_dot_product_attention`` per sample of a packed row
 where torch's varlen flash kernel does not run (CPU, fp32).  The alternatives timed here: gather the row's
 samples into one right-padded ``[samples, longest]`` batch for a single sdpa call and scatter the result
 back (under the causal mask a real query never sees a pad key, so it is exact); the same with the samples
 split into length buckets (the split minimising ``samples x longest^2 / 2 + call_cost`` per bucket, for two
-call costs); and, with ``--flex``, ``torch.nn.attention.flex_attention`` with a document mask under
-``torch.compile``.  One thread, CPU milliseconds of forward + backward of the attention alone
-(``[1, 4 heads, T, 64]``, the benchmark Llama's shape), median of ``--repeats``, for the sample-length
-distributions of the benchmarks (``throughput.py``'s 4 samples of 32..128 per rank, ``trl_dpo.py``'s 16
-sequences of 30..256) and rows of many short samples.  Every layout's output is checked against the
-per-sample one.
+call costs).  FlexAttention with a document mask is not among them: on torch 2.13 it has no backward on
+CPU (``NotImplementedError: FlexAttention does not support backward on CPU``).
+
+One thread, CPU milliseconds of forward + backward of the attention alone (``[1, 4 heads, T, 64]``, the
+benchmark Llama's shape), median of ``--repeats``, for the sample-length distributions of the benchmarks
+(``throughput.py``'s 4 samples of 32..128 per rank, ``trl_dpo.py``'s 16 sequences of 30..256) and rows of
+many short samples.  Every layout's output is checked against the per-sample one.
 """
 
 from __future__ import annotations
@@ -86,24 +87,6 @@ def per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
     return _per_sample_forward(query, key, value, [[0, *itertools.accumulate(lengths)]], 0.0, None, False)
 
 
-def flex() -> Attention:
-    """FlexAttention with a causal document mask, compiled (block mask built per call)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    compiled = torch.compile(flex_attention)
-
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-
-        def mask(b, h, q, k):  # type: ignore[no-untyped-def]
-            return (document[q] == document[k]) & (q >= k)
-
-        block_mask = create_block_mask(mask, None, None, query.shape[2], query.shape[2], device="cpu")
-        return compiled(query, key, value, block_mask=block_mask).transpose(1, 2)
-
-    return attention
-
-
 def time_layout(attention: Attention, lengths: list[int], repeats: int) -> tuple[float, torch.Tensor]:
     """Median CPU ms of forward + backward, and the output of the first run."""
     total = sum(lengths)
@@ -123,7 +106,6 @@ def time_layout(attention: Attention, lengths: list[int], repeats: int) -> tuple
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="varlen_layouts.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     layouts: dict[str, Attention] = {
@@ -132,8 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gathered, buckets c=4096": gathered(4096),
         "gathered, buckets c=16384": gathered(16384),
     }
-    if options.flex:
-        layouts["flex_attention (compiled)"] = flex()
     rng = random.Random(0)
     print("| samples x length | tokens | " + " | ".join(layouts) + " |")
     print("|---|---:|" + "---:|" * len(layouts))
