@@ -11,10 +11,6 @@ from pathlib import Path
 
 from trainbridge.launch.launcher import free_port
 
-EXIT_ABORT = "terminate called without an active exception"
-"""What a real ``transformers.Trainer`` rank prints when gloo's threads abort it at interpreter exit (now and
-then, after its work: outside trainbridge, which tears its process group down itself)."""
-
 
 def run_script(command: list[str], out: Path, **env: str) -> dict:
     """Run ``command`` outside any launcher's environment; it must succeed; returns ``out/summary.json``."""
@@ -26,16 +22,12 @@ def run_script(command: list[str], out: Path, **env: str) -> dict:
 
 
 def run_checked(command: list[str], env: dict[str, str], out: Path) -> None:
-    """Run ``command``; it must succeed.  Run once more, from an empty ``out``, only when it failed for a reason
-    outside the code under test: the reference (``real``) run aborted at exit (``EXIT_ABORT``), or another
-    process took the rendezvous port.  One of ours that aborted at exit after writing its summary passes (its
-    checks read the summary); the facade leaves its process group at exit to avoid that abort."""
+    """Run ``command``; it must succeed, exit status 0 included.  Run once more, from an empty ``out``, only when
+    another process took the rendezvous port (a reason outside the code under test).  An abort at interpreter
+    exit is a failure: ours let gloo's threads go idle before the interpreter finalises
+    (``core.distributed.wait_for_idle_gloo_threads``); the real-Trainer references leave by ``os._exit``."""
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
-    output = proc.stdout + proc.stderr
-    finished = (out / "summary.json").is_file()  # the script's work is done and recorded
-    if proc.returncode != 0 and EXIT_ABORT in output and finished and "real" not in command:
-        return  # ours aborted at interpreter exit after its work (gloo's threads); its checks run on the summary
-    if proc.returncode != 0 and (("real" in command and EXIT_ABORT in output) or "EADDRINUSE" in output):
+    if proc.returncode != 0 and "EADDRINUSE" in proc.stdout + proc.stderr:
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.run(_on_a_new_port(command), env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

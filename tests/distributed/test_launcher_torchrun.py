@@ -7,6 +7,7 @@ reads the real payload with the real key, then does what ``run_name`` says; rank
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import pytest
 import yaml
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.run_dir import result_file
+from trainbridge.launch.console import OWN_LOG_LINE
 from trainbridge.launch.launcher import (
     LaunchTimeoutError,
     TrainingInterruptedError,
@@ -27,6 +30,7 @@ from trainbridge.launch.launcher import (
     run_training,
 )
 from trainbridge.launch.transport import register_by_value
+from trainbridge.loop.result import RunResult
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -58,8 +62,8 @@ def main():
         args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
         (args.ckpt_output_dir / f"sleeping-rank{rank}").write_text(str(os.getpid()))
         time.sleep(300)
-    (function,) = [fn for fns in args.event_functions.values() for fn in fns]
-    (callback,) = args.callbacks
+    (function,) = [fn for fns in args.plan.event_functions.values() for fn in fns]
+    (callback,) = args.plan.callbacks
     if rank == 0:
         import json, psutil
         store_port = int(os.environ["MASTER_PORT"])
@@ -190,21 +194,69 @@ def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_work
 
 
 # ----------------------------------------------------------------------------- the real worker, end to end
-def test_demo_trains_two_ranks_and_the_loss_falls(tmp_path, capfd):
-    from trainbridge.demos.demo import run_demo
+TQDM_BAR = re.compile(r"\s*\d+%\|[^|]*\| *\d+/\d+ \[[^\]]*\]")
+"""One state of a tqdm bar (the training bar, transformers' evaluation bar), as the console shows it."""
 
-    result = run_demo(tmp_path / "demo", nproc_per_node=2, max_steps=12)
+
+def library_lines(stdout: str, stderr: str) -> list[str]:
+    """The console lines a library printed, of a run's stdout and stderr.  Ours: on stderr, the progress bars and
+    the log lines of ``trainbridge.*`` loggers (``launch.console.OWN_LOG_LINE``); on stdout, the lines our
+    command prints (``trainbridge ...`` lines, their two-space-indented rows: plan, summary) and the training
+    logs in transformers' form (``{'loss': ...}``).  Anything else (a ``warnings`` line, another logger's
+    record, a library's print) is a library's."""
+    found = []
+    for line in stdout.splitlines():
+        if line and not re.match(r"trainbridge\b|  \S|\{'", line):
+            found.append(line)
+    for line in stderr.splitlines():
+        for piece in re.split(r"\r|\x1b\[A", TQDM_BAR.sub("\r", line)):  # bars redraw with \r and cursor-up
+            if piece.strip() and not OWN_LOG_LINE.match(piece):
+                found.append(piece)
+    return found
+
+
+def test_demo_trains_two_ranks_the_loss_falls_and_only_our_lines_show(tmp_path):
+    """``trainbridge demo`` as a newcomer runs it: the loss falls, and the console has our lines only (no
+    bitsandbytes import warnings though nothing is quantised, no deprecation warnings of our torch calls)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "DS_ACCELERATOR")}
+    command = [str(Path(sys.executable).with_name("trainbridge")), "demo", "--output-dir", "demo", "--max-steps", "12"]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert library_lines(proc.stdout, proc.stderr) == [], proc.stderr
+    result = RunResult.read(result_file(tmp_path / "demo" / "run"))
     assert (result.global_step, result.max_steps) == (12, 12)
     records = [json.loads(line) for line in Path(result.metrics_file).read_text().splitlines()]
     losses = [record["loss"] for record in records if "loss" in record]
     assert losses[-1] < losses[0] - 0.5
     assert [os.path.basename(c) for c in result.checkpoints] == ["checkpoint-9", "checkpoint-12"]
-    out = capfd.readouterr().out
-    assert "trainbridge demo finished" in out
+    assert "trainbridge demo finished" in proc.stdout
     # the demo ends with a picture of this real run's metrics (trainbridge plot)
     png = Path(result.metrics_file).with_name("metrics.png")
-    assert f"plot:            {png}" in out
+    assert f"plot:            {png}" in proc.stdout
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+
+
+def test_library_lines_are_told_from_ours():
+    """The classifier above, on the lines the demo printed before bitsandbytes was deferred and DDP's call
+    updated, and on ours."""
+    stderr = (
+        "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.\n"
+        "[rank1]: WARNING bitsandbytes.backends.cpu.ops: Failed to load CPU gemm_4bit_forward\n"
+        "[rank0] INFO trainbridge.data.sources: data: 2000 training samples, 200 validation samples\n"
+        "/x/src/trainbridge/parallel/ddp.py:49: FutureWarning: `broadcast_buffers` is deprecated.\n"
+        "  wrapped = DistributedDataParallel(\n"
+        "\r 33%|###       | 1/3 [00:00<00:00,  7.93it/s]\x1b[A\r100%|##########| 3/3 [00:08<00:00,  2.61s/it]"
+        "[rank0] INFO trainbridge.loop.loop: loading best model\n"
+        "[rank1]: WARNING trainbridge.loop.loop: a warning of ours\n"
+    )
+    stdout = "trainbridge demo finished\n  steps:           3/3 (completed)\n{'loss': '4.366'}\nsome library print\n"
+    assert library_lines(stdout, stderr) == [
+        "some library print",
+        "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.",
+        "[rank1]: WARNING bitsandbytes.backends.cpu.ops: Failed to load CPU gemm_4bit_forward",
+        "/x/src/trainbridge/parallel/ddp.py:49: FutureWarning: `broadcast_buffers` is deprecated.",
+        "  wrapped = DistributedDataParallel(",
+    ]
 
 
 def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):

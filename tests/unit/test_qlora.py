@@ -120,3 +120,27 @@ def test_fsdp2_shards_packed_weights_only_in_float_storage(tiny_llama, storage, 
     assert packed
     found = packed_quantized_weights(model)
     assert set(found) == packed and all(p.is_floating_point() == sharded for p in found)
+
+
+DEFERRED = """
+import sys
+from trainbridge.modeling.quantization import defer_bitsandbytes
+defer_bitsandbytes()
+import transformers.trainer_utils, transformers.optimization, peft  # what a worker imports, peft among it
+print("at import:", "bitsandbytes" in sys.modules)
+import peft.helpers
+peft.helpers.bnb.functional  # the analysis helper's dequantisation, used
+print("on use:", "bitsandbytes" in sys.modules)
+"""
+
+
+def test_bitsandbytes_is_imported_only_when_used():
+    """peft imports bitsandbytes at its top wherever it is installed (bitsandbytes then warns about CPU kernels);
+    after ``defer_bitsandbytes`` it stays unimported until quantised-weight code uses it (a fresh interpreter:
+    this one has imported both)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DEFERRED], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["at import: False", "on use: True"]

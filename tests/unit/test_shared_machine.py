@@ -10,10 +10,12 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -73,9 +75,12 @@ def test_a_config_folder_is_added_only_for_a_named_module_and_after_site_package
     assert importlib.util.find_spec("my_callbacks").origin == str(project / "my_callbacks.py")
 
 
-def test_a_config_folder_others_can_write_is_refused_with_the_way_to_allow_it(project):
-    project.chmod(0o770)
-    with pytest.raises(cli.UntrustedFolderError, match=r"writable by its group \(mode 0770\).*chmod go-w"):
+def test_a_config_folder_others_can_write_is_refused_with_the_way_to_allow_it(project, monkeypatch):
+    from trainbridge.core import private_files
+
+    project.chmod(0o770)  # a group with another member (a user-private group is the user's alone: accepted)
+    monkeypatch.setattr(private_files, "group_members", lambda gid: {"nobody", pwd.getpwuid(os.geteuid()).pw_name})
+    with pytest.raises(cli.UntrustedFolderError, match=r"writable by its group .*\(mode 0770\).*chmod go-w"):
         cli.add_user_import_paths(project / "named.yaml")
     assert str(project) not in sys.path
     project.chmod(0o700)
@@ -281,7 +286,9 @@ def test_a_run_folder_others_can_write_or_another_user_owns_is_refused_before_la
     out.mkdir()
     out.chmod(0o777)
     args = {"model_path": run_files["model"], "data_path": run_files["train"], "ckpt_output_dir": out}
-    with pytest.raises(launcher.PreflightError, match=r"writable by its group and others \(mode 0777\).*chmod go-w"):
+    with pytest.raises(
+        launcher.PreflightError, match=r"writable by (its group .* and )?others \(mode 0777\).*chmod go-w"
+    ):
         launcher.run_training(args)
     out.chmod(0o755)
     needs_root()
@@ -408,16 +415,91 @@ def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
     assert "HuggingFaceCallbacks" in names and names.count("MetricsFileCallback") == 2
 
 
-def test_a_group_project_folder_is_accepted_only_when_the_group_is_trusted(tmp_path):
+def test_a_group_project_folder_is_accepted_only_when_the_group_is_trusted(tmp_path, monkeypatch):
+    from trainbridge.core import private_files
     from trainbridge.launch.checks import check_output_dir
 
     project = tmp_path / "project"
     project.mkdir()
     project.chmod(0o2770)  # a group project folder: members may write, no sticky bit
+    monkeypatch.setattr(private_files, "group_members", lambda gid: {"nobody", pwd.getpwuid(os.geteuid()).pw_name})
     problem = check_output_dir(project / "run") or ""
-    assert "writable by others without the sticky bit" in problem and "share_run_dir_with_group=true" in problem
+    assert "writable by its group" in problem and "members: nobody" in problem and "without the sticky bit" in problem
+    assert "share_run_dir_with_group=true" in problem  # the way to trust a real shared group
     assert not (project / "run").exists()  # a refused run folder is not left behind
     assert check_output_dir(project / "run", share_with_group=True) is None
     assert ((project / "run").stat().st_mode & 0o777) == 0o750
     project.chmod(0o777)
-    assert "without the sticky bit" in (check_output_dir(project / "run", share_with_group=True) or "")
+    problem = check_output_dir(project / "run", share_with_group=True) or ""
+    assert "writable by others without the sticky bit" in problem and "share_run_dir_with_group" not in problem
+
+
+# ----------------------------------------------------------------------------- issue 32: a login user's umask 002
+def test_a_folder_writable_by_the_users_private_group_is_accepted(tmp_path, monkeypatch):
+    from trainbridge.core import private_files
+    from trainbridge.launch.checks import check_output_dir
+
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    project = tmp_path / "project"
+    project.mkdir()
+    project.chmod(0o775)  # what mkdir makes under umask 002
+    monkeypatch.setattr(private_files, "group_members", lambda gid: {me})
+    assert folder_problem(project) is None
+    assert check_output_dir(project / "run") is None
+    monkeypatch.setattr(private_files, "group_members", lambda gid: {me, "nobody"})
+    assert "writable by its group" in (folder_problem(project) or "")
+    monkeypatch.setattr(private_files, "group_members", lambda gid: set())  # a setgid program's group
+    assert "writable by its group" in (folder_problem(project) or "")
+
+
+def test_a_private_group_has_the_user_as_its_only_member(monkeypatch):
+    """As Debian's OpenSSH decides for StrictModes: members by primary group and by listing."""
+    from trainbridge.core import private_files
+
+    users = {"alice": 1000, "bob": 1001, "root": 0}
+    primary = {"alice": 1000, "bob": 1000}
+    listed: dict[int, list[str]] = {1000: [], 1001: ["alice"], 1002: [], 1003: ["alice", "bob"], 1004: ["root"]}
+
+    def entry(name: str) -> SimpleNamespace:
+        return SimpleNamespace(pw_name=name, pw_uid=users[name], pw_gid=primary.get(name, 1002 + users[name]))
+
+    monkeypatch.setattr(private_files.pwd, "getpwall", lambda: [entry(n) for n in users])
+    monkeypatch.setattr(private_files.pwd, "getpwnam", entry)
+    monkeypatch.setattr(private_files.grp, "getgrgid", lambda gid: SimpleNamespace(gr_mem=listed[gid]))
+    assert not private_files.private_group(1000, 1000)  # bob's primary group too
+    primary["bob"] = 1001
+    assert private_files.private_group(1000, 1000)  # alice's alone
+    assert not private_files.private_group(1001, 1001)  # bob's primary group, but alice is listed in it
+    assert not private_files.private_group(1003, 1000)  # a shared group
+    assert private_files.private_group(1004, 1000)  # only root: nobody else can write
+    assert not private_files.private_group(1000, 1001)  # alice's, seen by bob
+
+
+def test_the_demo_folder_is_private_whatever_the_umask(tmp_path):
+    from trainbridge.demos.demo import demo_training_args
+
+    old = os.umask(0o002)
+    try:
+        demo_training_args(tmp_path / "demo_output", max_steps=2)
+    finally:
+        os.umask(old)
+    assert ((tmp_path / "demo_output").stat().st_mode & 0o777) == 0o700
+
+
+def test_before_python_3_11_a_working_directory_others_can_write_is_refused(tmp_path):
+    """Python 3.10 has no PYTHONSAFEPATH: torchrun's ``python -m`` puts the working directory first in the
+    workers' sys.path, so one that others can write is refused before launch there."""
+    from trainbridge.launch.checks import check_working_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    problem = check_working_directory((3, 10), shared) or ""
+    assert "Python 3.10 puts it first in the workers' sys.path" in problem and "writable by others" in problem
+    assert "Python 3.11 or newer" in problem
+    assert check_working_directory((3, 11), shared) is None  # PYTHONSAFEPATH keeps it out
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    assert check_working_directory((3, 10), mine) is None
+    assert check_working_directory((3, 12)) is None
+    assert problem.split(":")[0] == "working directory"

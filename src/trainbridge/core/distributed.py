@@ -8,8 +8,11 @@ can count them.  They are no-ops (or identities) when the world size is 1 and no
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -50,6 +53,80 @@ def apply_cuda_defaults() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF_DEFAULT)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+
+
+GLOO_WORKER_THREAD = "pt_gloo"
+"""The name torch gives the worker threads of a gloo process group (``pt_gloo_runloop``)."""
+
+
+def _gloo_worker_threads() -> dict[str, tuple[str, int]]:
+    """State letter and context-switch count of each gloo worker thread of this process (``/proc``; empty
+    where there is none or no ``/proc``)."""
+    threads: dict[str, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh.read().splitlines() if ":" in line)
+            if fields["Name"].strip().startswith(GLOO_WORKER_THREAD):
+                switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+                threads[tid] = (fields["State"].strip()[:1], switches)
+        except (OSError, KeyError, ValueError):  # a thread that ended meanwhile
+            continue
+    return threads
+
+
+def wait_for_idle_gloo_threads(timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    """Wait, without the GIL, until every gloo worker thread of this process is idle; False on timeout.
+
+    Why: a gloo worker thread releases each finished collective's tensors itself, after the rank that waited
+    for it has moved on, and releasing a tensor Python created takes the GIL.  When the interpreter has begun
+    to finalise by then, CPython ends that thread on the spot (``PyThread_exit_thread`` in ``take_gil``),
+    which unwinds through a C++ destructor: ``std::terminate``, "terminate called without an active
+    exception", exit code -6 for a run whose work was done.  On a loaded machine the thread may wait long
+    enough for the GIL to lose that race.  ``destroy_process_group`` joins the threads only when nothing else
+    holds the group (a DDP model, a device mesh, a script's handle), so it is no guarantee alone.
+
+    Idle: every worker thread asleep with the same context-switch count over one ``interval_s`` while this
+    thread sleeps (GIL released): a thread waiting for the GIL wakes at least every 5 ms (CPython's switch
+    interval) and takes it once free, so it shows as switching or runnable until it has finished.
+    """
+    before = _gloo_worker_threads()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now = _gloo_worker_threads()
+        if now == before and all(state == "S" for state, _ in now.values()):
+            return True
+        before = now
+    return False
+
+
+_AT_EXIT: list[weakref.ref[DistributedEnv]] = []
+"""The environments with a process group, for ``_at_exit``."""
+
+
+def _leave_at_exit(env: DistributedEnv) -> None:
+    """Have ``_at_exit`` see ``env`` (registered with ``atexit`` by the first call)."""
+    if not _AT_EXIT:
+        atexit.register(_at_exit)
+    _AT_EXIT.append(weakref.ref(env))
+
+
+def _at_exit() -> None:
+    """At interpreter exit, before it finalises: in place (a script under its own launcher) the script's end
+    is the process's end.  A group an environment started and nobody tore down is destroyed (no barrier: a
+    peer may have failed); whoever started it, gloo's worker threads are let go idle first
+    (``wait_for_idle_gloo_threads``).  After ``teardown`` there is little left to do."""
+    for ref in _AT_EXIT:
+        env = ref()
+        if env is not None and env.started_group:
+            env.teardown(clean=False)
+    if dist.is_available():
+        wait_for_idle_gloo_threads()
 
 
 @dataclass
@@ -113,14 +190,17 @@ class DistributedEnv:
                 )
         elif dist.is_initialized():
             env.backend = dist.get_backend()
+        if env.backend is not None:
+            _leave_at_exit(env)
         return env
 
     def teardown(self, clean: bool = True) -> None:
-        """Destroy the process group if this env started it.
+        """Destroy the process group if this env started it, then wait for gloo's worker threads to be idle.
 
         On a clean exit every rank first meets at a barrier (collective), so no rank tears its gloo/NCCL
         connections down while a peer is still using them (an early-exiting peer can make the other's
         communication threads abort the process).  After a failure there is no barrier: a peer may be gone.
+        The wait (``wait_for_idle_gloo_threads``) is what lets the process exit 0 whatever holds the group.
         """
         if self.started_group and dist.is_initialized():
             if clean:
@@ -128,6 +208,8 @@ class DistributedEnv:
             dist.destroy_process_group()
         self.started_group = False
         self._checkpoint_group = None
+        if self.backend is not None:
+            wait_for_idle_gloo_threads()
 
     def shutdown(self) -> None:
         """Leave the process group whoever started it (``Trainer.end()`` at the end of a script whose

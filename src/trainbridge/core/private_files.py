@@ -2,7 +2,9 @@
 
 ``folder_problem`` is an ssh ``StrictModes``-style check: the folder is owned by this user (or root)
 and nobody else can write it, and no parent up to ``/`` lets another user rename it away (a parent
-writable by others needs the sticky bit, as ``/tmp`` has).  It returns a one-line reason, or None.
+writable by others needs the sticky bit, as ``/tmp`` has).  Writable by its group is accepted when the
+group is the user's private group (no other member), as Debian's OpenSSH accepts it: a login user's
+umask 002 makes every folder so.  It returns a one-line reason, or None.
 
 ``open_in`` opens a file below a folder one component at a time with ``O_NOFOLLOW``, so a symbolic link
 planted anywhere below the folder is refused (``ELOOP``/``ENOTDIR``) instead of followed, and creates
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import os
+import pwd
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,16 +44,62 @@ def _owner_problem(path: Path, info: os.stat_result, uid: int) -> str | None:
     return None
 
 
+def group_members(gid: int) -> set[str] | None:
+    """The names of every member of group ``gid``: the users whose primary group it is and its listed
+    members (``/etc/passwd`` and ``/etc/group``, or the system's name service); None when it has no entry."""
+    try:
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return None
+    return {entry.pw_name for entry in pwd.getpwall() if entry.pw_gid == gid} | set(group.gr_mem)
+
+
+def private_group(gid: int, uid: int) -> bool:
+    """True when group ``gid`` is ``uid``'s own (a user-private group, as Debian and Ubuntu give each login
+    user): its only member is that user (or root), who may be in it as primary group or listed.  As Debian's
+    OpenSSH decides for ``StrictModes``; a group with no member (a setgid program's) is not private."""
+    members = group_members(gid)
+    if not members:
+        return False
+    trusted = {0, uid}
+    for name in members:
+        try:
+            if pwd.getpwnam(name).pw_uid not in trusted:
+                return False
+        except KeyError:
+            return False
+    return True
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return repr(grp.getgrgid(gid).gr_name)
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _writers(info: os.stat_result, uid: int, trust_group: bool) -> str | None:
+    """Who besides its owner (and root) can write a folder with ``info``; None: nobody else."""
+    found = []
+    if info.st_mode & 0o020 and not trust_group and not private_group(info.st_gid, uid):
+        members = sorted(group_members(info.st_gid) or ())
+        listed = ", ".join(members[:5]) + (", ..." if len(members) > 5 else "")
+        found.append(f"its group {_group_name(info.st_gid)} (members: {listed or 'none'}; not yours alone)")
+    if info.st_mode & 0o002:
+        found.append("others")
+    return " and ".join(found) or None
+
+
 def folder_problem(path: str | Path, uid: int | None = None, trust_group: bool = False) -> str | None:
     """Why another user could have put or could change what is in ``path`` (None: nobody but you or root).
 
-    ``path`` itself: owned by ``uid`` (default: this process's) or root, not writable by group or
-    others.  Each parent: owned by ``uid`` or root, and writable by group or others only with the
-    sticky bit.  ``trust_group``: writable by the group is accepted (a group project folder whose members
-    are trusted).  A symbolic link in the path is judged by what it points to (its target's folders).
+    ``path`` itself: owned by ``uid`` (default: this process's) or root, not writable by others, and
+    writable by its group only when the group is ``uid``'s private group (``private_group``).  Each parent:
+    owned by ``uid`` or root, and writable by others (or a group not private) only with the sticky bit.
+    ``trust_group``: writable by any group is accepted (a group project folder whose members are trusted).
+    A symbolic link in the path is judged by what it points to (its target's folders).
     """
     uid = os.geteuid() if uid is None else uid
-    others = 0o002 if trust_group else 0o022
     target = Path(os.path.realpath(path))
     info = os.stat(target)
     if not stat.S_ISDIR(info.st_mode):
@@ -57,16 +107,17 @@ def folder_problem(path: str | Path, uid: int | None = None, trust_group: bool =
     problem = _owner_problem(target, info, uid)
     if problem:
         return problem
-    if info.st_mode & others:
-        who = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
+    who = _writers(info, uid, trust_group)
+    if who:
         return f"{target} is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o})"
     for parent in target.parents:
         info = os.stat(parent)
         if info.st_uid not in (uid, 0) and info.st_mode & 0o200:
             return f"{parent}, a parent of {target}, is owned by uid {info.st_uid}, who could replace what is inside"
-        if info.st_mode & others and not info.st_mode & stat.S_ISVTX:
+        who = None if info.st_mode & stat.S_ISVTX else _writers(info, uid, trust_group)
+        if who:
             return (
-                f"{parent}, a parent of {target}, is writable by others without the sticky bit "
+                f"{parent}, a parent of {target}, is writable by {who} without the sticky bit "
                 f"(mode {stat.S_IMODE(info.st_mode):04o}): they could replace what is inside"
             )
     return None

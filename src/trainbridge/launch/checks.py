@@ -7,13 +7,16 @@ instead of ~20 s later inside every worker with a page of tracebacks.
   a model whose forward takes labels and returns its own loss;
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
 * the data files can be read and look like their format (the first lines of a JSON-lines file are
-  JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes).
+  JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes);
+* before Python 3.11, the working directory (first in the workers' ``sys.path`` there) is one only this
+  user can write (``check_working_directory``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,13 +54,19 @@ def check_output_dir(path: Path, share_with_group: bool = False) -> str | None:
     except OSError as exc:
         return f"ckpt_output_dir: cannot inspect {str(path)!r}: {exc.strerror or exc}"
     if problem:
+        only_group = not share_with_group and folder_problem(path, trust_group=True) is None
         for folder in reversed(created):  # a refused run leaves nothing behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        fix = (
+            "share the run folder with that group (share_run_dir_with_group=true) if you trust all its members, "
+            "else take the group's write permission away (chmod g-w) or choose another ckpt_output_dir"
+            if only_group
+            else "make it yours and writable only by you (chmod go-w) or choose another ckpt_output_dir"
+        )
         return (
-            f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through "
-            "or load; to allow it, make it yours and writable only by you (chmod go-w), choose another "
-            "ckpt_output_dir, or trust the folder's group with share_run_dir_with_group=true"
+            f"ckpt_output_dir: {problem}, so others could plant links or files the run would write through or "
+            f"load; to allow it, {fix}"
         )
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".trainbridge-write-test-"):
@@ -166,9 +175,30 @@ def check_data_file(field: str, path: Path | None) -> str | None:
     return None
 
 
+def check_working_directory(version: tuple[int, int] = sys.version_info[:2], cwd: Path | None = None) -> str | None:
+    """None unless the workers would import from a working directory others can write.  Before Python 3.11
+    (no ``PYTHONSAFEPATH``) torchrun's ``python -m`` puts the working directory first in the workers'
+    ``sys.path``: a module planted there (``torch.py``, ``trainbridge/``) would run as you in every worker."""
+    if version >= (3, 11):
+        return None
+    folder = Path.cwd() if cwd is None else cwd
+    try:
+        problem = folder_problem(folder)
+    except OSError as exc:
+        problem = f"{folder} cannot be inspected ({exc.strerror or exc})"
+    if problem is None:
+        return None
+    return (
+        f"working directory: Python {version[0]}.{version[1]} puts it first in the workers' sys.path (Python "
+        f"3.11+ does not: PYTHONSAFEPATH), and {problem}, so others could put a module there that every worker "
+        "imports; launch from a folder only you can write, or use Python 3.11 or newer"
+    )
+
+
 def input_problems(args: TrainingArgs) -> list[str]:
     """Every problem found, in the order above (empty when the run may launch)."""
     found = [
+        check_working_directory(),
         check_trainable_model(args.model_path, args.label_names),
         check_resume_path(args),
         check_data_file("data_path", args.data_path),

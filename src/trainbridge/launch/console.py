@@ -11,7 +11,9 @@ are printed at import time):
   a machine without a GPU, also in runs that do not use DeepSpeed: ``DS_ACCELERATOR=cpu`` states
   what DeepSpeed would detect anyway (set only where no GPU is used, never over the user's value);
 - library warnings and transformers' log messages, printed once per rank: ranks other than 0 keep
-  errors only (rank 0 prints the same warnings).
+  errors only (rank 0 prints the same warnings);
+- bitsandbytes' CPU-kernel warnings, printed on import wherever it is installed: it is imported only when
+  a quantised model or an 8-bit optimizer uses it (``modeling.quantization.defer_bitsandbytes``).
 
 Worker log lines carry ``[rankN]`` once: torchrun prefixes the teed ranks (local rank 1 and up), so
 only local rank 0, which writes to the console directly, adds its own.
@@ -22,12 +24,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from trainbridge.core.nproc import visible_gpu_count
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+"""A worker's log lines, after its rank prefix (``configure_worker_console``)."""
+
+OWN_LOG_LINE = re.compile(r"^(\[rank\d+\]:? )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) trainbridge(\.\w+)*: ")
+"""A log line of ours on a run's console: ``LOG_FORMAT`` from a ``trainbridge.*`` logger, behind the rank prefix
+(``[rank0] `` ours for local rank 0, ``[rank1]: `` torchrun's for the teed ranks).  A line of another logger,
+or one the ``warnings`` module prints (``file:line: FutureWarning: ...``), is a library's."""
 
 
 def quiet_environment(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -42,20 +53,23 @@ def quiet_environment(device: str, base: Mapping[str, str] | None = None) -> dic
 
 def quiet_this_process(device: str) -> None:
     """``quiet_environment`` applied to this process (the parent, before it imports transformers)."""
+    from trainbridge.modeling.quantization import defer_bitsandbytes
+
     os.environ.update(quiet_environment(device))
+    defer_bitsandbytes()
 
 
 def configure_worker_console(rank: int, local_rank: int) -> None:
     """Logging and warnings of one worker; call before importing transformers."""
+    from trainbridge.modeling.quantization import defer_bitsandbytes
+
+    defer_bitsandbytes()
     if rank != 0:
         warnings.simplefilter("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     prefix = f"[rank{rank}] " if local_rank == 0 else ""  # torchrun prefixes the other local ranks
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"{prefix}%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=prefix + LOG_FORMAT)
 
 
 @contextlib.contextmanager

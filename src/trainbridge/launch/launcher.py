@@ -128,7 +128,7 @@ def preflight(args: TrainingArgs) -> None:
             check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
         except ValueError as exc:
             raise PreflightError(str(exc)) from exc
-    for index, callback in enumerate(args.callbacks):
+    for index, callback in enumerate(args.plan.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:

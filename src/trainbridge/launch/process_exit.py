@@ -5,8 +5,11 @@ written and the process group is torn down), the torchrun agent (after it has se
 finish) and the ``trainbridge`` command (after the summary is printed).  What is skipped is the
 interpreter's teardown: finalising every module and object, then C++ static destructors.  With torch,
 transformers and datasets loaded that took 0.3-1.5 s per process on the shared 2-core machine
-(``docs/benchmarks.md``, start-up section), and in a worker torch's gloo threads can abort the process
-during it ("terminate called without an active exception"), turning a finished run into a failed one.
+(``docs/benchmarks.md``, start-up section).  It is not what makes the exit clean: a gloo worker thread still
+to release a finished collective's tensors when the interpreter finalises aborts the process ("terminate
+called without an active exception"); ``DistributedEnv.teardown`` and its exit hook let those threads go
+idle first (``core.distributed.wait_for_idle_gloo_threads``), as in a script run in place, which ends with
+the interpreter's own exit.
 What is kept: Python's exit handlers (``atexit``: reporting integrations flush and close there,
 ``weakref.finalize`` objects such as temporary folders are cleaned), logging's handlers and the
 standard streams are flushed.

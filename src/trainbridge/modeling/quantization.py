@@ -7,14 +7,23 @@ afterwards), then ``peft.prepare_model_for_kbit_training`` freezes it and upcast
 fp32; gradient checkpointing and the LoRA adapter follow as for any model.  Only the adapter trains, so
 only the adapter and its optimizer state are saved: the quantised base is read from its folder again on
 resume.  How FSDP2 shards the packed weights: ``parallel.fsdp.packed_quantized_weights``.
+
+bitsandbytes is imported only when one of these is used (``defer_bitsandbytes``): importing it prints
+CPU-kernel warnings and costs start-up time in every run where it is merely installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.abc
+import importlib.util
 import json
+import sys
 from collections.abc import Iterator
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,6 +40,69 @@ def require_bitsandbytes(what: str) -> Any:
     except ImportError as exc:
         raise ImportError(f"{what} needs bitsandbytes: {INSTALL_HINT} (import failed: {exc})") from exc
     return bitsandbytes
+
+
+class _ImportedOnFirstUse(ModuleType):
+    """Stands for ``bitsandbytes`` in a module that imports it at its top: the real import happens on the first
+    attribute read, when that module's quantised-weight code actually runs."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module("bitsandbytes"), name)
+
+
+class _PeftHelpersLoader(importlib.abc.Loader):
+    """Executes ``peft.helpers`` with bitsandbytes hidden (its ``try: import bitsandbytes`` takes the
+    not-installed branch), then gives it ``_ImportedOnFirstUse`` as ``bnb``."""
+
+    def __init__(self, real: importlib.abc.Loader):
+        self.real = real
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.real  # tracebacks and inspect read the source through the real loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        hidden = "bitsandbytes" not in sys.modules
+        if hidden:
+            sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # `import bitsandbytes` fails
+        try:
+            self.real.exec_module(module)
+        finally:
+            if hidden and sys.modules.get("bitsandbytes", 0) is None:
+                del sys.modules["bitsandbytes"]
+        if getattr(module, "bnb", 0) is None:
+            module.bnb = _ImportedOnFirstUse("bitsandbytes")  # type: ignore[attr-defined]
+
+
+class _DeferBitsandbytes(importlib.abc.MetaPathFinder):
+    """Hands ``peft.helpers`` to ``_PeftHelpersLoader`` the first time it is imported, then steps aside."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+        if fullname != "peft.helpers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and "bitsandbytes" not in sys.modules:
+            spec.loader = _PeftHelpersLoader(spec.loader)
+        return spec
+
+
+def defer_bitsandbytes() -> None:
+    """Keep bitsandbytes unimported until a feature uses it; call before transformers is imported (cheap: it
+    imports nothing).
+
+    transformers imports peft whenever peft is installed (``trainer_utils``, reached from its callbacks,
+    ``optimization`` and ``Trainer``), and ``peft.helpers`` imports bitsandbytes at its top, only to dequantise
+    weights in an analysis helper; bitsandbytes then prints CPU-kernel warnings on import.  That one eager
+    import is deferred (``_PeftHelpersLoader``).  Everything else imports bitsandbytes where it is used and
+    finds it installed: transformers' quantizers (``quantization_config``), peft's k-bit adapter layers, our
+    QLoRA loading (``require_bitsandbytes``) and 8-bit optimizers.  A no-op once peft is imported.
+    """
+    if "peft.helpers" in sys.modules or any(isinstance(f, _DeferBitsandbytes) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _DeferBitsandbytes())
 
 
 def saved_quantization(path: Path | str) -> dict[str, Any] | None:

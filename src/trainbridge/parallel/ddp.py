@@ -7,8 +7,9 @@ optimizer is replicated, so its state is the same on every rank (``TrainingEngin
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -41,6 +42,17 @@ class DDPEngine(TrainingEngine):
             raise RuntimeError(f"rank {self.env.rank}: ddp configured but the model is {type(self.module).__name__}")
 
 
+def _buffers_synced_at_construction_only() -> dict[str, Any]:
+    """DDP broadcasts the buffers from rank 0 at construction; re-broadcasting them before every forward (its
+    default) is one more collective per micro-batch for nothing here: a causal LM's buffers (rotary
+    frequencies, masks) are constants, never updated by training.  ``forward_sync_buffers=False`` says that
+    (torch 2.13, which CI pins); older torch only has ``broadcast_buffers=False``, deprecated since, which
+    also skips the broadcast at construction."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def build_ddp(
     model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
 ) -> DDPEngine:
@@ -51,10 +63,7 @@ def build_ddp(
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
-        # DDP broadcasts the buffers from rank 0 at construction; re-broadcasting them before every
-        # forward (the default) is one more collective per micro-batch for nothing here: a causal LM's
-        # buffers (rotary frequencies, masks) are constants, never updated by training.
-        broadcast_buffers=False,
+        **_buffers_synced_at_construction_only(),
     )
     optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
     return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)

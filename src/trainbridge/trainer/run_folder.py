@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainbridge.core.private_files import make_run_folder
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.trainer import script_data
@@ -108,7 +109,7 @@ def write_training_inputs(
     """A train job's inputs: the model, ``train_dataset`` and ``eval_dataset`` (one dataset ->
     ``val_data_path``; a dict -> ``eval_data_paths``; a stream is not written: the job streams it).  Clears
     the previous job's outputs first."""
-    folder.root.mkdir(parents=True, exist_ok=True)
+    make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
     for stale in (folder.state_file, folder.evaluation_file):
         stale.unlink(missing_ok=True)
     model_path, tokenizer_path = write_model(folder, source)
@@ -139,7 +140,7 @@ def write_evaluation_inputs(
     holding the current weights already, or the Trainer's to write) and ``dataset``, one (``val_data_path``)
     or a dict of them (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first
     set (it is not trained on)."""
-    folder.root.mkdir(parents=True, exist_ok=True)
+    make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
     folder.evaluation_file.unlink(missing_ok=True)
     model_path, tokenizer_path = (model, None) if isinstance(model, Path) else write_model(folder, model)
     path, sets, longest = write_eval_sets(dataset, folder, rows)

@@ -342,7 +342,7 @@ def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float
 
 
 class DPOStepFactory:
-    """``TrainingArgs.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
+    """``RunPlan.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
     It carries the prepared pairs (``prepare_preference_dataset``; None: the job's ``data_path``, as the
     facade writes them), the loss settings and the batch shape;
@@ -431,7 +431,7 @@ class DPOStepFactory:
         named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
         single = eval_set(evaluation) if evaluation is not None and not named else None
         reference = self.reference(model, args, env)
-        for callback in args.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
+        for callback in args.plan.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
             if type(callback).__name__ == "SyncRefModelCallback" and getattr(callback, "ref_model", 0) is None:
                 callback.ref_model = reference
         return PreferenceStep(batches, self.settings, reference, single, dict(named))

@@ -187,7 +187,7 @@ class KTOStep(TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``TrainingArgs.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows; the
+    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows; the
     reference model is picked as for DPO (``DPOStepFactory.reference``: ``ref_model``, the PEFT base, or a
     frozen copy of the loaded policy)."""
 

@@ -113,7 +113,7 @@ class ReferenceFreeStep(TrainStep):
 
 
 class ReferenceFreeStepFactory:
-    """``TrainingArgs.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
+    """``RunPlan.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
     worker over the job's prepared pairs (``dataset`` None: the job's ``data_path``, as the facade writes
     them)."""
 
