@@ -36,12 +36,11 @@ def no_metrics(eval_prediction: Any) -> dict[str, float]:
 def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
     """The ``TrainingArgs`` of a job of ``trainer`` over ``layout`` on ``world_size`` ranks; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
-    from trainbridge.core.distributed import launched_worker
     from trainbridge.hf.porting import training_args_from_hf
 
     worker = script_trainer(trainer)  # a subclass's overrides: they run in the workers (trainer.subclass)
     if worker is not None:
-        worker.take_attributes(trainer, check_transport=not launched_worker())
+        worker.take_attributes(trainer, check_transport=False)  # in place: nothing travels
     events = script_events(trainer)
     fields: dict[str, Any] = {
         "model_path": layout.model_path,
