@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, EvalSource, StepBatches, TrainStep
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import (
@@ -380,6 +381,8 @@ class DPOStepFactory:
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
+        if self.ref_model is not None:  # a copy of the policy has the policy's attention already
+            enable_for_own_rows(reference, args, self.max_length)
         if getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1:
             from trainbridge.modeling.load import loads_on_rank0_only
             from trainbridge.parallel.fsdp import shard_frozen
@@ -397,6 +400,7 @@ class DPOStepFactory:
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
         from trainbridge.data.rows import open_rows
 
+        enable_for_own_rows(model, args, self.max_length)  # one attention call per layer, not a [T, T] mask
         dataset = self.dataset if self.dataset is not None else open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = PairBatches(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.dpo_step import DPOStepFactory, PairBatches, PairPlan
 from trainbridge.trl.kto_loss import KTOLoss, kl_sum
@@ -212,6 +213,7 @@ class KTOStepFactory(DPOStepFactory):
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(model)
+        enable_for_own_rows(model, args, self.max_length)
         dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(
