@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "step_end_times": step_end_times,
                 "step_end_cpu_times": step_end_cpu_times,
                 "local_tokens": [int(batch.numel()) for batch in batches],
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
         )
     )

@@ -159,6 +159,8 @@ class Measurement:
     """Launch to exit of the whole run."""
     tokens: int
     """Non-padding tokens of steps 2..N."""
+    peak_rss_mib: float = 0.0
+    """The largest peak RSS of a rank (``ru_maxrss`` at train end; 0 when the run did not record it)."""
 
 
 @dataclass
@@ -326,6 +328,7 @@ def measure(config: BenchConfig, repeat: int, out: Path, steps: int, launch: flo
         start_to_first_step_s=times[0] - launch,
         wall_s=wall_s,
         tokens=tokens,
+        peak_rss_mib=max(c.get("peak_rss_mib", 0.0) for c in clocks),
     )
 
 
@@ -420,8 +423,9 @@ def paired_table(results: Results, metric: Metric) -> list[str]:
 def runs_table(results: Results) -> list[str]:
     """Markdown table of every run (tokens/s and start-up per repetition)."""
     lines = [
-        "| configuration | tokens/s per run | median | tokens/CPU-s per run | start → step 1 per run (s) |",
-        "|---|---|---:|---|---|",
+        "| configuration | tokens/s per run | median | tokens/CPU-s per run | start → step 1 per run (s) "
+        "| peak RSS per rank per run (MiB) |",
+        "|---|---|---:|---|---|---|",
     ]
     for config in ALL_CONFIGS:
         runs = results.runs.get(config.key)
@@ -431,7 +435,8 @@ def runs_table(results: Results) -> list[str]:
             f"| {config.data}: {config.label} | {', '.join(f'{m.tokens_per_s:,.0f}' for m in runs)} "
             f"| {statistics.median(m.tokens_per_s for m in runs):,.0f} "
             f"| {', '.join(f'{m.tokens_per_cpu_s:,.0f}' for m in runs)} "
-            f"| {', '.join(f'{m.start_to_first_step_s:.1f}' for m in runs)} |"
+            f"| {', '.join(f'{m.start_to_first_step_s:.1f}' for m in runs)} "
+            f"| {', '.join(f'{m.peak_rss_mib:,.0f}' for m in runs)} |"
         )
     return lines
 

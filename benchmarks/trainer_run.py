@@ -23,6 +23,7 @@ import argparse
 import cProfile
 import json
 import os
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ class StepClock(TrainerCallback):
                 "tokens_seen_at_step_begin": self.tokens_seen_at_step_begin,
                 "tokens_seen_at_train_end": int(state.num_input_tokens_seen),
                 "local_tokens": self.local_tokens,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             },
         )
 

@@ -10,8 +10,13 @@ interleaved.  Both take ``--steps`` optimizer steps of ``per_device_train_batch_
 per step), the reference a frozen copy of the policy, sigmoid loss, ``max_length=256``.  trl pads chosen and
 rejected into one ``[16, T]`` batch per rank; trainbridge packs them into one padding-free row.
 Throughput is pairs per second of ``train_runtime`` (the ``train()`` call: model and data preparation
-excluded for both).  Prints each side's median and range, and the ratio with its spread (the slowest
-trainbridge run over the fastest trl run, and the reverse).
+excluded for both); CPU-normalised, pairs per CPU second of the ranks' mean CPU time over the same call; and
+each rank's peak RSS (``script_probe.py``, added identically to both scripts).  Prints each side's median
+and range, the ratio of medians, and the same-repetition ratios (median and range), wall clock and
+CPU-normalised, with the load average before and after.
+
+``--profile DIR`` runs each side once under ``py-spy record --subprocesses --format raw`` (both ranks
+sampled; slower, not for timing) and writes the collapsed stacks and a top-functions summary to ``DIR``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import ast
 import json
 import os
 import random
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import trl
 
+from script_probe import load, measure, pyspy_prefix, summary, top_functions
 from trainbridge.demos.tiny_model import build_benchmark_llama
 
 ORIGINAL_IMPORT = "    from trl import DPOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
@@ -36,6 +42,7 @@ PORTED_IMPORT = (
     "    from trainbridge import DPOTrainer\n"
     "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
 )
+PROBE = "    import script_probe\n\n    script_probe.wrap(DPOTrainer)\n"
 PER_DEVICE = 8
 RANKS = 2
 CONFIGS = {"trl": "dpo_trl.py", "trainbridge": "dpo_trainbridge.py"}
@@ -54,9 +61,10 @@ def write_pairs(path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"prompt": text(4, 40), "chosen": text(2, 30), "rejected": text(2, 30)}) + "\n")
 
 
-def run(root: Path, script: str, steps: int, port: int) -> float:
-    """Pairs per second of one run's ``train_runtime``."""
+def run(root: Path, script: str, steps: int, port: int, profile: Path | None = None) -> dict[str, float]:
+    """One run: pairs per second of ``train_runtime``, pairs per CPU second and the ranks' peak RSS."""
     command = [
+        *([] if profile is None else pyspy_prefix(profile)),
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -94,7 +102,9 @@ def run(root: Path, script: str, steps: int, port: int) -> float:
         "--learning_rate",
         "1e-5",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    probes = root / f"probes-{port}"
+    probes.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_PROBE_DIR": str(probes)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -104,7 +114,7 @@ def run(root: Path, script: str, steps: int, port: int) -> float:
         if line.lstrip().startswith("{'")
     ]
     runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
-    return steps * PER_DEVICE * RANKS / runtime
+    return measure(steps * PER_DEVICE * RANKS, runtime, probes, RANKS)
 
 
 def main() -> None:
@@ -112,6 +122,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=1000)
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy each side once into this folder")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trl-dpo-bench-"))
     build_benchmark_llama(root / "model")
@@ -120,23 +132,33 @@ def main() -> None:
     source = (Path(trl.__file__).parent / "scripts" / "dpo.py").read_text()
     if ORIGINAL_IMPORT not in source:
         raise SystemExit("trl's dpo.py changed its import line")
-    (root / "dpo_trl.py").write_text(source)
-    (root / "dpo_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT))
-    results: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    port = 29700
-    for _ in range(args.repeats):
-        for name, script in CONFIGS.items():
+    (root / "dpo_trl.py").write_text(source.replace(ORIGINAL_IMPORT, ORIGINAL_IMPORT + PROBE))
+    (root / "dpo_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT + PROBE))
+    shutil.copy(Path(__file__).with_name("script_probe.py"), root / "script_probe.py")
+    port = 29700 + os.getpid() % 200 * 10
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for name in args.only:
             port += 1
-            results[name].append(run(root, script, args.steps, port))
-            print(f"{name}: {results[name][-1]:.1f} pairs/s", flush=True)
-    ours, theirs = results["trainbridge"], results["trl"]
+            stacks = args.profile / f"dpo-{name}.txt"
+            run(root, CONFIGS[name], args.steps, port, profile=stacks)
+            (args.profile / f"dpo-{name}-top.txt").write_text(top_functions(stacks))
+            print(f"{name}: profile in {stacks}", flush=True)
+        return
+    before = load()
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.only}
+    for _ in range(args.repeats):
+        for name in args.only:
+            port += 1
+            results[name].append(run(root, CONFIGS[name], args.steps, port))
+            r = results[name][-1]
+            print(
+                f"{name}: {r['per_s']:.2f} pairs/s, {r['per_cpu_s']:.2f} pairs/CPU-s, {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     print(f"\n{args.steps} steps, {PER_DEVICE * RANKS} pairs per step, {RANKS} gloo ranks, trl {trl.__version__}")
-    print("| side | pairs/s (median) | range |")
-    print("| --- | --- | --- |")
-    for name, values in results.items():
-        print(f"| {name} | {statistics.median(values):.1f} | {min(values):.1f}-{max(values):.1f} |")
-    ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"trainbridge / trl: {ratio:.2f}x (spread {min(ours) / max(theirs):.2f}-{max(ours) / min(theirs):.2f})")
+    print(f"load average before: {before}; after: {load()}")
+    print("\n".join(summary(results, [("trainbridge", "trl")], "pairs")))
     print(json.dumps(results))
 
 

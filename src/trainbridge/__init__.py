@@ -70,6 +70,12 @@ _EXPORTS: dict[str, str] = {
 }
 """Public name -> the module that defines it; ``__all__`` and the lazy look-up below are derived from it."""
 
+_SCRIPT_NAMES = frozenset(
+    {"Trainer", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer"}
+)
+"""The Trainers: the first look-up of one is where ``python script.py`` starts its workers, as torchrun would
+(``launch.script_launch.launch_script``: before anything of the script's training runs)."""
+
 __all__ = [*_EXPORTS, "__version__"]
 
 
@@ -82,6 +88,10 @@ def __getattr__(name: str) -> object:
         except PackageNotFoundError:  # a source tree on sys.path that was never installed
             value = "0+unknown"
     elif name in _EXPORTS:
+        if name in _SCRIPT_NAMES:
+            from trainbridge.launch.script_launch import launch_script
+
+            launch_script()
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:
         raise AttributeError(f"module 'trainbridge' has no attribute {name!r}")

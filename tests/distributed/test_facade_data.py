@@ -2,15 +2,15 @@
 ranks, against transformers.Trainer under torchrun (``scripts/data_script.py``): the same global_step, log
 steps and epochs, metric keys and checkpoints; the script's collator gets the items (tensors) in the workers.
 
-- ``stream``: a torch ``IterableDataset`` defined in the script, shorter than ``max_steps`` needs: it travels
-  to self-launched workers by value, each rank takes disjoint micro-batches, and it is iterated again for
+- ``stream``: a torch ``IterableDataset`` defined in the script, shorter than ``max_steps`` needs: each rank
+  builds its own (``python script.py`` too, as under torchrun), takes disjoint micro-batches, and iterates it again for
   the next epoch (``set_epoch`` in each worker) as under Trainer, on the same items Trainer trained on;
   ``hfstream``: the same with a ``datasets`` stream (``to_iterable_dataset()``).
 - ``sampler``: a subclass's ``_get_train_sampler`` (a curriculum order) and ``loader``: a subclass's
   ``get_train_dataloader`` (its own batch size, sampler and collate function, prepared with
-  ``self.accelerator``): the override runs in each worker process (per-rank markers, never the script's
-  process when self-launched) and each rank trains on exactly the batches it trains on under Trainer
-  (accelerate's sharding).
+  ``self.accelerator``): the override runs in each rank's process (per-rank markers: the script's own
+  process on each rank, under ``python script.py`` too) and each rank trains on exactly the batches it trains
+  on under Trainer (accelerate's sharding).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ datasets stream must travel by value, the loader override is the sampler case's 
 
 
 def _runs(tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:
-    """The reference (real Trainer under torchrun), then ours in place (torchrun) and/or self-launched (python)."""
+    """The reference (real Trainer under torchrun), then ours under torchrun and/or plain python (re-executed)."""
     real = run_script(torchrun(SCRIPT, str(tmp_path / "real"), kind, "real"), tmp_path / "real")
     runs = []
     for launch in LAUNCHES.get(kind, ("torchrun",)):
@@ -85,4 +85,4 @@ def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(kind: str
     if "python" in LAUNCHES.get(kind, ()):
         launched = ours_runs[-1]
         pids = {line.split()[1] for rank in range(2) for line in launched["markers"][f"{kind}-rank{rank}.txt"]}
-        assert len(pids) == 2 and str(launched["pid"]) not in pids  # two worker processes, not the script's
+        assert len(pids) == 2 and str(launched["pid"]) in pids  # the script itself on each rank, as under torchrun

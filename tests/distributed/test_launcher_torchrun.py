@@ -62,8 +62,8 @@ def main():
         args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
         (args.ckpt_output_dir / f"sleeping-rank{rank}").write_text(str(os.getpid()))
         time.sleep(300)
-    (function,) = [fn for fns in args.event_functions.values() for fn in fns]
-    (callback,) = args.callbacks
+    (function,) = [fn for fns in args.plan.event_functions.values() for fn in fns]
+    (callback,) = args.plan.callbacks
     if rank == 0:
         import json, psutil
         store_port = int(os.environ["MASTER_PORT"])

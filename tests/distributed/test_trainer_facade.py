@@ -3,7 +3,7 @@
 ``scripts/facade_script.py`` (tiny Llama, ``datasets`` rows, ``DataCollatorForLanguageModeling``,
 ``compute_metrics`` with ``preprocess_logits_for_metrics``, best-model tracking on ``accuracy``, early
 stopping, ``evaluate``/``predict``/``save_model`` after training) runs as ``torchrun --nproc_per_node=2``
-(the loop runs in place on each rank) and as ``python script.py`` (the facade launches 2 workers), and
+(the loop runs in place on each rank) and as ``python script.py`` (re-executed under torchrun, 2 ranks), and
 under real ``transformers.Trainer`` with torchrun as the reference.  37 validation rows on 2 ranks leave
 an uneven last batch: the gathered predictions must hold each row exactly once, in dataset order.
 """
@@ -87,7 +87,7 @@ def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     assert steps == sorted(set(steps))
 
 
-def test_python_script_launches_its_workers(reference: dict, tmp_path: Path) -> None:
+def test_python_script_runs_as_under_torchrun(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
     ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
     _check_against_reference(ours, reference)

@@ -117,7 +117,7 @@ def _launcher(launch: str) -> list[str]:
 
 @pytest.mark.parametrize("launch", ["torchrun", "python"])
 def test_trl_sft_script_with_the_import_changed(assets: Path, launch: str) -> None:
-    """Under plain python both run one process (trainbridge's self-launch on a CPU machine, trl in place)."""
+    """Under plain python both run one process, in place (one process on a CPU machine)."""
     trl_step, trl_rows, trl_files = _summary(_run(assets, "sft_trl.py", f"out-trl-{launch}", _launcher(launch)))
     out = _run(assets, "sft_trainbridge.py", f"out-{launch}", _launcher(launch))
     global_step, rows, files = _summary(out)
@@ -145,8 +145,8 @@ DPO_RUNS = {
     "python-peft": ("python", ("--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")),
 }
 """Each DPO run: the launcher and the script's extra arguments (two runs, to keep the suite short; plain
-python runs with ``--use_peft``).  Under plain python trl runs one process in place and trainbridge
-self-launches 2 ranks (``TRAINBRIDGE_NPROC_PER_NODE=2``); with 32 pairs of 4 per rank both reach
+python runs with ``--use_peft``).  Under plain python trl runs one process in place and trainbridge's
+script runs again under torchrun, 2 ranks (``TRAINBRIDGE_NPROC_PER_NODE=2``); with 32 pairs of 4 per rank both reach
 ``max_steps`` 4 in an epoch."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,12 +84,17 @@ def test_the_run_checks_token_ids_against_its_models_vocabulary(run_files: dict[
 
 # ------------------------------------------------------------------------------------------ the data cache
 def _entry(cache: Path) -> Path:
-    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]  # not the lock folder
     return entry
 
 
 def test_cache_entries_are_private(tmp_path: Path) -> None:
-    _open(tmp_path, GOOD)
+    old = os.umask(0o002)  # a login user's
+    try:
+        _open(tmp_path, GOOD)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700  # a missing cache folder too
     entry = _entry(tmp_path / "cache")
     assert entry.stat().st_mode & 0o777 == 0o700
     assert {p.stat().st_mode & 0o777 for p in entry.iterdir()} == {0o600}
@@ -139,6 +145,36 @@ def test_a_planted_entry_under_this_users_fallback_name_fails_naming_it(tmp_path
     (fallback / "meta.json").write_text(json.dumps({}))
     with pytest.raises(DataInputError, match=r"is not trusted: .* writable by others"):
         _open(tmp_path, GOOD)
+
+
+def test_a_planted_lock_link_in_a_shared_cache_is_neither_followed_nor_in_the_way(tmp_path: Path) -> None:
+    """Another user plants a link where the build lock of the run's key would be, and one where this user's
+    lock folder goes: the first is not used (the lock is in this user's own folder), the second fails naming
+    it; the file a link points to is never opened (an older ``filelock`` truncated it)."""
+    from trainbridge.data.cache import cache_key
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("mine\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    path = _write(tmp_path / "train.jsonl", GOOD)
+    key = cache_key(path, None, None, DataOptions(max_seq_len=64))
+    (cache / f"{key}.lock").symlink_to(victim)  # the lock's place in a shared cache folder
+    samples, stats = _open(tmp_path, GOOD)
+    assert len(samples) == 1 and not stats.cache_hit
+    assert victim.read_text() == "mine\n" and (cache / f"{key}.lock").is_symlink()
+    lock_folder = cache / f".locks-uid{os.geteuid()}"
+    assert lock_folder.is_dir() and lock_folder.stat().st_mode & 0o777 == 0o700
+
+    other = tmp_path / "other"
+    other.mkdir()
+    other.chmod(0o777)
+    _write(tmp_path / "train.jsonl", GOOD + GOOD)  # another key: a build, under the lock
+    shutil.rmtree(lock_folder)
+    lock_folder.symlink_to(other)
+    with pytest.raises(DataInputError, match=r"lock folder .*\.locks-uid\d+ is a symbolic link"):
+        _open(tmp_path, GOOD + GOOD)
+    assert list(other.iterdir()) == []
 
 
 def _write(path: Path, data: bytes) -> Path:

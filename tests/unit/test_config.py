@@ -83,7 +83,7 @@ def test_flat_event_keywords_are_collected(base):
         return None
 
     args = TrainingArgs(**base, on_save=print, on_log=[on_log, print])
-    assert args.event_functions == {Event.SAVE: [print], Event.LOG: [on_log, print]}
+    assert args.plan.event_functions == {Event.SAVE: [print], Event.LOG: [on_log, print]}
 
 
 def test_yaml_round_trip_keeps_fields_and_callback_specs(base, tmp_path):

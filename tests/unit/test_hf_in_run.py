@@ -156,7 +156,7 @@ def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fiel
             callbacks=[reader],
         )
     messages = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
-    assert args.hf_args is config
+    assert args.plan.hf_args is config
     # subclass fields set to non-defaults and not honoured are named (dataset_text_field), as base fields are;
     # max_length is honoured (it is the run's max_seq_len), so it is not called ignored
     assert not any(m.startswith("SFTConfig.max_length") for m in messages), messages

@@ -157,7 +157,7 @@ def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_arg
     assert fake.command[fake.command.index("--nproc-per-node") + 1] == "2"
     assert int(fake.command[fake.command.index("--master-port") + 1]) > 0
     assert fake.command[fake.command.index("--tee") + 1] == "1:3"
-    assert [e.value for e in fake.args.event_functions] == ["on_save"]
+    assert [e.value for e in fake.args.plan.event_functions] == ["on_save"]
     assert not fake.payload.parent.exists(), "the private payload directory must be removed"
 
 

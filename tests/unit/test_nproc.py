@@ -10,7 +10,6 @@ from transformers import TrainingArguments
 from trainbridge import TorchrunArgs, Trainer
 from trainbridge.core import nproc
 from trainbridge.demos.tiny_model import build_tiny_llama
-from trainbridge.trainer import jobs
 
 
 @pytest.fixture
@@ -41,18 +40,26 @@ def test_torchrun_args_default_is_counted_for_the_runs_device_unless_given(gpus:
     assert TorchrunArgs(nproc_per_node=2).for_device("cpu").nproc_per_node == 2  # given: kept
 
 
-def test_the_facade_launches_the_default_for_its_device(gpus: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_python_script_starts_the_default_count_and_a_trainer_honours_only_the_running_world(
+    gpus: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``python script.py`` is re-executed under torchrun with the default count (one per visible GPU), read when
+    the Trainer is imported, before the script's arguments exist; ``torchrun_args=`` must be the running world."""
+    from trainbridge.launch import script_launch, script_workers
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        gpus.delenv(name, raising=False)
+    launched: list[int] = []
+    gpus.setattr(script_launch, "_done", False)
+    gpus.setattr(script_launch, "session_kind", lambda: "script")
+    gpus.setattr(script_workers, "run_under_torchrun", lambda command, n: launched.append(n) or 0)
+    gpus.setattr(script_workers, "exit_with", lambda code: None)
+    script_launch.launch_script()
+    assert launched == [4]
     model = str(build_tiny_llama(tmp_path / "model"))
-
-    def launched(**kwargs: object) -> TorchrunArgs:
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kwargs)  # type: ignore[arg-type]
-        return jobs.launch_args(Trainer(model=model, args=args))
-
-    assert launched(use_cpu=True).nproc_per_node == 1
-    assert launched().nproc_per_node == 4
-    given = Trainer(
-        model=model,
-        args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True),
-        torchrun_args=TorchrunArgs(nproc_per_node=2, nnodes=2),
-    )
-    assert jobs.launch_args(given).nproc_per_node == 2 and jobs.world_size_of(jobs.launch_args(given)) == 4
+    with pytest.raises(script_launch.ScriptLaunchError, match="asks for 4 processes but this script runs as 1"):
+        Trainer(
+            model=model,
+            args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True),
+            torchrun_args=TorchrunArgs(nproc_per_node=2, nnodes=2),
+        )

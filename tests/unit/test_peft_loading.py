@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import TrainingArgs, build_peft_config
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 from trainbridge.launch.launcher import PreflightError, preflight
 from trainbridge.modeling.adapter_state import adapter_key_map, adapter_state_for_model
@@ -45,18 +45,19 @@ def errors_of(excinfo) -> str:
 # ---------------------------------------------------------------------- config
 def test_peft_config_dict_becomes_a_lora_config_and_round_trips_through_yaml(assets, tmp_path):
     args = args_for(assets, tmp_path, peft_config=LORA)
-    assert isinstance(args.peft_config, peft.LoraConfig)
-    assert args.peft_config.r == 4 and args.peft_config.task_type == "CAUSAL_LM"
+    config = build_peft_config(args.peft_config)  # kept as data, rebuilt where it is applied
+    assert isinstance(config, peft.LoraConfig)
+    assert config.r == 4 and config.task_type == "CAUSAL_LM"
     path = tmp_path / "run.yaml"
     args.to_yaml(path)
     again = TrainingArgs.from_yaml(path)
-    assert isinstance(again.peft_config, peft.LoraConfig)
-    assert again.peft_config.r == 4 and set(again.peft_config.target_modules) == {"q_proj", "v_proj"}
+    assert again.peft_config == args.peft_config
+    assert again.peft_config["r"] == 4 and set(again.peft_config["target_modules"]) == {"q_proj", "v_proj"}
 
 
-def test_peft_config_object_is_kept(assets, tmp_path):
+def test_peft_config_object_is_kept_as_its_data(assets, tmp_path):
     config = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
-    assert args_for(assets, tmp_path, peft_config=config).peft_config is config
+    assert build_peft_config(args_for(assets, tmp_path, peft_config=config).peft_config) == config
 
 
 def test_peft_config_without_peft_installed_names_the_field(assets, tmp_path, monkeypatch):
@@ -201,7 +202,7 @@ def test_model_init_builds_the_model_and_peft_applies_on_top(assets, tmp_path):
     one_arg = load_model(args_for(assets, tmp_path, model_init=_trial_model_init))
     assert one_arg.config.num_hidden_layers == 1
     by_path = args_for(assets, tmp_path, model_init=f"{__name__}:_tiny_model_init")
-    assert by_path.model_init is _tiny_model_init
+    assert by_path.plan.model_init is _tiny_model_init
     with pytest.raises(TypeError, match="model_init: returned str"):
         load_model(args_for(assets, tmp_path, model_init=lambda: "not a model"))
 
@@ -244,7 +245,8 @@ def test_dora_example_builds_its_args_with_and_without_quantize(assets):
         ]
     )
     args = example.training_args(options)
-    assert args.peft_config.use_dora and args.peft_config.r == 8 and len(args.peft_config.target_modules) == 7
+    config = build_peft_config(args.peft_config)
+    assert config.use_dora and config.r == 8 and len(config.target_modules) == 7
     if importlib.util.find_spec("bitsandbytes") is not None:  # QDoRA: a 4-bit base, valid on CPU too
         quantized = example.training_args(
             example.parse(

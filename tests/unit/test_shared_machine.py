@@ -484,3 +484,22 @@ def test_the_demo_folder_is_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert ((tmp_path / "demo_output").stat().st_mode & 0o777) == 0o700
+
+
+def test_before_python_3_11_a_working_directory_others_can_write_is_refused(tmp_path):
+    """Python 3.10 has no PYTHONSAFEPATH: torchrun's ``python -m`` puts the working directory first in the
+    workers' sys.path, so one that others can write is refused before launch there."""
+    from trainbridge.launch.checks import check_working_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    problem = check_working_directory((3, 10), shared) or ""
+    assert "Python 3.10 puts it first in the workers' sys.path" in problem and "writable by others" in problem
+    assert "Python 3.11 or newer" in problem
+    assert check_working_directory((3, 11), shared) is None  # PYTHONSAFEPATH keeps it out
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    assert check_working_directory((3, 10), mine) is None
+    assert check_working_directory((3, 12)) is None
+    assert problem.split(":")[0] == "working directory"

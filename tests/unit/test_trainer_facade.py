@@ -35,8 +35,9 @@ def _hf_args(tmp_path: Path, **kw: Any) -> TrainingArguments:
 
 
 # ---------------------------------------------------------------------------- unsupported
-def test_live_optimizers_reach_the_jobs_as_their_rebuild(tiny: Any, tmp_path: Path) -> None:
-    from trainbridge.trainer.optimizers import Rebuilt
+def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tmp_path: Path) -> None:
+    """A plain single process trains in place (no launch): the job steps the script's own optimizer and model."""
+    from trainbridge.trainer.optimizers import InPlace
 
     model, _ = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -44,8 +45,8 @@ def test_live_optimizers_reach_the_jobs_as_their_rebuild(tiny: Any, tmp_path: Pa
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     layout = RunLayout(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
-    factory = job_args.training_args(trainer, layout, world_size=1, resume=None).optimizer_factory
-    assert isinstance(factory, Rebuilt) and factory.cls is torch.optim.SGD and factory.scheduler_cls is None
+    factory = job_args.training_args(trainer, layout, world_size=1, resume=None).plan.optimizer_factory
+    assert isinstance(factory, InPlace) and factory.script_optimizer is optimizer and factory.model_init() is model
     with pytest.raises(ValueError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):
         Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), optimizer_cls_and_kwargs=(1, {}))
 
@@ -332,7 +333,7 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
             **base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05), deepspeed_options=DeepSpeedOptions()
         )
     assert lora.peft_config is not None
-    assert (lora.peft_config.r, lora.peft_config.lora_alpha, lora.peft_config.target_modules) == (8, 16, r".*_proj")
+    assert tuple(lora.peft_config[k] for k in ("r", "lora_alpha", "target_modules")) == (8, 16, r".*_proj")
     assert lora.distributed_backend == "ddp"  # deepspeed_options configure DeepSpeed, they do not select it
     with pytest.warns(InstructlabNameWarning):
         assert TrainingArgs(**base, lora={"rank": 0}).peft_config is None

@@ -19,6 +19,7 @@ from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
+from trainbridge.trainer.optimizers import optimizer_factory
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_optimizers_are_rebuilt_with_their_class_groups_and_scheduler(bert_class
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))
-    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    # the rebuild (``Rebuilt``: another process's copy); a Trainer's own jobs now always run in place (``InPlace``)
+    rebuilt = optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
+    components, before = _run(bert_classifier, tmp_path, rebuilt)
 
     used = components.engine.optimizer
     assert type(used) is torch.optim.SGD
@@ -126,8 +129,10 @@ def test_a_scheduler_that_cannot_be_rebuilt_is_refused_naming_why(bert_classifie
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):
-        Trainer(model=model, args=hf, optimizers=(optimizer, Opaque(optimizer, 1.0)))
+    scheduler = Opaque(optimizer, 1.0)
+    trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))  # in place: its own object steps
+    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):  # the rebuild for another process cannot
+        optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
 
 
 def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path: Path) -> None:

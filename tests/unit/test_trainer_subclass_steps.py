@@ -110,7 +110,7 @@ def _run(path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] = (), **
     )
     components = build_run(args, DistributedEnv())
     bind_state(args, lambda: next((c.state for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None))
-    return components, TrainingLoop(args, DistributedEnv(), args.callbacks, components).run()
+    return components, TrainingLoop(args, DistributedEnv(), args.plan.callbacks, components).run()
 
 
 def _weights(components: Any) -> dict[str, torch.Tensor]:

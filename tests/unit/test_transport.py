@@ -94,8 +94,8 @@ def test_lambda_and_closure_round_trip(make_args, private_dir):
     args = make_args(on_save=lambda context, **kwargs: context * 2, on_log=add_offset)
     path, key = write_payload(args, private_dir)
     loaded = read_payload(path, key)
-    (save_fn,) = loaded.event_functions[next(e for e in loaded.event_functions if e.value == "on_save")]
-    (log_fn,) = loaded.event_functions[next(e for e in loaded.event_functions if e.value == "on_log")]
+    (save_fn,) = loaded.plan.event_functions[next(e for e in loaded.plan.event_functions if e.value == "on_save")]
+    (log_fn,) = loaded.plan.event_functions[next(e for e in loaded.plan.event_functions if e.value == "on_log")]
     assert save_fn(21) == 42
     assert log_fn(2) == 42
 
@@ -105,7 +105,7 @@ def test_class_from_non_importable_module_travels_by_value(make_args, private_di
     callback.seen.append(7)
     path, key = write_payload(make_args(callbacks=[callback]), private_dir)
     sys.modules.pop(notebook_module.__name__)  # the "worker" cannot import it
-    (loaded,) = read_payload(path, key).callbacks
+    (loaded,) = read_payload(path, key).plan.callbacks
     assert (loaded.scale, loaded.label, loaded.seen) == (3, "eval", [7])
     assert loaded.describe(2) == "eval=6"
 
@@ -122,8 +122,8 @@ def test_payload_is_readable_in_a_fresh_interpreter(make_args, private_dir, note
         import importlib.util, os, sys
         from trainbridge.launch.transport import read_payload
         args = read_payload({str(path)!r}, os.environ[{PAYLOAD_KEY_ENV!r}])
-        logger, early = args.callbacks
-        (fn,) = list(args.event_functions.values())[0]
+        logger, early = args.plan.callbacks
+        (fn,) = list(args.plan.event_functions.values())[0]
         # rebuilt by value: the module is neither importable here nor registered by unpickling
         assert importlib.util.find_spec("tb_notebook_module_not_importable") is None
         assert "tb_notebook_module_not_importable" not in sys.modules
@@ -140,7 +140,7 @@ def test_hf_callback_keeps_its_constructor_arguments(make_args, private_dir):
     callback = EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=0.25)
     callback.early_stopping_patience_counter = 2
     path, key = write_payload(make_args(callbacks=[callback]), private_dir)
-    (loaded,) = read_payload(path, key).callbacks
+    (loaded,) = read_payload(path, key).plan.callbacks
     assert isinstance(loaded, EarlyStoppingCallback)
     assert loaded.early_stopping_patience == 3
     assert loaded.early_stopping_threshold == 0.25
@@ -151,7 +151,7 @@ def test_untampered_payload_is_unpickled(make_args, private_dir):
     """Control for the tamper test: a valid payload does reach the unpickler."""
     UNPICKLED.clear()
     path, key = write_payload(make_args(callbacks=[UnpickleRecorder()]), private_dir)
-    assert read_payload(path, key).callbacks == ["unpickled"]
+    assert read_payload(path, key).plan.callbacks == ["unpickled"]
     assert UNPICKLED == ["unpickled"]
 
 

@@ -15,6 +15,7 @@ import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
+from trainbridge.modeling import VARLEN_SDPA, enable_varlen_sdpa
 from trainbridge.trl.dpo_step import PairBatches, PreferenceStep
 from trainbridge.trl.preference_data import prepare_preference_dataset
 from trainbridge.trl.preference_loss import DPOLossSettings
@@ -34,8 +35,16 @@ def _fresh_accelerate_state() -> Iterator[None]:
     PartialState._reset_state()
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sft"])
-def test_a_step_gives_trls_loss_gradient_and_metrics(tiny_llama: Path, tmp_path: Path, loss_type: str) -> None:
+@pytest.mark.parametrize(
+    ("loss_type", "varlen"),
+    [("sigmoid", False), ("ipo", False), ("sft", False), ("sigmoid", True)],
+    ids=["sigmoid", "ipo", "sft", "sigmoid-varlen-sdpa"],
+)
+def test_a_step_gives_trls_loss_gradient_and_metrics(
+    tiny_llama: Path, tmp_path: Path, loss_type: str, varlen: bool
+) -> None:
+    """trl pads; ours packs each micro-batch into one row, under masked sdpa or (``varlen``, what the DPO
+    step factory switches on) trainbridge's varlen attention for policy and reference."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
     ref = copy.deepcopy(policy)
@@ -70,8 +79,10 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(tiny_llama: Path, tmp_path:
     batches = PairBatches(
         prepared, pairs_per_micro=2, micro_per_step=2, world_size=1, rank=0, seed=0, max_length=args.max_length
     )
-    step = PreferenceStep(batches, DPOLossSettings.from_config(args), ref_model=copy.deepcopy(ref))
-    model = copy.deepcopy(policy).train()
+    ours_ref, model = copy.deepcopy(ref), copy.deepcopy(policy).train()
+    if varlen:
+        assert enable_varlen_sdpa(model, 12) and enable_varlen_sdpa(ours_ref, 12)
+    step = PreferenceStep(batches, DPOLossSettings.from_config(args), ref_model=ours_ref)
     prepared_step = step.prepare(pairs)
     loss = torch.zeros(())
     for micro, units in zip(prepared_step.micro_batches, prepared_step.micro_units, strict=True):
@@ -222,3 +233,27 @@ def test_the_loops_first_dpo_step_gives_trls_loss(args_for, tmp_path: Path, tiny
     assert abs(first["loss"] - 0.6931) > 1e-3
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert first[key] == pytest.approx(trl_logs[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("varlen_sdpa", [True, False])
+def test_the_step_factory_switches_policy_and_reference_to_varlen_attention(
+    args_for, tmp_path: Path, tiny_llama: Path, varlen_sdpa: bool
+) -> None:
+    """A DPO step packs its own rows, so its factory (not the loop's batch set-up) switches the policy and a
+    given ``ref_model`` to the varlen attention: one attention call per layer instead of a ``[T, T]`` mask;
+    ``TrainingArgs.varlen_sdpa=False`` keeps sdpa."""
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.trl.dpo_step import DPOStepFactory
+
+    config = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to="none", use_cpu=True, max_length=12)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prepared = prepare_preference_dataset(datasets.Dataset.from_list(ROWS), tokenizer, config)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    factory = DPOStepFactory(prepared, DPOLossSettings.from_config(config), 1, 2, 12, ref_model=ref)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    args = args_for(max_steps=1, val_data_path=None, train_step=factory, varlen_sdpa=varlen_sdpa)
+    step = factory(policy, tokenizer, args, DistributedEnv())
+    expected = VARLEN_SDPA if varlen_sdpa else "sdpa"
+    assert step.ref_model is not None
+    assert policy.config._attn_implementation == expected
+    assert step.ref_model.config._attn_implementation == expected

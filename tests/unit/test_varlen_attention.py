@@ -156,6 +156,40 @@ def test_sample_boundaries_are_computed_once_per_forward(monkeypatch: pytest.Mon
     assert computed == [(1, 7), (1, sum(LENGTHS))]
 
 
+WIDE_LENGTHS = [3, 30, 5, 28, 9, 17, 2, 30]
+
+
+@pytest.mark.parametrize("row_tokens", [None, 40], ids=["one-row", "balanced-rows"])
+def test_each_samples_logits_are_its_own_and_its_padded_ones(row_tokens: int | None) -> None:
+    """Packed row (or balanced rows with a pad sequence) vs each sample run alone vs a padded batch: the
+    same logits for every sample, and the masked sdpa row's loss and gradients (GQA heads, lengths that
+    differ widely)."""
+    from trainbridge.data.loss import forward_logits
+    from trainbridge.modeling import sample_segments
+
+    samples = make_samples(WIDE_LENGTHS)
+    packed = collate_padding_free(samples, row_tokens=row_tokens)
+    model = tiny_llama("sdpa")
+    reference = loss_and_grads(model, packed)
+    with torch.no_grad():
+        padded_logits = forward_logits(model, collate_padded(samples, pad_token_id=0))
+    assert enable_varlen_sdpa(model, max_seq_len=64)
+    assert_same(loss_and_grads(model, packed), reference)
+    with torch.no_grad(), sample_segments(packed):
+        logits = forward_logits(model, packed)
+        alone = [forward_logits(model, collate_padding_free([sample]))[0] for sample in samples]
+    index_of = {tuple(sample.input_ids): index for index, sample in enumerate(samples)}
+    seen = set()
+    for row, lengths in enumerate(packed.seq_lens):
+        for start, end in itertools.pairwise([0, *itertools.accumulate(lengths)]):
+            index = index_of.get(tuple(packed["input_ids"][row, start:end].tolist()))
+            if index is not None:  # not a balanced row's pad sequence
+                seen.add(index)
+                torch.testing.assert_close(logits[row, start:end], alone[index], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(logits[row, start:end], padded_logits[index, : end - start])
+    assert seen == set(range(len(samples)))
+
+
 # ---------------------------------------------------------------- torch's varlen kernel (CUDA, half precision)
 def _reference_varlen_kernel(calls: list[dict[str, object]]):
     """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with its layout: ``[T, H, D]`` inputs cut at

@@ -28,10 +28,11 @@ checkpoints whole.  ``output_dir`` must be on a filesystem every rank sees (as f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,12 +52,21 @@ from trainbridge.checkpoint.folders import (
 )
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, MERGED_DIR, OWNER_FILE, TRAINING_STATE_FILE
 from trainbridge.checkpoint.manifest import write_manifest
-from trainbridge.checkpoint.model_files import HFModelFiles, ModelFiles
-from trainbridge.checkpoint.resume import choose_resume, latest_verified, load_checkpoint, require_own_checkpoint
+from trainbridge.checkpoint.model_files import HFModelFiles
+from trainbridge.checkpoint.resume import (
+    choose_resume,
+    latest_verified,
+    load_checkpoint,
+    own_best_checkpoint,
+    recorded_best,
+    require_own_checkpoint,
+    settle_best,
+)
 from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
 from trainbridge.checkpoint.weights import fill_tied_weights, load_model_weights, read_safetensors_weights
 from trainbridge.checkpoint.weights_dtype import exports_lossy
+from trainbridge.core.config.plan import ModelFiles
 from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_weight_names
@@ -67,6 +77,7 @@ if TYPE_CHECKING:
     from trainbridge.parallel.engine import TrainingEngine
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 __all__ = [  # the manager, and what callers of this module read beside it
     "CheckpointError",
@@ -380,6 +391,45 @@ class CheckpointManager:
         """Load a checkpoint into ``engine`` (collective): model weights, optimizer and scheduler state, and
         this rank's RNG state.  Returns the ``training_state`` dict saved with it."""
         return load_checkpoint(path, engine)
+
+    def settle_best(self, states: Mapping[str, Any], resumed: Path) -> dict[str, Any]:
+        """The saved callback ``states`` of checkpoint ``resumed`` with the best checkpoint they name checked
+        before any step (collective; rank 0 checks): a complete checkpoint of this run whose files verify is
+        kept (one recorded under a folder that no longer exists becomes this run's of that name); any
+        other is dropped with its best metric, with a warning, so the run's evaluations choose the best
+        again (before, ``load_best_model_at_end`` refused it after the last step)."""
+        recorded = sorted(recorded_best(states))
+        if not recorded:
+            return dict(states)
+        decisions = self._on_rank_zero(
+            lambda: {
+                r: own_best_checkpoint(self.output_dir, r, self.checksums, self.allow_unverified, resumed)
+                for r in recorded
+            },
+            f"checking the best checkpoint {resumed} names",
+        )
+        for name, (kept, problem) in decisions.items():
+            if kept is not None:
+                self._published.add(kept.resolve())  # verified now: not hashed again at the end
+            if self.env.is_world_process_zero and problem is not None:
+                logger.warning(
+                    "resumed checkpoint %s names best checkpoint (best_checkpoint / best_model_checkpoint) %r, "
+                    "but %s; dropped with its best metric: this run's evaluations choose the best checkpoint "
+                    "again (to keep it, copy that checkpoint into %s and resume again)",
+                    resumed,
+                    name,
+                    problem,
+                    self.output_dir,
+                )
+            elif self.env.is_world_process_zero and kept is not None and str(kept) != name:
+                logger.warning(
+                    "resumed checkpoint %s names best checkpoint %r, whose folder no longer exists: using this "
+                    "run's %s (the run folder was moved)",
+                    resumed,
+                    name,
+                    kept,
+                )
+        return settle_best(states, decisions)
 
     def load_model_weights(self, path: Path, engine: TrainingEngine) -> None:
         """Load only the model weights of checkpoint ``path`` (e.g. the best one) into the live model

@@ -7,7 +7,7 @@ gathered (``state``: on rank 0, None on the others), so an implementation may ta
 
 ``HFModelFiles`` (the default): rank 0 writes the weights in Hugging Face layout in the export dtype
 (``checkpoint.weights.write_model_files``; a PEFT model its adapter) and the tokenizer.  Another
-implementation (``TrainingArgs.checkpoint_model_files``: the facade's for a Trainer subclass overriding
+implementation (``RunPlan.checkpoint_model_files``: the facade's for a Trainer subclass overriding
 ``_save`` / ``save_model`` / ``_save_checkpoint``) may write them differently; its ``keeps_model_state``
 then makes the checkpoint keep the model's own weights in ``dcp/`` too, so resume never depends on what it
 wrote (a PEFT model's adapter is still read from its adapter files).
@@ -16,31 +16,11 @@ wrote (a PEFT model's adapter is still read from its adapter files).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from trainbridge.checkpoint.weights import write_model_files
-
-
-class ModelFiles(Protocol):
-    """The model part of a checkpoint (see the module doc)."""
-
-    keeps_model_state: bool
-    """The checkpoint keeps the model's own weights in ``dcp/`` (resume reads them there)."""
-
-    def write(
-        self,
-        model: Any,
-        folder: Path,
-        step: int,
-        state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
-        weights_dtype: torch.dtype | None,
-        is_rank_zero: bool,
-    ) -> None:
-        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder``, the
-        temporary folder of the checkpoint of ``step`` (every rank)."""
 
 
 class HFModelFiles:

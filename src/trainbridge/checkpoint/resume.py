@@ -5,15 +5,17 @@ files verify against its manifest (corrupt ones skipped with a warning); a path 
 checkpoint that verifies.  Either way its fingerprint must match the run's unless the user allows a
 mismatch.  A checkpoint without a manifest, or with files it does not list, does not verify unless the
 user allows it (``resume_allow_unverified``).  ``require_own_checkpoint`` holds a checkpoint the run's
-saved state names (the best one) to the same rules, and to the run folder.  ``load_checkpoint``
-restores the model weights, the engine's optimizer and scheduler state and this rank's RNG states, and
-returns the saved ``training_state``.
+saved state names (the best one) to the same rules, and to the run folder; ``own_best_checkpoint`` applies
+it at resume, and ``settle_best`` drops a best checkpoint that fails it from the saved callback states.
+``load_checkpoint`` restores the model weights, the engine's optimizer and scheduler state and this rank's
+RNG states, and returns the saved ``training_state``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,61 @@ def require_own_checkpoint(output_dir: Path, path: Path, checksums: bool, allow_
     problems = verify_checkpoint(Path(path), checksums, allow_unverified)
     if problems:
         raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
+
+
+BEST_CHECKPOINT_FIELDS = ("best_checkpoint", "best_model_checkpoint")
+"""Where a saved callback state records the best checkpoint: ``BestCheckpointTracker``'s field and
+``TrainerState``'s (under ``HuggingFaceCallbacks``)."""
+BEST_VALUE_FIELDS = ("best_metric", "best_global_step")
+"""What a state records with its best checkpoint, dropped with it."""
+
+
+def recorded_best(states: Mapping[str, Any]) -> set[str]:
+    """Every best checkpoint the saved callback ``states`` name (``BEST_CHECKPOINT_FIELDS``)."""
+    return {
+        str(state[field])
+        for state in states.values()
+        if isinstance(state, Mapping)
+        for field in BEST_CHECKPOINT_FIELDS
+        if state.get(field)
+    }
+
+
+def own_best_checkpoint(
+    output_dir: Path, recorded: str, checksums: bool, allow_unverified: bool, verified: Path | None = None
+) -> tuple[Path | None, str | None]:
+    """``(checkpoint, None)``: the run's own checkpoint ``recorded`` names, complete and verified, or
+    ``(None, why it is not one)``.  One recorded under a folder that no longer exists stands for the run's
+    checkpoint of that name (the run folder was moved); any other outside the run folder is not the run's.
+    ``verified``: a checkpoint verified already (the resumed one)."""
+    path = Path(recorded)
+    outside = path.resolve().parent != Path(output_dir).resolve()
+    if outside and not path.parent.exists() and path.name.startswith(CHECKPOINT_PREFIX):
+        path = Path(output_dir) / path.name  # its folder is gone: the run folder was moved (checked below)
+    if verified is not None and path.resolve() == Path(verified).resolve():
+        return path, None
+    try:
+        require_own_checkpoint(output_dir, path, checksums, allow_unverified)
+    except CheckpointError as exc:
+        return None, str(exc)
+    return path, None
+
+
+def settle_best(states: Mapping[str, Any], decisions: Mapping[str, tuple[Path | None, str | None]]) -> dict[str, Any]:
+    """``states`` with each recorded best checkpoint replaced by the decision's checkpoint, or dropped (with
+    ``BEST_VALUE_FIELDS``) when it has none."""
+    settled: dict[str, Any] = {}
+    for key, state in states.items():
+        if isinstance(state, Mapping) and any(state.get(f) for f in BEST_CHECKPOINT_FIELDS):
+            state = dict(state)
+            for field in BEST_CHECKPOINT_FIELDS:
+                if state.get(field):
+                    kept, _ = decisions[str(state[field])]
+                    state[field] = str(kept) if kept is not None else None
+                    if kept is None:
+                        state.update(dict.fromkeys(BEST_VALUE_FIELDS))
+        settled[key] = state
+    return settled
 
 
 def choose_resume(

@@ -33,3 +33,10 @@ def default_nproc_per_node(device: str = "auto") -> int:
         return int(value)
     gpus = 0 if device == "cpu" else visible_gpu_count()
     return gpus or 1
+
+
+def threads_per_worker(nproc: int) -> int:
+    """``OMP_NUM_THREADS`` of each of ``nproc`` workers on this node when the user set none: the cores this
+    process may use, shared out (torchrun's own default is 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, nproc))

@@ -11,9 +11,10 @@ special tokens), the chat template, and every option that changes the result (``
   loss tokens of every kept sample, int64) and the counts by fate (``meta.json``) were written when the
   cache was built, so start-up neither scans rows nor counts kept and dropped samples; the pages are the
   page cache's, shared by every rank on the machine.
-* Miss: the first process to take the key's file lock builds it -- ``datasets.map`` over the rows with
-  ``num_proc`` processes (``records.RowEncoder``) into a temporary folder, renamed into place when
-  complete, so a crash never leaves a half cache -- and the others wait for the lock, then map it.
+* Miss: the first process to take the key's file lock (in ``lock_folder``, this user's own) builds it --
+  ``datasets.map`` over the rows with ``num_proc`` processes (``records.RowEncoder``) into a temporary
+  folder, renamed into place when complete, so a crash never leaves a half cache -- and the others wait
+  for the lock, then map it.
   The launcher's preflight builds it in the parent before any worker starts; workers then all hit.
 
 Bad rows fail the build (``DataFormatError``: the first bad row by file and line/row, counts by reason,
@@ -26,6 +27,7 @@ written private (0700/0600).  Another user's entry under the key is passed over 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.inputs import DataInputError, describe_columns, fingerprint, read_input
 from trainbridge.data.records import (
     KNOWN_COLUMNS,
@@ -137,8 +140,8 @@ def open_tokenized(
     if not hit:
         from filelock import FileLock
 
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(cache_dir / f"{key}.lock")):
+        make_run_folder(cache_dir)  # a missing cache folder is created private (0700), whatever the umask
+        with FileLock(str(lock_folder(cache_dir) / f"{key}.lock")):
             if not (target / "meta.json").is_file():
                 _build(path, tokenizer, options, chat_template, target)
     problem = entry_problem(target)
@@ -151,6 +154,30 @@ def open_tokenized(
     stats.cache_hit = hit
     stats.seconds = time.perf_counter() - started
     return samples, stats
+
+
+def lock_folder(cache_dir: Path) -> Path:
+    """The folder of this user's build locks in ``cache_dir``: ``.locks-uid<uid>/``, created 0700.  In a shared
+    cache another user could plant a link where a lock file goes (the lock library opens it, and an older
+    one truncates what it points to); nobody else can put anything in this folder.  One that is a link, not
+    a folder, another user's, or open to others fails naming it."""
+    folder = cache_dir / f".locks-uid{os.geteuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    info = folder.lstat()
+    problem = None
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is a symbolic link or not a folder"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"is open to others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if problem:
+        raise DataInputError(
+            f"data cache lock folder {folder} {problem}; remove it, or set data_cache_dir "
+            "(TRAINBRIDGE_DATA_CACHE) to a folder only you can write"
+        )
+    return folder
 
 
 # ---------------------------------------------------------------------------------------------- build

@@ -1,5 +1,5 @@
 """Micro-batches from a ``DataLoader`` a script builds: a Trainer subclass's ``get_train_dataloader`` (or
-Trainer's own, with the subclass's ``_get_train_sampler``), called in each worker (``TrainingArgs.train_loader``).
+Trainer's own, with the subclass's ``_get_train_sampler``), called in each worker (``RunPlan.train_loader``).
 
 The loader is this rank's already: Trainer's is prepared by accelerate (sharded across ranks) and so is one
 the script prepares with ``self.accelerator``; one it leaves unprepared is read whole on every rank, as under

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 from trainbridge.launch.launcher import run_training
@@ -36,8 +36,6 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS, chat: 
 
     The run directory ``output_dir/run`` is emptied first: the demo always starts from step 0.
     """
-    from transformers import EarlyStoppingCallback
-
     make_run_folder(output_dir)  # private (0700) whatever the umask, as the run folder inside it
     model_dir = output_dir / "model"
     if not (model_dir / "config.json").is_file():
@@ -76,7 +74,11 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS, chat: 
         load_best_model_at_end=True,
         report_to=["tensorboard"] if importlib.util.find_spec("tensorboard") else [],
         run_name="trainbridge-demo",
-        callbacks=[EarlyStoppingCallback(early_stopping_patience=5)],
+        callbacks=[  # a callback as data: an import path and its keywords, built in each worker
+            CallbackSpec.model_validate(
+                {"class": "transformers:EarlyStoppingCallback", "kwargs": {"early_stopping_patience": 5}}
+            )
+        ],
     )
 
 

@@ -33,7 +33,7 @@ sets up accelerate's own state; copy with ``copy.deepcopy`` instead.)
 
 The user's own TrainingArguments (trl's ``SFTConfig``, ``DPOConfig``, ``GRPOConfig``...)
 ------------------------------------------------------------------------------------------
-When ``TrainingArgs.hf_args`` holds the object the settings were ported from (``training_args_from_hf``
+When ``RunPlan.hf_args`` holds the object the settings were ported from (``training_args_from_hf``
 sets it), callbacks get a deep copy of *it*: an instance of the same class with every field, subclass
 fields included (``args.ref_model_sync_steps``, ``args.max_length``...), as the script set them.  Only the
 fields this run owns (``OWNED_FIELDS`` of ``hf.fields``: schedules, optimiser settings, batch shape, device, rank,
@@ -92,9 +92,9 @@ def build_training_arguments(args: TrainingArgs, env: DistributedEnv) -> Trainin
     hf_args = TrainingArguments.__new__(TrainingArguments)
     _seed_process_state(hf_args, env, args)
     hf_args.__init__(**fields)  # type: ignore[misc]
-    if args.hf_args is None:
+    if args.plan.hf_args is None:
         return hf_args
-    return _onto_original(args.hf_args, hf_args, env, args)
+    return _onto_original(args.plan.hf_args, hf_args, env, args)
 
 
 def _onto_original(

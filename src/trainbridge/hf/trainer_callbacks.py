@@ -13,7 +13,7 @@ have code of their own.  With ``load_best_model_at_end`` the loop has loaded the
 ``on_train_end``, as ``Trainer._finalize_training``.  Keyword arguments are Trainer's: at ``on_init_end`` the
 optimizer, scheduler and dataloaders are ``None`` (Trainer creates them in ``train()``), and
 ``eval_dataloader`` is ``None`` until the first evaluation.  ``args`` is a real ``TrainingArguments``; when the
-settings were ported from one (``TrainingArgs.hf_args``: trl's ``SFTConfig``...), an instance of that class
+settings were ported from one (``RunPlan.hf_args``: trl's ``SFTConfig``...), an instance of that class
 with all its fields, only the fields this run owns replaced.
 
 Isolation per callback: each HF callback (``report_to`` integrations included) is isolated on its own under
@@ -276,7 +276,7 @@ class HuggingFaceCallbacks(Callback):
     def checkpoint_files(self, context: TrainingContext) -> Mapping[str, str | bytes]:
         """``trainer_state.json`` as ``Trainer._save_checkpoint`` writes it (best checkpoint and the states of
         ``ExportableState`` callbacks and of ``TrainerControl`` brought up to date) and, when the run's
-        settings came from a ``TrainingArguments`` (``TrainingArgs.hf_args``: the facade, a ported script),
+        settings came from a ``TrainingArguments`` (``RunPlan.hf_args``: the facade, a ported script),
         ``training_args.bin`` as ``Trainer._save`` writes it (``torch.save`` of the arguments the callbacks
         see)."""
         if self.mirror is None:
@@ -287,7 +287,7 @@ class HuggingFaceCallbacks(Callback):
         mirror.update_best_model_checkpoint(context)
         mirror.update_stateful_callbacks(self._stateful())
         files: dict[str, str | bytes] = {TRAINER_STATE_FILE: mirror.to_json()}
-        if context.args.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
+        if context.args.plan.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
             buffer = io.BytesIO()
             torch.save(self._require()[0], buffer)
             files[TRAINING_ARGS_FILE] = buffer.getvalue()

@@ -31,7 +31,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no ``HuggingFaceCallbacks`` brings
     transformers' own progress callback, the native progress bar.
     """
-    user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.callbacks]
+    user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.plan.callbacks]
     hf = _hf_callbacks(user)
     hf_driver = None
     if hf or args.report_to:
@@ -49,7 +49,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
         ordered.append(item)
     if hf_driver is not None and hf_driver not in ordered:
         ordered.append(hf_driver)
-    functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.event_functions.items() for fn in fns]
+    functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.plan.event_functions.items() for fn in fns]
     tail: list[Callback] = [BestCheckpointTracker(), MetricsFileCallback()]
     if args.external_control:
         tail.append(ExternalControl())

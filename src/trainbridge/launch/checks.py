@@ -7,13 +7,16 @@ instead of ~20 s later inside every worker with a page of tracebacks.
   a model whose forward takes labels and returns its own loss;
 * an explicit ``resume_from_checkpoint`` exists, is complete and its files match its manifest (sizes);
 * the data files can be read and look like their format (the first lines of a JSON-lines file are
-  JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes).
+  JSON objects; a ``.json`` file starts with ``[`` or ``{``; a ``.parquet`` file has its magic bytes);
+* before Python 3.11, the working directory (first in the workers' ``sys.path`` there) is one only this
+  user can write (``check_working_directory``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -172,9 +175,30 @@ def check_data_file(field: str, path: Path | None) -> str | None:
     return None
 
 
+def check_working_directory(version: tuple[int, int] = sys.version_info[:2], cwd: Path | None = None) -> str | None:
+    """None unless the workers would import from a working directory others can write.  Before Python 3.11
+    (no ``PYTHONSAFEPATH``) torchrun's ``python -m`` puts the working directory first in the workers'
+    ``sys.path``: a module planted there (``torch.py``, ``trainbridge/``) would run as you in every worker."""
+    if version >= (3, 11):
+        return None
+    folder = Path.cwd() if cwd is None else cwd
+    try:
+        problem = folder_problem(folder)
+    except OSError as exc:
+        problem = f"{folder} cannot be inspected ({exc.strerror or exc})"
+    if problem is None:
+        return None
+    return (
+        f"working directory: Python {version[0]}.{version[1]} puts it first in the workers' sys.path (Python "
+        f"3.11+ does not: PYTHONSAFEPATH), and {problem}, so others could put a module there that every worker "
+        "imports; launch from a folder only you can write, or use Python 3.11 or newer"
+    )
+
+
 def input_problems(args: TrainingArgs) -> list[str]:
     """Every problem found, in the order above (empty when the run may launch)."""
     found = [
+        check_working_directory(),
         check_trainable_model(args.model_path, args.label_names),
         check_resume_path(args),
         check_data_file("data_path", args.data_path),

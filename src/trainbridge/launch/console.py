@@ -32,6 +32,9 @@ from pathlib import Path
 
 from trainbridge.core.nproc import visible_gpu_count
 
+RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
+"""torchrun's prefix of a teed rank's lines (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` unless the user set one)."""
+
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 """A worker's log lines, after its rank prefix (``configure_worker_console``)."""
 

@@ -25,34 +25,30 @@ if the launcher itself is killed, torchrun and the workers die with it.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
 from trainbridge.core.config import CallbackSpec, NotACallbackError, TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv, launched_worker
+from trainbridge.core.nproc import threads_per_worker
 from trainbridge.core.private_files import append_text
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.launch.checks import check_output_dir, input_problems
-from trainbridge.launch.console import quiet_environment
+from trainbridge.launch.console import RANK_PREFIX_TEMPLATE, quiet_environment
 from trainbridge.launch.data_check import check_data
 from trainbridge.launch.errors import (
     LaunchError,
@@ -63,6 +59,7 @@ from trainbridge.launch.errors import (
     WorkerFailedError,
 )
 from trainbridge.launch.failures import worker_failure
+from trainbridge.launch.supervise import free_port, supervise
 from trainbridge.launch.transport import (
     PAYLOAD_KEY_ENV,
     check_transportable,
@@ -96,13 +93,6 @@ AGENT_MODULE = "trainbridge.launch.agent"
 WORKER_MODULE = "trainbridge.launch.worker"
 """Module torchrun runs in every worker (``python -m trainbridge.launch.worker --payload PATH``)."""
 
-SHUTDOWN_GRACE_S = 45.0
-"""After forwarding a signal (or on timeout), how long torchrun gets to stop its workers before the
-whole process tree is killed (torchrun itself waits 30 s before SIGKILLing workers)."""
-
-_RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
-_POLL_INTERVAL_S = 0.2
-
 
 # ----------------------------------------------------------------------------- preflight
 def preflight(args: TrainingArgs) -> None:
@@ -128,7 +118,7 @@ def preflight(args: TrainingArgs) -> None:
             check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
         except ValueError as exc:
             raise PreflightError(str(exc)) from exc
-    for index, callback in enumerate(args.callbacks):
+    for index, callback in enumerate(args.plan.callbacks):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
@@ -155,13 +145,6 @@ def preflight(args: TrainingArgs) -> None:
 
 
 # ----------------------------------------------------------------------------- command and environment
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def build_torchrun_command(
     torchrun_args: TorchrunArgs,
     payload_path: Path,
@@ -261,10 +244,8 @@ def build_worker_environment(
     env["PYTHONSAFEPATH"] = "1"
     # torchrun copies its root-cause worker's error file here (with the exit code) when a worker fails.
     env["TORCHELASTIC_ERROR_FILE"] = str(torchrun_error_file)
-    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _RANK_PREFIX_TEMPLATE)
-    if "OMP_NUM_THREADS" not in env:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // torchrun_args.nproc_per_node))
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(torchrun_args.nproc_per_node)))
     own = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     root = _trainbridge_root()
     if root is not None and root not in own:
@@ -272,85 +253,6 @@ def build_worker_environment(
     if own:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(own))
     return env
-
-
-# ----------------------------------------------------------------------------- process supervision
-def _descendants(process: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    """torchrun's process tree below it (workers run in their own sessions, so a group kill misses them)."""
-    try:
-        return psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill_tree(process: subprocess.Popen[bytes], known: list[psutil.Process]) -> None:
-    """SIGKILL torchrun, its process group, everything below it and any of ``known`` still alive."""
-    survivors = known + _descendants(process)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    for child in survivors:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            child.kill()  # psutil refuses to signal a pid that was reused by another process
-    process.wait()
-
-
-def _stop(process: subprocess.Popen[bytes], received: list[int], send: int | None) -> None:
-    """Stop torchrun (``send`` it a signal unless the signal handler already forwarded one), give it
-    ``SHUTDOWN_GRACE_S`` (a further signal in the parent cuts that short), then kill what is left."""
-    workers = _descendants(process)
-    if send is not None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(send)
-    already = len(received)
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
-    while process.poll() is None and time.monotonic() < deadline and len(received) <= already:
-        time.sleep(_POLL_INTERVAL_S)
-    if process.poll() is None or any(worker.is_running() for worker in workers):
-        _kill_tree(process, workers)
-
-
-@contextlib.contextmanager
-def _forwarded_signals(process: subprocess.Popen[bytes]) -> Iterator[list[int]]:
-    """While torchrun runs, SIGINT/SIGTERM are recorded and forwarded to it (main thread only)."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signum)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _supervise(process: subprocess.Popen[bytes], timeout_s: float | None) -> int:
-    """Wait for torchrun; on a signal or the timeout, stop it (bounded) and raise."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with _forwarded_signals(process) as received:
-        try:
-            while True:
-                try:
-                    return process.wait(timeout=_POLL_INTERVAL_S)
-                except subprocess.TimeoutExpired:
-                    pass
-                if received:
-                    _stop(process, received, send=None)  # the handler already forwarded it
-                    raise TrainingInterruptedError(received[0])
-                if deadline is not None and time.monotonic() > deadline:
-                    _stop(process, received, send=signal.SIGTERM)
-                    raise LaunchTimeoutError(
-                        f"training did not finish within timeout_s={timeout_s}; all workers were stopped"
-                    )
-        finally:
-            if process.poll() is None:
-                _kill_tree(process, [])
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -530,7 +432,7 @@ def _launch_once(
         sys.stderr.flush()
         process = subprocess.Popen(command, env=env, start_new_session=True)
         try:
-            returncode = _supervise(process, timeout_s)
+            returncode = supervise(process, timeout_s)
             if returncode != 0:
                 raise worker_failure(log_dir, torchrun_error_file, launch, returncode, failures_file, restarts)
         except LaunchError as error:

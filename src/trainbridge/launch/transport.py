@@ -174,13 +174,13 @@ def check_transportable(args: TrainingArgs) -> None:
     names the culprit (``callbacks[1] (mypkg.MyCallback): attribute 'lock' holds a thread lock``);
     then the whole ``args`` object is checked.  Raises ``CallbackTransportError``.
     """
-    for index, callback in enumerate(args.callbacks):
+    for index, callback in enumerate(args.plan.callbacks):
         _check_one(callback, f"callbacks[{index}]")
-    for event, functions in args.event_functions.items():
+    for event, functions in args.plan.event_functions.items():
         for index, function in enumerate(functions):
             _check_one(function, f"event function {event.value}[{index}]")
-    if args.model_init is not None:
-        _check_one(args.model_init, "model_init")
+    if args.plan.model_init is not None:
+        _check_one(args.plan.model_init, "model_init")
     try:
         _round_trip(args)
     except Exception as exc:

@@ -22,6 +22,7 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
+from trainbridge.core.config.plan import RunPlan, default_plan
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -87,6 +88,8 @@ class RunComponents:
     """True for padded batches, False for padding-free packed rows."""
     data_stats: list[LoadStats]
     """What loading the training (then validation) data read and skipped."""
+    plan: RunPlan = field(default_factory=RunPlan)
+    """The code the run was built with (its evaluation, metrics and callbacks run in the loop)."""
     named_eval_batches: dict[str, EvalSource] = field(default_factory=dict)
     """This rank's micro-batches of each named validation set (``eval_data_paths``; ``eval_batches`` is then
     None), evaluated in turn at each evaluation."""
@@ -120,9 +123,12 @@ class RunBatches(NamedTuple):
     padded: bool
 
 
-def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
+def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = None) -> RunComponents:
     """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
-    engine wraps the model across ranks)."""
+    engine wraps the model across ranks), running ``plan``'s code (default: ``default_plan(args)``)."""
+    plan = default_plan(args) if plan is None else plan
+    if plan is not args.plan:
+        args = args.with_plan(plan)  # the layers below read the plan the run was built with
     transformers.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
@@ -130,12 +136,12 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    if args.train_step is not None:
-        batches = _factory_batches(model, tokenizer, args, env)
-    elif choose_step(model, args) == "token_cross_entropy":
-        batches = _token_batches(model, tokenizer, args, env, from_rank0=from_rank0, skeleton=skeleton)
+    if plan.train_step is not None:
+        batches = _factory_batches(model, tokenizer, args, env, plan)
+    elif choose_step(model, args, plan) == "token_cross_entropy":
+        batches = _token_batches(model, tokenizer, args, env, plan, from_rank0=from_rank0, skeleton=skeleton)
     else:
-        batches = _sample_batches(model, tokenizer, args, env)
+        batches = _sample_batches(model, tokenizer, args, env, plan)
     train_batches = batches.step.train_batches
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
@@ -157,8 +163,9 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
             weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
             share_with_group=args.share_run_dir_with_group,
-            model_files=args.checkpoint_model_files,
+            model_files=plan.checkpoint_model_files,
         ),
+        plan=plan,
         max_steps=max_steps,
         num_parameters=num_parameters,
         flops_parameters=flops_params,
@@ -168,11 +175,13 @@ def build_run(args: TrainingArgs, env: DistributedEnv) -> RunComponents:
     )
 
 
-def choose_step(model: Any, args: TrainingArgs) -> str:
+def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> str:
     """``token_cross_entropy`` or ``model_loss`` (``args.training_step``; ``auto``: the token step for causal
-    LMs).  A ``ValueError`` for a model neither step can train, saying why and what to do."""
+    LMs, unless ``plan`` brings its own loss or data).  A ``ValueError`` for a model neither step can train,
+    saying why and what to do."""
+    plan = args.plan if plan is None else plan
     causal = is_causal_lm(model)
-    own_loss = args.compute_loss is not None or args.trainer_methods is not None  # the script's loss
+    own_loss = plan.compute_loss is not None or plan.trainer_methods is not None  # the script's loss
     if args.training_step == "token_cross_entropy" and not causal:
         raise ValueError(
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
@@ -198,8 +207,8 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
         args.training_step == "auto"
         and causal
         and not own_loss
-        and args.train_stream is None
-        and args.train_loader is None
+        and plan.train_stream is None
+        and plan.train_loader is None
         and not args.predict_with_generate
     ):
         return "token_cross_entropy"
@@ -210,21 +219,28 @@ def choose_step(model: Any, args: TrainingArgs) -> str:
 
 
 def _token_batches(
-    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, *, from_rank0: bool, skeleton: bool
+    model: PreTrainedModel,
+    tokenizer: Any,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    plan: RunPlan,
+    *,
+    from_rank0: bool,
+    skeleton: bool,
 ) -> RunBatches:
     """The token-budget step: samples tokenised through the cache, padding-free (or padded) micro-batches of
     the global plan, the summed token cross entropy."""
     data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
-    padded = use_padded_batches(model, args, probe=not skeleton)
+    padded = use_padded_batches(model, args, probe=not skeleton, collator=plan.data_collator)
     if from_rank0:  # collective: the attention rank 0's probe chose (a skeleton cannot run the probe)
         chosen = env.broadcast_object(model.config._attn_implementation)
         if model.config._attn_implementation != chosen:
             model.set_attn_implementation(chosen)
     loss_implementation = resolve_loss_implementation(args.loss_implementation, env.device)
     install_loss_head(model, loss_implementation, args.loss_chunk_tokens)
-    collate = _collate_fn(model, tokenizer, padded, args.data_collator)
+    collate = _collate_fn(model, tokenizer, padded, plan.data_collator)
     # compute_metrics needs one row per validation sample: validation batches are then padded (same loss)
-    eval_padded = padded or args.compute_metrics is not None
+    eval_padded = padded or plan.compute_metrics is not None
     eval_collate = collate if padded or not eval_padded else _collate_fn(model, tokenizer, True, None)
     train_batches = TrainBatches(
         data.train,
@@ -257,7 +273,7 @@ def _token_batches(
 
 
 def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
-    """``rows`` with a ``TrainingArgs.dataset_transforms`` entry applied (``set_transform``), or as they are."""
+    """``rows`` with a ``RunPlan.dataset_transforms`` entry applied (``set_transform``), or as they are."""
     if rows is None or transform is None:
         return rows
     return rows.with_transform(
@@ -265,26 +281,28 @@ def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
     )
 
 
-def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
+def _sample_batches(
+    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
+) -> RunBatches:
     """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
     collator (the script's, else Trainer's default), the loss the forward returns."""
     per_device, _ = sample_batch_shape(args, env.world_size)
-    stream: Any = args.train_stream
+    stream: Any = plan.train_stream
     train = open_rows(args.data_path, tokenizer, args.max_seq_len) if args.data_path and stream is None else None
     val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
     if args.validation_split > 0 and train is not None:
         train, val = split_rows(train, args.validation_split, args.seed)
     named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
-    transforms = args.dataset_transforms  # the script's on-the-fly transforms, as its datasets apply them
+    transforms = plan.dataset_transforms  # the script's on-the-fly transforms, as its datasets apply them
     train = _transformed(train, transforms.get("train"))
     val = _transformed(val, transforms.get("eval"))
     named = {name: _transformed(rows, transforms.get(f"eval:{name}")) for name, rows in named.items()}
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
-    collate = ItemCollator(args.data_collator or default_collator(tokenizer), keep)
+    collate = ItemCollator(plan.data_collator or default_collator(tokenizer), keep)
     train_batches: SampleBatches | StreamBatches | LoaderBatches
-    if args.train_loader is not None:  # the script's own DataLoader (a Trainer subclass's), this rank's share
-        train_batches = _loader_batches(args, env, train if train is not None else stream, collate, model)
+    if plan.train_loader is not None:  # the script's own DataLoader (a Trainer subclass's), this rank's share
+        train_batches = _loader_batches(args, env, plan, train if train is not None else stream, collate, model)
     else:
         train_batches = _item_batches(args, env, train, stream, collate)
 
@@ -306,10 +324,10 @@ def _sample_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, 
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     step: ModelLoss
-    if args.trainer_methods is not None:
-        step = TrainerMethodsStep(train_batches, model, env, args.trainer_methods, label_names)
-    elif args.compute_loss is not None:
-        step = CustomLoss(train_batches, model, env, args.compute_loss, label_names)
+    if plan.trainer_methods is not None:
+        step = TrainerMethodsStep(train_batches, model, env, plan.trainer_methods, label_names)
+    elif plan.compute_loss is not None:
+        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names)
     elif args.predict_with_generate:
         sharded = args.distributed_backend == "fsdp" or (
             args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
@@ -355,13 +373,13 @@ def _item_batches(
 
 
 def _loader_batches(
-    args: TrainingArgs, env: DistributedEnv, dataset: Any, collate: ItemCollator, model: PreTrainedModel
+    args: TrainingArgs, env: DistributedEnv, plan: RunPlan, dataset: Any, collate: ItemCollator, model: PreTrainedModel
 ) -> LoaderBatches:
-    """The batches of the DataLoader ``args.train_loader`` builds on this rank; every rank's must be as long
+    """The batches of the DataLoader ``plan.train_loader`` builds on this rank; every rank's must be as long
     (collective: the lengths, so a mismatch fails here rather than hanging a later collective)."""
-    assert args.train_loader is not None
+    assert plan.train_loader is not None
     _, accumulation = sample_batch_shape(args, env.world_size)
-    loader = args.train_loader(dataset, collate, model)
+    loader = plan.train_loader(dataset, collate, model)
     batches = LoaderBatches(loader, accumulation=accumulation, world_size=env.world_size, max_steps=args.max_steps)
     lengths = env.all_gather_objects(None if batches.unsized else len(batches))
     if len(set(lengths)) > 1:
@@ -372,11 +390,13 @@ def _loader_batches(
     return batches
 
 
-def _factory_batches(model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv) -> RunBatches:
-    """The step ``args.train_step`` builds (its own batches, loss and validation batches)."""
-    step = args.train_step(model, tokenizer, args, env) if args.train_step is not None else None
+def _factory_batches(
+    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
+) -> RunBatches:
+    """The step ``plan.train_step`` builds (its own batches, loss and validation batches)."""
+    step = plan.train_step(model, tokenizer, args, env) if plan.train_step is not None else None
     if not isinstance(step, TrainStep):
-        raise TypeError(f"train_step: {args.train_step!r} returned {type(step).__name__}, not a TrainStep")
+        raise TypeError(f"train_step: {plan.train_step!r} returned {type(step).__name__}, not a TrainStep")
     eval_batches, named_eval_batches = step.own_eval_sets()
     return RunBatches(step, eval_batches, named_eval_batches, [], False)
 
@@ -402,7 +422,7 @@ def default_collator(tokenizer: Any) -> Any:
     return transformers.default_data_collator
 
 
-def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool = True) -> bool:
+def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool = True, collator: Any = None) -> bool:
     """Padded or padding-free batches for ``model`` under ``args.packing``; registers the per-sample
     varlen attention when padding-free rows will use it (``probe=False``: without the start-up probe,
     for a meta-device skeleton that takes rank 0's probed choice afterwards)."""
@@ -410,7 +430,7 @@ def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool =
     if args.packing == "padding_free" and not supported:
         raise ValueError(f"packing: {type(model).__name__} does not support padding-free batches")
     padded = args.packing == "padded" or (args.packing == "auto" and not supported)
-    padded = padded or args.data_collator is not None  # a user's collator pads
+    padded = padded or collator is not None  # a user's collator pads
     if not padded and args.varlen_sdpa and enable_varlen_sdpa(model, args.max_seq_len, probe=probe):
         logger.info("attention: per-sample sdpa for padding-free rows (%s)", VARLEN_SDPA)
     return padded

@@ -77,7 +77,9 @@ class TrainingLoop:
         self.eval_batches = components.eval_batches
         self.named_eval_batches = components.named_eval_batches
         # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
-        self.predictions = PredictionCollector(args) if args.compute_metrics is not None else None
+        self.plan = components.plan
+        """The run's code: its evaluation seam, ``compute_metrics`` (``core.config.plan``)."""
+        self.predictions = PredictionCollector(args, self.plan) if self.plan.compute_metrics is not None else None
         self.checkpoints = components.checkpoints
         self._loss_since_log = 0.0
         self._last_logged_step = 0
@@ -280,8 +282,8 @@ class TrainingLoop:
         return flags
 
     def evaluate(self) -> dict[str, float]:
-        """One evaluation: ``args.evaluation`` (a Trainer subclass's ``evaluate``) around ``evaluate_sets``."""
-        return self.args.evaluation(self.evaluate_sets) if self.args.evaluation else self.evaluate_sets()
+        """One evaluation: the plan's ``evaluation`` (a Trainer subclass's ``evaluate``) around ``evaluate_sets``."""
+        return self.plan.evaluation(self.evaluate_sets) if self.plan.evaluation else self.evaluate_sets()
 
     def evaluate_sets(self) -> dict[str, float]:
         """Evaluate the validation set (``eval_`` metrics) or, with named sets (``eval_data_paths``), each set
@@ -415,7 +417,8 @@ class TrainingLoop:
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
-        self.callbacks.load_state_dict(state.get("callbacks", {}), restore_user_states=args.restore_callback_states)
+        states = self.checkpoints.settle_best(state.get("callbacks", {}), path)  # before any step
+        self.callbacks.load_state_dict(states, restore_user_states=args.restore_callback_states)
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.plan import RunPlan
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.types import IGNORE_INDEX
 
@@ -54,9 +55,10 @@ class GatheredPredictions:
 class PredictionCollector:
     """Collects one evaluation's predictions on this rank and turns them into metrics (see module doc)."""
 
-    def __init__(self, args: TrainingArgs) -> None:
-        self.compute_metrics: Callable[..., Any] | None = args.compute_metrics
-        self.preprocess: Callable[..., Any] | None = args.preprocess_logits_for_metrics
+    def __init__(self, args: TrainingArgs, plan: RunPlan | None = None) -> None:
+        plan = args.plan if plan is None else plan
+        self.compute_metrics: Callable[..., Any] | None = plan.compute_metrics
+        self.preprocess: Callable[..., Any] | None = plan.preprocess_logits_for_metrics
         self.include_inputs = "inputs" in args.include_for_metrics
         self.include_loss = "loss" in args.include_for_metrics
         self._samples: list[SamplePrediction] = []

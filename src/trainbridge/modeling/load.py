@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from trainbridge.core.config import ModelKwargs, TrainingArgs, peft_adapter_base
+from trainbridge.core.config import ModelKwargs, TrainingArgs, build_peft_config, peft_adapter_base
 from trainbridge.modeling import quantization
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
         args.fsdp_load_on_rank0
         and args.distributed_backend == "fsdp"
         and world_size > 1
-        and args.model_init is None
+        and args.plan.model_init is None
         and args.peft_config is None
         and args.model_path is not None
         and peft_adapter_base(args.model_path) is None
@@ -99,8 +99,8 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
 
     ``skeleton`` (ranks other than 0 when ``loads_on_rank0_only``): the same model built from its config
     on the meta device, no weight read; the engine materialises it and fills it from rank 0."""
-    if args.model_init is not None:
-        model = call_model_init(args.model_init)
+    if args.plan.model_init is not None:
+        model = call_model_init(args.plan.model_init)
     else:
         assert args.model_path is not None  # validated: model_path or model_init
         base = peft_adapter_base(args.model_path)
@@ -115,7 +115,7 @@ def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.peft_config is not None:
-        model = apply_peft(model, args.peft_config)
+        model = apply_peft(model, build_peft_config(args.peft_config))
     if args.requires_grad is not None:
         set_requires_grad(model, args.requires_grad)
     if is_peft_model(model):
@@ -345,9 +345,8 @@ def check_model_setup(args: TrainingArgs) -> None:
     """Preflight (parent process): build the model's skeleton on the meta device (no weights read) and apply
     ``peft_config`` to it, so target modules that match nothing fail before launch.  Skipped for
     ``model_init`` (the function may be expensive) and when there is no ``peft_config``."""
-    if args.peft_config is None or args.model_init is not None or args.model_path is None:
+    if args.peft_config is None or args.plan.model_init is not None or args.model_path is None:
         return
-    import copy
 
     from transformers import AutoConfig
 
@@ -355,15 +354,15 @@ def check_model_setup(args: TrainingArgs) -> None:
     with torch.device("meta"):
         skeleton = _from_config(model_class(config), config, trust_remote_code=args.model_kwargs.trust_remote_code)
     # get_peft_model fills in defaults (target_modules for known architectures) on the config it gets.
-    apply_peft(skeleton, copy.deepcopy(args.peft_config))
+    apply_peft(skeleton, build_peft_config(args.peft_config))
 
 
 def load_base_for_merge(args: TrainingArgs) -> nn.Module:
     """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
     returns is unloaded) or from ``model_path`` (an adapter folder's base model), not quantised by
     ``model_kwargs`` (the adapter is merged into the full-precision weights)."""
-    if args.model_init is not None:
-        model = call_model_init(args.model_init)
+    if args.plan.model_init is not None:
+        model = call_model_init(args.plan.model_init)
         return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
     assert args.model_path is not None
     kwargs = args.model_kwargs

@@ -325,6 +325,17 @@ def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int, probe: bool = T
     return True
 
 
+def enable_for_own_rows(model: torch.nn.Module, args: Any, max_length: int | None) -> bool:
+    """``enable_varlen_sdpa`` for a training step that packs its own padding-free rows (trl's DPO, KTO and
+    reference-free steps: the loop's batch set-up, which enables it for token batches, does not run for
+    them); say whether it switched.  ``max_length``: the step's longest sequence (None: unbounded).  Not
+    with ``args.varlen_sdpa`` off, nor on a meta-device skeleton (no weights to probe: it keeps sdpa,
+    which gives the same results more slowly)."""
+    if not getattr(args, "varlen_sdpa", True) or any(p.is_meta for p in model.parameters()):
+        return False
+    return enable_varlen_sdpa(model, max_length if max_length is not None else 2**31 - 1)
+
+
 def _has_local_attention(config: Any, max_seq_len: int) -> bool:
     """Whether some layer attends within a window or chunk shorter than ``max_seq_len``."""
     layer_types = getattr(config, "layer_types", None) or ()

@@ -51,16 +51,18 @@ def build_optimizer(
     shard-locally); ``adamw_torch_fused`` asks for it.  The others follow Trainer's
     ``get_optimizer_cls_and_kwargs``: transformers' Adafactor with a fixed learning rate, torch SGD,
     bitsandbytes' AdamW / Lion (8-bit or 32-bit state, paged), the ``schedulefree`` optimizers (put in
-    training mode).  ``total_steps`` (the run's optimizer steps) is passed on to ``args.optimizer_factory``.
+    training mode).  ``total_steps`` (the run's optimizer steps) is passed on to ``args.plan.optimizer_factory``.
     """
     groups = parameter_groups(model, args, decay_names)
-    if args.optimizer_factory is not None:  # the script's own optimizer (TrainingArgs.optimizer_factory)
+    if args.plan.optimizer_factory is not None:  # the script's own optimizer (RunPlan.optimizer_factory)
 
         def default() -> torch.optim.Optimizer:
-            return build_optimizer(model, args.model_copy(update={"optimizer_factory": None}), decay_names, allow_fused)
+            return build_optimizer(
+                model, args.with_plan(args.plan.replace(optimizer_factory=None)), decay_names, allow_fused
+            )
 
-        return cast(torch.optim.Optimizer, args.optimizer_factory.optimizer(model, groups, default, total_steps))
-    name, extra = args.optim, dict(args.optim_args)
+        return cast(torch.optim.Optimizer, args.plan.optimizer_factory.optimizer(model, groups, default, total_steps))
+    name, extra = args.optim, dict[str, Any](args.optim_args)
     lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     if name in ("adamw_torch", "adamw_torch_fused"):
         fused = allow_fused and _fused_allowed(groups)
@@ -128,10 +130,10 @@ def require_package(package: str, optim: str, install: str) -> Any:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int) -> Any:
     """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``, or the
-    schedule of ``args.optimizer_factory`` where it gives one."""
-    if args.optimizer_factory is not None:
-        plain = args.model_copy(update={"optimizer_factory": None})
-        scheduler = args.optimizer_factory.scheduler(
+    schedule of ``args.plan.optimizer_factory`` where it gives one."""
+    if args.plan.optimizer_factory is not None:
+        plain = args.with_plan(args.plan.replace(optimizer_factory=None))
+        scheduler = args.plan.optimizer_factory.scheduler(
             optimizer, total_steps, lambda chosen: build_scheduler(chosen, plain, total_steps)
         )
         if scheduler is not None:

@@ -1,5 +1,5 @@
 """A Trainer subclass's own step: its ``training_step`` runs each micro-batch and its ``prediction_step``
-each validation batch, in the workers, with the real model and batches (``TrainingArgs.trainer_methods``,
+each validation batch, in the workers, with the real model and batches (``RunPlan.trainer_methods``,
 set by the facade for a subclass overriding ``training_step``, ``prediction_step`` or ``compute_loss``, or
 given a ``compute_loss_func``).
 
@@ -21,40 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from trainbridge.core.config.plan import TrainerMethods
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.step.base import EvalOutput
 from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
-
-
-class TrainerMethods(Protocol):
-    """The script's Trainer methods as a worker runs them (``trainer.subclass.ScriptTrainer``)."""
-
-    counts_items: bool
-    """Whether the step's items are counted whatever the model (Trainer counts them for a
-    ``compute_loss_func``)."""
-
-    def training_step(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, Any],
-        num_items_in_batch: Any,
-        backward: Callable[[torch.Tensor], None],
-        accumulation: int,
-    ) -> torch.Tensor:
-        """``Trainer.training_step`` on this worker's instance (``accumulation`` micro-batches per step); its
-        ``accelerator.backward(loss)`` calls ``backward(loss)``; returns the (detached) loss it reports."""
-        ...
-
-    def prediction_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
-    ) -> tuple[Any, Any, Any]:
-        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``; ``super()`` passes
-        ``num_items_in_batch`` (the batch's items over every rank, or None) to ``compute_loss``."""
-        ...
 
 
 class TrainerMethodsStep(ModelLoss):

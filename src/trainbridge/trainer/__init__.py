@@ -21,6 +21,9 @@ def __getattr__(name: str) -> Any:
     # Imported on first use, so ``python -m trainbridge.trainer.runner`` (the workers) does not load the
     # facade first.
     if name in __all__:
+        from trainbridge.launch.script_launch import launch_script
+
+        launch_script()  # python script.py: runs as torchrun would, from here (trainbridge.launch.script_launch)
         from trainbridge.trainer import facade
 
         return getattr(facade, name)

@@ -3,17 +3,15 @@
 Port a script by changing its import (``from trainbridge import Trainer``); docs/porting.md lists every
 argument and method as same / differs / not supported.
 
-Two ways to run, chosen by the environment ``train()`` finds:
+Where it runs: in place, always (``trainer.jobs``).
 
 - **Under a launcher** (``torchrun script.py``, ``accelerate launch``, ``srun`` of torchrun: ``RANK``,
   ``LOCAL_RANK`` and ``WORLD_SIZE`` are set): every rank runs the script; ``train()`` starts the process
-  group, rank 0 writes the run folder (model, datasets), and the loop runs *in place* on this rank.
-  No nested launch.
-- **Plain ``python script.py`` or a notebook**: ``train()`` writes the run folder and launches torchrun
-  workers itself (``run_training`` with the facade's worker ``trainbridge.trainer.runner``): one per
-  visible GPU, else ``TRAINBRIDGE_NPROC_PER_NODE`` (default 1) on CPU.  Their output streams to this
-  process; the result comes back: ``trainer.state``, the metrics, and ``trainer.model`` holding the
-  final (or, with ``load_best_model_at_end``, the best) weights.
+  group, rank 0 writes the run folder (model, datasets), and the loop runs on this rank.
+- **Plain ``python script.py``**: with several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible
+  GPU) the script was re-executed under torchrun when ``Trainer`` was imported (``launch.script_launch``), so
+  this is the case above; with one, the loop runs in the script's process, world size 1, as Trainer's.
+  ``torchrun_args=`` is honoured when it is the running world, else refused naming what to do.
 
 The run folder is ``output_dir/.trainbridge/`` (``core.run_dir.FacadeDir``): the model, the datasets' rows,
 the final weights and the recorded state.  Here: the public API.  ``trainer.jobs`` runs the jobs (train,
@@ -40,6 +38,7 @@ from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.run_dir import FacadeDir, results_file
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.porting import HFPortingWarning
+from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.trainer import jobs, results, script_data, subclass, subclass_data, worker_methods
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import ModelSource, RowPreparation, is_dataset_dict
@@ -77,6 +76,7 @@ class Trainer:
         **kwargs: Any,
     ) -> None:
         self._reject_unsupported(kwargs)
+        launch_script()  # python script.py with several processes: re-executed under torchrun from here, if not yet
         from transformers import TrainerState, TrainingArguments
 
         if args is None:
@@ -107,11 +107,14 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks: list[Any] = list(callbacks or [])
         self.torchrun_args = torchrun_args
+        problem = world_problem(jobs.world_size_of(torchrun_args) if torchrun_args is not None else None)
+        if problem:
+            raise ScriptLaunchError(problem)
         script_data.check_stream_steps(train_dataset, args)
         self._peft_config = kwargs.get("peft_config")  # trl's SFTTrainer(peft_config=...)
         # optimizers= (in place under the script's launcher, else rebuilt in the workers) /
         # optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
-        self._optimizer_factory = optimizer_factory(self, optimizers, optimizer_cls_and_kwargs, launched_worker())
+        self._optimizer_factory = optimizer_factory(self, optimizers, optimizer_cls_and_kwargs, True)
         self._fallback_tokenizer: Any = None
         self.state = TrainerState()
         self._script_events = ScriptEvents()

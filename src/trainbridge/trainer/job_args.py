@@ -36,12 +36,11 @@ def no_metrics(eval_prediction: Any) -> dict[str, float]:
 def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
     """The ``TrainingArgs`` of a job of ``trainer`` over ``layout`` on ``world_size`` ranks; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
-    from trainbridge.core.distributed import launched_worker
     from trainbridge.hf.porting import training_args_from_hf
 
     worker = script_trainer(trainer)  # a subclass's overrides: they run in the workers (trainer.subclass)
     if worker is not None:
-        worker.take_attributes(trainer, check_transport=not launched_worker())
+        worker.take_attributes(trainer, check_transport=False)  # in place: nothing travels
     events = script_events(trainer)
     fields: dict[str, Any] = {
         "model_path": layout.model_path,
@@ -81,9 +80,12 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     elif resume:
         fields["resume_from_checkpoint"] = Path(resume)
     if isinstance(trainer.args, TrainingArgs):
-        data = {name: getattr(trainer.args, name) for name in TrainingArgs.model_fields}
+        data = {
+            **{name: getattr(trainer.args, name) for name in TrainingArgs.model_fields},
+            **trainer.args.plan.keywords(),
+        }
         data.update({k: v for k, v in fields.items() if v is not None or k == "data_collator"})
-        data["callbacks"] = [*trainer.args.callbacks, *fields["callbacks"]]
+        data["callbacks"] = [*trainer.args.plan.callbacks, *fields["callbacks"]]
         return TrainingArgs.model_validate(data)
     hf = trainer.args
     # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
@@ -154,9 +156,9 @@ def evaluation_args(args: TrainingArgs, output_dir: Path, keep_predictions: bool
         "train_loader": None,
         "evaluation": None,  # the script's evaluate override is what called this job
     }
-    if keep_predictions and args.compute_metrics is None:
+    if keep_predictions and args.plan.compute_metrics is None:
         updates["compute_metrics"] = no_metrics
-    data = {name: getattr(args, name) for name in TrainingArgs.model_fields}
+    data = {**{name: getattr(args, name) for name in TrainingArgs.model_fields}, **args.plan.keywords()}
     data.update(updates)
     return TrainingArgs.model_validate(data)
 

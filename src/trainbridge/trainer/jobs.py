@@ -1,13 +1,11 @@
 """The facade's jobs, from the script's side: train, and evaluate (``evaluate()`` and ``predict()``).
 
-Each job runs one of two ways (module doc of ``trainer.facade``):
-
-- **in place** (the script runs under a launcher): rank 0 writes the job's inputs into the run folder and
-  every rank gets their ``RunLayout`` or rank 0's failure (``DistributedEnv.on_rank_zero``), then every rank
-  runs the job (``runner.run_job``);
-- **launched** (plain ``python``): this process writes the inputs, launches torchrun workers running
-  ``trainbridge.trainer.runner`` and reads what rank 0 left in the run folder: JSON, safetensors, and an
-  evaluation's result signed with a key only this launch knows (``launch.transport.read_signed``).
+Every job runs **in place**: on each rank of a launched script (``torchrun script.py``, or ``python script.py``
+re-executed under torchrun by ``launch.script_launch``), or in the script's own process when it runs as one.
+Rank 0 writes the job's inputs into the run folder and every rank gets their ``RunLayout`` or rank 0's failure
+(``DistributedEnv.on_rank_zero``), then every rank runs the job (``runner.run_job``).  The launched jobs below
+(``_train_launched``, ``launch``, the signed result ``evaluate`` reads) are no longer reached; they go with the
+facade's rewrite (issue 29).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.checkpoint.layout import ADAPTER_WEIGHTS_FILE
 from trainbridge.core.config import TorchrunArgs
-from trainbridge.core.distributed import launched_worker
+from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.launch.transport import read_signed
 from trainbridge.loop.result import RunResult
@@ -45,18 +43,16 @@ RUNNER_MODULE = "trainbridge.trainer.runner"
 def train(trainer: Trainer, resume: Any) -> tuple[RunResult, dict[str, Any]]:
     """Train ``trainer``'s model -> ``(rank 0's result, the recorded TrainerState fields)``; afterwards
     ``trainer.model`` holds the trained (or, launched with ``load_best_model_at_end``, the best) weights."""
-    if launched_worker():
-        outcome = _train_in_place(trainer, resume)
-        assert outcome.result is not None and outcome.state is not None
-        return outcome.result, outcome.state
-    return _train_launched(trainer, resume)
+    outcome = _train_in_place(trainer, resume)  # every process trains in place (trainbridge.launch.script_launch)
+    assert outcome.result is not None and outcome.state is not None
+    return outcome.result, outcome.state
 
 
 def evaluate(trainer: Trainer, dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
     """One evaluation of ``trainer``'s current model on ``dataset`` (one or a dict of named sets) ->
     ``(metrics, gathered predictions or None)``."""
     folder = trainer._folder.evaluation
-    env = trainer._start_env() if launched_worker() else None
+    env: DistributedEnv | None = trainer._start_env()  # in place: under a launcher, or one process
     trained = None
     if trainer._loop is not None:  # in place after training: the current weights, written collectively
         export_model(trainer._loop, folder.model)

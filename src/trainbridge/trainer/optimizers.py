@@ -1,4 +1,4 @@
-"""A script's own optimizer and schedule in the workers: ``TrainingArgs.optimizer_factory`` of a facade job.
+"""A script's own optimizer and schedule in the workers: ``RunPlan.optimizer_factory`` of a facade job.
 
 ``ClassAndKwargs`` is ``optimizer_cls_and_kwargs=(cls, kwargs)``: ``cls(groups, **kwargs)`` over Trainer's two
 weight-decay groups.  ``optimizers=(optimizer, scheduler)`` takes one of two forms, chosen when the Trainer
@@ -124,7 +124,7 @@ class InPlace:
         self.script_scheduler = scheduler
 
     def model_init(self) -> nn.Module:
-        """The job's model: the script's own object (``TrainingArgs.model_init`` of the in-place train job)."""
+        """The job's model: the script's own object (``RunPlan.model_init`` of the in-place train job)."""
         return self.model
 
     def optimizer(
@@ -232,7 +232,7 @@ class SubclassOptimizer:
 
 
 def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, in_place: bool) -> Any:
-    """The ``TrainingArgs.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
+    """The ``RunPlan.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
     None when it has none of them.  ``in_place``: the Trainer runs under the script's launcher."""
     from trainbridge.trainer.subclass import overrides, script_trainer

@@ -1,7 +1,7 @@
 """A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` run where Trainer runs them: at each
 checkpoint, in the workers, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
 
-``SubclassSave`` is the ``TrainingArgs.checkpoint_model_files`` of such a subclass's train job
+``SubclassSave`` is the ``RunPlan.checkpoint_model_files`` of such a subclass's train job
 (``checkpoint.model_files.ModelFiles``).  The checkpoint manager stays the one writer of the checkpoint
 folder (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation); inside the
 checkpoint's temporary folder, before publication, it calls ``SubclassSave.write`` on every rank (Trainer

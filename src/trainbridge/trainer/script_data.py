@@ -5,7 +5,7 @@
 - ``as_item_dataset``: a dataset kept as the items its ``__getitem__`` returns (every column; tensors come
   back as tensors), for the model's-own-loss step (``uses_sample_batches``).
 - a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it travels to the workers as
-  ``TrainingArgs.train_stream`` (by value, when self-launched) and is iterated there
+  ``RunPlan.train_stream`` (by value, when self-launched) and is iterated there
   (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
 - ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
   not called: samples go through padding-free token-budget batching) or it must be called as written
@@ -89,7 +89,7 @@ def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:
 
 def dataset_transform(data: Any) -> dict[str, Any] | None:
     """The on-the-fly transform of a ``datasets.Dataset`` (``set_transform`` / ``with_transform``) as
-    ``TrainingArgs.dataset_transforms`` holds it, else None."""
+    ``RunPlan.dataset_transforms`` holds it, else None."""
     import datasets
 
     if not isinstance(data, datasets.Dataset) or data.format.get("type") != "custom":
@@ -102,7 +102,7 @@ def dataset_transform(data: Any) -> dict[str, Any] | None:
 
 
 def dataset_transforms(train: Any, evaluation: Any) -> dict[str, dict[str, Any]]:
-    """``TrainingArgs.dataset_transforms`` of a job over ``train`` and ``evaluation`` (one dataset or a dict)."""
+    """``RunPlan.dataset_transforms`` of a job over ``train`` and ``evaluation`` (one dataset or a dict)."""
     named = evaluation.items() if isinstance(evaluation, Mapping) else [("", evaluation)]
     found = {"train": dataset_transform(train)}
     found.update({f"eval:{name}" if name else "eval": dataset_transform(part) for name, part in named})
@@ -116,7 +116,7 @@ def as_item_dataset(data: Any, what: str) -> Any:
     import datasets
 
     if isinstance(data, datasets.Dataset):
-        # an on-the-fly transform travels as TrainingArgs.dataset_transforms (dataset_transform): the rows as stored
+        # an on-the-fly transform travels as RunPlan.dataset_transforms (dataset_transform): the rows as stored
         return data.with_format(None) if dataset_transform(data) is not None else data
     if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
         raise TypeError(

@@ -12,7 +12,7 @@ job's ``HuggingFaceCallbacks``), ``processing_class``, ``compute_loss_func``, ``
 What runs there:
 
 - ``training_step`` on each micro-batch and ``prediction_step`` on each validation batch
-  (``TrainingArgs.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of them or
+  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of them or
   ``compute_loss``, or has a ``compute_loss_func``; ``super()`` runs Trainer's (``worker_methods``);
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``: training, evaluation and the final
   logs), before the other callbacks see the logs, so what the override adds lands;
@@ -222,7 +222,7 @@ class ScriptTrainer:
         return instance
 
     def evaluation(self, run: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """``TrainingArgs.evaluation``: the script's ``evaluate`` override for each evaluation during training,
+        """``RunPlan.evaluation``: the script's ``evaluate`` override for each evaluation during training,
         its ``super().evaluate()`` being ``run`` (the loop's evaluation: logs, ``on_evaluate``)."""
         instance = self.trainer(None)
         instance.__dict__[LOOP_EVALUATION] = run
@@ -326,7 +326,7 @@ def evaluate_in_worker(instance: Any, eval_dataset: Any, metric_key_prefix: str)
 
 
 def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
-    """The ``TrainingArgs.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
+    """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
     when its class overrides ``evaluate``, else None."""
     worker = script_trainer(trainer) if overrides(type(trainer), ("evaluate",)) else None
     return worker.evaluation if worker is not None else None
@@ -346,7 +346,7 @@ def script_trainer(trainer: Any) -> ScriptTrainer | None:
 
 
 def subclass_loss(trainer: Any) -> ScriptTrainer | None:
-    """The ``TrainingArgs.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
+    """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
     overrides ``training_step``, ``prediction_step`` or ``compute_loss`` or it has a ``compute_loss_func`` (the
     workers then step through ``training_step``), else None (the model's own loss, or the token step)."""
     if not overrides(type(trainer), STEP_METHODS) and trainer.compute_loss_func is None:
@@ -361,11 +361,11 @@ def script_events(trainer: Any) -> ScriptTrainerEvents | None:
 
 
 def bind_state(args: Any, state_source: Callable[[], Any]) -> None:
-    """Give the job's ``ScriptTrainer`` (``args.trainer_methods``, its callback's, the optimizer factory's) the
+    """Give the job's ``ScriptTrainer`` (``args.plan.trainer_methods``, its callback's, the optimizer factory's) the
     run's live state."""
-    candidates = [args.trainer_methods, getattr(args.optimizer_factory, "worker", None)]
-    candidates.append(getattr(args.checkpoint_model_files, "worker", None))
-    candidates += [getattr(c, "worker", None) for c in args.callbacks]
+    candidates = [args.plan.trainer_methods, getattr(args.plan.optimizer_factory, "worker", None)]
+    candidates.append(getattr(args.plan.checkpoint_model_files, "worker", None))
+    candidates += [getattr(c, "worker", None) for c in args.plan.callbacks]
     for candidate in candidates:
         if isinstance(candidate, ScriptTrainer):
             candidate.bind_state(state_source)

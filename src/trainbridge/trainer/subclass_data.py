@@ -1,6 +1,6 @@
 """A Trainer subclass's ``get_train_dataloader`` / ``_get_train_sampler`` run in the workers.
 
-``subclass_loader(trainer)`` is the ``TrainingArgs.train_loader`` of a facade job whose class overrides one of
+``subclass_loader(trainer)`` is the ``RunPlan.train_loader`` of a facade job whose class overrides one of
 them: a picklable ``SubclassLoader`` holding the script's Trainer class (by value when the script defines
 it, as callbacks travel) and the attributes the script set on its instance.  In each worker it builds an
 instance of that class without running its ``__init__`` -- those attributes, ``args``, ``model``,
@@ -89,7 +89,7 @@ def shard_loader(loader: Any, world_size: int, rank: int, data_seed: int | None)
 
 
 class SubclassLoader:
-    """``TrainingArgs.train_loader`` for a Trainer subclass (see the module doc)."""
+    """``RunPlan.train_loader`` for a Trainer subclass (see the module doc)."""
 
     def __init__(self, trainer_cls: type, args: Any, processing_class: Any, attributes: dict[str, Any]) -> None:
         self.trainer_cls = trainer_cls

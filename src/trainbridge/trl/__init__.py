@@ -22,6 +22,10 @@ __all__ = ["CPOTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "SFTTrainer"
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: trl and the facade are heavy imports.
+    if name in __all__:
+        from trainbridge.launch.script_launch import launch_script
+
+        launch_script()  # python script.py: runs as torchrun would, from here (trainbridge.launch.script_launch)
     if name == "SFTTrainer":
         from trainbridge.trl.sft_trainer import SFTTrainer
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, EvalSource, StepBatches, TrainStep
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import (
@@ -341,7 +342,7 @@ def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float
 
 
 class DPOStepFactory:
-    """``TrainingArgs.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
+    """``RunPlan.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
     It carries the prepared pairs (``prepare_preference_dataset``; None: the job's ``data_path``, as the
     facade writes them), the loss settings and the batch shape;
@@ -380,6 +381,8 @@ class DPOStepFactory:
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
+        if self.ref_model is not None:  # a copy of the policy has the policy's attention already
+            enable_for_own_rows(reference, args, self.max_length)
         if getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1:
             from trainbridge.modeling.load import loads_on_rank0_only
             from trainbridge.parallel.fsdp import shard_frozen
@@ -397,6 +400,7 @@ class DPOStepFactory:
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
         from trainbridge.data.rows import open_rows
 
+        enable_for_own_rows(model, args, self.max_length)  # one attention call per layer, not a [T, T] mask
         dataset = self.dataset if self.dataset is not None else open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = PairBatches(
@@ -427,7 +431,7 @@ class DPOStepFactory:
         named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
         single = eval_set(evaluation) if evaluation is not None and not named else None
         reference = self.reference(model, args, env)
-        for callback in args.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
+        for callback in args.plan.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
             if type(callback).__name__ == "SyncRefModelCallback" and getattr(callback, "ref_model", 0) is None:
                 callback.ref_model = reference
         return PreferenceStep(batches, self.settings, reference, single, dict(named))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.dpo_step import DPOStepFactory, PairBatches, PairPlan
 from trainbridge.trl.kto_loss import KTOLoss, kl_sum
@@ -186,7 +187,7 @@ class KTOStep(TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``TrainingArgs.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows; the
+    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows; the
     reference model is picked as for DPO (``DPOStepFactory.reference``: ``ref_model``, the PEFT base, or a
     frozen copy of the loaded policy)."""
 
@@ -212,6 +213,7 @@ class KTOStepFactory(DPOStepFactory):
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(model)
+        enable_for_own_rows(model, args, self.max_length)
         dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
+from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.dpo_step import PairBatches
 from trainbridge.trl.pair_scores import pack_labelled_pairs, score_pairs
@@ -112,7 +113,7 @@ class ReferenceFreeStep(TrainStep):
 
 
 class ReferenceFreeStepFactory:
-    """``TrainingArgs.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
+    """``RunPlan.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
     worker over the job's prepared pairs (``dataset`` None: the job's ``data_path``, as the facade writes
     them)."""
 
@@ -134,6 +135,7 @@ class ReferenceFreeStepFactory:
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(model)
+        enable_for_own_rows(model, args, None)
         dataset = self.dataset
         if dataset is None:
             from trainbridge.data.rows import open_rows

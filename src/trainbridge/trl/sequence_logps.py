@@ -37,6 +37,9 @@ class PackedPairs:
     """For each label, whether it lies past the shorter completion of its pair (LD-DPO's verbose tail)."""
     completion_tokens: torch.Tensor
     """Scored completion tokens of each sequence ``[2 * pairs]`` (chosen first)."""
+    label_positions: torch.Tensor
+    """Column of each label in the row (from the CPU-side lists: no ``nonzero`` on the device, which waits
+    for the queued kernels on a GPU)."""
 
 
 def truncate(ids: list[int], mask: list[int], max_length: int | None, mode: str) -> tuple[list[int], list[int]]:
@@ -76,18 +79,21 @@ def pack_pairs(
     position_ids: list[int] = []
     owner: list[int] = []
     rank: list[int] = []
+    columns: list[int] = []
     counts = []
     for index, (ids, mask) in enumerate(sequences):
         scored = [False, *(bool(m) for m in mask[1:])]  # a sequence's first token is never predicted
+        start = len(input_ids)
         input_ids.extend(ids)
         position_ids.extend(range(len(ids)))
         labels.extend(token if keep else IGNORE_INDEX for token, keep in zip(ids, scored, strict=True))
         count = 0
-        for keep in scored:
+        for column, keep in enumerate(scored, start):
             if keep:
                 count += 1
                 owner.append(index)
                 rank.append(count)
+                columns.append(column)
         counts.append(count)
     shared = [min(counts[i % pairs], counts[i % pairs + pairs]) for i in range(2 * pairs)]
     batch = CollatedBatch(
@@ -102,6 +108,7 @@ def pack_pairs(
         sequence_of_label=torch.tensor(owner, dtype=torch.long),
         beyond_shared=torch.tensor([r > shared[o] for o, r in zip(owner, rank, strict=True)], dtype=torch.bool),
         completion_tokens=torch.tensor(counts, dtype=torch.long),
+        label_positions=torch.tensor(columns, dtype=torch.long),
     )
 
 
@@ -129,19 +136,19 @@ def sequence_stats(model: torch.nn.Module, packed: PackedPairs, ld_alpha: float 
     """One forward of ``packed`` through ``model``; per-sequence sums (see module doc)."""
     batch = packed.batch
     device = next(model.parameters()).device
-    on_device = CollatedBatch({key: value.to(device) for key, value in batch.items()})
+    on_device = CollatedBatch({key: value.to(device, non_blocking=True) for key, value in batch.items()})
     on_device.seq_lens = batch.seq_lens
     with sample_segments(on_device):
         logits = forward_logits(model, on_device)
     labels = on_device["labels"][0]
-    positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    positions = packed.label_positions.to(device, non_blocking=True)
     scored = logits[0, positions - 1].float()  # the logit at t predicts the token at t + 1
     log_probs = torch.log_softmax(scored, dim=-1)
     targets = labels[positions]
     token_logps = log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
-    owner = packed.sequence_of_label.to(device)
+    owner = packed.sequence_of_label.to(device, non_blocking=True)
     if ld_alpha is not None:
-        token_logps = token_logps * torch.where(packed.beyond_shared.to(device), ld_alpha, 1.0)
+        token_logps = token_logps * torch.where(packed.beyond_shared.to(device, non_blocking=True), ld_alpha, 1.0)
     sequences = 2 * packed.pairs
 
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
@@ -157,7 +164,7 @@ def sequence_stats(model: torch.nn.Module, packed: PackedPairs, ld_alpha: float 
         sequence_logps = sequence_logps + logits.sum() * 0.0
     return SequenceStats(
         logps=sequence_logps,
-        tokens=packed.completion_tokens.to(device),
+        tokens=packed.completion_tokens.to(device, non_blocking=True),
         mean_logits=per_sequence(scored.detach().mean(-1)),
         entropy=per_sequence(entropy),
         top1=per_sequence(top1),

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainbridge.core.config.model import peft_adapter_base
+from trainbridge.core.config.model import build_peft_config, peft_adapter_base
 
 if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
     from trainbridge.core.config.training import TrainingArgs
 
 
-def check_consistent(args: TrainingArgs) -> None:
-    """The fields together: evaluation, best model, saving and batching settings that must agree."""
-    check_model(args)
-    check_optimizer(args)
-    check_stream(args)
-    check_step_factory(args)
+def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
+    """The fields together, and with the run's code (``plan``): evaluation, best model, saving and batching
+    settings that must agree."""
+    check_model(args, plan)
+    check_optimizer(args, plan)
+    check_stream(args, plan)
+    check_step_factory(plan)
     if args.val_data_path is not None and args.validation_split > 0:
         raise ValueError("give val_data_path or validation_split, not both")
     if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
@@ -59,7 +61,7 @@ def check_consistent(args: TrainingArgs) -> None:
             "nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
             "applies its update inside its own step); use 'error' or 'warn'"
         )
-    if args.data_collator is not None and args.packing == "padding_free":
+    if plan.data_collator is not None and args.packing == "padding_free":
         raise ValueError(
             "packing: 'padding_free' cannot be used with a data_collator (it needs padded "
             "micro-batches); leave packing='auto' or set data_collator=None"
@@ -71,9 +73,9 @@ def check_consistent(args: TrainingArgs) -> None:
         )
 
 
-def check_step_factory(args: TrainingArgs) -> None:
+def check_step_factory(plan: RunPlan) -> None:
     """``train_step``: a step factory forms its own loss, so nothing else may claim the step."""
-    if args.train_step is not None and (args.trainer_methods is not None or args.compute_loss is not None):
+    if plan.train_step is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
         raise ValueError(
             "train_step: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
             "compute_loss_func or a subclass's training_step / prediction_step / compute_loss would never run; "
@@ -81,12 +83,12 @@ def check_step_factory(args: TrainingArgs) -> None:
         )
 
 
-def check_stream(args: TrainingArgs) -> None:
+def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
     """``data_path`` or ``train_stream``; a stream has no length, so it needs ``max_steps``; it has no rows to
     split or plan."""
-    if args.train_loader is not None and args.training_step == "token_cross_entropy":
+    if plan.train_loader is not None and args.training_step == "token_cross_entropy":
         raise ValueError("training_step: a train_loader's batches train on 'model_loss'; leave it 'auto'")
-    if args.train_stream is None:
+    if plan.train_stream is None:
         if args.data_path is None:
             raise ValueError("data_path: the training data is required (a file or folder), or give a train_stream")
         return
@@ -111,7 +113,7 @@ OPTIMIZER_PACKAGES = {
 """The package an ``optim`` name needs (by name or prefix)."""
 
 
-def check_optimizer(args: TrainingArgs) -> None:
+def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
     """``optim``: its package installed; DeepSpeed keeps its own AdamW."""
     import importlib.util
 
@@ -119,7 +121,7 @@ def check_optimizer(args: TrainingArgs) -> None:
     if package is not None and importlib.util.find_spec(package) is None:
         extra = "'trainbridge[qlora]' (bitsandbytes)" if package == "bitsandbytes" else package
         raise ValueError(f"optim={args.optim!r}: needs the {package} package; pip install {extra}")
-    if args.distributed_backend == "deepspeed" and args.optimizer_factory is not None:
+    if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
         raise ValueError(
             "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "
             "script's optimizer (optimizers= / optimizer_cls_and_kwargs= / create_optimizer) cannot be used; "
@@ -132,35 +134,36 @@ def check_optimizer(args: TrainingArgs) -> None:
         )
 
 
-def check_model(args: TrainingArgs) -> None:
+def check_model(args: TrainingArgs, plan: RunPlan) -> None:
     """The model fields together: what to load, PEFT options that cannot combine, quantization."""
-    if args.model_path is None and args.model_init is None:
+    if args.model_path is None and plan.model_init is None:
         raise ValueError("model_path: required (a model or PEFT adapter folder) unless model_init is given")
     if args.model_path is None and args.tokenizer_path is None:
         raise ValueError("tokenizer_path: required when the model comes from model_init without model_path")
     adapter_base = peft_adapter_base(args.model_path) if args.model_path is not None else None
     config = args.peft_config
     if config is not None:
-        if adapter_base is not None and args.model_init is None:
+        if adapter_base is not None and plan.model_init is None:
             raise ValueError(
                 f"peft_config: model_path {str(args.model_path)!r} is already a PEFT adapter folder, which is "
                 "trained as it is; give peft_config with a base model, or drop peft_config to continue the adapter"
             )
-        task = getattr(config, "task_type", None)
+        task = config.get("task_type")
         if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
             raise ValueError(f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)")
-        if getattr(config, "inference_mode", False):
+        if config.get("inference_mode"):
             raise ValueError(
                 "peft_config: inference_mode=True freezes the adapter, so nothing would train; set inference_mode=False"
             )
-        if getattr(config, "is_prompt_learning", False):
+        peft_object = build_peft_config(config)
+        if peft_object.is_prompt_learning:
             raise ValueError(
-                f"peft_config: {type(config).__name__} is a prompt-learning method, not supported here: its "
+                f"peft_config: {type(peft_object).__name__} is a prompt-learning method, not supported here: its "
                 "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
                 "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
             )
     is_peft = config is not None or adapter_base is not None
-    if args.merge_adapter_at_end and not is_peft and args.model_init is None:
+    if args.merge_adapter_at_end and not is_peft and plan.model_init is None:
         raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
     if args.gradient_checkpointing_kwargs != {"use_reentrant": False} and not args.gradient_checkpointing:
         raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
@@ -172,7 +175,7 @@ def check_model(args: TrainingArgs) -> None:
                 "model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
                 "pip install 'trainbridge[qlora]'"
             )
-        if not is_peft and args.model_init is None:
+        if not is_peft and plan.model_init is None:
             raise ValueError(
                 "model_kwargs.quantization_config: a quantized base model trains through an adapter "
                 "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords"

@@ -6,19 +6,18 @@ and the validators that read it alone.  A new field goes next to its related fie
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
 from trainbridge.core import config_errors
-from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
+from trainbridge.core.config.imports import CallbackSpec
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
 from trainbridge.core.config.names import DataColumn, OptimizerName, SchedulerName
-from trainbridge.core.events import Event
 
 _GROUP = ConfigDict(use_attribute_docstrings=True)
+_NON_REENTRANT: dict[str, JsonValue] = {"use_reentrant": False}
 
 
 class ModelFields(BaseModel):
@@ -31,15 +30,10 @@ class ModelFields(BaseModel):
     PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``), whose base model (its
     ``base_model_name_or_path``, a local folder) is loaded and the adapter applied, trainable, to continue
     training it.  Required unless ``model_init`` is given."""
-    model_init: Callable[..., Any] | None = None
-    """A picklable function returning the model to train (as ``transformers.Trainer``'s ``model_init``;
-    called with no argument, or with ``None`` for a one-argument ``model_init(trial)``), or its import path
-    ``package.module:function`` in YAML.  Called in every worker instead of loading ``model_path``; it may
-    return a ``peft.PeftModel``.  Needs ``tokenizer_path`` when ``model_path`` is not given."""
     model_kwargs: ModelKwargs = Field(default_factory=lambda: ModelKwargs())
     """Keyword arguments for ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``attn_implementation``,
     ``trust_remote_code``, and any other ``from_pretrained`` keyword)."""
-    peft_config: Any = None
+    peft_config: dict[str, JsonValue] | None = None
     """A ``peft.PeftConfig`` (e.g. ``peft.LoraConfig(r=8, target_modules=[...])``), or its dict form in
     YAML (``peft_type`` defaults to ``LORA``, ``task_type`` to ``CAUSAL_LM``).  The adapter is applied in
     every worker before DDP/FSDP2/DeepSpeed wrapping and before the optimizer is built: only adapter
@@ -57,7 +51,7 @@ class ModelFields(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (``model.gradient_checkpointing_enable``), applied before
     wrapping (also under FSDP2); trades compute for activation memory."""
-    gradient_checkpointing_kwargs: dict[str, Any] = Field(default_factory=lambda: {"use_reentrant": False})
+    gradient_checkpointing_kwargs: dict[str, JsonValue] = Field(default_factory=lambda: _NON_REENTRANT.copy())
     """Passed to ``gradient_checkpointing_enable``; non-reentrant checkpointing by default.  With
     ``use_reentrant=True`` and a frozen base (PEFT) the inputs are made to require grads, as Trainer does."""
 
@@ -75,33 +69,13 @@ class ModelFields(BaseModel):
             )
         return value
 
-    @field_validator("model_init", mode="before")
-    @classmethod
-    def _model_init_callable(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = resolve_import_path(value)
-        if value is not None and not callable(value):
-            raise ValueError(f"expected a function returning the model, got {type(value).__name__} {value!r}")
-        return value
-
     @field_validator("peft_config", mode="before")
     @classmethod
-    def _peft_config(cls, value: Any) -> Any:
-        return None if value is None else build_peft_config(value)
-
-    @field_serializer("peft_config")
-    def _peft_config_as_dict(self, value: Any) -> Any:
+    def _peft_config_as_data(cls, value: Any) -> Any:
         if value is None:
             return None
-        data = value.to_dict()
+        data = build_peft_config(value).to_dict()  # checked by peft, kept as data (rebuilt where it is applied)
         return {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in data.items()}
-
-    @field_serializer("model_init")
-    def _model_init_as_path(self, value: Any) -> Any:
-        if value is None:
-            return None
-        module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
-        return f"{module}:{name}" if module and module != "__main__" and "<" not in name else None
 
 
 class DataFields(BaseModel):
@@ -186,32 +160,6 @@ class BatchFields(BaseModel):
     """Micro-batch layout: ``padding_free`` concatenates samples with ``position_ids`` (models that
     support it, e.g. Llama with flash/sdpa-compatible packing); ``padded`` pads to the longest row;
     ``auto`` picks padding-free when the model supports it."""
-    data_collator: Callable[..., Any] | None = None
-    """A collate function called as written on each micro-batch (e.g. a ``transformers`` data collator):
-    it gets a list of feature dicts (``input_ids``, ``attention_mask``, and ``labels`` when the data has
-    its own) and returns the batch dict (``input_ids``, ``attention_mask``, ``labels``; missing labels
-    become ``input_ids`` with padding at -100).  Setting it selects padded micro-batches (``packing``
-    must not be ``padding_free``).  None: trainbridge's own collation."""
-    dataset_transforms: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    """``model_loss``: on-the-fly transforms (``datasets.Dataset.set_transform`` / ``with_transform``) the workers
-    re-apply to the rows they read, so each item is made as the script's dataset makes it (random
-    augmentations included): ``"train"``, ``"eval"`` (the validation rows) or ``"eval:<name>"`` (a named set)
-    -> ``{"transform": fn, "columns": list | None, "output_all_columns": bool}``.  The facade sets it from the
-    script's datasets."""
-    train_stream: Any | None = None
-    """A streaming training set trained on instead of ``data_path``'s rows: a ``torch.utils.data.IterableDataset``
-    or a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) whose items the collator gets
-    as they come.  Needs ``max_steps`` (a stream has no length) and trains on ``model_loss`` batches; the
-    ranks take disjoint micro-batches (rank ``r`` every ``r``-th of ``world size``) and a resumed run skips the
-    items already trained on.  When a pass over the stream ends before ``max_steps``, the stream is iterated
-again (the next epoch; ``set_epoch`` first when it has one), as Trainer does.  ``data_path`` is then not
-needed.  It reaches self-launched workers by value (cloudpickle) and is iterated there."""
-    train_loader: Callable[..., Any] | None = None
-    """``fn(dataset, collate, model) -> DataLoader``: this rank's training batches as a script builds them (the
-    facade sets it for a Trainer subclass overriding ``get_train_dataloader`` or ``_get_train_sampler``), called
-    once per run in each worker with the training items (``data_path``'s rows or ``train_stream``), the
-    collator (unused columns removed) and the model.  Its batches are trained ``accumulation`` at a time
-    (``data.loader_batches``); needs ``model_loss`` batches."""
     training_step: Literal["auto", "token_cross_entropy", "model_loss"] = "auto"
     """What a step trains on (``trainbridge.step``): ``token_cross_entropy``, padding-free token-budget
     batches and the summed token cross entropy (causal LMs only); ``model_loss``, Trainer's sample batches
@@ -220,23 +168,6 @@ needed.  It reaches self-launched workers by value (cloudpickle) and is iterated
     task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
     causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
     dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
-    compute_loss: Callable[..., Any] | None = None
-    """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``:
-    replaces the forward's own loss of each micro-batch.  Selects ``model_loss`` batches under ``auto``."""
-    trainer_methods: Any = None
-    """A Trainer subclass's methods run in the workers in place of the step's own (``trainbridge.step.
-    trainer_methods``): its ``training_step`` on each micro-batch and ``prediction_step`` on each validation
-    batch (the facade sets it for a subclass overriding ``training_step``, ``prediction_step`` or
-    ``compute_loss``, or a ``compute_loss_func``).  Selects ``model_loss`` batches under ``auto``."""
-    evaluation: Callable[..., Any] | None = None
-    """How each evaluation during training runs: ``evaluation(run) -> metrics``, where ``run()`` is the loop's
-    own evaluation (it logs and fires ``on_evaluate``).  The facade sets it for a Trainer subclass overriding
-    ``evaluate``, whose ``super().evaluate()`` is ``run()``.  None: ``run()`` alone."""
-    train_step: Callable[..., Any] | None = None
-    """A step factory, ``factory(model, tokenizer, args, env) -> TrainStep`` (``trainbridge.step.base``):
-    called in each worker once the model is loaded, before the engine wraps it, it forms the training
-    batches and the loss itself (``trainbridge.DPOTrainer`` sets one for preference pairs).  Replaces the
-    step ``training_step`` would choose.  A picklable object: it travels to the workers with the arguments."""
     token_metrics: bool = False
     """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
     the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
@@ -282,7 +213,7 @@ class ScheduleFields(BaseModel):
     """Peak learning rate."""
     lr_scheduler: SchedulerName = "constant_with_warmup"
     """Learning-rate schedule (``transformers.get_scheduler`` names; Trainer's ``lr_scheduler_type``)."""
-    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    lr_scheduler_kwargs: dict[str, JsonValue] = Field(default_factory=dict)
     """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
     ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     optim: OptimizerName = "adamw_torch"
@@ -292,16 +223,9 @@ class ScheduleFields(BaseModel):
     ``paged_adamw_8bit``/``paged_adamw_32bit`` and ``lion_8bit``/``lion_32bit``/``paged_lion_*``; with
     ``pip install schedulefree`` ``schedule_free_adamw``/``schedule_free_radam``/``schedule_free_sgd``.
     DeepSpeed keeps its own AdamW (``adamw_torch`` only)."""
-    optim_args: dict[str, Any] = Field(default_factory=dict)
+    optim_args: dict[str, JsonValue] = Field(default_factory=dict)
     """Extra keyword arguments of the optimizer's constructor (Trainer's ``optim_args``), e.g.
     ``{"momentum": 0.9}`` for ``sgd``."""
-    optimizer_factory: Any | None = None
-    """The script's own optimizer, replacing ``optim`` (ddp, fsdp and single-process runs; not DeepSpeed):
-    an object with ``optimizer(model, groups, default, total_steps) -> torch.optim.Optimizer`` (``groups``: the
-    two weight-decay groups ``optim`` would use; ``default()`` builds ``optim``'s) and ``scheduler(optimizer,
-    total_steps, default)`` returning the schedule, or None for ``lr_scheduler`` (``default(optimizer)``).
-    It travels to the workers by value; the facade sets it for ``optimizers=``, ``optimizer_cls_and_kwargs=``
-    and a subclass's ``create_optimizer``/``create_scheduler`` (``trainbridge.trainer.optimizers``)."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -385,13 +309,6 @@ class EvaluationFields(BaseModel):
     """Steps (or epochs, with ``eval_strategy='epoch'``) to wait before the first evaluation."""
     eval_on_start: bool = False
     """Evaluate once before the first step (a sanity check of the validation path)."""
-    compute_metrics: Callable[..., Any] | None = None
-    """``fn(EvalPrediction) -> dict`` as in ``transformers.Trainer``: predictions and labels of the whole
-    validation set (every rank's share gathered in dataset order, padding removed), results prefixed
-    ``eval_`` and merged into the evaluation metrics (logs, ``metric_for_best_model``...)."""
-    preprocess_logits_for_metrics: Callable[..., Any] | None = None
-    """``fn(logits, labels) -> predictions`` applied to each validation batch on its rank before the
-    predictions are kept (e.g. ``logits.argmax(-1)``), as in ``transformers.Trainer``."""
     include_for_metrics: list[Literal["inputs", "loss"]] = Field(default_factory=list)
     """Also give ``compute_metrics`` the ``inputs`` and/or per-sample ``loss``
     (``EvalPrediction.inputs``/``.losses``)."""
@@ -400,7 +317,7 @@ class EvaluationFields(BaseModel):
     (its inputs without the labels), padded to the generation config's ``max_length`` with the pad token,
     labels padded the same way, as ``Seq2SeqTrainer.prediction_step`` gives them; the loss is still the
     forward's.  ``Seq2SeqTrainer`` sets it from ``Seq2SeqTrainingArguments.predict_with_generate``."""
-    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    generation_kwargs: dict[str, JsonValue] = Field(default_factory=dict)
     """``predict_with_generate``: keyword arguments of ``model.generate`` (``max_length``, ``num_beams``:
     ``Seq2SeqTrainingArguments.generation_max_length`` / ``generation_num_beams``); the model's generation
     config gives the rest."""
@@ -442,12 +359,6 @@ class CheckpointFields(BaseModel):
     parameters' dtype.  Resume stays exact whatever this is: when the export is of another dtype than the
     parameters, the parameters themselves are kept in the checkpoint's sharded state (``dcp/``) and resume
     reads them from there.  A PEFT adapter is written in its training dtype."""
-    checkpoint_model_files: Any | None = None
-    """What writes the model part of each checkpoint inside its temporary folder (``checkpoint.model_files``):
-    an object with ``keeps_model_state`` and ``write(model, folder, state, tokenizer, weights_dtype,
-    is_rank_zero)``, called on every rank.  None: rank 0 writes the weights in Hugging Face layout and the
-    tokenizer.  The facade sets it for a Trainer subclass overriding ``_save`` / ``save_model``; it travels to
-    the workers by value."""
     checkpoint_async: bool = False
     """Write intermediate checkpoints' sharded state (``dcp/``: the optimizer state -- under DDP / one
     process it then goes there instead of ``optimizer.pt`` -- and the model's shards or full-precision
@@ -489,11 +400,6 @@ class ReportingFields(BaseModel):
     carry it), as transformers' option of that name: ``no`` (not counted), ``all`` (every input position,
     padding included) or ``non_padding`` (real tokens); ``True``/``False`` mean ``all``/``no``.  The native
     counters (``TrainingContext.tokens_seen``, ``input_tokens_seen``) always count."""
-    hf_args: Any = Field(default=None, exclude=True)
-    """The ``transformers.TrainingArguments`` (or subclass instance: trl's ``SFTConfig``, ``DPOConfig``...)
-    these settings were ported from; ``training_args_from_hf`` sets it.  Hugging Face callbacks then see an
-    instance of its class with all its fields, only the fields this run owns replaced
-    (``trainbridge.hf.arguments``).  Not written to YAML."""
     run_name: str | None = None
     """Run name shown by reporting integrations."""
     logging_dir: Path | None = None
@@ -510,31 +416,17 @@ class ReportingFields(BaseModel):
             return "all" if value else "no"
         return value
 
-    @field_validator("hf_args")
-    @classmethod
-    def _hf_training_arguments(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        from transformers import TrainingArguments
-
-        if not isinstance(value, TrainingArguments):
-            raise ValueError(
-                f"expected a transformers.TrainingArguments (or subclass) instance, got "
-                f"{type(value).__name__}; pass the object your script built, or leave it unset"
-            )
-        return value
-
 
 class CallbackFields(BaseModel):
     """Callbacks and event functions, and how their errors and queues are handled."""
 
     model_config = _GROUP
 
-    callbacks: list[Any] = Field(default_factory=list)
-    """Callback objects: ``trainbridge.Callback`` instances, ``transformers.TrainerCallback`` instances or
-    classes, or ``CallbackSpec``/``{"class": ..., "kwargs": ...}`` import specs."""
-    event_functions: dict[Event, list[Callable[..., Any]]] = Field(default_factory=dict)
-    """Plain functions per event (filled from the flat ``on_<event>=fn`` keywords)."""
+    callbacks: list[CallbackSpec] = Field(default_factory=list)
+    """Callbacks given as import specs (``CallbackSpec``/``{"class": ..., "kwargs": ...}``/``"pkg.mod:Class"``).
+    The ``callbacks=`` keyword also takes ``trainbridge.Callback`` instances and ``transformers.TrainerCallback``
+    instances or classes: those are code and go into the arguments' plan (``args.plan.callbacks``, every
+    callback in its order); this field keeps the specs."""
     callback_error_policy: Literal["isolate", "fatal"] = "isolate"
     """``isolate``: a callback error after train begin is logged, counted and reported; ``fatal``: any
     callback error stops every rank cleanly and fails the run."""
@@ -569,4 +461,4 @@ class CallbackFields(BaseModel):
             out.append(item)
         if problems:
             raise ValueError("\n".join(problems))
-        return out
+        return [item for item in out if isinstance(item, CallbackSpec)]  # objects are code: the plan's

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from trainbridge.core.config.checks import check_consistent
 from trainbridge.core.config.fields import (
@@ -20,8 +20,9 @@ from trainbridge.core.config.fields import (
     ReportingFields,
     ScheduleFields,
 )
-from trainbridge.core.config.imports import CallbackSpec
+from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
 from trainbridge.core.config.model import peft_adapter_base
+from trainbridge.core.config.plan import PLAN_KEYWORDS, RunPlan
 from trainbridge.core.events import Event, event_from_name
 from trainbridge.core.instructlab_names import translate_instructlab_names
 from trainbridge.core.run_dir import METRICS_FILE
@@ -51,35 +52,34 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         validate_assignment=True,
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _collect_flat_event_functions(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = translate_instructlab_names(data)  # instructlab's names: translated, or an error naming ours
-        functions: dict[Event, list[Any]] = {}
-        for key, value in (data.pop("event_functions", None) or {}).items():
-            functions.setdefault(event_from_name(str(getattr(key, "value", key))), []).extend(
-                value if isinstance(value, list | tuple) else [value]
-            )
-        for key in [k for k in data if isinstance(k, str) and k.startswith("on_")]:
-            value = data.pop(key)
-            try:
-                event = event_from_name(key)
-            except ValueError as exc:
-                raise ValueError(f"{key}: {exc}") from None
-            functions.setdefault(event, []).extend(value if isinstance(value, list | tuple) else [value])
-        for event, fns in functions.items():
-            for fn in fns:
-                if not callable(fn):
-                    raise ValueError(f"{event.value}: expected a callable, got {type(fn).__name__} {fn!r}")
-        data["event_functions"] = functions
-        return data
+    _plan: RunPlan = PrivateAttr(default_factory=RunPlan)
 
-    @model_validator(mode="after")
-    def _consistent(self) -> TrainingArgs:
-        check_consistent(self)
-        return self
+    @model_validator(mode="wrap")
+    @classmethod
+    def _data_and_plan(cls, data: Any, handler: ModelWrapValidatorHandler[TrainingArgs]) -> TrainingArgs:
+        """The fields are data; the code keywords (``RunPlan``'s: ``model_init``, ``compute_metrics``, callback
+        objects, ``on_<event>=fn``...) are split off into the arguments' plan, then everything is checked."""
+        plan: RunPlan | None = None
+        if isinstance(data, dict):
+            data, plan = _split_plan(translate_instructlab_names(dict(data)))
+        args = handler(data)
+        if plan is not None:
+            plan.callbacks = _ordered_callbacks(plan.callbacks, args.callbacks)
+            args._plan = plan
+        check_consistent(args, args._plan)
+        return args
+
+    @property
+    def plan(self) -> RunPlan:
+        """The code given with these arguments (``core.config.plan``); never a field, never in YAML."""
+        return self._plan
+
+    def with_plan(self, plan: RunPlan) -> TrainingArgs:
+        """A copy of these arguments running ``plan`` (checked against the fields)."""
+        check_consistent(self, plan)
+        copy = self.model_copy()
+        copy._plan = plan
+        return copy
 
     # ----------------------------------------------------------------- derived values
     @property
@@ -180,31 +180,74 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Dump to YAML.  Callbacks given as import specs are kept; live objects and functions cannot
         be written as YAML and are left out (they travel to the workers by ``trainbridge.launch.transport``)."""
-        live = {
-            "callbacks",
-            "event_functions",
-            "data_collator",
-            "compute_metrics",
-            "preprocess_logits_for_metrics",
-            "compute_loss",
-            "trainer_methods",
-            "evaluation",
-            "optimizer_factory",
-            "checkpoint_model_files",
-            "train_step",
-            "train_stream",
-            "train_loader",
-        }
-        data = self.model_dump(mode="json", exclude=live, exclude_none=True)
+        data = self.model_dump(mode="json", exclude={"callbacks"}, exclude_none=True)
         for key, value in data.items():  # absolute, so the file loads the same from any folder
             if isinstance(getattr(self, key), Path):
                 data[key] = str(Path(value).resolve())
         if self.eval_data_paths:
             data["eval_data_paths"] = {name: str(p.resolve()) for name, p in self.eval_data_paths.items()}
-        specs = [c.model_dump(by_alias=True) for c in self.callbacks if isinstance(c, CallbackSpec)]
+        model_init = _import_path(self.plan.model_init)
+        if model_init is not None:
+            data["model_init"] = model_init
+        specs = [c.model_dump(by_alias=True) for c in self.callbacks]
         if specs:
             data["callbacks"] = specs
         text = yaml.safe_dump(data, sort_keys=False)
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+def _split_plan(data: dict[str, Any]) -> tuple[dict[str, Any], RunPlan]:
+    """``data`` without its code keywords, and the ``RunPlan`` they make."""
+    functions: dict[Event, list[Any]] = {}
+    for key, value in (data.pop("event_functions", None) or {}).items():
+        functions.setdefault(event_from_name(str(getattr(key, "value", key))), []).extend(
+            value if isinstance(value, list | tuple) else [value]
+        )
+    for key in [k for k in data if isinstance(k, str) and k.startswith("on_")]:
+        value = data.pop(key)
+        try:
+            event = event_from_name(key)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        functions.setdefault(event, []).extend(value if isinstance(value, list | tuple) else [value])
+    for event, fns in functions.items():
+        for fn in fns:
+            if not callable(fn):
+                raise ValueError(f"{event.value}: expected a callable, got {type(fn).__name__} {fn!r}")
+    code = {key: data.pop(key) for key in PLAN_KEYWORDS if key in data}
+    code["event_functions"] = functions
+    code["dataset_transforms"] = code.get("dataset_transforms") or {}
+    model_init = code.get("model_init")
+    if isinstance(model_init, str):
+        code["model_init"] = model_init = resolve_import_path(model_init)
+    if model_init is not None and not callable(model_init):
+        raise ValueError(f"model_init: expected a function returning the model, got {type(model_init).__name__}")
+    hf_args = code.get("hf_args")
+    if hf_args is not None:
+        from transformers import TrainingArguments
+
+        if not isinstance(hf_args, TrainingArguments):
+            raise ValueError(
+                f"hf_args: expected a transformers.TrainingArguments (or subclass) instance, got "
+                f"{type(hf_args).__name__}; pass the object your script built, or leave it unset"
+            )
+    given = data.get("callbacks")
+    items = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+    data["callbacks"] = items  # the field checks every item and keeps the specs (data)
+    return data, RunPlan(callbacks=items, **code)
+
+
+def _ordered_callbacks(given: list[Any], specs: list[CallbackSpec]) -> list[Any]:
+    """Every callback in the order given: objects as they are, specs as validated."""
+    validated = iter(specs)
+    return [next(validated) if isinstance(c, dict | str | CallbackSpec) else c for c in given]
+
+
+def _import_path(function: Any) -> str | None:
+    """``package.module:name`` of an importable function, else None (a lambda, a ``__main__`` function)."""
+    if function is None:
+        return None
+    module, name = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    return f"{module}:{name}" if module and module != "__main__" and "<" not in name else None

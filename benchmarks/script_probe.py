@@ -1,0 +1,149 @@
+"""What ``trl_dpo.py`` and ``trl_sft.py`` add to trl's scripts, identically on both sides: per rank, the
+wall and CPU seconds of the ``train()`` call and the peak memory.
+
+The benchmark copies this file beside the script and adds ``import script_probe;
+script_probe.wrap(Trainer class)`` after the script's trainer import.  When ``train()`` returns, each
+rank writes ``probe-rank{rank}.json`` into ``$BENCH_PROBE_DIR``: ``rank``, ``train_wall_s``,
+``train_cpu_s`` (this process and any children it waited for, over the call), ``peak_rss_mib``
+(``ru_maxrss`` of this process, and of its largest child if it ran any) and, on CUDA, ``peak_cuda_mib``
+(``torch.cuda.max_memory_allocated``).
+
+The drivers' side is here too: ``measure`` reads the probe files of a run, ``summary`` prints the medians
+and same-repetition ratios, ``pyspy_prefix``/``top_functions`` profile a run with py-spy.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def wrap(trainer_class: Any) -> None:
+    """Time ``trainer_class.train`` and report this rank's probe line when it returns."""
+    train = trainer_class.train
+
+    @functools.wraps(train)
+    def timed_train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.time(), _cpu_seconds()
+        result = train(self, *args, **kwargs)
+        record = {
+            "rank": int(os.environ.get("RANK", "0")),
+            "train_wall_s": time.time() - wall,
+            "train_cpu_s": _cpu_seconds() - cpu,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        }
+        import torch
+
+        if torch.cuda.is_available():
+            record["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        folder = Path(os.environ.get("BENCH_PROBE_DIR", "."))
+        (folder / f"probe-rank{record['rank']}.json").write_text(json.dumps(record))
+        return result
+
+    trainer_class.train = timed_train
+
+
+def measure(units: float, runtime: float, folder: Path, ranks: int) -> dict[str, float]:
+    """Units per second of ``runtime``, units per CPU second (the ranks' mean over ``train()``) and the
+    largest peak RSS of a rank, from the ranks' probe files in ``folder`` (``wrap``)."""
+    probes = [json.loads((folder / f"probe-rank{rank}.json").read_text()) for rank in range(ranks)]
+    cpu = statistics.mean(p["train_cpu_s"] for p in probes)
+    result = {
+        "per_s": units / runtime,
+        "per_cpu_s": units / cpu,
+        "peak_rss_mib": max(max(p["peak_rss_mib"], p["children_peak_rss_mib"]) for p in probes),
+    }
+    if any("peak_cuda_mib" in p for p in probes):
+        result["peak_cuda_mib"] = max(p.get("peak_cuda_mib", 0.0) for p in probes)
+    return result
+
+
+def pyspy_prefix(profile: Path) -> list[str]:
+    """``py-spy record`` of the launcher and every rank it starts, collapsed stacks into ``profile``."""
+    return [
+        shutil.which("py-spy") or "py-spy",
+        "record",
+        "--subprocesses",
+        "--format",
+        "raw",
+        "--rate",
+        "50",
+        "-o",
+        str(profile),
+        "--",
+    ]
+
+
+def top_functions(profile: Path, limit: int = 25) -> str:
+    """The functions with most samples in a collapsed-stack file: own (leaf) samples and inclusive samples,
+    as a share of the samples of the ranks' training (stacks through ``train``)."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in profile.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        frames = stack.split(";")
+        if not any("timed_train (" in frame for frame in frames):
+            continue
+        count = int(count_text)
+        total += count
+        names = [
+            frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")"
+            for frame in frames
+        ]
+        own[names[-1]] = own.get(names[-1], 0) + count
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + count
+    lines = [f"{total} samples in train()", "own %  | function"]
+    lines += [f"{100 * n / total:5.1f} | {name}" for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:limit]]
+    lines += ["inclusive % | function"]
+    lines += [
+        f"{100 * n / total:5.1f} | {name}" for name, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:limit]
+    ]
+    return "\n".join(lines)
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def summary(results: dict[str, list[dict[str, float]]], comparisons: list[tuple[str, str]], unit: str) -> list[str]:
+    """Median and range per configuration, then the same-repetition ratios of each ``(ours, theirs)``."""
+    lines = [
+        f"| configuration | {unit}/s (median) | range | {unit}/CPU-s (median) | range | peak RSS per rank, MiB (max) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        wall = [r["per_s"] for r in runs]
+        cpu = [r["per_cpu_s"] for r in runs]
+        memory = max(r["peak_rss_mib"] for r in runs)
+        lines.append(
+            f"| {name} | {statistics.median(wall):.2f} | {min(wall):.2f}-{max(wall):.2f} | "
+            f"{statistics.median(cpu):.2f} | {min(cpu):.2f}-{max(cpu):.2f} | {memory:.0f} |"
+        )
+    for ours, theirs in comparisons:
+        if ours not in results or theirs not in results:
+            continue
+        for key, label in (("per_s", "wall clock"), ("per_cpu_s", "CPU-normalised")):
+            ratios = [a[key] / b[key] for a, b in zip(results[ours], results[theirs], strict=False)]
+            lines.append(
+                f"{ours} / {theirs}, {label}: same-repetition median {statistics.median(ratios):.2f}x "
+                f"(range {min(ratios):.2f}-{max(ratios):.2f}; {', '.join(f'{x:.2f}' for x in ratios)})"
+            )
+        memory = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(results[ours], results[theirs], strict=False)]
+        lines.append(f"{ours} / {theirs}, peak RSS per rank: {', '.join(f'{x:.2f}' for x in memory)}")
+    return lines

@@ -1,0 +1,188 @@
+"""``RunPlan``: the code a run executes, as typed seams chosen at build time; ``TrainingArgs`` holds data only.
+
+A seam is a Protocol: the step, the training data (a collator, a stream, a DataLoader factory, dataset
+transforms), prediction (``compute_metrics``, logits preprocessing), the optimizer, the checkpoint's model
+files, the evaluation, the callbacks and event functions, the model (``model_init``).  ``build_run`` and
+``TrainingLoop`` take a plan; ``default_plan(args)`` is the plan of ``run_training``'s workers: the code
+given with the arguments (``TrainingArgs(..., callbacks=[...], on_save=fn, compute_metrics=fn)`` keeps those
+keywords: they are split off into the arguments' plan, never stored as fields) and the ``CallbackSpec`` import
+paths, which stay data.  ``trainbridge.Trainer`` builds its plan from the script's live instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trainbridge.core.events import Event
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    from trainbridge.core.config.training import TrainingArgs
+
+
+class ModelInit(Protocol):
+    """``model_init()`` (or ``model_init(trial)``, called with None): the model to train, in every worker."""
+
+    def __call__(self, *args: Any) -> Any: ...
+
+
+class Collator(Protocol):
+    """A data collator: a list of items -> a batch (``transformers``' collators, a function)."""
+
+    def __call__(self, features: list[Any]) -> Any: ...
+
+
+class ComputeLoss(Protocol):
+    """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``."""
+
+    def __call__(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class TrainerMethods(Protocol):
+    """The script's Trainer methods as a worker runs them (``trainer.subclass.ScriptTrainer``)."""
+
+    counts_items: bool
+    """Whether the step's items are counted whatever the model (Trainer counts them for a
+    ``compute_loss_func``)."""
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any,
+        backward: Callable[[torch.Tensor], None],
+        accumulation: int,
+    ) -> torch.Tensor:
+        """``Trainer.training_step`` on this worker's instance (``accumulation`` micro-batches per step); its
+        ``accelerator.backward(loss)`` calls ``backward(loss)``; returns the (detached) loss it reports."""
+        ...
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
+    ) -> tuple[Any, Any, Any]:
+        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``; ``super()`` passes
+        ``num_items_in_batch`` (the batch's items over every rank, or None) to ``compute_loss``."""
+        ...
+
+
+class StepFactory(Protocol):
+    """``factory(model, tokenizer, args, env) -> TrainStep`` (``step.base``): a step forming its own batches and
+    loss (trl's DPO); called once the model is loaded, before the engine wraps it."""
+
+    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any) -> Any: ...
+
+
+class TrainLoaderFactory(Protocol):
+    """``fn(dataset, collate, model) -> DataLoader``: this rank's training batches as a script builds them."""
+
+    def __call__(self, dataset: Any, collate: Any, model: Any) -> Iterable[Any]: ...
+
+
+class Evaluation(Protocol):
+    """``evaluation(run) -> metrics``: how each evaluation during training runs; ``run()`` is the loop's own."""
+
+    def __call__(self, run: Callable[[], dict[str, float]]) -> dict[str, float]: ...
+
+
+class OptimizerFactory(Protocol):
+    """The script's optimizer and, where it gives one, schedule (``parallel.optim``)."""
+
+    def optimizer(self, model: Any, groups: Any, default: Any, total_steps: int) -> Any: ...
+
+    def scheduler(self, optimizer: Any, total_steps: int, default: Any) -> Any: ...
+
+
+class ModelFiles(Protocol):
+    """What writes a checkpoint's model part inside its temporary folder (``checkpoint.model_files``; HF layout
+    by default)."""
+
+    keeps_model_state: bool
+    """The checkpoint keeps the model's own weights in ``dcp/`` (resume reads them there)."""
+
+    def write(
+        self,
+        model: Any,
+        folder: Path,
+        step: int,
+        state: dict[str, torch.Tensor] | None,
+        tokenizer: Any,
+        weights_dtype: torch.dtype | None,
+        is_rank_zero: bool,
+    ) -> None:
+        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder``, the
+        temporary folder of the checkpoint of ``step`` (every rank)."""
+
+
+class ComputeMetrics(Protocol):
+    """``fn(EvalPrediction) -> dict`` as in ``transformers.Trainer``."""
+
+    def __call__(self, eval_prediction: Any, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+
+class PreprocessLogits(Protocol):
+    """``fn(logits, labels) -> predictions`` on each validation batch, as in ``transformers.Trainer``."""
+
+    def __call__(self, logits: Any, labels: Any) -> Any: ...
+
+
+@dataclass
+class RunPlan:
+    """The run's code, one typed seam each; None (or empty): trainbridge's default for that seam."""
+
+    model_init: ModelInit | None = None
+    """The model, built in every worker instead of loading ``model_path``."""
+    train_step: StepFactory | None = None
+    """The step, formed by a factory (replaces the step ``training_step`` would choose)."""
+    trainer_methods: TrainerMethods | None = None
+    """A Trainer subclass's ``training_step``/``prediction_step`` (``model_loss`` batches)."""
+    compute_loss: ComputeLoss | None = None
+    """The loss of each micro-batch instead of the forward's own (``model_loss`` batches)."""
+    data_collator: Collator | None = None
+    """The script's collator, called as written (padded batches)."""
+    train_stream: Iterable[Any] | None = None
+    """A streaming training set (an ``IterableDataset``) instead of ``data_path``'s rows; needs ``max_steps``."""
+    train_loader: TrainLoaderFactory | None = None
+    """The script's own DataLoader of the training items (``model_loss`` batches)."""
+    dataset_transforms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """On-the-fly transforms (``set_transform``) re-applied to the rows: ``train``, ``eval``, ``eval:<name>``."""
+    evaluation: Evaluation | None = None
+    """Each evaluation during training, around the loop's own (a Trainer subclass's ``evaluate``)."""
+    optimizer_factory: OptimizerFactory | None = None
+    """The script's optimizer and schedule."""
+    checkpoint_model_files: ModelFiles | None = None
+    """What writes the model part of each checkpoint (HF layout by default)."""
+    compute_metrics: ComputeMetrics | None = None
+    """Metrics of the whole validation set's predictions, merged into the evaluation metrics."""
+    preprocess_logits_for_metrics: PreprocessLogits | None = None
+    """Applied to each validation batch's logits before the predictions are kept."""
+    hf_args: Any = None
+    """The ``transformers.TrainingArguments`` (or subclass: trl's configs) the settings were ported from, which
+    Hugging Face callbacks see (``hf.arguments``)."""
+    callbacks: list[Any] = field(default_factory=list)
+    """Every callback in dispatch order: objects, classes and the ``CallbackSpec`` import paths."""
+    event_functions: dict[Event, list[Callable[..., Any]]] = field(default_factory=dict)
+    """Plain functions per event (``on_<event>=fn``)."""
+
+    def replace(self, **changes: Any) -> RunPlan:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def keywords(self) -> dict[str, Any]:
+        """The plan as ``TrainingArgs`` keywords (what ``TrainingArgs(**data, **plan.keywords())`` splits off)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+PLAN_KEYWORDS = frozenset(f.name for f in dataclasses.fields(RunPlan)) - {"callbacks"}
+"""The ``TrainingArgs`` keywords that are code and go into its plan (``callbacks`` is split: specs stay data)."""
+
+
+def default_plan(args: TrainingArgs) -> RunPlan:
+    """The plan of a ``run_training`` worker: the code given with ``args`` (its ``CallbackSpec``s included)."""
+    return args.plan
