@@ -20,6 +20,7 @@ job ends the process.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ from compat.assets import (
 )
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessLog, TraceRecorder, access_path
 from compat.scenarios import scenario
+from trainbridge.core.distributed import wait_for_idle_gloo_threads
 
 
 def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
@@ -100,6 +102,10 @@ def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
     finally:
         log.restore()
         log.write(access_path(job["trace"], rank))
+    # Before the job's objects are released (its DDP reducer's group joins gloo's threads holding the GIL), let
+    # a gloo thread still releasing a collective's tensors take the GIL: under load that join once waited
+    # forever for a thread waiting for the GIL (gdb, issue 32), hanging every later job of the launch.
+    wait_for_idle_gloo_threads()
     if rank == 0:
         Path(job["status"]).write_text(json.dumps({"status": "completed"}))
 
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     assets = CompatAssets.from_json(json.loads(options.assets))
     for job in json.loads(options.jobs):
         run_job(job, assets)
+        gc.collect()  # the job's trainer and DDP reducer, with gloo's threads idle (``run_job``'s end)
     return 0
 
 
