@@ -290,3 +290,24 @@ def test_image_classification_trains_on_pixel_values_with_its_image_processor(tm
     checkpoint = tmp_path / "out" / "checkpoint-16"
     assert json.loads((checkpoint / "config.json").read_text())["architectures"] == ["ViTForImageClassification"]
     assert (checkpoint / "preprocessor_config.json").is_file()
+
+
+def test_the_generation_cache_never_counts_as_logits_as_in_trainers_prediction_step():
+    """A causal LM's eval outputs carry its cache (``cache`` in transformers 5.2x, ``past_key_values`` before); with
+    no ``keys_to_ignore_at_inference`` on the config, Trainer drops it, so the logits are one tensor, as
+    ``preprocess_logits_for_metrics(logits, labels)`` expects."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainbridge.step.model_loss import inference_ignore_keys, predictions_of
+
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        outputs = model(input_ids=ids, labels=ids, use_cache=True)
+    logits = predictions_of(outputs, inference_ignore_keys(model.config))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (1, 4, 40)
+    config.keys_to_ignore_at_inference = []  # a config that keeps everything: as Trainer, nothing is dropped
+    assert inference_ignore_keys(config) == []

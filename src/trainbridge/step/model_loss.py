@@ -107,6 +107,21 @@ def loss_of(outputs: Any) -> torch.Tensor:
     return outputs[0]
 
 
+GENERATION_CACHE_KEYS = ("past_key_values", "cache")
+"""The names a model's outputs give its generation cache (``cache`` from transformers 5.2x, ``past_key_values``
+before): ``Trainer.prediction_step`` drops its own version's name when the config has no
+``keys_to_ignore_at_inference``; dropping both keeps the cache out of the logits on any version."""
+
+
+def inference_ignore_keys(config: Any) -> list[str]:
+    """``Trainer.prediction_step``'s default ``ignore_keys``: the config's ``keys_to_ignore_at_inference``, else
+    the generation cache (``GENERATION_CACHE_KEYS``); none without a config."""
+    if config is None:
+        return []
+    keys = getattr(config, "keys_to_ignore_at_inference", None)
+    return list(GENERATION_CACHE_KEYS) if keys is None else list(keys)
+
+
 def predictions_of(outputs: Any, ignore_keys: Sequence[str]) -> Any:
     """``Trainer.prediction_step``'s logits: the outputs other than the loss (and ``ignore_keys``), one value
     when there is one."""
@@ -139,7 +154,7 @@ class ModelLoss(TrainStep):
         config = getattr(inner, "config", None)
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         self.shifts_labels = is_causal_lm(inner) and not self.encoder_decoder
-        self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
+        self.ignore_keys = inference_ignore_keys(config)
 
     def prepare(self, step: SampleStep | StreamStep) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)

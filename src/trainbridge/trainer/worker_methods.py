@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.step.model_loss import loss_of
+from trainbridge.step.model_loss import inference_ignore_keys, loss_of
 
 
 class WorkerAccelerator:
@@ -141,8 +141,7 @@ def default_prediction_step(
         return_loss = bool(getattr(trainer, "can_return_loss", False))
     loss_without_labels = not label_names and return_loss
     if ignore_keys is None:
-        config = getattr(trainer.model, "config", None)
-        ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) or []) if config else []
+        ignore_keys = inference_ignore_keys(getattr(trainer.model, "config", None))
     labels: Any = None
     if has_labels or loss_without_labels:
         values = tuple(_detach(inputs.get(name)) for name in label_names)
