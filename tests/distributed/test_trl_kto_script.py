@@ -14,6 +14,8 @@ import pytest
 
 from trainbridge.launch.launcher import free_port
 
+pytestmark = pytest.mark.distributed
+
 trl = pytest.importorskip("trl")
 
 TRL_KTO = Path(trl.__file__).parent / "scripts" / "kto.py"

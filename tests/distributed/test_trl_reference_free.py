@@ -12,6 +12,8 @@ pytest.importorskip("trl")
 
 from tests.distributed.script_runs import run_script, torchrun
 
+pytestmark = pytest.mark.distributed
+
 SCRIPT = Path(__file__).parent / "scripts" / "preference_script.py"
 TRAINBRIDGE_FILES = {"COMPLETE", "manifest.json", "training_state.json"}
 """What a trainbridge checkpoint adds: the completion marker, file hashes, callback and loop state."""

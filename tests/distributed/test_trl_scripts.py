@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.distributed
+
 trl = pytest.importorskip("trl")
 
 TRL_SFT = Path(trl.__file__).parent / "scripts" / "sft.py"
