@@ -6,7 +6,8 @@ script_probe.wrap(Trainer class)`` after the script's trainer import.  When ``tr
 rank writes ``probe-rank{rank}.json`` into ``$BENCH_PROBE_DIR``: ``rank``, ``train_wall_s``,
 ``train_cpu_s`` (this process and any children it waited for, over the call), ``peak_rss_mib``
 (``ru_maxrss`` of this process, and of its largest child if it ran any) and, on CUDA, ``peak_cuda_mib``
-(``torch.cuda.max_memory_allocated``).
+(``torch.cuda.max_memory_allocated``).  ``wrap_generation`` (``trl_grpo.py``) adds ``generate_s`` and
+``generated_tokens``: the wall seconds in, and the completion tokens returned by, a trainer's generation method.
 
 The drivers' side is here too: ``measure`` reads the probe files of a run, ``summary`` prints the medians
 and same-repetition ratios, ``pyspy_prefix``/``top_functions`` profile a run with py-spy.
@@ -46,6 +47,7 @@ def wrap(trainer_class: Any) -> None:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
         }
+        record.update(_generation)
         import torch
 
         if torch.cuda.is_available():
@@ -55,6 +57,27 @@ def wrap(trainer_class: Any) -> None:
         return result
 
     trainer_class.train = timed_train
+
+
+_generation: dict[str, float] = {}
+"""This rank's generation totals (``wrap_generation``), written into its probe record."""
+
+
+def wrap_generation(trainer_class: Any, method: str = "_generate_single_turn") -> None:
+    """Time ``trainer_class.<method>`` (trl's GRPO/RLOO generation: returns ``(completion_ids, logprobs)``)
+    and count the completion tokens it returns."""
+    generate = getattr(trainer_class, method)
+    _generation.update(generate_s=0.0, generated_tokens=0.0)
+
+    @functools.wraps(generate)
+    def timed_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        result = generate(self, *args, **kwargs)
+        _generation["generate_s"] += time.time() - start
+        _generation["generated_tokens"] += sum(len(ids) for ids in result[0])
+        return result
+
+    setattr(trainer_class, method, timed_generate)
 
 
 def measure(units: float, runtime: float, folder: Path, ranks: int) -> dict[str, float]:
@@ -67,6 +90,10 @@ def measure(units: float, runtime: float, folder: Path, ranks: int) -> dict[str,
         "per_cpu_s": units / cpu,
         "peak_rss_mib": max(max(p["peak_rss_mib"], p["children_peak_rss_mib"]) for p in probes),
     }
+    if all("generate_s" in p for p in probes):
+        generate_s = statistics.mean(p["generate_s"] for p in probes)  # the ranks generate at the same time
+        result["gen_tokens_per_s"] = sum(p["generated_tokens"] for p in probes) / generate_s
+        result["generate_share"] = generate_s / statistics.mean(p["train_wall_s"] for p in probes)
     if any("peak_cuda_mib" in p for p in probes):
         result["peak_cuda_mib"] = max(p.get("peak_cuda_mib", 0.0) for p in probes)
     return result

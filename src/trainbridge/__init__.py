@@ -34,8 +34,11 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (a test checks it
     from trainbridge.trainer.seq2seq import Seq2SeqTrainer as Seq2SeqTrainer
     from trainbridge.trl import CPOTrainer as CPOTrainer
     from trainbridge.trl import DPOTrainer as DPOTrainer
+    from trainbridge.trl import GRPOTrainer as GRPOTrainer
     from trainbridge.trl import KTOTrainer as KTOTrainer
     from trainbridge.trl import ORPOTrainer as ORPOTrainer
+    from trainbridge.trl import RewardTrainer as RewardTrainer
+    from trainbridge.trl import RLOOTrainer as RLOOTrainer
     from trainbridge.trl import SFTTrainer as SFTTrainer
 
     __version__: str
@@ -54,6 +57,9 @@ _EXPORTS: dict[str, str] = {
     "ORPOTrainer": "trainbridge.trl",  # trl.experimental's ORPOTrainer on the same loop
     "CPOTrainer": "trainbridge.trl",  # trl.experimental's CPOTrainer (SimPO, AlphaPO) on the same loop
     "KTOTrainer": "trainbridge.trl",  # trl's KTOTrainer on the same loop
+    "GRPOTrainer": "trainbridge.trl",  # trl's GRPOTrainer, trained by the same loop
+    "RLOOTrainer": "trainbridge.trl",  # trl's RLOOTrainer, trained by the same loop
+    "RewardTrainer": "trainbridge.trl",  # trl's RewardTrainer, trained by the same loop
     # writing callbacks
     "Callback": "trainbridge.core.callback",
     "FunctionCallback": "trainbridge.core.callback",
@@ -71,7 +77,18 @@ _EXPORTS: dict[str, str] = {
 """Public name -> the module that defines it; ``__all__`` and the lazy look-up below are derived from it."""
 
 _SCRIPT_NAMES = frozenset(
-    {"Trainer", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer"}
+    {
+        "Trainer",
+        "Seq2SeqTrainer",
+        "SFTTrainer",
+        "DPOTrainer",
+        "KTOTrainer",
+        "ORPOTrainer",
+        "CPOTrainer",
+        "GRPOTrainer",
+        "RLOOTrainer",
+        "RewardTrainer",
+    }
 )
 """The Trainers: the first look-up of one is where ``python script.py`` starts its workers, as torchrun would
 (``launch.script_launch.launch_script``: before anything of the script's training runs)."""

@@ -56,9 +56,11 @@ def _run(
     data: str = "data",
     extra: tuple[str, ...] = (),
     nproc: int = 1,
+    max_length: int | None = 64,
 ) -> Path:
     """``script`` run by ``launcher`` with the shared arguments and ``extra``; ``nproc``: the ranks
-    trainbridge's self-launch starts under plain python."""
+    trainbridge's self-launch starts under plain python; ``max_length``: ``None`` for the configs without
+    it (GRPO's and RLOO's)."""
     out = assets / output
     args = [
         "--model_name_or_path",
@@ -81,8 +83,7 @@ def _run(
         "true",
         "--report_to",
         "none",
-        "--max_length",
-        "64",
+        *(() if max_length is None else ("--max_length", str(max_length))),
         "--dtype",
         "float32",
         "--disable_tqdm",

@@ -254,3 +254,17 @@ def write_chat_dataset(path: str | Path, n: int, seed: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(sample) + "\n" for sample in arithmetic_conversations(n, seed)))
     return path
+
+
+def write_prompt_dataset(path: str | Path, n: int, seed: int, max_operand: int = 99) -> Path:
+    """Write ``n`` conversational addition prompts for online RL (GRPO, RLOO) as JSONL:
+    ``{"prompt": [{"role": "user", "content": "12+35=?"}], "answer": "47"}``; the ``answer`` column is handed
+    to reward functions such as ``trainbridge.demos.rewards.answer_reward``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = (
+        {"prompt": [{"role": "user", "content": f"{problem[:-1]}=?"}], "answer": answer}
+        for problem, answer in arithmetic_problems(n, seed, max_operand)
+    )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -13,11 +13,23 @@
   scored by one padding-free forward.
 - ``kto_trainer``: ``KTOTrainer`` (trl's constructor and data preparation); ``kto_step``: KTO on the step
   seam (unpaired rows, the KL reference point); ``kto_loss``: its loss and metrics.
+- ``online_rl``: ``GRPOTrainer`` and ``RLOOTrainer`` (trl's classes, trained by the loop);
+  ``generation_buffer``: the generation batch pending at a checkpoint, saved and restored.
+- ``reward_model``: ``RewardTrainer`` (trl's class, trained by the loop).
 """
 
 from typing import Any
 
-__all__ = ["CPOTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "SFTTrainer"]
+__all__ = [
+    "CPOTrainer",
+    "DPOTrainer",
+    "GRPOTrainer",
+    "KTOTrainer",
+    "ORPOTrainer",
+    "RLOOTrainer",
+    "RewardTrainer",
+    "SFTTrainer",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,4 +54,12 @@ def __getattr__(name: str) -> Any:
         from trainbridge.trl import reference_free_trainer
 
         return getattr(reference_free_trainer, name)
+    if name in ("GRPOTrainer", "RLOOTrainer"):
+        from trainbridge.trl import online_rl
+
+        return getattr(online_rl, name)
+    if name == "RewardTrainer":
+        from trainbridge.trl.reward_model import RewardTrainer
+
+        return RewardTrainer
     raise AttributeError(f"module 'trainbridge.trl' has no attribute {name!r}")
