@@ -24,12 +24,34 @@ from trainbridge.trl import generation_buffer
 
 
 class _PendingGeneration:
-    """Saves the pending generation batch with each checkpoint and restores it at resume."""
+    """Saves the pending generation batch with each checkpoint (``_save_checkpoint``, whose folder is the
+    checkpoint being written) and restores it at resume, before the first micro-batch (``training_step``: the
+    loop restored ``state.global_step`` by then, which names the checkpoint when ``resume_from_checkpoint`` is
+    ``True``)."""
+
+    args: Any
+    state: Any
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_resuming_from"] = resume_from_checkpoint or None
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.__dict__.pop("_resuming_from", None)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        resume = self.__dict__.pop("_resuming_from", None)
+        if resume is not None:
+            folder = resume if resume is not True else self._checkpoint_folder()
+            generation_buffer.load_pending(self, folder)
+        return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")  # type: ignore[attr-defined]
-        generation_buffer.save_pending(self, folder)
+        generation_buffer.save_pending(self, self._checkpoint_folder())
+
+    def _checkpoint_folder(self) -> str:
+        return os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
 
 
 class GRPOTrainer(_PendingGeneration, trl.GRPOTrainer, Trainer):  # type: ignore[misc]
