@@ -22,7 +22,8 @@ from trainbridge.trainer import script_data
 class RunLayout:
     """Where a job's inputs are: the fields of its ``TrainingArgs`` that the run folder provides."""
 
-    model_path: Path
+    model_path: Path | None
+    """A model folder the job loads (None: the script's model object is trained in place)."""
     data_path: Path | None
     """The training rows (None: a streaming ``train_dataset``, iterated in the workers as ``train_stream``)."""
     tokenizer_path: Path | None = None
@@ -60,8 +61,15 @@ class RowPreparation:
     every column is written, tensors kept as tensors (``script_data.as_item_dataset``)."""
 
 
-def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | None]:
-    """``(model_path, tokenizer_path)`` for the workers, written into ``folder`` when needed."""
+def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path | None, Path | None]:
+    """``(model_path, tokenizer_path)`` of a job: a live model object is trained in place (no
+    ``model_path``) and its tokenizer, when it has one, is written into ``folder``."""
+    if source.model is not None:
+        target = folder.tokenizer
+        target.mkdir(parents=True, exist_ok=True)
+        if source.tokenizer is not None and hasattr(source.tokenizer, "save_pretrained"):
+            source.tokenizer.save_pretrained(target)
+        return None, target
     if source.folder is not None and source.trained is None:
         tokenizer_path = None
         if source.save_tokenizer:
