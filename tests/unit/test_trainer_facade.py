@@ -44,7 +44,7 @@ def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tm
     trainer = Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
+    layout = RunLayout(tokenizer_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
     factory = job_args.training_args(trainer, layout, world_size=1, resume=None).plan.optimizer_factory
     assert isinstance(factory, InPlace) and factory.script_optimizer is optimizer and factory.model_init() is model
     with pytest.raises(RuntimeError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):  # Trainer's own
@@ -128,7 +128,7 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(model_path=model_dir, data_path=data, longest=3)
+    layout = RunLayout(tokenizer_path=model_dir, data_path=data, longest=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
         args = job_args.training_args(trainer, layout, world_size=2, resume=None)
@@ -444,30 +444,22 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     assert resumed.global_step == 4
 
 
-def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> None:
+def test_a_peft_model_trains_in_place_adapter_only(tiny: Any, tmp_path: Path) -> None:
+    """The script's PeftModel is the object trained (nothing is saved and reloaded): afterwards
+    ``trainer.model`` is that object, its adapter weights changed and its base weights not."""
     peft = pytest.importorskip("peft")
-    from trainbridge.modeling.load import load_model
-
     base, tok = tiny
     fresh = transformers.AutoModelForCausalLM.from_config(base.config)
     fresh.load_state_dict(base.state_dict())
     model = peft.get_peft_model(fresh, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():  # a non-trivial adapter, so loading it is visible
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.fill_(0.5)
-    path = script_data.write_model(model, tok, tmp_path / "model")
-    assert path.name == "adapter" and (path / "adapter_config.json").is_file()
-    saved_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "base")
-    assert set(saved_base.state_dict()) == set(base.state_dict())  # no lora/base_layer keys
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    loaded = load_model(TrainingArgs(model_path=path, data_path=data, ckpt_output_dir=tmp_path / "o"))
-    trainable = {n for n, p in loaded.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    ids = torch.tensor([[1, 5, 6, 7]])
-    with torch.no_grad():
-        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [3, 4, 5, 6]] * 4})
+    args = _hf_args(tmp_path, max_steps=2, per_device_train_batch_size=2, learning_rate=0.1, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tok)
+    trainer.train()
+    assert trainer.model is model
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
 
 
 def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops_it() -> None:
@@ -520,7 +512,12 @@ def test_it_is_a_real_trainer_whose_evaluate_predict_and_log_are_trainers_own(ti
         recorder = EventRecorder()
         args = _hf_args(tmp_path / cls.__module__, per_device_eval_batch_size=2)
         trainer = cls(
-            model=model, args=args, processing_class=tok, data_collator=collator, callbacks=[recorder], eval_dataset=rows
+            model=model,
+            args=args,
+            processing_class=tok,
+            data_collator=collator,
+            callbacks=[recorder],
+            eval_dataset=rows,
         )
         assert isinstance(trainer, transformers.Trainer)
         batch = next(iter(trainer.get_eval_dataloader()))  # a script printing a sample batch
@@ -530,7 +527,9 @@ def test_it_is_a_real_trainer_whose_evaluate_predict_and_log_are_trainers_own(ti
         output = trainer.predict(rows)
         trainer.log({"custom": 1.0})
         events = [(name, sorted(values), zero, hf_args is args) for name, values, zero, hf_args in recorder.events]
-        outcomes.append((batch["input_ids"].tolist(), metrics, sorted(named), output, events, trainer.state.log_history))
+        outcomes.append(
+            (batch["input_ids"].tolist(), metrics, sorted(named), output, events, trainer.state.log_history)
+        )
     (batch_hf, metrics_hf, named_hf, out_hf, events_hf, hist_hf), (batch, metrics, named, out, events, hist) = outcomes
     assert issubclass(Trainer, transformers.Trainer)
     assert batch == batch_hf

@@ -129,7 +129,9 @@ def test_compute_loss_func_gets_outputs_labels_and_the_step_items(bert_classifie
             seen.append((type(outputs).__name__, int(num_items_in_batch)))
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / num_items_in_batch
 
-    _, result = _run(bert_classifier, tmp_path, _methods(Trainer, tmp_path, bert_classifier, compute_loss_func=loss_func))
+    _, result = _run(
+        bert_classifier, tmp_path, _methods(Trainer, tmp_path, bert_classifier, compute_loss_func=loss_func)
+    )
     assert result.global_step == 2
     assert len(seen) == 4 and seen[0] == ("SequenceClassifierOutput", 8)
 
