@@ -35,6 +35,8 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
     layout = env.on_rank_zero(lambda: _write_training_inputs(trainer), "writing the run folder")
     args = job_args.training_args(trainer, layout, env.world_size, resume)
     handler, control = trainer.callback_handler, trainer.control
+    if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
+        trainer.accelerator._models.append(trainer.model)
     try:
         outcome = run_job(FacadeJob("train", args, trainer._folder.root), env)
     finally:
@@ -45,8 +47,7 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
     trainer.optimizer = outcome.loop.engine.optimizer
     trainer.lr_scheduler = outcome.loop.engine.lr_scheduler
     trainer.state = outcome.hf.state
-    # as after Trainer's own train(): the model counts as prepared, so evaluate()/predict() use it as it is
-    trainer.accelerator._models.append(trainer.model_wrapped)
+    trainer.accelerator._models[:] = [trainer.model_wrapped]  # evaluate()/predict() use it as it is
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped
     assert outcome.result is not None
