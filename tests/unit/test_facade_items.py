@@ -163,6 +163,6 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
     )
     plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
     assert not plain._row_preparation().items and custom._row_preparation().items
-    layout = RunLayout(model_path=path, data_path=tmp_path)
+    layout = RunLayout(tokenizer_path=path, data_path=tmp_path)
     ported = job_args.training_args(custom, layout, world_size=2, resume=None)
     assert (ported.training_step, ported.per_device_batch_size, ported.effective_batch_size) == ("model_loss", 2, 12)

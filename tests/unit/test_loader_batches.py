@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,11 +24,9 @@ from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import LoaderBatches
-from trainbridge.data.sample_batches import ItemCollator
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
-from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trainer.subclass_data import SubclassLoader, shard_loader, subclass_loader
+from trainbridge.trainer.subclass_data import SubclassLoader, subclass_loader
 
 
 def _items(count: int) -> list[dict[str, Any]]:
@@ -88,18 +87,6 @@ def test_a_loader_without_length_repeats_passes_up_to_max_steps():
         LoaderBatches(loader, accumulation=1, world_size=1, max_steps=None)
 
 
-def test_shards_deal_batches_round_robin_and_even_as_accelerate():
-    sequential = torch.utils.data.SequentialSampler(range(10))
-    shards = [[b["idx"].tolist() for b in shard_loader(_loader(10, 2, sequential), 2, rank, 0)] for rank in range(2)]
-    assert shards[0] == [[0, 1], [4, 5], [8, 9]]
-    assert shards[1] == [[2, 3], [6, 7], [0, 1]]  # even_batches: the last round filled from the start
-
-    shuffled = [[i for b in shard_loader(_loader(12, 2, None), 2, r, 5) for i in b["idx"].tolist()] for r in range(2)]
-    shuffled_again = [[i for b in shard_loader(_loader(12, 2, None), 2, 1, 5) for i in b["idx"].tolist()]]
-    assert sorted(shuffled[0] + shuffled[1]) == list(range(12))  # a seeded order shared by the ranks
-    assert shuffled_again[0] == shuffled[1]
-
-
 class Reversed(torch.utils.data.Sampler):
     def __init__(self, count: int) -> None:
         self.count = count
@@ -135,28 +122,30 @@ class StridedTrainer(Trainer):
         return [i for start in range(self.stride) for i in range(start, count, self.stride)]
 
 
-class EvalLoaderTrainer(Trainer):
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        return None
-
-
-def test_the_override_is_called_on_a_worker_side_instance_with_the_items(tmp_path: Path):
-    hf = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True)
+def test_the_override_is_called_on_the_scripts_own_instance(tmp_path: Path):
+    """The batches are the instance's own ``get_train_dataloader()`` (Trainer's, over a ``_get_train_sampler``
+    override), on its own dataset and collator, with the attributes the script set."""
+    hf = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        report_to="none",
+        use_cpu=True,
+        remove_unused_columns=False,
+    )
     model = torch.nn.Linear(2, 2)
-    collate = ItemCollator(_collate, None)
-    loader = SubclassLoader(SamplerTrainer, hf, None, {})(_items(6), collate, model)
-    assert [b["idx"].tolist() for b in loader] == [[5, 4], [3, 2], [1, 0]]
-    loader = SubclassLoader(LoaderTrainer, hf, None, {})(_items(6), collate, model)
-    assert sorted(i for b in loader for i in b["idx"].tolist()) == list(range(6))
-    strided = subclass_loader(StridedTrainer(model=model, args=hf, stride=3))  # with the script's attribute
+    data = {"train_dataset": _items(6), "data_collator": _collate}
+    loader = subclass_loader(SamplerTrainer(model=model, args=hf, **data))
+    assert loader is not None and [b["idx"].tolist() for b in loader(None, None, model)] == [[5, 4], [3, 2], [1, 0]]
+    loader = subclass_loader(LoaderTrainer(model=model, args=hf, **data))
+    assert loader is not None and sorted(i for b in loader(None, None, model) for i in b["idx"].tolist()) == list(
+        range(6)
+    )
+    strided = subclass_loader(StridedTrainer(model=model, args=hf, stride=3, **data))  # the script's attribute
     assert strided is not None
-    assert [b["idx"].tolist() for b in strided(_items(6), collate, model)] == [[0, 3], [1, 4], [2, 5]]
-    assert subclass_loader(SamplerTrainer(model=model, args=hf)) is not None  # no longer refused
+    assert [b["idx"].tolist() for b in strided(None, None, model)] == [[0, 3], [1, 4], [2, 5]]
     assert subclass_loader(Trainer(model=model, args=hf)) is None
-    with pytest.raises(UnsupportedTrainerFeatureError, match="get_eval_dataloader"):
-        EvalLoaderTrainer(model=model, args=hf)
-    with pytest.raises(UnsupportedTrainerFeatureError, match="inside the workers"):
-        SamplerTrainer(model=model, args=hf).get_train_dataloader()  # nothing to build in the script's process
+    # Trainer's own, in the script's process too (a script printing a sample batch)
+    assert next(iter(SamplerTrainer(model=model, args=hf, **data).get_train_dataloader()))["idx"].tolist() == [5, 4]
 
 
 def _rows(path: Path, count: int) -> Path:
@@ -165,16 +154,24 @@ def _rows(path: Path, count: int) -> Path:
         for _ in range(count):
             label = rng.randrange(2)
             ids = [2 + label * 10 + rng.randrange(8) for _ in range(rng.randrange(3, 9))]
-            handle.write(json.dumps({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": label}) + "\n")
+            mask = [1] * len(ids) + [0] * (8 - len(ids))
+            handle.write(json.dumps({"input_ids": ids + [0] * (8 - len(ids)), "attention_mask": mask, "labels": label}))
+            handle.write("\n")
     return path
 
 
 def _train(model_path: Path, tmp_path: Path, out: str, **overrides: Any) -> Any:
+    from transformers import AutoModelForSequenceClassification
+
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, report_to="none")
+    rows = datasets.load_dataset("json", data_files=str(_rows(tmp_path / "train.jsonl", 10)), split="train")
+    model = AutoModelForSequenceClassification.from_pretrained(model_path)
+    trainer = SamplerTrainer(model=model, args=hf, train_dataset=rows)
     fields: dict[str, Any] = dict(
         model_path=model_path,
-        data_path=_rows(tmp_path / "train.jsonl", 10),
-        train_loader=SubclassLoader(SamplerTrainer, hf, None, {}),
+        model_init=lambda: model,
+        data_path=tmp_path / "train.jsonl",
+        train_loader=SubclassLoader(trainer),
         ckpt_output_dir=tmp_path / out,
         effective_batch_size=4,
         per_device_batch_size=2,

@@ -8,7 +8,6 @@ import importlib.util
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
 
 from trainbridge.modeling import quantization
 from trainbridge.modeling.load import load_model
@@ -49,29 +48,6 @@ def test_a_4bit_base_loads_frozen_with_only_the_adapter_trainable(args_for):
     assert [(p.shape, p.dtype) for p in packed] == layouts
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
-
-
-def test_the_facade_writes_a_4bit_peft_model_that_loads_back_whole(tiny_llama, tmp_path):
-    """The base of a 4-bit PeftModel is written under the base model's weight names: with the adapter layers'
-    names (``...q_proj.base_layer.weight``) every quantised weight loaded back as missing and transformers
-    tried to initialise it (``"normal_kernel_cpu" not implemented for 'Byte'``)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from trainbridge.trainer.script_data import write_model
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=four_bit())
-    model = get_peft_model(model, LoraConfig(**LORA))
-    target = write_model(model, None, tmp_path / "written")
-    with safe_open(str(tmp_path / "written" / "base" / "model.safetensors"), "pt") as handle:
-        keys = set(handle.keys())
-    assert not any("base_layer" in k or "lora_" in k for k in keys), sorted(keys)[:5]
-    assert "model.layers.0.self_attn.q_proj.weight.absmax" in keys
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "written" / "base")
-    assert base.is_loaded_in_4bit
-    original = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
-    assert torch.equal(base.model.layers[0].self_attn.q_proj.weight.data, original.data)
-    assert PeftModel.from_pretrained(base, target).get_base_model().is_loaded_in_4bit
 
 
 def test_quantized_model_kwargs_are_checked_before_launch(args_for, monkeypatch):

@@ -187,5 +187,5 @@ def test_a_save_checkpoint_override_writes_into_the_checkpoint_being_written(
     model = AutoModelForCausalLM.from_pretrained(args.model_path)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     assert subclass_save(Trainer(model=model, args=hf)) is None  # no override: the checkpoint's own files
-    with pytest.raises(UnsupportedTrainerFeatureError, match="runs in the workers"):
+    with pytest.raises(UnsupportedTrainerFeatureError, match="runs inside train"):
         ProjectorTrainer(model=model, args=hf)._save_checkpoint(model, None)

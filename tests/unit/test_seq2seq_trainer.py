@@ -153,7 +153,7 @@ def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_
         model=model, args=_args(tmp_path / "out", generation_num_beams=3), train_dataset=_reverse_rows(8, seed=0)
     )
     model.save_pretrained(tmp_path / "model")
-    layout = RunLayout(model_path=tmp_path / "model", data_path=tmp_path)
+    layout = RunLayout(tokenizer_path=tmp_path / "model", data_path=tmp_path)
     ported = job_args.training_args(trainer, layout, 1, None)
     assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
 

@@ -44,10 +44,10 @@ def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tm
     trainer = Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
+    layout = RunLayout(tokenizer_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
     factory = job_args.training_args(trainer, layout, world_size=1, resume=None).plan.optimizer_factory
     assert isinstance(factory, InPlace) and factory.script_optimizer is optimizer and factory.model_init() is model
-    with pytest.raises(ValueError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):
+    with pytest.raises(RuntimeError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):  # Trainer's own
         Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), optimizer_cls_and_kwargs=(1, {}))
 
 
@@ -128,7 +128,7 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(model_path=model_dir, data_path=data, longest=3)
+    layout = RunLayout(tokenizer_path=model_dir, data_path=data, longest=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
         args = job_args.training_args(trainer, layout, world_size=2, resume=None)
@@ -444,30 +444,22 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     assert resumed.global_step == 4
 
 
-def test_peft_model_travels_as_base_plus_adapter(tiny: Any, tmp_path: Path) -> None:
+def test_a_peft_model_trains_in_place_adapter_only(tiny: Any, tmp_path: Path) -> None:
+    """The script's PeftModel is the object trained (nothing is saved and reloaded): afterwards
+    ``trainer.model`` is that object, its adapter weights changed and its base weights not."""
     peft = pytest.importorskip("peft")
-    from trainbridge.modeling.load import load_model
-
     base, tok = tiny
     fresh = transformers.AutoModelForCausalLM.from_config(base.config)
     fresh.load_state_dict(base.state_dict())
     model = peft.get_peft_model(fresh, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():  # a non-trivial adapter, so loading it is visible
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.fill_(0.5)
-    path = script_data.write_model(model, tok, tmp_path / "model")
-    assert path.name == "adapter" and (path / "adapter_config.json").is_file()
-    saved_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "base")
-    assert set(saved_base.state_dict()) == set(base.state_dict())  # no lora/base_layer keys
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    loaded = load_model(TrainingArgs(model_path=path, data_path=data, ckpt_output_dir=tmp_path / "o"))
-    trainable = {n for n, p in loaded.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    ids = torch.tensor([[1, 5, 6, 7]])
-    with torch.no_grad():
-        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [3, 4, 5, 6]] * 4})
+    args = _hf_args(tmp_path, max_steps=2, per_device_train_batch_size=2, learning_rate=0.1, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tok)
+    trainer.train()
+    assert trainer.model is model
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
 
 
 def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops_it() -> None:
@@ -507,58 +499,46 @@ class EventRecorder(transformers.TrainerCallback):
         self._record("on_predict", args, state, metrics)
 
 
-def test_standalone_evaluate_and_predict_fire_callbacks_like_trainer(
-    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Outside training, Trainer's evaluate() logs (epoch: the trainer's state's, not the evaluation job's 0.0;
-    log_history; on_log) then fires on_evaluate; predict() fires on_predict; a dict evaluates each set. The
-    script's callbacks get the Trainer's args and state (rank 0 here: is_world_process_zero True)."""
+def test_it_is_a_real_trainer_whose_evaluate_predict_and_log_are_trainers_own(tiny: Any, tmp_path: Path) -> None:
+    """``trainbridge.Trainer`` is a ``transformers.Trainer``: outside training ``evaluate()``, ``predict()``,
+    ``get_*_dataloader()`` and ``log()`` are Trainer's own code, so they give what real Trainer gives on the
+    same model and data: the metrics, the events the script's callbacks receive (with the Trainer's own args,
+    state and handler), ``log_history``."""
     model, tok = tiny
-    recorder = EventRecorder()
-    args = _hf_args(tmp_path)
-    trainer = Trainer(model=model, args=args, processing_class=tok, callbacks=[recorder])
-    job = {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.0}
-    calls: list[Any] = []
-
-    def evaluate_job(_: Any, dataset: Any, keep_predictions: bool) -> tuple[dict[str, Any], Any]:
-        calls.append(dataset)
-        if isinstance(dataset, dict):  # one job over the named sets, as the loop reports them
-            return {
-                **{f"eval_{n}_{k}": v for n in dataset for k, v in (("loss", 2.0), ("runtime", 0.1))},
-                "epoch": 0.0,
-            }, None
-        return dict(job), PredictionCollectorResult() if keep_predictions else None
-
-    monkeypatch.setattr(jobs, "evaluate", evaluate_job)
-    trainer.state.epoch = 0.6667
-    trainer.state.global_step = 6
-    metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2]}])
-    assert metrics == {"eval_loss": 2.0, "eval_runtime": 0.1, "epoch": 0.6667}
-    assert trainer.state.log_history[-1] == {**metrics, "step": 6}
-    assert [(name, values) for name, values, _, _ in recorder.events] == [("on_log", metrics), ("on_evaluate", metrics)]
-    assert all(zero and hf_args is args for _, _, zero, hf_args in recorder.events)
-    recorder.events.clear()
-    both = trainer.evaluate(eval_dataset={"a": [{"input_ids": [1]}], "b": [{"input_ids": [2]}]})
-    assert set(both) == {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_runtime", "epoch"}
-    assert len(calls) == 2 and isinstance(calls[-1], dict)  # one evaluation job for both sets
-    assert [sorted(e) for e in trainer.state.log_history[-2:]] == [
-        ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime", "step"] for s in "ab"
-    ]
-    assert [(name, sorted(values)) for name, values, _, _ in recorder.events] == [
-        (hook, ["epoch", f"eval_{s}_loss", f"eval_{s}_runtime"]) for s in "ab" for hook in ("on_log", "on_evaluate")
-    ]
-    recorder.events.clear()
-    output = trainer.predict([{"input_ids": [1, 2]}])
-    assert output.metrics == {"test_loss": 2.0, "test_runtime": 0.1}
-    assert [(name, values) for name, values, _, _ in recorder.events] == [("on_predict", output.metrics)]
-    recorder.events.clear()
-    trainer.log({"custom": 1.0})  # Trainer.log outside training: epoch added, on_log fired
-    assert recorder.events[0][:2] == ("on_log", {"custom": 1.0, "epoch": 0.6667})
-
-
-class PredictionCollectorResult:
-    predictions = np.zeros((1, 2))
-    label_ids = np.zeros((1, 2))
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [2, 3, 4, 5, 6], [5, 6]]})
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    outcomes = []
+    for cls in (transformers.Trainer, Trainer):
+        recorder = EventRecorder()
+        args = _hf_args(tmp_path / cls.__module__, per_device_eval_batch_size=2)
+        trainer = cls(
+            model=model,
+            args=args,
+            processing_class=tok,
+            data_collator=collator,
+            callbacks=[recorder],
+            eval_dataset=rows,
+        )
+        assert isinstance(trainer, transformers.Trainer)
+        batch = next(iter(trainer.get_eval_dataloader()))  # a script printing a sample batch
+        trainer.state.epoch, trainer.state.global_step = 0.5, 6
+        metrics = trainer.evaluate()
+        named = trainer.evaluate(eval_dataset={"a": rows, "b": rows.select([0])})
+        output = trainer.predict(rows)
+        trainer.log({"custom": 1.0})
+        events = [(name, sorted(values), zero, hf_args is args) for name, values, zero, hf_args in recorder.events]
+        outcomes.append(
+            (batch["input_ids"].tolist(), metrics, sorted(named), output, events, trainer.state.log_history)
+        )
+    (batch_hf, metrics_hf, named_hf, out_hf, events_hf, hist_hf), (batch, metrics, named, out, events, hist) = outcomes
+    assert issubclass(Trainer, transformers.Trainer)
+    assert batch == batch_hf
+    assert metrics.keys() == metrics_hf.keys() and metrics["eval_loss"] == pytest.approx(metrics_hf["eval_loss"])
+    assert named == named_hf
+    assert np.allclose(out.predictions, out_hf.predictions) and (out.label_ids == out_hf.label_ids).all()
+    assert out.metrics.keys() == out_hf.metrics.keys()
+    assert events == events_hf and events[-1][:2] == ("on_log", ["custom", "epoch"])
+    assert [sorted(e) for e in hist] == [sorted(e) for e in hist_hf]
 
 
 def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: Path) -> None:

@@ -45,10 +45,13 @@ def _rows(path: Path, count: int) -> Path:
     return path
 
 
-def _run(path: Path, tmp_path: Path, factory: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    factory = cloudpickle.loads(cloudpickle.dumps(factory))  # as it reaches the workers
+def _run(path: Path, tmp_path: Path, factory: Any, model: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A run with ``factory``; ``model``: the Trainer's own model object, trained in place (``train()``)."""
+    if model is None:
+        factory = cloudpickle.loads(cloudpickle.dumps(factory))  # rebuilt in another process
     args = TrainingArgs(
         model_path=path,
+        model_init=(lambda: model) if model is not None else None,
         data_path=_rows(tmp_path / "train.jsonl", 32),
         ckpt_output_dir=tmp_path / "out",
         effective_batch_size=8,
@@ -168,7 +171,7 @@ def test_a_subclass_create_optimizer_and_scheduler_run_on_the_worker_model(bert_
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     trainer = ClassifierOnlyTrainer(model=model, args=hf)
-    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    components, before = _run(bert_classifier, tmp_path, trainer._optimizer_factory, model)
     used, module = components.engine.optimizer, components.engine.module
     assert type(used) is torch.optim.SGD and used.param_groups[0]["momentum"] == 0.5
     assert {id(p) for p in used.param_groups[0]["params"]} == {id(p) for p in module.classifier.parameters()}
@@ -183,11 +186,10 @@ def test_super_create_optimizer_builds_the_default(bert_classifier: Path, tmp_pa
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     trainer = TweakedDefaultTrainer(model=model, args=hf)
-    components, _ = _run(bert_classifier, tmp_path, trainer._optimizer_factory)
+    components, _ = _run(bert_classifier, tmp_path, trainer._optimizer_factory, model)
     used = components.engine.optimizer
     assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [0.123, 0.123]
-    with pytest.raises(ValueError, match="runs in the workers"):
-        trainer.create_optimizer()
+    assert used is trainer.optimizer  # Trainer's own create_optimizer, on the instance
 
 
 class BothTrainer(Trainer):
@@ -210,7 +212,7 @@ def test_a_subclass_create_optimizer_and_scheduler_runs_with_the_runs_steps(bert
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     BothTrainer.steps_seen.clear()
-    components, _ = _run(bert_classifier, tmp_path, BothTrainer(model=model, args=hf)._optimizer_factory)
+    components, _ = _run(bert_classifier, tmp_path, BothTrainer(model=model, args=hf)._optimizer_factory, model)
     assert BothTrainer.steps_seen == [2]
     used, module = components.engine.optimizer, components.engine.module
     assert type(used) is torch.optim.SGD
@@ -219,9 +221,13 @@ def test_a_subclass_create_optimizer_and_scheduler_runs_with_the_runs_steps(bert
     assert used.param_groups[0]["lr"] == pytest.approx(0.0)  # 1 - 2/2 after the run's 2 steps
 
     (tmp_path / "super").mkdir()
-    components, _ = _run(bert_classifier, tmp_path / "super", BothSuperTrainer(model=model, args=hf)._optimizer_factory)
+    model = BertForSequenceClassification.from_pretrained(bert_classifier)
+    factory = BothSuperTrainer(model=model, args=hf)._optimizer_factory
+    components, _ = _run(bert_classifier, tmp_path / "super", factory, model)
     used = components.engine.optimizer
-    assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [0.321, 0.321]
+    # Trainer's own create_optimizer_and_scheduler built the schedule before the override set lr: as under
+    # Trainer, the schedule's initial_lr is the arguments' learning_rate
+    assert type(used) is torch.optim.AdamW and [g["initial_lr"] for g in used.param_groups] == [5e-5, 5e-5]
     assert components.engine.lr_scheduler is not None  # lr_scheduler_type's, built over the chosen optimizer
 
 

@@ -67,21 +67,26 @@ class CountingTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
-def _methods(cls: type, tmp_path: Path, **kwargs: Any) -> ScriptTrainer:
-    """The worker-side methods of a ``cls`` Trainer, as the facade hands them to its jobs."""
+def _methods(cls: type, tmp_path: Path, path: Path, **kwargs: Any) -> tuple[ScriptTrainer, Any]:
+    """The methods of a ``cls`` Trainer on the model of ``path`` as ``train()`` hands them to the loop, and
+    that model (the loop trains the instance's own model object)."""
+    from transformers import AutoModelForSequenceClassification
+
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    trainer = cls(model=torch.nn.Linear(2, 2), args=hf, **kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    trainer = cls(model=model, args=hf, **kwargs)
     worker = script_trainer(trainer)
     assert worker is not None
-    worker.take_attributes(trainer, check_transport=True)
-    return worker
+    return worker, model
 
 
 def _run(
-    path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] | None = None, **fields: Any
+    path: Path, tmp_path: Path, methods: tuple[Any, Any], callbacks: list[Any] | None = None, **fields: Any
 ) -> tuple[Any, Any]:
+    worker, model = methods
     args = TrainingArgs(
-        model_path=path,
+        model_init=lambda: model,
+        tokenizer_path=path,
         data_path=_classification_rows(tmp_path / "train.jsonl", 32, 1),
         val_data_path=_classification_rows(tmp_path / "val.jsonl", 8, 2),
         ckpt_output_dir=tmp_path / "out",
@@ -95,7 +100,7 @@ def _run(
         eval_steps=2,
         save_strategy="no",
         disable_tqdm=True,
-        trainer_methods=methods,
+        trainer_methods=worker,
         **fields,
     )
     components = build_run(args, DistributedEnv())
@@ -104,14 +109,14 @@ def _run(
 
 def test_a_compute_loss_override_runs_on_every_micro_batch_with_the_model_and_batch(bert_classifier, tmp_path):
     CountingTrainer.calls.clear()
-    components, result = _run(bert_classifier, tmp_path, _methods(CountingTrainer, tmp_path))
+    components, result = _run(bert_classifier, tmp_path, _methods(CountingTrainer, tmp_path, bert_classifier))
     assert isinstance(components.step, TrainerMethodsStep) and result.global_step == 2
     training = [c for c in CountingTrainer.calls if not c["return_outputs"]]
     assert len(training) == 4  # 2 steps x 2 micro-batches, each through the override
     first = training[0]
     assert first["keys"] == ["attention_mask", "input_ids", "labels"]
     assert first["args"] == "TrainingArguments" and first["model"] == "BertForSequenceClassification"
-    assert first["main"] and first["gathered"] == (1,) and first["unwrapped"]
+    assert first["main"] and first["gathered"] == () and first["unwrapped"]  # accelerate's own, one process
     assert first["items"] == 8  # Bert takes **kwargs: the step's labels over both micro-batches, as Trainer
     assert any(c["return_outputs"] for c in CountingTrainer.calls)  # evaluation through the override too
 
@@ -124,7 +129,9 @@ def test_compute_loss_func_gets_outputs_labels_and_the_step_items(bert_classifie
             seen.append((type(outputs).__name__, int(num_items_in_batch)))
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / num_items_in_batch
 
-    _, result = _run(bert_classifier, tmp_path, _methods(Trainer, tmp_path, compute_loss_func=loss_func))
+    _, result = _run(
+        bert_classifier, tmp_path, _methods(Trainer, tmp_path, bert_classifier, compute_loss_func=loss_func)
+    )
     assert result.global_step == 2
     assert len(seen) == 4 and seen[0] == ("SequenceClassifierOutput", 8)
 

@@ -1,17 +1,14 @@
-"""A Trainer subclass's ``training_step``, ``prediction_step`` and ``log`` overrides run in the loop
-(``step.trainer_methods``, ``trainer.subclass``) on the real model and batches; the worker-side instance has
-the script's ``__init__`` attributes and the run's live ``TrainerState``."""
+"""A Trainer subclass's ``training_step``, ``prediction_step``, ``evaluate`` and ``log`` overrides run in the loop
+(``step.trainer_methods``, ``trainer.subclass``) on the real model and batches, on the script's own instance:
+its attributes are its own, what it sets stays, and its ``state`` is the run's live ``TrainerState``."""
 
 from __future__ import annotations
 
 import json
-import pickle
 import random
-import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
-import cloudpickle
 import numpy as np
 import pytest
 import torch
@@ -23,7 +20,6 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -33,7 +29,6 @@ from trainbridge.trainer.subclass import (
     ScriptTrainer,
     ScriptTrainerEvents,
     bind_state,
-    script_attributes,
     script_trainer,
     unhonoured_overrides,
 )
@@ -64,15 +59,23 @@ def _rows(path: Path, count: int, seed: int) -> Path:
     return path
 
 
-def _methods(cls: type, tmp_path: Path, **kwargs: Any) -> ScriptTrainer:
+MODELS: dict[int, Any] = {}
+"""The model object of each instance ``_methods`` built (by ``id(worker)``): what ``train()`` trains in place."""
+
+
+def _methods(cls: type, tmp_path: Path, path: Path, **kwargs: Any) -> ScriptTrainer:
+    """A ``cls`` Trainer on the model of ``path``, as ``train()`` hands its methods to the loop."""
+    from transformers import AutoModelForSequenceClassification
+
     hf = TrainingArguments(
         output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, gradient_accumulation_steps=2
     )
-    trainer = cls(model=torch.nn.Linear(2, 2), args=hf, **kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    trainer = cls(model=model, args=hf, **kwargs)
     worker = script_trainer(trainer)
     assert worker is not None
-    worker.take_attributes(trainer, check_transport=True)
-    return pickle.loads(cloudpickle.dumps(worker))  # as a self-launched job's workers get it
+    MODELS[id(worker)] = model
+    return worker
 
 
 class Logs(Callback):
@@ -87,9 +90,16 @@ def _accuracy(prediction: Any) -> dict[str, float]:
     return {"accuracy": float((np.asarray(prediction.predictions).argmax(-1) == prediction.label_ids).mean())}
 
 
-def _run(path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] = (), **fields: Any) -> tuple[Any, Any]:
+def _run(
+    path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] = (), worker: Any = None, **fields: Any
+) -> tuple[Any, Any]:
+    """A run of the model of ``path``; with ``methods`` (or ``worker``: an instance whose methods the run's
+    callbacks call) that instance's own model object is trained, as ``train()`` trains it."""
+    instance = methods if methods is not None else worker
+    model = MODELS[id(instance)] if instance is not None else None
     args = TrainingArgs(
         model_path=path,
+        model_init=(lambda: model) if model is not None else None,
         data_path=_rows(tmp_path / "train.jsonl", 32, 1),
         val_data_path=_rows(tmp_path / "val.jsonl", 8, 2),
         ckpt_output_dir=tmp_path / "out",
@@ -109,7 +119,9 @@ def _run(path: Path, tmp_path: Path, methods: Any, callbacks: list[Any] = (), **
         **fields,
     )
     components = build_run(args, DistributedEnv())
-    bind_state(args, lambda: next((c.state for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None))
+    hf = next((c for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None)
+    if hf is not None:
+        bind_state(args, hf)
     return components, TrainingLoop(args, DistributedEnv(), args.plan.callbacks, components).run()
 
 
@@ -136,7 +148,9 @@ def test_a_training_step_calling_super_gives_trainers_gradients_and_logged_loss(
     reference, _ = _run(bert_classifier, tmp_path / "a", None, [reference_logs])
     assert isinstance(reference.step, ModelLoss)
     SuperStep.calls.clear()
-    ours, result = _run(bert_classifier, tmp_path / "b", _methods(SuperStep, tmp_path, alpha=0.25), [ours_logs])
+    ours, result = _run(
+        bert_classifier, tmp_path / "b", _methods(SuperStep, tmp_path, bert_classifier, alpha=0.25), [ours_logs]
+    )
     assert isinstance(ours.step, TrainerMethodsStep) and result.global_step == 2
     # each micro-batch (2 steps x 2) ran the override, with the script's attribute and the step's items
     assert [(c[1], c[2]) for c in SuperStep.calls] == [(0.25, 8)] * 2 + [(0.25, 8)] * 2
@@ -159,7 +173,7 @@ class PerBatchMean(Trainer):
 def test_a_per_batch_mean_is_divided_by_the_steps_accumulation(bert_classifier, tmp_path):
     reference_logs, ours_logs = Logs(), Logs()
     _run(bert_classifier, tmp_path / "a", None, [reference_logs])
-    _run(bert_classifier, tmp_path / "b", _methods(PerBatchMean, tmp_path), [ours_logs])
+    _run(bert_classifier, tmp_path / "b", _methods(PerBatchMean, tmp_path, bert_classifier), [ours_logs])
     reference, ours = reference_logs.logs[0], ours_logs.logs[0]
     # the model's own loss step treats Bert's (item-ignoring) mean as normalised by the step's items, as
     # Trainer does: its first-step gradient is the sum over the 2 micro-batches; Trainer's per-batch path
@@ -196,13 +210,13 @@ class ClearingStep(Trainer):
 
 def test_a_training_step_with_its_own_backward_is_what_the_step_runs(bert_classifier, tmp_path):
     DoubledStep.increments.clear()
-    _run(bert_classifier, tmp_path / "a", _methods(DoubledStep, tmp_path))
+    _run(bert_classifier, tmp_path / "a", _methods(DoubledStep, tmp_path, bert_classifier))
     assert len(DoubledStep.increments) == 4
     for first, second in DoubledStep.increments:  # each backward added the same gradient where it was called
         assert first.abs().sum() > 0
         torch.testing.assert_close(second, first)
     start = _weights(build_run(_args_only(bert_classifier, tmp_path / "c"), DistributedEnv()))
-    cleared, _ = _run(bert_classifier, tmp_path / "b", _methods(ClearingStep, tmp_path))
+    cleared, _ = _run(bert_classifier, tmp_path / "b", _methods(ClearingStep, tmp_path, bert_classifier))
     for name, value in start.items():  # the override's gradient manipulation is what the optimizer saw
         torch.testing.assert_close(_weights(cleared)[name], value)
 
@@ -234,7 +248,13 @@ def test_a_prediction_step_override_feeds_eval_loss_and_compute_metrics(bert_cla
     reference_logs, ours_logs = Logs(), Logs()
     _run(bert_classifier, tmp_path / "a", None, [reference_logs], compute_metrics=_accuracy)
     Predicting.calls.clear()
-    _run(bert_classifier, tmp_path / "b", _methods(Predicting, tmp_path), [ours_logs], compute_metrics=_accuracy)
+    _run(
+        bert_classifier,
+        tmp_path / "b",
+        _methods(Predicting, tmp_path, bert_classifier),
+        [ours_logs],
+        compute_metrics=_accuracy,
+    )
     assert Predicting.calls and all(not only for only, _ in Predicting.calls)
     assert Predicting.calls[0][1] == ["attention_mask", "input_ids", "labels"]
     reference = next(log for log in reference_logs.logs if "eval_loss" in log)
@@ -253,10 +273,10 @@ class LoggingTrainer(Trainer):
 
 
 def test_a_log_override_runs_on_each_log_and_what_it_logs_lands(bert_classifier, tmp_path):
-    worker = _methods(LoggingTrainer, tmp_path)
+    worker = _methods(LoggingTrainer, tmp_path, bert_classifier)
     LoggingTrainer.seen.clear()
     logs, hf = Logs(), HuggingFaceCallbacks([], progress=False)
-    _run(bert_classifier, tmp_path, None, [ScriptTrainerEvents(worker), hf, logs])
+    _run(bert_classifier, tmp_path, None, [ScriptTrainerEvents(worker), hf, logs], worker=worker)
     assert [entry[0] for entry in LoggingTrainer.seen] == [1, 2, 2, 2]  # two train logs, eval, final summary
     assert LoggingTrainer.seen[0][1] is not None and LoggingTrainer.seen[2][1] is None  # start_time as Trainer
     assert all(log["custom_metric"] == 3.0 and "grad_norm" not in log for log in logs.logs)
@@ -271,33 +291,23 @@ class Stateful(Trainer):
         self.before = "set before super().__init__"
         super().__init__(*args, **kwargs)
         self.alpha = alpha
+        self.counted = 0
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         live = self.state.max_steps == 2 and self.alpha == 0.75 and self.optimizer is not None
         Stateful.steps.append((self.state.global_step, live))
+        self.counted += 1  # instance state: it stays on the script's object
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def test_the_worker_instance_has_the_scripts_attributes_and_the_live_state(bert_classifier, tmp_path):
-    hf_args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    trainer = Stateful(model=torch.nn.Linear(2, 2), args=hf_args, alpha=0.75)
-    assert sorted(script_attributes(trainer)) == ["alpha", "before"]
+def test_the_instance_is_the_scripts_own_with_the_live_state(bert_classifier, tmp_path):
     Stateful.steps.clear()
     hf = HuggingFaceCallbacks([], progress=False)
-    worker = _methods(Stateful, tmp_path, alpha=0.75)
+    worker = _methods(Stateful, tmp_path, bert_classifier, alpha=0.75)
     _run(bert_classifier, tmp_path, worker, [ScriptTrainerEvents(worker), hf])
     assert Stateful.steps == [(0, True), (0, True), (1, True), (1, True)]
-
-
-def test_an_attribute_that_cannot_travel_is_refused_naming_it(tmp_path):
-    hf_args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    trainer = Stateful(model=torch.nn.Linear(2, 2), args=hf_args)
-    trainer.lock = threading.Lock()
-    worker = script_trainer(trainer)
-    assert worker is not None
-    worker.take_attributes(trainer, check_transport=False)  # in place (torchrun): nothing is pickled
-    with pytest.raises(TypeError, match=r"Stateful\.lock cannot be sent to the workers"):
-        worker.take_attributes(trainer, check_transport=True)
+    assert worker.instance.counted == 4 and worker.instance.before == "set before super().__init__"
+    assert worker.instance.state is hf.state  # the run's TrainerState
 
 
 class Evaluating(Trainer):
@@ -306,48 +316,63 @@ class Evaluating(Trainer):
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
         metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # the loop's evaluation
         Evaluating.seen.append((self.state.global_step, sorted(metrics)))
-        self.log({"sample": 1.0})  # not one of the loop's logs: warned, as it is not logged
+        self.log({"sample": 1.0})  # Trainer's own log, during training: logged as under Trainer
         return {**metrics, "eval_extra": 1.0}
 
 
 class OtherSet(Trainer):
+    seen: ClassVar[list[list[str]]] = []
+
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
-        return super().evaluate([{"text": "x", "label": 1}], ignore_keys, "train")  # another set: refused
+        rows = [{"input_ids": [2, 5, 6], "attention_mask": [1, 1, 1], "labels": 1}]
+        metrics = super().evaluate(rows, ignore_keys, "train")  # another set: Trainer's own evaluate runs
+        OtherSet.seen.append(sorted(metrics))
+        return metrics
 
 
 def test_an_evaluate_override_runs_around_each_evaluation_during_training(bert_classifier, tmp_path):
     assert unhonoured_overrides(Stateful) == [] and unhonoured_overrides(Evaluating) == []
-    worker = _methods(Evaluating, tmp_path)
+    worker = _methods(Evaluating, tmp_path, bert_classifier)
     Evaluating.seen.clear()
     logs, hf = Logs(), HuggingFaceCallbacks([], progress=False)
-    with pytest.warns(HFPortingWarning, match=r"Evaluating\.log\(\['sample'\]\) called during training"):
-        _run(
-            bert_classifier,
-            tmp_path,
-            None,
-            [ScriptTrainerEvents(worker), hf, logs],
-            evaluation=worker.evaluation,
-            eval_on_start=True,
-            compute_metrics=_accuracy,
-        )
+    _run(
+        bert_classifier,
+        tmp_path,
+        None,
+        [ScriptTrainerEvents(worker), hf, logs],
+        worker=worker,
+        evaluation=worker.evaluation,
+        eval_on_start=True,
+        compute_metrics=_accuracy,
+    )
     keys = ["epoch", "eval_accuracy", "eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"]
     assert Evaluating.seen == [(0, keys), (2, keys)]  # on start and at step 2: the loop's metrics via super()
-    assert [log["eval_loss"] for log in logs.logs if "eval_loss" in log] and not any(
-        "sample" in log for log in logs.logs
+    assert [log["eval_loss"] for log in logs.logs if "eval_loss" in log]
+    assert [entry["step"] for entry in hf.state.log_history if "sample" in entry] == [0, 2]  # Trainer.log's
+    other = _methods(OtherSet, tmp_path / "other", bert_classifier)
+    OtherSet.seen.clear()
+    _run(
+        bert_classifier,
+        tmp_path / "other",
+        None,
+        [ScriptTrainerEvents(other)],
+        worker=other,
+        evaluation=other.evaluation,
     )
-    other = _methods(OtherSet, tmp_path / "other")
-    with pytest.raises(Exception, match=r"evaluate\(eval_dataset=\.\.\., metric_key_prefix=\.\.\.\) inside train"):
-        _run(bert_classifier, tmp_path / "other", None, [ScriptTrainerEvents(other)], evaluation=other.evaluation)
+    assert OtherSet.seen and "train_loss" in OtherSet.seen[0]
 
 
-def test_overrides_trainbridge_cannot_run_are_refused_naming_them() -> None:
+def test_overrides_of_trainers_own_loop_are_refused_naming_them() -> None:
     class Looping(Predicting):
-        def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._inner_training_loop(*args, **kwargs)
+
+        def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:  # honoured: Trainer's evaluate calls it
             return super().evaluation_loop(*args, **kwargs)
 
-    assert unhonoured_overrides(Looping) == ["evaluation_loop"]
+    assert unhonoured_overrides(Looping) == ["_inner_training_loop"]
     hf_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"overrides evaluation_loop\(\)"):
+    with pytest.raises(ValueError, match=r"overrides _inner_training_loop\(\)"):
         Looping(model=torch.nn.Linear(2, 2), args=hf_args)
 
 
@@ -358,5 +383,5 @@ def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_class
             data_path=_rows(tmp_path / "train.jsonl", 8, 1),
             ckpt_output_dir=tmp_path / "out",
             train_step=len,
-            trainer_methods=_methods(SuperStep, tmp_path),
+            trainer_methods=_methods(SuperStep, tmp_path, bert_classifier),
         )

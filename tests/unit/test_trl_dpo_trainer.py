@@ -132,7 +132,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_the_step_scores_with
     )
     _in_place(monkeypatch)
     trainer = DPOTrainer(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
-    assert any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callbacks) == sync
+    assert any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callback_handler.callbacks) == sync
     trainer.train()
     logged = [row for row in trainer.state.log_history if "loss" in row]
     later = [abs(row["rewards/margins"]) for row in logged[1:]]

@@ -51,7 +51,7 @@ def test_model_path_formatting_func_and_trl_collator(
         data_collator=DataCollatorForLanguageModeling(pad_token_id=0),
     )
     assert trainer.train_dataset.column_names == ["input_ids", "labels", "seq_lengths"]  # trl's bins
-    assert trainer.data_collator is None  # trl's collator: reproduced by padding-free batches, not called
+    assert trainer._collator_choice.reproduced  # trl's collator: reproduced by padding-free batches, not called
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)  # max_length, model_init_kwargs, packing... are honoured
         out = trainer.train()

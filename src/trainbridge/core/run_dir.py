@@ -44,18 +44,12 @@ def results_file(output_dir: str | Path, split: str | None = None) -> Path:
 
 
 FACADE_DIR = ".trainbridge"
-"""The folder inside ``output_dir`` where ``trainbridge.Trainer`` writes its jobs' inputs and outputs."""
-FACADE_STATE_FILE = "trainer_state.json"
-"""The recorded ``TrainerState`` fields of a train job, written by rank 0 after training."""
-FACADE_EVALUATION_FILE = "evaluation.pkl"
-"""The metrics (and predictions) of an evaluation job, written by rank 0 into the job's folder."""
-FACADE_FINAL_MODEL_DIR = "final-model"
-"""The weights at the end of a train job (HF layout)."""
+"""The folder inside ``output_dir`` where ``trainbridge.Trainer.train()`` writes the datasets' rows."""
 
 
 @dataclass(frozen=True)
 class FacadeDir:
-    """``output_dir/.trainbridge/``: every path ``trainbridge.Trainer`` and its jobs use there."""
+    """``output_dir/.trainbridge/``: every path ``trainbridge.Trainer.train()`` uses there."""
 
     root: Path
 
@@ -65,13 +59,8 @@ class FacadeDir:
         return cls(Path(output_dir) / FACADE_DIR)
 
     @property
-    def model(self) -> Path:
-        """The script's in-memory model, ``save_pretrained`` with its tokenizer."""
-        return self.root / "model"
-
-    @property
     def tokenizer(self) -> Path:
-        """The script's tokenizer, when the model was given as a folder."""
+        """The instance's tokenizer, saved for the loop to load."""
         return self.root / "tokenizer"
 
     @property
@@ -82,29 +71,3 @@ class FacadeDir:
     def eval_data(self, index: int | None = None) -> Path:
         """The validation rows: ``eval``, or ``eval-{index}`` for the index-th of named sets."""
         return self.root / ("eval" if index is None else f"eval-{index}")
-
-    @property
-    def state_file(self) -> Path:
-        """``FACADE_STATE_FILE`` of the train job."""
-        return self.root / FACADE_STATE_FILE
-
-    @property
-    def final_model(self) -> Path:
-        """``FACADE_FINAL_MODEL_DIR`` of the train job."""
-        return self.root / FACADE_FINAL_MODEL_DIR
-
-    @property
-    def evaluation(self) -> FacadeDir:
-        """The folder of ``evaluate()``/``predict()`` jobs (``evaluate/``), laid out as this one: its
-        rows in ``eval_data``, the current weights after an in-place training in ``model``."""
-        return FacadeDir(self.root / "evaluate")
-
-    @property
-    def evaluation_file(self) -> Path:
-        """``FACADE_EVALUATION_FILE`` of an evaluation job (inside ``evaluation``)."""
-        return self.root / FACADE_EVALUATION_FILE
-
-    @property
-    def job_output(self) -> Path:
-        """The ``ckpt_output_dir`` of an evaluation job (its result file; it saves no checkpoint)."""
-        return self.root / "output"

@@ -19,9 +19,6 @@ The folders the parent imports user code from (its ``sys.path`` beyond the insta
 signed part of the payload, not in ``PYTHONPATH``: the worker appends them to its ``sys.path`` after
 site-packages before unpickling, so a file in such a folder can name a class but never shadow an
 installed package, and nothing there runs at interpreter start (``sitecustomize``).
-
-``write_signed``/``read_signed`` authenticate any other file one of our processes writes for another to
-load (the facade's evaluation result) the same way: the MAC is checked before anything is unpickled.
 """
 
 from __future__ import annotations
@@ -244,23 +241,6 @@ def _opened(path: str | Path, data: bytes, key: str, key_source: str) -> bytes:
             f"in {key_source} is not the one it was written with); refusing to unpickle it"
         )
     return body
-
-
-def write_signed(obj: Any, path: str | Path, key: str) -> None:
-    """Write ``obj`` (pickled) to ``path``, authenticated with ``key`` as the payload is: for a file one of
-    our processes writes and another loads.  Any file already at ``path`` is replaced; a link there is
-    not followed; the new file is 0600."""
-    path = Path(path)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(_sealed(pickle.dumps(obj), key))
-
-
-def read_signed(path: str | Path, key: str, key_source: str) -> Any:
-    """Load what ``write_signed`` wrote with ``key``: read once, the MAC checked before anything is unpickled
-    (``PayloadIntegrityError`` for a changed, swapped or forged file)."""
-    return pickle.loads(_opened(path, Path(path).read_bytes(), key, key_source))
 
 
 def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequence[str] = ()) -> tuple[Path, str]:

@@ -185,11 +185,11 @@ def _scheduler_spec(scheduler: Any) -> tuple[type, dict[str, Any]]:
 
 class SubclassOptimizer:
     """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler`` or
-    ``create_optimizer_and_scheduler``: called in each worker on the worker-side instance
-    (``trainer.subclass``) with ``self.model`` the worker's model; ``super()`` builds what ``optim`` /
-    ``lr_scheduler_type`` (or the script's ``optimizers=``, ``inner``) would.  ``create_optimizer_and_scheduler``
-    runs when the engine builds the optimizer, with the run's optimizer steps; a schedule its ``super()``
-    leaves to Trainer's default is built right after, over the optimizer it chose."""
+    ``create_optimizer_and_scheduler``: called on the instance itself (``trainer.subclass``), whose ``model``
+    is the model being trained; ``super()`` is Trainer's own (``optim``, ``lr_scheduler_type``...).  The
+    script's ``optimizers=`` objects (``inner``, in place) are ``self.optimizer`` / ``self.lr_scheduler`` when
+    the override runs, as under Trainer.  ``create_optimizer_and_scheduler`` runs when the engine builds the
+    optimizer, with the run's optimizer steps."""
 
     def __init__(self, worker: Any, inner: Any, both: bool = False) -> None:
         self.worker, self.inner, self.both = worker, inner, both
@@ -199,12 +199,10 @@ class SubclassOptimizer:
     ) -> torch.optim.Optimizer:
         instance = self.worker.trainer(model)
         instance.optimizer, instance.lr_scheduler = None, None
-        if self.inner is not None:
-            instance._default_optimizer = lambda: self.inner.optimizer(model, groups, default, total_steps)
-        else:
-            instance._default_optimizer = default
+        if isinstance(self.inner, InPlace):
+            instance.optimizer = self.inner.optimizer(model, groups, default, total_steps)
+            instance.lr_scheduler = self.inner.script_scheduler
         if self.both:
-            instance._default_scheduler = lambda chosen: None  # built in scheduler(), where the default is known
             instance.create_optimizer_and_scheduler(num_training_steps=total_steps)
         else:
             instance.create_optimizer()
@@ -217,17 +215,8 @@ class SubclassOptimizer:
 
     def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
         instance = self.worker.trainer(None)
-        if self.inner is not None:
-            instance._default_scheduler = lambda chosen: (
-                self.inner.scheduler(chosen, total_steps, default) or default(chosen)
-            )
-        else:
-            instance._default_scheduler = default
-        if self.both:
-            if instance.lr_scheduler is None:
-                instance.lr_scheduler = instance._default_scheduler(optimizer)
-            return instance.lr_scheduler
-        instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+        if not self.both:
+            instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
         return instance.lr_scheduler
 
 

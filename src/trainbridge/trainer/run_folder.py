@@ -1,8 +1,10 @@
-"""What ``trainbridge.Trainer`` writes into its run folder for a job, and the typed layout it returns.
+"""What ``Trainer.train()`` writes into its run folder, and the typed layout it returns.
 
 The folder is ``output_dir/.trainbridge/`` (every path named in ``core.run_dir.FacadeDir``).  The writing
-rank writes the model and the datasets' rows there; the ``RunLayout`` it returns (where each input is)
-travels to the other ranks by broadcast and becomes the job's ``TrainingArgs`` (``trainer.job_args``).
+rank writes the datasets' rows (the loop's padding-free and sample batches read them memory-mapped) and the
+tokenizer there; the ``RunLayout`` it returns (where each input is) travels to the other ranks by broadcast
+and becomes the job's ``TrainingArgs`` (``trainer.job_args``).  The model is not written: the loop trains the
+script's own object.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from trainbridge.trainer import script_data
 class RunLayout:
     """Where a job's inputs are: the fields of its ``TrainingArgs`` that the run folder provides."""
 
-    model_path: Path
     data_path: Path | None
     """The training rows (None: a streaming ``train_dataset``, iterated in the workers as ``train_stream``)."""
     tokenizer_path: Path | None = None
@@ -31,22 +32,6 @@ class RunLayout:
     """Named validation sets (a dict ``eval_dataset``), each evaluated in turn."""
     longest: int | None = None
     """The longest row written (tokens), when the rows are tokenised already."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """The model and tokenizer as the Trainer holds them."""
-
-    model: Any
-    """The script's model object (None: only a folder is known)."""
-    folder: Path | None
-    """A model folder the script named (``Trainer(model="path")``), not yet trained here."""
-    trained: Path | None
-    """Weights a launched training left on disk, when the script holds no model object."""
-    tokenizer: Any
-    """The tokenizer to save beside the model (the processing class's, or the one beside its folder)."""
-    save_tokenizer: bool
-    """With ``folder``: the script gave a processing class, written into the run folder."""
 
 
 @dataclass(frozen=True)
@@ -60,17 +45,14 @@ class RowPreparation:
     every column is written, tensors kept as tensors (``script_data.as_item_dataset``)."""
 
 
-def write_model(folder: FacadeDir, source: ModelSource) -> tuple[Path, Path | None]:
-    """``(model_path, tokenizer_path)`` for the workers, written into ``folder`` when needed."""
-    if source.folder is not None and source.trained is None:
-        tokenizer_path = None
-        if source.save_tokenizer:
-            tokenizer_path = folder.tokenizer
-            source.tokenizer.save_pretrained(tokenizer_path)
-        return source.folder, tokenizer_path
-    if source.trained is not None and source.model is None:
-        return source.trained, None
-    return script_data.write_model(source.model, source.tokenizer, folder.model), None
+def write_tokenizer(folder: FacadeDir, tokenizer: Any) -> Path:
+    """The ``tokenizer_path`` of the job: the instance's tokenizer (or processor), when it has one, written
+    into ``folder`` (the model itself is the script's object, trained in place: ``job_args.LiveModel``)."""
+    target = folder.tokenizer
+    target.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(target)
+    return target
 
 
 def write_rows(dataset: Any, target: Path, what: str, rows: RowPreparation) -> tuple[Path, int | None]:
@@ -104,15 +86,13 @@ def write_eval_sets(
 
 
 def write_training_inputs(
-    folder: FacadeDir, source: ModelSource, rows: RowPreparation, train_dataset: Any, eval_dataset: Any
+    folder: FacadeDir, tokenizer: Any, rows: RowPreparation, train_dataset: Any, eval_dataset: Any
 ) -> RunLayout:
-    """A train job's inputs: the model, ``train_dataset`` and ``eval_dataset`` (one dataset ->
+    """A train job's inputs: the tokenizer, ``train_dataset`` and ``eval_dataset`` (one dataset ->
     ``val_data_path``; a dict -> ``eval_data_paths``; a stream is not written: the job streams it).  Clears
     the previous job's outputs first."""
     make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
-    for stale in (folder.state_file, folder.evaluation_file):
-        stale.unlink(missing_ok=True)
-    model_path, tokenizer_path = write_model(folder, source)
+    tokenizer_path = write_tokenizer(folder, tokenizer)
     if train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset")
     data_path, longest = (
@@ -124,7 +104,6 @@ def write_training_inputs(
         (None, {}, None) if eval_dataset is None else write_eval_sets(eval_dataset, folder, rows)
     )
     return RunLayout(
-        model_path=model_path,
         tokenizer_path=tokenizer_path,
         data_path=data_path,
         val_data_path=val_path,
@@ -133,20 +112,15 @@ def write_training_inputs(
     )
 
 
-def write_evaluation_inputs(
-    folder: FacadeDir, model: ModelSource | Path, rows: RowPreparation, dataset: Any
-) -> RunLayout:
-    """An evaluation job's inputs in ``folder`` (``FacadeDir.evaluation``): the model (``model``: a folder
-    holding the current weights already, or the Trainer's to write) and ``dataset``, one (``val_data_path``)
-    or a dict of them (``eval_data_paths``, evaluated in turn in the one job); ``data_path`` is the first
-    set (it is not trained on)."""
+def write_evaluation_inputs(folder: FacadeDir, tokenizer: Any, rows: RowPreparation, dataset: Any) -> RunLayout:
+    """The inputs of an evaluation by the loop's own step (``jobs.evaluate_with_loop``) in ``folder``: the
+    tokenizer and ``dataset``, one (``val_data_path``) or a dict of them (``eval_data_paths``, evaluated in
+    turn); ``data_path`` is the first set (it is not trained on)."""
     make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
-    folder.evaluation_file.unlink(missing_ok=True)
-    model_path, tokenizer_path = (model, None) if isinstance(model, Path) else write_model(folder, model)
+    tokenizer_path = write_tokenizer(folder, tokenizer)
     path, sets, longest = write_eval_sets(dataset, folder, rows)
     data_path = path if path is not None else next(iter(sets.values()))
     return RunLayout(
-        model_path=model_path,
         tokenizer_path=tokenizer_path,
         data_path=data_path,
         val_data_path=path,

@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainbridge.modeling.quantization import state_dict_honoured
-
 logger = logging.getLogger(__name__)
 
 TOKEN_COLUMNS = ("input_ids", "labels", "seq_lengths")
@@ -241,18 +239,6 @@ def write_dataset(rows: Any, folder: Path) -> Path:
     return folder
 
 
-def model_travel_problem(model: Any) -> str | None:
-    """Why the workers cannot be given ``model`` (they rebuild it with ``from_pretrained`` from the folder its
-    ``save_pretrained`` writes), or None."""
-    if hasattr(model, "save_pretrained"):
-        return None
-    return (
-        f"model: a plain {type(model).__name__} (torch.nn.Module) cannot be handed to trainbridge's workers, "
-        "which load the model from a save_pretrained folder; make it a transformers.PreTrainedModel (a "
-        "PretrainedConfig and a PreTrainedModel subclass), or keep transformers.Trainer for this script"
-    )
-
-
 def tokenizer_beside(model: Any) -> Any:
     """``AutoTokenizer`` of the local folder ``model`` was loaded from (a PEFT model: its base), or None."""
     from transformers import AutoTokenizer
@@ -265,53 +251,3 @@ def tokenizer_beside(model: Any) -> Any:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
-
-
-def write_model(model: Any, tokenizer: Any, folder: Path) -> Path:
-    """Save ``model`` and ``tokenizer`` into ``folder``; returns the ``model_path`` for the workers.
-
-    A plain model is saved with ``save_pretrained`` (resized embeddings, changed config and all).  A
-    ``peft.PeftModel`` is saved as its base model without the adapter layers (``folder/base``, the
-    in-memory base: resized embeddings kept) plus its adapter (``folder/adapter``, PEFT's layout, whose
-    ``adapter_config.json`` points at that base); the workers load the adapter folder, trainable.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    if _is_peft_model(model):
-        target = _write_peft_model(model, folder)
-    else:
-        model.save_pretrained(folder)
-        target = folder
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(target)
-        if target != folder:
-            tokenizer.save_pretrained(folder / "base")
-    return target
-
-
-def _is_peft_model(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def _write_peft_model(model: Any, folder: Path) -> Path:
-    import json
-
-    base = model.get_base_model()
-    adapter_names = set(model.peft_config)
-    clean: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
-        parts = key.split(".")
-        if any(part.startswith("lora_") or part in adapter_names for part in parts):
-            continue  # adapter weights (lora_A/lora_B/lora_magnitude_vector..., per adapter name)
-        clean[key.replace(".base_layer.", ".")] = value
-    with state_dict_honoured(base):  # a quantised base would otherwise be saved under the adapter layers' names
-        base.save_pretrained(folder / "base", state_dict=clean)
-    model.save_pretrained(folder / "adapter")
-    for config_file in (folder / "adapter").rglob("adapter_config.json"):
-        config = json.loads(config_file.read_text())
-        config["base_model_name_or_path"] = str((folder / "base").resolve())
-        config_file.write_text(json.dumps(config, indent=2))
-    return folder / "adapter"

@@ -1,0 +1,153 @@
+"""A Trainer script that leans on Trainer's own code from the outside (used by test_trainer_own_code.py):
+
+- its ``evaluate`` override runs its own loop, as transformers' question-answering example does
+  (``self.get_eval_dataloader``, ``self.evaluation_loop``, a post-processing function, ``self.compute_metrics``,
+  ``self.log``, ``self.callback_handler.on_evaluate``), never calling ``super().evaluate()``;
+- the script calls ``trainer.get_train_dataloader()`` to print a sample batch before training;
+- its ``compute_loss`` counts its calls on the instance (state that must still be there after ``train()``);
+- it checks ``isinstance(trainer, transformers.Trainer)``, as third-party code taking a ``trainer`` does;
+- it saves checkpoints, the final model and the metrics files.
+
+Run as ``torchrun --nproc_per_node=2 own_loop_script.py OUT [real]`` or ``python own_loop_script.py OUT``;
+``real`` uses transformers.Trainer (the reference).  Rank 0 writes ``OUT/summary.json``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+
+if "real" in sys.argv[2:]:
+    from transformers import Trainer
+else:
+    from trainbridge import Trainer
+
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
+
+out = Path(sys.argv[1])
+model_dir = out.parent / "tiny-model"
+build_tiny_llama_once(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+texts = [p + a for p, a in arithmetic_problems(48, 1)]
+rows = datasets.Dataset.from_dict({"text": texts}).map(
+    lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"]
+)
+train, evaluation = rows.select(range(32)), rows.select(range(32, 48))
+
+
+def post_process(output):
+    """Token accuracy from the evaluation loop's predictions (the QA example's post-processing step)."""
+    predicted, labels = np.asarray(output.predictions)[:, :-1], np.asarray(output.label_ids)[:, 1:]
+    mask = labels != -100
+    return {"token_accuracy": float((predicted[mask] == labels[mask]).mean())}
+
+
+class OwnLoopTrainer(Trainer):
+    def __init__(self, *args, post_process_function=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.post_process_function = post_process_function
+        self.loss_calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.loss_calls += 1
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        eval_dataloader = self.get_eval_dataloader(eval_dataset)
+        compute_metrics = self.compute_metrics
+        self.compute_metrics = None  # metrics after post-processing, as the QA example
+        try:
+            output = self.evaluation_loop(
+                eval_dataloader, description="Evaluation", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            )
+        finally:
+            self.compute_metrics = compute_metrics
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in self.post_process_function(output).items()}
+        metrics.update(output.metrics)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+args = TrainingArguments(
+    output_dir=str(out),
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    max_steps=4,
+    logging_steps=1,
+    save_strategy="steps",
+    save_steps=2,
+    eval_strategy="steps",
+    eval_steps=2,
+    learning_rate=1e-2,
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    seed=3,
+)
+trainer = OwnLoopTrainer(
+    model=model,
+    args=args,
+    train_dataset=train,
+    eval_dataset=evaluation,
+    processing_class=tokenizer,
+    preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    post_process_function=post_process,
+    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+)
+is_trainer = isinstance(trainer, transformers.Trainer)
+sample = next(iter(trainer.get_train_dataloader()))  # a sample batch, printed before training
+print("sample batch:", {k: tuple(v.shape) for k, v in sample.items()})
+result = trainer.train()
+trainer.save_metrics("train", result.metrics)
+metrics = trainer.evaluate()
+trainer.save_metrics("eval", metrics)
+trainer.save_model(str(out / "final"))
+trainer.save_state()
+loss_calls = trainer.accelerator.gather(torch.tensor([trainer.loss_calls])).tolist()
+if trainer.is_world_process_zero():
+
+    def tensor_names(folder):
+        with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+            return sorted(handle.keys())
+
+    checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "is_trainer": is_trainer,
+                "sample_keys": sorted(sample),
+                "sample_rows": int(sample["input_ids"].shape[0]),
+                "global_step": result.global_step,
+                "train_metrics": sorted(result.metrics),
+                "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+                "eval_entries": [
+                    (e["step"], sorted(e)) for e in trainer.state.log_history if "eval_token_accuracy" in e
+                ],
+                "eval_metrics": sorted(metrics),
+                "loss_calls": loss_calls,
+                "checkpoints": checkpoints,
+                "checkpoint_files": {c: sorted(p.name for p in (out / c).iterdir()) for c in checkpoints},
+                "checkpoint_tensors": tensor_names(out / checkpoints[-1]),
+                "final_tensors": tensor_names(out / "final"),
+                "results_files": sorted(p.name for p in out.glob("*results.json")),
+            }
+        )
+    )
+
+if "real" in sys.argv[2:]:
+    # the reference's work is done: real Trainer leaves gloo's threads to the interpreter's exit (see
+    # subclass_script.py); leave without it
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
