@@ -25,6 +25,10 @@ import torch
 
 from trainbridge.data.stream_batches import require_max_steps
 
+OPAQUE_BATCH = "__loader_batch__"
+"""The key a batch that is not a dict travels under: the loop moves and counts nothing of it, and the
+instance's ``training_step`` gets it as the loader gave it (``step.trainer_methods``)."""
+
 
 @dataclass(frozen=True)
 class LoaderStep:
@@ -108,16 +112,10 @@ class LoaderBatches:
             yield LoaderStep(group, sum(_rows(batch) for batch in group) * self.world_size)
 
     def micro_batches(self, step: LoaderStep) -> list[dict[str, Any]]:
-        """This rank's batches of ``step`` as dicts of the model's inputs (CPU)."""
-        out = []
-        for batch in step.batches:
-            if not isinstance(batch, Mapping):
-                raise TypeError(
-                    f"get_train_dataloader: the DataLoader gave a {type(batch).__name__}; its batches must be "
-                    "dicts of the model's inputs (as Trainer passes them to model(**inputs))"
-                )
-            out.append(dict(batch))
-        return out
+        """This rank's batches of ``step`` as dicts of the model's inputs (CPU); a batch that is not a dict
+        (trl's GRPO/RLOO loaders give lists of raw rows, for the instance's own ``training_step``) travels
+        whole under ``OPAQUE_BATCH``."""
+        return [dict(batch) if isinstance(batch, Mapping) else {OPAQUE_BATCH: batch} for batch in step.batches]
 
     def __len__(self) -> int:
         return (
@@ -158,4 +156,4 @@ def _rows(batch: Any) -> int:
     for value in values:
         if isinstance(value, list | tuple):
             return len(value)
-    return 0
+    return len(batch) if isinstance(batch, list | tuple) else 0  # a list of raw rows (trl's GRPO batches)

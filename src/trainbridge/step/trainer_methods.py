@@ -27,6 +27,7 @@ import torch
 
 from trainbridge.core.config.plan import TrainerMethods
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data.loader_batches import OPAQUE_BATCH
 from trainbridge.step.base import EvalOutput
 from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
 
@@ -57,8 +58,10 @@ class TrainerMethodsStep(ModelLoss):
         forward: Callable[[], AbstractContextManager[Any]],
         backward: Callable[[torch.Tensor], None],
     ) -> torch.Tensor:
-        inputs = dict(batch)
+        inputs: Any = dict(batch)
         count = inputs.pop(NUM_ITEMS_KEY, None)
+        if OPAQUE_BATCH in inputs:  # the loader's batch as it gave it (trl's GRPO: a list of raw rows)
+            inputs = inputs[OPAQUE_BATCH]
 
         def backward_as_trainer(loss: torch.Tensor) -> None:
             # the loop backpropagates loss_sum x scale: hand it loss / scale (the same gradients, exactly)

@@ -143,7 +143,7 @@ class LoopTrainer(_TrainerBase):
         classes = tuple(get_reporting_integration_callbacks(self.args.report_to))
         return {id(cb) for cb in self.callback_handler.callbacks if classes and type(cb) in classes}
 
-    def _tokenizer(self) -> Any:
+    def _loop_tokenizer(self) -> Any:
         """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the
         tokenizer saved beside the model the script loaded, if its folder has one."""
         tok = self.processing_class
@@ -156,7 +156,7 @@ class LoopTrainer(_TrainerBase):
     def _row_preparation(self) -> RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
-        pad_id = getattr(collator_tokenizer or self._tokenizer(), "pad_token_id", None)
+        pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
         return RowPreparation(
             self._collator_choice,
             pad_id,

@@ -57,7 +57,7 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
 def _write_training_inputs(trainer: Trainer) -> run_folder.RunLayout:
     return run_folder.write_training_inputs(
         trainer._folder,
-        trainer._tokenizer(),
+        trainer._loop_tokenizer(),
         trainer._row_preparation(),
         trainer.train_dataset,
         trainer.eval_dataset,
@@ -70,7 +70,7 @@ def evaluate_with_loop(trainer: Trainer, dataset: Any) -> dict[str, Any]:
     folder = FacadeDir(trainer._folder.root / "evaluate")
     env = trainer._start_env()
     layout = env.on_rank_zero(
-        lambda: run_folder.write_evaluation_inputs(folder, trainer._tokenizer(), trainer._row_preparation(), dataset),
+        lambda: run_folder.write_evaluation_inputs(folder, trainer._loop_tokenizer(), trainer._row_preparation(), dataset),
         "writing the evaluation data",
     )
     args = job_args.evaluation_args(job_args.training_args(trainer, layout, env.world_size, None), folder.root)

@@ -57,8 +57,9 @@ STEP_METHODS = (
 EVALUATION_METHODS = ("evaluate", "evaluation_loop", "get_eval_dataloader", "_get_eval_sampler")
 """Overrides that make each evaluation during training the instance's ``evaluate()`` (Trainer's own code)."""
 
-LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler")
-"""Overrides whose ``DataLoader`` gives the training batches (``trainer.subclass_data``)."""
+LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler", "_set_signature_columns_if_needed")
+"""Overrides whose ``DataLoader`` gives the training batches (``trainer.subclass_data``); the columns Trainer's
+loader keeps are the signature columns (trl's reward trainer keeps its ``chosen_ids``/``rejected_ids``)."""
 
 
 def _script_classes(cls: type) -> list[type]:

@@ -1,0 +1,28 @@
+"""``TrlLoop``: what a trl trainer class gets in front of it to be trained by trainbridge's loop.
+
+``class X(TrlLoop, trl.XTrainer)``: trl's constructor runs unchanged between ``LoopTrainer``'s launch check
+(``python script.py`` re-executed under torchrun, refused overrides) and its loop set-up; ``train()`` is the
+loop (``trainer.facade.LoopTrainer``).  Evaluation is trl's through Trainer's own ``evaluate``
+(``get_eval_dataloader``, ``evaluation_loop``, trl's ``prediction_step``/``compute_loss``, ``log``), not the
+loop's batches: trl's evaluation batches (GRPO's repeat sampler, the reward model's padded pairs) are its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainbridge.trainer import subclass
+from trainbridge.trainer.facade import LoopTrainer
+
+
+class TrlLoop(LoopTrainer):
+    """``LoopTrainer`` for a trl trainer class (see the module doc)."""
+
+    def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
+        self._check_launch(type(self), torchrun_args)
+        super().__init__(*args, **kwargs)  # trl's own constructor
+        self._init_loop(torchrun_args, self.data_collator)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self.__dict__.pop(subclass.LOOP_EVALUATION, None)  # trl's evaluation, not the loop's batches
+        return super().evaluate(*args, **kwargs)
