@@ -70,7 +70,9 @@ def evaluate_with_loop(trainer: Trainer, dataset: Any) -> dict[str, Any]:
     folder = FacadeDir(trainer._folder.root / "evaluate")
     env = trainer._start_env()
     layout = env.on_rank_zero(
-        lambda: run_folder.write_evaluation_inputs(folder, trainer._loop_tokenizer(), trainer._row_preparation(), dataset),
+        lambda: run_folder.write_evaluation_inputs(
+            folder, trainer._loop_tokenizer(), trainer._row_preparation(), dataset
+        ),
         "writing the evaluation data",
     )
     args = job_args.evaluation_args(job_args.training_args(trainer, layout, env.world_size, None), folder.root)

@@ -48,7 +48,7 @@ class _PendingGeneration(TrlLoop):
         generation_buffer.save_pending(self, self._checkpoint_folder())
 
     def _checkpoint_folder(self) -> str:
-        return os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        return os.path.join(str(self.args.output_dir), f"checkpoint-{self.state.global_step}")
 
 
 class GRPOTrainer(_PendingGeneration, trl.GRPOTrainer):  # type: ignore[misc]
