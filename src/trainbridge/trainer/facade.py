@@ -182,6 +182,13 @@ class LoopTrainer(_TrainerBase):
             raise UnsupportedTrainerFeatureError("trial: hyper-parameter search is not supported")
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}")
+        if self.model is None or not hasattr(self.model, "config"):
+            raise UnsupportedTrainerFeatureError(
+                f"model: a plain {type(self.model).__name__} (torch.nn.Module, no config) is not supported by "
+                "trainbridge's loop, whose checkpoints and batching read the model's PretrainedConfig; make it a "
+                "transformers.PreTrainedModel (a PretrainedConfig and a PreTrainedModel subclass), or keep "
+                "transformers.Trainer for this script"
+            )
         if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
         self.is_in_train = True
