@@ -85,7 +85,7 @@ class LoopTrainer(_TrainerBase):
             self._model_source: Path | None = None
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
         optimizers = (self.optimizer, self.lr_scheduler)
-        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs, True)
+        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -227,10 +227,10 @@ class LoopTrainer(_TrainerBase):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        names = [str(name) for name in dataset] if isinstance(dataset, dict) else [None]
+        names = [str(name) for name in dataset] if isinstance(dataset, dict) else []
         found = jobs.evaluate_with_loop(self, dataset)
         metrics: dict[str, float] = {}
-        for part in results.per_set(found, names if names != [None] else []):
+        for part in results.per_set(found, names):
             part.pop("epoch", None)
             part = results.prefixed(part, metric_key_prefix)
             self.log(part)
