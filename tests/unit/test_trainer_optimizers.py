@@ -69,34 +69,6 @@ def _run(path: Path, tmp_path: Path, factory: Any, model: Any = None) -> tuple[A
     return components, before
 
 
-def test_optimizers_are_rebuilt_with_their_class_groups_and_scheduler(bert_classifier: Path, tmp_path: Path) -> None:
-    model = BertForSequenceClassification.from_pretrained(bert_classifier)
-    encoder = [p for n, p in model.named_parameters() if n.startswith("bert.encoder")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("bert.encoder")]
-    optimizer = torch.optim.SGD(
-        [{"params": encoder, "lr": 0.2, "dampening": 0.1}, {"params": rest}], lr=0.05, momentum=0.9
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
-    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))
-    # the rebuild (``Rebuilt``: another process's copy); a Trainer's own jobs now always run in place (``InPlace``)
-    rebuilt = optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
-    components, before = _run(bert_classifier, tmp_path, rebuilt)
-
-    used = components.engine.optimizer
-    assert type(used) is torch.optim.SGD
-    assert [len(g["params"]) for g in used.param_groups] == [len(encoder), len(rest)]
-    assert [g["momentum"] for g in used.param_groups] == [0.9, 0.9]
-    assert [g["dampening"] for g in used.param_groups] == [0.1, 0.0]
-    assert [g["initial_lr"] for g in used.param_groups] == [0.2, 0.05]
-    scheduler_used = components.engine.lr_scheduler
-    assert type(scheduler_used) is torch.optim.lr_scheduler.LambdaLR
-    assert [g["lr"] for g in used.param_groups] == pytest.approx([0.2 * 0.25, 0.05 * 0.25])  # 2 steps of 0.5
-    assert all(used.state[p]["momentum_buffer"] is not None for p in used.param_groups[0]["params"])
-    after = dict(components.engine.module.named_parameters())
-    assert any(not torch.equal(before[n], after[n]) for n in before)
-
-
 def test_optimizer_cls_and_kwargs_builds_the_class_over_the_weight_decay_groups(
     bert_classifier: Path, tmp_path: Path
 ) -> None:
@@ -119,23 +91,6 @@ def test_an_optimizer_over_other_parameters_fails_at_construction(bert_classifie
     stranger = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"not parameters of the Trainer's model"):
         Trainer(model=model, args=hf, optimizers=(stranger, None))
-
-
-def test_a_scheduler_that_cannot_be_rebuilt_is_refused_naming_why(bert_classifier: Path, tmp_path: Path) -> None:
-    class Opaque(torch.optim.lr_scheduler.LRScheduler):
-        def __init__(self, optimizer: Any, secret: float) -> None:
-            super().__init__(optimizer)
-
-        def get_lr(self) -> list[float]:
-            return [g["lr"] for g in self.optimizer.param_groups]
-
-    model = BertForSequenceClassification.from_pretrained(bert_classifier)
-    hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = Opaque(optimizer, 1.0)
-    trainer = Trainer(model=model, args=hf, optimizers=(optimizer, scheduler))  # in place: its own object steps
-    with pytest.raises(ValueError, match=r"Opaque.*'secret'"):  # the rebuild for another process cannot
-        optimizer_factory(trainer, (optimizer, scheduler), None, in_place=False)
 
 
 def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path: Path) -> None:
@@ -232,14 +187,13 @@ def test_a_subclass_create_optimizer_and_scheduler_runs_with_the_runs_steps(bert
 
 
 def _in_place(bert_classifier: Path, tmp_path: Path, momentum: float = 0.9) -> tuple[Any, Any, Any, Any]:
-    from trainbridge.trainer.optimizers import optimizer_factory
 
     model = BertForSequenceClassification.from_pretrained(bert_classifier)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf)
-    return model, optimizer, scheduler, optimizer_factory(trainer, (optimizer, scheduler), None, in_place=True)
+    return model, optimizer, scheduler, optimizer_factory(trainer, (optimizer, scheduler), None)
 
 
 def test_in_place_the_scripts_model_optimizer_and_scheduler_objects_train(bert_classifier: Path, tmp_path: Path):

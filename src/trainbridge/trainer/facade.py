@@ -85,7 +85,7 @@ class LoopTrainer(_TrainerBase):
             self._model_source: Path | None = None
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
         optimizers = (self.optimizer, self.lr_scheduler)
-        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs, True)
+        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -182,6 +182,13 @@ class LoopTrainer(_TrainerBase):
             raise UnsupportedTrainerFeatureError("trial: hyper-parameter search is not supported")
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}")
+        if self.model is None or not hasattr(self.model, "config"):
+            raise UnsupportedTrainerFeatureError(
+                f"model: a plain {type(self.model).__name__} (torch.nn.Module, no config) is not supported by "
+                "trainbridge's loop, whose checkpoints and batching read the model's PretrainedConfig; make it a "
+                "transformers.PreTrainedModel (a PretrainedConfig and a PreTrainedModel subclass), or keep "
+                "transformers.Trainer for this script"
+            )
         if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
         self.is_in_train = True
@@ -220,10 +227,10 @@ class LoopTrainer(_TrainerBase):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        names = [str(name) for name in dataset] if isinstance(dataset, dict) else [None]
+        names = [str(name) for name in dataset] if isinstance(dataset, dict) else []
         found = jobs.evaluate_with_loop(self, dataset)
         metrics: dict[str, float] = {}
-        for part in results.per_set(found, names if names != [None] else []):
+        for part in results.per_set(found, names):
             part.pop("epoch", None)
             part = results.prefixed(part, metric_key_prefix)
             self.log(part)

@@ -20,7 +20,7 @@ from trainbridge.trainer.subclass import script_events, subclass_evaluation, sub
 from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
-    from trainbridge.trainer.facade import Trainer
+    from trainbridge.trainer.facade import LoopTrainer as Trainer
 
 DEFAULT_MAX_SEQ_LEN = 512
 """``max_seq_len`` of a ported run whose rows are not tokenised yet and whose arguments name no length."""

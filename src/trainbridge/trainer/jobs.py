@@ -21,7 +21,7 @@ from trainbridge.trainer import job_args, run_folder
 from trainbridge.trainer.runner import FacadeJob, run_job
 
 if TYPE_CHECKING:
-    from trainbridge.trainer.facade import Trainer
+    from trainbridge.trainer.facade import LoopTrainer as Trainer
 
 
 def world_size_of(torchrun_args: TorchrunArgs) -> int:
@@ -46,10 +46,12 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
     trainer.model_wrapped = outcome.loop.engine.module
     trainer.optimizer = outcome.loop.engine.optimizer
     trainer.lr_scheduler = outcome.loop.engine.lr_scheduler
+    assert outcome.hf.state is not None
     trainer.state = outcome.hf.state
-    trainer.accelerator._models[:] = [trainer.model_wrapped]  # evaluate()/predict() use it as it is
+    # evaluate()/predict() use the model as it is, as after Trainer's own train()
+    trainer.accelerator._models[:] = [trainer.model_wrapped]  # type: ignore[list-item]
     if trainer.is_deepspeed_enabled:
-        trainer.deepspeed = trainer.model_wrapped
+        trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     assert outcome.result is not None
     return outcome.result, trainer.state
 

@@ -1,34 +1,22 @@
-"""A script's own optimizer and schedule in the workers: ``RunPlan.optimizer_factory`` of a facade job.
+"""A script's own optimizer and schedule: ``RunPlan.optimizer_factory`` of ``Trainer.train()``.
 
 ``ClassAndKwargs`` is ``optimizer_cls_and_kwargs=(cls, kwargs)``: ``cls(groups, **kwargs)`` over Trainer's two
-weight-decay groups.  ``optimizers=(optimizer, scheduler)`` takes one of two forms, chosen when the Trainer
-is built:
-
-- ``InPlace`` under the script's launcher (``torchrun script.py``: the job runs in this process): the job
-  trains the script's model object itself (``model_init``) and the script's optimizer and scheduler objects
-  step it, as under Trainer.  The engine wraps the model first (DDP keeps its parameters; FSDP2 replaces them
-  by sharded ones), then each parameter group is pointed at the model's parameters of the same names, as
-  accelerate does for FSDP2: the script's ``optimizer.param_groups`` and ``optimizer.state`` are the live ones.
-- ``Rebuilt`` in a self-launched run (plain ``python``): the optimizer's class, its ``defaults`` and each
-  parameter group's hyperparameters, the group's parameters matched to the worker model's by name; the
-  scheduler's class called with the constructor arguments read back from its attributes (``LambdaLR``'s
-  lambdas travel by value, with cloudpickle).  Built fresh in every worker, so optimizer state starts empty
-  as it does under Trainer at step 0.
+weight-decay groups.  ``InPlace`` is ``optimizers=(optimizer, scheduler)``: the loop trains the script's model
+object and the script's optimizer and scheduler objects step it, as under Trainer.  The engine wraps the model
+first (DDP keeps its parameters; FSDP2 replaces them by sharded ones), then each parameter group is pointed at
+the model's parameters of the same names, as accelerate does for FSDP2: the script's ``optimizer.param_groups``
+and ``optimizer.state`` are the live ones.
 
 ``SubclassOptimizer`` runs a subclass's ``create_optimizer``/``create_scheduler`` (or
-``create_optimizer_and_scheduler``) in each worker, over any of the above.
+``create_optimizer_and_scheduler``) on the instance, over either.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
-
-# Constructor arguments a scheduler is rebuilt without: the optimizer is the worker's, the count starts at 0.
-_SCHEDULER_SKIP = {"self", "optimizer", "last_epoch", "verbose"}
 
 
 class ClassAndKwargs:
@@ -44,47 +32,6 @@ class ClassAndKwargs:
 
     def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
         return None
-
-
-class Rebuilt:
-    """``optimizers=(optimizer, scheduler)``, as data: see the module doc."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
-        if optimizer is None:
-            raise ValueError(
-                "optimizers=(None, scheduler): a scheduler needs the optimizer it drives; pass both, or set "
-                "lr_scheduler_type in the TrainingArguments"
-            )
-        self.cls = type(optimizer)
-        self.defaults = dict(optimizer.defaults)
-        self.groups: list[tuple[list[str], dict[str, Any]]] = []
-        for group, names in zip(optimizer.param_groups, group_parameter_names(model, optimizer), strict=True):
-            hyper = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
-            if "initial_lr" in group:  # a scheduler already scaled 'lr': the worker's scheduler does it again
-                hyper["lr"] = group["initial_lr"]
-            self.groups.append((names, hyper))
-        self.scheduler_cls: type | None = None
-        self.scheduler_kwargs: dict[str, Any] = {}
-        if scheduler is not None:
-            self.scheduler_cls, self.scheduler_kwargs = _scheduler_spec(scheduler)
-
-    def optimizer(
-        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
-    ) -> torch.optim.Optimizer:
-        params = dict(model.named_parameters())
-        missing = sorted({n for names, _ in self.groups for n in names} - set(params))
-        if missing:
-            raise RuntimeError(
-                f"optimizers=: the worker's model has no parameter(s) {missing[:3]} (of {len(missing)}) that the "
-                "script's optimizer holds; its parameter names differ from the Trainer's model"
-            )
-        rebuilt = [{"params": [params[n] for n in names], **hyper} for names, hyper in self.groups]
-        return self.cls(rebuilt, **self.defaults)  # type: ignore[no-any-return]
-
-    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
-        if self.scheduler_cls is None:
-            return None
-        return self.scheduler_cls(optimizer, **self.scheduler_kwargs)
 
 
 def group_parameter_names(model: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -161,28 +108,6 @@ class InPlace:
         )
 
 
-def _scheduler_spec(scheduler: Any) -> tuple[type, dict[str, Any]]:
-    """The scheduler's class and its constructor arguments, read back from its attributes (``lr_lambda``
-    from ``lr_lambdas``); refused naming the argument when one cannot be read back."""
-    cls = type(scheduler)
-    kwargs: dict[str, Any] = {}
-    for name, param in inspect.signature(cls.__init__).parameters.items():
-        if name in _SCHEDULER_SKIP or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        for attr in (name, name + "s", "_" + name):
-            if attr in vars(scheduler):
-                kwargs[name] = vars(scheduler)[attr]
-                break
-        else:
-            if param.default is inspect.Parameter.empty:
-                raise ValueError(
-                    f"optimizers=: the scheduler {cls.__name__} cannot be rebuilt in the workers: its argument "
-                    f"{name!r} is not kept on the object; use a torch.optim.lr_scheduler class, LambdaLR, or "
-                    "lr_scheduler_type in the TrainingArguments"
-                )
-    return cls, kwargs
-
-
 class SubclassOptimizer:
     """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler`` or
     ``create_optimizer_and_scheduler``: called on the instance itself (``trainer.subclass``), whose ``model``
@@ -220,13 +145,13 @@ class SubclassOptimizer:
         return instance.lr_scheduler
 
 
-def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, in_place: bool) -> Any:
+def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
     """The ``RunPlan.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
-    None when it has none of them.  ``in_place``: the Trainer runs under the script's launcher."""
+    None when it has none of them."""
     from trainbridge.trainer.subclass import overrides, script_trainer
 
-    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs, in_place)
+    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs)
     both = overrides(type(trainer), ("create_optimizer_and_scheduler",))
     if not both and not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
         return inner
@@ -240,14 +165,12 @@ def script_model(factory: Any) -> Any:
     return inner.model_init if isinstance(inner, InPlace) else None
 
 
-def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any, in_place: bool) -> Any:
+def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
     optimizer, scheduler = tuple(optimizers or (None, None))
     if optimizer is not None or scheduler is not None:
         if optimizer_cls_and_kwargs is not None:
             raise ValueError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
-        return (
-            InPlace(trainer.model, optimizer, scheduler) if in_place else Rebuilt(trainer.model, optimizer, scheduler)
-        )
+        return InPlace(trainer.model, optimizer, scheduler)
     if optimizer_cls_and_kwargs is not None:
         cls, kwargs = optimizer_cls_and_kwargs
         return ClassAndKwargs(cls, kwargs)

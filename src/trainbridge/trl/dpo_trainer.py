@@ -125,7 +125,9 @@ class DPOTrainer(Trainer):
             self.create_model_card(model_name=self.output_dir.name)
         return result
 
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> Any:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval", **kwargs: Any
+    ) -> Any:
         """Evaluate the Trainer's pairs, or ``eval_dataset`` (rows prepared by trl's code first, as trl does)."""
         factory = self.step_factory
         own_reference = factory.ref_model is not None or "ref_chosen_logps" in factory.columns
