@@ -2,7 +2,8 @@
 
 ``class X(TrlLoop, trl.XTrainer)``: trl's constructor runs unchanged between ``LoopTrainer``'s launch check
 (``python script.py`` re-executed under torchrun, refused overrides) and its loop set-up; ``train()`` is the
-loop (``trainer.facade.LoopTrainer``).  Evaluation is trl's through Trainer's own ``evaluate``
+loop (``trainer.facade.LoopTrainer``), after which trl's model card is written, as trl writes it at each
+checkpoint.  Evaluation is trl's through Trainer's own ``evaluate``
 (``get_eval_dataloader``, ``evaluation_loop``, trl's ``prediction_step``/``compute_loss``, ``log``), not the
 loop's batches: trl's evaluation batches (GRPO's repeat sampler, the reward model's padded pairs) are its own.
 """
@@ -22,6 +23,15 @@ class TrlLoop(LoopTrainer):
         self._check_launch(type(self), torchrun_args)
         super().__init__(*args, **kwargs)  # trl's own constructor
         self._init_loop(torchrun_args, self.data_collator)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each
+        checkpoint (a checkpoint's save writes only into the checkpoint: ``trainer.save_overrides``)."""
+        result = super().train(*args, **kwargs)
+        if self.args.should_save and any(self.output_dir.glob("checkpoint-*")):
+            name = self.output_dir.name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+            self.create_model_card(model_name=name)  # type: ignore[attr-defined]
+        return result
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self.__dict__.pop(subclass.LOOP_EVALUATION, None)  # trl's evaluation, not the loop's batches
