@@ -18,6 +18,8 @@ from transformers import DefaultFlowCallback, TrainerControl, TrainerState, Trai
 
 from compat.diff import Difference, compare_traces, explain
 from compat.recorder import AttributeAccessLog
+from compat.report import report_fingerprint
+from compat.scenarios import scenario_fingerprint
 from compat.suite import all_pairs, fast_pairs, run_suite
 
 
@@ -42,6 +44,16 @@ def _hook(event: str, step: int, **fields) -> dict:
 
 
 # ============================================================================ unit part
+def test_the_report_is_as_new_as_the_scenarios():
+    """``compat/REPORT.md`` was written by a full ``python -m compat`` run of the scenarios as they are now:
+    a scenario added or changed (arguments, callbacks, ranks, expectations) without regenerating it fails."""
+    recorded = report_fingerprint((Path(__file__).parent / "REPORT.md").read_text())
+    assert recorded == scenario_fingerprint(), (
+        f"compat/REPORT.md records scenario fingerprint {recorded}, the scenarios are now "
+        f"{scenario_fingerprint()}: regenerate it with `python -m compat` (every scenario, 1 and 2 ranks)"
+    )
+
+
 def test_a_missing_hook_is_one_difference_and_later_hooks_still_align():
     trainer = [_hook("on_step_end", 1), _hook("on_save", 1), _hook("on_step_end", 2)]
     ours = [_hook("on_step_end", 1), _hook("on_step_end", 2, max_steps=5)]
