@@ -74,3 +74,23 @@ def test_the_launchers_data_check_keeps_no_rows_folder(tmp_path, monkeypatch):
     args = SimpleNamespace(data_path=rows, val_data_path=None, eval_data_paths={"held": rows}, max_seq_len=16)
     data_check._check_items(args, None)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_forked_child_leaves_its_parents_rows_folder_alone(tmp_path):
+    """A child forked after the folder was made inherits its exit handler; the child's exit must not remove
+    the folder its parent still uses, the parent's exit does."""
+    from trainbridge.core.scratch import _remove_if_owner
+
+    folder = tmp_path / f"{ROWS_SCRATCH_PREFIX}x"
+    folder.mkdir()
+    owner = os.getpid()
+    child = os.fork()
+    if child == 0:  # the child runs the inherited handler as its exit would
+        try:
+            _remove_if_owner(folder, owner)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert folder.is_dir()
+    _remove_if_owner(folder, owner)
+    assert not folder.exists()

@@ -2,7 +2,8 @@
 
 ``owned_folder(prefix)`` makes a fresh private (0700) folder ``{tmp}/{prefix}{pid}_{start time}-XXXXXXXX``
 (``process_token``: the start time makes a reused pid another process).  It is removed when this process
-exits through its exit handlers (a normal end, an uncaught error, ``launch.process_exit.exit_now``);
+exits through its exit handlers (a normal end, an uncaught error, ``launch.process_exit.exit_now``; not
+by a child forked from it, which inherits the handler);
 a process that could not run them (SIGKILL, a default SIGTERM, ``os._exit``) leaves its folder, which the
 next ``owned_folder`` of the same prefix by this user removes (``remove_stale_folders``).  Links, other
 users' folders and folders of a live process are left alone.
@@ -44,8 +45,15 @@ def owned_folder(prefix: str, *, remove_at_exit: bool = True) -> Path:
     remove_stale_folders(prefix)
     folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{process_token().replace(':', '_')}-"))
     if remove_at_exit:
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(_remove_if_owner, folder, os.getpid())
     return folder
+
+
+def _remove_if_owner(folder: Path, owner: int) -> None:
+    """Exit handler: remove ``folder`` unless this is a forked child of its owner (which inherited the
+    handler; the folder is still its parent's)."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_stale_folders(prefix: str, where: str | Path | None = None) -> list[Path]:
