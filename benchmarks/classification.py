@@ -21,7 +21,9 @@ same ``StepClock`` ``TrainerCallback`` (``benchmarks/trainer_run.py``) recording
 rank 0's clock: start-up (launch, imports, model load, tokenisation, the first step) is excluded; the
 CPU-normalised throughput divides the same samples by the ranks' mean CPU seconds over those steps.
 The ratio of each repetition (trainbridge / the Trainer run of the same repetition) is reported with its
-median and range; the result is written between the markers of ``--out`` (text outside them is kept).
+median and range, beside each side's peak memory per rank (``StepClock``'s ``ru_maxrss`` at train end,
+the largest of the ranks; on CUDA also ``torch.cuda.max_memory_allocated``) and its same-repetition ratio;
+the result is written between the markers of ``--out`` (text outside them is kept).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,17 +180,30 @@ def run_trainbridge(model: Path, data: Path, out: Path, steps: int, learning_rat
         run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
 
 
-def samples_per_s(out: Path, steps: int) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Measurement:
+    """One run: samples/s, samples/CPU-s and the peak memory of its largest rank."""
+
+    per_s: float
+    per_cpu_s: float
+    peak_rss_mib: float
+    peak_cuda_mib: float | None = None
+
+
+def samples_per_s(out: Path, steps: int) -> Measurement:
     """Samples of steps 2..N / (t_N - t_1) on rank 0's step-end clock, and the same samples / the ranks'
     mean CPU seconds over those steps (steadier on a shared machine: another job's load lengthens the
-    wall clock, not the CPU time a step needs)."""
+    wall clock, not the CPU time a step needs); the largest rank's peak RSS (and peak CUDA memory)."""
     clocks = [json.loads((out / f"clock-rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     times = clocks[0]["step_end_times"]
     if len(times) != steps:
         raise RuntimeError(f"rank 0 recorded {len(times)} step ends, expected {steps} ({out})")
     samples = (steps - 1) * SAMPLES_PER_STEP
     cpu = statistics.mean(c["step_end_cpu_times"][-1] - c["step_end_cpu_times"][0] for c in clocks)
-    return samples / (times[-1] - times[0]), samples / cpu
+    cuda = [c["peak_cuda_mib"] for c in clocks if "peak_cuda_mib" in c]
+    return Measurement(
+        samples / (times[-1] - times[0]), samples / cpu, max(c["peak_rss_mib"] for c in clocks), max(cuda, default=None)
+    )
 
 
 # ----------------------------------------------------------------------------- report
@@ -198,21 +214,28 @@ def _ratio_line(ratios: list[float]) -> str:
     )
 
 
-def results_section(
-    command: str, facts: list[str], runs: dict[str, list[tuple[float, float]]], steps: int, rows: int
-) -> str:
+def results_section(command: str, facts: list[str], runs: dict[str, list[Measurement]], steps: int, rows: int) -> str:
     """The generated part of the report (between the markers)."""
+    cuda = all(m.peak_cuda_mib is not None for ms in runs.values() for m in ms)
     table = [
-        "| runner | samples/s per repetition | median | samples/CPU-s per repetition | median |",
-        "|---|---|---:|---|---:|",
+        "| runner | samples/s per repetition | median | samples/CPU-s per repetition | median "
+        "| peak RSS per rank per repetition (MiB) |" + (" peak CUDA per rank (MiB) |" if cuda else ""),
+        "|---|---|---:|---|---:|---|" + ("---|" if cuda else ""),
     ]
     for name, label in (("trainer", "transformers.Trainer"), ("trainbridge", "trainbridge (model_loss)")):
-        wall, cpu = [w for w, _ in runs[name]], [c for _, c in runs[name]]
+        wall, cpu = [m.per_s for m in runs[name]], [m.per_cpu_s for m in runs[name]]
         table.append(
             f"| {label} | {', '.join(f'{v:.1f}' for v in wall)} | {statistics.median(wall):.1f} "
-            f"| {', '.join(f'{v:.1f}' for v in cpu)} | {statistics.median(cpu):.1f} |"
+            f"| {', '.join(f'{v:.1f}' for v in cpu)} | {statistics.median(cpu):.1f} "
+            f"| {', '.join(f'{m.peak_rss_mib:,.0f}' for m in runs[name])} |"
+            + (f" {', '.join(f'{m.peak_cuda_mib:,.0f}' for m in runs[name])} |" if cuda else "")
         )
     pairs = list(zip(runs["trainbridge"], runs["trainer"]))
+    memory = [f"- peak RSS per rank: {_ratio_line([tb.peak_rss_mib / tr.peak_rss_mib for tb, tr in pairs])}"]
+    if cuda:
+        memory.append(
+            f"- peak CUDA memory per rank: {_ratio_line([tb.peak_cuda_mib / tr.peak_cuda_mib for tb, tr in pairs])}"  # type: ignore[operator]
+        )
     return "\n".join(
         [
             RESULTS_BEGIN,
@@ -231,8 +254,9 @@ def results_section(
             "",
             "trainbridge / Trainer, same repetition:",
             "",
-            f"- wall clock (samples/s): {_ratio_line([tb[0] / tr[0] for tb, tr in pairs])}",
-            f"- CPU-normalised (samples/CPU-s): {_ratio_line([tb[1] / tr[1] for tb, tr in pairs])}",
+            f"- wall clock (samples/s): {_ratio_line([tb.per_s / tr.per_s for tb, tr in pairs])}",
+            f"- CPU-normalised (samples/CPU-s): {_ratio_line([tb.per_cpu_s / tr.per_cpu_s for tb, tr in pairs])}",
+            *memory,
             "",
             RESULTS_END,
         ]
@@ -271,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_model(workdir / "model", options.seed)
     data = write_rows(workdir / "train.jsonl", options.rows, options.seed + 1)
     print(f"model, data and logs in {workdir}", flush=True)
-    runs: dict[str, list[tuple[float, float]]] = {"trainer": [], "trainbridge": []}
+    runs: dict[str, list[Measurement]] = {"trainer": [], "trainbridge": []}
     for repeat in range(options.repeats):
         for name in runs:
             out = workdir / f"run{repeat}-{name}"
@@ -301,8 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_trainbridge(model, data, out, options.steps, options.learning_rate, options.seed)
             runs[name].append(samples_per_s(out, options.steps))
             print(
-                f"[{repeat + 1}/{options.repeats}] {name:12} {runs[name][-1][0]:7.1f} samples/s  "
-                f"{runs[name][-1][1]:7.1f} samples/CPU-s  "
+                f"[{repeat + 1}/{options.repeats}] {name:12} {runs[name][-1].per_s:7.1f} samples/s  "
+                f"{runs[name][-1].per_cpu_s:7.1f} samples/CPU-s  {runs[name][-1].peak_rss_mib:6.0f} MiB peak RSS  "
                 f"wall {time.time() - launch:5.1f} s",
                 flush=True,
             )

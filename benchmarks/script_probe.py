@@ -8,21 +8,31 @@ rank writes ``probe-rank{rank}.json`` into ``$BENCH_PROBE_DIR``: ``rank``, ``tra
 (``ru_maxrss`` of this process, and of its largest child if it ran any) and, on CUDA, ``peak_cuda_mib``
 (``torch.cuda.max_memory_allocated``).
 
-The drivers' side is here too: ``measure`` reads the probe files of a run, ``summary`` prints the medians
-and same-repetition ratios, ``pyspy_prefix``/``top_functions`` profile a run with py-spy.
+The drivers' side is here too: ``write_script_copies`` writes trl's script as shipped and ported, each
+with the probe and this file beside it; ``run_script`` runs one under torchrun (or py-spy) with the
+settings both benchmarks share; ``run_configurations`` runs the configurations interleaved (or each once
+under py-spy); ``measure`` reads the probe files of a run, ``summary`` prints the medians and
+same-repetition ratios, ``pyspy_prefix``/``top_functions`` profile a run with py-spy.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+RANKS = 2
+"""gloo ranks of every benchmark run (``torchrun --nproc_per_node``)."""
 
 
 def _cpu_seconds() -> float:
@@ -55,6 +65,89 @@ def wrap(trainer_class: Any) -> None:
         return result
 
     trainer_class.train = timed_train
+
+
+def write_script_copies(root: Path, script: str, trainer: str) -> dict[str, Path]:
+    """trl's ``scripts/{script}`` as shipped (``"trl"``) and with only ``trainer``'s import changed to
+    trainbridge's (``"trainbridge"``), each with ``wrap(trainer)`` after the import, written into ``root``
+    with this file beside them; their paths."""
+    import trl
+
+    source = (Path(trl.__file__).parent / "scripts" / script).read_text()
+    helpers = "get_dataset, get_peft_config, get_quantization_config"
+    original = f"    from trl import {trainer}, {helpers}\n"
+    if original not in source:
+        raise SystemExit(f"trl's {script} changed its import line (expected {original.strip()!r})")
+    ported = f"    from trainbridge import {trainer}\n    from trl import {helpers}\n"
+    probe = f"    import script_probe\n\n    script_probe.wrap({trainer})\n"
+    stem = Path(script).stem
+    copies = {"trl": root / f"{stem}_trl.py", "trainbridge": root / f"{stem}_trainbridge.py"}
+    copies["trl"].write_text(source.replace(original, original + probe))
+    copies["trainbridge"].write_text(source.replace(original, ported + probe))
+    shutil.copy(Path(__file__), root / "script_probe.py")
+    return copies
+
+
+def run_script(
+    script: Path, model: Path, dataset: Path, out: Path, settings: dict[str, Any], profile: Path | None = None
+) -> tuple[list[dict[str, Any]], float, Path]:
+    """Run a script of ``write_script_copies`` under ``torchrun --nproc_per_node=RANKS`` (and py-spy with
+    ``profile``) on CPU in float32, no saving, no reporting, logging once at the end; ``settings`` are the
+    benchmark's own ``--name value`` options (``max_steps`` included).  Returns the log dicts the script
+    printed, its ``train_runtime`` and the folder of the ranks' probe files."""
+    steps = settings["max_steps"]
+    fixed = {"logging_steps": steps, "save_strategy": "no", "bf16": "false", "use_cpu": "true", "report_to": "none",
+             "dtype": "float32", "disable_tqdm": "true", "gradient_checkpointing": "false"}  # fmt: skip
+    options = [f"--{name}" if value is True else f"--{name}={value}" for name, value in {**fixed, **settings}.items()]
+    from trainbridge.launch.launcher import free_port
+
+    port = free_port()
+    command = [
+        *([] if profile is None else pyspy_prefix(profile)),
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={port}",
+        str(script), f"--model_name_or_path={model}", f"--dataset_name={dataset}", f"--output_dir={out}", *options,
+    ]  # fmt: skip
+    probes = out.with_name(f"{out.name}-probes")
+    probes.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_PROBE_DIR": str(probes)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=script.parent, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script.name} {options} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    printed = [
+        ast.literal_eval(line[line.index("{") : line.rindex("}") + 1])  # the printed log dicts
+        for line in done.stdout.splitlines() + done.stderr.splitlines()
+        if line.lstrip().startswith("{'")
+    ]
+    runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
+    return printed, runtime, probes
+
+
+def run_configurations(
+    names: Sequence[str],
+    repeats: int,
+    run_one: Callable[[str, int, Path | None], dict[str, float]],
+    unit: str,
+    profile: Path | None = None,
+) -> dict[str, list[dict[str, float]]] | None:
+    """``run_one(name, run number, py-spy file or None)`` for each of ``names``, ``repeats`` times
+    interleaved (each line printed as it comes); with ``profile``, each once under py-spy into that folder
+    with its top functions beside it (None is returned: profiles are not timings)."""
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        for number, name in enumerate(names):
+            stacks = profile / f"{name.replace(' ', '_').replace('(', '').replace(')', '')}.txt"
+            run_one(name, number, stacks)
+            stacks.with_name(stacks.stem + "-top.txt").write_text(top_functions(stacks))
+            print(f"{name}: profile in {stacks}", flush=True)
+        return None
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for number, name in enumerate(names):
+            r = run_one(name, repeat * len(names) + number, None)
+            results[name].append(r)
+            print(f"{name}: {r['per_s']:.2f} {unit}/s, {r['per_cpu_s']:.2f} {unit}/CPU-s, "
+                  f"{r['peak_rss_mib']:.0f} MiB peak RSS per rank", flush=True)  # fmt: skip
+    return results
 
 
 def measure(units: float, runtime: float, folder: Path, ranks: int) -> dict[str, float]:

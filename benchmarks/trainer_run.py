@@ -106,6 +106,7 @@ class StepClock(TrainerCallback):
                 "tokens_seen_at_train_end": int(state.num_input_tokens_seen),
                 "local_tokens": self.local_tokens,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                **({"peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}),
             },
         )
 

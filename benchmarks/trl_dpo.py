@@ -22,30 +22,18 @@ sampled; slower, not for timing) and writes the collapsed stacks and a top-funct
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import os
 import random
-import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import trl
 
-from script_probe import load, measure, pyspy_prefix, summary, top_functions
+from script_probe import RANKS, load, measure, run_configurations, run_script, summary, write_script_copies
 from trainbridge.demos.tiny_model import build_benchmark_llama
 
-ORIGINAL_IMPORT = "    from trl import DPOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
-PORTED_IMPORT = (
-    "    from trainbridge import DPOTrainer\n"
-    "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
-)
-PROBE = "    import script_probe\n\n    script_probe.wrap(DPOTrainer)\n"
 PER_DEVICE = 8
-RANKS = 2
-CONFIGS = {"trl": "dpo_trl.py", "trainbridge": "dpo_trainbridge.py"}
+CONFIGS = ("trl", "trainbridge")
 WORDS = "the a one two three four five six seven eight nine ten plus minus times is and or not yes no".split()  # noqa: SIM905
 
 
@@ -61,101 +49,32 @@ def write_pairs(path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"prompt": text(4, 40), "chosen": text(2, 30), "rejected": text(2, 30)}) + "\n")
 
 
-def run(root: Path, script: str, steps: int, port: int, profile: Path | None = None) -> dict[str, float]:
-    """One run: pairs per second of ``train_runtime``, pairs per CPU second and the ranks' peak RSS."""
-    command = [
-        *([] if profile is None else pyspy_prefix(profile)),
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={RANKS}",
-        f"--master_port={port}",
-        str(root / script),
-        "--model_name_or_path",
-        str(root / "model"),
-        "--dataset_name",
-        str(root / "pairs"),
-        "--output_dir",
-        str(root / f"out-{port}"),
-        "--max_steps",
-        str(steps),
-        "--per_device_train_batch_size",
-        str(PER_DEVICE),
-        "--logging_steps",
-        str(steps),
-        "--save_strategy",
-        "no",
-        "--bf16",
-        "false",
-        "--use_cpu",
-        "true",
-        "--report_to",
-        "none",
-        "--max_length",
-        "256",
-        "--dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--gradient_checkpointing",
-        "false",
-        "--learning_rate",
-        "1e-5",
-    ]
-    probes = root / f"probes-{port}"
-    probes.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_PROBE_DIR": str(probes)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    printed = [
-        ast.literal_eval(line[line.index("{") : line.rindex("}") + 1])  # the printed log dicts
-        for line in done.stdout.splitlines() + done.stderr.splitlines()
-        if line.lstrip().startswith("{'")
-    ]
-    runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
-    return measure(steps * PER_DEVICE * RANKS, runtime, probes, RANKS)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=1000)
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--only", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--profile", type=Path, default=None, help="py-spy each side once into this folder")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trl-dpo-bench-"))
     build_benchmark_llama(root / "model")
     (root / "pairs").mkdir()
     write_pairs(root / "pairs" / "train.jsonl", args.pairs, seed=0)
-    source = (Path(trl.__file__).parent / "scripts" / "dpo.py").read_text()
-    if ORIGINAL_IMPORT not in source:
-        raise SystemExit("trl's dpo.py changed its import line")
-    (root / "dpo_trl.py").write_text(source.replace(ORIGINAL_IMPORT, ORIGINAL_IMPORT + PROBE))
-    (root / "dpo_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT + PROBE))
-    shutil.copy(Path(__file__).with_name("script_probe.py"), root / "script_probe.py")
-    port = 29700 + os.getpid() % 200 * 10
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
-        for name in args.only:
-            port += 1
-            stacks = args.profile / f"dpo-{name}.txt"
-            run(root, CONFIGS[name], args.steps, port, profile=stacks)
-            (args.profile / f"dpo-{name}-top.txt").write_text(top_functions(stacks))
-            print(f"{name}: profile in {stacks}", flush=True)
-        return
+    scripts = write_script_copies(root, "dpo.py", "DPOTrainer")
+    settings = {"max_steps": args.steps, "per_device_train_batch_size": PER_DEVICE, "max_length": 256,
+                "learning_rate": "1e-5"}  # fmt: skip
+
+    def run_one(name: str, number: int, profile: Path | None) -> dict[str, float]:
+        """Pairs per second of ``train_runtime``, pairs per CPU second and the ranks' peak RSS."""
+        out = root / f"out-{number}-{name}"
+        _, runtime, probes = run_script(scripts[name], root / "model", root / "pairs", out, settings, profile)
+        return measure(args.steps * PER_DEVICE * RANKS, runtime, probes, RANKS)
+
     before = load()
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.only}
-    for _ in range(args.repeats):
-        for name in args.only:
-            port += 1
-            results[name].append(run(root, CONFIGS[name], args.steps, port))
-            r = results[name][-1]
-            print(
-                f"{name}: {r['per_s']:.2f} pairs/s, {r['per_cpu_s']:.2f} pairs/CPU-s, {r['peak_rss_mib']:.0f} MiB",
-                flush=True,
-            )
+    results = run_configurations(args.only, args.repeats, run_one, "pairs", args.profile)
+    if results is None:
+        return
     print(f"\n{args.steps} steps, {PER_DEVICE * RANKS} pairs per step, {RANKS} gloo ranks, trl {trl.__version__}")
     print(f"load average before: {before}; after: {load()}")
     print("\n".join(summary(results, [("trainbridge", "trl")], "pairs")))

@@ -22,98 +22,22 @@ under py-spy (``trl_dpo.py`` describes it).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import trl
 
-from script_probe import load, measure, pyspy_prefix, summary, top_functions
+from script_probe import RANKS, load, measure, run_configurations, run_script, summary, write_script_copies
 from trainbridge.demos.tiny_model import build_benchmark_llama, write_chat_dataset
 
-ORIGINAL_IMPORT = "    from trl import SFTTrainer, get_dataset, get_peft_config, get_quantization_config\n"
-PORTED_IMPORT = (
-    "    from trainbridge import SFTTrainer\n"
-    "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
-)
-PROBE = "    import script_probe\n\n    script_probe.wrap(SFTTrainer)\n"
-RANKS = 2
 PER_DEVICE = 8
-CONFIGS = {
-    "trl padded": ("sft_trl.py", []),
-    "trl packing (bfd)": ("sft_trl.py", ["--packing", "true"]),
-    "trainbridge": ("sft_trainbridge.py", []),
-    "trainbridge packing (bfd)": ("sft_trainbridge.py", ["--packing", "true"]),
+CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "trl padded": ("trl", {}),
+    "trl packing (bfd)": ("trl", {"packing": "true"}),
+    "trainbridge": ("trainbridge", {}),
+    "trainbridge packing (bfd)": ("trainbridge", {"packing": "true"}),
 }
-
-
-def run(
-    root: Path, script: str, extra: list[str], steps: int, port: int, profile: Path | None = None
-) -> dict[str, float]:
-    out = root / f"out-{port}"
-    command = [
-        *([] if profile is None else pyspy_prefix(profile)),
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={port}",
-        str(root / script),
-        "--model_name_or_path",
-        str(root / "model"),
-        "--dataset_name",
-        str(root / "data"),
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        str(steps),
-        "--per_device_train_batch_size",
-        str(PER_DEVICE),
-        "--logging_steps",
-        str(steps),
-        "--save_strategy",
-        "no",
-        "--bf16",
-        "false",
-        "--use_cpu",
-        "true",
-        "--report_to",
-        "none",
-        "--max_length",
-        "128",
-        "--dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--gradient_checkpointing",
-        "false",
-        "--learning_rate",
-        "1e-4",
-        *extra,
-    ]
-    probes = root / f"probes-{port}"
-    probes.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_PROBE_DIR": str(probes)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} {extra} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    printed = [
-        ast.literal_eval(line[line.index("{") : line.rindex("}") + 1])  # the printed log dicts
-        for line in done.stdout.splitlines() + done.stderr.splitlines()
-        if line.lstrip().startswith("{'")
-    ]
-    runtime = next(float(m["train_runtime"]) for m in printed if "train_runtime" in m)
-    if (out / "metrics.jsonl").is_file():  # trainbridge
-        tokens = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]).get("tokens_seen")
-        tokens = tokens or max(json.loads(line).get("tokens_seen", 0) for line in (out / "metrics.jsonl").open())
-    else:
-        tokens = next(float(m["num_tokens"]) for m in printed if "num_tokens" in m)
-    return measure(float(tokens), runtime, probes, RANKS)
 
 
 def main() -> None:
@@ -128,30 +52,27 @@ def main() -> None:
     build_benchmark_llama(root / "model")
     (root / "data").mkdir()
     write_chat_dataset(root / "data" / "train.jsonl", args.samples, seed=0)
-    source = (Path(trl.__file__).parent / "scripts" / "sft.py").read_text()
-    (root / "sft_trl.py").write_text(source.replace(ORIGINAL_IMPORT, ORIGINAL_IMPORT + PROBE))
-    (root / "sft_trainbridge.py").write_text(source.replace(ORIGINAL_IMPORT, PORTED_IMPORT + PROBE))
-    shutil.copy(Path(__file__).with_name("script_probe.py"), root / "script_probe.py")
-    port = 29600 + os.getpid() % 200 * 10
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
-        for name in args.only:
-            port += 1
-            script, extra = CONFIGS[name]
-            stacks = args.profile / f"sft-{name.replace(' ', '_')}.txt"
-            run(root, script, extra, args.steps, port, profile=stacks)
-            stacks.with_name(stacks.stem + "-top.txt").write_text(top_functions(stacks))
-            print(f"{name}: profile in {stacks}", flush=True)
-        return
+    scripts = write_script_copies(root, "sft.py", "SFTTrainer")
+
+    def run_one(name: str, number: int, profile: Path | None) -> dict[str, float]:
+        """Non-padding tokens as each side counts them, per second of ``train_runtime`` and per CPU second,
+        and the ranks' peak RSS."""
+        side, extra = CONFIGS[name]
+        out = root / f"out-{number}"
+        settings = {"max_steps": args.steps, "per_device_train_batch_size": PER_DEVICE, "max_length": 128,
+                    "learning_rate": "1e-4", **extra}  # fmt: skip
+        printed, runtime, probes = run_script(scripts[side], root / "model", root / "data", out, settings, profile)
+        if (out / "metrics.jsonl").is_file():  # trainbridge: tokens_seen
+            tokens = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]).get("tokens_seen")
+            tokens = tokens or max(json.loads(line).get("tokens_seen", 0) for line in (out / "metrics.jsonl").open())
+        else:  # trl: its logged num_tokens
+            tokens = next(float(m["num_tokens"]) for m in printed if "num_tokens" in m)
+        return measure(float(tokens), runtime, probes, RANKS)
+
     before = load()
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.only}
-    for _ in range(args.repeats):
-        for name in args.only:
-            port += 1
-            script, extra = CONFIGS[name]
-            results[name].append(run(root, script, extra, args.steps, port))
-            r = results[name][-1]
-            print(f"{name}: {r['per_s']:.0f} tokens/s, {r['per_cpu_s']:.0f} tokens/CPU-s, {r['peak_rss_mib']:.0f} MiB")
+    results = run_configurations(args.only, args.repeats, run_one, "tokens", args.profile)
+    if results is None:
+        return
     print(f"\n{args.steps} steps, per_device_train_batch_size={PER_DEVICE}, {RANKS} gloo ranks, trl {trl.__version__}")
     print(f"load average before: {before}; after: {load()}")
     comparisons = [

@@ -17,8 +17,8 @@ from typing import Any
 from compat.diff import KNOWN_DIFFERENCES, Comparison, KnownDifference
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, access_path, overridden_hooks
 from compat.runners import RUNNERS, RunOutcome
-from compat.scenarios import SCENARIOS
-from compat.suite import SuiteResult
+from compat.scenarios import SCENARIOS, scenario_fingerprint
+from compat.suite import SuiteResult, all_pairs
 
 
 def render_report(result: SuiteResult) -> str:
@@ -31,6 +31,8 @@ def render_report(result: SuiteResult) -> str:
         f"(transformers {env.get('transformers')}, torch {env.get('torch')}, trainbridge "
         f"{env.get('trainbridge')}, Python {env.get('python')}, CPU/gloo) in {result.seconds:.0f} s. "
         "Do not edit by hand: re-run `python -m compat`.",
+        "",
+        _fingerprint_line(result),
         "",
         "Each scenario runs the same tiny Llama on the same fixed-length data with the same settings and "
         "the same Hugging Face callbacks, (a) with a stock `transformers.Trainer` under torchrun "
@@ -60,6 +62,26 @@ def render_report(result: SuiteResult) -> str:
     lines += _callback_table(result.outcomes.values())
     lines += _timings(result.outcomes.values())
     return "\n".join(lines) + "\n"
+
+
+FINGERPRINT_LABEL = "Scenario definitions:"
+"""Starts the report's line recording ``scenario_fingerprint`` (read back by ``report_fingerprint``)."""
+
+
+def _fingerprint_line(result: SuiteResult) -> str:
+    """The scenarios this report reflects: their fingerprint when every (scenario, ranks) pair ran."""
+    ran = {(c.scenario.name, c.world_size) for c in result.comparisons}
+    if ran >= {(spec.name, ws) for spec, ws in all_pairs()}:
+        return f"{FINGERPRINT_LABEL} `{scenario_fingerprint()}` (every scenario at every world size)."
+    return f"{FINGERPRINT_LABEL} none (a partial selection: {len(ran)} of {len(all_pairs())} pairs)."
+
+
+def report_fingerprint(text: str) -> str | None:
+    """The scenario fingerprint a report's text records (None: a partial or older report)."""
+    for line in text.splitlines():
+        if line.startswith(FINGERPRINT_LABEL) and "`" in line:
+            return line.split("`")[1]
+    return None
 
 
 def write_report(result: SuiteResult, path: Path) -> None:

@@ -109,6 +109,8 @@ def run_scenarios(
                 if outcome.status != "completed":
                     break
             outcome.seconds = time.monotonic() - start
+            print(f"compat: trainbridge run {spec.name} x{world_size}: {outcome.status} in {outcome.seconds:.0f} s"
+                  + (f" ({outcome.error})" if outcome.error else ""), file=sys.stderr, flush=True)  # fmt: skip
         return outcomes
     shared = [(s, o) for s, o in zip(specs, outcomes) if not s.runs_alone]
     groups = [shared] if shared else []
@@ -147,6 +149,8 @@ def _launch_trainer(
             "env": integration_environment(outcome.run_dir),
             "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json"),
             "trainer": "trainbridge" if facade else "transformers",
+            "phase": phase,
+            "timeout_s": spec.timeout_s,
         }
         for spec, outcome in group
         for phase, resume_from in _phases(spec)
@@ -171,32 +175,96 @@ def _launch_trainer(
     env = {**os.environ, **integration_environment(group[0][1].run_dir)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     console_path = group[0][1].run_dir / "console.log"
-    timeout = sum(spec.timeout_s for spec, _ in group)
     start = time.monotonic()
+    error = _run_launch(command, env, jobs, console_path)
+    seconds = (time.monotonic() - start) / len(group)
+    for _, outcome in group:
+        outcome.seconds = seconds
+        outcome.console = console_path
+        outcome.shared_launch = len(group) > 1
+        done = all(_job_state(job) == "completed" for job in jobs if job["out"] == str(outcome.output_dir))
+        if not done:
+            outcome.status, outcome.error = error or ("failed", "the worker wrote no status")
+            error = ("failed", "not run: an earlier scenario of the same Trainer launch failed")
+
+
+def _run_launch(
+    command: Sequence[str], env: Mapping[str, str], jobs: Sequence[Mapping[str, Any]], console_path: Path
+) -> tuple[Literal["failed", "timeout"], str] | None:
+    """Run one Trainer launch of ``jobs`` to its end or to a job's deadline; what went wrong, if anything."""
     error: tuple[Literal["failed", "timeout"], str] | None = None
     with console_path.open("ab") as console:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            returncode = process.wait(timeout=timeout)
-            if returncode != 0:
-                error = ("failed", f"torchrun exited with {returncode}: {_first_error_line(console_path)}")
-        except subprocess.TimeoutExpired:
-            _kill_session(process)
-            error = ("timeout", f"no exit within {timeout:.0f} s (a hang); the process tree was killed")
+            returncode = _wait_job_by_job(process, jobs)
         except BaseException:  # interrupted (Ctrl-C, a test's timeout): no torchrun worker may outlive this run
             _kill_session(process)
             raise
-    seconds = (time.monotonic() - start) / len(group)
-    for _, outcome in group:
-        outcome.seconds = seconds
-        outcome.console = console_path
-        outcome.shared_launch = len(group) > 1
-        done = all(Path(job["status"]).is_file() for job in jobs if job["out"] == str(outcome.output_dir))
-        if not done:
-            outcome.status, outcome.error = error or ("failed", "the worker wrote no status")
-            error = ("failed", "not run: an earlier scenario of the same Trainer launch failed")
+    late = next((job for job in jobs if _job_state(job) != "completed"), None)
+    if returncode is None and late is not None:
+        error = ("timeout", f"{_job_name(late, jobs)} did not finish within its {late['timeout_s']:.0f} s (a "
+                 "hang); the launch's process tree was killed")  # fmt: skip
+    elif returncode is None:  # every job's outcome is complete: the hang is reported, not compared
+        print(f"compat: the launch of {_job_name(jobs[-1], jobs)} did not exit within {EXIT_GRACE_S:.0f} s "
+              f"of its last job; killed (see {console_path})", file=sys.stderr, flush=True)  # fmt: skip
+    elif returncode != 0:
+        error = ("failed", f"torchrun exited with {returncode}: {_first_error_line(console_path)}")
+    return error
+
+
+JobState = Literal["pending", "started", "completed"]
+EXIT_GRACE_S = 120.0
+"""How long a Trainer launch may take to exit after its last job's end."""
+
+
+def _job_state(job: Mapping[str, Any]) -> JobState:
+    """What rank 0 of ``compat.trainer_worker`` wrote to the job's status file so far."""
+    try:
+        status = json.loads(Path(job["status"]).read_text()).get("status")
+    except FileNotFoundError:
+        return "pending"
+    except ValueError:  # being written
+        return "started"
+    return "completed" if status == "completed" else "started"
+
+
+def _job_name(job: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]) -> str:
+    """``Trainer job step_schedules x2 (2 of 9 of its launch)``: a job as a report names it."""
+    phase = f" ({job['phase']} phase)" if job["phase"] else ""
+    runner = "trainbridge.Trainer" if job["trainer"] == "trainbridge" else "Trainer"
+    where = f"{jobs.index(job) + 1} of {len(jobs)} of its launch"
+    return f"{runner} job {job['scenario']}{phase} x{job['world_size']} ({where})"
+
+
+def _wait_job_by_job(
+    process: subprocess.Popen[bytes], jobs: Sequence[Mapping[str, Any]], poll_s: float = 0.5
+) -> int | None:
+    """Wait for a launch running ``jobs`` one after another; its exit status, or None after killing its
+    process tree when a job ran past its own ``timeout_s`` (counted from the end of the job before it, so
+    the launch's start-up counts to the first job) or the launch did not exit within ``EXIT_GRACE_S`` of the
+    last job's end.  Each job's start and end is printed to stderr: a long suite never waits silently."""
+    job_start = time.monotonic()
+    current = 0
+    announced = -1
+    while True:
+        returncode = process.poll()
+        while current < len(jobs) and _job_state(jobs[current]) == "completed":
+            print(f"compat: {_job_name(jobs[current], jobs)} done in {time.monotonic() - job_start:.0f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            current += 1
+            job_start = time.monotonic()
+        if returncode is not None:
+            return returncode
+        if current < len(jobs) and announced < current and _job_state(jobs[current]) == "started":
+            print(f"compat: {_job_name(jobs[current], jobs)} started", file=sys.stderr, flush=True)
+            announced = current
+        allowed = jobs[current]["timeout_s"] if current < len(jobs) else EXIT_GRACE_S
+        if time.monotonic() - job_start > allowed:
+            _kill_session(process)
+            return None
+        time.sleep(poll_s)
 
 
 def _kill_session(process: subprocess.Popen[bytes]) -> None:

@@ -13,6 +13,7 @@ batch shrinks with the world size), so a scenario's step numbers mean the same a
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -453,3 +454,35 @@ def scenario(name: str) -> Scenario:
         return SCENARIOS_BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown compat scenario {name!r}; known: {', '.join(SCENARIOS_BY_NAME)}") from None
+
+
+def _callback_names(build: Callable[[], list[TrainerCallback]]) -> list[str]:
+    return [f"{type(cb).__module__}.{type(cb).__qualname__}" for cb in build()]
+
+
+def scenario_fingerprint() -> str:
+    """A short hash of every scenario's definition: name, what it covers, its ``TrainingArguments`` at each
+    world size, its callbacks' classes, task, world sizes and expectations (not ``timeout_s``).
+
+    ``compat/REPORT.md`` records it when written from a full run; ``test_the_report_is_as_new_as_the_scenarios``
+    recomputes it, so a scenario added or changed without regenerating the report fails CI.
+    """
+    definitions = [
+        {
+            "name": spec.name,
+            "covers": spec.covers,
+            "arguments": {ws: spec.training_arguments("OUTPUT", ws) for ws in spec.world_sizes},
+            "callbacks": _callback_names(spec.callbacks),
+            "trainbridge_extra": _callback_names(spec.trainbridge_extra),
+            "world_sizes": spec.world_sizes,
+            "fast": spec.fast,
+            "resume_from": spec.resume_from,
+            "trainer_fails": spec.trainer_fails,
+            "config_class": spec.config_class,
+            "expected_callback_errors": spec.expected_callback_errors,
+            "task": spec.task,
+        }
+        for spec in SCENARIOS
+    ]
+    text = json.dumps(definitions, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -11,6 +11,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,10 @@ from transformers import DefaultFlowCallback, TrainerControl, TrainerState, Trai
 
 from compat.diff import Difference, compare_traces, explain
 from compat.recorder import AttributeAccessLog
+from compat.report import report_fingerprint
+from compat.scenarios import scenario_fingerprint
 from compat.suite import all_pairs, fast_pairs, run_suite
+from trainbridge.launch.launcher import free_port
 
 
 def _hook(event: str, step: int, **fields) -> dict:
@@ -42,6 +49,16 @@ def _hook(event: str, step: int, **fields) -> dict:
 
 
 # ============================================================================ unit part
+def test_the_report_is_as_new_as_the_scenarios():
+    """``compat/REPORT.md`` was written by a full ``python -m compat`` run of the scenarios as they are now:
+    a scenario added or changed (arguments, callbacks, ranks, expectations) without regenerating it fails."""
+    recorded = report_fingerprint((Path(__file__).parent / "REPORT.md").read_text())
+    assert recorded == scenario_fingerprint(), (
+        f"compat/REPORT.md records scenario fingerprint {recorded}, the scenarios are now "
+        f"{scenario_fingerprint()}: regenerate it with `python -m compat` (every scenario, 1 and 2 ranks)"
+    )
+
+
 def test_a_missing_hook_is_one_difference_and_later_hooks_still_align():
     trainer = [_hook("on_step_end", 1), _hook("on_save", 1), _hook("on_step_end", 2)]
     ours = [_hook("on_step_end", 1), _hook("on_step_end", 2, max_steps=5)]
@@ -87,6 +104,81 @@ def test_attribute_access_log_attributes_reads_to_the_callback_class_and_restore
     assert "learning_rate" not in reads["args"]
     assert {"global_step", "logging_steps", "max_steps"} <= set(reads["state"])
     assert "__getattribute__" not in vars(TrainingArguments) and "__getattribute__" not in vars(TrainerState)
+
+
+def test_jobs_of_one_trainer_launch_share_one_process_group_which_only_the_last_ends(tmp_path, monkeypatch):
+    """A group destroyed by one job and created again by the next, in one torchrun launch, rendezvouses on
+    the same store keys (torch resets its group counter): a rank can read a peer's stale address and hang
+    in ``init_process_group`` (the 2-rank hang of issue 32).  Here: Trainer's own ``end()`` (transformers
+    5.2x destroys the group there) runs after the last job only, and the group is created once."""
+    import torch.distributed as dist
+    from transformers import Trainer
+
+    from compat import trainer_worker
+    from compat.assets import build_assets
+    from compat.runners import integration_environment
+
+    class TrainedNothing(Trainer):  # the real Trainer and its ``end``; no steps (the jobs' cost is not the point)
+        ends: list[bool] = []
+
+        def train(self, *args, **kwargs):
+            return None
+
+        def end(self):
+            TrainedNothing.ends.append(dist.is_initialized())
+            super().end()
+
+    assets = build_assets(tmp_path / "assets")
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    jobs = []
+    for number in (1, 2, 3):
+        run_dir = tmp_path / f"job{number}"
+        (run_dir / "wandb").mkdir(parents=True)
+        for name, value in integration_environment(run_dir).items():
+            monkeypatch.setenv(name, value)  # restored after the test (a job sets its own)
+        jobs.append({"scenario": "defaults", "world_size": 1, "out": str(run_dir / "out"),
+                     "trace": str(run_dir / "trace"), "resume_from": None, "env": integration_environment(run_dir),
+                     "status": str(run_dir / "status.json"), "trainer": "transformers"})  # fmt: skip
+    inits = []
+    real_init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: (inits.append(a), real_init(*a, **k))[1])
+    monkeypatch.setattr(trainer_worker, "Trainer", TrainedNothing)
+    try:
+        trainer_worker.main(["--assets", json.dumps(assets.as_json()), "--jobs", json.dumps(jobs)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert TrainedNothing.ends == [True], "Trainer.end() ran before the launch's last job, or not at the end"
+    assert len(inits) == 1, f"the process group was created {len(inits)} times in one launch"
+    assert all(json.loads(Path(job["status"]).read_text()) == {"status": "completed"} for job in jobs)
+
+
+def test_a_hung_trainer_job_is_killed_at_its_own_deadline_and_named(tmp_path):
+    """The launch's second job never ends: it is killed at that job's ``timeout_s`` (not the launch's sum),
+    and the outcome names it."""
+    from compat.runners import _run_launch
+
+    job = {"world_size": 2, "trainer": "transformers"}
+    jobs = [
+        {**job, "scenario": name, "phase": phase, "timeout_s": timeout, "status": str(tmp_path / f"{name}.json")}
+        for name, phase, timeout in (("defaults", "", 30), ("stateful_resume", "resume", 3))
+    ]
+    worker = (
+        "import json, sys, time; from pathlib import Path\n"
+        f"Path({jobs[0]['status']!r}).write_text(json.dumps({{'status': 'completed'}}))\n"
+        f"Path({jobs[1]['status']!r}).write_text(json.dumps({{'status': 'started'}}))\n"
+        "time.sleep(600)\n"
+    )
+    start = time.monotonic()
+    error = _run_launch([sys.executable, "-c", worker], dict(os.environ), jobs, tmp_path / "console.log")
+    assert time.monotonic() - start < 20
+    assert error is not None and error[0] == "timeout"
+    assert (
+        "Trainer job stateful_resume (resume phase) x2 (2 of 2 of its launch) did not finish within its 3 s"
+        in (error[1])
+    )
 
 
 # ============================================================================ CI part

@@ -4,7 +4,13 @@
 
 Each job is one scenario phase (``{"scenario", "world_size", "out", "trace", "resume_from", "env",
 "status", "trainer"}``); jobs run one after another in this process (several scenarios per launch save
-the interpreter and torchrun start-up, which dominates these tiny runs).  A job builds the scenario's
+the interpreter and torchrun start-up, which dominates these tiny runs), on one process group: the first
+job's ``TrainingArguments`` creates it (accelerate), later jobs find it and reuse it, and only the last job
+ends it (``Trainer.end()``, as a script's end).  A group destroyed and created again in one torchrun launch
+rendezvouses under the same store keys as the first (torch resets its group counter), so a rank may read a
+peer's stale address and wait forever in ``init_process_group``: a job that leaves no group behind fails
+the launch instead.  Rank 0 writes ``{"status": "started"}`` to the job's status file as the job begins
+(the runner's per-job deadline and its report name the job).  A job builds the scenario's
 ``TrainingArguments`` (``use_cpu=True``; accelerate sets up gloo), the model and data of
 ``compat.assets`` (the tiny Llama on fixed-length problems; for a ``classification`` scenario the tiny
 BERT classifier on tokenized texts, ``DataCollatorWithPadding`` and ``compute_metrics`` accuracy; for a
@@ -13,8 +19,7 @@ scenario's callbacks followed by the ``TraceRecorder``, and trains with a stock 
 ``AttributeAccessLog`` records what the transformers callbacks read.  ``"trainer": "trainbridge"`` runs
 the same job with ``trainbridge.Trainer`` (``trainbridge.DPOTrainer``; the facade, in place under this
 torchrun): the script with only its import changed.  Rank 0 writes ``{"status": "completed"}`` to the
-job's status file; a failing
-job ends the process.
+job's status file at its end; a failing job ends the process.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, Trainer
 
 from compat.assets import (
@@ -45,10 +51,13 @@ from compat.scenarios import scenario
 from trainbridge.core.distributed import wait_for_idle_gloo_threads
 
 
-def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
-    """Train one scenario phase with ``transformers.Trainer``."""
+def run_job(job: dict[str, Any], assets: CompatAssets, *, last: bool = True) -> None:
+    """Train one scenario phase with ``transformers.Trainer``; ``last``: the launch's last job, which ends the
+    process group (``Trainer.end()``, the script's end); an earlier job leaves it to the next."""
     spec = scenario(job["scenario"])
     os.environ.update(job["env"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(job["status"]).write_text(json.dumps({"status": "started"}))
     log = AttributeAccessLog(OBSERVED_CALLBACK_CLASSES)
     log.install()
     rank = 0
@@ -96,8 +105,8 @@ def run_job(job: dict[str, Any], assets: CompatAssets) -> None:
             )
         resume = job["resume_from"]
         trainer.train(resume_from_checkpoint=None if resume is None else str(Path(job["out"]) / f"checkpoint-{resume}"))
-        end = getattr(trainer, "end", None)  # the facade's end of the run (its process group)
-        if end is not None:
+        end = getattr(trainer, "end", None)  # Trainer's (transformers >= 5.2x) or the facade's: the group's end
+        if last and end is not None:
             end()
     finally:
         log.restore()
@@ -117,9 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", required=True, help="JSON list of jobs (see the module docstring)")
     options = parser.parse_args(argv)
     assets = CompatAssets.from_json(json.loads(options.assets))
-    for job in json.loads(options.jobs):
-        run_job(job, assets)
+    jobs = json.loads(options.jobs)
+    for number, job in enumerate(jobs, 1):
+        run_job(job, assets, last=number == len(jobs))
         gc.collect()  # the job's trainer and DDP reducer, with gloo's threads idle (``run_job``'s end)
+        if number < len(jobs) and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                f"compat.trainer_worker: job {number} ({job['scenario']}) destroyed the process group; the next "
+                "job would create it again on this launch's store, where a rank can read a peer's stale address "
+                "and hang in init_process_group"
+            )
     return 0
 
 

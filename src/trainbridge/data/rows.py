@@ -3,30 +3,46 @@
 ``open_rows`` reads a data path (JSONL, JSON, parquet, Arrow, a ``save_to_disk`` folder) with ``datasets``;
 each row is one item, its columns as they are (labels, pixel values, decoder inputs...).  Rows with a
 ``text`` column and no ``input_ids`` are tokenised (truncated to ``max_seq_len``), the other columns kept.
+
+The Arrow files ``datasets`` converts them to, memory-mapped by the rows, go to a scratch folder: the
+caller's, or this process's one ``trainbridge-rows-*`` folder (``core.scratch.owned_folder``), removed when
+the process ends (a worker's run, also when it fails) and swept by the next run when it was killed.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from trainbridge.core.scratch import owned_folder
 from trainbridge.data.inputs import DataInputError, input_kind, read_input
 from trainbridge.data.types import validation_indices
 
+ROWS_SCRATCH_PREFIX = "trainbridge-rows-"
+_process_scratch: list[Path] = []
+"""This process's rows folder, once made."""
 
-def open_rows(path: Path, tokenizer: Any, max_seq_len: int) -> Any:
-    """The rows of ``path`` as a ``datasets.Dataset`` (see the module docstring)."""
+
+def process_rows_folder() -> Path:
+    """This process's scratch folder for rows (made at the first call; removed at the process's exit)."""
+    if not _process_scratch or not _process_scratch[0].is_dir():
+        _process_scratch[:] = [owned_folder(ROWS_SCRATCH_PREFIX)]
+    return _process_scratch[0]
+
+
+def open_rows(path: Path, tokenizer: Any, max_seq_len: int, scratch: Path | None = None) -> Any:
+    """The rows of ``path`` as a ``datasets.Dataset`` (see the module docstring); ``scratch``: where its
+    Arrow files go, for as long as the rows are used (default: ``process_rows_folder()``)."""
     from datasets import load_dataset
 
-    scratch = tempfile.mkdtemp(prefix="trainbridge-rows-")
+    scratch = scratch if scratch is not None else process_rows_folder()
     if input_kind(path) == "jsonl":
         try:
-            dataset = load_dataset("json", data_files=str(path), split="train", cache_dir=scratch)
+            dataset = load_dataset("json", data_files=str(path), split="train", cache_dir=str(scratch))
         except Exception as exc:
             raise DataInputError(f"{path}: cannot read it as JSON lines: {type(exc).__name__}: {exc}") from exc
     else:
-        dataset = read_input(path, Path(scratch)).dataset
+        dataset = read_input(path, scratch).dataset
     if len(dataset) == 0:
         raise DataInputError(f"{path}: no rows")
     if "input_ids" not in dataset.column_names and "text" in dataset.column_names and tokenizer is not None:

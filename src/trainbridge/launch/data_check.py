@@ -69,11 +69,12 @@ def _check_items(args: TrainingArgs, tokenizer: Any) -> None:
     from trainbridge.data.rows import open_rows
 
     paths = [args.data_path, args.val_data_path, *args.eval_data_paths.values()]
-    for path in (p for p in paths if p is not None):
-        try:
-            open_rows(path, tokenizer, args.max_seq_len)
-        except ValueError as exc:  # DataInputError: unreadable or empty
-            raise PreflightError(f"data: {exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="trainbridge-rows-check-") as scratch:  # the rows are not kept
+        for path in (p for p in paths if p is not None):
+            try:
+                open_rows(path, tokenizer, args.max_seq_len, scratch=Path(scratch))
+            except ValueError as exc:  # DataInputError: unreadable or empty
+                raise PreflightError(f"data: {exc}") from exc
 
 
 def _note_path(args: TrainingArgs) -> Path | None:

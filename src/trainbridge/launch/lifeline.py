@@ -25,6 +25,8 @@ import time
 
 import psutil
 
+from trainbridge.core.scratch import process_token, token_alive
+
 logger = logging.getLogger(__name__)
 
 LAUNCHER_ENV = "TRAINBRIDGE_LAUNCHER"
@@ -36,22 +38,11 @@ WATCH_INTERVAL_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
-def launcher_token(pid: int | None = None) -> str:
-    """``pid:create_time`` of ``pid`` (default: this process), the value of ``TRAINBRIDGE_LAUNCHER``."""
-    process = psutil.Process(pid or os.getpid())
-    return f"{process.pid}:{process.create_time():.3f}"
+launcher_token = process_token
+"""``pid:create_time`` of a process (default: this one), the value of ``TRAINBRIDGE_LAUNCHER``."""
 
-
-def is_alive(token: str) -> bool:
-    """Whether the process named by a ``launcher_token`` still runs (a reused pid is not alive)."""
-    pid_text, _, created = token.partition(":")
-    try:
-        process = psutil.Process(int(pid_text))
-        return process.status() != psutil.STATUS_ZOMBIE and f"{process.create_time():.3f}" == created
-    except (psutil.NoSuchProcess, ValueError):
-        return False
-    except psutil.AccessDenied:
-        return True
+is_alive = token_alive
+"""Whether the process named by a ``launcher_token`` still runs (a reused pid is not alive)."""
 
 
 def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:

@@ -29,10 +29,8 @@ import json
 import os
 import pickle
 import secrets
-import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -41,7 +39,7 @@ from typing import Any
 import cloudpickle
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.launch import lifeline
+from trainbridge.core.scratch import owned_folder, remove_stale_folders
 
 PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
 """Environment variable that carries the payload's HMAC key (hex) to the workers."""
@@ -186,37 +184,16 @@ def check_transportable(args: TrainingArgs) -> None:
 
 def make_payload_folder() -> Path:
     """A fresh private (0700) folder for this launch's payload and torchrun's files, named after this
-    launcher (``lifeline.launcher_token``); first removes such folders left by this user's launchers that
-    are gone (SIGKILLed, so their ``finally`` never ran)."""
-    remove_stale_payload_folders()
-    token = lifeline.launcher_token().replace(":", "_")
-    return Path(tempfile.mkdtemp(prefix=f"{PAYLOAD_DIR_PREFIX}{token}-"))
+    launcher (``core.scratch.owned_folder``; its caller removes it); first removes such folders left by this
+    user's launchers that are gone (SIGKILLed, so their ``finally`` never ran)."""
+    return owned_folder(PAYLOAD_DIR_PREFIX, remove_at_exit=False)
 
 
 def remove_stale_payload_folders(where: str | Path | None = None) -> list[Path]:
     """Remove the payload folders in ``where`` (default: the temporary directory) that belong to this
     user and whose launcher no longer runs; returns them.  Links, other users' folders and folders of a
     live launcher are left alone."""
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(where or tempfile.gettempdir()))
-    except OSError:
-        return removed
-    for entry in entries:
-        if not entry.name.startswith(PAYLOAD_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
-            continue
-        token = entry.name[len(PAYLOAD_DIR_PREFIX) :].rpartition("-")[0].replace("_", ":")
-        pid, _, started = token.partition(":")
-        try:
-            info = entry.stat(follow_symlinks=False)
-            float(started)
-        except (OSError, ValueError):
-            continue
-        if not pid.isdigit() or info.st_uid != os.geteuid() or lifeline.is_alive(token):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(Path(entry.path))
-    return removed
+    return remove_stale_folders(PAYLOAD_DIR_PREFIX, where)
 
 
 def _mac(key: str, body: bytes) -> bytes:
