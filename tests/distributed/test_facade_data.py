@@ -29,9 +29,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "data_script.py"
 SAME = ("global_step", "train_metrics", "log_steps", "log_epochs", "checkpoints")
 
 
-LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler": ("torchrun", "python")}
-"""Our launch styles per case (both by default; the second stream and loader case run one, for suite time: the
-datasets stream must travel by value, the loader override is the sampler case's path)."""
+LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler": ("python",)}
+"""Our launch styles per case (torchrun by default): the stream case runs both; the others one, for suite time
+(the datasets stream must travel by value; a subclass's data override runs in each rank's own process, under
+``python script.py`` for the sampler case and under torchrun for the loader case, whose path is the same)."""
 
 
 def _runs(tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:

@@ -1,6 +1,7 @@
 """Faults with real torchrun workers on 2 gloo ranks (tiny model, few steps): no orphans when the
-launcher is SIGKILLed, a restart after ``kill -9`` of a worker that resumes by itself, the failing
-rank named with its real error, save on SIGTERM, outside control, multi-node c10d on one machine."""
+launcher is SIGKILLed, a restart after ``kill -9`` of a worker that resumes by itself (two restart tests
+against one uninterrupted reference run), the failing rank named with its real error, save on SIGTERM,
+outside control, multi-node c10d on one machine."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.distributed.fault_callbacks import ControlThenTerminate, ExitZero, Ki
 from tests.distributed.training_fixtures import base_args
 from trainbridge import TorchrunArgs, TrainingInterruptedError, WorkerFailedError, run_training
 from trainbridge.checkpoint.manifest import verify_checkpoint
+from trainbridge.loop.result import RunResult
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
@@ -78,42 +80,56 @@ def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
             process.kill()
 
 
-def test_kill_9_of_a_worker_restarts_the_job_from_its_checkpoint_to_the_same_weights(assets, tmp_path):
-    settings = dict(max_steps=6, save_strategy="steps", save_steps=2)
+SETTINGS = dict(max_steps=6, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16")
+"""The two restart tests and their uninterrupted reference: checkpoints at 2, 4, 6 with bf16 weight exports
+(fp32 weights and optimizer in ``dcp/`` beside them, what resume reads)."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory) -> tuple[RunResult, Path]:
+    """The run both restart tests must end like: ``SETTINGS``, synchronous saves, never killed."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "plain"
+    plain = run_training(base_args(assets, out, **SETTINGS), TWO, timeout_s=300)
+    assert plain.restarts == 0 and plain.resumed_from is None
+    return plain, out / "checkpoint-6"
+
+
+def _same_final_weights(killed_dir: Path, plain_dir: Path) -> None:
+    assert verify_checkpoint(killed_dir) == []
+    resumed, uninterrupted = load_file(killed_dir / "model.safetensors"), load_file(plain_dir / "model.safetensors")
+    assert {t.dtype for t in resumed.values()} == {torch.bfloat16}
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
+
+
+def test_kill_9_of_a_worker_restarts_the_job_from_its_checkpoint_to_the_same_weights(assets, tmp_path, uninterrupted):
     result = run_training(
-        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 3)], **settings),
+        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 3)], **SETTINGS),
         TorchrunArgs(nproc_per_node=2, max_restarts=1),
         timeout_s=400,
     )
     assert (tmp_path / "killed" / "killed-once").is_file()
     assert result.restarts == 1 and result.global_step == 6
     assert Path(result.resumed_from or "").name == "checkpoint-2"
-    plain = run_training(base_args(assets, tmp_path / "plain", **settings), TWO, timeout_s=300)
-    assert plain.restarts == 0 and plain.resumed_from is None
-    resumed = load_file(tmp_path / "killed" / "checkpoint-6" / "model.safetensors")
-    uninterrupted = load_file(tmp_path / "plain" / "checkpoint-6" / "model.safetensors")
-    assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
+    plain, plain_dir = uninterrupted
+    assert result.final_loss == plain.final_loss
+    _same_final_weights(tmp_path / "killed" / "checkpoint-6", plain_dir)
 
 
-def test_kill_9_while_an_async_checkpoint_is_pending_resumes_from_the_previous_one(assets, tmp_path):
+def test_kill_9_while_an_async_checkpoint_is_pending_resumes_from_the_previous_one(assets, tmp_path, uninterrupted):
     """checkpoint_async: rank 1 is killed at step 5's end, while checkpoint-4 (begun at step 4, its dcp/
     part written in the background) is not yet published; checkpoint-2 is whole, the restarted job
     resumes from it, and its final weights equal an uninterrupted run's (synchronous saves)."""
-    settings = dict(max_steps=6, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16")
     result = run_training(
-        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 5)], checkpoint_async=True, **settings),
+        base_args(assets, tmp_path / "killed", callbacks=[KillOnce(1, 5)], checkpoint_async=True, **SETTINGS),
         TorchrunArgs(nproc_per_node=2, max_restarts=1),
         timeout_s=400,
     )
     assert result.restarts == 1 and result.global_step == 6
     assert Path(result.resumed_from or "").name == "checkpoint-2"
-    plain = run_training(base_args(assets, tmp_path / "plain", **settings), TWO, timeout_s=300)
+    plain, plain_dir = uninterrupted
     assert plain.final_loss == result.final_loss
-    killed_dir, plain_dir = tmp_path / "killed" / "checkpoint-6", tmp_path / "plain" / "checkpoint-6"
-    assert verify_checkpoint(killed_dir) == []
-    resumed, uninterrupted = load_file(killed_dir / "model.safetensors"), load_file(plain_dir / "model.safetensors")
-    assert {t.dtype for t in resumed.values()} == {torch.bfloat16}
-    assert all(resumed[k].equal(uninterrupted[k]) for k in uninterrupted)
+    _same_final_weights(tmp_path / "killed" / "checkpoint-6", plain_dir)
 
 
 def test_sys_exit_in_a_callback_fails_its_rank_and_the_error_is_shown_once(assets, tmp_path, capfd):
@@ -142,6 +158,8 @@ def test_sigterm_saves_at_the_next_step_and_outside_control_is_obeyed(assets, tm
 
 @pytest.mark.parametrize("nnodes", ["2", "1:2"])
 def test_two_nodes_of_one_process_with_c10d_rendezvous(assets, tmp_path, nnodes):
+    """``python -m trainbridge train`` from a YAML config with a callback spec, ``--set`` overrides and a timeout,
+    as two single-process nodes meeting at a c10d rendezvous."""
     (tmp_path / "run.yaml").write_text(
         yaml.safe_dump(
             {
@@ -151,10 +169,11 @@ def test_two_nodes_of_one_process_with_c10d_rendezvous(assets, tmp_path, nnodes)
                 "max_seq_len": 32,
                 "max_batch_len": 64,
                 "effective_batch_size": 8,
-                "max_steps": 3,
+                "max_steps": 30,
                 "save_strategy": "no",
                 "disable_tqdm": True,
                 "device": "cpu",
+                "callbacks": [{"class": "transformers:PrinterCallback"}],  # a spec naming a library's class
             }
         )
     )
@@ -173,6 +192,10 @@ def test_two_nodes_of_one_process_with_c10d_rendezvous(assets, tmp_path, nnodes)
         f"127.0.0.1:{port}",
         "--rdzv-id",
         "faults",
+        "--set",
+        "max_steps=3",
+        "--set",
+        "learning_rate=0.003",
         "--timeout",
         "300",
     ]

@@ -161,15 +161,42 @@ def _early_stopping_args(assets, out: Path, stop_at: int | None, **overrides: An
     )
 
 
-def test_early_stopping_stops_both_ranks_where_patience_runs_out(assets, tmp_path):
-    result = run_training(_early_stopping_args(assets, tmp_path, stop_at=None), TWO)
+INTEGRATIONS = [name for name in ("tensorboard", "mlflow", "wandb") if importlib.util.find_spec(name)]
+
+
+@pytest.fixture(scope="module")
+def early_stopping_run(assets, tmp_path_factory):
+    """The uninterrupted early-stopping run, with the installed ``report_to`` integrations recording it (one
+    launch for both checks)."""
+    root = tmp_path_factory.mktemp("early-stopping")
+    (root / "wandb-dir").mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", f"file:{root / 'mlruns'}")
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_DIR", str(root / "wandb-dir"))
+        env.setenv("WANDB_SILENT", "true")
+        args = _early_stopping_args(
+            assets,
+            root / "out",
+            stop_at=None,
+            report_to=INTEGRATIONS or "none",
+            run_name="hf-report",
+            logging_dir=root / "tb",
+        )
+        return run_training(args, TWO), root
+
+
+def test_early_stopping_stops_both_ranks_where_patience_runs_out(early_stopping_run):
+    result, root = early_stopping_run
+    out = root / "out"
     assert result.global_step == 5 and result.stopped_early
     assert "HuggingFaceCallbacks" in result.stop_reason
     assert result.best_metric == 0.9 and result.best_checkpoint.endswith("checkpoint-2")
-    state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
+    state = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 3}
     assert state["stateful_callbacks"]["TrainerControl"]["args"]["should_training_stop"] is True
-    assert state["best_model_checkpoint"] == str(tmp_path / "checkpoint-2") and state["best_global_step"] == 2
+    assert state["best_model_checkpoint"] == str(out / "checkpoint-2") and state["best_global_step"] == 2
     assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5]
     # as under Trainer, the evaluation's log entry is written before on_evaluate, so it holds the measured
     # loss, not the value EvalLossByStep put in the metrics that early stopping and best tracking read
@@ -213,56 +240,38 @@ def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(assets, tmp
 
 
 # ============================================================================ report_to integrations
-INTEGRATIONS = [name for name in ("tensorboard", "mlflow", "wandb") if importlib.util.find_spec(name)]
-
-
 @pytest.mark.skipif(not INTEGRATIONS, reason="none of tensorboard, mlflow, wandb is installed")
-def test_report_to_integrations_record_the_run(assets, tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    (tmp_path / "wandb-dir").mkdir()
-    args = base_args(
-        assets,
-        tmp_path / "out",
-        max_steps=4,
-        logging_steps=2,
-        val_data_path=assets["val"],
-        eval_strategy="steps",
-        eval_steps=2,
-        report_to=INTEGRATIONS,
-        run_name="hf-report",
-        logging_dir=tmp_path / "tb",
-    )
-    result = run_training(args, TWO)
-    assert result.global_step == 4
+def test_report_to_integrations_record_the_run(early_stopping_run, monkeypatch):
+    """The early-stopping run (training logs at step 5, evaluations at every step) as each integration saw it."""
+    result, root = early_stopping_run
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the run's file store
+    assert result.global_step == 5
 
     if "tensorboard" in INTEGRATIONS:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        event_files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+        event_files = list((root / "tb").glob("events.out.tfevents.*"))
         assert len(event_files) == 1  # rank 0 only
         events = EventAccumulator(str(event_files[0]))
         events.Reload()
         scalars = set(events.Tags()["scalars"])
         assert {"train/loss", "train/learning_rate", "train/grad_norm", "eval/loss", "train/train_loss"} <= scalars
-        assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+        assert [e.step for e in events.Scalars("train/loss")] == [5]
+        assert [e.step for e in events.Scalars("eval/loss")] == [1, 2, 3, 4, 5]
         assert "args/text_summary" in events.Tags()["tensors"]
 
     if "mlflow" in INTEGRATIONS:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(f"file:{tmp_path / 'mlruns'}")
+        client = MlflowClient(f"file:{root / 'mlruns'}")
         runs = client.search_runs(experiment_ids=["0"])
         assert len(runs) == 1 and runs[0].info.run_name == "hf-report"
-        assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [2, 4]
+        assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [5]
         assert {"eval_loss", "train_loss", "learning_rate"} <= set(runs[0].data.metrics)
-        assert runs[0].data.params["eval_steps"] == "2"
+        assert runs[0].data.params["eval_steps"] == "1"
 
     if "wandb" in INTEGRATIONS:
-        run_files = list((tmp_path / "wandb-dir" / "wandb").glob("offline-run-*/run-*.wandb"))
+        run_files = list((root / "wandb-dir" / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(run_files) == 1  # rank 0 only
         history = run_files[0].read_bytes()  # protobuf records: history keys are stored as plain strings
         assert b"train/loss" in history and b"eval/loss" in history and b"train/global_step" in history

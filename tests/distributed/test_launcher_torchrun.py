@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.run_dir import result_file
@@ -257,50 +256,3 @@ def test_library_lines_are_told_from_ours():
         "/x/src/trainbridge/parallel/ddp.py:49: FutureWarning: `broadcast_buffers` is deprecated.",
         "  wrapped = DistributedDataParallel(",
     ]
-
-
-def test_cli_train_from_yaml_with_a_callback_spec(tmp_path):
-    from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
-
-    build_tiny_llama(tmp_path / "model")
-    write_arithmetic_dataset(tmp_path / "train.jsonl", 200, seed=0)
-    (tmp_path / "run.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "model_path": "model",
-                "data_path": "train.jsonl",
-                "ckpt_output_dir": "out",
-                "max_seq_len": 32,
-                "max_batch_len": 256,
-                "effective_batch_size": 8,
-                "device": "cpu",
-                "disable_tqdm": True,
-                "save_strategy": "no",
-                "callbacks": [{"class": "transformers:PrinterCallback"}],
-            }
-        )
-    )
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainbridge",
-            "train",
-            str(tmp_path / "run.yaml"),
-            "--nproc-per-node",
-            "2",
-            "--set",
-            "max_steps=4",
-            "--set",
-            "learning_rate=0.003",
-            "--timeout",
-            "150",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "steps:           4/4 (completed)" in out.stdout
-    assert (tmp_path / "out" / "result.json").is_file()

@@ -1,10 +1,10 @@
 """LoRA through ``TrainingArgs.peft_config`` on 2 gloo ranks, for every backend (ddp, fsdp, ZeRO-2, ZeRO-3).
 
 Per backend, two runs: a straight one (checkpoints at steps 4 and 8) and one resumed from its
-``checkpoint-4`` into another folder.  Checked: the loss falls; the frozen base weights at the end are
-bit-identical to the model on disk (fsdp with gradient checkpointing on); every checkpoint is an adapter
-in PEFT's layout that ``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as
-the straight one.
+``checkpoint-4`` into another folder (these are the tier's run_training runs of DeepSpeed).  Checked: the loss
+falls; both ranks fire the same events; the frozen base weights at the end are bit-identical to the model on
+disk (fsdp with gradient checkpointing on); every checkpoint is an adapter in PEFT's layout that
+``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as the straight one.
 The ddp case also checks ``load_best_model_at_end`` (the best adapter, made the step-4 one by
 ``greater_is_better=True``, is what is merged), the merged
 export (``AutoModelForCausalLM``, same logits as base + adapter) and that a ``TrainerCallback`` gets the
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from tests.distributed.training_fixtures import base_args
+from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
 from trainbridge import Callback, TorchrunArgs, run_training
 
 pytestmark = pytest.mark.distributed
@@ -112,12 +112,14 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
             merge_adapter_at_end=True,
         )
     straight_out, resumed_out = tmp_path / "straight", tmp_path / "resumed"
-    callbacks = [DumpFrozenWeights(), *([SavesTheModelItIsGiven()] if ddp else [])]
+    callbacks = [DumpFrozenWeights(), EventCounter(), *([SavesTheModelItIsGiven()] if ddp else [])]
     straight = run_training(base_args(assets, straight_out, callbacks=callbacks, **common), TWO, timeout_s=420)
 
     curve = losses(straight)
     assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
     assert_base_untouched(assets["model"], straight_out)
+    rank0, rank1 = read_rank_files(straight_out, "events")  # every backend through run_training: same events
+    assert rank0["counts"] == rank1["counts"] and rank0["steps"] == list(range(1, 9))
     for step in (4, 8):
         checkpoint = straight_out / f"checkpoint-{step}"
         assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "adapter_config.json").is_file()

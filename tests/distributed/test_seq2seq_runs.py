@@ -2,8 +2,9 @@
 styles on 2 ranks, against transformers.Seq2SeqTrainer: the same global_step, log and eval steps, metric keys
 and checkpoint files; ``compute_metrics`` gets generated token ids padded as Seq2SeqTrainer pads them, with
 ``generation_max_length`` during training and the ``generate`` arguments ``evaluate``/``predict`` pass.
-Differs: Seq2SeqTrainer on 2 ranks hands ``compute_metrics`` the samples accelerate repeats to even out the
-ranks' batches; trainbridge hands over each sample once."""
+After training ``evaluate``/``predict`` are Seq2SeqTrainer's own.  Differs: during training Seq2SeqTrainer on
+2 ranks hands ``compute_metrics`` the samples accelerate repeats to even out the ranks' batches; the loop's
+evaluation hands over each sample once."""
 
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ def _check(ours: dict, reference: dict) -> None:
     assert set(reference["eval_keys"]) <= set(ours["eval_keys"])
     assert ours["evaluate_keys"] == reference["evaluate_keys"]
     assert ours["predict_keys"] == reference["predict_keys"]
-    # each sample once; Seq2SeqTrainer gathers with accelerator.gather, keeping the samples that accelerate's
-    # even batches repeat on the second rank (8 rows for 6, 16 for 10)
-    assert ours["predict_shape"] == [6, 20] and reference["predict_shape"] == [8, 20]
+    # predict() is Seq2SeqTrainer's own: accelerator.gather keeps the samples that accelerate's even batches
+    # repeat on the second rank (8 rows for 6, 16 for 10)
+    assert ours["predict_shape"] == reference["predict_shape"] == [8, 20]
     assert sorted(ours["checkpoints"]) == sorted(reference["checkpoints"]) == ["checkpoint-2", "checkpoint-4"]
     for name, files in reference["checkpoints"].items():
         assert set(files) <= set(ours["checkpoints"][name]), (name, files)
     # compute_metrics: two evaluations while training (generation_max_length 10), evaluate(max_length=6),
     # predict(max_new_tokens=3): token ids padded to the generation config's max_length (20), as Seq2SeqTrainer
-    assert [c["shape"] for c in ours["calls"]] == [[10, 20], [10, 20], [10, 20], [6, 20]]
+    # (the loop's evaluations during training: each sample once; after training Seq2SeqTrainer's own)
+    assert [c["shape"] for c in ours["calls"]] == [[10, 20], [10, 20], [16, 20], [8, 20]]
     assert [c["shape"] for c in reference["calls"]] == [[16, 20], [16, 20], [16, 20], [8, 20]]
     assert all(c["dtype"] == "i" for c in ours["calls"])
     # the longest generation: generation_max_length while training, then the calls' own limits
@@ -52,7 +54,7 @@ def test_torchrun_seq2seq_script_generates_in_place(reference: dict, tmp_path: P
     _check(run_script(torchrun(SCRIPT, str(out)), out), reference)
 
 
-def test_python_seq2seq_script_generates_in_its_workers(reference: dict, tmp_path: Path) -> None:
+def test_python_seq2seq_script_generates_as_under_torchrun(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
     ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
     _check(ours, reference)

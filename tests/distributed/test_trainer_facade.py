@@ -110,29 +110,30 @@ def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(tmp_pat
     assert ours["checkpoint_files"].count("training_args.bin") == 2
 
 
-def _evaluate_unwritable(env: object, model_dir: str, out: str) -> tuple[str, str]:
-    """On each rank of a script under a launcher: ``trainer.evaluate`` on data rank 0 cannot write (a row
+def _train_unwritable(env: object, model_dir: str, out: str) -> tuple[str, str]:
+    """On each rank of a script under a launcher: ``trainer.train()`` on data rank 0 cannot write (a row
     that is not a dict of columns); the script catches the error, as a notebook cell would, and stays alive."""
     from transformers import TrainingArguments
 
     from trainbridge import Trainer
 
-    trainer = Trainer(model=model_dir, args=TrainingArguments(output_dir=out, use_cpu=True, report_to="none"))
+    args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", max_steps=1)
+    trainer = Trainer(model=model_dir, args=args, train_dataset=[[1, 2, 3]])
     try:
-        trainer.evaluate(eval_dataset=[[1, 2, 3]])
+        trainer.train()
     except Exception as exc:
         return type(exc).__name__, str(exc)
-    return "", "evaluate() returned"
+    return "", "train() returned"
 
 
-def test_rank_zero_failing_to_write_evaluation_data_fails_every_rank(tmp_path: Path) -> None:
-    """Rank 0 alone writes an evaluation job's data; when it raises, the other rank learns it at once and
+def test_rank_zero_failing_to_write_the_run_folder_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone writes the rows of ``train()``; when it raises, the other rank learns it at once and
     raises naming rank 0 and the cause (it used to wait in a barrier until the collective timeout)."""
     from tests.distributed.conftest import run_on_ranks
     from trainbridge.demos.tiny_model import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path / "model")
-    (rank0, message0), (rank1, message1) = run_on_ranks(_evaluate_unwritable, str(model_dir), str(tmp_path / "out"))
-    assert rank0 == "TypeError" and "eval_dataset[0]" in message0
+    (rank0, message0), (rank1, message1) = run_on_ranks(_train_unwritable, str(model_dir), str(tmp_path / "out"))
+    assert "train_dataset" in message0, (rank0, message0)
     assert rank1 == "RankZeroError", message1
-    assert "rank 0 failed writing the evaluation data" in message1 and "eval_dataset[0]" in message1
+    assert "rank 0 failed writing the run folder" in message1 and "train_dataset" in message1

@@ -1,4 +1,8 @@
-"""Real 2-rank runs through run_training (torchrun, gloo): events, agreed control, failures, resume."""
+"""Real 2-rank runs through run_training (torchrun, gloo): events, agreed control, failures, resume.
+
+Each launch costs seconds of process start-up, so one run serves every check that can share it: the
+module-scoped runs below (``callbacks_run``, ``plain_run``) are launched once and read by several tests.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from safetensors.torch import load_file
 
 from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
 from trainbridge import Callback, TorchrunArgs, WorkerFailedError, run_training
+from trainbridge.loop.result import RunResult
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)
@@ -20,22 +25,43 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_events_fire_the_expected_number_of_times_on_every_rank(assets, tmp_path):
+@pytest.fixture(scope="module")
+def callbacks_run(assets, tmp_path_factory) -> tuple[RunResult, Path]:
+    """One 6-step run for the callback checks: every event counted (``EventCounter``), a native callback that
+    raises on rank 1 at step 2 (isolated by default), and flat event functions, a closure and lambdas defined
+    here, that leave marker files in ``out/markers``.  Logs at 3 and 6, evaluations at 3 and 6, checkpoints
+    at 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("callbacks") / "out"
+    marker_dir = out / "markers"
+    marker_dir.mkdir(parents=True)
+
+    def on_save(context, checkpoint_path):  # a closure over marker_dir, defined inside the fixture
+        (marker_dir / f"saved-{context.rank}-{Path(checkpoint_path).name}").write_text("ok")
+
     args = base_args(
         assets,
-        tmp_path,
-        callbacks=[EventCounter()],
+        out,
+        callbacks=[EventCounter(), RaiseOnRank(1, 2)],
         max_steps=6,
         logging_steps=3,
         val_data_path=assets["val"],
         eval_strategy="steps",
         eval_steps=3,
         save_strategy="steps",
-        save_steps=6,
+        save_steps=2,
+        on_save=on_save,
+        on_evaluate=[
+            lambda context, metrics: (marker_dir / f"eval-{context.rank}").write_text(json.dumps(metrics)),
+            lambda context, metrics: None,
+        ],
     )
-    result = run_training(args, TWO)
+    return run_training(args, TWO), out
+
+
+def test_events_fire_the_expected_number_of_times_on_every_rank(callbacks_run):
+    result, out = callbacks_run
     assert result.global_step == 6 and not result.stopped_early
-    rank0, rank1 = read_rank_files(tmp_path, "events")
+    rank0, rank1 = read_rank_files(out, "events")
     assert rank0["counts"] == rank1["counts"]
     c = rank0["counts"]
     assert c["on_init_end"] == c["on_train_begin"] == c["on_train_end"] == 1
@@ -45,16 +71,23 @@ def test_events_fire_the_expected_number_of_times_on_every_rank(assets, tmp_path
     assert forwards == c["on_after_forward"] == c["on_before_backward"] == c["on_after_backward"] >= 6
     assert c["on_substep_end"] == forwards - 6  # every micro-batch but the step's last
     assert c["on_evaluate"] == 2 and c["on_prediction_step"] >= 2
-    assert c["on_save"] == 1
+    assert c["on_save"] == 3
     # training logs at steps 3 and 6, eval logs twice, and the final train summary
     assert c["on_log"] == 2 + 2 + 1
-    assert "on_exception" not in c
+    assert "on_exception" not in c  # the isolated callback error is not an exception of the run
     assert rank0["steps"] == list(range(1, 7))
-    assert (tmp_path / "checkpoint-6" / "model.safetensors").is_file()
+    assert (out / "checkpoint-6" / "model.safetensors").is_file()
 
 
-def test_ddp_loss_falls_and_metrics_file_is_written(assets, tmp_path):
-    result = run_training(base_args(assets, tmp_path, max_steps=30, logging_steps=5), TWO)
+@pytest.fixture(scope="module")
+def plain_run(assets, tmp_path_factory) -> tuple[RunResult, Path]:
+    """30 plain DDP steps logged every 5, with ``CountAgreements`` counting the agreement collectives."""
+    out = tmp_path_factory.mktemp("plain") / "out"
+    return run_training(base_args(assets, out, callbacks=[CountAgreements()], max_steps=30, logging_steps=5), TWO), out
+
+
+def test_ddp_loss_falls_and_metrics_file_is_written(plain_run):
+    result, _ = plain_run
     records = [r for r in read_metrics(result.metrics_file) if "loss" in r]
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
     assert records[-1]["loss"] < 0.7 * records[0]["loss"]
@@ -72,18 +105,6 @@ class StopOnRank(Callback):
     def on_step_end(self, context, **kwargs):
         if context.rank == self.rank and context.global_step == self.step:
             context.request_stop_training(f"rank {self.rank} says stop")
-
-
-def test_stop_requested_on_rank_1_only_stops_both_ranks_at_the_same_step(assets, tmp_path):
-    args = base_args(assets, tmp_path, callbacks=[StopOnRank(1, 3), EventCounter()], save_final_checkpoint=True)
-    result = run_training(args, TWO)
-    assert result.global_step == 3
-    assert result.stopped_early
-    assert "rank 1 (StopOnRank: rank 1 says stop)" in result.stop_reason
-    rank0, rank1 = read_rank_files(tmp_path, "events")
-    assert rank0["steps"] == rank1["steps"] == [1, 2, 3]
-    assert rank0["counts"]["on_train_end"] == rank1["counts"]["on_train_end"] == 1
-    assert result.checkpoints == [str(tmp_path / "checkpoint-3")]
 
 
 class CountAgreements(Callback):
@@ -111,13 +132,13 @@ class CountAgreements(Callback):
         path.write_text(json.dumps(self.per_step))
 
 
-def test_control_agreement_adds_no_collective_on_plain_steps(assets, tmp_path):
-    args = base_args(assets, tmp_path, callbacks=[CountAgreements()], max_steps=8, logging_steps=4)
-    run_training(args, TWO)
-    per_step = read_rank_files(tmp_path, "agreements")[0]
-    # steps 1..7 measured; step 4 logged (one more agreement after the log phase), the others: one
-    # agreement that also carries the loss sum — the collective the step needs anyway.
-    assert per_step == [1, 1, 1, 2, 1, 1, 1]
+def test_control_agreement_adds_no_collective_on_plain_steps(plain_run):
+    _, out = plain_run
+    per_step = read_rank_files(out, "agreements")[0]
+    # steps 1..29 measured; a logged step (every 5th) has one more agreement after the log phase, and so has
+    # step 16, the end of the first epoch (16 steps of 16 samples), after the epoch-end phase; the others:
+    # one agreement that also carries the loss sum — the collective the step needs anyway.
+    assert per_step == [2 if step % 5 == 0 or step == 16 else 1 for step in range(1, 30)]
 
 
 class RaiseOnRank(Callback):
@@ -133,9 +154,9 @@ class RaiseOnRank(Callback):
             raise RuntimeError("broken callback mid-run")
 
 
-def test_isolated_callback_error_does_not_stop_training_and_is_reported(assets, tmp_path):
-    result = run_training(base_args(assets, tmp_path, callbacks=[RaiseOnRank(1, 2)], max_steps=4), TWO)
-    assert result.global_step == 4
+def test_isolated_callback_error_does_not_stop_training_and_is_reported(callbacks_run):
+    result, _ = callbacks_run
+    assert result.global_step == 6
     (report,) = result.callback_errors
     assert report.rank == 1 and report.callback == "RaiseOnRank" and report.count == 1
     assert "broken callback mid-run" in report.first_error
@@ -164,14 +185,24 @@ def test_setup_error_on_one_rank_fails_before_the_first_step_naming_rank_and_cal
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
 
 
-def test_resume_gives_the_same_final_weights_as_the_uninterrupted_run(assets, tmp_path):
+def test_stop_on_rank_1_only_stops_both_ranks_at_one_step_and_the_resumed_run_ends_as_the_uninterrupted_one(
+    assets, tmp_path
+):
+    """Stop requested on rank 1 only at step 3: both ranks stop after step 3 and save a final checkpoint;
+    resuming from it gives the weights of a run that was never interrupted (linear schedule with warmup)."""
     common = dict(max_steps=8, save_strategy="steps", save_steps=4, lr_scheduler="linear", warmup_steps=2)
     straight = run_training(base_args(assets, tmp_path / "straight", **common), TWO)
-    # interrupted: stop after the checkpoint at step 4, then resume automatically
-    first = run_training(base_args(assets, tmp_path / "resumed", callbacks=[StopOnRank(0, 4)], **common), TWO)
-    assert first.global_step == 4
-    second = run_training(base_args(assets, tmp_path / "resumed", resume_from_checkpoint="auto", **common), TWO)
-    assert second.resumed_from.endswith("checkpoint-4") and second.global_step == 8
+    resumed_out = tmp_path / "resumed"
+    callbacks = [StopOnRank(1, 3), EventCounter()]
+    first = run_training(base_args(assets, resumed_out, callbacks=callbacks, save_final_checkpoint=True, **common), TWO)
+    assert first.global_step == 3 and first.stopped_early
+    assert "rank 1 (StopOnRank: rank 1 says stop)" in first.stop_reason
+    rank0, rank1 = read_rank_files(resumed_out, "events")
+    assert rank0["steps"] == rank1["steps"] == [1, 2, 3]
+    assert rank0["counts"]["on_train_end"] == rank1["counts"]["on_train_end"] == 1
+    assert first.checkpoints == [str(resumed_out / "checkpoint-3")]
+    second = run_training(base_args(assets, resumed_out, resume_from_checkpoint="auto", **common), TWO)
+    assert second.resumed_from.endswith("checkpoint-3") and second.global_step == 8
     a = load_file(Path(straight.checkpoints[-1]) / "model.safetensors")
     b = load_file(Path(second.checkpoints[-1]) / "model.safetensors")
     assert a.keys() == b.keys()
@@ -179,66 +210,13 @@ def test_resume_gives_the_same_final_weights_as_the_uninterrupted_run(assets, tm
         assert (a[name] - b[name]).abs().max().item() < 1e-6, name
 
 
-def test_flat_event_functions_closures_and_lambdas_reach_every_worker(assets, tmp_path):
-    marker_dir = tmp_path / "markers"
-    marker_dir.mkdir()
-
-    def on_save(context, checkpoint_path):  # a closure over marker_dir, defined inside the test
-        (marker_dir / f"saved-{context.rank}-{Path(checkpoint_path).name}").write_text("ok")
-
-    args = base_args(
-        assets,
-        tmp_path / "out",
-        max_steps=4,
-        save_strategy="steps",
-        save_steps=2,
-        val_data_path=assets["val"],
-        eval_strategy="steps",
-        eval_steps=4,
-        on_save=on_save,
-        on_evaluate=[
-            lambda context, metrics: (marker_dir / f"eval-{context.rank}").write_text(json.dumps(metrics)),
-            lambda context, metrics: None,
-        ],
-    )
-    run_training(args, TWO)
+def test_flat_event_functions_closures_and_lambdas_reach_every_worker(callbacks_run):
+    _, out = callbacks_run
+    marker_dir = out / "markers"
     names = sorted(p.name for p in marker_dir.iterdir())
-    assert names == [
-        "eval-0",
-        "eval-1",
-        "saved-0-checkpoint-2",
-        "saved-0-checkpoint-4",
-        "saved-1-checkpoint-2",
-        "saved-1-checkpoint-4",
-    ]
+    assert names == ["eval-0", "eval-1"] + [f"saved-{r}-checkpoint-{s}" for r in (0, 1) for s in (2, 4, 6)]
     metrics = json.loads((marker_dir / "eval-1").read_text())
     assert set(metrics) == {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
-
-
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
-def test_sharded_backends_train_through_run_training_and_save_loadable_checkpoints(assets, tmp_path, backend):
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
-    from transformers import AutoModelForCausalLM
-
-    args = base_args(
-        assets,
-        tmp_path,
-        distributed_backend=backend,
-        deepspeed_zero_stage=3,
-        max_steps=16,
-        logging_steps=4,
-        save_strategy="steps",
-        save_steps=16,
-        callbacks=[EventCounter()],
-    )
-    result = run_training(args, TWO, timeout_s=420)
-    losses = [r["loss"] for r in read_metrics(result.metrics_file) if "loss" in r]
-    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0]
-    rank0, rank1 = read_rank_files(tmp_path, "events")
-    assert rank0["counts"] == rank1["counts"]
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-16")
-    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 class TerminateOnRank(Callback):
@@ -270,9 +248,13 @@ def test_sigterm_fires_on_exception_and_fails_the_run_naming_the_rank(assets, tm
     assert (tmp_path / "exit-rank1").read_text() == "on_exception received signal 15"
 
 
-def test_fsdp_with_the_chunked_loss_head_trains_like_the_standard_loss(assets, tmp_path):
-    """The chunked loss runs inside the FSDP2 ``norm + lm_head`` unit's forward (the CUDA default without
-    Liger): the same losses and weights as the standard loss over full logits."""
+def test_fsdp_trains_through_run_training_and_the_chunked_loss_head_trains_like_the_standard_loss(assets, tmp_path):
+    """FSDP2 through run_training: the loss falls, every rank fires the same events, the checkpoint loads with
+    ``from_pretrained``; and the chunked loss, run inside the FSDP2 ``norm + lm_head`` unit's forward (the CUDA
+    default without Liger), gives the same losses and weights as the standard loss over full logits.
+    (DeepSpeed through run_training: ``test_peft.py``'s ZeRO-2/3 runs and ``test_engines.py``.)"""
+    from transformers import AutoModelForCausalLM
+
     results = {}
     for loss in ("standard", "chunked"):
         out = tmp_path / loss
@@ -287,12 +269,19 @@ def test_fsdp_with_the_chunked_loss_head_trains_like_the_standard_loss(assets, t
                 loss_chunk_tokens=7,
                 save_strategy="no",
                 save_final_checkpoint=True,
+                callbacks=[EventCounter()],
             ),
             TWO,
         )
     standard, chunked = (
         [r["loss"] for r in read_metrics(results[k].metrics_file) if "loss" in r] for k in ("standard", "chunked")
     )
-    assert len(standard) == 4 and chunked == pytest.approx(standard, rel=1e-5)
+    assert len(standard) == 4 and standard[-1] < 0.9 * standard[0]
+    assert chunked == pytest.approx(standard, rel=1e-5)
+    for loss in ("standard", "chunked"):
+        rank0, rank1 = read_rank_files(tmp_path / loss, "events")
+        assert rank0["counts"] == rank1["counts"] and rank0["steps"] == [1, 2, 3, 4]
     weights = [load_file(tmp_path / k / "checkpoint-4" / "model.safetensors") for k in ("standard", "chunked")]
     assert max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0]) < 1e-5
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "standard" / "checkpoint-4")
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -123,8 +123,11 @@ def test_jsonl_bad_lines_are_named_by_line_with_blank_lines_counted(tmp_path: Pa
     assert "data.jsonl:4: 'text' must be a string" in str(info.value)
 
 
-def test_second_open_hits_the_cache_without_tokenising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_inputs(tmp_path)["jsonl"]
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "disk"])
+def test_second_open_hits_the_cache_without_tokenising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    path = write_inputs(tmp_path)[kind]
     first, stats = open_dataset(path, None, options(), tmp_path / "cache")
     assert not stats.cache_hit
 
@@ -140,6 +143,8 @@ def test_second_open_hits_the_cache_without_tokenising(tmp_path: Path, monkeypat
     assert (stats.cache_hit, stats.samples, stats.dropped_overlong, stats.lines) == (True, 2, 1, 3)
     assert every_sample(second) == every_sample(first)
     assert second.lengths.tolist() == [4, 3] and second.loss_tokens.tolist() == [3, 2]
+    if kind != "jsonl":
+        return
     # another option, or a changed file, is another key: built again
     with pytest.raises(AssertionError, match="tokenised again"):
         open_dataset(path, None, options(max_seq_len=16), tmp_path / "cache")

@@ -269,3 +269,36 @@ def test_rotation_keeps_the_best_checkpoint(args_for):
     out = args.ckpt_output_dir
     assert loop.context.best_checkpoint == out / "checkpoint-1"
     assert loop.checkpoints.list_checkpoints() == [out / "checkpoint-1", out / "checkpoint-4"]
+
+
+class StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.global_step == self.step:
+            context.request_stop_training("enough")
+
+
+def test_a_run_stopped_mid_epoch_saves_a_final_checkpoint_that_resumes_where_it_stopped(args_for):
+    """The final checkpoint of a run a callback stopped at step 3 (of a 6-step epoch) is checkpoint-3, and a run
+    resumed from it trains steps 4 to 6 of the same epoch, ending as the uninterrupted run."""
+    full_args = args_for("full", save_final_checkpoint=True)
+    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full_result = full.run()
+    cut_args = args_for("cut", save_final_checkpoint=True)
+    cut = TrainingLoop(
+        cut_args, DistributedEnv(), [ScheduleCallback(), StopAt(3)], build_run(cut_args, DistributedEnv())
+    )
+    stopped = cut.run()
+    assert stopped.global_step == 3 and stopped.stopped_early
+    assert stopped.checkpoints == [str(cut_args.ckpt_output_dir / "checkpoint-3")]
+    resume_args = args_for("cut", save_final_checkpoint=True, resume_from_checkpoint="auto")
+    resumed = TrainingLoop(
+        resume_args, DistributedEnv(), [ScheduleCallback()], build_run(resume_args, DistributedEnv())
+    )
+    result = resumed.run()
+    assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
+    assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
+    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

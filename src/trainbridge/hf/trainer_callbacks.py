@@ -139,6 +139,9 @@ class HuggingFaceCallbacks(Callback):
         self._evaluated = False
         self._accelerate: SharedAccelerateState | None = None
         """accelerate's shared state as filled for the run (released by ``close``)."""
+        self.init_end_fired = False
+        """``on_init_end`` was fired on these callbacks already (by ``transformers.Trainer``'s constructor, for
+        ``trainbridge.Trainer``): the loop's init end does not fire it again."""
 
     @property
     def state(self) -> TrainerState | None:
@@ -226,7 +229,8 @@ class HuggingFaceCallbacks(Callback):
         self.control = TrainerControl()
         self.mirror = TrainerStateMirror(context, self._stateful())
         # Trainer calls on_init_end with a fresh TrainerState (max_steps etc. still 0): no sync here.
-        self._call(context, "on_init_end", sync_state=False)
+        if not self.init_end_fired:
+            self._call(context, "on_init_end", sync_state=False)
 
     def _train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         """Start the TrainerState as ``Trainer._init_training_state`` does (restored on resume, with the

@@ -119,7 +119,7 @@ class TrainingLoop:
                 if self.args.eval_on_start:
                     self.evaluate()
                     self._agree()  # DECISION POINT: after the start-up evaluation
-                while ctx.epoch_index < ctx.num_epochs and not self._stop_training:
+                while ctx.epoch_index < ctx.num_epochs and ctx.global_step < ctx.max_steps and not self._stop_training:
                     self._run_epoch()
                 if self.args.save_final_checkpoint and self._last_saved_step != ctx.global_step:
                     self._save()
@@ -146,8 +146,10 @@ class TrainingLoop:
         plan = self.train_batches.set_epoch(ctx.epoch_index)
         fire(Event.EPOCH_BEGIN, ctx)
         first_step = ctx.global_step
+        cut_short = False  # by max_steps or a training stop: the epoch's position is kept (see below)
         for step_plan in plan.steps[ctx.step_in_epoch :]:
             if ctx.global_step >= ctx.max_steps:
+                cut_short = True
                 break
             outcome = self._train_step(step_plan)
             # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
@@ -173,6 +175,7 @@ class TrainingLoop:
                 self._publish_checkpoint()  # every rank's background write has finished: publish, on_save
             flags = self._log_evaluate_save(agreement.control)
             if ControlFlag.STOP_EPOCH in flags or self._stop_training:
+                cut_short = ControlFlag.STOP_EPOCH not in flags
                 break
         if ctx.global_step == first_step and ctx.global_step < ctx.max_steps and not self._stop_training:
             # as Trainer: an epoch without one step (a stream that ran out) ends the run
@@ -181,6 +184,8 @@ class TrainingLoop:
             ctx.stop_reason = f"the training data ran out at step {ctx.global_step} (an epoch had no step)"
         fire(Event.EPOCH_END, ctx)
         self._log_evaluate_save(self._agree().control)  # DECISION POINT: after on_epoch_end
+        if cut_short:  # the run ends inside this epoch: a final checkpoint resumes at the next step, as Trainer's
+            return
         ctx.epoch_index += 1
         ctx.step_in_epoch = 0
 
