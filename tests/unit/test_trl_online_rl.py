@@ -37,7 +37,9 @@ TIMING |= {f"eval_{key}" for key in ("runtime", "samples_per_second", "steps_per
 """Logged keys whose values are wall-clock times."""
 
 
-def _online_config(cls: Any, out: Path, **extra: Any) -> Any:
+def _config(cls: Any, out: Path, **extra: Any) -> Any:
+    """A trl config of ``cls`` for 4 steps of 4 rows per device on CPU in float32, a log every step; ``extra``
+    on top."""
     values: dict[str, Any] = dict(
         output_dir=str(out),
         report_to="none",
@@ -46,17 +48,17 @@ def _online_config(cls: Any, out: Path, **extra: Any) -> Any:
         disable_tqdm=True,
         model_init_kwargs={"dtype": "float32"},
         per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=5,
-        learning_rate=1e-2,
-        beta=0.1,
         max_steps=4,
         logging_steps=1,
         save_strategy="no",
         seed=5,
     )
-    values.update(extra)
-    return cls(**values)
+    return cls(**{**values, **extra})
+
+
+def _online_config(cls: Any, out: Path, **extra: Any) -> Any:
+    online = {"num_generations": 4, "max_completion_length": 5, "learning_rate": 1e-2, "beta": 0.1}
+    return _config(cls, out, **{**online, **extra})
 
 
 def _values(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,24 +141,15 @@ def test_reward_model_logs_trls_values(tiny_llama: Path, tmp_path: Path) -> None
     evaluation (trl's ``evaluate`` over its collator's padded pairs), equal to trl's."""
     logs = []
     for cls in (trl.RewardTrainer, trainbridge.RewardTrainer):
-        config = trl.RewardConfig(
-            output_dir=str(tmp_path / cls.__module__),
-            report_to="none",
-            bf16=False,
-            use_cpu=True,
-            disable_tqdm=True,
-            model_init_kwargs={"dtype": "float32"},
-            per_device_train_batch_size=4,
+        config = _config(
+            trl.RewardConfig,
+            tmp_path / cls.__module__,
             per_device_eval_batch_size=4,
             max_length=32,
             learning_rate=1e-3,
             center_rewards_coefficient=0.01,
-            max_steps=4,
-            logging_steps=1,
             eval_strategy="steps",
             eval_steps=2,
-            save_strategy="no",
-            seed=5,
         )
         trainer = cls(
             model=str(tiny_llama),
