@@ -4,11 +4,12 @@ and checkpoint files; ``compute_metrics`` gets generated token ids padded as Seq
 ``generation_max_length`` during training and the ``generate`` arguments ``evaluate``/``predict`` pass.
 After training ``evaluate``/``predict`` are Seq2SeqTrainer's own.  Differs: during training Seq2SeqTrainer on
 2 ranks hands ``compute_metrics`` the samples accelerate repeats to even out the ranks' batches; the loop's
-evaluation hands over each sample once."""
+evaluation hands over each sample once.
+One launch style: ``python script.py`` is re-executed under torchrun at the import, so it runs this same
+code (test_script_launch and test_trainer_own_code check the two styles)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,3 @@ def _check(ours: dict, reference: dict) -> None:
 def test_torchrun_seq2seq_script_generates_in_place(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
     _check(run_script(torchrun(SCRIPT, str(out)), out), reference)
-
-
-def test_python_seq2seq_script_generates_as_under_torchrun(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "ours"
-    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
-    _check(ours, reference)

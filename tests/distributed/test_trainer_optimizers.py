@@ -2,11 +2,12 @@
 both launch styles on 2 ranks, against transformers.Trainer: each worker steps an SGD with the script's
 momentum and per-group learning rates, and the logged learning_rate follows the script's lambda.  Under
 torchrun, and under ``python script.py`` (re-executed under torchrun), the optimizer stepping is the script's own
-object, as under Trainer."""
+object, as under Trainer.
+One launch style: ``python script.py`` is re-executed under torchrun at the import, so it runs this same
+code (test_script_launch and test_trainer_own_code check the two styles)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,4 @@ def test_torchrun_steps_the_scripts_own_optimizer_objects(reference: dict, tmp_p
     _check(ours, reference)
     # the very object the script built, on both ranks, over the script's model's parameters, as under Trainer
     assert all(s[4] for steps in ours["probes"].values() for s in steps)
-    assert ours["stepped_in_place"]
-
-
-def test_python_steps_the_scripts_own_optimizer_objects_as_torchrun(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "ours"
-    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
-    _check(ours, reference)
-    assert all(s[4] for steps in ours["probes"].values() for s in steps)  # the script's objects, on each rank
     assert ours["stepped_in_place"]

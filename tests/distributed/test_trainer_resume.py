@@ -4,9 +4,10 @@
 and ``max_steps=24``; the restored ``EarlyStoppingCallback`` stops it at step 16.  After each run
 ``trainer.state`` and the ``trainer_state.json`` of ``save_state()`` must hold what Trainer's hold: every row
 since step 2 (steps and keys), the best metric and checkpoint over both runs, cumulative ``total_flos`` and
-``num_input_tokens_seen``, and the stateful callbacks.  Ours runs under ``torchrun --nproc_per_node=2`` (in
-place) and plain ``python`` (the facade launches 2 workers); the reference is transformers.Trainer under torchrun.
-"""
+``num_input_tokens_seen``, and the stateful callbacks.  Ours runs under ``torchrun --nproc_per_node=2``; the
+reference is transformers.Trainer under torchrun.
+One launch style: ``python script.py`` is re-executed under torchrun at the import, so it runs this same
+code (test_script_launch and test_trainer_own_code check the two styles)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,3 @@ def _check(ours: list[dict], reference: list[dict]) -> None:
 
 def test_torchrun_script_resumes_with_trainers_history(reference: list[dict], tmp_path: Path) -> None:
     _check(_twice(tmp_path / "ours"), reference)
-
-
-def test_python_script_resumes_with_trainers_history(reference: list[dict], tmp_path: Path) -> None:
-    _check(_twice(tmp_path / "ours", python=True), reference)

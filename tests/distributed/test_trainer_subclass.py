@@ -2,11 +2,12 @@
 (``scripts/subclass_script.py``), both launch styles on 2 ranks, against transformers.Trainer: each override
 runs in each worker where Trainer runs it (every micro-batch, every validation batch, every log), with the
 step's ``num_items_in_batch``, the live ``state`` and the ``__init__``'s attribute; the same global_step,
-log steps and metric keys."""
+log steps and metric keys.
+One launch style: ``python script.py`` is re-executed under torchrun at the import, so it runs this same
+code (test_script_launch and test_trainer_own_code check the two styles)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,3 @@ def _check(ours: dict, reference: dict) -> None:
 def test_torchrun_runs_the_override_in_place(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
     _check(run_script(torchrun(SCRIPT, str(out)), out), reference)
-
-
-def test_python_sends_the_override_to_its_workers(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "ours"
-    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
-    _check(ours, reference)

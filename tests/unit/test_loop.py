@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,6 +94,17 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
 
 
+def _resumes_to_the_same_end(args: TrainingArgs, checkpoint: Path, full: TrainingLoop, final_loss: Any) -> None:
+    """A run of ``args`` (``resume_from_checkpoint`` set) resumes from ``checkpoint`` and ends as ``full`` did:
+    step 6, the same final loss and weights."""
+    resumed = TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], build_run(args, DistributedEnv()))
+    result = resumed.run()
+    assert result.resumed_from == str(checkpoint)
+    assert result.global_step == 6 and result.final_loss == pytest.approx(final_loss, rel=1e-6)
+    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_resume_in_process_continues_exactly(args_for):
     full_args = args_for("full", save_strategy="steps", save_steps=3)
     full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
@@ -105,14 +117,7 @@ def test_resume_in_process_continues_exactly(args_for):
     with pytest.raises(Crash):
         cut.run()
     resume_args = args_for("cut", save_strategy="steps", save_steps=3, resume_from_checkpoint="auto")
-    resumed = TrainingLoop(
-        resume_args, DistributedEnv(), [ScheduleCallback()], build_run(resume_args, DistributedEnv())
-    )
-    result = resumed.run()
-    assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
-    assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
-    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    _resumes_to_the_same_end(resume_args, cut_args.ckpt_output_dir / "checkpoint-3", full, full_result.final_loss)
     state = json.loads((cut_args.ckpt_output_dir / "checkpoint-6" / "training_state.json").read_text())
     assert state["global_step"] == 6
 
@@ -294,11 +299,4 @@ def test_a_run_stopped_mid_epoch_saves_a_final_checkpoint_that_resumes_where_it_
     assert stopped.global_step == 3 and stopped.stopped_early
     assert stopped.checkpoints == [str(cut_args.ckpt_output_dir / "checkpoint-3")]
     resume_args = args_for("cut", save_final_checkpoint=True, resume_from_checkpoint="auto")
-    resumed = TrainingLoop(
-        resume_args, DistributedEnv(), [ScheduleCallback()], build_run(resume_args, DistributedEnv())
-    )
-    result = resumed.run()
-    assert result.resumed_from == str(cut_args.ckpt_output_dir / "checkpoint-3")
-    assert result.global_step == 6 and result.final_loss == pytest.approx(full_result.final_loss, rel=1e-6)
-    for a, b in zip(full.engine.unwrapped.parameters(), resumed.engine.unwrapped.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    _resumes_to_the_same_end(resume_args, cut_args.ckpt_output_dir / "checkpoint-3", full, full_result.final_loss)

@@ -31,6 +31,7 @@ import transformers
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.core.private_files import make_run_folder
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
@@ -329,6 +330,8 @@ class Trainer(LoopTrainer, transformers.Trainer):
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
         script_data.check_stream_steps(train_dataset, args)
+        if args.should_save:  # before Trainer's constructor creates it with the umask's mode: private
+            make_run_folder(args.output_dir)
         self._model_source = None
         if isinstance(model, str | os.PathLike):  # trl's Trainers take a path: loaded here, as trl loads it
             from trainbridge.modeling.load import load_saved_model
