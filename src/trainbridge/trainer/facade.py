@@ -78,6 +78,13 @@ class LoopTrainer(_TrainerBase):
         if problem:
             raise ScriptLaunchError(problem)
 
+    @staticmethod
+    def _private_output_dir(config: Any) -> None:
+        """Create ``config.output_dir`` private (0700) before the Trainer class's constructor creates it with
+        the umask's mode (a ``TrainingArguments`` that saves from this process; anything else: nothing)."""
+        if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
+            make_run_folder(config.output_dir)
+
     def _init_loop(self, torchrun_args: TorchrunArgs | None, given_collator: Any, peft_config: Any = None) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
@@ -330,8 +337,7 @@ class Trainer(LoopTrainer, transformers.Trainer):
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
         script_data.check_stream_steps(train_dataset, args)
-        if args.should_save:  # before Trainer's constructor creates it with the umask's mode: private
-            make_run_folder(args.output_dir)
+        self._private_output_dir(args)
         self._model_source = None
         if isinstance(model, str | os.PathLike):  # trl's Trainers take a path: loaded here, as trl loads it
             from trainbridge.modeling.load import load_saved_model

@@ -14,7 +14,6 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from trainbridge.core.private_files import make_run_folder
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
 
@@ -24,9 +23,7 @@ class TrlLoop(LoopTrainer):
 
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
-        config = kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None))
-        if isinstance(config, TrainingArguments) and config.output_dir and config.should_save:
-            make_run_folder(config.output_dir)  # before trl's constructor creates it with the umask's mode: private
+        self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         super().__init__(*args, **kwargs)  # trl's own constructor
         self._init_loop(torchrun_args, self.data_collator)
 
