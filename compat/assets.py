@@ -132,6 +132,19 @@ def accuracy(eval_pred: Any) -> dict[str, float]:
 
 
 # ============================================================================ preference pairs (DPO)
+def prompt_data(n: int, seed: int) -> Any:
+    """``n`` text prompts (``prompt``: ``"ab+cd="``) with their ``answer`` column as a ``datasets.Dataset``, as
+    trl's GRPOTrainer takes them (the reward functions of ``trainbridge.demos.rewards`` read ``answer``)."""
+    import datasets
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"})
+    return datasets.Dataset.from_list(rows)
+
+
 def preference_data(n: int, seed: int) -> Any:
     """``n`` preference pairs (``prompt``, ``chosen``: the right sum, ``rejected``: a wrong one) as a
     ``datasets.Dataset``, as trl's DPOTrainer takes them."""

@@ -156,13 +156,14 @@ class Scenario:
     expected_callback_errors: tuple[str, ...] = ()
     """Callback classes trainbridge must report in ``RunResult.callback_errors`` (anything else is a
     difference)."""
-    task: Literal["causal-lm", "classification", "dpo"] = "causal-lm"
+    task: Literal["causal-lm", "classification", "dpo", "grpo"] = "causal-lm"
     """``causal-lm``: the tiny Llama on the fixed-width problems; trainbridge runs ``run_training``.
     ``classification``: the tiny BERT classifier of ``compat.assets`` on its own loss, with
     ``DataCollatorWithPadding`` and ``compute_metrics``; trainbridge runs the same worker with
     ``trainbridge.Trainer`` (the facade) in place of ``transformers.Trainer``.  ``dpo``: the tiny Llama on
     preference pairs with trl's ``DPOTrainer`` (its reference a frozen copy), and ``trainbridge.DPOTrainer``
-    in its place."""
+    in its place.  ``grpo``: the tiny Llama generating completions of addition prompts with trl's
+    ``GRPOTrainer`` and two reward functions, and ``trainbridge.GRPOTrainer`` in its place."""
 
     def arguments_class(self) -> type:
         """The class named by ``config_class``."""
@@ -432,6 +433,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         callbacks=lambda: [StepTally("tally"), HookCounter("dpo")],
         config_class="trl:DPOConfig",
         task="dpo",
+    ),
+    Scenario(
+        "grpo",
+        "trl's GRPOTrainer (two reward functions as callables, 4 completions per prompt sampled with generate, "
+        "one generation batch per optimizer step, no reference model) with HF callbacks (an ExportableState "
+        "tally, a hook counter, a callback asking through control for a save at step 3 and a log at step 5), "
+        "checkpoints every 4 steps; trainbridge side: trainbridge.GRPOTrainer",
+        {
+            "learning_rate": 1e-3,
+            "logging_steps": 2,
+            "save_strategy": "steps",
+            "save_steps": 4,
+            "max_steps": 6,
+            "num_generations": 4,
+            "max_completion_length": 6,
+            "beta": 0.0,
+            "bf16": False,
+            "gradient_checkpointing": False,
+        },
+        callbacks=lambda: [
+            StepTally("tally"),
+            HookCounter("grpo"),
+            ControlScript({3: ["should_save"], 5: ["should_log"]}),
+        ],
+        config_class="trl:GRPOConfig",
+        task="grpo",
+        fast=(),
     ),
     Scenario(
         "one_rank_stop",

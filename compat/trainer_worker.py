@@ -14,12 +14,13 @@ the launch instead.  Rank 0 writes ``{"status": "started"}`` to the job's status
 ``TrainingArguments`` (``use_cpu=True``; accelerate sets up gloo), the model and data of
 ``compat.assets`` (the tiny Llama on fixed-length problems; for a ``classification`` scenario the tiny
 BERT classifier on tokenized texts, ``DataCollatorWithPadding`` and ``compute_metrics`` accuracy; for a
-``dpo`` scenario preference pairs and trl's ``DPOTrainer``), the
+``dpo`` scenario preference pairs and trl's ``DPOTrainer``; for a ``grpo`` scenario prompts, two reward
+functions and trl's ``GRPOTrainer``), the
 scenario's callbacks followed by the ``TraceRecorder``, and trains with a stock ``Trainer`` while
 ``AttributeAccessLog`` records what the transformers callbacks read.  ``"trainer": "trainbridge"`` runs
-the same job with ``trainbridge.Trainer`` (``trainbridge.DPOTrainer``; the facade, in place under this
-torchrun): the script with only its import changed.  Rank 0 writes ``{"status": "completed"}`` to the
-job's status file at its end; a failing job ends the process.
+the same job with ``trainbridge.Trainer`` (``trainbridge.DPOTrainer``, ``trainbridge.GRPOTrainer``; the
+facade, in place under this torchrun): the script with only its import changed.  Rank 0 writes
+``{"status": "completed"}`` to the job's status file at its end; a failing job ends the process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from compat.assets import (
     classification_model,
     collate_fixed_length,
     preference_data,
+    prompt_data,
 )
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessLog, TraceRecorder, access_path
 from compat.scenarios import scenario
@@ -79,6 +81,21 @@ def run_job(job: dict[str, Any], assets: CompatAssets, *, last: bool = True) -> 
                 args=args,
                 train_dataset=preference_data(TRAIN_SAMPLES, seed=1),
                 eval_dataset=preference_data(EVAL_SAMPLES, seed=2),
+                processing_class=tokenizer,
+                callbacks=callbacks,
+            )
+        elif spec.task == "grpo":
+            from trl import GRPOTrainer as grpo_trainer_class
+
+            from trainbridge.demos.rewards import answer_reward, digit_reward
+
+            if job.get("trainer") == "trainbridge":
+                from trainbridge import GRPOTrainer as grpo_trainer_class  # the script with its import changed
+            trainer = grpo_trainer_class(
+                model=AutoModelForCausalLM.from_pretrained(assets.model),
+                reward_funcs=[answer_reward, digit_reward],
+                args=args,
+                train_dataset=prompt_data(TRAIN_SAMPLES, seed=1),
                 processing_class=tokenizer,
                 callbacks=callbacks,
             )
