@@ -4,7 +4,8 @@ styles on 2 ranks, against transformers.Trainer: an ``evaluate`` override runnin
 the script, state set on the instance by ``compute_loss`` still there after ``train()``,
 ``isinstance(trainer, transformers.Trainer)``; then, in the same launch, a second Trainer whose items and batches
 are tuples (``compute_loss``/``prediction_step`` unpack them); the same global_step, log steps and keys (and
-losses, for the tuples), checkpoint files and tensor names, and results files."""
+losses, for the tuples), checkpoint files and tensor names, and results files; and a third, a masked LM with tied
+decoder weight and bias, saving Trainer's tensors (issue 29 failure 6)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def _check(ours: dict, reference: dict) -> None:
     assert ours["final_tensors"] == reference["final_tensors"]
     assert ours["results_files"] == reference["results_files"]
     _check_tuples(ours["tuples"], reference["tuples"])
+    # a masked LM with its decoder weight and bias tied: Trainer's tensors in the checkpoint and in save_model()
+    masked, masked_reference = ours["masked_lm"], reference["masked_lm"]
+    assert masked["global_step"] == masked_reference["global_step"] == 2
+    assert masked["checkpoint_tensors"] == masked["final_tensors"] == masked_reference["checkpoint_tensors"]
+    assert masked_reference["final_tensors"] == masked_reference["checkpoint_tensors"]
 
 
 def _check_tuples(ours: dict, reference: dict) -> None:

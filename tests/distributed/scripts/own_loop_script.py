@@ -10,7 +10,9 @@
 - then a second Trainer (one launch, as a continual script) trains on items that are tuples (a
   ``TensorDataset``), with a collator returning a tuple and ``compute_loss``/``prediction_step`` overrides that
   unpack it (``remove_unused_columns=False``), an evaluation set of tuples too, with gradient accumulation and
-  an epoch's length from the DataLoader: Trainer hands any item to the collator and any batch to the step.
+  an epoch's length from the DataLoader: Trainer hands any item to the collator and any batch to the step;
+- then a third: a masked LM whose decoder weight and bias are tied (``BertForMaskedLM``), whose checkpoint and
+  ``save_model()`` hold Trainer's tensors (issue 29 failure 6: not the tied ones twice).
 
 Run as ``torchrun --nproc_per_node=2 own_loop_script.py OUT [real]`` or ``python own_loop_script.py OUT``;
 ``real`` uses transformers.Trainer (the reference).  Rank 0 writes ``OUT/summary.json``.
@@ -26,14 +28,20 @@ import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    TrainingArguments,
+)
 
 if "real" in sys.argv[2:]:
     from transformers import Trainer
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once, tiny_bert_config
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
@@ -189,6 +197,28 @@ tuple_trainer.save_model(str(tuple_out / "final"))
 tuple_calls = tuple_trainer.accelerator.gather(
     torch.tensor([tuple_trainer.loss_calls, tuple_trainer.prediction_calls])
 ).tolist()
+
+mlm_out = out / "masked-lm"
+mlm_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+mlm_tokenizer.add_special_tokens({"mask_token": "<mask>"})
+torch.manual_seed(0)  # the same model on every rank
+mlm_model = BertForMaskedLM(tiny_bert_config(len(mlm_tokenizer), pad_token_id=mlm_tokenizer.pad_token_id))
+mlm_trainer = Trainer(
+    model=mlm_model,
+    args=TrainingArguments(
+        output_dir=str(mlm_out),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    ),
+    train_dataset=train,
+    data_collator=DataCollatorForLanguageModeling(mlm_tokenizer, mlm=True),
+)
+mlm_result = mlm_trainer.train()
+mlm_trainer.save_model(str(mlm_out / "final"))
 if trainer.is_world_process_zero():
 
     def tensor_names(folder):
@@ -231,6 +261,11 @@ if trainer.is_world_process_zero():
                 "checkpoint_tensors": tensor_names(out / checkpoints[-1]),
                 "final_tensors": tensor_names(out / "final"),
                 "results_files": sorted(p.name for p in out.glob("*results.json")),
+                "masked_lm": {
+                    "global_step": mlm_result.global_step,
+                    "checkpoint_tensors": tensor_names(mlm_out / "checkpoint-2"),
+                    "final_tensors": tensor_names(mlm_out / "final"),
+                },
                 "tuples": {
                     **side(tuple_out, tuple_result, tuple_metrics, tuple_trainer.state.log_history),
                     "calls": tuple_calls,
