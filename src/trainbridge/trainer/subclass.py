@@ -82,9 +82,30 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``."""
-    return any(name in vars(klass) for klass in _script_classes(cls) for name in names)
+def overrides(of: Any, names: tuple[str, ...]) -> bool:
+    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
+    an instance.  A library's method that trainbridge's own step stands in for (``FAST_STEP_FOR``) does not
+    count: only a class below the one declaring it (the script's subclass) overrides it."""
+    cls = of if isinstance(of, type) else type(of)
+    stood_in = _stood_in(of)
+    return any(
+        name in vars(klass) and klass not in stood_in.get(name, ()) for klass in _script_classes(cls) for name in names
+    )
+
+
+FAST_STEP_FOR = "fast_step_for"
+"""The attribute (of a trainbridge class, or of its instance) naming the library's methods (trl's
+``compute_loss``, ``training_step``...) that trainbridge's own step reproduces: that class's bases defining
+them are not the script's overrides (``overrides``)."""
+
+
+def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
+    """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
+    cls = of if isinstance(of, type) else type(of)
+    for owner in cls.__mro__:
+        if FAST_STEP_FOR in vars(owner):
+            return {name: owner.__mro__ for name in getattr(of, FAST_STEP_FOR)}
+    return {}
 
 
 def overrides_compute_loss(cls: type) -> bool:
@@ -95,7 +116,7 @@ def overrides_compute_loss(cls: type) -> bool:
 def instance_batches(trainer: Any) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
     how Trainer builds them."""
-    return overrides(type(trainer), LOADER_METHODS)
+    return overrides(trainer, LOADER_METHODS)
 
 
 class LogCapture:
@@ -238,15 +259,14 @@ LOOP_EVALUATION = "_loop_evaluation"
 def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
     when its class overrides ``evaluate``, else None."""
-    worker = script_trainer(trainer) if overrides(type(trainer), EVALUATION_METHODS) else None
+    worker = script_trainer(trainer) if overrides(trainer, EVALUATION_METHODS) else None
     return worker.evaluation if worker is not None else None
 
 
 def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers or
     it has a ``compute_loss_func``, else None."""
-    cls = type(trainer)
-    if not overrides(cls, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
+    if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
         if trainer.compute_loss_func is None:
             return None
     worker = trainer.__dict__.get("_script_trainer")
@@ -259,7 +279,7 @@ def subclass_loss(trainer: Any) -> ScriptTrainer | None:
     """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
     overrides ``training_step``, ``prediction_step`` or ``compute_loss`` or it has a ``compute_loss_func`` (the
     workers then step through ``training_step``), else None (the model's own loss, or the token step)."""
-    if not overrides(type(trainer), STEP_METHODS) and trainer.compute_loss_func is None:
+    if not overrides(trainer, STEP_METHODS) and trainer.compute_loss_func is None:
         return None
     return script_trainer(trainer)
 

@@ -25,7 +25,11 @@ class TrlLoop(LoopTrainer):
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         super().__init__(*args, **kwargs)  # trl's own constructor
-        self._init_loop(torchrun_args, self.data_collator)
+        self._init_loop(torchrun_args, self._loop_collator())
+
+    def _loop_collator(self) -> Any:
+        """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
+        return self.data_collator
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each
