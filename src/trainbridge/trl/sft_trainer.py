@@ -26,8 +26,6 @@ from typing import Any
 
 import trl
 
-from trainbridge.core.callback import Callback
-from trainbridge.core.context import TrainingContext
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
@@ -61,17 +59,6 @@ def _prepared_fields_honoured() -> Iterator[None]:
             "ignore", message=rf"SFTConfig\.({'|'.join(PREPARED_FIELDS)})=", category=HFPortingWarning
         )
         yield
-
-
-class _TrainedTokens(Callback):
-    """Keeps trl's count of trained input tokens (``_total_train_tokens``, which its evaluation logs as
-    ``eval_num_tokens``) as the loop's step counts them: every rank's non-padding input tokens."""
-
-    def __init__(self, trainer: SFTTrainer) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        self.trainer._total_train_tokens = context.tokens_seen
 
 
 class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
@@ -121,9 +108,6 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
             self.token_metrics = False  # trl's compute_loss logs them
             return self.data_collator
         return None
-
-    def _script_callbacks(self) -> list[Any]:
-        return [*super()._script_callbacks(), _TrainedTokens(self)]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         with _prepared_fields_honoured():

@@ -14,18 +14,41 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
 
 
+class _TrainedTokens(Callback):
+    """Keeps trl's count of trained input tokens (``_total_train_tokens``, which its evaluation logs as
+    ``eval_num_tokens``) as the loop's step counts them: every rank's non-padding input tokens."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.trainer._total_train_tokens = context.tokens_seen
+
+
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
+
+    fast_step_for: tuple[str, ...] = ()
+    """trl's methods trainbridge's own step stands in for, on the classes that have one (SFT, DPO): see
+    ``trainer.subclass.FAST_STEP_FOR``.  Empty: trl's ``training_step`` runs on each micro-batch."""
 
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         super().__init__(*args, **kwargs)  # trl's own constructor
         self._init_loop(torchrun_args, self._loop_collator())
+
+    def _script_callbacks(self) -> list[Any]:
+        """With trainbridge's step (``fast_step_for``), trl's ``compute_loss`` does not count the tokens: the
+        loop's count stands in for it (``_TrainedTokens``)."""
+        callbacks = super()._script_callbacks()
+        return [*callbacks, _TrainedTokens(self)] if self.fast_step_for else callbacks
 
     def _loop_collator(self) -> Any:
         """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
@@ -41,5 +64,6 @@ class TrlLoop(LoopTrainer):
         return result
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        self.__dict__.pop(subclass.LOOP_EVALUATION, None)  # trl's evaluation, not the loop's batches
-        return super().evaluate(*args, **kwargs)
+        """trl's ``evaluate`` (Trainer's below it), not the loop's evaluation of its own batches."""
+        self.__dict__.pop(subclass.LOOP_EVALUATION, None)
+        return dict(super(LoopTrainer, self).evaluate(*args, **kwargs))
