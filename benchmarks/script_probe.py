@@ -69,10 +69,11 @@ def wrap(trainer_class: Any) -> None:
     trainer_class.train = timed_train
 
 
-def write_script_copies(root: Path, script: str, trainer: str) -> dict[str, Path]:
+def write_script_copies(root: Path, script: str, trainer: str, probes: Sequence[str] = ("wrap",)) -> dict[str, Path]:
     """trl's ``scripts/{script}`` as shipped (``"trl"``) and with only ``trainer``'s import changed to
-    trainbridge's (``"trainbridge"``), each with ``wrap(trainer)`` after the import, written into ``root``
-    with this file beside them; their paths."""
+    trainbridge's (``"trainbridge"``), each with ``script_probe.<probe>(trainer)`` for each of ``probes``
+    (``wrap``, ``wrap_generation``) after the import, written into ``root`` with this file beside them;
+    their paths."""
     import trl
 
     source = (Path(trl.__file__).parent / "scripts" / script).read_text()
@@ -81,7 +82,7 @@ def write_script_copies(root: Path, script: str, trainer: str) -> dict[str, Path
     if original not in source:
         raise SystemExit(f"trl's {script} changed its import line (expected {original.strip()!r})")
     ported = f"    from trainbridge import {trainer}\n    from trl import {helpers}\n"
-    probe = f"    import script_probe\n\n    script_probe.wrap({trainer})\n"
+    probe = "    import script_probe\n\n" + "".join(f"    script_probe.{name}({trainer})\n" for name in probes)
     stem = Path(script).stem
     copies = {"trl": root / f"{stem}_trl.py", "trainbridge": root / f"{stem}_trainbridge.py"}
     copies["trl"].write_text(source.replace(original, original + probe))
@@ -100,7 +101,14 @@ def run_script(
     steps = settings["max_steps"]
     fixed = {"logging_steps": steps, "save_strategy": "no", "bf16": "false", "use_cpu": "true", "report_to": "none",
              "dtype": "float32", "disable_tqdm": "true", "gradient_checkpointing": "false"}  # fmt: skip
-    options = [f"--{name}" if value is True else f"--{name}={value}" for name, value in {**fixed, **settings}.items()]
+    options: list[str] = []
+    for name, value in {**fixed, **settings}.items():
+        if value is True:
+            options.append(f"--{name}")
+        elif isinstance(value, list | tuple):  # an option of several values (nargs="+")
+            options += [f"--{name}", *map(str, value)]
+        else:
+            options.append(f"--{name}={value}")
     from trainbridge.launch.launcher import free_port
 
     port = free_port()

@@ -160,6 +160,8 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         assert result["optimizer_fused"]
         assert result["all_params_dtensor"]
         assert result["local_shard_fraction"] < 0.75, "a rank holds (almost) all parameters: not sharded"
+        generated, asked = result["generated_new_tokens"]  # synced generation: each rank its own length
+        assert generated == asked
     assert sum(r["local_shard_fraction"] for r in results) == pytest.approx(1.0)
     # the model's shards sit in dcp/ with the optimizer's and resume reads them (resume_max_diff above)
     assert "dcp" in results[0]["checkpoint_files"]

@@ -194,6 +194,15 @@ def main(spec: dict[str, Any]) -> None:
         result["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
         full_numel = sum(p.numel() for p in params)
         result["local_shard_fraction"] = sum(p.to_local().numel() for p in params) / full_numel
+        # generate() on the sharded model with a different length per rank and no synced_gpus, as trl's GRPO
+        # calls it: transformers must see the model as FSDP-managed, or the rank that finishes first leaves
+        # the other's per-layer all-gathers unmatched (a hang)
+        prompt = torch.tensor([[1, 2, 3]], device=env.device)
+        new_tokens = 2 + 3 * env.rank
+        generated = engine.module.generate(
+            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+        result["generated_new_tokens"] = [generated.shape[1] - prompt.shape[1], new_tokens]
 
     if engine.kind == "fsdp":
         result["from_rank0"] = [
