@@ -2,7 +2,7 @@
 
 - ``trl_loop``: ``TrlLoop``, what a trl class gets in front of it to be trained by the loop.
 - ``sft_trainer``: ``SFTTrainer`` (trl's class; the loop's token step stands in for its ``compute_loss``).
-- ``dpo_trainer``: ``DPOTrainer`` (trl's constructor on the facade, the DPO step through ``train_step``).
+- ``dpo_trainer``: ``DPOTrainer`` (trl's class; the packed DPO step stands in for its ``compute_loss``).
 - ``dpo_step``: DPO on the step seam (``PreferenceStep``, ``PairBatches``).
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.

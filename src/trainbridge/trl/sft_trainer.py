@@ -19,46 +19,13 @@ on trl's collated micro-batches instead.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import trl
 
-from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
 from trainbridge.trl.trl_loop import TrlLoop
-
-PREPARED_FIELDS = (
-    "dataset_text_field",
-    "dataset_kwargs",
-    "dataset_num_proc",
-    "eos_token",
-    "truncation_mode",
-    "shuffle_dataset",
-    "packing",
-    "packing_strategy",
-    "padding_free",
-    "pad_to_multiple_of",
-    "eval_packing",
-    "completion_only_loss",
-    "assistant_only_loss",
-    "chat_template_path",
-    "loss_type",
-    "activation_offloading",
-)
-"""``SFTConfig`` fields trl's own code applies (preparation, collator, loss), so they are honoured, not ignored."""
-
-
-@contextmanager
-def _prepared_fields_honoured() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=rf"SFTConfig\.({'|'.join(PREPARED_FIELDS)})=", category=HFPortingWarning
-        )
-        yield
 
 
 class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
@@ -85,8 +52,7 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
                 "quantization_config: quantized (k-bit) base models are not supported by trainbridge's loop; train "
                 "in full or bf16 precision (model_init_kwargs dtype), with a LoRA adapter (peft_config) for memory."
             )
-        with _prepared_fields_honoured():
-            super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
 
     def _loop_collator(self) -> Any:
         """None (the token step's padding-free batches reproduce trl's collator) where the fast step applies;
@@ -108,11 +74,3 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
             self.token_metrics = False  # trl's compute_loss logs them
             return self.data_collator
         return None
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        with _prepared_fields_honoured():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        with _prepared_fields_honoured():
-            return super().evaluate(*args, **kwargs)

@@ -18,6 +18,7 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
+from trainbridge.trl.arguments import fields_read
 
 
 class _TrainedTokens(Callback):
@@ -57,7 +58,8 @@ class TrlLoop(LoopTrainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each
         checkpoint (a checkpoint's save writes only into the checkpoint: ``trainer.save_overrides``)."""
-        result = super().train(*args, **kwargs)
+        with fields_read(self.args):  # every field of trl's config: trl's own code reads it
+            result = super().train(*args, **kwargs)
         if self.args.should_save and any(self.output_dir.glob("checkpoint-*")):
             name = self.output_dir.name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
             self.create_model_card(model_name=name)  # type: ignore[attr-defined]
