@@ -84,7 +84,7 @@ def unhonoured_overrides(cls: type) -> list[str]:
 
 def overrides(of: Any, names: tuple[str, ...]) -> bool:
     """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
-    an instance.  A library's method that trainbridge's own step stands in for (``FAST_STEP_FOR``) does not
+    an instance.  A library's method that trainbridge stands in for (``STANDS_IN_FOR``) does not
     count: only a class below the one declaring it (the script's subclass) overrides it."""
     cls = of if isinstance(of, type) else type(of)
     stood_in = _stood_in(of)
@@ -93,18 +93,18 @@ def overrides(of: Any, names: tuple[str, ...]) -> bool:
     )
 
 
-FAST_STEP_FOR = "fast_step_for"
-"""The attribute (of a trainbridge class, or of its instance) naming the library's methods (trl's
-``compute_loss``, ``training_step``...) that trainbridge's own step reproduces: that class's bases defining
-them are not the script's overrides (``overrides``)."""
+STANDS_IN_FOR = "stands_in_for"
+"""The attribute (of a trainbridge class, or of its instance) naming the library's methods that trainbridge
+stands in for (trl's ``compute_loss``/``training_step``, reproduced by trainbridge's own step...): that
+class's bases defining them are not the script's overrides (``overrides``)."""
 
 
 def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
     """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
     cls = of if isinstance(of, type) else type(of)
     for owner in cls.__mro__:
-        if FAST_STEP_FOR in vars(owner):
-            return {name: owner.__mro__ for name in getattr(of, FAST_STEP_FOR)}
+        if STANDS_IN_FOR in vars(owner):
+            return {name: owner.__mro__ for name in getattr(of, STANDS_IN_FOR)}
     return {}
 
 

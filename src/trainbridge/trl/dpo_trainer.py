@@ -7,7 +7,7 @@ callback), its dataset preparation (``prompt_ids``/``chosen_ids``/``rejected_ids
 ``compute_loss`` on its own padded evaluation batches), ``log`` and ``compute_metrics`` run unchanged;
 ``train()`` is the loop.
 
-The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``fast_step_for``), the loop
+The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``stands_in_for``), the loop
 trains trl's prepared pairs with the DPO step (``dpo_step.PreferenceStep``: each micro-batch's chosen and
 rejected sequences in one padding-free forward, scored against trl's reference model, its PEFT base or the
 precomputed columns), which gives trl's loss and logs trl's ``rewards/*``, ``logps/*``, ``logits/*``,
@@ -34,15 +34,17 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
     compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics,
     peft_config)`` on trainbridge's loop."""
 
-    fast_step_for: tuple[str, ...] = (
+    stands_in_for: tuple[str, ...] = (
         "compute_loss",
         "training_step",
         "prediction_step",
         "_set_signature_columns_if_needed",
+        "_save_checkpoint",
     )
-    """trl's methods the DPO step stands in for (``trainer.subclass.FAST_STEP_FOR``): its loss, its micro-batch
-    step and the columns its loader keeps (the step reads the pairs itself).  Empty on an instance that trains
-    through trl's own step."""
+    """trl's methods trainbridge stands in for (``trainer.subclass.STANDS_IN_FOR``): the DPO step for its loss,
+    its micro-batch step and the columns its loader keeps (the loop reads the rows itself); ``LoopTrainer``'s
+    ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes.  Only
+    ``_save_checkpoint`` on an instance that trains through trl's own step."""
 
     step_factory: DPOStepFactory | None = None
     """``RunPlan.train_step`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
@@ -59,7 +61,7 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
             and subclass.subclass_loss(self) is None  # no override of the script's, no compute_loss_func
         )
         if not fast:
-            self.fast_step_for = ()
+            self.stands_in_for = ("_save_checkpoint",)
             return self.data_collator
         self.step_factory = DPOStepFactory(
             None,

@@ -7,7 +7,7 @@ assistant masks as ``labels``, truncation, ``bfd``/``wrapped`` packing), its col
 ``compute_loss`` on its own evaluation batches: ``eval_entropy``, ``eval_mean_token_accuracy``,
 ``eval_num_tokens``) and ``log`` run unchanged; ``train()`` is the loop.
 
-The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``FAST_STEP_FOR``), the
+The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``STANDS_IN_FOR``), the
 loop trains trl's prepared rows (``input_ids``, ``labels``, a packed bin's ``seq_lengths`` as one
 multi-sequence sample) with its padding-free token step, which gives trl's loss (the mean over every rank's
 loss tokens of a step) and logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``
@@ -33,15 +33,17 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
     compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
     preprocess_logits_for_metrics, peft_config, formatting_func)`` on trainbridge's loop."""
 
-    fast_step_for: tuple[str, ...] = (
+    stands_in_for: tuple[str, ...] = (
         "compute_loss",
         "training_step",
         "prediction_step",
         "_set_signature_columns_if_needed",
+        "_save_checkpoint",
     )
-    """trl's methods the loop's token step stands in for (``trainer.subclass.FAST_STEP_FOR``): its loss, its
-    micro-batch step and the columns its loader keeps (the loop reads ``input_ids``/``labels``/``seq_lengths``
-    itself).  Empty on an instance whose config needs trl's own ``compute_loss``."""
+    """trl's methods trainbridge stands in for (``trainer.subclass.STANDS_IN_FOR``): the token step for its loss,
+    its micro-batch step and the columns its loader keeps (the loop reads the rows itself); ``LoopTrainer``'s
+    ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes.  Only
+    ``_save_checkpoint`` on an instance that trains through trl's own step."""
 
     token_metrics = True
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``."""
@@ -70,7 +72,7 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
             and subclass.subclass_loss(self) is None  # no override of the script's, no compute_loss_func
         )
         if not fast:  # trl's own step, loader and metrics, as for any trl trainer on the loop
-            self.fast_step_for = ()
+            self.stands_in_for = ("_save_checkpoint",)
             self.token_metrics = False  # trl's compute_loss logs them
             return self.data_collator
         return None

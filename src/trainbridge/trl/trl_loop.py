@@ -35,9 +35,10 @@ class _TrainedTokens(Callback):
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
-    fast_step_for: tuple[str, ...] = ()
-    """trl's methods trainbridge's own step stands in for, on the classes that have one (SFT, DPO): see
-    ``trainer.subclass.FAST_STEP_FOR``.  Empty: trl's ``training_step`` runs on each micro-batch."""
+    stands_in_for: tuple[str, ...] = ()
+    """trl's methods trainbridge stands in for, on the classes that declare them (SFT, DPO): see
+    ``trainer.subclass.STANDS_IN_FOR``.  Without ``compute_loss`` among them, trl's ``training_step`` runs on
+    each micro-batch."""
 
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
@@ -46,10 +47,10 @@ class TrlLoop(LoopTrainer):
         self._init_loop(torchrun_args, self._loop_collator())
 
     def _script_callbacks(self) -> list[Any]:
-        """With trainbridge's step (``fast_step_for``), trl's ``compute_loss`` does not count the tokens: the
-        loop's count stands in for it (``_TrainedTokens``)."""
+        """With trainbridge's step standing in for trl's ``compute_loss``, which counts the tokens, the loop's
+        count stands in for it (``_TrainedTokens``)."""
         callbacks = super()._script_callbacks()
-        return [*callbacks, _TrainedTokens(self)] if self.fast_step_for else callbacks
+        return [*callbacks, _TrainedTokens(self)] if "compute_loss" in self.stands_in_for else callbacks
 
     def _loop_collator(self) -> Any:
         """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
