@@ -26,7 +26,7 @@ import trl
 from trainbridge.trainer import subclass
 from trainbridge.trl.dpo_step import DPOStepFactory
 from trainbridge.trl.preference_loss import DPOLossSettings
-from trainbridge.trl.trl_loop import TrlLoop
+from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
 
 class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
@@ -34,17 +34,8 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
     compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics,
     peft_config)`` on trainbridge's loop."""
 
-    stands_in_for: tuple[str, ...] = (
-        "compute_loss",
-        "training_step",
-        "prediction_step",
-        "_set_signature_columns_if_needed",
-        "_save_checkpoint",
-    )
-    """trl's methods trainbridge stands in for (``trainer.subclass.STANDS_IN_FOR``): the DPO step for its loss,
-    its micro-batch step and the columns its loader keeps (the loop reads the rows itself); ``LoopTrainer``'s
-    ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes.  Only
-    ``_save_checkpoint`` on an instance that trains through trl's own step."""
+    stands_in_for: tuple[str, ...] = STEP_STAND_IN
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
     step_factory: DPOStepFactory | None = None
     """``RunPlan.train_step`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""

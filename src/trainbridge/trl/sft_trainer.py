@@ -25,7 +25,7 @@ import trl
 
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trl.trl_loop import TrlLoop
+from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
 
 class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
@@ -33,17 +33,8 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
     compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
     preprocess_logits_for_metrics, peft_config, formatting_func)`` on trainbridge's loop."""
 
-    stands_in_for: tuple[str, ...] = (
-        "compute_loss",
-        "training_step",
-        "prediction_step",
-        "_set_signature_columns_if_needed",
-        "_save_checkpoint",
-    )
-    """trl's methods trainbridge stands in for (``trainer.subclass.STANDS_IN_FOR``): the token step for its loss,
-    its micro-batch step and the columns its loader keeps (the loop reads the rows itself); ``LoopTrainer``'s
-    ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes.  Only
-    ``_save_checkpoint`` on an instance that trains through trl's own step."""
+    stands_in_for: tuple[str, ...] = STEP_STAND_IN
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
     token_metrics = True
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``."""

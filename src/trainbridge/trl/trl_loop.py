@@ -32,6 +32,18 @@ class _TrainedTokens(Callback):
         self.trainer._total_train_tokens = context.tokens_seen
 
 
+STEP_STAND_IN = (
+    "compute_loss",
+    "training_step",
+    "prediction_step",
+    "_set_signature_columns_if_needed",
+    "_save_checkpoint",
+)
+"""What a class with a step of trainbridge's own (SFT, DPO) stands in for (``TrlLoop.stands_in_for``): the step for
+trl's loss, its micro-batch step and the columns its loader keeps (the loop reads the rows itself);
+``LoopTrainer``'s ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes."""
+
+
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
