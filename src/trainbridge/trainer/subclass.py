@@ -88,9 +88,30 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``."""
-    return any(name in vars(klass) for klass in _script_classes(cls) for name in names)
+def overrides(of: Any, names: tuple[str, ...]) -> bool:
+    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
+    an instance.  A library's method that trainbridge stands in for (``STANDS_IN_FOR``) does not
+    count: only a class below the one declaring it (the script's subclass) overrides it."""
+    cls = of if isinstance(of, type) else type(of)
+    stood_in = _stood_in(of)
+    return any(
+        name in vars(klass) and klass not in stood_in.get(name, ()) for klass in _script_classes(cls) for name in names
+    )
+
+
+STANDS_IN_FOR = "stands_in_for"
+"""The attribute (of a trainbridge class, or of its instance) naming the library's methods that trainbridge
+stands in for (trl's ``compute_loss``/``training_step``, reproduced by trainbridge's own step...): that
+class's bases defining them are not the script's overrides (``overrides``)."""
+
+
+def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
+    """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
+    cls = of if isinstance(of, type) else type(of)
+    for owner in cls.__mro__:
+        if STANDS_IN_FOR in vars(owner):
+            return {name: owner.__mro__ for name in getattr(of, STANDS_IN_FOR)}
+    return {}
 
 
 def overrides_compute_loss(cls: type) -> bool:
@@ -101,7 +122,7 @@ def overrides_compute_loss(cls: type) -> bool:
 def instance_batches(trainer: Any) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
     how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
-    return overrides(type(trainer), LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
+    return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
 
 
 def items_are_columns(trainer: Any, name: str) -> bool:
@@ -261,7 +282,7 @@ LOOP_EVALUATION = "_loop_evaluation"
 def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
     when its class overrides ``evaluate`` or its evaluation items are not dicts of columns, else None."""
-    own = overrides(type(trainer), EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
+    own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
     worker = script_trainer(trainer) if own else None
     return worker.evaluation if worker is not None else None
 
@@ -269,8 +290,7 @@ def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
 def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers,
     it has a ``compute_loss_func`` or its items are not dicts of columns, else None."""
-    cls = type(trainer)
-    if not overrides(cls, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
+    if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
         if trainer.compute_loss_func is None and not _own_items(trainer):
             return None
     worker = trainer.__dict__.get("_script_trainer")
@@ -284,7 +304,7 @@ def subclass_loss(trainer: Any) -> ScriptTrainer | None:
     overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
     batch), else None (the model's own loss, or the token step)."""
-    own_step = overrides(type(trainer), STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
+    own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
     if not own_step and trainer.compute_loss_func is None:
         return None
     return script_trainer(trainer)
