@@ -14,11 +14,22 @@ from trainbridge.launch.launcher import free_port
 
 def run_script(command: list[str], out: Path, **env: str) -> dict:
     """Run ``command`` outside any launcher's environment; it must succeed; returns ``out/summary.json``."""
+    run_checked(command, _outside_a_launcher(env), out)
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_script_folders(command: list[str], out: Path, folders: list[str], **env: str) -> dict[str, dict]:
+    """``run_script`` of a command that runs several cases in one launch, each writing ``out/<folder>/summary.json``;
+    returns each folder's summary."""
+    run_checked(command, _outside_a_launcher(env), out)
+    return {folder: json.loads((out / folder / "summary.json").read_text()) for folder in folders}
+
+
+def _outside_a_launcher(env: dict[str, str]) -> dict[str, str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         full_env.pop(name, None)
-    run_checked(command, full_env, out)
-    return json.loads((out / "summary.json").read_text())
+    return full_env
 
 
 def run_checked(command: list[str], env: dict[str, str], out: Path) -> None:

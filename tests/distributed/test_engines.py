@@ -2,7 +2,8 @@
 
 Each run (``scripts/engine_worker.py``) trains a tiny Llama for a few steps and compares it with a
 single-process reference that runs all ranks' micro-batches itself, then saves a checkpoint with
-``CheckpointManager`` and resumes from it.  The worker only records; the assertions are here.
+``CheckpointManager`` and resumes from it.  The worker only records; the assertions are here.  Every
+configuration runs in one launch (``engine_runs``), one after another in the same processes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]  # the set-up runs every engine (engine_runs)
 
 WORKER = Path(__file__).parent / "scripts" / "engine_worker.py"
 # DeepSpeed JIT-compiles its CPU comm extension on first use (cached afterwards): allow for that.
@@ -47,26 +48,46 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "model", data
 
 
-def run_engine_worker(
-    tiny_model: tuple[Path, Path],
-    out_dir: Path,
-    backend: str,
-    zero_stage: int = 2,
-    mixed_precision: str = "no",
-    fsdp_gradient_sync: str = "every_micro_batch",
-) -> list[dict[str, Any]]:
-    """``torchrun --standalone --nproc_per_node=2 engine_worker.py SPEC``; returns both ranks' results."""
+ENGINES: dict[str, dict[str, Any]] = {
+    "ddp": {"backend": "ddp"},
+    "fsdp-every": {"backend": "fsdp"},
+    "fsdp-last": {"backend": "fsdp", "fsdp_gradient_sync": "last_micro_batch"},
+    **(
+        {
+            "deepspeed-2": {"backend": "deepspeed", "zero_stage": 2},
+            "deepspeed-bf16": {"backend": "deepspeed", "zero_stage": 2, "mixed_precision": "bf16"},
+            "deepspeed-3": {"backend": "deepspeed", "zero_stage": 3},  # last: ZeRO-3 sets process-wide state
+        }
+        if HAS_DEEPSPEED
+        else {}
+    ),
+}
+"""Every engine configuration the tests below check, by name."""
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every configuration of ``ENGINES`` run once, one after another in the same two torchrun processes (one
+    launch instead of one per configuration; each starts from a fresh model); the folder of each's results."""
+    root = tmp_path_factory.mktemp("engine-runs")
+    run_engine_worker(tiny_model, {name: root / name for name in ENGINES})
+    return {name: root / name for name in ENGINES}
+
+
+def results_of(engine_runs: dict[str, Path], name: str) -> list[dict[str, Any]]:
+    """Both ranks' findings for the configuration ``name``."""
+    return [json.loads((engine_runs[name] / f"result_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def run_engine_worker(tiny_model: tuple[Path, Path], out_dirs: dict[str, Path]) -> None:
+    """``torchrun --standalone --nproc_per_node=2 engine_worker.py SPECS``: the configurations ``ENGINES`` names
+    in ``out_dirs``, each writing its findings in its folder."""
     model_dir, data_file = tiny_model
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "backend": backend,
-        "zero_stage": zero_stage,
-        "mixed_precision": mixed_precision,
-        "fsdp_gradient_sync": fsdp_gradient_sync,
-        "model_dir": str(model_dir),
-        "data_file": str(data_file),
-        "out_dir": str(out_dir),
-    }
+    specs = []
+    for name, out_dir in out_dirs.items():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spec = {"zero_stage": 2, "mixed_precision": "no", "fsdp_gradient_sync": "every_micro_batch", **ENGINES[name]}
+        specs.append({**spec, "model_dir": str(model_dir), "data_file": str(data_file), "out_dir": str(out_dir)})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [
         sys.executable,
@@ -75,17 +96,18 @@ def run_engine_worker(
         "--standalone",
         "--nproc_per_node=2",
         str(WORKER),
-        json.dumps(spec),
+        json.dumps(specs),
     ]
+    timeout = RUN_TIMEOUT_S * len(specs)
     try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(
-            f"{backend} worker hung for {RUN_TIMEOUT_S}s; output tail:\n{str(exc.stdout)[-3000:]}"
+            f"engine worker ({', '.join(out_dirs)}) hung for {timeout}s; output tail:\n{str(exc.stdout)[-3000:]}"
             f"\n{str(exc.stderr)[-3000:]}"
         )
-    assert proc.returncode == 0, f"{backend} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return [json.loads((out_dir / f"result_{rank}.json").read_text()) for rank in (0, 1)]
+    names = ", ".join(out_dirs)
+    assert proc.returncode == 0, f"engine worker ({names}) failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
 
 
 def assert_trained_like_reference(
@@ -129,8 +151,8 @@ def assert_trained_like_reference(
     } <= files
 
 
-def test_ddp_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
-    results = run_engine_worker(tiny_model, tmp_path, "ddp")
+def test_ddp_engine(engine_runs: dict[str, Path]) -> None:
+    results = results_of(engine_runs, "ddp")
     assert_trained_like_reference(results, "ddp (DistributedDataParallel) world=2 device=cpu")
     assert "optimizer.pt" in results[0]["checkpoint_files"]
     # DDP keeps the fp32 weights in dcp/ only beside a lower-precision export
@@ -139,20 +161,20 @@ def test_ddp_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
     assert all(r["async_background_write"] for r in results)
 
 
-def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
+def test_fsdp_engine_shards_parameters(engine_runs: dict[str, Path]) -> None:
     """Default FSDP2: embeddings, each decoder layer and norm + lm_head as units (+ the root), gradients
     reduce-scattered on every micro-batch, fused AdamW on the DTensor shards; and the per-step mode
     (``fsdp_gradient_sync='last_micro_batch'``, the accumulation used before) gives the same weights."""
-    results = run_engine_worker(tiny_model, tmp_path / "every", "fsdp")
+    results = results_of(engine_runs, "fsdp-every")
     assert_trained_like_reference(
         results, "fsdp2 (fully_shard) world=2 device=cpu, 5 sharded modules, reduce-scatter every micro-batch"
     )
-    per_step = run_engine_worker(tiny_model, tmp_path / "last", "fsdp", fsdp_gradient_sync="last_micro_batch")
+    per_step = results_of(engine_runs, "fsdp-last")
     assert_trained_like_reference(
         per_step, "fsdp2 (fully_shard) world=2 device=cpu, 5 sharded modules, reduce-scatter per step"
     )
-    every = torch.load(tmp_path / "every" / "final_weights.pt")
-    last = torch.load(tmp_path / "last" / "final_weights.pt")
+    every = torch.load(engine_runs["fsdp-every"] / "final_weights.pt")
+    last = torch.load(engine_runs["fsdp-last"] / "final_weights.pt")
     assert every.keys() == last.keys()
     assert max((every[k] - last[k]).abs().max().item() for k in every) < 1e-6
     assert results[0]["grad_norms"] == pytest.approx(per_step[0]["grad_norms"], rel=1e-6)
@@ -160,6 +182,8 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
         assert result["optimizer_fused"]
         assert result["all_params_dtensor"]
         assert result["local_shard_fraction"] < 0.75, "a rank holds (almost) all parameters: not sharded"
+        generated, asked = result["generated_new_tokens"]  # synced generation: each rank its own length
+        assert generated == asked
     assert sum(r["local_shard_fraction"] for r in results) == pytest.approx(1.0)
     # the model's shards sit in dcp/ with the optimizer's and resume reads them (resume_max_diff above)
     assert "dcp" in results[0]["checkpoint_files"]
@@ -182,8 +206,8 @@ def test_fsdp_engine_shards_parameters(tiny_model: tuple[Path, Path], tmp_path: 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_deepspeed_engine(tiny_model: tuple[Path, Path], tmp_path: Path, zero_stage: int) -> None:
-    results = run_engine_worker(tiny_model, tmp_path, "deepspeed", zero_stage=zero_stage)
+def test_deepspeed_engine(engine_runs: dict[str, Path], zero_stage: int) -> None:
+    results = results_of(engine_runs, f"deepspeed-{zero_stage}")
     assert_trained_like_reference(results, f"deepspeed ZeRO-{zero_stage} world=2 device=cpu")
     for result in results:
         # The norm we report is the one DeepSpeed computed (and clipped with) inside its step, and it
@@ -197,9 +221,9 @@ def test_deepspeed_engine(tiny_model: tuple[Path, Path], tmp_path: Path, zero_st
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
-def test_deepspeed_bf16_engine(tiny_model: tuple[Path, Path], tmp_path: Path) -> None:
+def test_deepspeed_bf16_engine(engine_runs: dict[str, Path]) -> None:
     # DeepSpeed bf16 keeps bf16 weights (fp32 masters in the optimizer): close to the fp32 reference only.
-    results = run_engine_worker(tiny_model, tmp_path, "deepspeed", zero_stage=2, mixed_precision="bf16")
+    results = results_of(engine_runs, "deepspeed-bf16")
     assert_trained_like_reference(
         results, "deepspeed ZeRO-2 world=2 device=cpu, bf16", weight_tolerance=0.1, norm_rel=0.05
     )

@@ -11,6 +11,9 @@ steps and epochs, metric keys and checkpoints; the script's collator gets the it
   ``self.accelerator``): the override runs in each rank's process (per-rank markers: the script's own
   process on each rank, under ``python script.py`` too) and each rank trains on exactly the batches it trains
   on under Trainer (accelerate's sharding).
+
+The real Trainer's runs of the four cases share one launch (``references``: one after another in the same
+processes); ours launch once per case and style.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.script_runs import run_script, torchrun
+from tests.distributed.script_runs import run_script, run_script_folders, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -35,9 +38,20 @@ LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler"
 ``python script.py`` for the sampler case and under torchrun for the loader case, whose path is the same)."""
 
 
-def _runs(tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:
+KINDS = ["stream", "hfstream", "sampler", "loader"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The real Trainer's run of every kind under torchrun, one after another in the same two processes (one
+    launch for the references), each kind's summary by name."""
+    root = tmp_path_factory.mktemp("facade-data") / "real"
+    return run_script_folders(torchrun(SCRIPT, str(root), ",".join(KINDS), "real"), root, KINDS)
+
+
+def _runs(references: dict[str, dict], tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:
     """The reference (real Trainer under torchrun), then ours under torchrun and/or plain python (re-executed)."""
-    real = run_script(torchrun(SCRIPT, str(tmp_path / "real"), kind, "real"), tmp_path / "real")
+    real = references[kind]
     runs = []
     for launch in LAUNCHES.get(kind, ("torchrun",)):
         out = tmp_path / launch
@@ -57,8 +71,8 @@ def _batches(lines: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["stream", "hfstream"])
-def test_an_iterable_dataset_streams_as_under_trainer(kind: str, tmp_path: Path) -> None:
-    real, ours_runs = _runs(tmp_path, kind)
+def test_an_iterable_dataset_streams_as_under_trainer(references: dict[str, dict], kind: str, tmp_path: Path) -> None:
+    real, ours_runs = _runs(references, tmp_path, kind)
     assert real["global_step"] == 5 and real["log_epochs"] == [0.2, 0.4, 0.6, 1.2, 1.4]  # a second pass
     # under Trainer rank 0 reads and collates every micro-batch (accelerate dispatches them; it reads ahead)
     consumed = [i for batch in _batches(real["markers"]["seen-rank0.txt"])[: 5 * 2 * 2] for i in batch]
@@ -74,8 +88,10 @@ def test_an_iterable_dataset_streams_as_under_trainer(kind: str, tmp_path: Path)
 
 
 @pytest.mark.parametrize("kind", ["sampler", "loader"])
-def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(kind: str, tmp_path: Path) -> None:
-    real, ours_runs = _runs(tmp_path, kind)
+def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(
+    references: dict[str, dict], kind: str, tmp_path: Path
+) -> None:
+    real, ours_runs = _runs(references, tmp_path, kind)
     assert real["global_step"] == (6 if kind == "sampler" else 4)  # 2 epochs of len(DataLoader) / accumulation
     for ours in ours_runs:
         for rank in range(2):

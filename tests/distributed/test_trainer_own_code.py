@@ -2,8 +2,10 @@
 styles on 2 ranks, against transformers.Trainer: an ``evaluate`` override running its own loop (Trainer's
 ``get_eval_dataloader``/``evaluation_loop``/``log``/``callback_handler``), ``get_train_dataloader()`` called by
 the script, state set on the instance by ``compute_loss`` still there after ``train()``,
-``isinstance(trainer, transformers.Trainer)``; the same global_step, log steps and keys, checkpoint files and
-tensor names, and results files."""
+``isinstance(trainer, transformers.Trainer)``; then, in the same launch, a second Trainer whose items and batches
+are tuples (``compute_loss``/``prediction_step`` unpack them); the same global_step, log steps and keys (and
+losses, for the tuples), checkpoint files and tensor names, and results files; and a third, a masked LM with tied
+decoder weight and bias, saving Trainer's tensors (issue 29 failure 6)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,27 @@ def _check(ours: dict, reference: dict) -> None:
     assert ours["checkpoint_tensors"] == reference["checkpoint_tensors"]
     assert ours["final_tensors"] == reference["final_tensors"]
     assert ours["results_files"] == reference["results_files"]
+    _check_tuples(ours["tuples"], reference["tuples"])
+    # a masked LM with its decoder weight and bias tied: Trainer's tensors in the checkpoint and in save_model()
+    masked, masked_reference = ours["masked_lm"], reference["masked_lm"]
+    assert masked["global_step"] == masked_reference["global_step"] == 2
+    assert masked["checkpoint_tensors"] == masked["final_tensors"] == masked_reference["checkpoint_tensors"]
+    assert masked_reference["final_tensors"] == masked_reference["checkpoint_tensors"]
+
+
+def _check_tuples(ours: dict, reference: dict) -> None:
+    """The Trainer over tuple items: Trainer's own DataLoader, step and evaluation, so the same batches and
+    losses; its overrides ran as often on each rank."""
+    for key in ("global_step", "train_metrics", "eval_entries", "eval_metrics", "checkpoints", "results_files"):
+        assert ours[key] == reference[key], key
+    assert reference["global_step"] == 4 and [step for step, _ in reference["eval_entries"]] == [2, 4, 4]
+    assert [step for step, _ in ours["losses"]] == [step for step, _ in reference["losses"]] == [1, 2, 3, 4]
+    assert [loss for _, loss in ours["losses"]] == pytest.approx([loss for _, loss in reference["losses"]], rel=1e-5)
+    assert ours["calls"] == reference["calls"]
+    for name, files in reference["checkpoint_files"].items():
+        assert set(files) <= set(ours["checkpoint_files"][name])
+    assert ours["checkpoint_tensors"] == reference["checkpoint_tensors"]
+    assert ours["final_tensors"] == reference["final_tensors"]
 
 
 def test_torchrun_runs_trainers_own_code_in_place(reference: dict, tmp_path: Path) -> None:

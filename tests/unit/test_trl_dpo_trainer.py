@@ -179,3 +179,62 @@ def test_evaluate_after_training_scores_against_the_untrained_reference(
     assert abs(after["eval_rewards/margins"]) > 1e-5  # not a copy of the trained policy
     raw = trainer.evaluate(eval_dataset=datasets.Dataset.from_list(ROWS[3:]))
     assert {"eval_loss", "eval_rewards/accuracies", "eval_logps/chosen"} <= set(raw)
+
+
+TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
+NOT_COMPARED = {*TIMING, "total_flos"}
+"""Wall-clock values, and the FLOPs estimate (trl's counts its padded batches' positions, the loop has none)."""
+
+
+def test_dpo_trainer_is_trls_class() -> None:
+    import transformers
+    import trl
+
+    assert issubclass(DPOTrainer, trl.DPOTrainer) and issubclass(DPOTrainer, transformers.Trainer)
+
+
+def test_the_dpo_step_logs_trls_values(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's packed DPO step on trl's prepared pairs, against trl's reference model (loaded from the
+    model's path, as trl builds it), gives every value trl logs, step by step: 3 steps of every pair (one
+    micro-batch: neither side's order changes a value), the weights moving."""
+    import trl
+
+    logs = []
+    for cls in (trl.DPOTrainer, DPOTrainer):
+        out = tmp_path / cls.__module__
+        config = _config(out, max_steps=3, per_device_train_batch_size=len(ROWS), learning_rate=1e-2)
+        if cls is DPOTrainer:
+            _in_place(monkeypatch)  # after the config: accelerate's state is trl's
+        trainer = cls(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+        if cls is DPOTrainer:
+            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+        trainer.train()
+        logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
+    trl_log, log = logs
+    assert [row["step"] for row in log] == [row["step"] for row in trl_log] == [1, 2, 3, 3]
+    assert abs(log[2]["rewards/margins"]) > 1e-3
+    for row, trl_row in zip(log, trl_log, strict=True):
+        assert row.keys() == trl_row.keys()
+        for key, value in trl_row.items():
+            assert row[key] == pytest.approx(value, rel=5e-4, abs=1e-5), (key, row["step"], row[key], value)
+
+
+def test_a_subclass_compute_loss_runs_per_micro_batch(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script's subclass overriding ``compute_loss`` gets its own code run through trl's ``training_step`` on
+    trl's collated micro-batches, not the loop's packed step."""
+    calls: list[int] = []
+
+    class Counting(DPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+            calls.append(int(inputs["input_ids"].shape[0]))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    config = _config(tmp_path / "out", max_steps=2, gradient_accumulation_steps=2)
+    _in_place(monkeypatch)
+    trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+    assert trainer.step_factory is None
+    trainer.train()
+    assert calls == [4, 4, 4, 4]  # 2 steps of 2 micro-batches of 2 pairs (chosen and rejected rows): trl's batches
+    assert {"rewards/margins", "logps/chosen"} <= set(trainer.state.log_history[0])  # trl's metrics

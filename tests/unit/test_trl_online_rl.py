@@ -20,7 +20,7 @@ import datasets
 import trl
 
 import trainbridge
-from tests.unit.test_trl_sft_data import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
+from tests.unit.test_trl_sft_trainer import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
 from trainbridge.demos.rewards import answer_reward, digit_reward
 from trainbridge.demos.tiny_model import arithmetic_problems
 

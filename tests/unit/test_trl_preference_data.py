@@ -92,38 +92,3 @@ def test_no_reference_for_a_full_model_is_named(tiny_llama: Path) -> None:
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match=r"ref_model.*precompute_ref_log_probs"):
         reference_stats(policy, None, pack_pairs(*PAIRS))
-
-
-@pytest.mark.parametrize("with_ref_model", [False, True], ids=["policy-as-reference", "ref_model"])
-def test_precomputed_reference_logps_match_trl(tiny_llama: Path, tmp_path: Path, with_ref_model: bool) -> None:
-    from trainbridge.trl.preference_data import precompute_reference_logps
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    ref = None
-    if with_ref_model:
-        ref = copy.deepcopy(policy)
-        with torch.no_grad():
-            next(ref.parameters()).add_(0.3)
-    args = DPOConfig(
-        output_dir=str(tmp_path),
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        max_length=9,
-        precompute_ref_log_probs=True,
-        precompute_ref_batch_size=2,
-    )
-    trainer = DPOTrainer(
-        model=copy.deepcopy(policy),
-        ref_model=copy.deepcopy(ref) if ref is not None else None,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(EXPLICIT),
-        processing_class=tokenizer,
-    )
-    prepared = prepare_preference_dataset(datasets.Dataset.from_list(EXPLICIT), tokenizer, args)
-    ours = precompute_reference_logps(prepared, policy, ref, args, batch_size=3)
-    for column in ("ref_chosen_logps", "ref_rejected_logps"):
-        torch.testing.assert_close(
-            torch.tensor(ours[column]), torch.tensor(trainer.train_dataset[column]), rtol=1e-5, atol=1e-5
-        )

@@ -4,6 +4,7 @@ with trl's config as it is (metric keys at trl's log steps, first-step loss equa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from trl.experimental.orpo import ORPOConfig
 from trl.experimental.orpo import ORPOTrainer as TrlORPOTrainer
 
 from trainbridge import CPOTrainer, ORPOTrainer
+from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.pair_scores import PairScores, score_pairs
 from trainbridge.trl.reference_free_data import COLUMNS as REFERENCE_FREE_COLUMNS
 from trainbridge.trl.reference_free_data import prepare_reference_free_pairs
@@ -197,8 +199,12 @@ def test_in_place_run_logs_trls_keys_and_first_step_loss(
     fresh = _trl_trainer(trl_cls, _config(config_cls, tmp_path / "trl2"), tiny_llama, ROWS)
     _in_place(monkeypatch)  # trl's configs first: they set up accelerate before the in-place environment
     trainer = ours(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
-    out = trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = trainer.train()
     assert out.global_step == trl.state.global_step == 3
+    ignored = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
+    assert not [m for m in ignored if ".beta=" in m or ".max_length=" in m]  # the step reads them
     logged = [row for row in trainer.state.log_history if "loss" in row]
     assert [row["step"] for row in logged] == [row["step"] for row in trl_logged] == [1, 2, 3]
     for row, trl_row in zip(logged, trl_logged, strict=True):

@@ -18,7 +18,7 @@ import trl
 from trl import SFTConfig
 
 import trainbridge
-from tests.unit.test_trl_sft_data import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
+from tests.unit.test_trl_sft_trainer import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
 
 ROWS = [{"text": f"{a}+{b}={a + b}" + "!" * (a % 5)} for a in range(9) for b in range(3)]
 """27 texts of 8 to 11 tokens: ``bfd`` packs them into 12 bins of up to 24 tokens (6 steps of 2 bins)."""

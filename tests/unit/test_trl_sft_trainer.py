@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,6 @@ def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_model_path_formatting_func_and_trl_collator(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
     args = SFTConfig(
         output_dir=str(tmp_path / "out"),
         report_to="none",
@@ -48,9 +47,9 @@ def test_model_path_formatting_func_and_trl_collator(
         args=args,
         train_dataset=datasets.Dataset.from_list(ROWS),
         formatting_func=lambda row: f"{row['question']}={row['answer']}",
-        data_collator=DataCollatorForLanguageModeling(pad_token_id=0),
     )
     assert trainer.train_dataset.column_names == ["input_ids", "labels", "seq_lengths"]  # trl's bins
+    assert type(trainer.data_collator).__module__ == "trl.trainer.sft_trainer"  # trl's own, built by trl
     assert trainer._collator_choice.reproduced  # trl's collator: reproduced by padding-free batches, not called
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)  # max_length, model_init_kwargs, packing... are honoured
@@ -82,3 +81,94 @@ def test_quantization_config_is_refused_by_name(tiny_llama: Path, tmp_path: Path
 
 
 def _unused(*_: Any) -> None: ...
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """trl's trainer fills accelerate's process-wide state; leave none behind."""
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+TEXTS = [{"text": f"{a}+{b}={a + b}" + "!" * (a % 4)} for a in range(4) for b in range(2)]
+"""8 texts of different lengths: one step is every row, so neither side's order changes a value."""
+
+TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
+NOT_COMPARED = {*TIMING, "total_flos"}
+"""Wall-clock values, and the FLOPs estimate (trl's counts its padded batches' positions, the loop has none)."""
+
+
+def _full_batch_config(out: Path) -> SFTConfig:
+    return SFTConfig(
+        output_dir=str(out),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": "float32"},
+        per_device_train_batch_size=len(TEXTS),
+        num_train_epochs=3,
+        learning_rate=5e-2,
+        logging_steps=1,
+        save_strategy="no",
+    )
+
+
+def test_sft_trainer_is_trls_class() -> None:
+    import transformers
+    import trl
+
+    assert issubclass(SFTTrainer, trl.SFTTrainer) and issubclass(SFTTrainer, transformers.Trainer)
+
+
+def test_the_fast_step_logs_trls_values(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's padding-free token step on trl's prepared rows gives trl's loss, gradient norm, entropy,
+    mean_token_accuracy and num_tokens, step by step (3 steps of every row: the weights move)."""
+    import trl
+
+    logs = []
+    for cls in (trl.SFTTrainer, SFTTrainer):
+        config = _full_batch_config(tmp_path / cls.__module__)
+        if cls is SFTTrainer:
+            _in_place(monkeypatch)  # in place, as under torchrun (after the config: accelerate's state is trl's)
+        trainer = cls(model=str(tiny_llama), args=config, train_dataset=_texts())
+        if cls is SFTTrainer:
+            assert trainer._collator_choice.reproduced  # the fast step: trl's collator reproduced, not called
+        trainer.train()
+        logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
+    trl_log, log = logs
+    assert [row["step"] for row in log] == [row["step"] for row in trl_log] == [1, 2, 3, 3]
+    assert log[0].keys() >= {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"}
+    for row, trl_row in zip(log, trl_log, strict=True):
+        assert row.keys() == trl_row.keys()
+        for key, value in trl_row.items():
+            assert row[key] == pytest.approx(value, rel=2e-4, abs=1e-6), key
+
+
+def test_a_subclass_compute_loss_runs_per_micro_batch(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script's subclass overriding ``compute_loss`` gets its own code run (through trl's ``training_step`` on
+    trl's collated micro-batches), not the loop's fast step."""
+    calls: list[int] = []
+
+    class Counting(SFTTrainer):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):  # type: ignore[no-untyped-def]
+            calls.append(int(inputs["input_ids"].shape[0]))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    config = _full_batch_config(tmp_path / "out")
+    _in_place(monkeypatch)
+    config.num_train_epochs, config.per_device_train_batch_size, config.gradient_accumulation_steps = 1, 2, 2
+    trainer = Counting(model=str(tiny_llama), args=config, train_dataset=_texts())
+    out = trainer.train()
+    assert out.global_step == 2
+    assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 rows: trl's batches, the script's loss
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(trainer.state.log_history[0])  # trl's metrics
+
+
+def _texts() -> Any:
+    return datasets.Dataset.from_list(TEXTS)

@@ -71,6 +71,7 @@ from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_weight_names
 from trainbridge.modeling.load import is_peft_model, merge_adapter
+from trainbridge.modeling.saving import without_deepspeed_import
 
 if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
@@ -188,15 +189,16 @@ class CheckpointManager:
         full_state = engine.full_model_state_dict(adapter_weight_names(engine.unwrapped))
         error: BaseException | None = None
         try:
-            self.model_files.write(
-                engine.unwrapped,
-                tmp,
-                global_step,
-                full_state,
-                tokenizer,
-                self.weights_dtype,
-                self.env.is_world_process_zero,
-            )
+            with without_deepspeed_import():
+                self.model_files.write(
+                    engine.unwrapped,
+                    tmp,
+                    global_step,
+                    full_state,
+                    tokenizer,
+                    self.weights_dtype,
+                    self.env.is_world_process_zero,
+                )
             del full_state
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(tmp, training_state, extra_files or {})
@@ -322,7 +324,10 @@ class CheckpointManager:
             self.output_dir.mkdir(parents=True, exist_ok=True)  # a run that saved no checkpoint
             if tmp.exists():
                 shutil.rmtree(tmp)
-            with tempfile.TemporaryDirectory(dir=self.output_dir, prefix=".tmp-adapter-") as adapter_dir:
+            with (
+                tempfile.TemporaryDirectory(dir=self.output_dir, prefix=".tmp-adapter-") as adapter_dir,
+                without_deepspeed_import(),
+            ):
                 engine.unwrapped.save_pretrained(adapter_dir, state_dict=state)
                 merge_adapter(load_base(), Path(adapter_dir), tmp, self.weights_dtype)
             if tokenizer is not None:

@@ -36,10 +36,27 @@ def write_model_files(
 ) -> None:
     """The model's full ``state`` in Hugging Face layout into ``folder`` (rank 0): in ``weights_dtype``
     when given, except a PEFT adapter, written in its training dtype."""
+    if not is_peft_model(model):
+        state = without_tied_copies(state, model)
     if weights_dtype is not None and not is_peft_model(model):
         save_pretrained_as(model, folder, cast_for_export(state, weights_dtype), weights_dtype)
     else:
         model.save_pretrained(folder, state_dict=state)
+
+
+def without_tied_copies(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` without the other names of a tied parameter (``lm_head.weight`` tied to the embeddings, a masked
+    LM's decoder weight and bias), its first name kept: what ``save_pretrained`` writes from the live model, whose
+    tied names share one tensor.  A gathered full state dict holds a copy per name, which it would write twice
+    (the inverse of ``fill_tied_weights``)."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    dropped = set()
+    for names in aliases.values():
+        present = [n for n in names if n in state]
+        dropped.update(present[1:])
+    return {name: value for name, value in state.items() if name not in dropped} if dropped else state
 
 
 def save_pretrained_as(model: Any, folder: Path, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

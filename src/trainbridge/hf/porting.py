@@ -94,6 +94,7 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_train_batch_size": ("effective_batch_size",),
     "gradient_accumulation_steps": ("effective_batch_size",),
     "per_device_eval_batch_size": ("max_batch_len",),
+    "remove_unused_columns": ("remove_unused_columns",),  # Trainer's sample batches honour it
     "include_for_metrics": ("include_for_metrics",),
     "fp16": ("mixed_precision",),
     "deepspeed": ("distributed_backend",),

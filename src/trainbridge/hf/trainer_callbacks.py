@@ -334,8 +334,10 @@ class HuggingFaceCallbacks(Callback):
         handler.optimizer = context.optimizer
         handler.lr_scheduler = context.lr_scheduler
         handler.train_dataloader = context.train_dataloader
-        # Trainer hands its eval dataloader to the callbacks when it first evaluates
-        handler.eval_dataloader = context.eval_dataloader if self._evaluated else None
+        # Trainer hands its eval dataloader to the callbacks when it first evaluates; the instance's own evaluate
+        # (a trl trainer's, an override's) sets the handler's in Trainer's evaluation_loop: kept
+        if self._evaluated:
+            handler.eval_dataloader = context.eval_dataloader
 
     def _fold_agreed(self, context: TrainingContext) -> None:
         """OR the latest agreed decision into control, once per decision."""

@@ -22,7 +22,7 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
-from trainbridge.core.config.plan import RunPlan, default_plan
+from trainbridge.core.config.plan import ExistingModel, RunPlan, default_plan
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -129,7 +129,8 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
     plan = default_plan(args) if plan is None else plan
     if plan is not args.plan:
         args = args.with_plan(plan)  # the layers below read the plan the run was built with
-    transformers.set_seed(args.seed)
+    if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
+        transformers.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size)
@@ -318,11 +319,13 @@ def _sample_batches(
         )
 
     count = len(train) if train is not None else 0
-    stats = [LoadStats(path=str(args.data_path) if train is not None else "train_stream", lines=count, samples=count)]
+    source = "train_stream" if stream is not None else "train_loader"
+    stats = [LoadStats(path=str(args.data_path) if train is not None else source, lines=count, samples=count)]
     if env.is_world_process_zero:
+        described = {"train_stream": f"streaming {type(stream).__name__}", "train_loader": "the script's DataLoader"}
         logger.info(
             "data: %s, %s",
-            f"{count} training items" if train is not None else f"streaming {type(stream).__name__}",
+            f"{count} training items" if train is not None else described[source],
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     step: ModelLoss

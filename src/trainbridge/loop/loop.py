@@ -288,7 +288,12 @@ class TrainingLoop:
 
     def evaluate(self) -> dict[str, float]:
         """One evaluation: the plan's ``evaluation`` (a Trainer subclass's ``evaluate``) around ``evaluate_sets``."""
-        return self.plan.evaluation(self.evaluate_sets) if self.plan.evaluation else self.evaluate_sets()
+        if self.plan.evaluation is None:
+            return self.evaluate_sets()
+        try:
+            return self.plan.evaluation(self.evaluate_sets)
+        finally:
+            self.engine.module.train()  # Trainer's own evaluation loop leaves the model in eval mode
 
     def evaluate_sets(self) -> dict[str, float]:
         """Evaluate the validation set (``eval_`` metrics) or, with named sets (``eval_data_paths``), each set

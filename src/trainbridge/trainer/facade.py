@@ -35,6 +35,7 @@ from trainbridge.core.private_files import make_run_folder
 from trainbridge.core.run_dir import FacadeDir
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
+from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import jobs, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import RowPreparation
@@ -274,7 +275,8 @@ class LoopTrainer(_TrainerBase):
             state = self._loop.engine.full_model_state_dict()
             self._save(output_dir, state_dict=state if self.args.should_save else None)
             return
-        super().save_model(output_dir, _internal_call)
+        with without_deepspeed_import():  # the script's own save, on a run that may not use DeepSpeed
+            super().save_model(output_dir, _internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """Trainer's ``_save``; at a checkpoint of ``train()``, the checkpoint's default model files."""
@@ -283,7 +285,8 @@ class LoopTrainer(_TrainerBase):
             target = Path(output_dir) if output_dir is not None else self.output_dir
             writing.default_save(target, state_dict, self.args)
             return
-        super()._save(output_dir, state_dict=state_dict)
+        with without_deepspeed_import():
+            super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.plan import ExistingModel
+from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
 from trainbridge.trainer.run_folder import RunLayout
@@ -26,14 +28,16 @@ DEFAULT_MAX_SEQ_LEN = 512
 """``max_seq_len`` of a ported run whose rows are not tokenised yet and whose arguments name no length."""
 
 
-class LiveModel:
-    """``RunPlan.model_init`` of ``train()``: the instance's own model object, trained in place."""
+class LiveModel(ExistingModel):
+    """``RunPlan.model_init`` of ``train()``: the instance's own model object, trained in place (the one the
+    script's ``optimizers=`` step, if it gave them); not re-seeded (``ExistingModel``)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def __call__(self, *args: Any) -> Any:
-        return self.trainer.model
+        stepped = script_model(self.trainer._optimizer_factory)
+        return stepped() if stepped is not None else self.trainer.model
 
 
 def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
@@ -54,11 +58,12 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
         "trainer_methods": subclass_loss(trainer),
         "evaluation": subclass_evaluation(trainer),  # a subclass's evaluate, around each evaluation in train()
         "optimizer_factory": trainer._optimizer_factory,
-        "model_init": script_model(trainer._optimizer_factory) or LiveModel(trainer),  # the script's model object
+        "model_init": LiveModel(trainer),  # the script's model object
         "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
         "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
-        "train_stream": trainer.train_dataset if layout.data_path is None else None,  # iterated in the workers
-        "train_loader": subclass_loader(trainer),  # a subclass's get_train_dataloader / _get_train_sampler
+        "train_stream": trainer.train_dataset if is_stream(trainer.train_dataset) else None,  # iterated in the workers
+        # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
+        "train_loader": subclass_loader(trainer),
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))

@@ -89,19 +89,22 @@ def write_training_inputs(
     folder: FacadeDir, tokenizer: Any, rows: RowPreparation, train_dataset: Any, eval_dataset: Any
 ) -> RunLayout:
     """A train job's inputs: the tokenizer, ``train_dataset`` and ``eval_dataset`` (one dataset ->
-    ``val_data_path``; a dict -> ``eval_data_paths``; a stream is not written: the job streams it).  Clears
-    the previous job's outputs first."""
+    ``val_data_path``; a dict -> ``eval_data_paths``).  Not written: a stream (the job streams it) and a set
+    whose items are not dicts of columns (the instance's own loader and ``evaluate`` read it:
+    ``trainer.subclass``).  Clears the previous job's outputs first."""
     make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
     tokenizer_path = write_tokenizer(folder, tokenizer)
     if train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset")
     data_path, longest = (
         (None, None)
-        if is_stream(train_dataset)
+        if is_stream(train_dataset) or not script_data.column_items(train_dataset)
         else write_rows(train_dataset, folder.train_data, "train_dataset", rows)
     )
     val_path, sets, eval_longest = (
-        (None, {}, None) if eval_dataset is None else write_eval_sets(eval_dataset, folder, rows)
+        (None, {}, None)
+        if eval_dataset is None or not script_data.column_items(eval_dataset)
+        else write_eval_sets(eval_dataset, folder, rows)
     )
     return RunLayout(
         tokenizer_path=tokenizer_path,

@@ -4,6 +4,9 @@
   one ``datasets.Dataset`` (tensors and numpy arrays as lists).
 - ``as_item_dataset``: a dataset kept as the items its ``__getitem__`` returns (every column; tensors come
   back as tensors), for the model's-own-loss step (``uses_sample_batches``).
+- ``column_items``: whether a dataset's items are dicts of columns at all; one whose items are anything
+  else (tuples, lists, objects: Trainer hands any item to the collator) is never written: the instance's
+  own ``get_train_dataloader()`` / ``evaluate()`` read it (``trainer.subclass``).
 - a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it travels to the workers as
   ``RunPlan.train_stream`` (by value, when self-launched) and is iterated there
   (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
@@ -58,6 +61,26 @@ def as_hf_dataset(data: Any, what: str) -> Any:
         if not isinstance(row, Mapping):
             raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
     return datasets.Dataset.from_list([{k: _plain(v) for k, v in row.items()} for row in rows])
+
+
+def column_items(data: Any) -> bool:
+    """Whether ``data``'s items are dicts of columns, as the loop's own batching and the written rows need them:
+    a ``datasets`` dataset always; a map-style dataset or list by its first item; a torch ``IterableDataset``
+    by the first item of a fresh iterator; a dict of named sets when every set's are.  No data, an empty one or
+    one of no known kind: True (the usual errors speak for it)."""
+    import datasets
+
+    if data is None or isinstance(data, datasets.Dataset | datasets.IterableDataset):
+        return True
+    if isinstance(data, Mapping):
+        return all(column_items(part) for part in data.values())
+    if isinstance(data, torch.utils.data.IterableDataset):
+        first = next(iter(data), None)
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        first = data[0] if len(data) else None
+    else:
+        return True
+    return first is None or isinstance(first, Mapping)
 
 
 STREAM_NEEDS_MAX_STEPS = (

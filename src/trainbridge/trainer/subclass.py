@@ -20,6 +20,11 @@ What runs there:
 - ``_save`` / ``save_model`` / ``_save_checkpoint`` at each checkpoint (``trainer.save_overrides``);
 - ``get_train_dataloader`` / ``_get_train_sampler`` for the training batches (``trainer.subclass_data``).
 
+A dataset whose items are not dicts of columns (tuples, lists, objects: ``script_data.column_items``) is read
+as Trainer reads it: training batches from the instance's own ``get_train_dataloader()``, stepped by its
+``training_step`` (a batch that is not a dict travels whole: ``data.loader_batches.OPAQUE_BATCH``); each
+evaluation is the instance's own ``evaluate()``.
+
 Overrides of the methods in ``UNHONOURED`` (parts of Trainer's own loop) are refused at construction.
 """
 
@@ -32,6 +37,7 @@ import torch
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.trainer.script_data import column_items
 
 UNHONOURED = (
     "_inner_training_loop",
@@ -82,9 +88,30 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``."""
-    return any(name in vars(klass) for klass in _script_classes(cls) for name in names)
+def overrides(of: Any, names: tuple[str, ...]) -> bool:
+    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
+    an instance.  A library's method that trainbridge stands in for (``STANDS_IN_FOR``) does not
+    count: only a class below the one declaring it (the script's subclass) overrides it."""
+    cls = of if isinstance(of, type) else type(of)
+    stood_in = _stood_in(of)
+    return any(
+        name in vars(klass) and klass not in stood_in.get(name, ()) for klass in _script_classes(cls) for name in names
+    )
+
+
+STANDS_IN_FOR = "stands_in_for"
+"""The attribute (of a trainbridge class, or of its instance) naming the library's methods that trainbridge
+stands in for (trl's ``compute_loss``/``training_step``, reproduced by trainbridge's own step...): that
+class's bases defining them are not the script's overrides (``overrides``)."""
+
+
+def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
+    """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
+    cls = of if isinstance(of, type) else type(of)
+    for owner in cls.__mro__:
+        if STANDS_IN_FOR in vars(owner):
+            return {name: owner.__mro__ for name in getattr(of, STANDS_IN_FOR)}
+    return {}
 
 
 def overrides_compute_loss(cls: type) -> bool:
@@ -94,8 +121,24 @@ def overrides_compute_loss(cls: type) -> bool:
 
 def instance_batches(trainer: Any) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
-    how Trainer builds them."""
-    return overrides(type(trainer), LOADER_METHODS)
+    how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
+    return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
+
+
+def items_are_columns(trainer: Any, name: str) -> bool:
+    """``script_data.column_items`` of the instance's ``train_dataset`` or ``eval_dataset`` (``name``), looked
+    at once per dataset object (a stream's first item is read from a fresh iterator)."""
+    data = getattr(trainer, name, None)
+    seen = trainer.__dict__.setdefault("_column_items", {})
+    if name not in seen or seen[name][0] is not data:
+        seen[name] = (data, column_items(data))
+    return bool(seen[name][1])
+
+
+def _own_items(trainer: Any) -> bool:
+    """Whether a dataset of the instance's holds items that are not dicts of columns: Trainer's own code then
+    reads it (its loader, step and evaluation: see the module doc)."""
+    return not (items_are_columns(trainer, "train_dataset") and items_are_columns(trainer, "eval_dataset"))
 
 
 class LogCapture:
@@ -154,7 +197,8 @@ class ScriptTrainer:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point; Trainer's own
         ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``)."""
         instance = self.trainer(None)
-        instance.__dict__[LOOP_EVALUATION] = run
+        if items_are_columns(instance, "eval_dataset"):  # else Trainer's own evaluate reads the items
+            instance.__dict__[LOOP_EVALUATION] = run
         try:
             return dict(instance.evaluate(ignore_keys=None))
         finally:
@@ -237,17 +281,17 @@ LOOP_EVALUATION = "_loop_evaluation"
 
 def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
-    when its class overrides ``evaluate``, else None."""
-    worker = script_trainer(trainer) if overrides(type(trainer), EVALUATION_METHODS) else None
+    when its class overrides ``evaluate`` or its evaluation items are not dicts of columns, else None."""
+    own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
+    worker = script_trainer(trainer) if own else None
     return worker.evaluation if worker is not None else None
 
 
 def script_trainer(trainer: Any) -> ScriptTrainer | None:
-    """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers or
-    it has a ``compute_loss_func``, else None."""
-    cls = type(trainer)
-    if not overrides(cls, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if trainer.compute_loss_func is None:
+    """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers,
+    it has a ``compute_loss_func`` or its items are not dicts of columns, else None."""
+    if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
+        if trainer.compute_loss_func is None and not _own_items(trainer):
             return None
     worker = trainer.__dict__.get("_script_trainer")
     if worker is None:
@@ -257,9 +301,11 @@ def script_trainer(trainer: Any) -> ScriptTrainer | None:
 
 def subclass_loss(trainer: Any) -> ScriptTrainer | None:
     """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
-    overrides ``training_step``, ``prediction_step`` or ``compute_loss`` or it has a ``compute_loss_func`` (the
-    workers then step through ``training_step``), else None (the model's own loss, or the token step)."""
-    if not overrides(type(trainer), STEP_METHODS) and trainer.compute_loss_func is None:
+    overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
+    training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
+    batch), else None (the model's own loss, or the token step)."""
+    own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
+    if not own_step and trainer.compute_loss_func is None:
         return None
     return script_trainer(trainer)
 

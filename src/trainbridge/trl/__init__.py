@@ -1,9 +1,9 @@
 """trl's trainers on trainbridge's loop.
 
-- ``sft_trainer``: ``SFTTrainer`` (trl's constructor on the ``Trainer`` facade).
-- ``dpo_trainer``: ``DPOTrainer`` (trl's constructor on the facade, the DPO step through ``train_step``).
+- ``trl_loop``: ``TrlLoop``, what a trl class gets in front of it to be trained by the loop.
+- ``sft_trainer``: ``SFTTrainer`` (trl's class; the loop's token step stands in for its ``compute_loss``).
+- ``dpo_trainer``: ``DPOTrainer`` (trl's class; the packed DPO step stands in for its ``compute_loss``).
 - ``dpo_step``: DPO on the step seam (``PreferenceStep``, ``PairBatches``).
-- ``sft_data``: trl's SFT data preparation, run by trl, as samples for padding-free batches.
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
 - ``preference_data``: trl's DPO data preparation, run by trl; the reference model's log-probs.

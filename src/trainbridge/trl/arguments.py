@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +40,17 @@ def trl_tokenizer(processing_class: Any, model: Any) -> tuple[Any, Any]:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return processing_class, tokenizer
+
+
+@contextmanager
+def fields_read(config: Any, names: Iterable[str] | None = None) -> Iterator[None]:
+    """Without the porting's warning that a field of trl's ``config`` (not a ``TrainingArguments`` field) "has no
+    effect" for ``names`` (None: every such field): trl's own code or trainbridge's step reads them."""
+    from trainbridge.hf.porting import HFPortingWarning
+
+    cls = re.escape(type(config).__name__)
+    fields = r"\w+" if names is None else "|".join(re.escape(name) for name in names)
+    with warnings.catch_warnings():
+        message = rf"{cls}\.({fields})=.* is ignored: {cls} is not TrainingArguments"
+        warnings.filterwarnings("ignore", message=message, category=HFPortingWarning)
+        yield

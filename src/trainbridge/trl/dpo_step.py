@@ -364,8 +364,10 @@ class DPOStepFactory:
         seed: int = 0,
         eval_dataset: Any = None,
         eval_pairs_per_micro: int | None = None,
+        shared_reference: bool = False,
     ) -> None:
         self.dataset, self.settings = dataset, settings
+        self.shared_reference = shared_reference
         self.pairs_per_micro, self.micro_per_step = pairs_per_micro, micro_per_step
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.ref_model, self.seed = ref_model, seed
@@ -378,12 +380,17 @@ class DPOStepFactory:
         FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``)."""
         if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
+        fsdp = getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1
+        if self.shared_reference and self.ref_model is not None and not fsdp:
+            # the trainer's own reference (trl's DPOTrainer.ref_model): scored as it is, no copy
+            enable_for_own_rows(self.ref_model, args, self.max_length)
+            return self.ref_model.to(env.device).eval().requires_grad_(False)
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
         if self.ref_model is not None:  # a copy of the policy has the policy's attention already
             enable_for_own_rows(reference, args, self.max_length)
-        if getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1:
+        if fsdp:
             from trainbridge.modeling.load import loads_on_rank0_only
             from trainbridge.parallel.fsdp import shard_frozen
 
@@ -432,6 +439,6 @@ class DPOStepFactory:
         single = eval_set(evaluation) if evaluation is not None and not named else None
         reference = self.reference(model, args, env)
         for callback in args.plan.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
-            if type(callback).__name__ == "SyncRefModelCallback" and getattr(callback, "ref_model", 0) is None:
+            if type(callback).__name__ == "SyncRefModelCallback" and reference is not None:
                 callback.ref_model = reference
         return PreferenceStep(batches, self.settings, reference, single, dict(named))

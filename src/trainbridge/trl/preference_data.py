@@ -1,4 +1,4 @@
-"""trl's DPO data preparation, run by trl itself, and the reference model's log-probs.
+"""trl's DPO data preparation, run by trl itself (for the step's tests), and the reference model's log-probs.
 
 ``prepare_preference_dataset`` runs trl's own ``DPOTrainer._prepare_dataset``: the prompt extracted
 from implicit-prompt rows, EOS added to plain-text completions, conversational rows through the chat
@@ -74,33 +74,3 @@ def reference_stats(
     context = nullcontext() if ref_model is not None else _reference_context(policy)
     with torch.no_grad(), context:
         return sequence_stats(ref_model if ref_model is not None else policy, packed, ld_alpha)
-
-
-def precompute_reference_logps(
-    dataset: Any, policy: torch.nn.Module, ref_model: torch.nn.Module | None, config: Any, batch_size: int = 8
-) -> Any:
-    """``dataset`` (from ``prepare_preference_dataset``) with trl's ``ref_chosen_logps``/``ref_rejected_logps``
-    columns (``precompute_ref_log_probs``): the reference (``reference_stats``: ``ref_model``, the PEFT
-    policy's base, or, for full fine-tuning without one, the untrained ``policy`` itself, as trl does) scores
-    ``batch_size`` pairs per packed forward, truncated by ``config.max_length``/``truncation_mode``."""
-    from trainbridge.trl.sequence_logps import pack_pairs
-
-    reference = ref_model
-    if reference is None and not hasattr(policy, "disable_adapter"):
-        reference = policy  # before training, the policy is its own reference
-    chosen: list[float] = []
-    rejected: list[float] = []
-    was_training = (reference or policy).training
-    (reference or policy).eval()
-    try:
-        for start in range(0, len(dataset), batch_size):
-            rows = dataset[start : start + batch_size]
-            packed = pack_pairs(
-                rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], config.max_length, config.truncation_mode
-            )
-            logps = reference_stats(policy, reference, packed, getattr(config, "ld_alpha", None)).pair_logps()
-            chosen.extend(logps.chosen.float().cpu().tolist())
-            rejected.extend(logps.rejected.float().cpu().tolist())
-    finally:
-        (reference or policy).train(was_training)
-    return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainbridge.trainer import Trainer
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trl.arguments import trl_config, trl_tokenizer
+from trainbridge.trl.arguments import fields_read, trl_config, trl_tokenizer
 from trainbridge.trl.reference_free_data import prepare_reference_free_pairs
 from trainbridge.trl.reference_free_loss import CPOLoss, ORPOLoss
 from trainbridge.trl.reference_free_step import ReferenceFreeStepFactory
@@ -96,6 +96,26 @@ class _ReferenceFreeTrainer(Trainer):
     def _row_preparation(self) -> Any:
         """The prepared pairs are the job's items, written as they are (every column)."""
         return dataclasses.replace(super()._row_preparation(), items=True)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with fields_read(self.args, READ_FIELDS):
+            return super().train(*args, **kwargs)
+
+
+READ_FIELDS = (
+    "beta",
+    "label_smoothing",
+    "loss_type",
+    "cpo_alpha",
+    "simpo_gamma",
+    "alpha",
+    "max_length",
+    "max_completion_length",
+    "disable_dropout",
+    "dataset_num_proc",
+)
+"""ORPO/CPO config fields (not ``TrainingArguments``') that the data preparation and the step read
+(``reference_free_loss``, ``reference_free_data``): honoured, so the porting does not call them ignored."""
 
 
 class ORPOTrainer(_ReferenceFreeTrainer):

@@ -1,118 +1,69 @@
-"""``SFTTrainer``: trl's ``SFTTrainer`` constructor on trainbridge's ``Trainer`` facade.
+"""``SFTTrainer``: trl's own ``SFTTrainer``, trained by trainbridge's loop.
 
-It takes trl's arguments as they are (``SFTConfig``, a model object or a model path with
-``model_init_kwargs``, ``peft_config``, ``formatting_func``, trl's collators) and prepares the datasets
-with trl's own preparation (``sft_data.prepare_sft_dataset``), so the facade receives ``input_ids``/
-``labels`` rows and trains them on the loop with padding-free token-budget batches.
+trl's class with ``TrlLoop`` in front (``class SFTTrainer(TrlLoop, trl.SFTTrainer)``; see ``trl_loop``): trl's
+constructor (``SFTConfig``, a model object or a path with ``model_init_kwargs``, ``peft_config``,
+``formatting_func``, the tokenizer from the model), its dataset preparation (tokenisation, EOS, completion and
+assistant masks as ``labels``, truncation, ``bfd``/``wrapped`` packing), its collator, ``evaluate`` (its
+``compute_loss`` on its own evaluation batches: ``eval_entropy``, ``eval_mean_token_accuracy``,
+``eval_num_tokens``) and ``log`` run unchanged; ``train()`` is the loop.
+
+The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``STANDS_IN_FOR``), the
+loop trains trl's prepared rows (``input_ids``, ``labels``, a packed bin's ``seq_lengths`` as one
+multi-sequence sample) with its padding-free token step, which gives trl's loss (the mean over every rank's
+loss tokens of a step) and logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``
+(``TrainingArgs.token_metrics``).  A script's subclass overriding one of them, a ``compute_loss_func``, or a
+config whose loss is not the plain token mean (``loss_type="dft"``, label smoothing, a MoE router loss,
+activation offloading, vision rows, a collator of the script's) steps through trl's own ``training_step``
+on trl's collated micro-batches instead.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from trainbridge.hf.porting import HFPortingWarning
-from trainbridge.trainer import Trainer
-from trainbridge.trl.arguments import trl_config, trl_tokenizer
-from trainbridge.trl.sft_data import prepare_sft_dataset
+import trl
+
+from trainbridge.trainer import subclass
+from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
 
-def _trl_collator(collator: Any) -> bool:
-    """trl's own SFT collator: padding-free batches of the prepared rows give its loss (it is not called)."""
-    return type(collator).__module__.startswith("trl.") and type(collator).__name__ == "DataCollatorForLanguageModeling"
+class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
+    """trl's ``SFTTrainer(model, args, data_collator, train_dataset, eval_dataset, processing_class,
+    compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
+    preprocess_logits_for_metrics, peft_config, formatting_func)`` on trainbridge's loop."""
 
-
-PREPARED_FIELDS = (
-    "dataset_text_field",
-    "dataset_kwargs",
-    "dataset_num_proc",
-    "eos_token",
-    "truncation_mode",
-    "shuffle_dataset",
-    "packing",
-    "packing_strategy",
-    "padding_free",
-    "pad_to_multiple_of",
-    "eval_packing",
-    "completion_only_loss",
-    "assistant_only_loss",
-    "chat_template_path",
-)
-"""``SFTConfig`` fields trl's preparation applies to the rows (so they are honoured, not ignored)."""
-
-
-@contextmanager
-def _prepared_fields_honoured() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=rf"SFTConfig\.({'|'.join(PREPARED_FIELDS)})=", category=HFPortingWarning
-        )
-        yield
-
-
-class SFTTrainer(Trainer):
-    """trl's ``SFTTrainer(model, args, data_collator, train_dataset, eval_dataset, processing_class, ...,
-    peft_config, formatting_func)`` on trainbridge's loop."""
+    stands_in_for: tuple[str, ...] = STEP_STAND_IN
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
     token_metrics = True
-    """Log trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``TrainingArgs.token_metrics``)."""
+    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``."""
 
-    def __init__(
-        self,
-        model: Any,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        compute_loss_func: Any = None,
-        compute_metrics: Any = None,
-        callbacks: list[Any] | None = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        optimizer_cls_and_kwargs: Any = None,
-        preprocess_logits_for_metrics: Any = None,
-        peft_config: Any = None,
-        formatting_func: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        from trl import SFTConfig
+    def __init__(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:
+        if quantization_config is not None:
+            raise UnsupportedTrainerFeatureError(
+                "quantization_config: quantized (k-bit) base models are not supported by trainbridge's loop; train "
+                "in full or bf16 precision (model_init_kwargs dtype), with a LoRA adapter (peft_config) for memory."
+            )
+        super().__init__(*args, **kwargs)
 
-        args = trl_config(args, SFTConfig, model, "SFT")
-        processing_class, tokenizer = trl_tokenizer(processing_class, model)
-        if train_dataset is not None:
-            train_dataset = prepare_sft_dataset(train_dataset, tokenizer, args, formatting_func, "train")
-        if eval_dataset is not None:
-            eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {
-                    name: prepare_sft_dataset(data, tokenizer, args, formatting_func, name, eval_packing)
-                    for name, data in eval_dataset.items()
-                }
-            else:
-                eval_dataset = prepare_sft_dataset(eval_dataset, tokenizer, args, formatting_func, "eval", eval_packing)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=None if _trl_collator(data_collator) else data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            peft_config=peft_config,
-            **kwargs,
+    def _loop_collator(self) -> Any:
+        """None (the token step's padding-free batches reproduce trl's collator) where the fast step applies;
+        else trl's collator, called as written, and trl's ``compute_loss`` per micro-batch."""
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        args: Any = self.args
+        fast = (
+            not self._is_vision_dataset
+            and args.loss_type == "nll"
+            and self.label_smoother is None
+            and not self.aux_loss_enabled
+            and not args.activation_offloading
+            and type(self.data_collator) is DataCollatorForLanguageModeling
+            and subclass.subclass_loss(self) is None  # no override of the script's, no compute_loss_func
         )
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        with _prepared_fields_honoured():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        with _prepared_fields_honoured():
-            return super().evaluate(*args, **kwargs)
+        if not fast:  # trl's own step, loader and metrics, as for any trl trainer on the loop
+            self.stands_in_for = ("_save_checkpoint",)
+            self.token_metrics = False  # trl's compute_loss logs them
+            return self.data_collator
+        return None

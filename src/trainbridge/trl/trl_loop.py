@@ -14,28 +14,71 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
+from trainbridge.trl.arguments import fields_read
+
+
+class _TrainedTokens(Callback):
+    """Keeps trl's count of trained input tokens (``_total_train_tokens``, which its evaluation logs as
+    ``eval_num_tokens``) as the loop's step counts them: every rank's non-padding input tokens."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        self.trainer._total_train_tokens = context.tokens_seen
+
+
+STEP_STAND_IN = (
+    "compute_loss",
+    "training_step",
+    "prediction_step",
+    "_set_signature_columns_if_needed",
+    "_save_checkpoint",
+)
+"""What a class with a step of trainbridge's own (SFT, DPO) stands in for (``TrlLoop.stands_in_for``): the step for
+trl's loss, its micro-batch step and the columns its loader keeps (the loop reads the rows itself);
+``LoopTrainer``'s ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes."""
 
 
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
+    stands_in_for: tuple[str, ...] = ()
+    """trl's methods trainbridge stands in for, on the classes that declare them (SFT, DPO): see
+    ``trainer.subclass.STANDS_IN_FOR``.  Without ``compute_loss`` among them, trl's ``training_step`` runs on
+    each micro-batch."""
+
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         super().__init__(*args, **kwargs)  # trl's own constructor
-        self._init_loop(torchrun_args, self.data_collator)
+        self._init_loop(torchrun_args, self._loop_collator())
+
+    def _script_callbacks(self) -> list[Any]:
+        """With trainbridge's step standing in for trl's ``compute_loss``, which counts the tokens, the loop's
+        count stands in for it (``_TrainedTokens``)."""
+        callbacks = super()._script_callbacks()
+        return [*callbacks, _TrainedTokens(self)] if "compute_loss" in self.stands_in_for else callbacks
+
+    def _loop_collator(self) -> Any:
+        """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
+        return self.data_collator
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each
         checkpoint (a checkpoint's save writes only into the checkpoint: ``trainer.save_overrides``)."""
-        result = super().train(*args, **kwargs)
+        with fields_read(self.args):  # every field of trl's config: trl's own code reads it
+            result = super().train(*args, **kwargs)
         if self.args.should_save and any(self.output_dir.glob("checkpoint-*")):
             name = self.output_dir.name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
             self.create_model_card(model_name=name)  # type: ignore[attr-defined]
         return result
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        self.__dict__.pop(subclass.LOOP_EVALUATION, None)  # trl's evaluation, not the loop's batches
-        return super().evaluate(*args, **kwargs)
+        """trl's ``evaluate`` (Trainer's below it), not the loop's evaluation of its own batches."""
+        self.__dict__.pop(subclass.LOOP_EVALUATION, None)
+        return dict(super(LoopTrainer, self).evaluate(*args, **kwargs))

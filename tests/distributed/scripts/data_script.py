@@ -1,6 +1,8 @@
 """Trainer scripts that bring their own data path (used by tests/distributed/test_facade_data.py).
 
-``python|torchrun data_script.py OUT KIND [real]``; ``real`` uses transformers.Trainer (the reference).
+``python|torchrun data_script.py OUT KIND [real]``; ``real`` uses transformers.Trainer (the reference), and
+may name several kinds (``stream,sampler``): each is trained in turn in the same processes (one launch for
+the references), into ``OUT/<KIND>``.
 A tiny ``BertForSequenceClassification`` on items of fixed length, each with its ``idx``; the script's own
 collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``OUT/seen-rank<RANK>.txt``.
 
@@ -27,8 +29,8 @@ if "real" in sys.argv[3:]:
 else:
     from trainbridge import Trainer
 
-out, kind = Path(sys.argv[1]), sys.argv[2]
 COUNT = 24
+out = Path(sys.argv[1])  # the current run's folder (the markers below write there)
 
 
 def item(i):
@@ -99,64 +101,75 @@ class LoaderTrainer(Trainer):
         return self.accelerator.prepare(loader)
 
 
-out.mkdir(parents=True, exist_ok=True)
-torch.manual_seed(0)
-config = BertConfig(
-    vocab_size=40,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=16,
-    num_labels=2,
-)
-model = BertForSequenceClassification(config)
-args = TrainingArguments(
-    output_dir=str(out),
-    per_device_train_batch_size=2,
-    gradient_accumulation_steps=2,
-    max_steps=5 if kind.endswith("stream") else -1,
-    num_train_epochs=2,
-    logging_steps=1,
-    save_strategy="steps",
-    save_steps=2,
-    learning_rate=1e-3,
-    lr_scheduler_type="constant",
-    report_to="none",
-    use_cpu=True,
-    disable_tqdm=True,
-    remove_unused_columns=False,
-    seed=3,
-)
-if kind == "hfstream":
-    import datasets
+def train(kind: str) -> None:
+    """One run of ``kind`` into ``out``; rank 0 writes ``out/summary.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
+    model = BertForSequenceClassification(config)
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=5 if kind.endswith("stream") else -1,
+        num_train_epochs=2,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=3,
+    )
+    if kind == "hfstream":
+        import datasets
 
-    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()} for i in range(COUNT)]
-    train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
-else:
-    train_dataset = Stream() if kind == "stream" else Items()
-trainer_cls = {"stream": Trainer, "hfstream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
-trainer = trainer_cls(
-    model=model,
-    args=args,
-    train_dataset=train_dataset,
-    data_collator=Collator(),
-)
-result = trainer.train()
-if trainer.is_world_process_zero():
-    last = out / f"checkpoint-{result.global_step}"
-    summary = {
-        "global_step": result.global_step,
-        "train_metrics": sorted(result.metrics),
-        "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
-        "log_epochs": [round(e["epoch"], 4) for e in trainer.state.log_history if "loss" in e],
-        "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
-        "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
-        "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
-        "pid": os.getpid(),
-        "markers": {p.name: p.read_text().split("\n")[:-1] for p in sorted(out.glob("*-rank*.txt"))},
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()} for i in range(COUNT)]
+        train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
+    else:
+        train_dataset = Stream() if kind == "stream" else Items()
+    trainer_cls = {"stream": Trainer, "hfstream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=Collator(),
+    )
+    result = trainer.train()
+    if trainer.is_world_process_zero():
+        last = out / f"checkpoint-{result.global_step}"
+        summary = {
+            "global_step": result.global_step,
+            "train_metrics": sorted(result.metrics),
+            "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+            "log_epochs": [round(e["epoch"], 4) for e in trainer.state.log_history if "loss" in e],
+            "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+            "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+            "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
+            "pid": os.getpid(),
+            "markers": {p.name: p.read_text().split("\n")[:-1] for p in sorted(out.glob("*-rank*.txt"))},
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+kinds = sys.argv[2].split(",")
+if len(kinds) > 1 and "real" not in sys.argv[3:]:
+    raise SystemExit("several kinds in one launch: references (real) only")
+root = out
+for kind in kinds:
+    out = root / kind if len(kinds) > 1 else root
+    train(kind)
 
 if "real" in sys.argv[3:]:
     # the reference's work is done: real Trainer leaves gloo's threads (and a stream's) to the interpreter's exit,

@@ -1,12 +1,15 @@
 """torchrun worker for tests/distributed/test_engines.py.
 
-Usage: ``torchrun --nproc_per_node=2 engine_worker.py '<json spec>'`` with the spec keys ``backend``,
-``zero_stage``, ``model_dir``, ``data_file`` and ``out_dir``.
+Usage: ``torchrun --nproc_per_node=2 engine_worker.py '<json list of specs>'``, each spec with the keys
+``backend``, ``zero_stage``, ``model_dir``, ``data_file`` and ``out_dir`` (optional: ``mixed_precision``,
+``fsdp_gradient_sync``).  The specs run one after another in the same two processes and process group (one
+launch for every engine: each launch costs seconds of start-up), each from a fresh model.
 
 Each rank trains a tiny model for a few optimizer steps on fixed data (two micro-batches per rank per
 step, varying lengths), checks the result against a single-process reference that runs every rank's
 micro-batches itself, saves a checkpoint with ``CheckpointManager``, and checks that resuming from it
-reproduces the next step exactly.  Findings go to ``out_dir/result_{rank}.json``; the test asserts them.
+reproduces the next step exactly.  Findings go to each spec's ``out_dir/result_{rank}.json``; the test
+asserts them.
 """
 
 from __future__ import annotations
@@ -149,8 +152,16 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
 
-def main(spec: dict[str, Any]) -> None:
+def main(specs: list[dict[str, Any]]) -> None:
     env = DistributedEnv.initialize(device="cpu", timeout_s=120)
+    for spec in specs:
+        run_spec(spec, env)
+        env.barrier()
+    env.teardown()
+
+
+def run_spec(spec: dict[str, Any], env: DistributedEnv) -> None:
+    """One engine configuration, from a fresh model: train, compare, checkpoint, resume, rotate."""
     out_dir = Path(spec["out_dir"])
     args = TrainingArgs(
         model_path=Path(spec["model_dir"]),
@@ -194,6 +205,15 @@ def main(spec: dict[str, Any]) -> None:
         result["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
         full_numel = sum(p.numel() for p in params)
         result["local_shard_fraction"] = sum(p.to_local().numel() for p in params) / full_numel
+        # generate() on the sharded model with a different length per rank and no synced_gpus, as trl's GRPO
+        # calls it: transformers must see the model as FSDP-managed, or the rank that finishes first leaves
+        # the other's per-layer all-gathers unmatched (a hang)
+        prompt = torch.tensor([[1, 2, 3]], device=env.device)
+        new_tokens = 2 + 3 * env.rank
+        generated = engine.module.generate(
+            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+        result["generated_new_tokens"] = [generated.shape[1] - prompt.shape[1], new_tokens]
 
     if engine.kind == "fsdp":
         result["from_rank0"] = [
@@ -299,8 +319,6 @@ def main(spec: dict[str, Any]) -> None:
     result["after_rotation"] = [p.name for p in rotating.list_checkpoints()]
 
     (out_dir / f"result_{env.rank}.json").write_text(json.dumps(result, indent=2))
-    env.barrier()
-    env.teardown()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,13 @@
 - the script calls ``trainer.get_train_dataloader()`` to print a sample batch before training;
 - its ``compute_loss`` counts its calls on the instance (state that must still be there after ``train()``);
 - it checks ``isinstance(trainer, transformers.Trainer)``, as third-party code taking a ``trainer`` does;
-- it saves checkpoints, the final model and the metrics files.
+- it saves checkpoints, the final model and the metrics files;
+- then a second Trainer (one launch, as a continual script) trains on items that are tuples (a
+  ``TensorDataset``), with a collator returning a tuple and ``compute_loss``/``prediction_step`` overrides that
+  unpack it (``remove_unused_columns=False``), an evaluation set of tuples too, with gradient accumulation and
+  an epoch's length from the DataLoader: Trainer hands any item to the collator and any batch to the step;
+- then a third: a masked LM whose decoder weight and bias are tied (``BertForMaskedLM``), whose checkpoint and
+  ``save_model()`` hold Trainer's tensors (issue 29 failure 6: not the tied ones twice).
 
 Run as ``torchrun --nproc_per_node=2 own_loop_script.py OUT [real]`` or ``python own_loop_script.py OUT``;
 ``real`` uses transformers.Trainer (the reference).  Rank 0 writes ``OUT/summary.json``.
@@ -22,14 +28,20 @@ import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    TrainingArguments,
+)
 
 if "real" in sys.argv[2:]:
     from transformers import Trainer
 else:
     from trainbridge import Trainer
 
-from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
+from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once, tiny_bert_config
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
@@ -114,11 +126,120 @@ trainer.save_metrics("eval", metrics)
 trainer.save_model(str(out / "final"))
 trainer.save_state()
 loss_calls = trainer.accelerator.gather(torch.tensor([trainer.loss_calls])).tolist()
+
+
+def tuple_items(rows):
+    """``(input_ids, attention_mask, labels)`` tuples of tensors, padded to one length (a TensorDataset)."""
+    width = max(len(ids) for ids in rows["input_ids"])
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows["input_ids"]):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    return torch.utils.data.TensorDataset(ids, mask, ids.masked_fill(mask == 0, -100))
+
+
+def collate_tuples(items):
+    """A batch as a tuple of stacked tensors (the items' own order)."""
+    return tuple(torch.stack(column) for column in zip(*items, strict=True))
+
+
+class TupleTrainer(Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_calls = self.prediction_calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.loss_calls += 1
+        input_ids, attention_mask, labels = inputs
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.prediction_calls += 1
+        input_ids, attention_mask, labels = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        if prediction_loss_only:
+            return outputs.loss.detach(), None, None
+        return outputs.loss.detach(), outputs.logits.argmax(-1), labels
+
+
+tuple_out = out / "tuples"
+tuple_trainer = TupleTrainer(
+    model=AutoModelForCausalLM.from_pretrained(model_dir),
+    args=TrainingArguments(
+        output_dir=str(tuple_out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=4,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        learning_rate=1e-2,
+        remove_unused_columns=False,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=5,
+    ),
+    train_dataset=tuple_items(train),
+    eval_dataset=tuple_items(evaluation),
+    data_collator=collate_tuples,
+)
+tuple_result = tuple_trainer.train()
+tuple_trainer.save_metrics("train", tuple_result.metrics)
+tuple_metrics = tuple_trainer.evaluate()
+tuple_trainer.save_metrics("eval", tuple_metrics)
+tuple_trainer.save_model(str(tuple_out / "final"))
+tuple_calls = tuple_trainer.accelerator.gather(
+    torch.tensor([tuple_trainer.loss_calls, tuple_trainer.prediction_calls])
+).tolist()
+
+mlm_out = out / "masked-lm"
+mlm_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+mlm_tokenizer.add_special_tokens({"mask_token": "<mask>"})
+torch.manual_seed(0)  # the same model on every rank
+mlm_model = BertForMaskedLM(tiny_bert_config(len(mlm_tokenizer), pad_token_id=mlm_tokenizer.pad_token_id))
+mlm_trainer = Trainer(
+    model=mlm_model,
+    args=TrainingArguments(
+        output_dir=str(mlm_out),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    ),
+    train_dataset=train,
+    data_collator=DataCollatorForLanguageModeling(mlm_tokenizer, mlm=True),
+)
+mlm_result = mlm_trainer.train()
+mlm_trainer.save_model(str(mlm_out / "final"))
 if trainer.is_world_process_zero():
 
     def tensor_names(folder):
         with safe_open(str(folder / "model.safetensors"), "pt") as handle:
             return sorted(handle.keys())
+
+    def side(folder, result, metrics, history):
+        """What a run left: steps, logs, checkpoints and their tensors, results files."""
+        checkpoints = sorted(p.name for p in folder.glob("checkpoint-*"))
+        return {
+            "global_step": result.global_step,
+            "train_metrics": sorted(result.metrics),
+            "losses": [(e["step"], e["loss"]) for e in history if "loss" in e],
+            "eval_entries": [(e["step"], sorted(e)) for e in history if "eval_loss" in e],
+            "eval_metrics": sorted(metrics),
+            "checkpoints": checkpoints,
+            "checkpoint_files": {c: sorted(p.name for p in (folder / c).iterdir()) for c in checkpoints},
+            "checkpoint_tensors": tensor_names(folder / checkpoints[-1]),
+            "final_tensors": tensor_names(folder / "final"),
+            "results_files": sorted(p.name for p in folder.glob("*results.json")),
+        }
 
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
     (out / "summary.json").write_text(
@@ -140,6 +261,15 @@ if trainer.is_world_process_zero():
                 "checkpoint_tensors": tensor_names(out / checkpoints[-1]),
                 "final_tensors": tensor_names(out / "final"),
                 "results_files": sorted(p.name for p in out.glob("*results.json")),
+                "masked_lm": {
+                    "global_step": mlm_result.global_step,
+                    "checkpoint_tensors": tensor_names(mlm_out / "checkpoint-2"),
+                    "final_tensors": tensor_names(mlm_out / "final"),
+                },
+                "tuples": {
+                    **side(tuple_out, tuple_result, tuple_metrics, tuple_trainer.state.log_history),
+                    "calls": tuple_calls,
+                },
             }
         )
     )

@@ -35,8 +35,12 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
         and args.val_data_path is None
         and args.validation_split == 0
         and not args.eval_data_paths
+        and plan.evaluation is None
     ):
-        raise ValueError("eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0")
+        raise ValueError(
+            "eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0 (or an "
+            "evaluation of the plan's own)"
+        )
     if args.eval_data_paths and args.tracks_best_metric and args.best_metric_eval_set is None:
         raise ValueError(
             f"metric_for_best_model: {args.metric_for_best_model!r} is not a metric of a named validation set; "
@@ -89,8 +93,10 @@ def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
     if plan.train_loader is not None and args.training_step == "token_cross_entropy":
         raise ValueError("training_step: a train_loader's batches train on 'model_loss'; leave it 'auto'")
     if plan.train_stream is None:
-        if args.data_path is None:
-            raise ValueError("data_path: the training data is required (a file or folder), or give a train_stream")
+        if args.data_path is None and plan.train_loader is None:
+            raise ValueError(
+                "data_path: the training data is required (a file or folder), or give a train_stream or a train_loader"
+            )
         return
     if args.max_steps is None:
         raise ValueError(

@@ -33,6 +33,16 @@ class ModelInit(Protocol):
     def __call__(self, *args: Any) -> Any: ...
 
 
+class ExistingModel:
+    """A ``model_init`` returning a model object that exists already (``trainbridge.Trainer``'s: the script's own,
+    trained in place).  The build seeds (``args.seed``) before building a model, as Trainer seeds around its
+    ``model_init``; it does not re-seed before this one, as Trainer's ``train()`` does not re-seed its model: the
+    random state is the one the script left (trl's ``seed + rank`` for sampling, its own ``set_seed``)."""
+
+    def __call__(self, *args: Any) -> Any:
+        raise NotImplementedError
+
+
 class Collator(Protocol):
     """A data collator: a list of items -> a batch (``transformers``' collators, a function)."""
 
