@@ -111,14 +111,15 @@ def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(tmp_pat
 
 
 def _train_unwritable(env: object, model_dir: str, out: str) -> tuple[str, str]:
-    """On each rank of a script under a launcher: ``trainer.train()`` on data rank 0 cannot write (a row
-    that is not a dict of columns); the script catches the error, as a notebook cell would, and stays alive."""
+    """On each rank of a script under a launcher: ``trainer.train()`` on data rank 0 cannot write (items of
+    dicts of columns, by the first, with a later one that is not); the script catches the error, as a notebook
+    cell would, and stays alive."""
     from transformers import TrainingArguments
 
     from trainbridge import Trainer
 
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", max_steps=1)
-    trainer = Trainer(model=model_dir, args=args, train_dataset=[[1, 2, 3]])
+    trainer = Trainer(model=model_dir, args=args, train_dataset=[{"input_ids": [1, 2, 3]}, [1, 2, 3]])
     try:
         trainer.train()
     except Exception as exc:

@@ -57,7 +57,7 @@ def as_hf_dataset(data: Any, what: str) -> Any:
             f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
             f"got {type(data).__name__}"
         )
-    for i, row in enumerate(rows[:1]):
+    for i, row in enumerate(rows):  # every item: a later one that is not a dict is named, not an AttributeError
         if not isinstance(row, Mapping):
             raise TypeError(f"{what}[{i}]: expected a dict of columns (input_ids...), got {type(row).__name__}")
     return datasets.Dataset.from_list([{k: _plain(v) for k, v in row.items()} for row in rows])

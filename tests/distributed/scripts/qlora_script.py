@@ -3,6 +3,7 @@ LoRA, gradient checkpointing without reentrancy.  ``python qlora_script.py MODEL
 rank 0 writes OUT_DIR/summary.json."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,3 +75,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if len(sys.argv) > 3 and sys.argv[3] == "real":
+        # the reference's work is done: real Trainer leaves gloo's threads to the interpreter's exit, where one
+        # can abort it ("terminate called without an active exception", seen in CI); leave without it
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
