@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One compute thread per test process unless the caller chose: CI runs two pytest-xdist workers on two cores,
+# the tiny models gain nothing from intra-op threads, and idle OpenMP threads spin (a unit test used twice
+# the CPU time with torch's default of one thread per core).  Each rank of a 2-rank run gets 1 on two cores
+# anyway (the launchers' share of the cores).  Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,8 @@ USER_NAME = "trainbridge-user"
 UMASK = 0o002
 """Debian's and Ubuntu's umask for login users (user-private groups): folders 0775, files 0664."""
 SRC = Path(__file__).resolve().parents[2] / "src"
+CREATE_LOCK = Path(tempfile.gettempdir()) / "trainbridge-test-useradd.lock"
+"""Held (``flock``) while the user is looked up and created: root's file, in the shared temporary folder."""
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,22 @@ def ordinary_user() -> User:
     if os.geteuid() != 0:
         home = Path(tempfile.mkdtemp(prefix="trainbridge-home-"))
         return User(name=os.environ.get("USER", "me"), home=home)
+    import fcntl
     import pwd
 
-    try:
-        entry = pwd.getpwnam(USER_NAME)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--user-group", USER_NAME], check=True, capture_output=True)
-        entry = pwd.getpwnam(USER_NAME)
-    home = Path(entry.pw_dir)
-    if not home.is_dir():
-        home.mkdir(mode=0o700, parents=True)
-        os.chown(home, entry.pw_uid, entry.pw_gid)
+    # one creator at a time: pytest-xdist workers, or another test run on the same machine, may get here at once
+    # (``useradd`` of a name being added fails; so does one racing for /etc/passwd's lock)
+    with open(os.open(CREATE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = pwd.getpwnam(USER_NAME)
+        except KeyError:
+            subprocess.run(["useradd", "--create-home", "--user-group", USER_NAME], check=True, capture_output=True)
+            entry = pwd.getpwnam(USER_NAME)
+        home = Path(entry.pw_dir)
+        if not home.is_dir():
+            home.mkdir(mode=0o700, parents=True)
+            os.chown(home, entry.pw_uid, entry.pw_gid)
     return User(name=USER_NAME, home=home, uid=entry.pw_uid, gid=entry.pw_gid)
 
 

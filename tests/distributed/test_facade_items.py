@@ -7,6 +7,8 @@ styles (``LAUNCHES``) on 2 gloo ranks, against transformers.Trainer under torchr
   ``compute_metrics``, ``EarlyStoppingCallback`` on ``eval_accuracy``: the same global step (the early stop),
   log steps, metric keys and checkpoints as Trainer, and the same ``eval_loss`` of the untrained model
   (``evaluate()`` before training: 21 items, 5 per batch on 2 ranks, a padded last batch).
+
+The real Trainer's runs of both cases share one launch (``references``); ours launch once per case and style.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "items_script.py"
 SAME = ("global_step", "train_metrics", "loss_steps", "eval_steps", "checkpoints", "embeddings")
 
 
-def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict:
+def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINBRIDGE_NPROC_PER_NODE": "2"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(name, None)
@@ -47,7 +49,8 @@ def _run(out: Path, kind: str, launch: str, real: bool = False) -> dict:
         else [sys.executable, *script]
     )
     run_checked(command, env, out)
-    return json.loads((out / "summary.json").read_text())
+    summary = out / "summary.json"  # several kinds: each in out/<kind>
+    return json.loads(summary.read_text()) if summary.is_file() else None
 
 
 LAUNCHES = {"alpaca": ("torchrun", "python"), "classify": ("python",)}
@@ -56,9 +59,21 @@ collator by alpaca's path, shown in both styles; what it adds, the classifier's 
 and ``evaluate()`` before training, is the same in both, as alpaca's ``losses`` check shows)."""
 
 
-@pytest.mark.parametrize("kind", ["alpaca", "classify"])
-def test_items_reach_the_scripts_collator_as_under_trainer(kind: str, tmp_path: Path) -> None:
-    reference = _run(tmp_path / "real", kind, "torchrun", real=True)
+KINDS = ["alpaca", "classify"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The real Trainer's run of each kind under torchrun, one after another in the same two processes (one
+    launch for the references), each kind's summary by name."""
+    root = tmp_path_factory.mktemp("facade-items") / "real"
+    _run(root, ",".join(KINDS), "torchrun", real=True)
+    return {kind: json.loads((root / kind / "summary.json").read_text()) for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_items_reach_the_scripts_collator_as_under_trainer(kind: str, references: dict, tmp_path: Path) -> None:
+    reference = references[kind]
     runs = {launch: _run(tmp_path / launch, kind, launch) for launch in LAUNCHES[kind]}
     for ours in runs.values():
         assert {k: ours[k] for k in SAME} == {k: reference[k] for k in SAME}

@@ -2,7 +2,7 @@
 (``scripts/save_script.py``), on 2 ranks, against transformers.Trainer: the override runs at every checkpoint
 on every rank (``python script.py`` runs the script on each rank, as torchrun), and (``_save``) at the script's
 final ``save_model``; its extra file is in every checkpoint (and the final folder); resuming from such a
-checkpoint works."""
+checkpoint works.  Trainer's three reference runs share one launch (``references``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.script_runs import run_script, torchrun
+from tests.distributed.script_runs import run_script, run_script_folders, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -20,10 +20,16 @@ MODEL_FILES = {"config.json", "model.safetensors", "training_args.bin", "value_h
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Real Trainer's runs, one after another in one launch: ``first``, ``resumed`` (from the first's
+    checkpoint-2) and ``checkpoint`` (the ``_save_checkpoint`` override)."""
     out = tmp_path_factory.mktemp("save") / "real"
-    first = run_script(torchrun(SCRIPT, str(out), "real"), out)
-    return first, run_script(torchrun(SCRIPT, str(out), "real", "resume"), out)
+    return run_script_folders(torchrun(SCRIPT, str(out), "real", "references"), out, ["first", "resumed", "checkpoint"])
+
+
+@pytest.fixture(scope="module")
+def reference(references: dict[str, dict]) -> tuple[dict, dict]:
+    return references["first"], references["resumed"]
 
 
 def _check_files(ours: dict, reference: dict) -> None:
@@ -69,9 +75,8 @@ def test_python_runs_the_override_on_every_rank_as_torchrun(reference: tuple[dic
 
 
 @pytest.fixture(scope="module")
-def checkpoint_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("save_checkpoint") / "real"
-    return run_script(torchrun(SCRIPT, str(out), "real", "checkpoint"), out)
+def checkpoint_reference(references: dict[str, dict]) -> dict:
+    return references["checkpoint"]
 
 
 def _check_checkpoint_override(ours: dict, reference: dict) -> None:

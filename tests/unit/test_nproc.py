@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def test_a_python_script_starts_the_default_count_and_a_trainer_honours_only_the
     launched: list[int] = []
     gpus.setattr(script_launch, "_done", False)
     gpus.setattr(script_launch, "session_kind", lambda: "script")
+    gpus.setattr(sys, "orig_argv", [sys.executable, "train.py"])  # as a script's (pytest-xdist's worker is `-c`)
     gpus.setattr(script_workers, "run_under_torchrun", lambda command, n: launched.append(n) or 0)
     gpus.setattr(script_workers, "exit_with", lambda code: None)
     script_launch.launch_script()

@@ -8,6 +8,10 @@ whether the folder is a checkpoint) from whatever process it runs in.  With ``ch
 overrides ``_save_checkpoint`` instead: ``super()``, then ``value_head.json`` into
 ``output_dir/checkpoint-<step>``, and a line (process id, step) in ``OUT/ckpt-rank<RANK>.txt``.
 Checkpoints every 2 steps of 4, then ``trainer.save_model(OUT/final)``.
+
+``torchrun ... save_script.py OUT real references`` runs the three references one after another in the same
+processes (one launch): ``OUT/first``, ``OUT/resumed`` (a copy of ``OUT/first`` resumed from its
+checkpoint-2, as ``resume`` would in ``OUT/first``) and ``OUT/checkpoint``, each from a fresh model.
 """
 
 import json
@@ -25,12 +29,11 @@ else:
 
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once
 
-out = Path(sys.argv[1])
+out = Path(sys.argv[1])  # the current run's folder and whether it resumes (the overrides below read them)
 resume = "resume" in sys.argv[2:]
 model_dir = out.parent / "tiny-model"
 build_tiny_llama_once(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir)
 texts = [p + a for p, a in arithmetic_problems(64, 1)]
 train = datasets.Dataset.from_dict({"text": texts}).map(
     lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"]
@@ -58,47 +61,72 @@ class CheckpointFileTrainer(Trainer):
             (folder / "value_head.json").write_text(json.dumps({"step": self.state.global_step, "resumed": resume}))
 
 
-args = TrainingArguments(
-    output_dir=str(out),
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
-    max_steps=4,
-    logging_steps=1,
-    save_strategy="steps",
-    save_steps=2,
-    learning_rate=1e-2,
-    report_to="none",
-    use_cpu=True,
-    disable_tqdm=True,
-    seed=3,
-)
-out.mkdir(parents=True, exist_ok=True)
-trainer_class = CheckpointFileTrainer if "checkpoint" in sys.argv[2:] else ValueHeadTrainer
-trainer = trainer_class(
-    model=model,
-    args=args,
-    train_dataset=train,
-    processing_class=tokenizer,
-    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-)
-result = trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
-trainer.save_model(str(out / "final"))
-if trainer.is_world_process_zero():
-    folders = [*sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-")), out / "final"]
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "global_step": result.global_step,
-                "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
-                "saves": {p.name: p.read_text().splitlines() for p in sorted(out.glob("save-rank*.txt"))},
-                "files": {p.name: sorted(f.name for f in p.iterdir()) for p in folders},
-                "heads": {
-                    p.name: json.loads((p / "value_head.json").read_text())
-                    for p in folders
-                    if (p / "value_head.json").is_file()
-                },
-                "checkpoint_calls": {p.name: p.read_text().splitlines() for p in sorted(out.glob("ckpt-rank*.txt"))},
-                "pid": os.getpid(),
-            }
-        )
+def run(checkpoint: bool) -> None:
+    """One run of the script into ``out`` (resuming when ``resume``); rank 0 writes ``out/summary.json``."""
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=3,
     )
+    out.mkdir(parents=True, exist_ok=True)
+    trainer_class = CheckpointFileTrainer if checkpoint else ValueHeadTrainer
+    trainer = trainer_class(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
+    result = trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
+    trainer.save_model(str(out / "final"))
+    if trainer.is_world_process_zero():
+        folders = [*sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-")), out / "final"]
+        (out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "global_step": result.global_step,
+                    "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+                    "saves": {p.name: p.read_text().splitlines() for p in sorted(out.glob("save-rank*.txt"))},
+                    "files": {p.name: sorted(f.name for f in p.iterdir()) for p in folders},
+                    "heads": {
+                        p.name: json.loads((p / "value_head.json").read_text())
+                        for p in folders
+                        if (p / "value_head.json").is_file()
+                    },
+                    "checkpoint_calls": {
+                        p.name: p.read_text().splitlines() for p in sorted(out.glob("ckpt-rank*.txt"))
+                    },
+                    "pid": os.getpid(),
+                }
+            )
+        )
+
+
+if "references" in sys.argv[2:]:
+    if "real" not in sys.argv[2:]:
+        raise SystemExit("references: real Trainer's runs only")
+    import shutil
+
+    import torch.distributed as dist
+
+    root = out
+    out, resume = root / "first", False
+    run(checkpoint=False)
+    if dist.get_rank() == 0:  # resume as `resume` would, in a copy: the first run's summary stays readable
+        shutil.copytree(out, root / "resumed")
+    dist.barrier()
+    out, resume = root / "resumed", True
+    run(checkpoint=False)
+    out, resume = root / "checkpoint", False
+    run(checkpoint=True)
+else:
+    run(checkpoint="checkpoint" in sys.argv[2:])
