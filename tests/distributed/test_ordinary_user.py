@@ -98,6 +98,8 @@ def test_the_readme_demo_runs_for_a_login_user_with_umask_002(user, runtime, wor
     assert "trainbridge demo finished" in result.stdout, _ran(result)
     assert _mode(workdir / "demo_output") == 0o700  # made by the demo: private whatever the umask
     assert _mode(workdir / "demo_output" / "run") == 0o700
+    assert _mode(workdir / "demo_output" / "run" / "metrics.jsonl") == 0o600  # in a folder of its own too
+    assert _mode(workdir / "demo_output" / "model" / "config.json") == 0o600
 
 
 def test_a_ported_trainer_script_runs_under_python_for_a_login_user_with_umask_002(user, runtime, workdir):

@@ -484,6 +484,35 @@ def test_the_demo_folder_is_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert ((tmp_path / "demo_output").stat().st_mode & 0o777) == 0o700
+    written = [p for p in (tmp_path / "demo_output").rglob("*")]
+    assert any(p.name == "config.json" for p in written) and any(p.suffix == ".jsonl" for p in written)
+    assert {oct(p.stat().st_mode & 0o777) for p in written if p.is_file()} == {oct(0o600)}  # model, tokenizer, data
+    assert {oct(p.stat().st_mode & 0o777) for p in written if p.is_dir()} == {oct(0o700)}
+
+
+def test_the_metrics_file_and_its_plot_are_private_whatever_the_umask(tmp_path):
+    """A run folder given by the user may already exist with the umask's modes; what the run writes there
+    itself (the metrics file, the plot) is private all the same."""
+    from types import SimpleNamespace
+
+    from trainbridge.callbacks.metrics_file import MetricsFileCallback
+    from trainbridge.report.plot import plot_metrics
+
+    run = tmp_path / "run"
+    old = os.umask(0o002)
+    try:
+        run.mkdir()  # the user's own folder: 0775
+        args = SimpleNamespace(resolved_metrics_file=run / "metrics.jsonl", share_run_dir_with_group=False)
+        context = SimpleNamespace(args=args, global_step=1, epoch=0.5)
+        callback = MetricsFileCallback()
+        callback.on_train_begin(context)
+        callback.on_log(context, logs={"eval_loss": 1.0})
+        callback.close(context)
+        picture = plot_metrics(run)
+    finally:
+        os.umask(old)
+    assert ((run / "metrics.jsonl").stat().st_mode & 0o777) == 0o600
+    assert (picture.stat().st_mode & 0o777) == 0o600 and picture.read_bytes().startswith(b"\x89PNG")
 
 
 def test_before_python_3_11_a_working_directory_others_can_write_is_refused(tmp_path):

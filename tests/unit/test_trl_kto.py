@@ -5,6 +5,7 @@ trl's ``KTOTrainer.compute_loss`` on the same rows and reference model)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from trl import KTOConfig
 from trl import KTOTrainer as TrlKTOTrainer
 
 from trainbridge import KTOTrainer
+from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.kto_loss import KTOLoss
 from trainbridge.trl.kto_step import UnpairedBatches
 
@@ -185,8 +187,81 @@ def test_precomputed_reference_columns_equal_trls(
         train_dataset=datasets.Dataset.from_list(ROWS),
         processing_class=tokenizer,
     )
-    theirs = trl.train_dataset  # trl scores the reference in its constructor
+    theirs = trl.train_dataset  # trl scores the reference in its constructor, as ours (trl's constructor) does
     for column in ("ref_logps", "ref_KL_logps"):
         assert trainer.train_dataset[column] == pytest.approx(theirs[column], rel=1e-4, abs=1e-4), column
-    trainer.train()
+    assert trainer.step_factory is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ignored = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
+    assert not ignored  # every KTOConfig field is read: trl's constructor precomputes, trl's code reads the rest
     assert [row["step"] for row in trainer.state.log_history if "loss" in row] == [1, 2]
+
+
+def test_kto_trainer_is_trls_class() -> None:
+    import transformers
+    import trl
+
+    assert issubclass(KTOTrainer, trl.KTOTrainer) and issubclass(KTOTrainer, transformers.Trainer)
+
+
+TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
+NOT_COMPARED = {*TIMING, "total_flos"}
+"""Wall-clock values, and the FLOPs estimate (trl's counts its padded batches' positions, the loop has none)."""
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["ref-model", "precomputed"])
+def test_the_kto_step_logs_trls_values(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precompute: bool
+) -> None:
+    """The loop's packed KTO step on trl's prepared rows, against trl's reference model (loaded from the model's
+    path, as trl builds it) or the columns trl's constructor precomputed, gives every value trl logs, step by
+    step: 3 steps of all 16 unpaired rows (one micro-batch), the weights moving."""
+    logs = []
+    for cls in (TrlKTOTrainer, KTOTrainer):
+        config = _config(
+            tmp_path / cls.__module__,
+            per_device_train_batch_size=16,
+            learning_rate=1e-2,
+            precompute_ref_log_probs=precompute,
+            model_init_kwargs={"dtype": "float32"},
+        )
+        if cls is KTOTrainer:
+            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                monkeypatch.setenv(name, value)  # after the config: accelerate's state is trl's
+        trainer = cls(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+        if cls is KTOTrainer:
+            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+        trainer.train()
+        logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
+    trl_log, log = logs
+    assert [row["step"] for row in log] == [row["step"] for row in trl_log] == [1, 2, 3, 3]
+    assert abs(log[2]["rewards/margins"]) > 1e-3 and log[2]["kl"] > 0
+    for row, trl_row in zip(log, trl_log, strict=True):
+        assert row.keys() == trl_row.keys()
+        for key, value in trl_row.items():
+            # float32 rounding of the packed and the padded forwards, amplified by Adam over the steps
+            assert row[key] == pytest.approx(value, rel=2e-3, abs=1e-5), (key, row["step"], row[key], value)
+
+
+def test_a_subclass_compute_loss_runs_per_micro_batch(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script's subclass overriding ``compute_loss`` gets its own code run through trl's ``training_step`` on
+    trl's collated micro-batches, not the loop's packed step; trl's metrics are logged."""
+    calls: list[int] = []
+
+    class Counting(KTOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+            calls.append(int(inputs["input_ids"].shape[0]))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    config = _config(tmp_path / "out", max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=2)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+    assert trainer.step_factory is None
+    trainer.train()
+    assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 rows: trl's batches
+    assert {"kl", "rewards/chosen", "logps/chosen"} <= set(trainer.state.log_history[0])  # trl's metrics

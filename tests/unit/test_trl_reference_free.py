@@ -24,8 +24,6 @@ from trl.experimental.orpo import ORPOTrainer as TrlORPOTrainer
 from trainbridge import CPOTrainer, ORPOTrainer
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.pair_scores import PairScores, score_pairs
-from trainbridge.trl.reference_free_data import COLUMNS as REFERENCE_FREE_COLUMNS
-from trainbridge.trl.reference_free_data import prepare_reference_free_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
 from trainbridge.trl.reference_free_step import LabelledPairBatches
 
@@ -171,7 +169,7 @@ def test_a_packed_micro_batch_equals_trls_padded_batch(
     trl_loss, trl_metrics = trl.get_batch_loss_metrics(trl.model, batch)
 
     loss = loss_of(config)
-    pairs = prepare_reference_free_pairs(datasets.Dataset.from_list(rows), trl.processing_class, config, trl_cls)
+    pairs = trl.train_dataset  # trl's own preparation, as the drop-in's constructor (trl's) leaves it
     batches = LabelledPairBatches(pairs, len(rows), 1, 1, 0, 0, None, whole_sequence=loss.whole_sequence)
     result = loss.micro(score_pairs(trl.model, batches.micro_batch(range(len(rows)))["packed"]))
     assert float(result.loss) == pytest.approx(float(trl_loss), rel=1e-5)
@@ -223,13 +221,84 @@ def test_in_place_run_logs_trls_keys_and_first_step_loss(
         assert first[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-5), key
 
 
-@pytest.mark.parametrize("disable", [True, False])
-def test_the_workers_model_has_no_dropout_unless_asked(disable: bool) -> None:
-    """trl's ``disable_dropout`` (default True) reaches the model each worker trains, however it was given."""
-    from trainbridge.trl.reference_free_step import ReferenceFreeStepFactory
+@pytest.mark.parametrize("ours,trl_cls", [(ORPOTrainer, TrlORPOTrainer), (CPOTrainer, TrlCPOTrainer)])
+def test_the_drop_ins_are_trls_classes(ours: type, trl_cls: type) -> None:
+    import transformers
 
-    pairs = datasets.Dataset.from_dict({key: [[1, 2, 3]] * 2 for key in REFERENCE_FREE_COLUMNS})
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3))
-    factory = ReferenceFreeStepFactory(pairs, ORPOLoss(), 1, 1, disable_dropout=disable)
-    factory(model, None, SimpleNamespace(), SimpleNamespace(world_size=1, rank=0))
-    assert model[1].p == (0.0 if disable else 0.3)
+    assert issubclass(ours, trl_cls) and issubclass(ours, transformers.Trainer)
+
+
+EQUAL_LENGTH_ROWS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a * b + 3)}
+    for a, b in [(12, 3), (45, 2), (21, 4), (33, 2), (17, 5), (52, 1), (28, 3), (40, 2)]
+]
+"""Every prompt 5 characters, every answer 2: trl's padded batches have no padding, so its ``logits/*`` (which
+average over its pad positions) are comparable too."""
+
+TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
+NOT_COMPARED = {*TIMING, "total_flos"}
+"""Wall-clock values, and the FLOPs estimate (trl's counts its padded batches' positions, the loop has none)."""
+
+
+@pytest.mark.parametrize(
+    "ours,trl_cls,config_cls,extra",
+    [
+        (ORPOTrainer, TrlORPOTrainer, ORPOConfig, {}),
+        (CPOTrainer, TrlCPOTrainer, CPOConfig, {}),
+        (CPOTrainer, TrlCPOTrainer, CPOConfig, {"loss_type": "simpo", "cpo_alpha": 0.5}),
+    ],
+    ids=["orpo", "cpo", "simpo"],
+)
+def test_the_packed_step_logs_trls_values(
+    tiny_llama: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ours: type,
+    trl_cls: type,
+    config_cls: type,
+    extra: dict[str, Any],
+) -> None:
+    """The loop's packed step on trl's prepared pairs gives every value trl logs, step by step: 3 steps of all 8
+    pairs (one micro-batch: the pairs' order changes no value), the weights moving."""
+    logs = []
+    for cls in (trl_cls, ours):
+        config = _config(
+            config_cls, tmp_path / cls.__module__, per_device_train_batch_size=8, learning_rate=1e-2, **extra
+        )
+        if cls is ours:
+            _in_place(monkeypatch)  # after the config: accelerate's state is trl's
+        trainer = _trl_trainer(cls, config, tiny_llama, EQUAL_LENGTH_ROWS)
+        if cls is ours:
+            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+        trainer.train()
+        logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
+    trl_log, log = logs
+    assert [row["step"] for row in log] == [row["step"] for row in trl_log] == [1, 2, 3, 3]
+    assert log[2]["loss"] < log[0]["loss"]
+    for row, trl_row in zip(log, trl_log, strict=True):
+        assert row.keys() == trl_row.keys()
+        for key, value in trl_row.items():
+            # float32 rounding of the packed and the padded forwards, amplified by Adam over the steps
+            assert row[key] == pytest.approx(value, rel=2e-3, abs=1e-5), (key, row["step"], row[key], value)
+
+
+@pytest.mark.parametrize("ours,config_cls", [(ORPOTrainer, ORPOConfig), (CPOTrainer, CPOConfig)], ids=["orpo", "cpo"])
+def test_a_subclass_compute_loss_runs_per_micro_batch(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ours: type, config_cls: type
+) -> None:
+    """A script's subclass overriding ``compute_loss`` gets its own code run through trl's ``training_step`` on
+    trl's collated micro-batches, not the loop's packed step; trl's metrics are logged."""
+    calls: list[int] = []
+
+    class Counting(ours):  # type: ignore[misc, valid-type]
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+            calls.append(int(inputs["chosen_input_ids"].shape[0]))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    config = _config(config_cls, tmp_path / "out", max_steps=2, gradient_accumulation_steps=2)
+    _in_place(monkeypatch)
+    trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
+    assert trainer.step_factory is None
+    trainer.train()
+    assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 pairs: trl's batches
+    assert {"rewards/margins", "logps/chosen", "nll_loss"} <= set(trainer.state.log_history[0])  # trl's metrics

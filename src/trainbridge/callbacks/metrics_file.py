@@ -8,6 +8,7 @@ from typing import IO, Any
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.core.private_files import open_private
 
 
 class MetricsFileCallback(Callback):
@@ -20,8 +21,7 @@ class MetricsFileCallback(Callback):
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         path = context.args.resolved_metrics_file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        self._file = open_private(path, "a", context.args.share_run_dir_with_group)
 
     def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
         if self._file is None:

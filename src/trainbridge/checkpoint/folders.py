@@ -22,6 +22,7 @@ from pathlib import Path
 
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, DELETING_PREFIX, OLD_PREFIX, OWNER_FILE, TMP_PREFIX
 from trainbridge.checkpoint.runlock import process_is_alive
+from trainbridge.core.private_files import make_private as make_private
 from trainbridge.core.private_files import modes
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX
 
@@ -74,17 +75,6 @@ def make_owned_folder(tmp: Path, run_id: str, share_with_group: bool = False) ->
         ) from None
     owner_record = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
     (tmp / OWNER_FILE).write_text(json.dumps(owner_record))
-
-
-def make_private(folder: Path, share_with_group: bool = False) -> None:
-    """Every folder and file under ``folder`` (itself included) private: 0700 and 0600, or readable by the
-    group with ``share_with_group`` (0750 and 0640), whatever the umask or the writer (DCP, DeepSpeed,
-    ``save_pretrained``) chose.  Symbolic links are left as they are, never followed."""
-    dir_mode, file_mode = modes(share_with_group)
-    for path in [folder, *folder.rglob("*")]:
-        if path.is_symlink():
-            continue
-        path.chmod(dir_mode if path.is_dir() else file_mode)
 
 
 def read_owner(tmp: Path) -> str:

@@ -21,6 +21,7 @@ import pwd
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
@@ -233,3 +234,33 @@ def make_run_folder(path: str | Path, share_with_group: bool = False) -> list[Pa
         os.chmod(folder, dir_mode)
         created.append(folder)
     return created
+
+
+def make_private(folder: str | Path, share_with_group: bool = False) -> None:
+    """Every folder and file under ``folder`` (itself included) private: 0700 and 0600, or readable by the
+    group with ``share_with_group`` (0750 and 0640), whatever the umask or the writer (DCP, DeepSpeed,
+    ``save_pretrained``, matplotlib) chose.  Symbolic links are left as they are, never followed."""
+    folder = Path(folder)
+    dir_mode, file_mode = modes(share_with_group)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        path.chmod(dir_mode if path.is_dir() else file_mode)
+
+
+def open_private(path: str | Path, mode: str = "a", share_with_group: bool = False) -> IO[Any]:
+    """``open(path, mode)`` ("a", "w", "ab" or "wb") with a created file and its missing folders private (or
+    readable by the group), whatever the umask; a symbolic link at ``path`` is refused, never followed."""
+    path = Path(path)
+    file_mode = modes(share_with_group)[1]
+    make_run_folder(path.parent, share_with_group)
+    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, file_mode)
+    except OSError as exc:
+        raise _refuse_link(exc, path) from None
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, file_mode)  # the mode asked for, whatever the umask (or an older file's mode)
+    if "b" in mode:
+        return os.fdopen(fd, mode)
+    return os.fdopen(fd, mode, encoding="utf-8")

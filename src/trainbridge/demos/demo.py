@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
-from trainbridge.core.private_files import make_run_folder
+from trainbridge.core.private_files import make_private, make_run_folder
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 from trainbridge.launch.launcher import run_training
 from trainbridge.loop.result import RunResult
@@ -46,6 +46,9 @@ def demo_training_args(output_dir: Path, max_steps: int = DEMO_MAX_STEPS, chat: 
     else:
         train_file = write_arithmetic_dataset(data_dir / "train.jsonl", DEMO_TRAIN_SAMPLES, seed=1)
         val_file = write_arithmetic_dataset(data_dir / "val.jsonl", DEMO_VAL_SAMPLES, seed=2)
+    for written in (model_dir, data_dir):  # private whatever the umask (save_pretrained and writes use it)
+        if written.exists():
+            make_private(written)
     run_dir = output_dir / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     interval = max(1, max_steps // 4)

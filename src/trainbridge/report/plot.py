@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainbridge.core.private_files import open_private
+
 METRICS_FILE_NAME = "metrics.jsonl"
 """The metrics file's name inside a run folder (``TrainingArgs.resolved_metrics_file``'s default)."""
 
@@ -99,7 +101,7 @@ def plot_metrics(run: str | Path, output: str | Path | None = None) -> Path:
         axis.set_xlabel("step")
     figure.suptitle(str(metrics_file.parent.name or metrics_file))
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    with open_private(path, "wb") as handle:  # private whatever the umask, as the run folder
+        figure.savefig(handle, dpi=100, format=path.suffix.lstrip(".") or "png")
     plt.close(figure)
     return path

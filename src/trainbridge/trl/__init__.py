@@ -7,12 +7,11 @@
 - ``preference_loss``: DPO's loss types and metrics as functions of per-sequence log-probs.
 - ``sequence_logps``: chosen and rejected sequences scored by one padding-free forward.
 - ``preference_data``: trl's DPO data preparation, run by trl; the reference model's log-probs.
-- ``reference_free_trainer``: ``ORPOTrainer`` and ``CPOTrainer`` (trl's constructors on the facade).
-- ``reference_free_step``: ORPO/CPO on the step seam; ``reference_free_loss``: their losses and metrics.
-- ``reference_free_data``: trl's ORPO/CPO data preparation, run by trl; ``pair_scores``: labelled pairs
-  scored by one padding-free forward.
-- ``kto_trainer``: ``KTOTrainer`` (trl's constructor and data preparation); ``kto_step``: KTO on the step
-  seam (unpaired rows, the KL reference point); ``kto_loss``: its loss and metrics.
+- ``reference_free_trainer``: ``ORPOTrainer`` and ``CPOTrainer`` (trl's classes; the packed step stands in for
+  their ``compute_loss``); ``reference_free_step``: ORPO/CPO on the step seam; ``reference_free_loss``: their
+  losses and metrics; ``pair_scores``: labelled pairs scored by one padding-free forward.
+- ``kto_trainer``: ``KTOTrainer`` (trl's class; the KTO step stands in for its ``compute_loss``); ``kto_step``: KTO
+  on the step seam (unpaired rows, the KL reference point); ``kto_loss``: its loss and metrics.
 - ``online_rl``: ``GRPOTrainer`` and ``RLOOTrainer`` (trl's classes, trained by the loop);
   ``generation_buffer``: the generation batch pending at a checkpoint, saved and restored.
 - ``reward_model``: ``RewardTrainer`` (trl's class, trained by the loop).

@@ -438,7 +438,13 @@ class DPOStepFactory:
         named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
         single = eval_set(evaluation) if evaluation is not None and not named else None
         reference = self.reference(model, args, env)
-        for callback in args.plan.callbacks:  # trl's SyncRefModelCallback as DPOTrainer adds it: mixes into this one
+        self.hand_to_sync_callback(reference, args)
+        return PreferenceStep(batches, self.settings, reference, single, dict(named))
+
+    @staticmethod
+    def hand_to_sync_callback(reference: torch.nn.Module | None, args: Any) -> None:
+        """trl's ``SyncRefModelCallback`` (``sync_ref_model``, as trl's trainer adds it) mixes the policy into
+        ``reference``, the model the step scores with."""
+        for callback in args.plan.callbacks:
             if type(callback).__name__ == "SyncRefModelCallback" and reference is not None:
                 callback.ref_model = reference
-        return PreferenceStep(batches, self.settings, reference, single, dict(named))

@@ -187,9 +187,9 @@ class KTOStep(TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows; the
-    reference model is picked as for DPO (``DPOStepFactory.reference``: ``ref_model``, the PEFT base, or a
-    frozen copy of the loaded policy)."""
+    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
+    ``KTOTrainer`` preparation, written by the facade); the reference is picked as for DPO
+    (``DPOStepFactory.reference``: trl's ``ref_model``, the PEFT base, or the rows' precomputed columns)."""
 
     def __init__(
         self,
@@ -200,19 +200,22 @@ class KTOStepFactory(DPOStepFactory):
         ref_model: torch.nn.Module | None = None,
         seed: int = 0,
         sequential: bool = True,
-        disable_dropout: bool = True,
     ) -> None:
-        super().__init__(None, DPOLossSettings(), rows_per_micro, micro_per_step, max_length, ref_model=ref_model)
-        self.loss, self.seed, self.sequential = loss, seed, sequential
-        self.disable_dropout = disable_dropout
+        super().__init__(
+            None,
+            DPOLossSettings(),
+            rows_per_micro,
+            micro_per_step,
+            max_length,
+            ref_model=ref_model,
+            seed=seed,
+            shared_reference=True,  # trl's own object: what its evaluation and SyncRefModelCallback hold
+        )
+        self.loss, self.sequential = loss, sequential
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> KTOStep:  # type: ignore[override]
         from trainbridge.data.rows import open_rows
 
-        if self.disable_dropout:  # trl's default: on the model the worker trains, however it was given
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(model)
         enable_for_own_rows(model, args, self.max_length)
         dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         self.columns = list(dataset.column_names)
@@ -227,4 +230,5 @@ class KTOStepFactory(DPOStepFactory):
             sequential=self.sequential,
         )
         reference = None if "ref_logps" in self.columns else self.reference(model, args, env)
+        self.hand_to_sync_callback(reference, args)
         return KTOStep(batches, self.loss, reference, env)

@@ -27,7 +27,8 @@ PairLoss = ORPOLoss | CPOLoss
 
 
 class LabelledPairBatches(PairBatches):
-    """Pairs of trl's ORPO/CPO preparation (``reference_free_data.COLUMNS`` rows), packed with their labels."""
+    """Pairs of trl's ORPO/CPO preparation (``chosen_input_ids``/``chosen_labels``/``rejected_input_ids``/
+    ``rejected_labels`` rows), packed with their labels."""
 
     def __init__(self, dataset: Any, *args: Any, whole_sequence: bool = False, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
@@ -114,35 +115,18 @@ class ReferenceFreeStep(TrainStep):
 
 class ReferenceFreeStepFactory:
     """``RunPlan.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
-    worker over the job's prepared pairs (``dataset`` None: the job's ``data_path``, as the facade writes
-    them)."""
+    worker over the job's prepared pairs (trl's preparation, written by the facade at ``data_path``)."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        loss: PairLoss,
-        pairs_per_micro: int,
-        micro_per_step: int,
-        seed: int = 0,
-        disable_dropout: bool = True,
-    ) -> None:
-        self.dataset, self.loss = dataset, loss
+    def __init__(self, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0) -> None:
+        self.loss = loss
         self.pairs_per_micro, self.micro_per_step, self.seed = pairs_per_micro, micro_per_step, seed
-        self.disable_dropout = disable_dropout
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> ReferenceFreeStep:
-        if self.disable_dropout:  # trl's default: on the model the worker trains, however it was given
-            from trl.trainer.utils import disable_dropout_in_model
+        from trainbridge.data.rows import open_rows
 
-            disable_dropout_in_model(model)
         enable_for_own_rows(model, args, None)
-        dataset = self.dataset
-        if dataset is None:
-            from trainbridge.data.rows import open_rows
-
-            dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
         batches = LabelledPairBatches(
-            dataset,
+            open_rows(args.data_path, tokenizer, args.max_seq_len),
             self.pairs_per_micro,
             self.micro_per_step,
             env.world_size,

@@ -1,11 +1,18 @@
-"""``ORPOTrainer`` and ``CPOTrainer``: trl's (``trl.experimental``) constructors on trainbridge's facade.
+"""``ORPOTrainer`` and ``CPOTrainer``: trl's own (``trl.experimental``) trainers, trained by trainbridge's loop.
 
-Each takes trl's arguments as they are (``ORPOConfig``/``CPOConfig``, a model object or a path with
-``model_init_kwargs``, ``peft_config``, ``processing_class``), prepares the pairs with trl's own
-preparation (``reference_free_data``) and hands the workers a ``reference_free_step`` factory as the
-job's ``train_step``: the facade writes the prepared pairs as the job's items and each worker builds the
-step over them with the loss read from the config (``ORPOLoss``/``CPOLoss``).  Neither has a reference
-model.
+Each is trl's class with ``TrlLoop`` in front (``class ORPOTrainer(TrlLoop, trl.experimental.orpo.ORPOTrainer)``;
+see ``trl_loop``): trl's constructor (``ORPOConfig``/``CPOConfig``, a model object or a path with
+``model_init_kwargs``, ``peft_config``, the tokenizer from the model), its data preparation (the prompt extracted,
+the chat template, ``tokenize_row``: ``chosen_input_ids``/``chosen_labels``/``rejected_*``), its evaluation
+(``evaluation_loop``, ``prediction_step``, ``generate_during_eval``), ``log`` and ``compute_metrics`` run
+unchanged; ``train()`` is the loop.  Neither has a reference model.
+
+The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``stands_in_for``), the loop
+trains trl's prepared pairs with ``reference_free_step.ReferenceFreeStep`` (chosen and rejected in one
+padding-free forward) and the loss read from the config (``ORPOLoss``/``CPOLoss``: trl's loss and metrics; its
+``logits/*`` over the completion tokens, where trl's include its batch's padding).  A script's subclass
+overriding one of them, a collator of the script's, an encoder-decoder or a MoE router loss steps through trl's
+own ``training_step`` on trl's collated micro-batches instead.
 """
 
 from __future__ import annotations
@@ -13,137 +20,68 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainbridge.trainer import Trainer
-from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trl.arguments import fields_read, trl_config, trl_tokenizer
-from trainbridge.trl.reference_free_data import prepare_reference_free_pairs
+from trl.experimental import cpo, orpo
+
+from trainbridge.trainer import subclass
 from trainbridge.trl.reference_free_loss import CPOLoss, ORPOLoss
 from trainbridge.trl.reference_free_step import ReferenceFreeStepFactory
+from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
 
-class _ReferenceFreeTrainer(Trainer):
-    """trl's ``(model, args, data_collator, train_dataset, eval_dataset, processing_class, model_init,
-    callbacks, optimizers, preprocess_logits_for_metrics, peft_config, compute_metrics)``."""
+class _ReferenceFree(TrlLoop):
+    """The packed ORPO/CPO step standing in for trl's ``compute_loss`` where it applies (``stands_in_for``, declared
+    on each class below trl's: ``trainer.subclass.overrides``)."""
 
-    _suffix = ""
+    step_factory: ReferenceFreeStepFactory | None = None
+    """``RunPlan.train_step`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
 
-    @staticmethod
-    def _trl_classes() -> tuple[type, type]:
-        """(trl's config class, trl's trainer class)."""
+    def _loss(self) -> ORPOLoss | CPOLoss:
         raise NotImplementedError
 
-    def _loss(self, config: Any) -> ORPOLoss | CPOLoss:
-        raise NotImplementedError
-
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        model_init: Any = None,
-        callbacks: list[Any] | None = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        preprocess_logits_for_metrics: Any = None,
-        peft_config: Any = None,
-        compute_metrics: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        config_cls, trl_trainer = self._trl_classes()
-        name = trl_trainer.__name__
-        args = trl_config(args, config_cls, model, self._suffix)
-        if train_dataset is None:
-            raise ValueError(f"train_dataset: {name} needs preference pairs (prompt/chosen/rejected rows)")
-        if eval_dataset is not None:
-            raise UnsupportedTrainerFeatureError(
-                f"eval_dataset: {name} does not evaluate preference pairs yet; pass eval_dataset=None"
-            )
-        if data_collator is not None:
-            raise UnsupportedTrainerFeatureError(
-                f"data_collator: {name} packs the pairs padding-free itself; pass data_collator=None"
-            )
-        if args.model_init_kwargs is not None and not isinstance(model, str):
-            raise ValueError(f"model_init_kwargs: given with a model object; {name} applies them only to a model path")
-        loss = self._loss(args)
-        processing_class, tokenizer = trl_tokenizer(processing_class, model)
-        pairs = prepare_reference_free_pairs(train_dataset, tokenizer, args, trl_trainer)
+    def _loop_collator(self) -> Any:
+        """None where the packed step applies (``step_factory``): trl's collator is not called; else trl's
+        collator (or the script's), called as written by trl's own step."""
+        args: Any = self.args
+        fast = (
+            self.use_dpo_data_collator  # type: ignore[attr-defined]
+            and not self.is_encoder_decoder  # type: ignore[attr-defined]
+            and not (self.aux_loss_enabled and self.aux_loss_coef)  # type: ignore[attr-defined]
+            and subclass.subclass_loss(self) is None  # no override of the script's
+        )
+        if not fast:
+            self.stands_in_for = ("_save_checkpoint",)
+            return self.data_collator
         self.step_factory = ReferenceFreeStepFactory(
-            None,
-            loss,
+            self._loss(),
             pairs_per_micro=int(args.per_device_train_batch_size),
             micro_per_step=int(args.gradient_accumulation_steps),
             seed=int(args.seed),
-            disable_dropout=bool(args.disable_dropout),
         )
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=None,
-            train_dataset=pairs,
-            eval_dataset=None,
-            processing_class=processing_class,
-            model_init=model_init,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            peft_config=peft_config,
-            **kwargs,
-        )
+        return None
 
     def _row_preparation(self) -> Any:
-        """The prepared pairs are the job's items, written as they are (every column)."""
+        """trl's prepared pairs are the job's items, written as they are (every column)."""
         return dataclasses.replace(super()._row_preparation(), items=True)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        with fields_read(self.args, READ_FIELDS):
-            return super().train(*args, **kwargs)
+
+class ORPOTrainer(_ReferenceFree, orpo.ORPOTrainer):  # type: ignore[misc]
+    """trl's ``trl.experimental.orpo.ORPOTrainer(model, args, data_collator, train_dataset, eval_dataset,
+    processing_class, model_init, callbacks, optimizers, preprocess_logits_for_metrics, peft_config,
+    compute_metrics)`` on trainbridge's loop."""
+
+    stands_in_for: tuple[str, ...] = STEP_STAND_IN
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+
+    def _loss(self) -> ORPOLoss:
+        return ORPOLoss.from_config(self.args)
 
 
-READ_FIELDS = (
-    "beta",
-    "label_smoothing",
-    "loss_type",
-    "cpo_alpha",
-    "simpo_gamma",
-    "alpha",
-    "max_length",
-    "max_completion_length",
-    "disable_dropout",
-    "dataset_num_proc",
-)
-"""ORPO/CPO config fields (not ``TrainingArguments``') that the data preparation and the step read
-(``reference_free_loss``, ``reference_free_data``): honoured, so the porting does not call them ignored."""
+class CPOTrainer(_ReferenceFree, cpo.CPOTrainer):  # type: ignore[misc]
+    """trl's ``trl.experimental.cpo.CPOTrainer`` (``loss_type`` sigmoid, hinge, ipo or simpo, ``cpo_alpha``,
+    ``simpo_gamma``, AlphaPO's ``alpha``) on trainbridge's loop, with ``ORPOTrainer``'s arguments."""
 
+    stands_in_for: tuple[str, ...] = STEP_STAND_IN
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
-class ORPOTrainer(_ReferenceFreeTrainer):
-    """trl's ``trl.experimental.orpo.ORPOTrainer`` on trainbridge's loop (``ORPOConfig`` as it is)."""
-
-    _suffix = "ORPO"
-
-    @staticmethod
-    def _trl_classes() -> tuple[type, type]:
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-        return ORPOConfig, ORPOTrainer
-
-    def _loss(self, config: Any) -> ORPOLoss:
-        return ORPOLoss.from_config(config)
-
-
-class CPOTrainer(_ReferenceFreeTrainer):
-    """trl's ``trl.experimental.cpo.CPOTrainer`` on trainbridge's loop (``CPOConfig`` as it is: ``loss_type``
-    sigmoid, hinge, ipo or simpo, ``cpo_alpha``, ``simpo_gamma``, AlphaPO's ``alpha``)."""
-
-    _suffix = "CPO"
-
-    @staticmethod
-    def _trl_classes() -> tuple[type, type]:
-        from trl.experimental.cpo import CPOConfig, CPOTrainer
-
-        return CPOConfig, CPOTrainer
-
-    def _loss(self, config: Any) -> CPOLoss:
-        return CPOLoss.from_config(config)
+    def _loss(self) -> CPOLoss:
+        return CPOLoss.from_config(self.args)

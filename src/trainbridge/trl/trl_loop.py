@@ -10,6 +10,10 @@ loop's batches: trl's evaluation batches (GRPO's repeat sampler, the reward mode
 
 from __future__ import annotations
 
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from transformers import TrainingArguments
@@ -18,7 +22,19 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
-from trainbridge.trl.arguments import fields_read
+
+
+@contextmanager
+def fields_read(config: Any) -> Iterator[None]:
+    """Without the porting's warning that a field of trl's ``config`` (not a ``TrainingArguments`` field) "has no
+    effect": trl's own code (or trainbridge's step standing in for trl's) reads every one of them."""
+    from trainbridge.hf.porting import HFPortingWarning
+
+    cls = re.escape(type(config).__name__)
+    with warnings.catch_warnings():
+        message = rf"{cls}\.\w+=.* is ignored: {cls} is not TrainingArguments"
+        warnings.filterwarnings("ignore", message=message, category=HFPortingWarning)
+        yield
 
 
 class _TrainedTokens(Callback):
@@ -55,6 +71,7 @@ class TrlLoop(LoopTrainer):
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
+        args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
         self._init_loop(torchrun_args, self._loop_collator())
 
