@@ -1,12 +1,14 @@
 """``trainbridge.Trainer``: port a ``transformers.Trainer`` script by changing its import.
 
-- ``facade``: the ``Trainer`` class (constructor, ``train``/``evaluate``/``predict``, saving, callbacks).
-- ``jobs``: train and evaluate, in place under the script's launcher or in torchrun workers it launches.
-- ``run_folder``: the job's inputs written into ``output_dir/.trainbridge/``, as a typed ``RunLayout``.
-- ``job_args``: the job's ``TrainingArgs``; ``results``: what it returns, as Trainer's state and metrics.
-- ``script_data``: datasets, collators and the model, made ready for the workers.
-- ``runner``: the jobs on each rank (in place, or as the torchrun workers' module).
-- ``script_events``: Trainer's events outside training, on the script's callbacks.
+- ``facade``: the ``Trainer`` class (Trainer's constructor and methods; ``train()`` is the loop) and ``LoopTrainer``,
+  what any Trainer class (``seq2seq``, trl's in ``trainbridge.trl``) puts in front of it.
+- ``jobs``: ``train()``'s job, in place on every rank; ``job_args``: its ``TrainingArgs`` and run plan.
+- ``run_folder``: the datasets' rows and tokenizer written into ``output_dir/.trainbridge/``, as a ``RunLayout``.
+- ``script_data``: the script's datasets and collator, made ready for the loop's batches.
+- ``subclass``, ``subclass_data``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
+  step, evaluation, log, data loader, saves, optimizer).
+- ``native_callbacks``: trainbridge callbacks held by Trainer's callback handler.
+- ``runner``: the loop with the run's callbacks on this rank; ``results``: its results as Trainer's.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -36,7 +36,7 @@ from trainbridge.core.run_dir import FacadeDir
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import jobs, results, script_data, subclass
+from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.run_folder import RowPreparation
 
@@ -143,7 +143,43 @@ class LoopTrainer(_TrainerBase):
         not the ones Trainer adds itself (flow, progress, ``report_to``'s: the loop adds its own)."""
         own = (transformers.DefaultFlowCallback, transformers.PrinterCallback, transformers.ProgressCallback)
         reporting = self._reporting_ids()
-        return [cb for cb in self.callback_handler.callbacks if type(cb) not in own and id(cb) not in reporting]
+        return [
+            native_callbacks.unwrapped(cb)
+            for cb in self.callback_handler.callbacks
+            if type(cb) not in own and id(cb) not in reporting
+        ]
+
+    @staticmethod
+    def _holding_natives(
+        init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
+        in a ``TrainerCallback`` (``trainer.native_callbacks``), which Trainer's handler can call."""
+        bound = inspect.signature(init).bind_partial(*args, **kwargs)
+        if bound.arguments.get("callbacks") is None:
+            return args, kwargs
+        bound.arguments["callbacks"] = native_callbacks.held_all(bound.arguments["callbacks"])
+        return bound.args, bound.kwargs
+
+    def add_callback(self, callback: Any) -> None:
+        """Trainer's ``add_callback``; a native callback (``trainbridge.Callback``, a function) too."""
+        super().add_callback(native_callbacks.held(callback))
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Trainer's ``pop_callback``; a native callback (object or class) too, returned as it was added."""
+        holder = native_callbacks.find(self.callback_handler, callback)
+        if isinstance(holder, native_callbacks.NativeCallback):
+            self.callback_handler.callbacks.remove(holder)
+            return holder.native
+        return super().pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Trainer's ``remove_callback``; a native callback (object or class) too."""
+        holder = native_callbacks.find(self.callback_handler, callback)
+        if isinstance(holder, native_callbacks.NativeCallback):
+            self.callback_handler.callbacks.remove(holder)
+            return
+        super().remove_callback(callback)
 
     def _reporting_ids(self) -> set[int]:
         """The ``report_to`` integration callbacks Trainer's constructor added (ids)."""
@@ -337,7 +373,7 @@ class Trainer(LoopTrainer, transformers.Trainer):
             model_init=model_init,
             compute_loss_func=compute_loss_func,
             compute_metrics=compute_metrics,
-            callbacks=callbacks,
+            callbacks=native_callbacks.held_all(callbacks),
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,

@@ -93,6 +93,7 @@ class TrlLoop(LoopTrainer):
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
+        args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
         self._init_loop(torchrun_args, self._loop_collator())
 

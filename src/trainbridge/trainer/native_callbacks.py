@@ -1,0 +1,68 @@
+"""trainbridge's own callbacks in a ``Trainer``'s ``callbacks=`` / ``add_callback``.
+
+Trainer's ``CallbackHandler`` calls every callback it holds with ``(args, state, control)``; a native
+``trainbridge.Callback`` (or a plain function, a ``CallbackSpec``) takes a ``TrainingContext``.  So the
+handler holds each native one inside a ``NativeCallback``, a ``TrainerCallback`` that does nothing on
+Trainer's events, and ``train()`` hands the loop the native callback itself (``unwrapped``), where it gets
+every event with its context.  ``pop_callback``/``remove_callback`` find it by its object or its class.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trainbridge.hf.handler import is_hf_callback
+
+
+class NativeCallback(TrainerCallback):
+    """A native callback held by Trainer's ``CallbackHandler`` (silent there; the loop runs ``native``)."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def __repr__(self) -> str:
+        return f"NativeCallback({self.native!r})"
+
+
+_HOLDERS: dict[Any, type[NativeCallback]] = {}
+
+
+def held(callback: Any) -> Any:
+    """``callback`` as Trainer's handler may hold it: a ``TrainerCallback`` as it is, anything else (a class
+    instantiated, as Trainer's handler does) wrapped in a ``NativeCallback`` subclass named after it (the
+    handler warns when one class is added twice)."""
+    if is_hf_callback(callback) or isinstance(callback, NativeCallback):
+        return callback
+    if isinstance(callback, type):
+        callback = callback()  # a class is instantiated, as Trainer's handler does
+    kind = callback if inspect.isfunction(callback) else type(callback)
+    holder = _HOLDERS.get(kind)
+    if holder is None:
+        holder = _HOLDERS[kind] = type(f"Native[{kind.__qualname__}]", (NativeCallback,), {})
+    return holder(callback)
+
+
+def held_all(callbacks: Any) -> Any:
+    """A ``callbacks=`` argument with each native callback wrapped (None stays None)."""
+    return None if callbacks is None else [held(cb) for cb in callbacks]
+
+
+def unwrapped(callback: Any) -> Any:
+    """What the loop runs for a callback of Trainer's handler."""
+    return callback.native if isinstance(callback, NativeCallback) else callback
+
+
+def matches(holder: Any, callback: Any) -> bool:
+    """Whether the handler's ``holder`` is ``callback`` (an object, or a class: any of its instances)."""
+    native = unwrapped(holder)
+    if isinstance(callback, type):
+        return isinstance(native, callback) or native is callback
+    return native is callback or holder is callback
+
+
+def find(handler: Any, callback: Any) -> Any:
+    """The first callback of ``handler`` that ``matches`` ``callback``, or None."""
+    return next((cb for cb in handler.callbacks if matches(cb, callback)), None)
