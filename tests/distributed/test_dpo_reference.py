@@ -1,10 +1,14 @@
-"""DPO's default reference (a frozen copy of the policy) on 2 gloo ranks: under FSDP2 it is sharded like the
-policy (DTensor parameters, each rank holding part of them), and the run's losses and rewards equal the
-DDP run's, where each rank holds a whole copy."""
+"""DPO's reference on 2 gloo ranks under FSDP2.  The step factory's default reference (a frozen copy of the
+policy) is sharded like the policy (DTensor parameters, each rank holding part of them), and the run's losses and
+rewards equal the DDP run's, where each rank holds a whole copy.  ``DPOTrainer``'s reference is trl's own
+``ref_model``, sharded in place (``trl.trl_loop.ShardedReference``) and shared by the step, trl's
+``SyncRefModelCallback`` and trl's evaluation (``scripts/dpo_fsdp_script.py``)."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,7 @@ import pytest
 
 pytest.importorskip("trl")
 
+from tests.distributed.script_runs import run_checked, torchrun
 from tests.distributed.training_fixtures import base_args
 from trainbridge import TorchrunArgs, run_training
 from trainbridge.trl.dpo_step import DPOStepFactory
@@ -76,3 +81,24 @@ def test_fsdp2_shards_the_reference_like_the_policy_and_trains_as_ddp(assets: di
     for ours, theirs in zip(fsdp_logs, ddp_logs, strict=True):
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-3, abs=1e-5), (ours["step"], key)
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "dpo_fsdp_script.py"
+
+
+def test_dpo_trainer_shares_trls_sharded_reference_with_sync_and_evaluation(tmp_path: Path) -> None:
+    """``sync_ref_model`` with alpha 1 makes the reference the policy after every step: each training step starts
+    from policy == reference (loss log 2), and trl's ``evaluate()`` after training, scoring with the same
+    (sharded, synced) reference, finds margins 0."""
+    out = tmp_path / "out"
+    run_checked(torchrun(SCRIPT, str(out)), {**os.environ, "OMP_NUM_THREADS": "1"}, out)
+    results = [json.loads((out / f"result-rank{rank}.json").read_text()) for rank in range(2)]
+    for result in results:
+        assert result["step_scores_with_trls_reference"]  # no copy: the step scores with trl's ref_model
+        assert result["reference_dtensor"], "each rank holds a whole reference model"
+        assert result["reference_local_share"] < 0.75
+        assert [row["step"] for row in result["logged"]] == [1, 2, 3]
+        assert all(row["loss"] == pytest.approx(math.log(2), abs=1e-4) for row in result["logged"])
+        assert abs(result["eval"]["eval_rewards/margins"]) < 1e-5  # the synced reference: the trained policy
+        assert result["eval"]["eval_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert sum(r["reference_local_share"] for r in results) == pytest.approx(1.0)

@@ -1,6 +1,6 @@
 """trainbridge's ``GRPOTrainer`` under FSDP2 on 2 gloo ranks (``scripts/grpo_fsdp_script.py``): generation with
 ``transformers`` ``generate`` on the sharded policy (synced forwards), the reference model sharded as the policy
-(``trl.online_rl.ShardedReference``), a checkpoint in the middle of a generation batch."""
+(``trl.trl_loop.ShardedReference``), a checkpoint in the middle of a generation batch."""
 
 from __future__ import annotations
 

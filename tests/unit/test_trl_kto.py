@@ -265,3 +265,29 @@ def test_a_subclass_compute_loss_runs_per_micro_batch(
     trainer.train()
     assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 rows: trl's batches
     assert {"kl", "rewards/chosen", "logps/chosen"} <= set(trainer.state.log_history[0])  # trl's metrics
+
+
+EVAL_TIMING = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time"}
+
+
+def test_evaluate_is_trls(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``eval_dataset`` is taken and prepared by trl's constructor; ``evaluate()`` is trl's own (its batches, loss
+    and metrics): equal to trl's ``evaluate()`` on the same model and reference."""
+    found = []
+    for cls in (TrlKTOTrainer, KTOTrainer):
+        config = _config(
+            tmp_path / cls.__module__, per_device_eval_batch_size=4, model_init_kwargs={"dtype": "float32"}
+        )
+        if cls is KTOTrainer:
+            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                monkeypatch.setenv(name, value)
+        trainer = cls(
+            model=str(tiny_llama),
+            args=config,
+            train_dataset=datasets.Dataset.from_list(ROWS),
+            eval_dataset=datasets.Dataset.from_list(ROWS[:4]),
+        )
+        found.append({k: v for k, v in trainer.evaluate().items() if k not in EVAL_TIMING})
+    trl_metrics, metrics = found
+    assert {"eval_loss", "eval_kl", "eval_rewards/chosen", "eval_logps/rejected"} <= set(metrics)
+    assert metrics == pytest.approx(trl_metrics, rel=1e-5)

@@ -302,3 +302,34 @@ def test_a_subclass_compute_loss_runs_per_micro_batch(
     trainer.train()
     assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 pairs: trl's batches
     assert {"rewards/margins", "logps/chosen", "nll_loss"} <= set(trainer.state.log_history[0])  # trl's metrics
+
+
+EVAL_TIMING = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time"}
+
+
+@pytest.mark.parametrize(
+    "ours,trl_cls,config_cls",
+    [(ORPOTrainer, TrlORPOTrainer, ORPOConfig), (CPOTrainer, TrlCPOTrainer, CPOConfig)],
+    ids=["orpo", "cpo"],
+)
+def test_evaluate_is_trls(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ours: type, trl_cls: type, config_cls: type
+) -> None:
+    """``eval_dataset`` is taken and prepared by trl's constructor; ``evaluate()`` is trl's own
+    (``evaluation_loop``, ``prediction_step``: its padded batches, loss and metrics), equal to trl's."""
+    found = []
+    for cls in (trl_cls, ours):
+        config = _config(config_cls, tmp_path / cls.__module__, per_device_eval_batch_size=2)
+        if cls is ours:
+            _in_place(monkeypatch)
+        trainer = cls(
+            model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+            args=config,
+            train_dataset=datasets.Dataset.from_list(ROWS),
+            eval_dataset=datasets.Dataset.from_list(ROWS[:4]),
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+        )
+        found.append({k: v for k, v in trainer.evaluate().items() if k not in EVAL_TIMING})
+    trl_metrics, metrics = found
+    assert {"eval_loss", "eval_rewards/margins", "eval_nll_loss"} <= set(metrics)
+    assert metrics == pytest.approx(trl_metrics, rel=1e-5)

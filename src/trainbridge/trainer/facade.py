@@ -259,29 +259,9 @@ class LoopTrainer(_TrainerBase):
         loop_evaluation = vars(self).get(subclass.LOOP_EVALUATION)
         if loop_evaluation is not None and eval_dataset is None and metric_key_prefix == "eval" and not kwargs:
             return dict(loop_evaluation())
-        if getattr(self, "step_factory", None) is not None and loop_evaluation is None:
-            return self._evaluate_with_step(eval_dataset, metric_key_prefix)
         return dict(
             super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         )
-
-    def _evaluate_with_step(self, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
-        """``evaluate()`` outside training for a Trainer whose step is trainbridge's own (``step_factory``: the
-        trl drop-ins' DPO/KTO/CPO steps): that step's evaluation by the loop, logged (``log``, ``on_evaluate``)
-        as Trainer's ``evaluate`` logs; a dict evaluates each set in turn."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        names = [str(name) for name in dataset] if isinstance(dataset, dict) else []
-        found = jobs.evaluate_with_loop(self, dataset)
-        metrics: dict[str, float] = {}
-        for part in results.per_set(found, names):
-            part.pop("epoch", None)
-            part = results.prefixed(part, metric_key_prefix)
-            self.log(part)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, part)
-            metrics.update(part)
-        return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; for one of the loop's logs (``subclass.ScriptTrainerEvents``), what the chain

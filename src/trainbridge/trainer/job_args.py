@@ -119,27 +119,3 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
         if label_names:
             fields["label_names"] = list(label_names)
     return fields
-
-
-def evaluation_args(args: TrainingArgs, output_dir: Path) -> TrainingArgs:
-    """``args`` for one evaluation by the loop (``jobs.evaluate_with_loop``): no training, checkpoints,
-    callbacks, reports or optimizer; output into ``output_dir``."""
-    updates: dict[str, Any] = {
-        "optimizer_factory": None,
-        "checkpoint_model_files": None,
-        "eval_strategy": "no",
-        "save_strategy": "no",
-        "load_best_model_at_end": False,
-        "metric_for_best_model": None,
-        "callbacks": [],
-        "report_to": [],
-        "eval_on_start": False,
-        "ckpt_output_dir": output_dir,
-        "resume_from_checkpoint": None,
-        "train_stream": None,
-        "train_loader": None,
-        "evaluation": None,
-    }
-    data = {**{name: getattr(args, name) for name in TrainingArgs.model_fields}, **args.plan.keywords()}
-    data.update(updates)
-    return TrainingArgs.model_validate(data)

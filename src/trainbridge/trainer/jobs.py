@@ -13,9 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
-from trainbridge.core.run_dir import FacadeDir
-from trainbridge.loop.build import build_run
-from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args, run_folder
 from trainbridge.trainer.runner import FacadeJob, run_job
@@ -64,18 +61,3 @@ def _write_training_inputs(trainer: Trainer) -> run_folder.RunLayout:
         trainer.train_dataset,
         trainer.eval_dataset,
     )
-
-
-def evaluate_with_loop(trainer: Trainer, dataset: Any) -> dict[str, Any]:
-    """One evaluation of ``trainer``'s model on ``dataset`` (one or a dict of named sets) by the loop's own
-    step (trl's Trainers: their losses and metrics), in place on every rank -> the metrics, prefixed ``eval``."""
-    folder = FacadeDir(trainer._folder.root / "evaluate")
-    env = trainer._start_env()
-    layout = env.on_rank_zero(
-        lambda: run_folder.write_evaluation_inputs(
-            folder, trainer._loop_tokenizer(), trainer._row_preparation(), dataset
-        ),
-        "writing the evaluation data",
-    )
-    args = job_args.evaluation_args(job_args.training_args(trainer, layout, env.world_size, None), folder.root)
-    return dict(TrainingLoop(args, env, [], build_run(args, env)).evaluate())

@@ -6,7 +6,6 @@ per named set and given the caller's ``metric_key_prefix``, each as ``transforme
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,30 +35,6 @@ def train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict
     if disable_tqdm:
         metrics.pop("total_flos", None)
     return metrics
-
-
-def per_set(metrics: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
-    """An evaluation's metrics split into one dict per named set (``eval_<name>_...``, each with ``epoch``), as
-    each set's ``log()`` records them; ``[metrics]`` without named sets."""
-    if not names:
-        return [dict(metrics)]
-    by_length = sorted(names, key=len, reverse=True)  # 'a_b' before 'a': the longest name that prefixes a key
-    parts: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for key, value in metrics.items():
-        owner = next((n for n in by_length if key.startswith(f"eval_{n}_")), None)
-        if owner is not None:
-            parts[owner][key] = value
-    return [{**parts[name], "epoch": metrics["epoch"]} if "epoch" in metrics else parts[name] for name in names]
-
-
-def prefixed(metrics: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """``metrics`` with ``eval_`` keys renamed ``{prefix}_`` (``metric_key_prefix``)."""
-    out = {}
-    for key, value in metrics.items():
-        if key.startswith("eval_"):
-            key = f"{prefix}_{key[len('eval_') :]}"
-        out[key] = value
-    return out
 
 
 def has_checkpoint(output_dir: Path) -> bool:

@@ -113,20 +113,3 @@ def write_training_inputs(
         eval_data_paths=sets,
         longest=max(longest or 0, eval_longest or 0) or None,
     )
-
-
-def write_evaluation_inputs(folder: FacadeDir, tokenizer: Any, rows: RowPreparation, dataset: Any) -> RunLayout:
-    """The inputs of an evaluation by the loop's own step (``jobs.evaluate_with_loop``) in ``folder``: the
-    tokenizer and ``dataset``, one (``val_data_path``) or a dict of them (``eval_data_paths``, evaluated in
-    turn); ``data_path`` is the first set (it is not trained on)."""
-    make_run_folder(folder.root)  # output_dir too, when missing: private whatever the umask
-    tokenizer_path = write_tokenizer(folder, tokenizer)
-    path, sets, longest = write_eval_sets(dataset, folder, rows)
-    data_path = path if path is not None else next(iter(sets.values()))
-    return RunLayout(
-        tokenizer_path=tokenizer_path,
-        data_path=data_path,
-        val_data_path=path,
-        eval_data_paths=sets,
-        longest=longest,
-    )

@@ -77,7 +77,6 @@ class PairBatches:
         seed: int,
         max_length: int | None,
         truncation_mode: str = "keep_start",
-        evaluation_only: bool = False,
     ) -> None:
         self.dataset = dataset
         self.batch_size = self.pairs_per_micro = pairs_per_micro
@@ -85,9 +84,8 @@ class PairBatches:
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.pairs_per_step = pairs_per_micro * micro_per_step * world_size
-        # an evaluation job never trains: one nominal step keeps the loop's epoch arithmetic defined
-        self.steps_per_epoch = max(len(dataset) // self.pairs_per_step, int(evaluation_only))
-        if self.steps_per_epoch == 0 and not evaluation_only:
+        self.steps_per_epoch = len(dataset) // self.pairs_per_step
+        if self.steps_per_epoch == 0:
             raise ValueError(
                 f"train_dataset: {len(dataset)} pairs, fewer than one step's {self.pairs_per_step} "
                 "(per_device_train_batch_size x gradient_accumulation_steps x ranks); use a smaller batch"
@@ -377,14 +375,16 @@ class DPOStepFactory:
 
     def reference(self, model: torch.nn.Module, args: Any, env: Any) -> torch.nn.Module | None:
         """The reference model the step scores with (None: precomputed columns or the PEFT base); under
-        FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``)."""
+        FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``): a copy of the factory's, or the trainer's
+        own in place (``shared_reference``: ``trl_loop.ShardedReference`` at ``on_init_end``)."""
         if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
         fsdp = getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1
-        if self.shared_reference and self.ref_model is not None and not fsdp:
-            # the trainer's own reference (trl's DPOTrainer.ref_model): scored as it is, no copy
+        if self.shared_reference and self.ref_model is not None:
+            # the trainer's own reference (trl's ref_model): scored as it is, no copy
             enable_for_own_rows(self.ref_model, args, self.max_length)
-            return self.ref_model.to(env.device).eval().requires_grad_(False)
+            shared = self.ref_model if fsdp else self.ref_model.to(env.device)
+            return shared.eval().requires_grad_(False)
         import copy
 
         reference = copy.deepcopy(self.ref_model if self.ref_model is not None else model)
@@ -419,8 +419,6 @@ class DPOStepFactory:
             self.seed,
             self.max_length,
             self.truncation_mode,
-            # an evaluation job (the facade's evaluate()): its data_path is the first set evaluated
-            evaluation_only=args.data_path in {args.val_data_path, *args.eval_data_paths.values()},
         )
         evaluation = self.eval_dataset
         if evaluation is None and args.val_data_path is not None:

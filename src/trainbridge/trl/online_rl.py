@@ -10,8 +10,8 @@ loop, which calls ``self.training_step`` on each of the loader's batches.
 
 The additions: a checkpoint taken in the middle of a buffered generation batch holds that batch, and
 resume trains on it, so resume is exact (``generation_buffer``; trl generates anew there).  Under FSDP2 the
-reference model (``beta`` > 0) is sharded as the policy is (``ShardedReference``), where trl's accelerate
-path shards it with ``prepare_fsdp``; generation on the sharded policy runs with ``synced_gpus``, which
+reference model (``beta`` > 0) is sharded as the policy is (``trl_loop.ShardedReference``), where trl's
+accelerate path shards it with ``prepare_fsdp``; generation on the sharded policy runs with ``synced_gpus``, which
 ``transformers`` turns on for a module ``fully_shard`` marks.
 """
 
@@ -22,31 +22,8 @@ from typing import Any
 
 import trl
 
-from trainbridge.core.callback import Callback
-from trainbridge.core.context import TrainingContext
 from trainbridge.trl import generation_buffer
 from trainbridge.trl.trl_loop import TrlLoop
-
-
-class ShardedReference(Callback):
-    """At ``on_init_end`` (the policy's engine built), under FSDP2: the trainer's frozen ``ref_model``
-    sharded on the policy's units (``parallel.fsdp.shard_frozen``), gathered per forward; every rank scores
-    each generation batch with it, so the forwards match.  Without it each rank would hold a whole copy."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        from torch.distributed.tensor import DTensor
-
-        reference = getattr(self.trainer, "ref_model", None)
-        if context.args.distributed_backend != "fsdp" or reference is None or context.env.world_size < 2:
-            return
-        if any(isinstance(p, DTensor) for p in reference.parameters()):
-            return  # sharded already (a second train() call)
-        from trainbridge.parallel.fsdp import shard_frozen
-
-        self.trainer.ref_model = shard_frozen(reference.to(context.env.device), context.args, context.env)
 
 
 class _PendingGeneration(TrlLoop):
@@ -68,9 +45,6 @@ class _PendingGeneration(TrlLoop):
             folder = resume if resume is not True else self._checkpoint_folder()
             generation_buffer.load_pending(self, folder)
         return super().training_step(model, inputs, num_items_in_batch)
-
-    def _script_callbacks(self) -> list[Any]:
-        return [*super()._script_callbacks(), ShardedReference(self)]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

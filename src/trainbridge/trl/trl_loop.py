@@ -60,6 +60,28 @@ trl's loss, its micro-batch step and the columns its loader keeps (the loop read
 ``LoopTrainer``'s ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes."""
 
 
+class ShardedReference(Callback):
+    """At ``on_init_end`` (the policy's engine built), under FSDP2: the trainer's frozen ``ref_model`` (trl's
+    object, as its evaluation, ``SyncRefModelCallback`` and trainbridge's DPO/KTO step hold it) sharded in place on
+    the policy's units (``parallel.fsdp.shard_frozen``), gathered per forward, as trl's accelerate path shards it
+    with ``prepare_fsdp``.  Without it each rank would hold a whole copy."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        reference = getattr(self.trainer, "ref_model", None)
+        if context.args.distributed_backend != "fsdp" or reference is None or context.env.world_size < 2:
+            return
+        if any(isinstance(p, DTensor) for p in reference.parameters()):
+            return  # sharded already (a second train() call)
+        from trainbridge.parallel.fsdp import shard_frozen
+
+        self.trainer.ref_model = shard_frozen(reference.to(context.env.device), context.args, context.env)
+
+
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
@@ -76,9 +98,9 @@ class TrlLoop(LoopTrainer):
         self._init_loop(torchrun_args, self._loop_collator())
 
     def _script_callbacks(self) -> list[Any]:
-        """With trainbridge's step standing in for trl's ``compute_loss``, which counts the tokens, the loop's
-        count stands in for it (``_TrainedTokens``)."""
-        callbacks = super()._script_callbacks()
+        """trl's reference sharded under FSDP2 (``ShardedReference``); with trainbridge's step standing in for
+        trl's ``compute_loss``, which counts the tokens, the loop's count stands in for it (``_TrainedTokens``)."""
+        callbacks = [*super()._script_callbacks(), ShardedReference(self)]
         return [*callbacks, _TrainedTokens(self)] if "compute_loss" in self.stands_in_for else callbacks
 
     def _loop_collator(self) -> Any:
