@@ -3,7 +3,8 @@ styles on 2 ranks, against transformers.Trainer: an ``evaluate`` override runnin
 ``get_eval_dataloader``/``evaluation_loop``/``log``/``callback_handler``), ``get_train_dataloader()`` called by
 the script, state set on the instance by ``compute_loss`` still there after ``train()``,
 ``isinstance(trainer, transformers.Trainer)``; then, in the same launch, a second Trainer whose items and batches
-are tuples (``compute_loss``/``prediction_step`` unpack them); the same global_step, log steps and keys (and
+are tuples (``compute_loss``/``prediction_step`` unpack them) and whose best checkpoint is chosen from Trainer's
+own ``evaluate()`` (``save_total_limit=1`` leaves only it); the same global_step, log steps and keys (and
 losses, for the tuples), checkpoint files and tensor names, and results files; and a third, a masked LM with tied
 decoder weight and bias, saving Trainer's tensors (issue 29 failure 6)."""
 
@@ -60,6 +61,12 @@ def _check_tuples(ours: dict, reference: dict) -> None:
     losses; its overrides ran as often on each rank."""
     for key in ("global_step", "train_metrics", "eval_entries", "eval_metrics", "checkpoints", "results_files"):
         assert ours[key] == reference[key], key
+    # the best checkpoint, chosen from what Trainer's own evaluate() gave (the loop feeds it to its callbacks), is
+    # the first evaluation's: with save_total_limit=1 it is the one checkpoint left, as Trainer leaves it
+    assert reference["checkpoints"] == ["checkpoint-2"] and reference["best"][0] == "checkpoint-2"
+    assert ours["best"][0] == reference["best"][0] and ours["best"][2] == reference["best"][2]
+    assert ours["best"][1] == pytest.approx(reference["best"][1], rel=1e-5)
+    assert ours["metrics_file_evaluations"] == [2, 4]  # trainbridge's metrics file: each evaluation in train()
     assert reference["global_step"] == 4 and [step for step, _ in reference["eval_entries"]] == [2, 4, 4]
     assert [step for step, _ in ours["losses"]] == [step for step, _ in reference["losses"]] == [1, 2, 3, 4]
     assert [loss for _, loss in ours["losses"]] == pytest.approx([loss for _, loss in reference["losses"]], rel=1e-5)

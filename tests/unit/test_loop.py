@@ -270,10 +270,18 @@ def test_rotation_keeps_the_best_checkpoint(args_for):
         save_total_limit=1,
         metric_for_best_model="eval_loss",
     )
-    loop, _ = _run(args, ScriptedEvalLoss([1.0, 2.0, 3.0, 4.0]))
+    kept: list[list[str]] = []
+
+    class Kept(Callback):
+        def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
+            kept.append([p.name for p in context.checkpoints])
+
+    loop, _ = _run(args, ScriptedEvalLoss([1.0, 2.0, 3.0, 4.0]), Kept())
     out = args.ckpt_output_dir
     assert loop.context.best_checkpoint == out / "checkpoint-1"
-    assert loop.checkpoints.list_checkpoints() == [out / "checkpoint-1", out / "checkpoint-4"]
+    # during the run the newest is kept beside the best (for resuming); at the end only the best, as Trainer
+    assert kept[-1] == ["checkpoint-1", "checkpoint-3"]  # at on_save of step 4: rotated after it
+    assert loop.checkpoints.list_checkpoints() == [out / "checkpoint-1"]
 
 
 class StopAt(Callback):

@@ -30,6 +30,8 @@ class BestCheckpointTracker(Callback):
         owner = args.best_metric_eval_set
         if owner is not None and f"eval_{owner}_loss" not in metrics:
             return  # named validation sets: this on_evaluate is another set's (each has eval_<set>_loss)
+        if name not in metrics and not any(key.startswith("eval_") for key in metrics):
+            return  # another set's, evaluated under another prefix (an evaluate override's metric_key_prefix="test")
         if name not in metrics:
             raise KeyError(f"metric_for_best_model {name!r} is not among the evaluation metrics {sorted(metrics)}")
         value = float(metrics[name])

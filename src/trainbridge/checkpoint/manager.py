@@ -391,6 +391,18 @@ class CheckpointManager:
 
         return [Path(p) for p in self._on_rank_zero(delete, f"rotating checkpoints in {self.output_dir}")]
 
+    def keep_only(self, kept: Path) -> list[Path]:
+        """Delete every checkpoint but ``kept``; returns those deleted, on every rank (collective, as ``rotate``).
+        ``save_total_limit=1`` at the end of a run with a best checkpoint: Trainer leaves only that one."""
+
+        def delete() -> list[str]:
+            doomed = [path for path in self.list_checkpoints() if path.resolve() != kept.resolve()]
+            for path in doomed:
+                folders.delete_checkpoint(path)
+            return [str(p) for p in doomed]
+
+        return [Path(p) for p in self._on_rank_zero(delete, f"keeping only checkpoint {kept} (save_total_limit=1)")]
+
     # ------------------------------------------------------------------ loading
     def load(self, path: Path, engine: TrainingEngine) -> dict[str, Any]:
         """Load a checkpoint into ``engine`` (collective): model weights, optimizer and scheduler state, and

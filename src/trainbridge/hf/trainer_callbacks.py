@@ -160,7 +160,7 @@ class HuggingFaceCallbacks(Callback):
         if special is not None:
             special(self, context, **kwargs)
         else:
-            if event is Event.PREDICTION_STEP:
+            if event is Event.PREDICTION_STEP:  # the loop's own evaluation (not the instance's: loop.evaluation_point)
                 self._evaluated = True  # Trainer hands the handler its eval dataloader before predicting
             self._call(context, event.value)
 
@@ -245,15 +245,12 @@ class HuggingFaceCallbacks(Callback):
     def _log(self, context: TrainingContext, **kwargs: Any) -> None:
         """Complete the logs and append them to ``log_history`` as ``Trainer.log`` does, then ``on_log``."""
         logs = dict(kwargs["logs"])
-        if any(key.startswith("eval_") for key in logs):
-            self._evaluated = True
         self._sync(context)
         self._require()[2].record_log(context, logs)
         self._call(context, "on_log", sync_state=False, logs=logs)
 
     def _evaluate(self, context: TrainingContext, **kwargs: Any) -> None:
         metrics = kwargs["metrics"]
-        self._evaluated = True
         self._require()[2].stamp_metrics(context, metrics)
         self._call(context, "on_evaluate", metrics=metrics)
 

@@ -32,6 +32,7 @@ from trainbridge.core.dispatch import CallbackFatalError, CallbackManager
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
 from trainbridge.loop.build import RunComponents, build_run
+from trainbridge.loop.evaluation_point import EvaluationPoint
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
 from trainbridge.loop.step_values import StepOutcome, StepOwn, StepSums, with_metrics
@@ -127,6 +128,7 @@ class TrainingLoop:
                 runtime = time.time() - ctx.train_start_time
                 fire(Event.LOG, ctx, logs=self._train_summary(runtime))
                 self._load_best_model()
+                self._keep_only_best()
                 fire(Event.TRAIN_END, ctx)
                 if self.args.merge_adapter_at_end:
                     self._merged = self.checkpoints.export_merged(
@@ -287,13 +289,20 @@ class TrainingLoop:
         return flags
 
     def evaluate(self) -> dict[str, float]:
-        """One evaluation: the plan's ``evaluation`` (a Trainer subclass's ``evaluate``) around ``evaluate_sets``."""
+        """One evaluation: the plan's ``evaluation`` (a Trainer subclass's ``evaluate``, trl's) around
+        ``evaluate_sets``.  What that evaluation logs and evaluates itself reaches every callback as the loop's
+        own ``on_log``/``on_evaluate`` (``EvaluationPoint``); one that fires no ``on_evaluate`` has the metrics it
+        returns fired, as Trainer judges the best metric by what ``evaluate()`` returns."""
         if self.plan.evaluation is None:
             return self.evaluate_sets()
+        point = EvaluationPoint(self.evaluate_sets, self.callbacks, self.context)
         try:
-            return self.plan.evaluation(self.evaluate_sets)
+            metrics = dict(self.plan.evaluation(point))
         finally:
             self.engine.module.train()  # Trainer's own evaluation loop leaves the model in eval mode
+        if not point.evaluated:
+            point.evaluate(metrics)
+        return metrics
 
     def evaluate_sets(self) -> dict[str, float]:
         """Evaluate the validation set (``eval_`` metrics) or, with named sets (``eval_data_paths``), each set
@@ -403,6 +412,14 @@ class TrainingLoop:
                 "loading best model from %s (%s=%s)", ctx.best_checkpoint, self.args.best_metric_name, ctx.best_metric
             )
             self.checkpoints.load_model_weights(Path(ctx.best_checkpoint), self.engine)
+
+    def _keep_only_best(self) -> None:
+        """``save_total_limit=1`` with a best checkpoint: every other checkpoint deleted before ``on_train_end``,
+        as ``Trainer._finalize_training`` does (rotation keeps the newest for resuming until then)."""
+        ctx = self.context
+        if self.args.save_total_limit == 1 and ctx.best_checkpoint is not None:
+            self.checkpoints.keep_only(Path(ctx.best_checkpoint))
+            ctx.checkpoints = self.checkpoints.list_checkpoints()
 
     # ================================================================== resume
     def _resume(self) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from trainbridge.core.callback import Callback
+from trainbridge.core.config.plan import EvaluationRun
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer.script_data import column_items
 
@@ -160,6 +161,8 @@ class ScriptTrainer:
     def __init__(self, trainer: Any) -> None:
         self.instance = trainer
         self._hf: Any = None
+        self._routing: EvaluationEvents | None = None
+        """The instance's ``callback_handler`` while its own ``evaluate`` runs in ``train()``."""
 
     @property
     def args(self) -> Any:
@@ -188,21 +191,26 @@ class ScriptTrainer:
         if hf is not None and hf.state is not None:
             instance.state = hf.state
             if hf.handler is not None:
-                instance.callback_handler, instance.control = hf.handler, hf.control
+                instance.callback_handler, instance.control = self._routing or hf.handler, hf.control
         if model is not None:
             instance.model_wrapped = model
         return instance
 
-    def evaluation(self, run: Callable[[], dict[str, float]]) -> dict[str, float]:
+    def evaluation(self, run: EvaluationRun) -> dict[str, float]:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point; Trainer's own
-        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``)."""
+        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``).  What the instance's own
+        evaluation logs and evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
         instance = self.trainer(None)
         if items_are_columns(instance, "eval_dataset"):  # else Trainer's own evaluate reads the items
             instance.__dict__[LOOP_EVALUATION] = run
+        handler = instance.callback_handler
+        self._routing = instance.callback_handler = EvaluationEvents(handler, run, self)
         try:
             return dict(instance.evaluate(ignore_keys=None))
         finally:
             instance.__dict__.pop(LOOP_EVALUATION, None)
+            self._routing = None
+            instance.callback_handler = handler
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -229,6 +237,43 @@ class ScriptTrainer:
         return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
 
 
+class EvaluationEvents:
+    """The instance's ``callback_handler`` while its own ``evaluate`` runs at an evaluation point of ``train()``
+    (an override's loop, Trainer's own on items that are not columns, trl's): the ``on_log``/``on_evaluate`` it
+    fires go to the loop (``EvaluationRun.log``/``evaluate``), so every callback of the run sees them as the
+    loop's own (``TrainerCallback``s through the run's handler, and the native ones: best checkpoint, metrics
+    file); any other hook or attribute is the run's handler's."""
+
+    def __init__(self, handler: Any, run: EvaluationRun, worker: ScriptTrainer) -> None:
+        vars(self).update(_handler=handler, _run=run, _worker=worker)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(vars(self)["_handler"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(vars(self)["_handler"], name, value)  # eval_dataloader, set by Trainer's evaluation_loop
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any]) -> Any:
+        history = state.log_history
+        if history and history[-1] == {**logs, "step": state.global_step}:
+            history.pop()  # Trainer.log's entry: the run's TrainerState records the loop's log itself
+        instance = self._worker.instance
+        instance.__dict__[ROUTED_LOG] = True  # the instance's own log: ScriptTrainerEvents does not log it again
+        try:
+            self._run.log(logs)
+        finally:
+            instance.__dict__.pop(ROUTED_LOG, None)
+        return self._control(control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any]) -> Any:
+        self._run.evaluate(metrics)
+        return self._control(control)
+
+    def _control(self, control: Any) -> Any:
+        hf = self._worker._hf
+        return hf.control if hf is not None and hf.control is not None else control
+
+
 class ScriptTrainerEvents(Callback):
     """The worker-side instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler``
     set at ``on_init_end``, and the script's ``log`` called on every log before the other callbacks, so what it
@@ -245,6 +290,8 @@ class ScriptTrainerEvents(Callback):
     def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
         logs = kwargs["logs"]
         instance = self.worker.trainer(context.model)
+        if instance.__dict__.get(ROUTED_LOG):
+            return  # logged by the instance's own log (EvaluationEvents)
         instance.__dict__.pop("_logged", None)
         training = "loss" in logs and context.train_start_time is not None  # Trainer passes start_time then
         instance.__dict__[IN_LOG_EVENT] = True
@@ -274,6 +321,9 @@ WORKER_METHODS = (
 
 IN_LOG_EVENT = "_in_log_event"
 """Set on the worker-side instance while its ``log`` runs for one of the loop's logs."""
+
+ROUTED_LOG = "_routed_log"
+"""Set on the worker-side instance while a log of its own evaluation goes to the loop (``EvaluationEvents``)."""
 
 LOOP_EVALUATION = "_loop_evaluation"
 """The worker-side instance's attribute holding the loop's evaluation while its ``evaluate`` override runs."""

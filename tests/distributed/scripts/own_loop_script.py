@@ -10,7 +10,9 @@
 - then a second Trainer (one launch, as a continual script) trains on items that are tuples (a
   ``TensorDataset``), with a collator returning a tuple and ``compute_loss``/``prediction_step`` overrides that
   unpack it (``remove_unused_columns=False``), an evaluation set of tuples too, with gradient accumulation and
-  an epoch's length from the DataLoader: Trainer hands any item to the collator and any batch to the step;
+  an epoch's length from the DataLoader: Trainer hands any item to the collator and any batch to the step; its
+  best checkpoint (``metric_for_best_model``, ``load_best_model_at_end``, ``save_total_limit=1``) is chosen from
+  what Trainer's own ``evaluate()`` gives, and is the one checkpoint left after ``train()``;
 - then a third: a masked LM whose decoder weight and bias are tied (``BertForMaskedLM``), whose checkpoint and
   ``save_model()`` hold Trainer's tensors (issue 29 failure 6: not the tied ones twice).
 
@@ -180,6 +182,10 @@ tuple_trainer = TupleTrainer(
         eval_steps=2,
         learning_rate=1e-2,
         remove_unused_columns=False,
+        metric_for_best_model="loss",  # the highest eval_loss: the first evaluation's, not the last checkpoint
+        greater_is_better=True,
+        load_best_model_at_end=True,
+        save_total_limit=1,
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
@@ -225,8 +231,10 @@ if trainer.is_world_process_zero():
         with safe_open(str(folder / "model.safetensors"), "pt") as handle:
             return sorted(handle.keys())
 
-    def side(folder, result, metrics, history):
-        """What a run left: steps, logs, checkpoints and their tensors, results files."""
+    def side(folder, result, metrics, state):
+        """What a run left: steps, logs, checkpoints and their tensors, results files, the best checkpoint (and
+        trainbridge's metrics file's evaluations)."""
+        history, metrics_file = state.log_history, folder / "metrics.jsonl"
         checkpoints = sorted(p.name for p in folder.glob("checkpoint-*"))
         return {
             "global_step": result.global_step,
@@ -239,6 +247,12 @@ if trainer.is_world_process_zero():
             "checkpoint_tensors": tensor_names(folder / checkpoints[-1]),
             "final_tensors": tensor_names(folder / "final"),
             "results_files": sorted(p.name for p in folder.glob("*results.json")),
+            "best": [Path(state.best_model_checkpoint or "-").name, state.best_metric, state.best_global_step],
+            "metrics_file_evaluations": [
+                line["step"] for line in map(json.loads, metrics_file.read_text().splitlines()) if "eval_loss" in line
+            ]
+            if metrics_file.is_file()
+            else None,
         }
 
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
@@ -267,7 +281,7 @@ if trainer.is_world_process_zero():
                     "final_tensors": tensor_names(mlm_out / "final"),
                 },
                 "tuples": {
-                    **side(tuple_out, tuple_result, tuple_metrics, tuple_trainer.state.log_history),
+                    **side(tuple_out, tuple_result, tuple_metrics, tuple_trainer.state),
                     "calls": tuple_calls,
                 },
             }

@@ -95,10 +95,22 @@ class TrainLoaderFactory(Protocol):
     def __call__(self, dataset: Any, collate: Any, model: Any) -> Iterable[Any]: ...
 
 
-class Evaluation(Protocol):
-    """``evaluation(run) -> metrics``: how each evaluation during training runs; ``run()`` is the loop's own."""
+class EvaluationRun(Protocol):
+    """What ``Evaluation`` gets (``loop.loop.EvaluationPoint``): ``run()`` is the loop's own evaluation;
+    ``run.log(logs)`` / ``run.evaluate(metrics)`` fire ``on_log`` / ``on_evaluate`` to every callback with what
+    an evaluation of the seam's own logs and evaluates."""
 
-    def __call__(self, run: Callable[[], dict[str, float]]) -> dict[str, float]: ...
+    def __call__(self) -> dict[str, float]: ...
+
+    def log(self, logs: dict[str, Any]) -> None: ...
+
+    def evaluate(self, metrics: dict[str, Any]) -> None: ...
+
+
+class Evaluation(Protocol):
+    """``evaluation(run) -> metrics``: how each evaluation during training runs (``EvaluationRun``)."""
+
+    def __call__(self, run: EvaluationRun) -> dict[str, float]: ...
 
 
 class OptimizerFactory(Protocol):
