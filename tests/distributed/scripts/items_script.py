@@ -77,8 +77,8 @@ def accuracy(eval_pred):
     return {"accuracy": float((np.argmax(predictions, axis=-1) == labels).mean())}
 
 
-def train(kind: str) -> None:
-    """One run of ``kind`` into ``out``; rank 0 writes ``out/summary.json``."""
+def train(kind: str):
+    """One run of ``kind`` into ``out``; rank 0 writes ``out/summary.json``; returns the trainer."""
     global tokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     common = dict(
@@ -162,7 +162,7 @@ def train(kind: str) -> None:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print("SUMMARY", json.dumps(summary, default=str))
-    trainer.end() if hasattr(trainer, "end") else None
+    return trainer
 
 
 kinds = sys.argv[2].split(",")
@@ -171,7 +171,9 @@ if len(kinds) > 1 and "real" not in sys.argv[3:]:
 root = out
 for each in kinds:
     out = root / each if len(kinds) > 1 else root
-    train(each)
+    trainer = train(each)
+# once, after the last run: Trainer.end() destroys the process group the next run's Trainer would use
+trainer.end() if hasattr(trainer, "end") else None
 if "real" in sys.argv[3:]:  # the reference leaves without finalisation (see facade_script.py); ours as scripts end
     sys.stdout.flush()
     sys.stderr.flush()
