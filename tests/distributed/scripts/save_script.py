@@ -61,6 +61,18 @@ class CheckpointFileTrainer(Trainer):
             (folder / "value_head.json").write_text(json.dumps({"step": self.state.global_step, "resumed": resume}))
 
 
+def wait_for_final_saves(world_size: int, timeout: float = 120) -> None:
+    """Until each rank's ``save-rank<R>.txt`` ends with the final save_model's line (``False``)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    markers = [out / f"save-rank{rank}.txt" for rank in range(world_size)]
+    while not all(m.is_file() and m.read_text().endswith(" False\n") for m in markers):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no final save_model line in {[m.name for m in markers]} after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def run(checkpoint: bool) -> None:
     """One run of the script into ``out`` (resuming when ``resume``); rank 0 writes ``out/summary.json``."""
     args = TrainingArguments(
@@ -89,6 +101,8 @@ def run(checkpoint: bool) -> None:
     result = trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
     trainer.save_model(str(out / "final"))
     if trainer.is_world_process_zero():
+        if not checkpoint:  # every rank's _save of the final save_model has written its line (no collective after it)
+            wait_for_final_saves(int(os.environ.get("WORLD_SIZE", "1")))
         folders = [*sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-")), out / "final"]
         (out / "summary.json").write_text(
             json.dumps(
