@@ -252,15 +252,10 @@ def open_private(path: str | Path, mode: str = "a", share_with_group: bool = Fal
     """``open(path, mode)`` ("a", "w", "ab" or "wb") with a created file and its missing folders private (or
     readable by the group), whatever the umask; a symbolic link at ``path`` is refused, never followed."""
     path = Path(path)
-    file_mode = modes(share_with_group)[1]
+    dir_mode, file_mode = modes(share_with_group)
     make_run_folder(path.parent, share_with_group)
-    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | (os.O_APPEND if "a" in mode else os.O_TRUNC)
-    try:
-        fd = os.open(path, flags, file_mode)
-    except OSError as exc:
-        raise _refuse_link(exc, path) from None
-    if os.fstat(fd).st_uid == os.geteuid():
-        os.fchmod(fd, file_mode)  # the mode asked for, whatever the umask (or an older file's mode)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = open_in(path.parent, path.name, flags, file_mode, dir_mode)
     if "b" in mode:
         return os.fdopen(fd, mode)
     return os.fdopen(fd, mode, encoding="utf-8")

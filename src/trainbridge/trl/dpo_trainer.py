@@ -23,7 +23,6 @@ from typing import Any
 
 import trl
 
-from trainbridge.trainer import subclass
 from trainbridge.trl.dpo_step import DPOStepFactory
 from trainbridge.trl.preference_loss import DPOLossSettings
 from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
@@ -44,15 +43,13 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
         """None where the DPO step applies (``step_factory``): the pairs are packed padding-free, trl's
         collator is not called; else trl's collator, called as written by trl's own step."""
         args: Any = self.args
-        fast = (
+        reproducible = (
             not self._is_vision_dataset
             and not args.activation_offloading
             and not args.use_liger_kernel
             and not self.aux_loss_enabled
-            and subclass.subclass_loss(self) is None  # no override of the script's, no compute_loss_func
         )
-        if not fast:
-            self.stands_in_for = ("_save_checkpoint",)
+        if not self._step_stands_in(reproducible):
             return self.data_collator
         self.step_factory = DPOStepFactory(
             None,

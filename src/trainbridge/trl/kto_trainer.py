@@ -24,7 +24,6 @@ from typing import Any
 
 import trl
 
-from trainbridge.trainer import subclass
 from trainbridge.trl.kto_loss import KTOLoss
 from trainbridge.trl.kto_step import KTOStepFactory
 from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
@@ -46,16 +45,14 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
         from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
         args: Any = self.args
-        fast = (
+        reproducible = (
             not self._is_vision_dataset
             and not args.activation_offloading
             and not args.use_liger_kernel
             and not self.aux_loss_enabled
             and type(self.data_collator) is DataCollatorForUnpairedPreference
-            and subclass.subclass_loss(self) is None  # no override of the script's
         )
-        if not fast:
-            self.stands_in_for = ("_save_checkpoint",)
+        if not self._step_stands_in(reproducible):
             return self.data_collator
         self.step_factory = KTOStepFactory(
             KTOLoss.from_config(args),

@@ -22,7 +22,6 @@ from typing import Any
 
 from trl.experimental import cpo, orpo
 
-from trainbridge.trainer import subclass
 from trainbridge.trl.reference_free_loss import CPOLoss, ORPOLoss
 from trainbridge.trl.reference_free_step import ReferenceFreeStepFactory
 from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
@@ -42,14 +41,12 @@ class _ReferenceFree(TrlLoop):
         """None where the packed step applies (``step_factory``): trl's collator is not called; else trl's
         collator (or the script's), called as written by trl's own step."""
         args: Any = self.args
-        fast = (
+        reproducible = (
             self.use_dpo_data_collator  # type: ignore[attr-defined]
             and not self.is_encoder_decoder  # type: ignore[attr-defined]
             and not (self.aux_loss_enabled and self.aux_loss_coef)  # type: ignore[attr-defined]
-            and subclass.subclass_loss(self) is None  # no override of the script's
         )
-        if not fast:
-            self.stands_in_for = ("_save_checkpoint",)
+        if not self._step_stands_in(bool(reproducible)):
             return self.data_collator
         self.step_factory = ReferenceFreeStepFactory(
             self._loss(),

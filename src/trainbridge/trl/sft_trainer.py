@@ -23,7 +23,6 @@ from typing import Any
 
 import trl
 
-from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
 from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
@@ -53,17 +52,15 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         args: Any = self.args
-        fast = (
+        reproducible = (
             not self._is_vision_dataset
             and args.loss_type == "nll"
             and self.label_smoother is None
             and not self.aux_loss_enabled
             and not args.activation_offloading
             and type(self.data_collator) is DataCollatorForLanguageModeling
-            and subclass.subclass_loss(self) is None  # no override of the script's, no compute_loss_func
         )
-        if not fast:  # trl's own step, loader and metrics, as for any trl trainer on the loop
-            self.stands_in_for = ("_save_checkpoint",)
+        if not self._step_stands_in(reproducible):  # trl's own step, loader and metrics
             self.token_metrics = False  # trl's compute_loss logs them
             return self.data_collator
         return None

@@ -107,6 +107,15 @@ class TrlLoop(LoopTrainer):
         """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
         return self.data_collator
 
+    def _step_stands_in(self, reproducible: bool) -> bool:
+        """Whether trainbridge's step stands in for trl's: the class's own checks of its config and data hold
+        (``reproducible``) and the script brings no loss of its own (an override, a ``compute_loss_func``).  If
+        not, trl's ``training_step`` runs on trl's batches and only ``_save_checkpoint`` is stood in for."""
+        if reproducible and subclass.subclass_loss(self) is None:
+            return True
+        self.stands_in_for = ("_save_checkpoint",)
+        return False
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each
         checkpoint (a checkpoint's save writes only into the checkpoint: ``trainer.save_overrides``)."""
