@@ -9,8 +9,9 @@ is routed to the loop's backward for the micro-batch under way.
 What runs there:
 
 - ``training_step`` on each micro-batch and ``prediction_step`` on each validation batch
-  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``
-  or has a ``compute_loss_func``; what it does not override is Trainer's own code;
+  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``,
+  has a ``compute_loss_func`` or smooths labels (``trainer_forms_loss``); what it does not override is
+  Trainer's own code;
 - ``evaluate`` at each evaluation point when the class overrides one of ``EVALUATION_METHODS``
   (``RunPlan.evaluation``); Trainer's own ``evaluate`` there is the loop's evaluation of the run's sets;
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``), before the other callbacks see the
@@ -341,7 +342,7 @@ def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers,
     it has a ``compute_loss_func`` or its items are not dicts of columns, else None."""
     if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if trainer.compute_loss_func is None and not _own_items(trainer):
+        if not trainer_forms_loss(trainer) and not _own_items(trainer):
             return None
     worker = trainer.__dict__.get("_script_trainer")
     if worker is None:
@@ -355,9 +356,20 @@ def subclass_loss(trainer: Any) -> ScriptTrainer | None:
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
     batch), else None (the model's own loss, or the token step)."""
     own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
-    if not own_step and trainer.compute_loss_func is None:
+    if not own_step and not trainer_forms_loss(trainer):
         return None
     return script_trainer(trainer)
+
+
+def trainer_forms_loss(trainer: Any) -> bool:
+    """Whether Trainer's own ``compute_loss`` forms a loss other than the forward's: from a
+    ``compute_loss_func``, or with ``label_smoothing_factor`` (Trainer's ``label_smoother``; not with
+    ``predict_with_generate``, whose evaluation is the loop's generation step, so smoothing is ignored
+    there with a warning).  The loop then steps through the instance's ``training_step``."""
+    if trainer.compute_loss_func is not None:
+        return True
+    generating = bool(getattr(trainer.args, "predict_with_generate", False))
+    return getattr(trainer, "label_smoother", None) is not None and not generating
 
 
 def script_events(trainer: Any) -> ScriptTrainerEvents | None:
