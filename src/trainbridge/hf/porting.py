@@ -133,6 +133,8 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     for name in _ignored_non_default_fields(hf_args):
         if any(required.get(replacement) is not None for replacement in REPLACED_BY.get(name, ())):
             continue
+        if any(name in getattr(callback, "honours_hf_fields", ()) for callback in required.get("callbacks") or ()):
+            continue  # a callback of the caller's applies it (the facade's ScriptTrainerEvents: NEFTune)
         value = getattr(hf_args, name)
         reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
         if name not in _FIELDS:
