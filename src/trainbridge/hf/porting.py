@@ -89,7 +89,7 @@ EXPLANATIONS: dict[str, str] = {
 }
 
 
-# A field is not warned about when the caller passed its replacement (the value was mapped already).
+# A field is not warned about when the caller passed its replacement, not None (the value was mapped already).
 REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_train_batch_size": ("effective_batch_size",),
     "gradient_accumulation_steps": ("effective_batch_size",),
@@ -103,6 +103,7 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "generation_max_length": ("generation_kwargs",),
     "generation_num_beams": ("generation_kwargs",),
     "generation_config": ("generation_kwargs",),
+    "label_smoothing_factor": ("trainer_methods",),  # Trainer's own compute_loss smooths (trainer.subclass)
 }
 
 
@@ -130,8 +131,10 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     data = _carried_over(hf_args)
     cls = type(hf_args).__name__
     for name in _ignored_non_default_fields(hf_args):
-        if any(replacement in required for replacement in REPLACED_BY.get(name, ())):
+        if any(required.get(replacement) is not None for replacement in REPLACED_BY.get(name, ())):
             continue
+        if any(name in getattr(callback, "honours_hf_fields", ()) for callback in required.get("callbacks") or ()):
+            continue  # a callback of the caller's applies it (the facade's ScriptTrainerEvents: NEFTune)
         value = getattr(hf_args, name)
         reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
         if name not in _FIELDS:

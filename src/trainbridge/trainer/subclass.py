@@ -9,8 +9,9 @@ is routed to the loop's backward for the micro-batch under way.
 What runs there:
 
 - ``training_step`` on each micro-batch and ``prediction_step`` on each validation batch
-  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``
-  or has a ``compute_loss_func``; what it does not override is Trainer's own code;
+  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``,
+  has a ``compute_loss_func``, smooths labels or adds NEFTune noise (``needs_trainer_step``); what it does
+  not override is Trainer's own code;
 - ``evaluate`` at each evaluation point when the class overrides one of ``EVALUATION_METHODS``
   (``RunPlan.evaluation``); Trainer's own ``evaluate`` there is the loop's evaluation of the run's sets;
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``), before the other callbacks see the
@@ -276,11 +277,35 @@ class EvaluationEvents:
 
 class ScriptTrainerEvents(Callback):
     """The worker-side instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler``
-    set at ``on_init_end``, and the script's ``log`` called on every log before the other callbacks, so what it
-    adds to (or removes from) ``logs``, or the dict it hands to ``super().log``, is what is logged."""
+    set at ``on_init_end``; NEFTune's noise on the input embeddings from ``on_train_begin`` to the end of the
+    run, as ``Trainer.train`` attaches it (``neftune_noise_alpha``: transformers' own ``activate_neftune`` hook on
+    the model being trained, removed at ``close``, clean end or not); and the script's ``log`` called on every
+    log before the other callbacks, so what it adds to (or removes from) ``logs``, or the dict it hands to
+    ``super().log``, is what is logged."""
+
+    honours_hf_fields = ("neftune_noise_alpha",)
+    """``TrainingArguments`` fields this callback applies (``hf.porting`` does not warn that they are ignored)."""
 
     def __init__(self, worker: ScriptTrainer) -> None:
         self.worker = worker
+        self._neftune_hook: Any = None
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        instance = self.worker.trainer(context.model)
+        alpha = _neftune(instance)
+        if alpha is not None and self._neftune_hook is None:
+            from transformers.integrations.neftune import activate_neftune
+
+            self._neftune_hook = activate_neftune(context.model, alpha, instance.accelerator)
+            instance.neftune_hook_handle = self._neftune_hook
+
+    def close(self, context: TrainingContext) -> None:
+        if self._neftune_hook is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            instance = self.worker.instance
+            deactivate_neftune(context.model, self._neftune_hook, instance.accelerator)
+            self._neftune_hook = None
 
     def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
         instance = self.worker.trainer(context.model)
@@ -341,7 +366,7 @@ def script_trainer(trainer: Any) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers,
     it has a ``compute_loss_func`` or its items are not dicts of columns, else None."""
     if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if trainer.compute_loss_func is None and not _own_items(trainer):
+        if not needs_trainer_step(trainer) and not _own_items(trainer):
             return None
     worker = trainer.__dict__.get("_script_trainer")
     if worker is None:
@@ -355,9 +380,27 @@ def subclass_loss(trainer: Any) -> ScriptTrainer | None:
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
     batch), else None (the model's own loss, or the token step)."""
     own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
-    if not own_step and trainer.compute_loss_func is None:
+    if not own_step and not needs_trainer_step(trainer):
         return None
     return script_trainer(trainer)
+
+
+def _neftune(trainer: Any) -> float | None:
+    """The instance's ``neftune_noise_alpha`` (Trainer's constructor copies it from ``args``), or None."""
+    alpha = getattr(trainer, "neftune_noise_alpha", None)
+    return float(alpha) if alpha is not None else None
+
+
+def needs_trainer_step(trainer: Any) -> bool:
+    """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches although
+    the class overrides nothing: Trainer's own ``compute_loss`` forms a loss other than the forward's (a
+    ``compute_loss_func``, or ``label_smoothing_factor``: Trainer's ``label_smoother``; not with
+    ``predict_with_generate``, whose evaluation is the loop's generation step, so smoothing is ignored there
+    with a warning), or NEFTune's noise, scaled by the length of Trainer's padded rows, is on."""
+    if trainer.compute_loss_func is not None or _neftune(trainer) is not None:
+        return True
+    generating = bool(getattr(trainer.args, "predict_with_generate", False))
+    return getattr(trainer, "label_smoother", None) is not None and not generating
 
 
 def script_events(trainer: Any) -> ScriptTrainerEvents | None:
