@@ -111,15 +111,17 @@ def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(tmp_pat
 
 
 def _train_unwritable(env: object, model_dir: str, out: str) -> tuple[str, str]:
-    """On each rank of a script under a launcher: ``trainer.train()`` on data rank 0 cannot write (items of
+    """On each rank of a script under a launcher: ``trainer.train()`` on data only rank 1 cannot prepare (items of
     dicts of columns, by the first, with a later one that is not); the script catches the error, as a notebook
     cell would, and stays alive."""
+    import torch.distributed as dist
     from transformers import TrainingArguments
 
     from trainbridge import Trainer
 
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", max_steps=1)
-    trainer = Trainer(model=model_dir, args=args, train_dataset=[{"input_ids": [1, 2, 3]}, [1, 2, 3]])
+    rows: list[object] = [{"input_ids": [1, 2, 3]}, [1, 2, 3] if dist.get_rank() == 1 else {"input_ids": [2, 3]}]
+    trainer = Trainer(model=model_dir, args=args, train_dataset=rows)
     try:
         trainer.train()
     except Exception as exc:
@@ -127,14 +129,14 @@ def _train_unwritable(env: object, model_dir: str, out: str) -> tuple[str, str]:
     return "", "train() returned"
 
 
-def test_rank_zero_failing_to_write_the_run_folder_fails_every_rank(tmp_path: Path) -> None:
-    """Rank 0 alone writes the rows of ``train()``; when it raises, the other rank learns it at once and
-    raises naming rank 0 and the cause (it used to wait in a barrier until the collective timeout)."""
+def test_one_rank_failing_to_prepare_its_data_fails_every_rank(tmp_path: Path) -> None:
+    """Every rank reads the script's data in place; when one raises preparing it, the other learns it at once
+    and raises naming that rank and the cause (rather than waiting in a collective until its timeout)."""
     from tests.distributed.conftest import run_on_ranks
     from trainbridge.demos.tiny_model import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path / "model")
     (rank0, message0), (rank1, message1) = run_on_ranks(_train_unwritable, str(model_dir), str(tmp_path / "out"))
-    assert "train_dataset" in message0, (rank0, message0)
-    assert rank1 == "RankZeroError", message1
-    assert "rank 0 failed writing the run folder" in message1 and "train_dataset" in message1
+    assert "train_dataset[1]" in message1, (rank1, message1)
+    assert rank0 == "RankZeroError", message0
+    assert "rank 1 failed preparing its data" in message0 and "train_dataset[1]" in message0

@@ -18,7 +18,6 @@ from transformers import TrainingArguments
 
 from trainbridge import Trainer
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer, tiny_bert_config
-from trainbridge.trainer import script_data
 
 
 class SupervisedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -61,15 +60,6 @@ class DataCollatorForSupervisedDataset:
 def _in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(name, value)
-
-
-def test_torch_dataset_items_become_tensors_again(tmp_path: Path) -> None:
-    tok = build_tokenizer(tmp_path / "tok")
-    rows = script_data.as_item_dataset(SupervisedDataset(tok, 4), "train_dataset")
-    rows.save_to_disk(str(tmp_path / "rows"))
-    item = datasets.load_from_disk(str(tmp_path / "rows"))[0]
-    assert isinstance(item["input_ids"], torch.Tensor) and item["input_ids"].dtype == torch.int64
-    assert isinstance(item["labels"], torch.Tensor) and (item["labels"] == -100).any()
 
 
 def test_alpaca_style_script_trains_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +136,6 @@ def test_classifier_trains_on_its_own_loss_with_its_columns(tmp_path: Path, monk
 def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path: Path) -> None:
     """No collator, a ``compute_loss`` override: the job still gets Trainer's batch shape and every column."""
     from trainbridge.trainer import job_args
-    from trainbridge.trainer.run_folder import RunLayout
 
     class WeightedTrainer(Trainer):
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
@@ -163,6 +152,6 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
     )
     plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
     assert not plain._row_preparation().items and custom._row_preparation().items
-    layout = RunLayout(tokenizer_path=path, data_path=tmp_path)
-    ported = job_args.training_args(custom, layout, world_size=2, resume=None)
+    custom.train_dataset = [{"input_ids": [1, 2, 3]}]
+    ported = job_args.training_args(custom, world_size=2, resume=None)
     assert (ported.training_step, ported.per_device_batch_size, ported.effective_batch_size) == ("model_loss", 2, 12)

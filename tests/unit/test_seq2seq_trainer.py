@@ -146,15 +146,12 @@ def test_seq2seq_trainer_trains_and_evaluates_on_generated_ids(
 
 def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_path: Path) -> None:
     from trainbridge.trainer import job_args
-    from trainbridge.trainer.run_folder import RunLayout
 
     model = t5[0]
     trainer = Seq2SeqTrainer(
         model=model, args=_args(tmp_path / "out", generation_num_beams=3), train_dataset=_reverse_rows(8, seed=0)
     )
-    model.save_pretrained(tmp_path / "model")
-    layout = RunLayout(tokenizer_path=tmp_path / "model", data_path=tmp_path)
-    ported = job_args.training_args(trainer, layout, 1, None)
+    ported = job_args.training_args(trainer, 1, None)
     assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
 
 

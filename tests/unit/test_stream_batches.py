@@ -216,7 +216,7 @@ def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classif
     from transformers import TrainingArguments
 
     from trainbridge import Trainer
-    from trainbridge.trainer import job_args, run_folder
+    from trainbridge.trainer import job_args
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="max_steps has to be specified"):  # as Trainer, at construction
@@ -227,6 +227,5 @@ def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classif
     hf = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf, train_dataset=stream)
     assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
-    layout = run_folder.RunLayout(tokenizer_path=classifier, data_path=None)
-    args = job_args.training_args(trainer, layout, 2, None)
+    args = job_args.training_args(trainer, 2, None)
     assert args.plan.train_stream is stream and args.data_path is None and args.training_step == "model_loss"

@@ -19,9 +19,8 @@ from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.launch import launcher
 from trainbridge.loop.predictions import PredictionCollector
-from trainbridge.trainer import job_args, jobs, script_data
+from trainbridge.trainer import job_args, script_data
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trainer.run_folder import RunLayout
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +40,10 @@ def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tm
 
     model, _ = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None))
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(tokenizer_path=build_tiny_llama(tmp_path / "m"), data_path=data, longest=3)
-    factory = job_args.training_args(trainer, layout, world_size=1, resume=None).plan.optimizer_factory
+    trainer = Trainer(
+        model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), train_dataset=[{"input_ids": [1, 2, 3]}]
+    )
+    factory = job_args.training_args(trainer, world_size=1, resume=None).plan.optimizer_factory
     assert isinstance(factory, InPlace) and factory.script_optimizer is optimizer and factory.model_init() is model
     with pytest.raises(RuntimeError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):  # Trainer's own
         Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), optimizer_cls_and_kwargs=(1, {}))
@@ -124,14 +122,11 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
         args=_hf_args(
             tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, per_device_eval_batch_size=5
         ),
+        train_dataset=[{"input_ids": [1, 2, 3]}],
     )
-    model_dir = build_tiny_llama(tmp_path / "m")
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"input_ids": [1, 2, 3]}\n')
-    layout = RunLayout(tokenizer_path=model_dir, data_path=data, longest=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
-        args = job_args.training_args(trainer, layout, world_size=2, resume=None)
+        args = job_args.training_args(trainer, world_size=2, resume=None)
     assert args.effective_batch_size == 3 * 2 * 2
     assert args.max_seq_len == 3 and args.max_batch_len == 9
 
@@ -407,7 +402,7 @@ def test_train_evaluate_predict_in_place_on_one_rank(
     assert recorder.events[-1][1]["eval_rows"] == 5 and recorder.events[-1][2]  # rank 0's state
     out = trainer.train()
     assert out.global_step == 3 and out.training_loss > 0
-    assert (tmp_path / "out" / ".trainbridge" / "train" / "dataset_info.json").is_file()  # Arrow (save_to_disk)
+    assert not (tmp_path / "out" / ".trainbridge").exists()  # nothing written: the rows trained in memory
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model trained
     assert trainer.state.global_step == 3 and any("eval_rows" in e for e in trainer.state.log_history)
     recorder.events.clear()
@@ -542,8 +537,8 @@ def test_it_is_a_real_trainer_whose_evaluate_predict_and_log_are_trainers_own(ti
 
 
 def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: Path) -> None:
-    """During training a dict ``eval_dataset`` is evaluated set by set (``eval_data_paths``), as Trainer does;
-    one dataset stays ``val_data_path``."""
+    """During training a dict ``eval_dataset`` is evaluated set by set (``ScriptData.named_eval``), as Trainer
+    does; one dataset stays ``ScriptData.eval``.  No path: the loop reads the script's data in place."""
     model, tok = tiny
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [2, 3, 4, 5]]})
     args = _hf_args(tmp_path, eval_strategy="steps", eval_steps=1, metric_for_best_model="b_loss", max_steps=2)
@@ -554,12 +549,14 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
         eval_dataset={"a": rows, "b": rows.select([0])},
         processing_class=tok,
     )
-    ported = job_args.training_args(trainer, jobs._write_training_inputs(trainer), 1, None)
-    assert ported.val_data_path is None and list(ported.eval_data_paths) == ["a", "b"]
-    assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4
+    ported = job_args.training_args(trainer, 1, None)
+    data = ported.plan.script_data
+    assert data is not None and data.eval is None and list(data.named_eval) == ["a", "b"]
+    assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4 and ported.eval_data_paths == {}
+    assert ported.data_path is None and ported.val_data_path is None and ported.tokenizer_path is None
     single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
-    ported = job_args.training_args(single, jobs._write_training_inputs(single), 1, None)
-    assert ported.val_data_path is not None and ported.eval_data_paths == {}
+    data = job_args.training_args(single, 1, None).plan.script_data
+    assert data is not None and data.eval is not None and data.named_eval == {} and data.processing_class is tok
 
 
 def test_flops_estimate_leaves_out_the_input_embeddings_like_trainer(tiny: Any) -> None:

@@ -146,16 +146,19 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def run_fingerprint(model_path: Path | None, data_path: Path | None, config: Any) -> dict[str, Any]:
+def run_fingerprint(
+    model_path: Path | None, data_path: Path | None, config: Any, data_identity: str | None = None
+) -> dict[str, Any]:
     """What a checkpoint of this run belongs to: architecture, config hash, base model (None for a
-    ``model_init`` model), data."""
+    ``model_init`` model), data: ``data_path``'s files, or ``data_identity`` for a script's dataset trained in
+    place (``ScriptData.identity``)."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return {
         "model_type": data.get("model_type"),
         "architectures": data.get("architectures"),
         "config_sha256": config_digest(data),
         "base_model": str(Path(model_path).resolve()) if model_path is not None else None,
-        "data": _data_fingerprint(data_path),
+        "data": {"path": "train_dataset", "identity": data_identity} if data_identity else _data_fingerprint(data_path),
     }
 
 

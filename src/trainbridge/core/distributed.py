@@ -24,10 +24,11 @@ T = TypeVar("T")
 
 
 class RankZeroError(RuntimeError):
-    """What every rank raises when rank 0 failed a step that ``DistributedEnv.on_rank_zero`` ran for all."""
+    """What every rank raises when rank 0 failed a step that ``DistributedEnv.on_rank_zero`` ran for all (or
+    another rank, one that ``on_every_rank`` ran)."""
 
-    def __init__(self, what: str, cause: str):
-        super().__init__(f"rank 0 failed {what}: {cause}")
+    def __init__(self, what: str, cause: str, rank: int = 0):
+        super().__init__(f"rank {rank} failed {what}: {cause}")
         self.what = what
         self.cause = cause
 
@@ -262,6 +263,23 @@ class DistributedEnv:
             message = str(RankZeroError(what, outcome["error"]))
             raise (error(message) if error is not None else RankZeroError(what, outcome["error"])) from own
         return outcome["value"]
+
+    def on_every_rank(self, action: Callable[[], T], what: str) -> T:
+        """Every rank runs ``action`` and returns its own result, or every rank raises (collective): a rank that
+        failed re-raises its exception, the others ``RankZeroError`` naming the first failing rank and the cause
+        (rather than waiting in the next collective until its timeout)."""
+        own: BaseException | None = None
+        try:
+            value = action()
+        except Exception as exc:
+            own = exc
+        outcomes = self.all_gather_objects(None if own is None else f"{type(own).__name__}: {own}")
+        if own is not None:
+            raise own
+        failed = next((rank for rank, error in enumerate(outcomes) if error is not None), None)
+        if failed is not None:
+            raise RankZeroError(what, str(outcomes[failed]), failed)
+        return value
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Collective ``all_reduce(SUM)`` in place; returns the tensor (identity on one rank)."""

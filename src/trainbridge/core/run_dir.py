@@ -1,14 +1,12 @@
 """The names of what a run writes into ``ckpt_output_dir``, each written down once.
 
 ``checkpoint-{global_step}/`` folders (``trainbridge.checkpoint``), the run result rank 0 writes for the
-launcher (``result.json``, ``trainbridge.loop.result``), the default metrics file (``metrics.jsonl``) and
-the launcher's log (``logs/launch.log``: torchrun's own report and every failure in full), and
-``.trainbridge/``, where ``trainbridge.Trainer`` writes what its jobs read (``FacadeDir``).
+launcher (``result.json``, ``trainbridge.loop.result``), the default metrics file (``metrics.jsonl``)
+and the launcher's log (``logs/launch.log``: torchrun's own report and every failure in full).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -41,33 +39,3 @@ def results_file(output_dir: str | Path, split: str | None = None) -> Path:
     """Metrics ``Trainer.save_metrics`` writes (the facade too): ``{split}_results.json``, or with no split the
     combined ``all_results.json``."""
     return Path(output_dir) / f"{split or 'all'}_results.json"
-
-
-FACADE_DIR = ".trainbridge"
-"""The folder inside ``output_dir`` where ``trainbridge.Trainer.train()`` writes the datasets' rows."""
-
-
-@dataclass(frozen=True)
-class FacadeDir:
-    """``output_dir/.trainbridge/``: every path ``trainbridge.Trainer.train()`` uses there."""
-
-    root: Path
-
-    @classmethod
-    def of(cls, output_dir: str | Path) -> FacadeDir:
-        """The facade folder of ``output_dir``."""
-        return cls(Path(output_dir) / FACADE_DIR)
-
-    @property
-    def tokenizer(self) -> Path:
-        """The instance's tokenizer, saved for the loop to load."""
-        return self.root / "tokenizer"
-
-    @property
-    def train_data(self) -> Path:
-        """The training rows (Arrow)."""
-        return self.root / "train"
-
-    def eval_data(self, index: int | None = None) -> Path:
-        """The validation rows: ``eval``, or ``eval-{index}`` for the index-th of named sets."""
-        return self.root / ("eval" if index is None else f"eval-{index}")

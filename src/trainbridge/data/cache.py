@@ -191,37 +191,22 @@ def _build(
         with _quiet_progress(True):
             raw = read_input(path, scratch / "raw")
         dataset = raw.dataset
-        if not raw.jsonl:
-            dataset = dataset.select_columns(_input_columns(path, describe_columns(dataset), options))
-        encoder = RowEncoder(str(path), raw.jsonl, tokenizer, options, chat_template)
         num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
-        with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
-            result = dataset.map(
-                encoder,
-                batched=True,
-                batch_size=MAP_BATCH_SIZE,
-                writer_batch_size=MAP_BATCH_SIZE,
-                with_indices=True,
-                remove_columns=dataset.column_names,
-                features=output_features(),
-                num_proc=num_proc if num_proc > 1 else None,
-                cache_file_name=str(scratch / "data.arrow"),
-                load_from_cache_file=False,
-                new_fingerprint=target.name,
-                desc=f"tokenizing {path.name}",
-            )
+        result = _encode(
+            dataset,
+            path,
+            raw.jsonl,
+            tokenizer,
+            options,
+            chat_template,
+            num_proc=num_proc if num_proc > 1 else None,
+            cache_file_name=str(scratch / "data.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=target.name,
+        )
         files = [Path(entry["filename"]).name for entry in result.cache_files]
         table = _open_table(scratch, files)  # as _load will see it: the index's rows are this table's
-        status = _column(table, "status")
-        _raise_bad_rows(path, raw.jsonl, table, status)
-        stats = _stats(path, table, status)
-        if stats.samples == 0:
-            raise ValueError(
-                f"no usable samples in {path}: {stats.lines} lines, {stats.dropped_overlong} dropped as longer "
-                f"than max_seq_len={options.max_seq_len}, {stats.empty_skipped} without loss tokens"
-            )
-        rows = np.flatnonzero(status == STATUS_OK)
-        index = np.stack([rows, _column(table, "length")[rows], _column(table, "loss_tokens")[rows]]).astype(np.int64)
+        index, stats = _index(path, raw.jsonl, table, options)
         np.save(scratch / INDEX_FILE, index)
         meta = {
             "format": CACHE_FORMAT,
@@ -239,6 +224,69 @@ def _build(
         os.replace(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def tokenize_in_memory(
+    dataset: Any,
+    name: str,
+    tokenizer: PreTrainedTokenizerBase | None,
+    options: DataOptions,
+    chat_template: str | None,
+) -> tuple[ArrowSamples, LoadStats]:
+    """The samples of a ``datasets.Dataset`` a script holds (``RunPlan.script_data``, in place), tokenised as a
+    file's rows are, in memory: nothing is written (``keep_in_memory``), no cache entry; ``name`` names the rows
+    in errors and the summary.  One process (a script's rows are usually tokenised already)."""
+    started = time.perf_counter()
+    source = Path(name)
+    result = _encode(dataset.with_format(None), source, False, tokenizer, options, chat_template, keep_in_memory=True)
+    table = result.data.table
+    index, stats = _index(source, False, table, options)
+    stats.seconds = time.perf_counter() - started
+    return ArrowSamples(table, index[0], index[1], index[2]), stats
+
+
+def _encode(
+    dataset: Any,
+    source: Path,
+    jsonl: bool,
+    tokenizer: PreTrainedTokenizerBase | None,
+    options: DataOptions,
+    chat_template: str | None,
+    **where: Any,
+) -> Any:
+    """``dataset``'s rows encoded (``records.RowEncoder``) into the cache's columns; ``where``: ``map``'s
+    keywords saying where the result goes (a cache file, or memory) and with how many processes."""
+    if not jsonl:
+        dataset = dataset.select_columns(_input_columns(source, describe_columns(dataset), options))
+    encoder = RowEncoder(str(source), jsonl, tokenizer, options, chat_template)
+    with _quiet_progress(len(dataset) < PROGRESS_MIN_ROWS):
+        return dataset.map(
+            encoder,
+            batched=True,
+            batch_size=MAP_BATCH_SIZE,
+            writer_batch_size=MAP_BATCH_SIZE,
+            with_indices=True,
+            remove_columns=dataset.column_names,
+            features=output_features(),
+            desc=f"tokenizing {source.name}",
+            **where,
+        )
+
+
+def _index(source: Path, jsonl: bool, table: pa.Table, options: DataOptions) -> tuple[np.ndarray, LoadStats]:
+    """``(index, stats)`` of an encoded table: the kept samples' table row, length and loss tokens; bad rows
+    raise ``DataFormatError``, no usable sample a ``ValueError``."""
+    status = _column(table, "status")
+    _raise_bad_rows(source, jsonl, table, status)
+    stats = _stats(source, table, status)
+    if stats.samples == 0:
+        raise ValueError(
+            f"no usable samples in {source}: {stats.lines} lines, {stats.dropped_overlong} dropped as longer "
+            f"than max_seq_len={options.max_seq_len}, {stats.empty_skipped} without loss tokens"
+        )
+    rows = np.flatnonzero(status == STATUS_OK)
+    index = np.stack([rows, _column(table, "length")[rows], _column(table, "loss_tokens")[rows]]).astype(np.int64)
+    return index, stats
 
 
 def entry_problem(entry: Path) -> str | None:

@@ -1,5 +1,8 @@
 """Data files as the dataset's items, unchanged, for the model's-own-loss step (``step.model_loss``).
 
+``run_rows(args, tokenizer)`` is that step's one entry (and trl's steps'): the script's own datasets in place
+(``RunPlan.script_data``, indexed live), else the rows of ``data_path``/``val_data_path``/``eval_data_paths``.
+
 ``open_rows`` reads a data path (JSONL, JSON, parquet, Arrow, a ``save_to_disk`` folder) with ``datasets``;
 each row is one item, its columns as they are (labels, pixel values, decoder inputs...).  Rows with a
 ``text`` column and no ``input_ids`` are tokenised (truncated to ``max_seq_len``), the other columns kept.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainbridge.core.config import TrainingArgs
 from trainbridge.core.scratch import owned_folder
 from trainbridge.data.inputs import DataInputError, input_kind, read_input
 from trainbridge.data.types import validation_indices
@@ -59,3 +63,18 @@ def split_rows(dataset: Any, fraction: float, seed: int) -> tuple[Any, Any]:
     """``(training rows, held-out rows)``: ``validation_split`` by index, as the token data is split."""
     train, held = validation_indices(len(dataset), fraction, seed)
     return dataset.select(train), dataset.select(held)
+
+
+def run_rows(args: TrainingArgs, tokenizer: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """``(training items, validation items, named validation sets)`` of a run (see the module doc); training
+    None for a ``train_stream``; ``validation_split`` held out of the training rows."""
+    data = args.plan.script_data
+    if data is not None:  # in place: the script's objects, each item fetched when a micro-batch needs it
+        return data.train, data.eval, dict(data.named_eval)
+    reading = args.data_path is not None and args.plan.train_stream is None
+    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if reading and args.data_path else None
+    val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
+    if args.validation_split > 0 and train is not None:
+        train, val = split_rows(train, args.validation_split, args.seed)
+    named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
+    return train, val, named

@@ -16,10 +16,10 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.data.cache import open_tokenized
+from trainbridge.data.cache import open_tokenized, tokenize_in_memory
 from trainbridge.data.chat import ChatTemplateError, resolve_chat_template
 from trainbridge.data.inputs import default_cache_dir
 from trainbridge.data.records import DataOptions
@@ -111,24 +111,35 @@ def open_dataset(
 
 
 def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *, report: bool = True) -> RunData:
-    """Training and validation samples of ``args`` (memory-mapped); logs the summary when ``report`` (rank 0)."""
-    if args.data_path is None:
-        raise ValueError("data_path: token-budget batches read a data file; a train_stream trains on 'model_loss'")
+    """Training and validation samples of ``args`` (memory-mapped; in place, the script's datasets tokenised in
+    memory: ``RunPlan.script_data``); logs the summary when ``report`` (rank 0)."""
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()
-    train, stats = open_dataset(args.data_path, tokenizer, options, cache_dir)
+    script = args.plan.script_data
+
+    def load(data: Any, name: str) -> tuple[SampleSource, LoadStats]:
+        if script is not None:
+            return tokenize_in_memory(data, name, tokenizer, options, _template(tokenizer, options))
+        return open_dataset(data, tokenizer, options, cache_dir)
+
+    train_data = script.train if script is not None else args.data_path
+    if train_data is None:
+        raise ValueError("data_path: token-budget batches read a data file; a train_stream trains on 'model_loss'")
+    train, stats = load(train_data, "train_dataset")
     all_stats = [stats]
     val: SampleSource | None = None
     source: SampleSource = train
-    if args.val_data_path is not None:
-        val, val_stats = open_dataset(args.val_data_path, tokenizer, options, cache_dir)
+    val_data = script.eval if script is not None else args.val_data_path
+    if val_data is not None:
+        val, val_stats = load(val_data, "eval_dataset")
         all_stats.append(val_stats)
     elif args.validation_split > 0:
         train_rows, val_rows = validation_indices(len(train), args.validation_split, args.seed)
         source, val = train.subset(train_rows), train.subset(val_rows)
     named: dict[str, SampleSource] = {}
-    for name, path in args.eval_data_paths.items():
-        named[name], named_stats = open_dataset(path, tokenizer, options, cache_dir)
+    named_data = script.named_eval if script is not None else args.eval_data_paths
+    for name, data in named_data.items():
+        named[name], named_stats = load(data, f"eval_dataset[{name!r}]" if script is not None else str(name))
         all_stats.append(named_stats)
     data = RunData(source, val, all_stats, named)
     if report:

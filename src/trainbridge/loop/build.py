@@ -28,7 +28,7 @@ from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
-from trainbridge.data.rows import open_rows, split_rows
+from trainbridge.data.rows import run_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.stream_batches import StreamBatches
@@ -159,7 +159,12 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
             args.ckpt_output_dir,
             env,
             args.save_total_limit,
-            fingerprint=run_fingerprint(args.model_path, args.data_path, model.config),
+            fingerprint=run_fingerprint(
+                args.model_path,
+                args.data_path,
+                model.config,
+                plan.script_data.identity if plan.script_data is not None else None,
+            ),
             checksums=args.checkpoint_checksums,
             weights_dtype=checkpoint_weights_dtype(args, engine.unwrapped),
             allow_unverified=args.resume_allow_unverified,
@@ -275,31 +280,15 @@ def _token_batches(
     )
 
 
-def _transformed(rows: Any, transform: dict[str, Any] | None) -> Any:
-    """``rows`` with a ``RunPlan.dataset_transforms`` entry applied (``set_transform``), or as they are."""
-    if rows is None or transform is None:
-        return rows
-    return rows.with_transform(
-        transform["transform"], columns=transform["columns"], output_all_columns=transform["output_all_columns"]
-    )
-
-
 def _sample_batches(
     model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
 ) -> RunBatches:
-    """The model's-own-loss step: the data files' rows as items, Trainer's sample batches formed by the
-    collator (the script's, else Trainer's default), the loss the forward returns."""
+    """The model's-own-loss step: the items (``run_rows``: the script's datasets in place, else the data files'
+    rows), Trainer's sample batches formed by the collator (the script's, else Trainer's default), the loss the
+    forward returns."""
     per_device, _ = sample_batch_shape(args, env.world_size)
     stream: Any = plan.train_stream
-    train = open_rows(args.data_path, tokenizer, args.max_seq_len) if args.data_path and stream is None else None
-    val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
-    if args.validation_split > 0 and train is not None:
-        train, val = split_rows(train, args.validation_split, args.seed)
-    named = {name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()}
-    transforms = plan.dataset_transforms  # the script's on-the-fly transforms, as its datasets apply them
-    train = _transformed(train, transforms.get("train"))
-    val = _transformed(val, transforms.get("eval"))
-    named = {name: _transformed(rows, transforms.get(f"eval:{name}")) for name, rows in named.items()}
+    train, val, named = run_rows(args, tokenizer)
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(plan.data_collator or default_collator(tokenizer), keep)
@@ -320,7 +309,8 @@ def _sample_batches(
 
     count = len(train) if train is not None else 0
     source = "train_stream" if stream is not None else "train_loader"
-    stats = [LoadStats(path=str(args.data_path) if train is not None else source, lines=count, samples=count)]
+    where = "train_dataset" if plan.script_data is not None else str(args.data_path)
+    stats = [LoadStats(path=where if train is not None else source, lines=count, samples=count)]
     if env.is_world_process_zero:
         described = {"train_stream": f"streaming {type(stream).__name__}", "train_loader": "the script's DataLoader"}
         logger.info(

@@ -53,9 +53,12 @@ def unwrap_peft(model: Any) -> Any:
 def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase | None:
     """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
     else ``model_path``, else an adapter folder's base model); an image processor for a folder holding only
-    that; None for a ``model_loss`` run whose folder holds neither."""
+    that; None for a ``model_loss`` run whose folder holds neither.  In place, the script's own
+    (``ScriptData.processing_class``)."""
     from transformers import AutoProcessor, AutoTokenizer
 
+    if args.plan.script_data is not None:  # in place: the script's own object, as it is
+        return cast("PreTrainedTokenizerBase | None", args.plan.script_data.processing_class)
     path = args.resolved_tokenizer_path
     tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
     folder = Path(str(path))

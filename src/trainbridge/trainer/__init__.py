@@ -3,8 +3,7 @@
 - ``facade``: the ``Trainer`` class (Trainer's constructor and methods; ``train()`` is the loop) and ``LoopTrainer``,
   what any Trainer class (``seq2seq``, trl's in ``trainbridge.trl``) puts in front of it.
 - ``jobs``: ``train()``'s job, in place on every rank; ``job_args``: its ``TrainingArgs`` and run plan.
-- ``run_folder``: the datasets' rows and tokenizer written into ``output_dir/.trainbridge/``, as a ``RunLayout``.
-- ``script_data``: the script's datasets and collator, made ready for the loop's batches.
+- ``script_data``: the script's datasets and collator, made ready for the loop's batches (in memory, never written).
 - ``subclass``, ``subclass_data``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
   step, evaluation, log, data loader, saves, optimizer).
 - ``native_callbacks``: trainbridge callbacks held by Trainer's callback handler.

@@ -32,13 +32,11 @@ import transformers
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
-from trainbridge.core.run_dir import FacadeDir
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
-from trainbridge.trainer.run_folder import RowPreparation
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -117,15 +115,6 @@ class LoopTrainer(_TrainerBase):
         """``args.output_dir``."""
         return Path(self.args.output_dir or "trainer_output")
 
-    @property
-    def run_dir(self) -> Path:
-        """The run folder (``output_dir/.trainbridge``)."""
-        return self._folder.root
-
-    @property
-    def _folder(self) -> FacadeDir:
-        return FacadeDir.of(self.output_dir)
-
     def _device(self) -> str:
         """``TrainingArgs.device`` of the run: ``cpu`` under ``use_cpu``, else ``auto``."""
         return "cpu" if getattr(self.args, "use_cpu", False) else "auto"
@@ -198,11 +187,11 @@ class LoopTrainer(_TrainerBase):
             tok = self._fallback_tokenizer
         return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
 
-    def _row_preparation(self) -> RowPreparation:
+    def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
-        return RowPreparation(
+        return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
             items=script_data.uses_sample_batches(self.model, self._collator_choice)

@@ -1,8 +1,8 @@
-"""``train()``'s ``TrainingArgs`` and run plan: the Trainer's arguments, its callbacks and methods, the run folder.
+"""``train()``'s ``TrainingArgs`` and run plan: the Trainer's arguments, its data, callbacks and methods.
 
-``training_args`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``), points it at the
-``RunLayout`` the writing rank returned, and gives it the plan's seams from the live instance: its model
-object (``LiveModel``), callbacks, functions and overridden methods (``trainer.subclass``).
+``training_args`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``) and gives it the
+plan's seams from the live instance: its datasets and tokenizer (``RunPlan.script_data``), its model object
+(``LiveModel``), callbacks, functions and overridden methods (``trainer.subclass``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from trainbridge.core.config.plan import ExistingModel
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
-from trainbridge.trainer.run_folder import RunLayout
 from trainbridge.trainer.save_overrides import subclass_save
-from trainbridge.trainer.script_data import dataset_transforms
+from trainbridge.trainer.script_data import script_inputs
 from trainbridge.trainer.subclass import script_events, subclass_evaluation, subclass_loss
 from trainbridge.trainer.subclass_data import subclass_loader
 
@@ -40,17 +39,18 @@ class LiveModel(ExistingModel):
         return stepped() if stepped is not None else self.trainer.model
 
 
-def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: Any) -> TrainingArgs:
-    """The ``TrainingArgs`` of a job of ``trainer`` over ``layout`` on ``world_size`` ranks; ``resume`` is
+def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArgs:
+    """The ``TrainingArgs`` of a job of ``trainer`` on ``world_size`` ranks; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
     from trainbridge.hf.porting import training_args_from_hf
 
     events = script_events(trainer)  # a subclass's log, optimizer... (trainer.subclass)
     callbacks = trainer._script_callbacks()
+    data, longest = script_inputs(
+        trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), trainer._row_preparation()
+    )
     fields: dict[str, Any] = {
-        "tokenizer_path": layout.tokenizer_path,
-        "data_path": layout.data_path,
-        "val_data_path": layout.val_data_path,
+        "script_data": data,  # the script's datasets and tokenizer, read in place
         "callbacks": [events, *callbacks] if events is not None else callbacks,
         "compute_metrics": trainer.compute_metrics,
         "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
@@ -67,8 +67,6 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     }
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
-    if layout.eval_data_paths:  # a dict eval_dataset: named sets, each evaluated in turn
-        fields["eval_data_paths"] = dict(layout.eval_data_paths)
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
     generation_fields = getattr(trainer, "generation_fields", None)  # Seq2SeqTrainer: predict_with_generate
@@ -95,7 +93,7 @@ def training_args(trainer: Trainer, layout: RunLayout, world_size: int, resume: 
     fields["effective_batch_size"] = per_device * accumulation * world_size
     fields["per_device_batch_size"] = per_device  # Trainer's sample batches (model_loss): accumulation follows
     max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
-    max_seq_len = int(layout.longest or max_len or DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = int(longest or max_len or DEFAULT_MAX_SEQ_LEN)
     fields["max_seq_len"] = max_seq_len
     fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
     if resume is None:
@@ -111,7 +109,6 @@ def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "training_step": "model_loss",
         "data_collator": trainer.data_collator,
-        "dataset_transforms": dataset_transforms(trainer.train_dataset, trainer.eval_dataset),
     }
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)

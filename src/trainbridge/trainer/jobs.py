@@ -2,10 +2,9 @@
 
 Every process trains in place: each rank of a launched script (``torchrun script.py``, or ``python script.py``
 re-executed under torchrun by ``launch.script_launch``), or the script's own process when it runs as one.
-Rank 0 writes the datasets' rows into the run folder and every rank gets their ``RunLayout`` or rank 0's
-failure (``DistributedEnv.on_rank_zero``); the model is the script's own object (``RunPlan.model_init``), and
-then every rank runs the loop (``runner.run_job``).  Afterwards the instance's ``model`` is the trained model
-and its ``state`` the run's ``TrainerState``.
+Each rank hands the loop the script's own objects: its datasets and tokenizer (``RunPlan.script_data``,
+nothing written), its model (``RunPlan.model_init``); then every rank runs the loop (``runner.run_job``).
+Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
 from trainbridge.loop.result import RunResult
-from trainbridge.trainer import job_args, run_folder
+from trainbridge.trainer import job_args
 from trainbridge.trainer.runner import FacadeJob, run_job
 
 if TYPE_CHECKING:
@@ -29,13 +28,13 @@ def world_size_of(torchrun_args: TorchrunArgs) -> int:
 def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
     """Train ``trainer``'s model in place -> ``(this rank's result, the run's TrainerState)``."""
     env = trainer._start_env()
-    layout = env.on_rank_zero(lambda: _write_training_inputs(trainer), "writing the run folder")
-    args = job_args.training_args(trainer, layout, env.world_size, resume)
+    # every rank reads the script's data itself; one that fails fails every rank at once
+    args = env.on_every_rank(lambda: job_args.training_args(trainer, env.world_size, resume), "preparing its data")
     handler, control = trainer.callback_handler, trainer.control
     if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
         trainer.accelerator._models.append(trainer.model)
     try:
-        outcome = run_job(FacadeJob("train", args, trainer._folder.root), env)
+        outcome = run_job(FacadeJob("train", args), env)
     finally:
         trainer.callback_handler, trainer.control = handler, control
     trainer._loop = outcome.loop
@@ -51,13 +50,3 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     assert outcome.result is not None
     return outcome.result, trainer.state
-
-
-def _write_training_inputs(trainer: Trainer) -> run_folder.RunLayout:
-    return run_folder.write_training_inputs(
-        trainer._folder,
-        trainer._loop_tokenizer(),
-        trainer._row_preparation(),
-        trainer.train_dataset,
-        trainer.eval_dataset,
-    )

@@ -9,7 +9,6 @@ and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trainbridge.core.config import TrainingArgs
@@ -35,11 +34,10 @@ def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCall
 
 @dataclass
 class FacadeJob:
-    """``train()``'s job: its arguments; files go to ``run_dir``."""
+    """``train()``'s job: its arguments."""
 
     kind: str
     args: TrainingArgs
-    run_dir: Path
 
 
 @dataclass

@@ -1,24 +1,25 @@
-"""What a ``Trainer`` script hands over, made ready for the workers: datasets, the collator, the model.
+"""What a ``Trainer`` script hands over, made ready for the loop in place: datasets, the collator, the model.
 
+- ``script_inputs``: ``RunPlan.script_data`` of a train job: the script's datasets as the loop reads them, never
+  written anywhere.  On sample batches (``uses_sample_batches``: the model's own loss) each dataset is the
+  script's object itself, indexed live (``dataset[i]`` at every micro-batch, each epoch, as Trainer's
+  DataLoader does); on the padding-free token path, its rows prepared in memory (``prepare_rows``).
 - ``as_hf_dataset``: a ``datasets.Dataset``, a torch map-style ``Dataset`` of dicts or a list of dicts as
-  one ``datasets.Dataset`` (tensors and numpy arrays as lists).
-- ``as_item_dataset``: a dataset kept as the items its ``__getitem__`` returns (every column; tensors come
-  back as tensors), for the model's-own-loss step (``uses_sample_batches``).
+  one ``datasets.Dataset`` (tensors and numpy arrays as lists), for the token path.
 - ``column_items``: whether a dataset's items are dicts of columns at all; one whose items are anything
-  else (tuples, lists, objects: Trainer hands any item to the collator) is never written: the instance's
+  else (tuples, lists, objects: Trainer hands any item to the collator) is not the loop's: the instance's
   own ``get_train_dataloader()`` / ``evaluate()`` read it (``trainer.subclass``).
-- a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it travels to the workers as
-  ``RunPlan.train_stream`` (by value, when self-launched) and is iterated there
+- ``data_identity``: what the training data is, for the checkpoint fingerprint (resume on other data flagged).
+- a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it is ``RunPlan.train_stream``
   (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
 - ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
   not called: samples go through padding-free token-budget batching) or it must be called as written
   on the padded path.
-- ``write_dataset``: the rows the workers train on, written into the run folder (``export_format``).
-- ``write_model``: the model (``save_pretrained``, so resized embeddings travel) and tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from trainbridge.core.config.plan import ScriptData
+from trainbridge.data.stream_batches import is_stream
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +96,6 @@ STREAM_NEEDS_MAX_STEPS = (
 def check_stream_steps(train_dataset: Any, args: Any) -> None:
     """Trainer's check at construction: a streaming ``train_dataset`` (an ``IterableDataset``, no length)
     needs a positive ``max_steps`` (a ``ValueError`` otherwise, as Trainer raises)."""
-    from trainbridge.data.stream_batches import is_stream
-
     max_steps = getattr(args, "max_steps", None)
     if is_stream(train_dataset) and (max_steps is None or max_steps <= 0):
         raise ValueError(STREAM_NEEDS_MAX_STEPS)
@@ -106,60 +108,6 @@ def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:
     from trainbridge.modeling.load import is_causal_lm
 
     return not choice.reproduced or (model is not None and not is_causal_lm(model))
-
-
-def dataset_transform(data: Any) -> dict[str, Any] | None:
-    """The on-the-fly transform of a ``datasets.Dataset`` (``set_transform`` / ``with_transform``) as
-    ``RunPlan.dataset_transforms`` holds it, else None."""
-    import datasets
-
-    if not isinstance(data, datasets.Dataset) or data.format.get("type") != "custom":
-        return None
-    return {
-        "transform": data.format["format_kwargs"]["transform"],
-        "columns": data.format.get("columns"),
-        "output_all_columns": bool(data.format.get("output_all_columns", False)),
-    }
-
-
-def dataset_transforms(train: Any, evaluation: Any) -> dict[str, dict[str, Any]]:
-    """``RunPlan.dataset_transforms`` of a job over ``train`` and ``evaluation`` (one dataset or a dict)."""
-    named = evaluation.items() if isinstance(evaluation, Mapping) else [("", evaluation)]
-    found = {"train": dataset_transform(train)}
-    found.update({f"eval:{name}" if name else "eval": dataset_transform(part) for name, part in named})
-    return {key: value for key, value in found.items() if value is not None}
-
-
-def as_item_dataset(data: Any, what: str) -> Any:
-    """``data`` as a ``datasets.Dataset`` whose rows are the items ``data[i]`` returns: a ``datasets.Dataset``
-    as it is (all its columns); a torch map-style ``Dataset`` or list of dicts with the keys that held
-    tensors formatted back to tensors (``with_format("torch")``, kept by ``save_to_disk``)."""
-    import datasets
-
-    if isinstance(data, datasets.Dataset):
-        # an on-the-fly transform travels as RunPlan.dataset_transforms (dataset_transform): the rows as stored
-        return data.with_format(None) if dataset_transform(data) is not None else data
-    if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
-        raise TypeError(
-            f"{what}: an iterable dataset is not supported by the facade; materialise it "
-            "(datasets: .take(n) then Dataset.from_list / from_generator)"
-        )
-    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(
-            f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
-            f"got {type(data).__name__}"
-        )
-    items = [data[i] for i in range(len(data))]
-    if not items:
-        raise ValueError(f"{what}: the dataset is empty")
-    if not all(isinstance(item, Mapping) for item in items):
-        bad = next(item for item in items if not isinstance(item, Mapping))
-        raise TypeError(f"{what}: every item must be a dict of columns (input_ids...), got {type(bad).__name__}")
-    tensor_keys = sorted({k for item in items for k, v in item.items() if isinstance(v, torch.Tensor)})
-    rows = datasets.Dataset.from_list([{k: _plain(v) for k, v in item.items()} for item in items])
-    if tensor_keys:
-        rows = rows.with_format("torch", columns=tensor_keys, output_all_columns=True)
-    return rows
 
 
 def _plain(value: Any) -> Any:
@@ -227,39 +175,11 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
         def _labels(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
             return {"labels": [[-100 if t == pad_token_id else t for t in ids] for ids in batch["input_ids"]]}
 
-        rows = rows.map(_labels, batched=True, desc="labels as DataCollatorForLanguageModeling makes them")
+        rows = rows.map(
+            _labels, batched=True, keep_in_memory=True, desc="labels as DataCollatorForLanguageModeling makes them"
+        )
     lengths = [len(ids) for ids in rows["input_ids"]]
     return rows, max(lengths, default=0)
-
-
-def write_dataset(rows: Any, folder: Path) -> Path:
-    """Write ``rows`` into ``folder`` with ``Dataset.save_to_disk`` (Arrow); returns the ``data_path``.
-
-    The data layer (``trainbridge.data.inputs``) memory-maps the folder in every worker: rows are not
-    pickled and not held in Python lists per rank.  When the folder already holds the same rows (same
-    Arrow bytes) it is left untouched, so a later ``train(resume_from_checkpoint=...)`` sees the same data
-    (checkpoints record a fingerprint of the training data) and the tokenisation cache is reused.
-    """
-    import hashlib
-    import shutil
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    fresh = folder.with_name(folder.name + ".writing")
-    shutil.rmtree(fresh, ignore_errors=True)
-    rows.save_to_disk(str(fresh))
-    digest = hashlib.sha256()
-    for arrow in sorted(fresh.glob("*.arrow")):
-        with arrow.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    marker = folder.with_name(folder.name + ".sha256")
-    if folder.is_dir() and marker.is_file() and marker.read_text() == digest.hexdigest():
-        shutil.rmtree(fresh)
-        return folder
-    shutil.rmtree(folder, ignore_errors=True)
-    fresh.rename(folder)
-    marker.write_text(digest.hexdigest())
-    return folder
 
 
 def tokenizer_beside(model: Any) -> Any:
@@ -274,3 +194,111 @@ def tokenizer_beside(model: Any) -> Any:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class RowPreparation:
+    """How the datasets' rows reach the loop (``script_inputs``)."""
+
+    collator: CollatorChoice
+    pad_token_id: int | None
+    items: bool = False
+    """The loop trains on the model's own loss over the datasets' items (``uses_sample_batches``): each
+    dataset is the script's object, indexed live; else its rows are prepared for the token step."""
+
+
+def is_dataset_dict(data: Any) -> bool:
+    """A dict of named datasets (Trainer's ``eval_dataset={name: dataset}``; a ``DatasetDict`` too, as Trainer)."""
+    return isinstance(data, Mapping)
+
+
+def script_inputs(
+    train: Any, evaluation: Any, processing_class: Any, rows: RowPreparation
+) -> tuple[ScriptData, int | None]:
+    """``(RunPlan.script_data, longest prepared row)`` of a train job over ``train`` and ``evaluation`` (one
+    dataset, or a dict of named sets); longest: tokens, None for items or raw rows.  Not the loop's: a stream
+    (``train_stream``) and a set whose items are not dicts of columns (the instance's own loader and
+    ``evaluate`` read it)."""
+    if train is None:
+        raise ValueError("Trainer: training requires a train_dataset")
+    own = not is_stream(train) and column_items(train)
+    train_rows, longest = _loop_rows(train, "train_dataset", rows) if own else (None, None)
+    eval_rows, named, lengths = None, {}, [longest or 0]
+    if evaluation is not None and column_items(evaluation):
+        if is_dataset_dict(evaluation):
+            for name, part in evaluation.items():
+                named[str(name)], part_longest = _loop_rows(part, f"eval_dataset[{name!r}]", rows)
+                lengths.append(part_longest or 0)
+        else:
+            eval_rows, eval_longest = _loop_rows(evaluation, "eval_dataset", rows)
+            lengths.append(eval_longest or 0)
+    identity = data_identity(train) if own else None
+    return ScriptData(train_rows, eval_rows, named, processing_class, identity), max(lengths) or None
+
+
+def _loop_rows(data: Any, what: str, rows: RowPreparation) -> tuple[Any, int | None]:
+    """``data`` as the loop reads it: the object itself (items), or its rows prepared in memory."""
+    if not rows.items:
+        return prepare_rows(as_hf_dataset(data, what), rows.collator, rows.pad_token_id)
+    import datasets
+
+    if isinstance(data, datasets.IterableDataset | torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"{what}: an iterable dataset is not supported here; materialise it "
+            "(datasets: .take(n) then Dataset.from_list / from_generator)"
+        )
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise TypeError(
+            f"{what}: expected a datasets.Dataset, a map-style torch Dataset or a list of dicts, "
+            f"got {type(data).__name__}"
+        )
+    if len(data) == 0:
+        raise ValueError(f"{what}: the dataset is empty")
+    return data, None
+
+
+IDENTITY_ITEMS = 3
+"""Items (first, middle, last) whose contents identify a dataset that is not a ``datasets.Dataset``."""
+
+
+def data_identity(data: Any) -> str:
+    """What ``data`` is, for the checkpoint fingerprint (``ScriptData.identity``): a ``datasets.Dataset``'s
+    fingerprint (its rows and every transformation), else its type, length and a digest of a few items (a
+    dataset whose items differ at each fetch, a random augmentation: type and length only)."""
+    import datasets
+
+    if isinstance(data, datasets.Dataset):
+        return f"datasets:{data._fingerprint}"
+    count = len(data)
+    digest = hashlib.sha256(f"{type(data).__module__}.{type(data).__qualname__}:{count}".encode())
+    if count and _item_digest(data[0]) == _item_digest(data[0]):  # the same item at each fetch
+        for index in sorted({0, count // 2, count - 1})[:IDENTITY_ITEMS]:
+            digest.update(_item_digest(data[index]).encode())
+    return f"items:{digest.hexdigest()}"
+
+
+def _item_digest(value: Any) -> str:
+    """A stable digest of an item: tensors and arrays by dtype, shape and bytes; mappings by sorted key."""
+    digest = hashlib.sha256()
+
+    def feed(part: Any) -> None:
+        if isinstance(part, torch.Tensor):
+            flat = part.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{part.dtype}{tuple(part.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        elif isinstance(part, np.ndarray):
+            digest.update(f"{part.dtype}{part.shape}".encode())
+            digest.update(np.ascontiguousarray(part).tobytes())
+        elif isinstance(part, Mapping):
+            for key in sorted(part, key=str):
+                digest.update(str(key).encode())
+                feed(part[key])
+        elif isinstance(part, list | tuple):
+            digest.update(f"[{len(part)}".encode())
+            for item in part:
+                feed(item)
+        else:
+            digest.update(repr(part).encode())
+
+    feed(value)
+    return digest.hexdigest()

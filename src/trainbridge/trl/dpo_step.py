@@ -342,8 +342,8 @@ def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float
 class DPOStepFactory:
     """``RunPlan.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
-    It carries the prepared pairs (``prepare_preference_dataset``; None: the job's ``data_path``, as the
-    facade writes them), the loss settings and the batch shape;
+    It carries the prepared pairs (``prepare_preference_dataset``; None: the run's rows, ``data.rows.run_rows``:
+    the drop-in's ``train_dataset`` in place), the loss settings and the batch shape;
     called with the worker's model it plans this rank's pairs and picks the reference: the rows'
     precomputed log-probs when they carry them, else ``ref_model`` (a frozen model object, moved to the
     policy's device), else a frozen copy of the freshly loaded policy, or, for a PEFT policy, the policy
@@ -405,10 +405,12 @@ class DPOStepFactory:
         return reference.to(env.device).eval().requires_grad_(False)
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
-        from trainbridge.data.rows import open_rows
+        from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, self.max_length)  # one attention call per layer, not a [T, T] mask
-        dataset = self.dataset if self.dataset is not None else open_rows(args.data_path, tokenizer, args.max_seq_len)
+        own = self.dataset is not None and self.eval_dataset is not None
+        rows, val, named = run_rows(args, tokenizer) if not own else (self.dataset, None, {})
+        dataset = self.dataset if self.dataset is not None else rows
         self.columns = list(dataset.column_names)
         batches = PairBatches(
             dataset,
@@ -421,12 +423,8 @@ class DPOStepFactory:
             self.truncation_mode,
         )
         evaluation = self.eval_dataset
-        if evaluation is None and args.val_data_path is not None:
-            evaluation = open_rows(args.val_data_path, tokenizer, args.max_seq_len)
-        if evaluation is None and args.eval_data_paths:
-            evaluation = {
-                name: open_rows(path, tokenizer, args.max_seq_len) for name, path in args.eval_data_paths.items()
-            }
+        if evaluation is None:
+            evaluation = val if val is not None else named or None
 
         def eval_set(data: Any) -> PairEvalBatches:
             return PairEvalBatches(

@@ -214,10 +214,10 @@ class KTOStepFactory(DPOStepFactory):
         self.loss, self.sequential = loss, sequential
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> KTOStep:  # type: ignore[override]
-        from trainbridge.data.rows import open_rows
+        from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, self.max_length)
-        dataset = open_rows(args.data_path, tokenizer, args.max_seq_len)
+        dataset = run_rows(args, tokenizer)[0]
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(
             dataset,

@@ -115,18 +115,18 @@ class ReferenceFreeStep(TrainStep):
 
 class ReferenceFreeStepFactory:
     """``RunPlan.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
-    worker over the job's prepared pairs (trl's preparation, written by the facade at ``data_path``)."""
+    worker over the job's prepared pairs (trl's preparation: the drop-in's ``train_dataset`` in place)."""
 
     def __init__(self, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0) -> None:
         self.loss = loss
         self.pairs_per_micro, self.micro_per_step, self.seed = pairs_per_micro, micro_per_step, seed
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> ReferenceFreeStep:
-        from trainbridge.data.rows import open_rows
+        from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, None)
         batches = LabelledPairBatches(
-            open_rows(args.data_path, tokenizer, args.max_seq_len),
+            run_rows(args, tokenizer)[0],
             self.pairs_per_micro,
             self.micro_per_step,
             env.world_size,

@@ -36,16 +36,17 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
         and args.validation_split == 0
         and not args.eval_data_paths
         and plan.evaluation is None
+        and not (plan.script_data is not None and (plan.script_data.eval is not None or plan.script_data.named_eval))
     ):
         raise ValueError(
             "eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0 (or an "
             "evaluation of the plan's own)"
         )
-    if args.eval_data_paths and args.tracks_best_metric and args.best_metric_eval_set is None:
+    if args.eval_set_names and args.tracks_best_metric and args.best_metric_eval_set is None:
         raise ValueError(
             f"metric_for_best_model: {args.metric_for_best_model!r} is not a metric of a named validation set; "
             f"with eval_data_paths every metric is eval_<name>_<metric>, e.g. "
-            f"'eval_{next(iter(args.eval_data_paths))}_loss' (sets: {', '.join(args.eval_data_paths)})"
+            f"'eval_{args.eval_set_names[0]}_loss' (sets: {', '.join(args.eval_set_names)})"
         )
     if args.save_strategy == "best" and args.eval_strategy == "no":
         raise ValueError("save_strategy: 'best' needs an eval_strategy other than 'no'")
@@ -93,7 +94,7 @@ def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
     if plan.train_loader is not None and args.training_step == "token_cross_entropy":
         raise ValueError("training_step: a train_loader's batches train on 'model_loss'; leave it 'auto'")
     if plan.train_stream is None:
-        if args.data_path is None and plan.train_loader is None:
+        if args.data_path is None and plan.train_loader is None and plan.script_data is None:
             raise ValueError(
                 "data_path: the training data is required (a file or folder), or give a train_stream or a train_loader"
             )
@@ -144,7 +145,7 @@ def check_model(args: TrainingArgs, plan: RunPlan) -> None:
     """The model fields together: what to load, PEFT options that cannot combine, quantization."""
     if args.model_path is None and plan.model_init is None:
         raise ValueError("model_path: required (a model or PEFT adapter folder) unless model_init is given")
-    if args.model_path is None and args.tokenizer_path is None:
+    if args.model_path is None and args.tokenizer_path is None and plan.script_data is None:
         raise ValueError("tokenizer_path: required when the model comes from model_init without model_path")
     adapter_base = peft_adapter_base(args.model_path) if args.model_path is not None else None
     config = args.peft_config

@@ -1,7 +1,7 @@
 """``RunPlan``: the code a run executes, as typed seams chosen at build time; ``TrainingArgs`` holds data only.
 
-A seam is a Protocol: the step, the training data (a collator, a stream, a DataLoader factory, dataset
-transforms), prediction (``compute_metrics``, logits preprocessing), the optimizer, the checkpoint's model
+A seam is a Protocol: the step, the training data (a collator, a stream, a DataLoader factory, the script's
+own datasets), prediction (``compute_metrics``, logits preprocessing), the optimizer, the checkpoint's model
 files, the evaluation, the callbacks and event functions, the model (``model_init``).  ``build_run`` and
 ``TrainingLoop`` take a plan; ``default_plan(args)`` is the plan of ``run_training``'s workers: the code
 given with the arguments (``TrainingArgs(..., callbacks=[...], on_save=fn, compute_metrics=fn)`` keeps those
@@ -148,6 +148,25 @@ class ComputeMetrics(Protocol):
     def __call__(self, eval_prediction: Any, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True)
+class ScriptData:
+    """The data of an in-place run (``trainbridge.Trainer.train()``): the script's own objects, read where
+    ``run_training``'s workers read ``data_path``, ``val_data_path``, ``eval_data_paths`` and ``tokenizer_path``.
+    Nothing is written: sample batches index a dataset live (``dataset[i]`` at each micro-batch, every epoch);
+    the token step tokenises ``datasets.Dataset`` rows in memory (``data.sources``)."""
+
+    train: Any
+    """The training dataset (None: a ``train_stream`` or the script's own ``train_loader`` reads it)."""
+    eval: Any = None
+    """The validation dataset (None: none, or the named sets)."""
+    named_eval: dict[str, Any] = field(default_factory=dict)
+    """Named validation sets (a dict ``eval_dataset``), each evaluated in turn."""
+    processing_class: Any = None
+    """The live tokenizer or processor (None: the rows need none), saved into every checkpoint."""
+    identity: str | None = None
+    """What the training data is, for the checkpoint fingerprint (a resume on other data is flagged)."""
+
+
 class PreprocessLogits(Protocol):
     """``fn(logits, labels) -> predictions`` on each validation batch, as in ``transformers.Trainer``."""
 
@@ -172,8 +191,8 @@ class RunPlan:
     """A streaming training set (an ``IterableDataset``) instead of ``data_path``'s rows; needs ``max_steps``."""
     train_loader: TrainLoaderFactory | None = None
     """The script's own DataLoader of the training items (``model_loss`` batches)."""
-    dataset_transforms: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """On-the-fly transforms (``set_transform``) re-applied to the rows: ``train``, ``eval``, ``eval:<name>``."""
+    script_data: ScriptData | None = None
+    """The script's own datasets and tokenizer, instead of the data and tokenizer paths (in place)."""
     evaluation: Evaluation | None = None
     """Each evaluation during training, around the loop's own (a Trainer subclass's ``evaluate``)."""
     optimizer_factory: OptimizerFactory | None = None

@@ -89,10 +89,17 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         return name if name.startswith("eval_") else f"eval_{name}"
 
     @property
+    def eval_set_names(self) -> list[str]:
+        """The names of the named validation sets: ``eval_data_paths``'s, or in place the script's
+        (``RunPlan.script_data.named_eval``)."""
+        script = self.plan.script_data
+        return list(script.named_eval) if script is not None else list(self.eval_data_paths)
+
+    @property
     def best_metric_eval_set(self) -> str | None:
-        """With ``eval_data_paths``: the set whose evaluation reports ``best_metric_name`` (the longest name
+        """With named validation sets: the set whose evaluation reports ``best_metric_name`` (the longest name
         that prefixes it as ``eval_<name>_``), else None."""
-        owners = [n for n in self.eval_data_paths if self.best_metric_name.startswith(f"eval_{n}_")]
+        owners = [n for n in self.eval_set_names if self.best_metric_name.startswith(f"eval_{n}_")]
         return max(owners, key=len) if owners else None
 
     @property
@@ -218,7 +225,6 @@ def _split_plan(data: dict[str, Any]) -> tuple[dict[str, Any], RunPlan]:
                 raise ValueError(f"{event.value}: expected a callable, got {type(fn).__name__} {fn!r}")
     code = {key: data.pop(key) for key in PLAN_KEYWORDS if key in data}
     code["event_functions"] = functions
-    code["dataset_transforms"] = code.get("dataset_transforms") or {}
     model_init = code.get("model_init")
     if isinstance(model_init, str):
         code["model_init"] = model_init = resolve_import_path(model_init)

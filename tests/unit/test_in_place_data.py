@@ -1,0 +1,183 @@
+"""``trainbridge.Trainer.train()`` reads the script's own data in place (issue 29, item 6): a torch ``Dataset`` is
+indexed afresh every epoch as under ``transformers.Trainer`` (lazy loading, random augmentation), nothing is
+written into ``output_dir`` (no ``.trainbridge/``: no rows, no tokenizer), and a resume on other data is still
+flagged by the checkpoint fingerprint (``ScriptData.identity``) while a resume on the same data is exact."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+import transformers
+from transformers import TrainerCallback, TrainingArguments
+
+import trainbridge
+from trainbridge.checkpoint.folders import CheckpointError
+from trainbridge.demos.tiny_model import arithmetic_problems
+
+
+class AugmentedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A lazily built dataset whose ``__getitem__`` counts its fetches and appends a random token (an augmentation)."""
+
+    def __init__(self, tokenizer: Any, count: int) -> None:
+        self.rows = [tokenizer(p + a)["input_ids"] for p, a in arithmetic_problems(count, seed=4)]
+        self.fetches: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.fetches[i] += 1
+        ids = torch.tensor([*self.rows[i], random.randrange(3, 12)])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def pad_collator(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    ids = torch.nn.utils.rnn.pad_sequence([i["input_ids"] for i in items], batch_first=True, padding_value=0)
+    labels = torch.nn.utils.rnn.pad_sequence([i["labels"] for i in items], batch_first=True, padding_value=-100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": (labels != -100).long()}
+
+
+class CountFromTrainBegin(TrainerCallback):
+    """Forgets the fetches made before training (the constructor's or a data check's peeks)."""
+
+    def __init__(self, data: AugmentedDataset) -> None:
+        self.data = data
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.data.fetches.clear()
+
+
+def _args(out: Path, **overrides: Any) -> TrainingArguments:
+    values: dict[str, Any] = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        num_train_epochs=2,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=3,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def _fetches(base: type, model_dir: Path, out: Path) -> dict[int, int]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    data = AugmentedDataset(tokenizer, 8)
+    trainer = base(
+        model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
+        args=_args(out),
+        train_dataset=data,
+        processing_class=tokenizer,
+        data_collator=pad_collator,
+        callbacks=[CountFromTrainBegin(data)],
+    )
+    assert trainer.train().global_step == 8  # 8 items / 2 per step x 2 epochs
+    return dict(data.fetches)
+
+
+def test_a_torch_dataset_is_fetched_afresh_every_epoch_as_under_trainer(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each item is fetched once per epoch during training (a random augmentation differs each epoch), as
+    Trainer's DataLoader fetches it; it used to be fetched once before training and frozen into written rows."""
+    real = _fetches(transformers.Trainer, tiny_llama, tmp_path / "real")
+    ours = _fetches(trainbridge.Trainer, tiny_llama, tmp_path / "ours")
+    assert ours == real == {i: 2 for i in range(8)}
+
+
+def _token_rows(tokenizer: Any, count: int, seed: int) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {"input_ids": [tokenizer(p + a)["input_ids"] for p, a in arithmetic_problems(count, seed=seed)]}
+    )
+
+
+def test_train_writes_nothing_into_the_output_dir(tiny_llama: Path, tmp_path: Path) -> None:
+    """Neither the padding-free token path (a ``datasets.Dataset`` of ``input_ids``) nor sample batches (a torch
+    ``Dataset``, the script's collator) writes rows or a tokenizer: no ``output_dir/.trainbridge/``."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    for name, data, collator in (
+        ("tokens", _token_rows(tokenizer, 8, seed=1), None),
+        ("items", AugmentedDataset(tokenizer, 8), pad_collator),
+    ):
+        out = tmp_path / name
+        trainer = trainbridge.Trainer(
+            model=transformers.AutoModelForCausalLM.from_pretrained(tiny_llama),
+            args=_args(out, num_train_epochs=1, save_strategy="epoch"),
+            train_dataset=data,
+            eval_dataset=data,
+            processing_class=tokenizer,
+            data_collator=collator,
+        )
+        assert trainer.train().global_step == 4
+        assert not (out / ".trainbridge").exists(), sorted(p.name for p in out.iterdir())
+
+
+def _resumed(model_dir: Path, out: Path, data: Any, collator: Any, resume: Any, max_steps: int) -> Any:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    trainer = trainbridge.Trainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
+        args=_args(
+            out,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=2,
+            num_train_epochs=1,
+            lr_scheduler_type="constant",
+        ),
+        train_dataset=data(tokenizer),
+        processing_class=tokenizer,
+        data_collator=collator,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.mark.parametrize("kind", ["tokens", "items"])
+def test_a_resume_on_other_data_is_flagged_and_on_the_same_data_is_exact(
+    kind: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The checkpoint records what the in-place data is (a ``datasets.Dataset``'s fingerprint; else the type,
+    length and a digest of a few items): other rows of the same shape are refused at resume, as a changed
+    ``data_path`` is; the same rows resume exactly (the sampler position: the same losses as one run)."""
+
+    def rows(tokenizer: Any, changed: bool) -> list[list[int]]:
+        encoded = [tokenizer(p + a)["input_ids"] for p, a in arithmetic_problems(8, seed=1)]
+        if changed:  # one token of one row: the same shape, the same sizes on disk
+            encoded[0][-1] = encoded[0][-1] + 1 if encoded[0][-1] < 10 else encoded[0][-1] - 1
+        return encoded
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __init__(self, tokenizer: Any, changed: bool) -> None:
+            self.rows = rows(tokenizer, changed)
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": torch.tensor(self.rows[i]), "labels": torch.tensor(self.rows[i])}
+
+    def data(changed: bool) -> Any:
+        if kind == "tokens":
+            return lambda tokenizer: datasets.Dataset.from_dict({"input_ids": rows(tokenizer, changed)})
+        return lambda tokenizer: Rows(tokenizer, changed)
+
+    collator = pad_collator if kind == "items" else None
+    whole = _resumed(tiny_llama, tmp_path / "whole", data(False), collator, None, 4)
+    _resumed(tiny_llama, tmp_path / "cut", data(False), collator, None, 2)
+    with pytest.raises(CheckpointError, match="training data differs"):
+        _resumed(tiny_llama, tmp_path / "cut", data(True), collator, True, 4)
+    resumed = _resumed(tiny_llama, tmp_path / "cut", data(False), collator, True, 4)
+
+    def losses(trainer: Any) -> list[tuple[int, float]]:
+        return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and e["step"] > 2]
+
+    assert [s for s, _ in losses(resumed)] == [3, 4]
+    assert [v for _, v in losses(resumed)] == pytest.approx([v for _, v in losses(whole)], rel=1e-4)
