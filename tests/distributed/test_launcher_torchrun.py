@@ -7,7 +7,6 @@ reads the real payload with the real key, then does what ``run_name`` says; rank
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,9 +18,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.distributed.demo_run import (
+    DEMO_STEPS,
+    assert_the_demo_trained_and_only_our_lines_show,
+    library_lines,
+    login_user_can_run,
+)
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.run_dir import result_file
-from trainbridge.launch.console import OWN_LOG_LINE
 from trainbridge.launch.launcher import (
     LaunchTimeoutError,
     TrainingInterruptedError,
@@ -29,7 +32,6 @@ from trainbridge.launch.launcher import (
     run_training,
 )
 from trainbridge.launch.transport import register_by_value
-from trainbridge.loop.result import RunResult
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -193,46 +195,15 @@ def test_signal_in_the_parent_is_forwarded_and_workers_stop(make_args, stub_work
 
 
 # ----------------------------------------------------------------------------- the real worker, end to end
-TQDM_BAR = re.compile(r"\s*\d+%\|[^|]*\| *\d+/\d+ \[[^\]]*\]")
-"""One state of a tqdm bar (the training bar, transformers' evaluation bar), as the console shows it."""
-
-
-def library_lines(stdout: str, stderr: str) -> list[str]:
-    """The console lines a library printed, of a run's stdout and stderr.  Ours: on stderr, the progress bars and
-    the log lines of ``trainbridge.*`` loggers (``launch.console.OWN_LOG_LINE``); on stdout, the lines our
-    command prints (``trainbridge ...`` lines, their two-space-indented rows: plan, summary) and the training
-    logs in transformers' form (``{'loss': ...}``).  Anything else (a ``warnings`` line, another logger's
-    record, a library's print) is a library's."""
-    found = []
-    for line in stdout.splitlines():
-        if line and not re.match(r"trainbridge\b|  \S|\{'", line):
-            found.append(line)
-    for line in stderr.splitlines():
-        for piece in re.split(r"\r|\x1b\[A", TQDM_BAR.sub("\r", line)):  # bars redraw with \r and cursor-up
-            if piece.strip() and not OWN_LOG_LINE.match(piece):
-                found.append(piece)
-    return found
-
-
+@pytest.mark.skipif(login_user_can_run(), reason="run as a login user by test_ordinary_user (one demo run for both)")
 def test_demo_trains_two_ranks_the_loss_falls_and_only_our_lines_show(tmp_path):
-    """``trainbridge demo`` as a newcomer runs it: the loss falls, and the console has our lines only (no
-    bitsandbytes import warnings though nothing is quantised, no deprecation warnings of our torch calls)."""
+    """``trainbridge demo`` as a newcomer runs it (``demo_run``'s checks), where no login user can be made."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "DS_ACCELERATOR")}
-    command = [str(Path(sys.executable).with_name("trainbridge")), "demo", "--output-dir", "demo", "--max-steps", "12"]
+    command = [str(Path(sys.executable).with_name("trainbridge")), "demo", "--output-dir", "demo"]
+    command += ["--max-steps", str(DEMO_STEPS)]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert library_lines(proc.stdout, proc.stderr) == [], proc.stderr
-    result = RunResult.read(result_file(tmp_path / "demo" / "run"))
-    assert (result.global_step, result.max_steps) == (12, 12)
-    records = [json.loads(line) for line in Path(result.metrics_file).read_text().splitlines()]
-    losses = [record["loss"] for record in records if "loss" in record]
-    assert losses[-1] < losses[0] - 0.5
-    assert [os.path.basename(c) for c in result.checkpoints] == ["checkpoint-9", "checkpoint-12"]
-    assert "trainbridge demo finished" in proc.stdout
-    # the demo ends with a picture of this real run's metrics (trainbridge plot)
-    png = Path(result.metrics_file).with_name("metrics.png")
-    assert f"plot:            {png}" in proc.stdout
-    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+    assert_the_demo_trained_and_only_our_lines_show(proc.stdout, proc.stderr, tmp_path / "demo")
 
 
 def test_library_lines_are_told_from_ours():

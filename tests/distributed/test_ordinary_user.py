@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.demo_run import DEMO_STEPS, assert_the_demo_trained_and_only_our_lines_show, login_user_can_run
 from tests.distributed.ordinary_user import User, ordinary_user, run_as, user_runtime
 
 pytestmark = pytest.mark.distributed
@@ -48,15 +49,9 @@ trainer.save_model()
 """
 
 
-def _own_group() -> bool:
-    from trainbridge.core.private_files import private_group
-
-    return private_group(os.getgid(), os.getuid())
-
-
 @pytest.fixture(scope="module")
 def user() -> Iterator[User]:
-    if os.geteuid() != 0 and not _own_group():
+    if not login_user_can_run():
         pytest.skip(
             "your primary group has other members, so umask 002 makes your folders theirs to write; run as root "
             "(the test creates a user with a private group) or as a user with a private group"
@@ -93,9 +88,12 @@ def _ran(result) -> str:
 
 
 def test_the_readme_demo_runs_for_a_login_user_with_umask_002(user, runtime, workdir):
-    result = run_as(user, ["trainbridge", "demo", "--max-steps", "2"], runtime, workdir)
+    """The README's ``trainbridge demo`` (12 steps) as a login user: it trains, the console has our lines only,
+    it ends with the metrics plot (``demo_run``'s checks, the demo's one run in the suite), and what it made is
+    private."""
+    result = run_as(user, ["trainbridge", "demo", "--max-steps", str(DEMO_STEPS)], runtime, workdir, timeout=600)
     assert result.returncode == 0, _ran(result)
-    assert "trainbridge demo finished" in result.stdout, _ran(result)
+    assert_the_demo_trained_and_only_our_lines_show(result.stdout, result.stderr, workdir / "demo_output")
     assert _mode(workdir / "demo_output") == 0o700  # made by the demo: private whatever the umask
     assert _mode(workdir / "demo_output" / "run") == 0o700
     assert _mode(workdir / "demo_output" / "run" / "metrics.jsonl") == 0o600  # in a folder of its own too
