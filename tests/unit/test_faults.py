@@ -446,3 +446,42 @@ def test_launcher_token_tells_a_live_process_from_a_dead_or_reused_pid():
     assert not lifeline.is_alive(f"{DEAD_PID}:1.000")
     assert not lifeline.is_alive(f"{os.getpid()}:1.000")  # same pid, other start time: reused
     assert lifeline.set_parent_death_signal(0) is True  # 0 clears it again
+
+
+def test_a_rank_that_raised_on_its_own_is_the_cause_not_one_stopped_while_raising_the_same(tmp_path):
+    """Every rank raised the same error (a bad argument); rank 1 exited first, torchrun SIGTERMed rank 0
+    after rank 0 had written its error file.  The cause is rank 1 and its exit code (1): before, rank 0
+    (earlier timestamp) was chosen with exit code -15, and ``python script.py`` exited 143 as if signalled."""
+    files = []
+    for rank in (0, 1):
+        error_file = tmp_path / f"error{rank}.json"
+        message = {
+            "message": "ValueError: bad argument",
+            "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "100"},
+        }
+        error_file.write_text(json.dumps({"message": message}))
+        files.append(error_file)
+    stopped = {"rank": 0, "local_rank": 0, "pid": 10, "exitcode": -15, "signal": "SIGTERM", "timestamp": 100}
+    exited = {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": 1, "signal": None, "timestamp": 101}
+    records = [{**stopped, "error_file": str(files[0])}, {**exited, "error_file": str(files[1])}]
+    error = root_cause(records)
+    assert (error.rank, error.exit_code, error.signal_name) == (1, 1, None)
+    assert error.message == "ValueError: bad argument"
+
+
+@pytest.mark.parametrize("field", ["per_device_train_batch_size", "gradient_accumulation_steps"])
+def test_a_zero_batch_size_of_a_trainer_script_names_the_field_and_value(tmp_path, field):
+    """``TrainingArguments(per_device_train_batch_size=0)``: one line naming the script's field and value before
+    any step; before, a pydantic dump naming trainbridge's own fields (effective_batch_size...)."""
+    import transformers
+
+    from trainbridge import Trainer
+    from trainbridge.demos.tiny_model import build_tiny_llama
+    from trainbridge.trainer import job_args
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_llama(tmp_path / "model"))
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    setattr(hf, field, 0)  # as a script's argument parser could leave it
+    trainer = Trainer(model=model, args=hf, train_dataset=[{"input_ids": [1, 2, 3]}])
+    with pytest.raises(ValueError, match=rf"^TrainingArguments\.{field}=0: must be a positive integer"):
+        job_args.training_args(trainer, world_size=2, resume=None)

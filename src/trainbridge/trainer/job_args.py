@@ -90,6 +90,9 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
         fields["callbacks"] = [*fields["callbacks"], TrainerCallback()]
     per_device = int(hf.per_device_train_batch_size)
     accumulation = int(hf.gradient_accumulation_steps)
+    for name, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accumulation)):
+        if value < 1:  # before: a pydantic dump naming our effective_batch_size / per_device_batch_size
+            raise ValueError(f"{type(hf).__name__}.{name}={value}: must be a positive integer (1 or more)")
     fields["effective_batch_size"] = per_device * accumulation * world_size
     fields["per_device_batch_size"] = per_device  # Trainer's sample batches (model_loss): accumulation follows
     max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
