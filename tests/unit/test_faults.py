@@ -373,6 +373,33 @@ def test_fatal_callback_error_on_every_rank_names_the_rank_it_happened_on(tmp_pa
     assert root_cause(records).rank == 1
 
 
+def test_of_ranks_that_all_raised_the_one_torchrun_sigtermed_is_not_the_root_cause(tmp_path):
+    """A callback raising on every rank: each rank raises its own CallbackFatalError; the first to exit makes
+    torchrun SIGTERM the other after that one wrote its error file.  The root cause (and the job's exit
+    status) is the rank that exited on its own (1), not the SIGTERMed one (143), whatever their times."""
+    records = []
+    for rank, (code, signal_name) in enumerate(((-15, "SIGTERM"), (1, None))):
+        message = f"CallbackFatalError: every rank stopped at step 5{OWN_CAUSE_MARKER}Crash raised in on_step_end)"
+        error_file = tmp_path / f"error{rank}.json"
+        error_file.write_text(
+            json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "tb", "timestamp": "100"}}})
+        )
+        records.append(
+            {
+                "rank": rank,
+                "local_rank": rank,
+                "pid": 10 + rank,
+                "exitcode": code,
+                "signal": signal_name,
+                "error_file": str(error_file),
+                "timestamp": 100 + rank,
+                "message": message,
+            }
+        )
+    error = root_cause(records)
+    assert (error.rank, error.exit_code) == (1, 1)
+
+
 # ----------------------------------------------------------------------------- outside control
 def _context(tmp_path, rank=0, eval_data=True):
     model = tmp_path / "model"
@@ -446,27 +473,6 @@ def test_launcher_token_tells_a_live_process_from_a_dead_or_reused_pid():
     assert not lifeline.is_alive(f"{DEAD_PID}:1.000")
     assert not lifeline.is_alive(f"{os.getpid()}:1.000")  # same pid, other start time: reused
     assert lifeline.set_parent_death_signal(0) is True  # 0 clears it again
-
-
-def test_a_rank_that_raised_on_its_own_is_the_cause_not_one_stopped_while_raising_the_same(tmp_path):
-    """Every rank raised the same error (a bad argument); rank 1 exited first, torchrun SIGTERMed rank 0
-    after rank 0 had written its error file.  The cause is rank 1 and its exit code (1): before, rank 0
-    (earlier timestamp) was chosen with exit code -15, and ``python script.py`` exited 143 as if signalled."""
-    files = []
-    for rank in (0, 1):
-        error_file = tmp_path / f"error{rank}.json"
-        message = {
-            "message": "ValueError: bad argument",
-            "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "100"},
-        }
-        error_file.write_text(json.dumps({"message": message}))
-        files.append(error_file)
-    stopped = {"rank": 0, "local_rank": 0, "pid": 10, "exitcode": -15, "signal": "SIGTERM", "timestamp": 100}
-    exited = {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": 1, "signal": None, "timestamp": 101}
-    records = [{**stopped, "error_file": str(files[0])}, {**exited, "error_file": str(files[1])}]
-    error = root_cause(records)
-    assert (error.rank, error.exit_code, error.signal_name) == (1, 1, None)
-    assert error.message == "ValueError: bad argument"
 
 
 @pytest.mark.parametrize("field", ["per_device_train_batch_size", "gradient_accumulation_steps"])
