@@ -373,6 +373,33 @@ def test_fatal_callback_error_on_every_rank_names_the_rank_it_happened_on(tmp_pa
     assert root_cause(records).rank == 1
 
 
+def test_of_ranks_that_all_raised_the_one_torchrun_sigtermed_is_not_the_root_cause(tmp_path):
+    """A callback raising on every rank: each rank raises its own CallbackFatalError; the first to exit makes
+    torchrun SIGTERM the other after that one wrote its error file.  The root cause (and the job's exit
+    status) is the rank that exited on its own (1), not the SIGTERMed one (143), whatever their times."""
+    records = []
+    for rank, (code, signal_name) in enumerate(((-15, "SIGTERM"), (1, None))):
+        message = f"CallbackFatalError: every rank stopped at step 5{OWN_CAUSE_MARKER}Crash raised in on_step_end)"
+        error_file = tmp_path / f"error{rank}.json"
+        error_file.write_text(
+            json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "tb", "timestamp": "100"}}})
+        )
+        records.append(
+            {
+                "rank": rank,
+                "local_rank": rank,
+                "pid": 10 + rank,
+                "exitcode": code,
+                "signal": signal_name,
+                "error_file": str(error_file),
+                "timestamp": 100 + rank,
+                "message": message,
+            }
+        )
+    error = root_cause(records)
+    assert (error.rank, error.exit_code) == (1, 1)
+
+
 # ----------------------------------------------------------------------------- outside control
 def _context(tmp_path, rank=0, eval_data=True):
     model = tmp_path / "model"

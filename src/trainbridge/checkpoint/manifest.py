@@ -139,6 +139,12 @@ def _data_fingerprint(path: Path | None) -> dict[str, Any] | None:
     return {"path": str(path.resolve()), "size": size, "head_sha256": hashlib.sha256(head).hexdigest()}
 
 
+def _described(data: Mapping[str, Any]) -> str:
+    """A fingerprint's data in a message: its path, with the identity of a dataset trained in place."""
+    identity = data.get("identity")
+    return f"{data.get('path')} {str(identity)[:24]}" if identity else str(data.get("path"))
+
+
 def config_digest(config: Any) -> str:
     """A hash of a model configuration (``PretrainedConfig`` or dict), ignoring bookkeeping keys."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -180,5 +186,5 @@ def fingerprint_mismatches(recorded: Mapping[str, Any], current: Mapping[str, An
         problems.append(f"base model {recorded.get('base_model')} != this run's {current.get('base_model')}")
     old_data, new_data = recorded.get("data"), current.get("data")
     if old_data and new_data and old_data != new_data:
-        problems.append(f"training data differs (checkpoint: {old_data.get('path')}, this run: {new_data.get('path')})")
+        problems.append(f"training data differs (checkpoint: {_described(old_data)}, this run: {_described(new_data)})")
     return problems

@@ -11,7 +11,9 @@ file); here the root cause is chosen:
 3. else the earliest consequence;
 
 ties broken by the rank that names itself as the cause of an error every rank raised (a ``fatal``
-callback error agreed across ranks: ``core.callback_errors.OWN_CAUSE_MARKER``), then by time.  The others are
+callback error agreed across ranks: ``core.callback_errors.OWN_CAUSE_MARKER``), then by a rank that exited on
+its own over one torchrun's SIGTERM ended after it wrote its error (its exit status, 143, is not the job's),
+then by time.  The others are
 listed after it, one line each.  Without a failures file (the agent itself failed, or torchrun failed
 before starting workers) the per-rank error files and teed stderr logs are read as before.
 """
@@ -108,6 +110,7 @@ def root_cause(records: list[dict[str, Any]], log_dir: Path | None = None, resta
         key=lambda item: (
             _tier(item[0], item[1]),
             OWN_CAUSE_MARKER not in item[1],
+            item[0].get("signal") in ("SIGTERM", "SIGINT"),  # one torchrun stopped after it wrote its error
             int(item[0].get("timestamp", 0)),
             item[0]["rank"],
         )

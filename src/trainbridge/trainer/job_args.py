@@ -98,6 +98,8 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
     fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
+    if not isinstance(hf, TrainingArgs):  # a callback that raises fails train(), as under Trainer
+        fields["callback_error_policy"] = "fatal"
     return training_args_from_hf(hf, **fields)
 
 
