@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ import pytest
 # the CPU time with torch's default of one thread per core).  Each rank of a 2-rank run gets 1 on two cores
 # anyway (the launchers' share of the cores).  Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# DeepSpeed JIT-compiles its CPU shared-memory comm op (``deepspeed_shm_comm``, two C++ files, ~25 s of both
+# cores) in every process that starts its comm backend, unless torch's extension cache holds a build made by
+# the same command.  The command names the venv's paths, so venvs sharing ``~/.cache/torch_extensions`` (the
+# worktrees of one machine) rebuild it whenever another venv built it last.  One cache per venv: CI (a fresh
+# venv) builds it once either way.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")

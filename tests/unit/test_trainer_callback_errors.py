@@ -51,3 +51,19 @@ def test_a_callback_that_raises_fails_train_as_under_trainer(tmp_path: Path, mon
         trainer.train()
     # the run stopped at the step that raised: no later checkpoint
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "action", "says"),
+    [("fatal", "abort", "the run stops"), ("isolate", "continue", "further errors are counted, not logged")],
+)
+def test_the_first_errors_log_line_says_what_the_policy_does(
+    policy: str, action: str, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from trainbridge.core.callback_errors import CallbackErrorLedger
+
+    ledger = CallbackErrorLedger(policy)
+    with caplog.at_level("ERROR", logger="trainbridge.core.callback_errors"):
+        assert ledger.failed("guard", "Guard", "on_step_end", ValueError("tripped"), rank=1) == action
+    assert says in caplog.text
+    assert ("counted" in caplog.text) == (policy == "isolate")

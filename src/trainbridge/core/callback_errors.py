@@ -67,19 +67,23 @@ class CallbackErrorLedger:
         self, key: Hashable, name: str, event: str, exc: BaseException, rank: int, fatal_allowed: bool = True
     ) -> str:
         """Record that callback ``key`` (called ``name``) raised ``exc`` in ``event``; returns the action."""
+        aborting = self.policy == "fatal" and fatal_allowed
         record = self._records.get(key)
         if record is None:
             record = self._records[key] = _ErrorRecord(name, event, f"{type(exc).__name__}: {exc}")
             logger.error(
-                "callback %s failed in %s on rank %d (further errors are counted, not logged):\n%s",
+                "callback %s failed in %s on rank %d (%s):\n%s",
                 name,
                 event,
                 rank,
+                "callback_error_policy='fatal': the run stops"
+                if aborting
+                else "further errors are counted, not logged",
                 "".join(traceback.format_exception(exc)),
             )
         record.count += 1
         record.consecutive += 1
-        if self.policy == "fatal" and fatal_allowed:
+        if aborting:
             return "abort"
         if record.consecutive >= self.max_consecutive and not record.disabled:
             record.disabled = True
