@@ -491,3 +491,23 @@ def test_a_zero_batch_size_of_a_trainer_script_names_the_field_and_value(tmp_pat
     trainer = Trainer(model=model, args=hf, train_dataset=[{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match=rf"^TrainingArguments\.{field}=0: must be a positive integer"):
         job_args.training_args(trainer, world_size=2, resume=None)
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+def test_an_output_dir_that_is_a_file_names_the_field_before_anything_starts(tmp_path, where):
+    """``TrainingArguments(output_dir=<a file>)`` (or a folder under a file): one error naming the field and
+    value, at construction; the file is left as it was.  Before: Trainer's "[Errno 17] File exists: '...'"
+    from every rank, no field named."""
+    import transformers
+
+    from trainbridge import Trainer
+    from trainbridge.demos.tiny_model import build_tiny_llama
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_llama(tmp_path / "model"))
+    file = tmp_path / "notes.txt"
+    file.write_text("keep me")
+    output_dir = file if where == "a_file" else file / "out"
+    hf = transformers.TrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True)
+    with pytest.raises(NotADirectoryError, match=r"^TrainingArguments\.output_dir='.*notes\.txt.*': cannot be used"):
+        Trainer(model=model, args=hf, train_dataset=[{"input_ids": [1, 2, 3]}])
+    assert file.read_text() == "keep me"

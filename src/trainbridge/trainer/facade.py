@@ -21,6 +21,7 @@ loop runs in the script's process.  ``torchrun_args=`` is honoured when it is th
 from __future__ import annotations
 
 import atexit
+import errno
 import inspect
 import logging
 import os
@@ -82,7 +83,15 @@ class LoopTrainer(_TrainerBase):
         """Create ``config.output_dir`` private (0700) before the Trainer class's constructor creates it with
         the umask's mode (a ``TrainingArguments`` that saves from this process; anything else: nothing)."""
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
-            make_run_folder(config.output_dir)
+            try:
+                make_run_folder(config.output_dir)
+                if not Path(config.output_dir).is_dir():
+                    raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
+            except OSError as error:  # before: Trainer's own "[Errno 17] File exists: '...'", no field named
+                raise NotADirectoryError(
+                    f"{type(config).__name__}.output_dir={config.output_dir!r}: cannot be used as the output "
+                    f"folder ({error.strerror or error}); choose another output_dir"
+                ) from error
 
     def _init_loop(self, torchrun_args: TorchrunArgs | None, given_collator: Any, peft_config: Any = None) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
