@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 from trainbridge.checkpoint.engine_state import load_engine_state
 from trainbridge.checkpoint.folders import CheckpointError, is_complete_checkpoint, list_checkpoints
 from trainbridge.checkpoint.layout import COMPLETE_MARKER, TRAINING_STATE_FILE
-from trainbridge.checkpoint.manifest import fingerprint_mismatches, read_manifest, verify_checkpoint
+from trainbridge.checkpoint.manifest import (
+    fingerprint_mismatches,
+    in_place_data_note,
+    read_manifest,
+    verify_checkpoint,
+)
 from trainbridge.checkpoint.rng import restore_rng
 from trainbridge.checkpoint.weights import load_model_weights
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX
@@ -147,6 +152,9 @@ def choose_resume(
         )
     if mismatches:
         logger.warning("resuming from %s despite: %s (resume_allow_mismatch=True)", path, "; ".join(mismatches))
+    note = in_place_data_note(manifest.get("fingerprint") or {}, fingerprint)
+    if note:
+        logger.warning("resuming from %s: %s; resumed anyway, as Trainer does", path, note)
     return path
 
 
