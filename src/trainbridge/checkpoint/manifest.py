@@ -184,9 +184,9 @@ def fingerprint_mismatches(recorded: Mapping[str, Any], current: Mapping[str, An
         problems.append("model configuration differs (same architecture, other sizes or settings)")
     if recorded.get("base_model") != current.get("base_model"):
         problems.append(f"base model {recorded.get('base_model')} != this run's {current.get('base_model')}")
-    old_data, new_data = recorded.get("data"), current.get("data")
-    if old_data and new_data and old_data != new_data and not new_data.get("identity"):
-        problems.append(_data_differs(old_data, new_data))
+    data_change = _data_change(recorded, current)
+    if data_change and not _in_place(current):
+        problems.append(data_change)
     return problems
 
 
@@ -194,11 +194,15 @@ def in_place_data_note(recorded: Mapping[str, Any], current: Mapping[str, Any]) 
     """What differs between a checkpoint's in-place data (a script's dataset, ``ScriptData.identity``) and this
     run's, or None.  Said, never refused: Trainer does not check the data at resume, and an identity can differ
     for the same rows (a ``datasets`` fingerprint is random when a ``map`` function cannot be hashed)."""
+    return _data_change(recorded, current) if _in_place(current) else None
+
+
+def _in_place(fingerprint: Mapping[str, Any]) -> bool:
+    return bool((fingerprint.get("data") or {}).get("identity"))
+
+
+def _data_change(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     old_data, new_data = recorded.get("data"), current.get("data")
-    if old_data and new_data and old_data != new_data and new_data.get("identity"):
-        return _data_differs(old_data, new_data)
-    return None
-
-
-def _data_differs(old_data: Mapping[str, Any], new_data: Mapping[str, Any]) -> str:
+    if not (old_data and new_data and old_data != new_data):
+        return None
     return f"training data differs (checkpoint: {_described(old_data)}, this run: {_described(new_data)})"
