@@ -46,8 +46,7 @@ from trainbridge.trainer.script_data import column_items
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState
 
-    from trainbridge.core.config import TrainingArgs
-    from trainbridge.core.config.plan import EvaluationRun
+    from trainbridge.core.config.plan import EvaluationRun, RunPlan
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
     from trainbridge.trainer.facade import LoopTrainer
 
@@ -400,10 +399,10 @@ def script_events(trainer: LoopTrainer) -> ScriptTrainerEvents | None:
     return ScriptTrainerEvents(worker) if worker is not None else None
 
 
-def bind_state(args: TrainingArgs, hf: HuggingFaceCallbacks) -> None:
+def bind_state(plan: RunPlan, hf: HuggingFaceCallbacks) -> None:
     """Give the job's ``ScriptTrainer`` (the one of its ``ScriptTrainerEvents``, else its ``trainer_methods``)
     the run's live state, handler and control."""
-    for seam in [args.plan.trainer_methods, *args.plan.callbacks]:
+    for seam in [plan.trainer_methods, *plan.callbacks]:
         script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
         if isinstance(script, ScriptTrainer):
             script.bind_state(hf)
