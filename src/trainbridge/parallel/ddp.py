@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
 
 
@@ -54,7 +55,12 @@ def _buffers_synced_at_construction_only() -> dict[str, Any]:
 
 
 def build_ddp(
-    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
+    model: PreTrainedModel,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    total_steps: int,
+    decay_names: set[str],
+    factory: OptimizerFactory | None = None,
 ) -> DDPEngine:
     """``model`` on ``env.device`` in ``DistributedDataParallel``, with AdamW and the LR schedule."""
     cast(nn.Module, model).to(env.device)
@@ -65,5 +71,5 @@ def build_ddp(
         gradient_as_bucket_view=True,
         **_buffers_synced_at_construction_only(),
     )
-    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
-    return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
+    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
+    return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)
