@@ -21,6 +21,7 @@ from trainbridge.parallel.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
 
 
@@ -100,7 +101,12 @@ def ddp_options(model: nn.Module, args: TrainingArgs) -> dict[str, Any]:
 
 
 def build_ddp(
-    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
+    model: PreTrainedModel,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    total_steps: int,
+    decay_names: set[str],
+    factory: OptimizerFactory | None = None,
 ) -> DDPEngine:
     """``model`` on ``env.device`` in ``DistributedDataParallel`` (``ddp_options``), with the optimizer and
     the LR schedule."""
@@ -111,5 +117,5 @@ def build_ddp(
         gradient_as_bucket_view=True,
         **ddp_options(model, args),
     )
-    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
-    return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
+    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
+    return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)
