@@ -147,7 +147,9 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
     flops_params = flops_parameters(model)
-    engine = build_engine(model, args, env, total_steps=max_steps, weights_from_rank0=from_rank0)
+    engine = build_engine(
+        model, args, env, max_steps, weights_from_rank0=from_rank0, optimizer_factory=plan.optimizer_factory
+    )
     engine.verify()
     logger.info("engine: %s; step: %s", engine.describe(), batches.step.describe())
     return RunComponents(

@@ -21,33 +21,41 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
 
 
 def build_engine(
-    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, weights_from_rank0: bool = False
+    model: PreTrainedModel,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    total_steps: int,
+    weights_from_rank0: bool = False,
+    optimizer_factory: OptimizerFactory | None = None,
 ) -> TrainingEngine:
     """Move ``model`` to ``env.device``, wrap it for ``args.distributed_backend``, and create AdamW (no decay
     on biases and norm weights) and the ``args.lr_scheduler`` schedule over ``total_steps`` steps.
 
     ``weights_from_rank0`` (FSDP2 only, every rank passes the same value): rank 0's ``model`` holds the
     weights, the other ranks' ``model`` is a meta-device skeleton of it (``modeling.load.build_skeleton``);
-    after ``fully_shard`` rank 0 broadcasts every shard and buffer."""
+    after ``fully_shard`` rank 0 broadcasts every shard and buffer.  ``optimizer_factory``: the script's
+    optimizer and schedule instead (``RunPlan.optimizer_factory``)."""
     decay_names = decay_parameter_names(model)
     backend = args.distributed_backend
     if args.compile:
         compile_decoder_layers(model)
     if env.world_size == 1:
         cast(nn.Module, model).to(env.device)
-        optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
-        return LocalEngine(model, model, optimizer, build_scheduler(optimizer, args, total_steps), args, env)
+        factory = optimizer_factory
+        optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
+        return LocalEngine(model, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)
     if backend == "ddp":
-        return build_ddp(model, args, env, total_steps, decay_names)
+        return build_ddp(model, args, env, total_steps, decay_names, optimizer_factory)
     if backend == "fsdp":
-        return build_fsdp(model, args, env, total_steps, decay_names, weights_from_rank0)
+        return build_fsdp(model, args, env, total_steps, decay_names, weights_from_rank0, optimizer_factory)
     if weights_from_rank0:
         raise ValueError(f"weights_from_rank0: only FSDP2 fills a skeleton from rank 0, not {backend}")
-    return build_deepspeed(model, args, env, total_steps, decay_names)
+    return build_deepspeed(model, args, env, total_steps, decay_names, optimizer_factory)
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
 
 
@@ -216,7 +217,12 @@ def _import_deepspeed(env: DistributedEnv) -> Any:
 
 
 def build_deepspeed(
-    model: PreTrainedModel, args: TrainingArgs, env: DistributedEnv, total_steps: int, decay_names: set[str]
+    model: PreTrainedModel,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    total_steps: int,
+    decay_names: set[str],
+    factory: OptimizerFactory | None = None,
 ) -> DeepSpeedEngine:
     """``deepspeed.initialize`` over ``model`` on ``env.device`` with ``deepspeed_config``, AdamW (DeepSpeed's
     FusedAdam on CUDA) and the LR schedule."""
@@ -227,10 +233,10 @@ def build_deepspeed(
     optimizer = (
         _deepspeed_fused_adam(deepspeed, model, args, decay_names)
         if env.device.type == "cuda"
-        else build_optimizer(model, args, decay_names, allow_fused=False, total_steps=total_steps)
+        else build_optimizer(model, args, decay_names, allow_fused=False, total_steps=total_steps, factory=factory)
     )
     # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
-    scheduler = build_scheduler(optimizer, args, total_steps)
+    scheduler = build_scheduler(optimizer, args, total_steps, factory)
     ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(args, env), dist_init_required=False
     )

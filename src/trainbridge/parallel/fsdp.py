@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
 
 
@@ -194,6 +195,7 @@ def build_fsdp(
     total_steps: int,
     decay_names: set[str],
     weights_from_rank0: bool = False,
+    factory: OptimizerFactory | None = None,
 ) -> FSDP2Engine:
     """``fully_shard`` on each of ``fsdp_unit_groups``, then on the root, over a mesh of every rank, then
     AdamW on the DTensor shards.  ``weights_from_rank0``: rank 0's ``model`` holds the weights, the other
@@ -211,12 +213,12 @@ def build_fsdp(
     if weights_from_rank0:
         _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
-    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps)
+    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
     return FSDP2Engine(
         model,
         model,
         optimizer,
-        build_scheduler(optimizer, args, total_steps),
+        build_scheduler(optimizer, args, total_steps, factory),
         args,
         env,
         sharded_modules=len(groups) + 1,

@@ -18,6 +18,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 
 if TYPE_CHECKING:
     from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config.plan import OptimizerFactory
 
 # Same rule as transformers' Trainer.get_decay_parameter_names: no decay on biases and norm weights.
 _NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -40,7 +41,12 @@ def parameter_groups(model: nn.Module, args: TrainingArgs, decay_names: set[str]
 
 
 def build_optimizer(
-    model: nn.Module, args: TrainingArgs, decay_names: set[str], allow_fused: bool = True, total_steps: int = 0
+    model: nn.Module,
+    args: TrainingArgs,
+    decay_names: set[str],
+    allow_fused: bool = True,
+    total_steps: int = 0,
+    factory: OptimizerFactory | None = None,
 ) -> torch.optim.Optimizer:
     """``args.optim`` over ``model``'s trainable parameters in two groups (``parameter_groups``), with
     ``args.learning_rate``, the Adam betas/epsilon where the optimizer takes them, and ``args.optim_args``.
@@ -51,17 +57,16 @@ def build_optimizer(
     shard-locally); ``adamw_torch_fused`` asks for it.  The others follow Trainer's
     ``get_optimizer_cls_and_kwargs``: transformers' Adafactor with a fixed learning rate, torch SGD,
     bitsandbytes' AdamW / Lion (8-bit or 32-bit state, paged), the ``schedulefree`` optimizers (put in
-    training mode).  ``total_steps`` (the run's optimizer steps) is passed on to ``args.plan.optimizer_factory``.
+    training mode).  ``factory`` (the script's, ``RunPlan.optimizer_factory``) builds it instead, given the
+    groups, this default and ``total_steps`` (the run's optimizer steps).
     """
     groups = parameter_groups(model, args, decay_names)
-    if args.plan.optimizer_factory is not None:  # the script's own optimizer (RunPlan.optimizer_factory)
+    if factory is not None:  # the script's own optimizer
 
         def default() -> torch.optim.Optimizer:
-            return build_optimizer(
-                model, args.with_plan(args.plan.replace(optimizer_factory=None)), decay_names, allow_fused
-            )
+            return build_optimizer(model, args, decay_names, allow_fused)
 
-        return cast(torch.optim.Optimizer, args.plan.optimizer_factory.optimizer(model, groups, default, total_steps))
+        return cast(torch.optim.Optimizer, factory.optimizer(model, groups, default, total_steps))
     name, extra = args.optim, dict[str, Any](args.optim_args)
     lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     if name in ("adamw_torch", "adamw_torch_fused"):
@@ -128,14 +133,13 @@ def require_package(package: str, optim: str, install: str) -> Any:
         raise ImportError(f"optim={optim!r} needs {package}: pip install {install} (import failed: {exc})") from exc
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int) -> Any:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, args: TrainingArgs, total_steps: int, factory: OptimizerFactory | None = None
+) -> Any:
     """``transformers.get_scheduler(args.lr_scheduler)`` with ``warmup_steps`` over ``total_steps``, or the
-    schedule of ``args.plan.optimizer_factory`` where it gives one."""
-    if args.plan.optimizer_factory is not None:
-        plain = args.with_plan(args.plan.replace(optimizer_factory=None))
-        scheduler = args.plan.optimizer_factory.scheduler(
-            optimizer, total_steps, lambda chosen: build_scheduler(chosen, plain, total_steps)
-        )
+    schedule of ``factory`` (the script's) where it gives one."""
+    if factory is not None:
+        scheduler = factory.scheduler(optimizer, total_steps, lambda chosen: build_scheduler(chosen, args, total_steps))
         if scheduler is not None:
             return scheduler
     return get_scheduler(
