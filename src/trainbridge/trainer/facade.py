@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.config.plan import RunPlan, StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.stream_batches import is_stream
@@ -39,7 +40,9 @@ from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, w
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
+from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
+from trainbridge.trainer.subclass_data import subclass_loader
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -60,6 +63,15 @@ class LoopTrainer(_TrainerBase):
     ``_check_launch`` before that class's constructor and ``_init_loop`` after it."""
 
     torchrun_args: TorchrunArgs | None
+    stands_in_for: tuple[str, ...] = ()
+    """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
+    the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
+    step_factory: StepFactory | None = None
+    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.train_step``."""
+    token_metrics: bool = False
+    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
+    rows_are_items: bool = False
+    """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
 
@@ -111,8 +123,6 @@ class LoopTrainer(_TrainerBase):
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
-        if not hasattr(self, "_model_source"):
-            self._model_source: Path | None = None
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
         optimizers = (self.optimizer, self.lr_scheduler)
         self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
@@ -217,11 +227,42 @@ class LoopTrainer(_TrainerBase):
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
-            items=script_data.uses_sample_batches(self.model, self._collator_choice)
+            items=self.rows_are_items
+            or script_data.uses_sample_batches(self.model, self._collator_choice)
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
+
+    def generation_fields(self) -> dict[str, Any]:
+        """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
+        return {}
+
+    def run_plan(self) -> RunPlan:
+        """The code of this instance's run (``RunPlan``), decided here from its class (what it overrides:
+        ``trainer.subclass``) and objects; a class with a step of its own sets ``step_factory``.  The data
+        (``script_data``) is prepared on every rank beside it (``job_args``)."""
+        from trainbridge.trainer.job_args import LiveModel
+
+        events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
+        callbacks = self._script_callbacks()
+        reproduced = self._collator_choice.reproduced and not self._row_preparation().items
+        seams: dict[str, Any] = dict(  # transformers types them as callables of its own
+            model_init=LiveModel(self),  # the script's model object
+            train_step=self.step_factory,
+            trainer_methods=subclass.subclass_loss(self),
+            data_collator=None if reproduced else self.data_collator,
+            train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
+            # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
+            train_loader=subclass_loader(self),
+            evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
+            optimizer_factory=self._optimizer_factory,
+            checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            callbacks=[events, *callbacks] if events is not None else callbacks,
+        )
+        return RunPlan(**seams)
 
     # ================================================================== train: trainbridge's loop
     def train(
@@ -372,12 +413,10 @@ class Trainer(LoopTrainer, transformers.Trainer):
             args = transformers.TrainingArguments(output_dir="trainer_output")
         script_data.check_stream_steps(train_dataset, args)
         self._private_output_dir(args)
-        self._model_source = None
         if isinstance(model, str | os.PathLike):  # trl's Trainers take a path: loaded here, as trl loads it
             from trainbridge.modeling.load import load_saved_model
 
-            self._model_source = Path(model)
-            model = load_saved_model(self._model_source, **_model_init_kwargs(args))
+            model = load_saved_model(Path(model), **_model_init_kwargs(args))
         init: dict[str, Any] = dict(
             model=model,
             args=args,

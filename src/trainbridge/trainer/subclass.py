@@ -99,9 +99,9 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(of: Any, names: tuple[str, ...]) -> bool:
+def overrides(of: LoopTrainer | type[LoopTrainer], names: tuple[str, ...]) -> bool:
     """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
-    an instance.  A library's method that trainbridge stands in for (``STANDS_IN_FOR``) does not
+    an instance.  A library's method that trainbridge stands in for (``LoopTrainer.stands_in_for``) does not
     count: only a class below the one declaring it (the script's subclass) overrides it."""
     cls = of if isinstance(of, type) else type(of)
     stood_in = _stood_in(of)
@@ -110,22 +110,15 @@ def overrides(of: Any, names: tuple[str, ...]) -> bool:
     )
 
 
-STANDS_IN_FOR = "stands_in_for"
-"""The attribute (of a trainbridge class, or of its instance) naming the library's methods that trainbridge
-stands in for (trl's ``compute_loss``/``training_step``, reproduced by trainbridge's own step...): that
-class's bases defining them are not the script's overrides (``overrides``)."""
-
-
-def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
-    """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
+def _stood_in(of: LoopTrainer | type[LoopTrainer]) -> dict[str, tuple[type, ...]]:
+    """``{method: the classes whose definition of it trainbridge's step stands in for}``: the class declaring
+    ``stands_in_for`` (the instance's value: trl's own step may run instead) and those above it."""
     cls = of if isinstance(of, type) else type(of)
-    for owner in cls.__mro__:
-        if STANDS_IN_FOR in vars(owner):
-            return {name: owner.__mro__ for name in getattr(of, STANDS_IN_FOR)}
-    return {}
+    owner = next((klass for klass in cls.__mro__ if "stands_in_for" in vars(klass)), None)
+    return {name: owner.__mro__ for name in of.stands_in_for} if owner is not None else {}
 
 
-def instance_batches(trainer: Any) -> bool:
+def instance_batches(trainer: LoopTrainer) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
     how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
     return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
