@@ -1,11 +1,11 @@
 """A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` run where Trainer runs them: at each
-checkpoint, in the workers, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
+checkpoint, on every rank, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
 
 ``SubclassSave`` is the ``RunPlan.checkpoint_model_files`` of such a subclass's train job
 (``checkpoint.model_files.ModelFiles``).  The checkpoint manager stays the one writer of the checkpoint
 folder (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation); inside the
 checkpoint's temporary folder, before publication, it calls ``SubclassSave.write`` on every rank (Trainer
-calls these on every rank too), which calls the worker-side instance's methods as Trainer chains them:
+calls these on every rank too), which calls the instance's methods as Trainer chains them:
 
 - ``_save_checkpoint(model, trial=None)``: Trainer's ``super()`` writes the whole checkpoint into
   ``<output_dir>/checkpoint-<step>``, and overrides add files there (or, as LLaVA's, write only some weights
@@ -47,12 +47,12 @@ from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_traine
 logger = logging.getLogger(__name__)
 
 SAVE_METHODS = ("_save", "save_model", "_save_checkpoint")
-"""The saving methods a subclass may override (each run at every checkpoint, in the workers)."""
+"""The saving methods a subclass may override (each run at every checkpoint, on every rank)."""
 
 
 @dataclass
 class CheckpointWrite:
-    """On the worker-side instance while a checkpoint's model files are written: what the facade's
+    """``LoopScope.checkpoint`` while a checkpoint's model files are written: what the facade's
     ``_save_checkpoint`` / ``save_model`` / ``_save`` use there."""
 
     model: Any
