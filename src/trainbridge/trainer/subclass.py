@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config.plan import EvaluationRun
+from trainbridge.core.config.plan import EvaluationRun, RunPlan
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer.script_data import column_items
 
@@ -409,12 +409,12 @@ def script_events(trainer: Any) -> ScriptTrainerEvents | None:
     return ScriptTrainerEvents(worker) if worker is not None else None
 
 
-def bind_state(args: Any, hf: Any) -> None:
-    """Give the job's ``ScriptTrainer`` (``args.plan.trainer_methods``, its callback's, the optimizer factory's) the
+def bind_state(plan: RunPlan, hf: Any) -> None:
+    """Give the job's ``ScriptTrainer`` (``plan.trainer_methods``, its callback's, the optimizer factory's) the
     run's live state."""
-    candidates = [args.plan.trainer_methods, getattr(args.plan.optimizer_factory, "worker", None)]
-    candidates.append(getattr(args.plan.checkpoint_model_files, "worker", None))
-    candidates += [getattr(c, "worker", None) for c in args.plan.callbacks]
+    candidates = [plan.trainer_methods, getattr(plan.optimizer_factory, "worker", None)]
+    candidates.append(getattr(plan.checkpoint_model_files, "worker", None))
+    candidates += [getattr(c, "worker", None) for c in plan.callbacks]
     for candidate in candidates:
         if isinstance(candidate, ScriptTrainer):
             candidate.bind_state(hf)
