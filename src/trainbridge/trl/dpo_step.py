@@ -39,6 +39,9 @@ from trainbridge.trl.preference_loss import (
 )
 from trainbridge.trl.sequence_logps import SequenceStats, pack_pairs, sequence_stats
 
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
+
 METRIC_COLUMNS = (
     "entropy_sum",
     "completion_tokens",
@@ -51,9 +54,6 @@ METRIC_COLUMNS = (
     *METRIC_KEYS,
     "pairs",
 )
-
-if TYPE_CHECKING:
-    from trainbridge.core.config.plan import RunPlan
 """One micro-batch's sums, in the order ``metric_sums`` reports them."""
 
 

@@ -28,6 +28,9 @@ from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import DPOLossSettings
 from trainbridge.trl.sequence_logps import pack_pairs, sequence_stats
 
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
+
 COLUMNS = (
     "ranks",
     "kl",
@@ -45,9 +48,6 @@ COLUMNS = (
     "rewards/rejected",
     "logps/rejected",
 )
-
-if TYPE_CHECKING:
-    from trainbridge.core.config.plan import RunPlan
 """One micro-batch's sums, in the order ``metric_sums`` reports them."""
 
 
