@@ -74,6 +74,10 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "gradient_checkpointing",
         "gradient_checkpointing_kwargs",
         "include_for_metrics",
+        "ddp_find_unused_parameters",
+        "ddp_bucket_cap_mb",
+        "ddp_broadcast_buffers",
+        "ddp_static_graph",
         to_hf=False,
     ),
     FieldLink("activation_checkpointing", None, to_hf=False),  # gradient_checkpointing (transformers >= 5)

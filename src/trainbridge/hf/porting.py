@@ -201,6 +201,11 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "save_final_checkpoint": False,
         "restore_callback_states": hf.restore_callback_states_from_checkpoint,
         "include_num_input_tokens_seen": hf.include_num_input_tokens_seen,
+        # DDP as Trainer configures it (None: Trainer's rule, see parallel.ddp)
+        "ddp_find_unused_parameters": hf.ddp_find_unused_parameters,
+        "ddp_bucket_cap_mb": hf.ddp_bucket_cap_mb,
+        "ddp_broadcast_buffers": hf.ddp_broadcast_buffers,
+        "ddp_static_graph": hf.ddp_static_graph,
     }
     # activation_checkpointing (gradient_checkpointing before transformers 5) and its kwargs
     checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from transformers import PreTrainedModel
 
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.parallel.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from trainbridge.core.config import TrainingArgs
     from trainbridge.core.config.plan import OptimizerFactory
     from trainbridge.core.distributed import DistributedEnv
@@ -43,15 +43,61 @@ class DDPEngine(TrainingEngine):
             raise RuntimeError(f"rank {self.env.rank}: ddp configured but the model is {type(self.module).__name__}")
 
 
-def _buffers_synced_at_construction_only() -> dict[str, Any]:
-    """DDP broadcasts the buffers from rank 0 at construction; re-broadcasting them before every forward (its
-    default) is one more collective per micro-batch for nothing here: a causal LM's buffers (rotary
-    frequencies, masks) are constants, never updated by training.  ``forward_sync_buffers=False`` says that
-    (torch 2.13, which CI pins); older torch only has ``broadcast_buffers=False``, deprecated since, which
-    also skips the broadcast at construction."""
+_TRAINED_BUFFERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_UNUSED_HINT = (
+    "some parameters took no part in the loss; set ddp_find_unused_parameters=True (TrainingArgs or "
+    "TrainingArguments), as Trainer does by default"
+)
+
+
+class _DDP(DistributedDataParallel):
+    """``DistributedDataParallel`` whose unused-parameter error names the field that fixes it."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "find_unused_parameters" in str(exc) and not self.find_unused_parameters:
+                raise RuntimeError(f"{_UNUSED_HINT}. DDP said: {exc}") from exc
+            raise
+
+
+def find_unused_parameters(model: nn.Module, args: TrainingArgs) -> bool:
+    """``args.ddp_find_unused_parameters``, or Trainer's rule when None: True unless gradient checkpointing
+    is on (the model's, or ``args.gradient_checkpointing``)."""
+    if args.ddp_find_unused_parameters is not None:
+        return args.ddp_find_unused_parameters
+    if isinstance(model, PreTrainedModel):
+        with warnings.catch_warnings():  # transformers 5 renames it is_activation_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            return not (model.is_gradient_checkpointing or args.gradient_checkpointing)
+    return True
+
+
+def buffer_sync(model: nn.Module, args: TrainingArgs) -> dict[str, Any]:
+    """DDP's buffer options.  ``args.ddp_broadcast_buffers`` given: torch's ``broadcast_buffers``.  None:
+    rank 0's buffers are broadcast before each forward only when training updates some (batch-norm running
+    statistics, where torch's default matters); a causal LM's buffers (rotary frequencies, masks) are
+    constants, so re-broadcasting them every micro-batch is one collective for nothing.
+    ``forward_sync_buffers=False`` says that (torch 2.13, which CI pins); older torch only has
+    ``broadcast_buffers=False``, which also skips the broadcast at construction."""
+    if args.ddp_broadcast_buffers is not None:
+        return {"broadcast_buffers": args.ddp_broadcast_buffers}
+    if any(isinstance(m, _TRAINED_BUFFERS) and m.track_running_stats for m in model.modules()):
+        return {}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def ddp_options(model: nn.Module, args: TrainingArgs) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` keyword arguments of ``args``' ``ddp_*`` fields (Trainer's)."""
+    options: dict[str, Any] = {"find_unused_parameters": find_unused_parameters(model, args)}
+    if args.ddp_bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
+    if args.ddp_static_graph is not None:
+        options["static_graph"] = args.ddp_static_graph
+    return {**options, **buffer_sync(model, args)}
 
 
 def build_ddp(
@@ -62,14 +108,14 @@ def build_ddp(
     decay_names: set[str],
     factory: OptimizerFactory | None = None,
 ) -> DDPEngine:
-    """``model`` on ``env.device`` in ``DistributedDataParallel``, with AdamW and the LR schedule."""
+    """``model`` on ``env.device`` in ``DistributedDataParallel`` (``ddp_options``), with the optimizer and
+    the LR schedule."""
     cast(nn.Module, model).to(env.device)
-    wrapped = DistributedDataParallel(
+    wrapped = _DDP(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        find_unused_parameters=False,
         gradient_as_bucket_view=True,
-        **_buffers_synced_at_construction_only(),
+        **ddp_options(model, args),
     )
     optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
     return DDPEngine(wrapped, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)

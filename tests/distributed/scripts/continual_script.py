@@ -4,8 +4,9 @@ Run as ``python continual_script.py OUT [real]`` or ``torchrun --nproc_per_node=
 ``real`` uses transformers.Trainer.  Two tasks in turn, each a new Trainer on the same model with ``train()``
 then ``evaluate()``; ``TrainingArguments`` is a ``@dataclass`` subclass defined here, in ``__main__`` (classic
 instruction-tuning scripts; its checkpoints' ``training_args.bin`` pickles it); the model's output layer is
-tied to its embeddings.  Every process that trains appends its pid, parent pid and rank per call to
-``OUT/calls-<pid>.jsonl``; rank 0 writes ``OUT/summary.json``.
+tied to its embeddings; one of its parameters takes no part in the loss (issue 41).  Every process that
+trains appends its pid, parent pid and rank per call to ``OUT/calls-<pid>.jsonl``; rank 0 writes
+``OUT/summary.json``.
 """
 
 import json
@@ -38,6 +39,9 @@ model_dir = build_tiny_llama_once(out.parent / "tiny-model")
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 torch.manual_seed(0)  # the same tied model on every rank
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, tie_word_embeddings=True))
+# a parameter no batch's loss uses, as in permutation language modeling (issue 41): Trainer's DDP runs with
+# find_unused_parameters=True unless gradient checkpointing is on, and so must ours
+model.unused_head = torch.nn.Linear(8, 8)
 collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
 rank = int(os.environ.get("RANK", "0"))
 

@@ -290,6 +290,20 @@ class ParallelismFields(BaseModel):
     """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
+    ddp_find_unused_parameters: bool | None = False
+    """DDP: search each step's autograd graph for parameters the loss did not use (one more small all-reduce
+    per step), needed when some parameters take no part in a batch's loss (permutation LM, MoE, several
+    heads).  ``None``: Trainer's rule, True unless gradient checkpointing is on (what a ported
+    ``TrainingArguments`` leaves unset gets).  ``False`` (default) keeps the step lean for models whose
+    every parameter trains each step."""
+    ddp_bucket_cap_mb: int | None = Field(default=None, gt=0)
+    """DDP gradient bucket size in MiB (Trainer's ``ddp_bucket_cap_mb``); None: torch's default (25)."""
+    ddp_broadcast_buffers: bool | None = None
+    """DDP: broadcast rank 0's buffers before every forward (torch's ``broadcast_buffers``).  None: only
+    when the model has buffers training updates (batch-norm running statistics), as torch's default
+    then gives; a causal LM's constant buffers (rotary frequencies) are broadcast once, at wrapping."""
+    ddp_static_graph: bool | None = None
+    """DDP ``static_graph`` (Trainer's ``ddp_static_graph``): the set of used parameters never changes."""
 
 
 class EvaluationFields(BaseModel):
