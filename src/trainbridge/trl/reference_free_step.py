@@ -72,7 +72,8 @@ class ReferenceFreeStep(TrainStep):
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         result = self.loss.micro(score_pairs(model, batch["packed"]))
-        values = {"pairs": float(batch["packed"].pairs), "ranks": 1.0, **result.pair_sums, **result.rank_means}
+        values: dict[str, torch.Tensor | float] = {"pairs": float(batch["packed"].pairs), "ranks": 1.0}
+        values.update({**result.pair_sums, **result.rank_means})
         self.metrics.record(values, result.loss.device)
         return result.loss * units
 
