@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 class RecordingFactory(DPOStepFactory):
     """The DPO step factory, writing what each rank's reference holds to ``ref-rank{r}.json``."""
 
-    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any) -> Any:
-        step = super().__call__(model, tokenizer, args, env)
+    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any, plan: Any) -> Any:
+        step = super().__call__(model, tokenizer, args, env, plan)
         params = list(step.ref_model.parameters())
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
         record = {

@@ -137,8 +137,8 @@ def test_users_batch_fields_are_kept_when_they_describe_the_run(files, tmp_path)
         report_to="none",
     )
     env = DistributedEnv(world_size=2, rank=0, local_rank=0, local_world_size=2)
-    same = build_training_arguments(make_args(files, effective_batch_size=16, hf_args=user), env)
+    same = build_training_arguments(make_args(files, effective_batch_size=16), env, user)
     assert (same.per_device_train_batch_size, same.gradient_accumulation_steps) == (2, 4)
     assert same.train_batch_size == 2
-    other = build_training_arguments(make_args(files, effective_batch_size=12, hf_args=user), env)
+    other = build_training_arguments(make_args(files, effective_batch_size=12), env, user)
     assert (other.per_device_train_batch_size, other.gradient_accumulation_steps) == (6, 1)

@@ -197,14 +197,14 @@ def test_model_init_builds_the_model_and_peft_applies_on_top(assets, tmp_path):
     args = args_for(
         assets, tmp_path, model_path=None, tokenizer_path=assets["model"], model_init=_tiny_model_init, peft_config=LORA
     )
-    model = load_model(args)
+    model = load_model(args, model_init=_tiny_model_init)
     assert isinstance(model, peft.PeftModel) and model.config.num_hidden_layers == 1
-    one_arg = load_model(args_for(assets, tmp_path, model_init=_trial_model_init))
+    one_arg = load_model(args_for(assets, tmp_path), model_init=_trial_model_init)
     assert one_arg.config.num_hidden_layers == 1
     by_path = args_for(assets, tmp_path, model_init=f"{__name__}:_tiny_model_init")
     assert by_path.plan.model_init is _tiny_model_init
     with pytest.raises(TypeError, match="model_init: returned str"):
-        load_model(args_for(assets, tmp_path, model_init=lambda: "not a model"))
+        load_model(args_for(assets, tmp_path), model_init=lambda: "not a model")
 
 
 def test_model_kwargs_and_gradient_checkpointing_reach_the_model(assets, tmp_path):

@@ -36,7 +36,7 @@ def test_rank0_load_applies_to_plain_fsdp_models_only(model_dir: Path, tmp_path:
     assert not loads_on_rank0_only(args_for(model_dir, tmp_path), world_size=1)
     assert not loads_on_rank0_only(args_for(model_dir, tmp_path, fsdp_load_on_rank0=False), world_size=2)
     assert not loads_on_rank0_only(args_for(model_dir, tmp_path, distributed_backend="ddp"), world_size=2)
-    assert not loads_on_rank0_only(args_for(model_dir, tmp_path, model_init=lambda: None), world_size=2)
+    assert not loads_on_rank0_only(args_for(model_dir, tmp_path), world_size=2, model_init=lambda: None)
     extra = args_for(model_dir, tmp_path, model_kwargs=ModelKwargs(rope_theta=500.0))  # type: ignore[call-arg]
     assert not loads_on_rank0_only(extra, world_size=2)
     pytest.importorskip("peft")

@@ -121,7 +121,7 @@ def _run(
     components = build_run(args, DistributedEnv())
     hf = next((c for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None)
     if hf is not None:
-        bind_state(args, hf)
+        bind_state(args.plan, hf)
     return components, TrainingLoop(args, DistributedEnv(), args.plan.callbacks, components).run()
 
 

@@ -252,7 +252,7 @@ def test_the_step_factory_switches_policy_and_reference_to_varlen_attention(
     factory = DPOStepFactory(prepared, DPOLossSettings.from_config(config), 1, 2, 12, ref_model=ref)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
     args = args_for(max_steps=1, val_data_path=None, train_step=factory, varlen_sdpa=varlen_sdpa)
-    step = factory(policy, tokenizer, args, DistributedEnv())
+    step = factory(policy, tokenizer, args, DistributedEnv(), args.plan)
     expected = VARLEN_SDPA if varlen_sdpa else "sdpa"
     assert step.ref_model is not None
     assert policy.config._attn_implementation == expected

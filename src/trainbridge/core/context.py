@@ -44,6 +44,9 @@ class TrainingContext:
     """The run's validated ``TrainingArgs`` (always)."""
     env: DistributedEnv
     """Rank, world size, device (always)."""
+    hf_args: Any = None
+    """The ``transformers.TrainingArguments`` the run's settings came from (``RunPlan.hf_args``: a
+    ``trainbridge.Trainer`` or ported script), else None."""
 
     # ------------------------------------------------------------------ progress
     global_step: int = 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.plan import ScriptData
 from trainbridge.core.scratch import owned_folder
 from trainbridge.data.inputs import DataInputError, input_kind, read_input
 from trainbridge.data.types import validation_indices
@@ -65,13 +66,16 @@ def split_rows(dataset: Any, fraction: float, seed: int) -> tuple[Any, Any]:
     return dataset.select(train), dataset.select(held)
 
 
-def run_rows(args: TrainingArgs, tokenizer: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """``(training items, validation items, named validation sets)`` of a run (see the module doc); training
-    None for a ``train_stream``; ``validation_split`` held out of the training rows."""
-    data = args.plan.script_data
+def run_rows(
+    args: TrainingArgs, tokenizer: Any, script: ScriptData | None = None, streaming: bool = False
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``(training items, validation items, named validation sets)`` of a run (see the module doc): in place
+    (``script``), the script's datasets; training None when ``streaming`` (a ``train_stream``);
+    ``validation_split`` held out of the training rows."""
+    data = script
     if data is not None:  # in place: the script's objects, each item fetched when a micro-batch needs it
         return data.train, data.eval, dict(data.named_eval)
-    reading = args.data_path is not None and args.plan.train_stream is None
+    reading = args.data_path is not None and not streaming
     train = open_rows(args.data_path, tokenizer, args.max_seq_len) if reading and args.data_path else None
     val = open_rows(args.val_data_path, tokenizer, args.max_seq_len) if args.val_data_path is not None else None
     if args.validation_split > 0 and train is not None:

@@ -29,6 +29,8 @@ from trainbridge.data.types import LoadStats, OverlongPolicy, Sample, validation
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from trainbridge.core.config.plan import ScriptData
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,12 +112,17 @@ def open_dataset(
     )
 
 
-def load_run_data(args: TrainingArgs, tokenizer: PreTrainedTokenizerBase | None, *, report: bool = True) -> RunData:
-    """Training and validation samples of ``args`` (memory-mapped; in place, the script's datasets tokenised in
+def load_run_data(
+    args: TrainingArgs,
+    tokenizer: PreTrainedTokenizerBase | None,
+    *,
+    report: bool = True,
+    script: ScriptData | None = None,
+) -> RunData:
+    """Training and validation samples of ``args`` (memory-mapped; in place, ``script``'s datasets tokenised in
     memory: ``RunPlan.script_data``); logs the summary when ``report`` (rank 0)."""
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()
-    script = args.plan.script_data
 
     def load(data: Any, name: str) -> tuple[SampleSource, LoadStats]:
         if script is not None:

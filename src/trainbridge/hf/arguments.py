@@ -82,8 +82,9 @@ from trainbridge.hf.fields import OWNED_FIELDS
 _TRAINING_ARGUMENT_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
 
 
-def build_training_arguments(args: TrainingArgs, env: DistributedEnv) -> TrainingArguments:
-    """A real ``TrainingArguments`` for this run, reporting ``env``'s rank, world size and device.
+def build_training_arguments(args: TrainingArgs, env: DistributedEnv, original: Any = None) -> TrainingArguments:
+    """A real ``TrainingArguments`` for this run, reporting ``env``'s rank, world size and device; with
+    ``original`` (the script's own ``TrainingArguments``, ``RunPlan.hf_args``), that object brought up to date.
 
     Building it initialises nothing: no process group, no accelerate state, no CUDA device change (see
     the module docstring for how).
@@ -92,9 +93,9 @@ def build_training_arguments(args: TrainingArgs, env: DistributedEnv) -> Trainin
     hf_args = TrainingArguments.__new__(TrainingArguments)
     _seed_process_state(hf_args, env, args)
     hf_args.__init__(**fields)  # type: ignore[misc]
-    if args.plan.hf_args is None:
+    if original is None:
         return hf_args
-    return _onto_original(args.plan.hf_args, hf_args, env, args)
+    return _onto_original(original, hf_args, env, args)
 
 
 def _onto_original(

@@ -212,7 +212,7 @@ class HuggingFaceCallbacks(Callback):
         self._errors = CallbackErrorLedger(
             context.args.callback_error_policy, context.args.callback_max_consecutive_errors
         )
-        self.args = build_training_arguments(context.args, context.env)
+        self.args = build_training_arguments(context.args, context.env, context.hf_args)
         # as Trainer's Accelerator leaves it: PartialState() / AcceleratorState() describe this run
         self._accelerate = share_accelerate_state(context.env, context.args)
         model = context.unwrapped_model if context.unwrapped_model is not None else context.model
@@ -288,7 +288,7 @@ class HuggingFaceCallbacks(Callback):
         mirror.update_best_model_checkpoint(context)
         mirror.update_stateful_callbacks(self._stateful())
         files: dict[str, str | bytes] = {TRAINER_STATE_FILE: mirror.to_json()}
-        if context.args.plan.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
+        if context.hf_args is not None and context.is_world_process_zero:  # rank 0 writes the checkpoint
             buffer = io.BytesIO()
             torch.save(self._require()[0], buffer)
             files[TRAINING_ARGS_FILE] = buffer.getvalue()

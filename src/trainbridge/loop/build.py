@@ -131,11 +131,11 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
         args = args.with_plan(plan)  # the layers below read the plan the run was built with
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         transformers.set_seed(args.seed)
-    tokenizer = load_tokenizer(args)
+    tokenizer = load_tokenizer(args, plan.script_data)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
-    from_rank0 = loads_on_rank0_only(args, env.world_size)
+    from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)
     skeleton = from_rank0 and not env.is_world_process_zero
-    model = load_model(args, skeleton=skeleton)
+    model = load_model(args, skeleton=skeleton, model_init=plan.model_init)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     if plan.train_step is not None:
         batches = _factory_batches(model, tokenizer, args, env, plan)
@@ -238,7 +238,7 @@ def _token_batches(
 ) -> RunBatches:
     """The token-budget step: samples tokenised through the cache, padding-free (or padded) micro-batches of
     the global plan, the summed token cross entropy."""
-    data = load_run_data(args, tokenizer, report=env.is_world_process_zero)
+    data = load_run_data(args, tokenizer, report=env.is_world_process_zero, script=plan.script_data)
     padded = use_padded_batches(model, args, probe=not skeleton, collator=plan.data_collator)
     if from_rank0:  # collective: the attention rank 0's probe chose (a skeleton cannot run the probe)
         chosen = env.broadcast_object(model.config._attn_implementation)
@@ -290,7 +290,7 @@ def _sample_batches(
     forward returns."""
     per_device, _ = sample_batch_shape(args, env.world_size)
     stream: Any = plan.train_stream
-    train, val, named = run_rows(args, tokenizer)
+    train, val, named = run_rows(args, tokenizer, plan.script_data, streaming=stream is not None)
     label_names = args.label_names or default_label_names(model)
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(plan.data_collator or default_collator(tokenizer), keep)
@@ -391,7 +391,7 @@ def _factory_batches(
     model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
 ) -> RunBatches:
     """The step ``plan.train_step`` builds (its own batches, loss and validation batches)."""
-    step = plan.train_step(model, tokenizer, args, env) if plan.train_step is not None else None
+    step = plan.train_step(model, tokenizer, args, env, plan) if plan.train_step is not None else None
     if not isinstance(step, TrainStep):
         raise TypeError(f"train_step: {plan.train_step!r} returned {type(step).__name__}, not a TrainStep")
     eval_batches, named_eval_batches = step.own_eval_sets()

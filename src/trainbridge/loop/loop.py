@@ -93,7 +93,7 @@ class TrainingLoop:
         self._stop_training = False
         self._stop_requesters = ""
         self._merged: Path | None = None
-        self.context = ctx = TrainingContext(args=args, env=env)
+        self.context = ctx = TrainingContext(args=args, env=env, hf_args=self.plan.hf_args)
         ctx.steps_per_epoch = components.steps_per_epoch
         ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
         ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
@@ -131,9 +131,8 @@ class TrainingLoop:
                 self._keep_only_best()
                 fire(Event.TRAIN_END, ctx)
                 if self.args.merge_adapter_at_end:
-                    self._merged = self.checkpoints.export_merged(
-                        self.engine, self.tokenizer, functools.partial(load_base_for_merge, self.args)
-                    )
+                    base = functools.partial(load_base_for_merge, self.args, self.plan.model_init)
+                    self._merged = self.checkpoints.export_merged(self.engine, self.tokenizer, base)
             except BaseException as exc:
                 fire(Event.EXCEPTION, ctx, exception=exc)
                 raise

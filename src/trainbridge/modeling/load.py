@@ -29,6 +29,8 @@ from trainbridge.modeling import quantization
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from trainbridge.core.config.plan import ModelInit, ScriptData
+
 logger = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,15 +52,15 @@ def unwrap_peft(model: Any) -> Any:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(args: TrainingArgs, script: ScriptData | None = None) -> PreTrainedTokenizerBase | None:
     """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
     else ``model_path``, else an adapter folder's base model); an image processor for a folder holding only
-    that; None for a ``model_loss`` run whose folder holds neither.  In place, the script's own
-    (``ScriptData.processing_class``)."""
+    that; None for a ``model_loss`` run whose folder holds neither.  In place (``script``: the script's data), the
+    script's own (``ScriptData.processing_class``)."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    if args.plan.script_data is not None:  # in place: the script's own object, as it is
-        return cast("PreTrainedTokenizerBase | None", args.plan.script_data.processing_class)
+    if script is not None:  # in place: the script's own object, as it is
+        return cast("PreTrainedTokenizerBase | None", script.processing_class)
     path = args.resolved_tokenizer_path
     tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
     folder = Path(str(path))
@@ -76,7 +78,7 @@ def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
-def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
+def loads_on_rank0_only(args: TrainingArgs, world_size: int, model_init: ModelInit | None = None) -> bool:
     """Whether rank 0 alone reads the weights and the other ranks build a meta-device skeleton
     (``fsdp_load_on_rank0``): FSDP2 with several ranks, a plain ``model_path`` model (no ``model_init``,
     no PEFT adapter or ``peft_config``) loaded with the named ``model_kwargs`` only (an extra
@@ -86,7 +88,7 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
         args.fsdp_load_on_rank0
         and args.distributed_backend == "fsdp"
         and world_size > 1
-        and args.plan.model_init is None
+        and model_init is None
         and args.peft_config is None
         and args.model_path is not None
         and peft_adapter_base(args.model_path) is None
@@ -95,15 +97,15 @@ def loads_on_rank0_only(args: TrainingArgs, world_size: int) -> bool:
     )
 
 
-def load_model(args: TrainingArgs, skeleton: bool = False) -> PreTrainedModel:
-    """The model to train, built in this worker: loaded (or ``model_init``), gradient checkpointing on,
+def load_model(args: TrainingArgs, skeleton: bool = False, model_init: ModelInit | None = None) -> PreTrainedModel:
+    """The model to train, built in this worker: loaded (or built by ``model_init``), gradient checkpointing on,
     PEFT adapter applied.  Not yet moved to a device or wrapped.  Typed as a ``PreTrainedModel``: a
     ``PeftModel`` offers the same interface the engines and checkpoints use (``save_pretrained``, ``config``).
 
     ``skeleton`` (ranks other than 0 when ``loads_on_rank0_only``): the same model built from its config
     on the meta device, no weight read; the engine materialises it and fills it from rank 0."""
-    if args.plan.model_init is not None:
-        model = call_model_init(args.plan.model_init)
+    if model_init is not None:
+        model = call_model_init(model_init)
     else:
         assert args.model_path is not None  # validated: model_path or model_init
         base = peft_adapter_base(args.model_path)
@@ -344,11 +346,11 @@ def enable_gradient_checkpointing(model: Any, kwargs: dict[str, Any]) -> None:
         model.config.use_cache = False  # the cache is useless in training and warns with checkpointing
 
 
-def check_model_setup(args: TrainingArgs) -> None:
+def check_model_setup(args: TrainingArgs, model_init: ModelInit | None = None) -> None:
     """Preflight (parent process): build the model's skeleton on the meta device (no weights read) and apply
     ``peft_config`` to it, so target modules that match nothing fail before launch.  Skipped for
     ``model_init`` (the function may be expensive) and when there is no ``peft_config``."""
-    if args.peft_config is None or args.plan.model_init is not None or args.model_path is None:
+    if args.peft_config is None or model_init is not None or args.model_path is None:
         return
 
     from transformers import AutoConfig
@@ -360,12 +362,12 @@ def check_model_setup(args: TrainingArgs) -> None:
     apply_peft(skeleton, build_peft_config(args.peft_config))
 
 
-def load_base_for_merge(args: TrainingArgs) -> nn.Module:
+def load_base_for_merge(args: TrainingArgs, model_init: ModelInit | None = None) -> nn.Module:
     """A fresh copy of the run's base model, without adapters, on CPU: from ``model_init`` (a PeftModel it
     returns is unloaded) or from ``model_path`` (an adapter folder's base model), not quantised by
     ``model_kwargs`` (the adapter is merged into the full-precision weights)."""
-    if args.plan.model_init is not None:
-        model = call_model_init(args.plan.model_init)
+    if model_init is not None:
+        model = call_model_init(model_init)
         return model.unload() if is_peft_model(model) else model  # type: ignore[operator]
     assert args.model_path is not None
     kwargs = args.model_kwargs

@@ -25,6 +25,7 @@ import errno
 import inspect
 import logging
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, w
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
+from trainbridge.trainer.scope import LoopScope
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -58,6 +60,18 @@ class LoopTrainer(_TrainerBase):
     ``_check_launch`` before that class's constructor and ``_init_loop`` after it."""
 
     torchrun_args: TorchrunArgs | None
+    _in_loop: LoopScope | None = None
+    """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
+
+    @cached_property
+    def _script(self) -> subclass.ScriptTrainer:
+        """The loop's calls into this instance (``trainer.subclass``)."""
+        return subclass.ScriptTrainer(self)
+
+    @cached_property
+    def _column_items(self) -> dict[str, tuple[Any, bool]]:
+        """``subclass.items_are_columns``'s answer per dataset attribute, with the dataset it was for."""
+        return {}
 
     @staticmethod
     def _check_launch(cls: type, torchrun_args: TorchrunArgs | None) -> None:
@@ -252,11 +266,11 @@ class LoopTrainer(_TrainerBase):
         **kwargs: Any,
     ) -> dict[str, float]:
         """Trainer's ``evaluate``; at an evaluation point of ``train()`` with the run's own sets, the loop's
-        evaluation of them (padding-free where it applies; it logs and fires ``on_evaluate`` as Trainer's)
-        unless the class overrides how Trainer evaluates (``subclass.EVALUATION_METHODS``)."""
-        loop_evaluation = vars(self).get(subclass.LOOP_EVALUATION)
-        if loop_evaluation is not None and eval_dataset is None and metric_key_prefix == "eval" and not kwargs:
-            return dict(loop_evaluation())
+        evaluation of them (padding-free where it applies; it logs and fires ``on_evaluate`` as Trainer's)."""
+        scope = self._in_loop
+        run_sets = eval_dataset is None and metric_key_prefix == "eval" and not kwargs
+        if scope is not None and scope.evaluation is not None and run_sets:
+            return dict(scope.evaluation())
         return dict(
             super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         )
@@ -264,10 +278,12 @@ class LoopTrainer(_TrainerBase):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; for one of the loop's logs (``subclass.ScriptTrainerEvents``), what the chain
         below (an override's ``super().log``, trl's, Trainer's) hands to ``on_log`` is what the loop logs."""
-        if not vars(self).get(subclass.IN_LOG_EVENT):
+        scope = self._in_loop
+        if scope is None or scope.log is None:
             super().log(logs, start_time)
             return
-        capture = subclass.LogCapture(self.control)
+        capture = scope.log
+        capture.control = self.control
         handler, history = self.callback_handler, len(self.state.log_history)
         self.callback_handler = capture  # type: ignore[assignment]
         try:
@@ -275,15 +291,16 @@ class LoopTrainer(_TrainerBase):
         finally:
             self.callback_handler = handler
             del self.state.log_history[history:]  # the loop records the log itself
-        self.__dict__["_logged"] = capture.logs if capture.logs is not None else logs
+        if capture.logs is None:
+            capture.logs = logs
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's ``save_model``; at a checkpoint of ``train()`` (``trainer.save_overrides``) the checkpoint's
         model files; after ``train()`` with a sharded engine (FSDP2, ZeRO-3) the gathered weights go to
         ``_save``, as Trainer does under FSDP (collective: every rank calls it)."""
-        writing = vars(self).get("_checkpoint_write")
-        if writing is not None:
-            self._save(output_dir, state_dict=writing.state)
+        scope = self._in_loop
+        if scope is not None and scope.checkpoint is not None:
+            self._save(output_dir, state_dict=scope.checkpoint.state)
             return
         if self._loop is not None and self._loop.engine.sharded_model:
             state = self._loop.engine.full_model_state_dict()
@@ -294,10 +311,10 @@ class LoopTrainer(_TrainerBase):
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """Trainer's ``_save``; at a checkpoint of ``train()``, the checkpoint's default model files."""
-        writing = vars(self).get("_checkpoint_write")
-        if writing is not None:
+        scope = self._in_loop
+        if scope is not None and scope.checkpoint is not None:
             target = Path(output_dir) if output_dir is not None else self.output_dir
-            writing.default_save(target, state_dict, self.args)
+            scope.checkpoint.default_save(target, state_dict, self.args)
             return
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)
@@ -306,7 +323,7 @@ class LoopTrainer(_TrainerBase):
         """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model
         part, ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
         writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
-        if "_checkpoint_write" not in vars(self):
+        if self._in_loop is None or self._in_loop.checkpoint is None:
             raise UnsupportedTrainerFeatureError("_save_checkpoint runs inside train(), at each checkpoint")
         self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)
 

@@ -122,15 +122,15 @@ class SubclassOptimizer:
     def optimizer(
         self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
     ) -> torch.optim.Optimizer:
-        instance = self.worker.trainer(model)
-        instance.optimizer, instance.lr_scheduler = None, None
-        if isinstance(self.inner, InPlace):
-            instance.optimizer = self.inner.optimizer(model, groups, default, total_steps)
-            instance.lr_scheduler = self.inner.script_scheduler
-        if self.both:
-            instance.create_optimizer_and_scheduler(num_training_steps=total_steps)
-        else:
-            instance.create_optimizer()
+        with self.worker.call(model) as instance:
+            instance.optimizer, instance.lr_scheduler = None, None
+            if isinstance(self.inner, InPlace):
+                instance.optimizer = self.inner.optimizer(model, groups, default, total_steps)
+                instance.lr_scheduler = self.inner.script_scheduler
+            if self.both:
+                instance.create_optimizer_and_scheduler(num_training_steps=total_steps)
+            else:
+                instance.create_optimizer()
         if not isinstance(instance.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"{type(instance).__name__}.create_optimizer() left self.optimizer as "
@@ -139,9 +139,9 @@ class SubclassOptimizer:
         return instance.optimizer
 
     def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
-        instance = self.worker.trainer(None)
-        if not self.both:
-            instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+        with self.worker.call() as instance:
+            if not self.both:
+                instance.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
         return instance.lr_scheduler
 
 

@@ -55,7 +55,7 @@ def run_job(job: FacadeJob, env: DistributedEnv, trainer: Any = None) -> JobOutc
         raise ValueError(f"unknown facade job kind {job.kind!r}")
     run_callbacks, hf = with_trainer_state(assemble_callbacks(job.args))
     hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
-    bind_state(job.args, hf)  # the instance's self.state / callback_handler / control are the run's
+    bind_state(job.args.plan, hf)  # the instance's self.state / callback_handler / control are the run's
     loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
     result = loop.run()
     if env.is_world_process_zero:

@@ -94,17 +94,12 @@ class SubclassSave:
         weights_dtype: torch.dtype | None,
         is_rank_zero: bool,
     ) -> None:
-        instance = self.worker.trainer(model)
-        instance.__dict__["_checkpoint_write"] = CheckpointWrite(
-            model, folder, state, tokenizer, weights_dtype, is_rank_zero
-        )
-        try:
+        writing = CheckpointWrite(model, folder, state, tokenizer, weights_dtype, is_rank_zero)
+        with self.worker.call(model, checkpoint=writing) as instance:
             if self.whole_checkpoint:
                 _save_checkpoint_into(instance, model, folder, step)
             else:
                 instance.save_model(str(folder), _internal_call=True)
-        finally:
-            instance.__dict__.pop("_checkpoint_write", None)
 
 
 def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) -> None:

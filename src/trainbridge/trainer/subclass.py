@@ -31,15 +31,24 @@ Overrides of the methods in ``UNHONOURED`` (parts of Trainer's own loop) are ref
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config.plan import EvaluationRun
 from trainbridge.core.context import TrainingContext
+from trainbridge.trainer.scope import LogCapture, LoopScope
 from trainbridge.trainer.script_data import column_items
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState
+
+    from trainbridge.core.config.plan import EvaluationRun, RunPlan
+    from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
+    from trainbridge.trainer.facade import LoopTrainer
 
 UNHONOURED = (
     "_inner_training_loop",
@@ -116,54 +125,34 @@ def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
     return {}
 
 
-def overrides_compute_loss(cls: type) -> bool:
-    """Whether a class of the script's defines ``compute_loss``."""
-    return overrides(cls, ("compute_loss",))
-
-
 def instance_batches(trainer: Any) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
     how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
     return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
 
 
-def items_are_columns(trainer: Any, name: str) -> bool:
+def items_are_columns(trainer: LoopTrainer, name: str) -> bool:
     """``script_data.column_items`` of the instance's ``train_dataset`` or ``eval_dataset`` (``name``), looked
     at once per dataset object (a stream's first item is read from a fresh iterator)."""
     data = getattr(trainer, name, None)
-    seen = trainer.__dict__.setdefault("_column_items", {})
+    seen = trainer._column_items
     if name not in seen or seen[name][0] is not data:
         seen[name] = (data, column_items(data))
     return bool(seen[name][1])
 
 
-def _own_items(trainer: Any) -> bool:
+def _own_items(trainer: LoopTrainer) -> bool:
     """Whether a dataset of the instance's holds items that are not dicts of columns: Trainer's own code then
     reads it (its loader, step and evaluation: see the module doc)."""
     return not (items_are_columns(trainer, "train_dataset") and items_are_columns(trainer, "eval_dataset"))
 
 
-class LogCapture:
-    """Stands in for ``callback_handler`` while one of the loop's logs goes through the instance's ``log``:
-    keeps the ``logs`` Trainer's ``log`` hands to ``on_log``."""
-
-    def __init__(self, control: Any) -> None:
-        self.control = control
-        self.logs: dict[str, Any] | None = None
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any]) -> Any:
-        self.logs = logs
-        return control
-
-
 class ScriptTrainer:
-    """The seams that call the script's instance (see the module doc)."""
+    """The seams that call the script's instance (see the module doc); every call goes through ``call``."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: LoopTrainer) -> None:
         self.instance = trainer
-        self._hf: Any = None
-        self._routing: EvaluationEvents | None = None
-        """The instance's ``callback_handler`` while its own ``evaluate`` runs in ``train()``."""
+        self._hf: HuggingFaceCallbacks | None = None
 
     @property
     def args(self) -> Any:
@@ -179,39 +168,54 @@ class ScriptTrainer:
         ``compute_loss_func``, whose loss is then a mean over those items."""
         return self.instance.compute_loss_func is not None
 
-    def bind_state(self, hf: Any) -> None:
-        """Take ``self.state``, ``callback_handler`` and ``control`` from ``hf`` (the run's
-        ``HuggingFaceCallbacks``) once it has them."""
+    def bind_state(self, hf: HuggingFaceCallbacks) -> None:
+        """The run's ``HuggingFaceCallbacks``: their state, handler and control are the instance's in each call."""
         self._hf = hf
 
-    def trainer(self, model: Any) -> Any:
-        """The instance, its ``state``, ``callback_handler`` and ``control`` the run's live ones and (given
-        ``model``, the engine's) ``model_wrapped`` the model being trained."""
-        instance = self.instance
+    def _around(self, outer: LoopScope | None) -> LoopScope:
+        """The scope around a new call: ``outer`` (the one of the call under way), else the run's live state."""
+        if outer is not None:
+            return outer
         hf = self._hf
-        if hf is not None and hf.state is not None:
-            instance.state = hf.state
-            if hf.handler is not None:
-                instance.callback_handler, instance.control = self._routing or hf.handler, hf.control
-        if model is not None:
-            instance.model_wrapped = model
-        return instance
+        if hf is None or hf.state is None:
+            return LoopScope()
+        return LoopScope(state=hf.state, handler=hf.handler, control=hf.control)
+
+    @contextmanager
+    def call(self, model: Any = None, **within: Any) -> Iterator[LoopTrainer]:
+        """The instance, in a ``LoopScope`` for one call of the loop's into it: the scope around with
+        ``within`` (``LoopScope``'s fields) and ``model`` (the engine's) as ``model_wrapped``.  Its state,
+        handler and control are set on the instance, as Trainer's own code reads them; afterwards the scope
+        around is back (its handler too)."""
+        instance = self.instance
+        outer = instance._in_loop
+        around = self._around(outer)
+        scope = replace(around, model=model if model is not None else around.model, **within)
+        handler = instance.callback_handler
+        instance._in_loop = scope
+        if scope.state is not None:
+            instance.state = scope.state
+        if scope.handler is not None:
+            instance.callback_handler = scope.handler
+        if scope.control is not None:
+            instance.control = scope.control
+        if scope.model is not None:
+            instance.model_wrapped = scope.model
+        try:
+            yield instance
+        finally:
+            instance._in_loop = outer
+            instance.callback_handler = around.handler if around.handler is not None else handler
 
     def evaluation(self, run: EvaluationRun) -> dict[str, float]:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point; Trainer's own
-        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``).  What the instance's own
-        evaluation logs and evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
-        instance = self.trainer(None)
-        if items_are_columns(instance, "eval_dataset"):  # else Trainer's own evaluate reads the items
-            instance.__dict__[LOOP_EVALUATION] = run
-        handler = instance.callback_handler
-        self._routing = instance.callback_handler = EvaluationEvents(handler, run, self)
-        try:
+        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``) where the evaluation items
+        are dicts of columns (else Trainer's own ``evaluate`` reads them).  What the instance's own evaluation
+        logs and evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
+        loop_evaluation = run if items_are_columns(self.instance, "eval_dataset") else None
+        handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
+        with self.call(evaluation=loop_evaluation, handler=EvaluationEvents(handler, run, self)) as instance:
             return dict(instance.evaluate(ignore_keys=None))
-        finally:
-            instance.__dict__.pop(LOOP_EVALUATION, None)
-            self._routing = None
-            instance.callback_handler = handler
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -222,20 +226,20 @@ class ScriptTrainer:
         backward: Callable[[torch.Tensor], None],
         accumulation: int,
     ) -> torch.Tensor:
-        instance = self.trainer(model)
-        instance.current_gradient_accumulation_steps = accumulation
-        accelerator = instance.accelerator
-        accelerator.backward = lambda loss, **kwargs: backward(loss)  # the loop's, for this micro-batch
-        try:
-            return instance.training_step(model, inputs, num_items_in_batch)  # type: ignore[no-any-return]
-        finally:
-            del accelerator.backward
+        with self.call(model) as instance:
+            instance.current_gradient_accumulation_steps = accumulation
+            accelerator = instance.accelerator
+            accelerator.backward = lambda loss, **kwargs: backward(loss)  # type: ignore[method-assign]
+            try:
+                return instance.training_step(model, inputs, num_items_in_batch)
+            finally:
+                del accelerator.backward
 
     def prediction_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
     ) -> tuple[Any, Any, Any]:
-        instance = self.trainer(model)
-        return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
+        with self.call(model) as instance:
+            return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
 
 
 class EvaluationEvents:
@@ -245,42 +249,44 @@ class EvaluationEvents:
     loop's own (``TrainerCallback``s through the run's handler, and the native ones: best checkpoint, metrics
     file); any other hook or attribute is the run's handler's."""
 
-    def __init__(self, handler: Any, run: EvaluationRun, worker: ScriptTrainer) -> None:
-        vars(self).update(_handler=handler, _run=run, _worker=worker)
+    _handler: Any
+    _run: EvaluationRun
+    _script: ScriptTrainer
+
+    def __init__(self, handler: Any, run: EvaluationRun, script: ScriptTrainer) -> None:
+        object.__setattr__(self, "_handler", handler)
+        object.__setattr__(self, "_run", run)
+        object.__setattr__(self, "_script", script)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(vars(self)["_handler"], name)
+        return getattr(self._handler, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(vars(self)["_handler"], name, value)  # eval_dataloader, set by Trainer's evaluation_loop
+        setattr(self._handler, name, value)  # eval_dataloader, set by Trainer's evaluation_loop
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any]) -> Any:
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> Any:
         history = state.log_history
         if history and history[-1] == {**logs, "step": state.global_step}:
             history.pop()  # Trainer.log's entry: the run's TrainerState records the loop's log itself
-        instance = self._worker.instance
-        instance.__dict__[ROUTED_LOG] = True  # the instance's own log: ScriptTrainerEvents does not log it again
-        try:
+        with self._script.call(routed=True):  # the instance's own log: ScriptTrainerEvents does not log it again
             self._run.log(logs)
-        finally:
-            instance.__dict__.pop(ROUTED_LOG, None)
         return self._control(control)
 
-    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any]) -> Any:
+    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]) -> Any:
         self._run.evaluate(metrics)
         return self._control(control)
 
-    def _control(self, control: Any) -> Any:
-        hf = self._worker._hf
+    def _control(self, control: TrainerControl) -> TrainerControl:
+        hf = self._script._hf
         return hf.control if hf is not None and hf.control is not None else control
 
 
 class ScriptTrainerEvents(Callback):
-    """The worker-side instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler``
-    set at ``on_init_end``; NEFTune's noise on the input embeddings from ``on_train_begin`` to the end of the
-    run, as ``Trainer.train`` attaches it (``neftune_noise_alpha``: transformers' own ``activate_neftune`` hook on
-    the model being trained, removed at ``close``, clean end or not); and the script's ``log`` called on every
-    log before the other callbacks, so what it adds to (or removes from) ``logs``, or the dict it hands to
+    """The instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler`` set at
+    ``on_init_end``; NEFTune's noise on the input embeddings from ``on_train_begin`` to the end of the run, as
+    ``Trainer.train`` attaches it (``neftune_noise_alpha``: transformers' own ``activate_neftune`` hook on the
+    model being trained, removed at ``close``, clean end or not); and the script's ``log`` called on every log
+    before the other callbacks, so what it adds to (or removes from) ``logs``, or the dict it hands to
     ``super().log``, is what is logged."""
 
     honours_hf_fields = ("neftune_noise_alpha",)
@@ -291,13 +297,13 @@ class ScriptTrainerEvents(Callback):
         self._neftune_hook: Any = None
 
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
-        instance = self.worker.trainer(context.model)
-        alpha = _neftune(instance)
-        if alpha is not None and self._neftune_hook is None:
-            from transformers.integrations.neftune import activate_neftune
+        with self.worker.call(context.model) as instance:
+            alpha = _neftune(instance)
+            if alpha is not None and self._neftune_hook is None:
+                from transformers.integrations.neftune import activate_neftune
 
-            self._neftune_hook = activate_neftune(context.model, alpha, instance.accelerator)
-            instance.neftune_hook_handle = self._neftune_hook
+                self._neftune_hook = activate_neftune(context.model, alpha, instance.accelerator)
+                instance.neftune_hook_handle = self._neftune_hook
 
     def close(self, context: TrainingContext) -> None:
         if self._neftune_hook is not None:
@@ -308,29 +314,26 @@ class ScriptTrainerEvents(Callback):
             self._neftune_hook = None
 
     def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
-        instance = self.worker.trainer(context.model)
-        if instance.optimizer is None:
-            instance.optimizer, instance.lr_scheduler = context.optimizer, context.lr_scheduler
+        with self.worker.call(context.model) as instance:
+            if instance.optimizer is None:
+                instance.optimizer, instance.lr_scheduler = context.optimizer, context.lr_scheduler
 
     def on_log(self, context: TrainingContext, **kwargs: Any) -> None:
         logs = kwargs["logs"]
-        instance = self.worker.trainer(context.model)
-        if instance.__dict__.get(ROUTED_LOG):
+        around = self.worker.instance._in_loop
+        if around is not None and around.routed:
             return  # logged by the instance's own log (EvaluationEvents)
-        instance.__dict__.pop("_logged", None)
         training = "loss" in logs and context.train_start_time is not None  # Trainer passes start_time then
-        instance.__dict__[IN_LOG_EVENT] = True
-        try:
+        capture = LogCapture(None)
+        with self.worker.call(context.model, log=capture) as instance:
             instance.log(logs, context.train_start_time if training else None)
-        finally:
-            instance.__dict__.pop(IN_LOG_EVENT, None)
-        logged = instance.__dict__.pop("_logged", logs)
+        logged = capture.logs if capture.logs is not None else logs
         if logged is not logs:
             logs.clear()
             logs.update(logged)
 
 
-WORKER_METHODS = (
+OWN_METHODS = (
     "evaluate",
     "log",
     "create_optimizer",
@@ -340,21 +343,11 @@ WORKER_METHODS = (
     "save_model",
     "_save_checkpoint",
 )
-"""Besides ``STEP_METHODS``, the overrides that run on the worker-side instance (``trainer.optimizers``,
+"""Besides ``STEP_METHODS``, the overrides the loop calls on the instance (``trainer.optimizers``,
 ``trainer.save_overrides``)."""
 
 
-IN_LOG_EVENT = "_in_log_event"
-"""Set on the worker-side instance while its ``log`` runs for one of the loop's logs."""
-
-ROUTED_LOG = "_routed_log"
-"""Set on the worker-side instance while a log of its own evaluation goes to the loop (``EvaluationEvents``)."""
-
-LOOP_EVALUATION = "_loop_evaluation"
-"""The worker-side instance's attribute holding the loop's evaluation while its ``evaluate`` override runs."""
-
-
-def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
+def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
     when its class overrides ``evaluate`` or its evaluation items are not dicts of columns, else None."""
     own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
@@ -362,19 +355,16 @@ def subclass_evaluation(trainer: Any) -> Callable[..., Any] | None:
     return worker.evaluation if worker is not None else None
 
 
-def script_trainer(trainer: Any) -> ScriptTrainer | None:
-    """``trainer``'s ``ScriptTrainer`` (one per facade instance) when its class runs a method in the workers,
-    it has a ``compute_loss_func`` or its items are not dicts of columns, else None."""
-    if not overrides(trainer, (*STEP_METHODS, *WORKER_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
+def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
+    """``trainer``'s ``ScriptTrainer`` (one per instance) when the loop calls a method of its class's, it has a
+    ``compute_loss_func`` or its items are not dicts of columns, else None."""
+    if not overrides(trainer, (*STEP_METHODS, *OWN_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
         if not needs_trainer_step(trainer) and not _own_items(trainer):
             return None
-    worker = trainer.__dict__.get("_script_trainer")
-    if worker is None:
-        worker = trainer.__dict__["_script_trainer"] = ScriptTrainer(trainer)
-    return worker
+    return trainer._script
 
 
-def subclass_loss(trainer: Any) -> ScriptTrainer | None:
+def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
     """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
     overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
@@ -391,7 +381,7 @@ def _neftune(trainer: Any) -> float | None:
     return float(alpha) if alpha is not None else None
 
 
-def needs_trainer_step(trainer: Any) -> bool:
+def needs_trainer_step(trainer: LoopTrainer) -> bool:
     """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches although
     the class overrides nothing: Trainer's own ``compute_loss`` forms a loss other than the forward's (a
     ``compute_loss_func``, or ``label_smoothing_factor``: Trainer's ``label_smoother``; not with
@@ -403,18 +393,16 @@ def needs_trainer_step(trainer: Any) -> bool:
     return getattr(trainer, "label_smoother", None) is not None and not generating
 
 
-def script_events(trainer: Any) -> ScriptTrainerEvents | None:
+def script_events(trainer: LoopTrainer) -> ScriptTrainerEvents | None:
     """The callback of ``trainer``'s ``ScriptTrainer`` in its jobs (``ScriptTrainerEvents``), or None."""
     worker = script_trainer(trainer)
     return ScriptTrainerEvents(worker) if worker is not None else None
 
 
-def bind_state(args: Any, hf: Any) -> None:
-    """Give the job's ``ScriptTrainer`` (``args.plan.trainer_methods``, its callback's, the optimizer factory's) the
-    run's live state."""
-    candidates = [args.plan.trainer_methods, getattr(args.plan.optimizer_factory, "worker", None)]
-    candidates.append(getattr(args.plan.checkpoint_model_files, "worker", None))
-    candidates += [getattr(c, "worker", None) for c in args.plan.callbacks]
-    for candidate in candidates:
-        if isinstance(candidate, ScriptTrainer):
-            candidate.bind_state(hf)
+def bind_state(plan: RunPlan, hf: HuggingFaceCallbacks) -> None:
+    """Give the job's ``ScriptTrainer`` (the one of its ``ScriptTrainerEvents``, else its ``trainer_methods``)
+    the run's live state, handler and control."""
+    for seam in [plan.trainer_methods, *plan.callbacks]:
+        script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
+        if isinstance(script, ScriptTrainer):
+            script.bind_state(hf)

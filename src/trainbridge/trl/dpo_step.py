@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from trainbridge.trl.preference_loss import (
     pair_weights,
 )
 from trainbridge.trl.sequence_logps import SequenceStats, pack_pairs, sequence_stats
+
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
 
 METRIC_COLUMNS = (
     "entropy_sum",
@@ -373,7 +376,7 @@ class DPOStepFactory:
         self.eval_pairs_per_micro = eval_pairs_per_micro or pairs_per_micro
         self.columns: list[str] = list(dataset.column_names) if dataset is not None else []
 
-    def reference(self, model: torch.nn.Module, args: Any, env: Any) -> torch.nn.Module | None:
+    def reference(self, model: torch.nn.Module, args: Any, env: Any, plan: RunPlan) -> torch.nn.Module | None:
         """The reference model the step scores with (None: precomputed columns or the PEFT base); under
         FSDP2 sharded as the policy is (``parallel.fsdp.shard_frozen``): a copy of the factory's, or the trainer's
         own in place (``shared_reference``: ``trl_loop.ShardedReference`` at ``on_init_end``)."""
@@ -395,7 +398,7 @@ class DPOStepFactory:
             from trainbridge.parallel.fsdp import shard_frozen
 
             # fsdp_load_on_rank0: the copy of the policy is a skeleton off rank 0, filled from rank 0's
-            from_rank0 = self.ref_model is None and loads_on_rank0_only(args, env.world_size)
+            from_rank0 = self.ref_model is None and loads_on_rank0_only(args, env.world_size, plan.model_init)
             return shard_frozen(reference, args, env, weights_from_rank0=from_rank0)
         if any(p.is_meta for p in reference.parameters()):
             raise ValueError(
@@ -404,12 +407,12 @@ class DPOStepFactory:
             )
         return reference.to(env.device).eval().requires_grad_(False)
 
-    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> PreferenceStep:
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> PreferenceStep:
         from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, self.max_length)  # one attention call per layer, not a [T, T] mask
         own = self.dataset is not None and self.eval_dataset is not None
-        rows, val, named = run_rows(args, tokenizer) if not own else (self.dataset, None, {})
+        rows, val, named = run_rows(args, tokenizer, plan.script_data) if not own else (self.dataset, None, {})
         dataset = self.dataset if self.dataset is not None else rows
         self.columns = list(dataset.column_names)
         batches = PairBatches(
@@ -433,14 +436,14 @@ class DPOStepFactory:
 
         named = {str(k): eval_set(v) for k, v in evaluation.items()} if isinstance(evaluation, dict) else {}
         single = eval_set(evaluation) if evaluation is not None and not named else None
-        reference = self.reference(model, args, env)
-        self.hand_to_sync_callback(reference, args)
+        reference = self.reference(model, args, env, plan)
+        self.hand_to_sync_callback(reference, plan.callbacks)
         return PreferenceStep(batches, self.settings, reference, single, dict(named))
 
     @staticmethod
-    def hand_to_sync_callback(reference: torch.nn.Module | None, args: Any) -> None:
+    def hand_to_sync_callback(reference: torch.nn.Module | None, callbacks: list[Any]) -> None:
         """trl's ``SyncRefModelCallback`` (``sync_ref_model``, as trl's trainer adds it) mixes the policy into
         ``reference``, the model the step scores with."""
-        for callback in args.plan.callbacks:
+        for callback in callbacks:
             if type(callback).__name__ == "SyncRefModelCallback" and reference is not None:
                 callback.ref_model = reference

@@ -15,7 +15,7 @@ agreement (``metric_sums``) and are logged as trl averages them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from trainbridge.trl.kto_loss import KTOLoss, kl_sum
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import DPOLossSettings
 from trainbridge.trl.sequence_logps import pack_pairs, sequence_stats
+
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
 
 COLUMNS = (
     "ranks",
@@ -213,11 +216,13 @@ class KTOStepFactory(DPOStepFactory):
         )
         self.loss, self.sequential = loss, sequential
 
-    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> KTOStep:  # type: ignore[override]
+    def __call__(  # type: ignore[override]
+        self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan
+    ) -> KTOStep:
         from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, self.max_length)
-        dataset = run_rows(args, tokenizer)[0]
+        dataset = run_rows(args, tokenizer, plan.script_data)[0]
         self.columns = list(dataset.column_names)
         batches = UnpairedBatches(
             dataset,
@@ -229,6 +234,6 @@ class KTOStepFactory(DPOStepFactory):
             self.max_length,
             sequential=self.sequential,
         )
-        reference = None if "ref_logps" in self.columns else self.reference(model, args, env)
-        self.hand_to_sync_callback(reference, args)
+        reference = None if "ref_logps" in self.columns else self.reference(model, args, env, plan)
+        self.hand_to_sync_callback(reference, plan.callbacks)
         return KTOStep(batches, self.loss, reference, env)

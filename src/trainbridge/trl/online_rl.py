@@ -32,15 +32,18 @@ class _PendingGeneration(TrlLoop):
     loop restored ``state.global_step`` by then, which names the checkpoint when ``resume_from_checkpoint`` is
     ``True``)."""
 
+    _resuming_from: Any = None
+    """``train(resume_from_checkpoint=...)`` until the first micro-batch restored its pending generation."""
+
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        self.__dict__["_resuming_from"] = resume_from_checkpoint or None
+        self._resuming_from = resume_from_checkpoint or None
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.__dict__.pop("_resuming_from", None)
+            self._resuming_from = None
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        resume = self.__dict__.pop("_resuming_from", None)
+        resume, self._resuming_from = self._resuming_from, None
         if resume is not None:
             folder = resume if resume is not True else self._checkpoint_folder()
             generation_buffer.load_pending(self, folder)

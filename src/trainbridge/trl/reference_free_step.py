@@ -12,7 +12,7 @@ the step's agreement (``metric_sums``) and ``metric_logs`` does the same divisio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.trl.dpo_step import PairBatches
 from trainbridge.trl.pair_scores import pack_labelled_pairs, score_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
+
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import RunPlan
 
 PairLoss = ORPOLoss | CPOLoss
 
@@ -121,12 +124,12 @@ class ReferenceFreeStepFactory:
         self.loss = loss
         self.pairs_per_micro, self.micro_per_step, self.seed = pairs_per_micro, micro_per_step, seed
 
-    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any) -> ReferenceFreeStep:
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> ReferenceFreeStep:
         from trainbridge.data.rows import run_rows
 
         enable_for_own_rows(model, args, None)
         batches = LabelledPairBatches(
-            run_rows(args, tokenizer)[0],
+            run_rows(args, tokenizer, plan.script_data)[0],
             self.pairs_per_micro,
             self.micro_per_step,
             env.world_size,

@@ -128,5 +128,4 @@ class TrlLoop(LoopTrainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """trl's ``evaluate`` (Trainer's below it), not the loop's evaluation of its own batches."""
-        self.__dict__.pop(subclass.LOOP_EVALUATION, None)
         return dict(super(LoopTrainer, self).evaluate(*args, **kwargs))

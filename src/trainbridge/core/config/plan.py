@@ -83,10 +83,11 @@ class TrainerMethods(Protocol):
 
 
 class StepFactory(Protocol):
-    """``factory(model, tokenizer, args, env) -> TrainStep`` (``step.base``): a step forming its own batches and
-    loss (trl's DPO); called once the model is loaded, before the engine wraps it."""
+    """``factory(model, tokenizer, args, env, plan) -> TrainStep`` (``step.base``): a step forming its own batches
+    and loss (trl's DPO) for the run of ``plan`` (its script data, model and callbacks); called once the model is
+    loaded, before the engine wraps it."""
 
-    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any) -> Any: ...
+    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> Any: ...
 
 
 class TrainLoaderFactory(Protocol):

@@ -1,0 +1,59 @@
+"""``LoopScope``: the loop's presence in one call it makes into the script's Trainer instance.
+
+The loop calls into the instance (its ``training_step``, ``evaluate``, ``log``, saves, optimizer) only through
+``ScriptTrainer.call`` (``trainer.subclass``), a context manager that installs a ``LoopScope`` as the instance's
+``_in_loop`` for the call and restores the one around it afterwards (as Lightning's ``_call_lightning_module_hook``).
+Outside such a call ``_in_loop`` is None: the script itself is calling, and each of Trainer's methods is Trainer's
+own.  Inside, each method of ``LoopTrainer`` that the loop reaches reads one field:
+
+- ``evaluate``: ``evaluation`` (the loop's own evaluation of the run's sets);
+- ``log``: ``log`` (what Trainer's ``log`` hands to ``on_log`` is what the loop logs);
+- ``save_model`` / ``_save`` / ``_save_checkpoint``: ``checkpoint`` (the checkpoint being written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState
+
+    from trainbridge.core.config.plan import EvaluationRun
+    from trainbridge.trainer.save_overrides import CheckpointWrite
+
+
+class LogCapture:
+    """The instance's ``callback_handler`` while one of the loop's logs goes through its ``log``: keeps the
+    ``logs`` Trainer's ``log`` hands to ``on_log``."""
+
+    def __init__(self, control: TrainerControl | None) -> None:
+        self.control = control
+        self.logs: dict[str, Any] | None = None
+
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> Any:
+        self.logs = logs
+        return control
+
+
+@dataclass(frozen=True)
+class LoopScope:
+    """What the loop hands the instance for one call (see the module doc); ``state``, ``handler``, ``control``
+    and ``model`` are set on the instance (``state``, ``callback_handler``, ``control``, ``model_wrapped``) for
+    the call, as Trainer's own code reads them there."""
+
+    state: TrainerState | None = None
+    """The run's live ``TrainerState`` (None before the run's HF callbacks have one)."""
+    handler: Any = None
+    """The run's callback handler, or what stands in for it (``EvaluationEvents``, a ``LogCapture``)."""
+    control: TrainerControl | None = None
+    model: Any = None
+    """The engine's model (``model_wrapped``); None: the one of the scope around, else unchanged."""
+    evaluation: EvaluationRun | None = None
+    """At an evaluation point, with the run's own sets: ``evaluate()`` is the loop's evaluation."""
+    log: LogCapture | None = None
+    """While ``log()`` runs for one of the loop's logs: what it hands to ``on_log`` is kept here."""
+    routed: bool = False
+    """While a log of the instance's own evaluation goes to the loop: the loop does not call ``log()`` again."""
+    checkpoint: CheckpointWrite | None = None
+    """While a checkpoint's model files are written (``trainer.save_overrides``)."""
