@@ -89,7 +89,7 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(
         micro_sum = step.micro_loss(model, micro, units)
         (micro_sum / prepared_step.loss_units).backward()  # the loop's scale on one rank
         loss = loss + micro_sum.detach()
-    step.add_metric_sums([float(v) for v in step.metric_sums()])
+    step.add_metric_sums({name: float(v) for name, v in step.metric_sums().items()})
     ours = step.metric_logs()
 
     torch.testing.assert_close(loss / prepared_step.loss_units, trl_loss.detach(), rtol=1e-4, atol=1e-5)
@@ -136,7 +136,7 @@ def test_one_micro_batch_gives_trls_per_token_metrics(tiny_llama: Path, tmp_path
     step = PreferenceStep(batches, DPOLossSettings.from_config(args), ref_model=copy.deepcopy(policy))
     micro = step.prepare(pairs)
     step.micro_loss(copy.deepcopy(policy).train(), micro.micro_batches[0], micro.micro_units[0])
-    step.add_metric_sums([float(v) for v in step.metric_sums()])
+    step.add_metric_sums({name: float(v) for name, v in step.metric_sums().items()})
     ours = step.metric_logs()
     assert list(ours) == list(trl_logs)
     for key, value in trl_logs.items():
