@@ -25,9 +25,10 @@ import errno
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import transformers
 
@@ -52,6 +53,14 @@ class UnsupportedTrainerFeatureError(ValueError):
 
 
 if TYPE_CHECKING:
+    import datasets
+    import torch
+    from torch.utils.data import Dataset, IterableDataset
+
+    from trainbridge.core.config.plan import Collator
+
+    ScriptDataset: TypeAlias = Dataset[Any] | IterableDataset[Any] | datasets.Dataset | datasets.IterableDataset
+    """What Trainer takes as ``train_dataset`` / ``eval_dataset`` (a named ``eval_dataset`` is a dict of them)."""
     _TrainerBase = transformers.Trainer
 else:
     _TrainerBase = object  # a mixin: the Trainer class follows it in the bases
@@ -105,7 +114,7 @@ class LoopTrainer(_TrainerBase):
             raise ScriptLaunchError(problem)
 
     @staticmethod
-    def _private_output_dir(config: Any) -> None:
+    def _private_output_dir(config: object) -> None:
         """Create ``config.output_dir`` private (0700) before the Trainer class's constructor creates it with
         the umask's mode (a ``TrainingArguments`` that saves from this process; anything else: nothing)."""
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
@@ -119,7 +128,9 @@ class LoopTrainer(_TrainerBase):
                     f"folder ({error.strerror or error}); choose another output_dir"
                 ) from error
 
-    def _init_loop(self, torchrun_args: TorchrunArgs | None, given_collator: Any, peft_config: Any = None) -> None:
+    def _init_loop(
+        self, torchrun_args: TorchrunArgs | None, given_collator: Collator | None, peft_config: object = None
+    ) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
@@ -183,25 +194,25 @@ class LoopTrainer(_TrainerBase):
         bound.arguments["callbacks"] = native_callbacks.held_all(bound.arguments["callbacks"])
         return bound.args, bound.kwargs
 
-    def add_callback(self, callback: Any) -> None:
+    def add_callback(self, callback: native_callbacks.AnyCallback) -> None:
         """Trainer's ``add_callback``; a native callback (``trainbridge.Callback``, a function) too."""
         super().add_callback(native_callbacks.held(callback))
 
-    def pop_callback(self, callback: Any) -> Any:
+    def pop_callback(self, callback: native_callbacks.AnyCallback) -> Any:
         """Trainer's ``pop_callback``; a native callback (object or class) too, returned as it was added."""
         holder = native_callbacks.find(self.callback_handler, callback)
         if isinstance(holder, native_callbacks.NativeCallback):
             self.callback_handler.callbacks.remove(holder)
             return holder.native
-        return super().pop_callback(callback)
+        return super().pop_callback(cast("transformers.TrainerCallback", callback))
 
-    def remove_callback(self, callback: Any) -> None:
+    def remove_callback(self, callback: native_callbacks.AnyCallback) -> None:
         """Trainer's ``remove_callback``; a native callback (object or class) too."""
         holder = native_callbacks.find(self.callback_handler, callback)
         if isinstance(holder, native_callbacks.NativeCallback):
             self.callback_handler.callbacks.remove(holder)
             return
-        super().remove_callback(callback)
+        super().remove_callback(cast("transformers.TrainerCallback", callback))
 
     def _reporting_ids(self) -> set[int]:
         """The ``report_to`` integration callbacks Trainer's constructor added (ids)."""
@@ -268,9 +279,9 @@ class LoopTrainer(_TrainerBase):
     def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
-        trial: Any = None,
+        trial: object = None,
         ignore_keys_for_eval: list[str] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> Any:
         """Train with trainbridge's loop, in place; returns ``TrainOutput(global_step, training_loss, metrics)``
         as Trainer's ``train`` (see the module doc)."""
@@ -301,7 +312,7 @@ class LoopTrainer(_TrainerBase):
     # ================================================================== the loop's calls into the instance
     def evaluate(
         self,
-        eval_dataset: Any = None,
+        eval_dataset: ScriptDataset | dict[str, ScriptDataset] | None = None,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
         **kwargs: Any,
@@ -360,7 +371,7 @@ class LoopTrainer(_TrainerBase):
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: torch.nn.Module, trial: object) -> None:
         """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model
         part, ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
         writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
@@ -368,7 +379,7 @@ class LoopTrainer(_TrainerBase):
             raise UnsupportedTrainerFeatureError("_save_checkpoint runs inside train(), at each checkpoint")
         self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+    def push_to_hub(self, *args: object, **kwargs: object) -> Any:
         """Not supported: trainbridge never reaches a model hub."""
         raise UnsupportedTrainerFeatureError(
             "push_to_hub: trainbridge does not upload to a model hub. trainer.save_model() and "
@@ -382,21 +393,21 @@ class Trainer(LoopTrainer, transformers.Trainer):
 
     def __init__(
         self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        model_init: Any = None,
-        compute_loss_func: Any = None,
-        compute_metrics: Any = None,
-        callbacks: list[Any] | None = None,
+        model: torch.nn.Module | str | os.PathLike[str] | None = None,
+        args: transformers.TrainingArguments | None = None,
+        data_collator: Collator | None = None,
+        train_dataset: ScriptDataset | None = None,
+        eval_dataset: ScriptDataset | dict[str, ScriptDataset] | None = None,
+        processing_class: transformers.PreTrainedTokenizerBase | transformers.ProcessorMixin | None = None,
+        model_init: Callable[..., transformers.PreTrainedModel] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        compute_metrics: Callable[[transformers.EvalPrediction], dict[str, Any]] | None = None,
+        callbacks: list[native_callbacks.AnyCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
-        optimizer_cls_and_kwargs: Any = None,
-        preprocess_logits_for_metrics: Any = None,
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         *,
-        tokenizer: Any = None,
+        tokenizer: transformers.PreTrainedTokenizerBase | None = None,
         torchrun_args: TorchrunArgs | None = None,
         **kwargs: Any,
     ) -> None:
@@ -456,7 +467,7 @@ def _reject_unsupported(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _model_init_kwargs(args: Any) -> dict[str, Any]:
+def _model_init_kwargs(args: transformers.TrainingArguments) -> dict[str, Any]:
     """trl's ``model_init_kwargs`` (``from_pretrained`` keyword arguments) of a config, dtypes resolved."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
     dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype")

@@ -25,7 +25,7 @@ def world_size_of(torchrun_args: TorchrunArgs) -> int:
     return torchrun_args.nproc_per_node * int(str(torchrun_args.nnodes).split(":")[-1])
 
 
-def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
+def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     """Train ``trainer``'s model in place -> ``(this rank's result, the run's TrainerState)``."""
     env = trainer._start_env()
     # every rank reads the script's data itself; one that fails fails every rank at once

@@ -35,7 +35,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from trainbridge.checkpoint.layout import TRAINING_ARGS_FILE
 from trainbridge.checkpoint.model_files import HFModelFiles
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
+
+if TYPE_CHECKING:
+    from trainbridge.trainer.facade import LoopTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class CheckpointWrite:
     weights_dtype: torch.dtype | None
     is_rank_zero: bool
 
-    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: Any) -> None:
+    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: object) -> None:
         """``Trainer._save``: rank 0 writes the model's files (``state_dict``, else the gathered weights) as
         the checkpoint would, the tokenizer and ``training_args.bin``; other ranks nothing."""
         if not self.is_rank_zero:
@@ -86,11 +89,11 @@ class SubclassSave:
 
     def write(
         self,
-        model: Any,
+        model: torch.nn.Module,
         folder: Path,
         step: int,
         state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
+        tokenizer: object,
         weights_dtype: torch.dtype | None,
         is_rank_zero: bool,
     ) -> None:
@@ -102,7 +105,7 @@ class SubclassSave:
                 instance.save_model(str(folder), _internal_call=True)
 
 
-def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) -> None:
+def _save_checkpoint_into(instance: LoopTrainer, model: torch.nn.Module, folder: Path, step: int) -> None:
     """``instance._save_checkpoint(model, None)`` with ``<args.output_dir>/checkpoint-<step>`` leading to
     ``folder`` (see the module doc)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -129,7 +132,7 @@ def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) ->
         shutil.rmtree(stage)
 
 
-def subclass_save(trainer: Any) -> SubclassSave | None:
+def subclass_save(trainer: LoopTrainer) -> SubclassSave | None:
     """The ``checkpoint_model_files`` of ``trainer``'s train jobs: a ``SubclassSave`` when its class overrides
     one of ``SAVE_METHODS``, else None (the checkpoint's default files)."""
     if not overrides(type(trainer), SAVE_METHODS):

@@ -44,7 +44,8 @@ from trainbridge.trainer.scope import LogCapture, LoopScope
 from trainbridge.trainer.script_data import column_items
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
 
     from trainbridge.core.config.plan import EvaluationRun, RunPlan
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
@@ -175,7 +176,7 @@ class ScriptTrainer:
         return LoopScope(state=hf.state, handler=hf.handler, control=hf.control)
 
     @contextmanager
-    def call(self, model: Any = None, **within: Any) -> Iterator[LoopTrainer]:
+    def call(self, model: torch.nn.Module | None = None, **within: Any) -> Iterator[LoopTrainer]:
         """The instance, in a ``LoopScope`` for one call of the loop's into it: the scope around with
         ``within`` (``LoopScope``'s fields) and ``model`` (the engine's) as ``model_wrapped``.  Its state,
         handler and control are set on the instance, as Trainer's own code reads them; afterwards the scope
@@ -246,7 +247,7 @@ class EvaluationEvents:
     _run: EvaluationRun
     _script: ScriptTrainer
 
-    def __init__(self, handler: Any, run: EvaluationRun, script: ScriptTrainer) -> None:
+    def __init__(self, handler: CallbackHandler, run: EvaluationRun, script: ScriptTrainer) -> None:
         object.__setattr__(self, "_handler", handler)
         object.__setattr__(self, "_run", run)
         object.__setattr__(self, "_script", script)
@@ -254,10 +255,12 @@ class EvaluationEvents:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(self._handler, name, value)  # eval_dataloader, set by Trainer's evaluation_loop
 
-    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> Any:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any]
+    ) -> Any:
         history = state.log_history
         if history and history[-1] == {**logs, "step": state.global_step}:
             history.pop()  # Trainer.log's entry: the run's TrainerState records the loop's log itself
@@ -265,7 +268,9 @@ class EvaluationEvents:
             self._run.log(logs)
         return self._control(control)
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]) -> Any:
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]
+    ) -> Any:
         self._run.evaluate(metrics)
         return self._control(control)
 
@@ -368,7 +373,7 @@ def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
     return script_trainer(trainer)
 
 
-def _neftune(trainer: Any) -> float | None:
+def _neftune(trainer: LoopTrainer) -> float | None:
     """The instance's ``neftune_noise_alpha`` (Trainer's constructor copies it from ``args``), or None."""
     alpha = getattr(trainer, "neftune_noise_alpha", None)
     return float(alpha) if alpha is not None else None
