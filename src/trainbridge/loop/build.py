@@ -44,7 +44,7 @@ from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
 from trainbridge.step.custom_loss import CustomLoss
-from trainbridge.step.generated import GeneratedPredictions
+from trainbridge.step.generated import Generation
 from trainbridge.step.model_loss import (
     ModelLoss,
     default_label_names,
@@ -200,12 +200,6 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> 
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
         )
-    if args.predict_with_generate and own_loss:
-        raise ValueError(
-            "predict_with_generate: generated predictions with a compute_loss (a Trainer subclass's "
-            "compute_loss, training_step or prediction_step, or compute_loss_func) are not supported yet; drop "
-            "one of them"
-        )
     if args.training_step == "token_cross_entropy" and own_loss:
         raise ValueError(
             "training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
@@ -320,20 +314,16 @@ def _sample_batches(
             f"{count} training items" if train is not None else described[source],
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
+    # the loss and the predictions, chosen independently: the script's training_step/prediction_step, its
+    # compute_loss or the model's own; generated ids (with the model's own loss, as Seq2SeqTrainer) or the step's
     step: ModelLoss
     if plan.trainer_methods is not None:
-        step = TrainerMethodsStep(train_batches, model, env, plan.trainer_methods, label_names)
+        methods = plan.trainer_methods
+        step = TrainerMethodsStep(train_batches, model, env, methods, label_names, _generation(args, env))
     elif plan.compute_loss is not None:
-        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names)
-    elif args.predict_with_generate:
-        sharded = args.distributed_backend == "fsdp" or (
-            args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
-        )
-        step = GeneratedPredictions(
-            train_batches, model, env, label_names, args.generation_kwargs, synced_gpus=sharded and env.world_size > 1
-        )
+        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names, _generation(args, env))
     else:
-        step = ModelLoss(train_batches, model, env, label_names)
+        step = ModelLoss(train_batches, model, env, label_names, _generation(args, env))
     return RunBatches(
         step,
         eval_set(val) if val is not None else None,
@@ -341,6 +331,16 @@ def _sample_batches(
         stats,
         True,
     )
+
+
+def _generation(args: TrainingArgs, env: DistributedEnv) -> Generation | None:
+    """Generated ids as the validation predictions (``predict_with_generate``), else None (the forward's)."""
+    if not args.predict_with_generate:
+        return None
+    sharded = args.distributed_backend == "fsdp" or (
+        args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
+    )
+    return Generation(args.generation_kwargs, synced_gpus=sharded and env.world_size > 1)
 
 
 def _item_batches(
