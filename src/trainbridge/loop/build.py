@@ -137,7 +137,7 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton, model_init=plan.model_init)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    if plan.train_step is not None:
+    if plan.step_factory is not None:
         batches = _factory_batches(model, tokenizer, args, env, plan)
     elif choose_step(model, args, plan) == "token_cross_entropy":
         batches = _token_batches(model, tokenizer, args, env, plan, from_rank0=from_rank0, skeleton=skeleton)
@@ -390,10 +390,10 @@ def _loader_batches(
 def _factory_batches(
     model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
 ) -> RunBatches:
-    """The step ``plan.train_step`` builds (its own batches, loss and validation batches)."""
-    step = plan.train_step(model, tokenizer, args, env, plan) if plan.train_step is not None else None
+    """The step ``plan.step_factory`` builds (its own batches, loss and validation batches)."""
+    step = plan.step_factory(model, tokenizer, args, env, plan) if plan.step_factory is not None else None
     if not isinstance(step, TrainStep):
-        raise TypeError(f"train_step: {plan.train_step!r} returned {type(step).__name__}, not a TrainStep")
+        raise TypeError(f"step_factory: {plan.step_factory!r} returned {type(step).__name__}, not a TrainStep")
     eval_batches, named_eval_batches = step.own_eval_sets()
     return RunBatches(step, eval_batches, named_eval_batches, [], False)
 
