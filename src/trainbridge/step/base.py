@@ -145,7 +145,7 @@ class TrainStep(ABC):
         return {}
 
     def own_eval_sets(self) -> tuple[EvalSource | None, dict[str, EvalSource]]:
-        """Validation batches a step forms itself (a ``train_step`` factory's step): the one set and the
+        """Validation batches a step forms itself (a ``step_factory``'s step): the one set and the
         named sets; none by default (the loop's build forms them)."""
         return None, {}
 

@@ -76,7 +76,7 @@ class LoopTrainer(_TrainerBase):
     """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
     the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
     step_factory: StepFactory | None = None
-    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.train_step``."""
+    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.step_factory``."""
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
@@ -260,7 +260,7 @@ class LoopTrainer(_TrainerBase):
         reproduced = self._collator_choice.reproduced and not self._row_preparation().items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
-            train_step=self.step_factory,
+            step_factory=self.step_factory,
             trainer_methods=subclass.subclass_loss(self),
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,

@@ -186,7 +186,7 @@ class KTOStep(TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
+    """``RunPlan.step_factory`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
     ``KTOTrainer`` preparation, written by the facade); the reference is picked as for DPO
     (``DPOStepFactory.reference``: trl's ``ref_model``, the PEFT base, or the rows' precomputed columns)."""
 

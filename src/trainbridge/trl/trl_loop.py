@@ -118,7 +118,7 @@ class TrlLoop(LoopTrainer):
         return False
 
     def _packed_step(self) -> StepFactory | None:
-        """trainbridge's step over trl's prepared rows (``RunPlan.train_step``); None: the token step."""
+        """trainbridge's step over trl's prepared rows (``RunPlan.step_factory``); None: the token step."""
         return None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
