@@ -60,7 +60,7 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
         "optimizer_factory": trainer._optimizer_factory,
         "model_init": LiveModel(trainer),  # the script's model object
         "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
-        "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
+        "step_factory": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
         "train_stream": trainer.train_dataset if is_stream(trainer.train_dataset) else None,  # iterated in the workers
         # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
         "train_loader": subclass_loader(trainer),

@@ -37,7 +37,7 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
     """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
     step_factory: DPOStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
 
     def _loop_collator(self) -> Any:
         """None where the DPO step applies (``step_factory``): the pairs are packed padding-free, trl's

@@ -37,7 +37,7 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
     """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
 
     step_factory: KTOStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
 
     def _loop_collator(self) -> Any:
         """None where the KTO step applies (``step_factory``): the rows are packed padding-free, trl's collator

@@ -32,7 +32,7 @@ class _ReferenceFree(TrlLoop):
     on each class below trl's: ``trainer.subclass.overrides``)."""
 
     step_factory: ReferenceFreeStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
 
     def _loss(self) -> ORPOLoss | CPOLoss:
         raise NotImplementedError

@@ -79,10 +79,10 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
 
 
 def check_step_factory(plan: RunPlan) -> None:
-    """``train_step``: a step factory forms its own loss, so nothing else may claim the step."""
-    if plan.train_step is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
+    """``step_factory``: a step factory forms its own loss, so nothing else may claim the step."""
+    if plan.step_factory is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
         raise ValueError(
-            "train_step: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
+            "step_factory: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
             "compute_loss_func or a subclass's training_step / prediction_step / compute_loss would never run; "
             "drop them, or subclass trainbridge.Trainer instead"
         )

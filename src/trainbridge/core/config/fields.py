@@ -451,7 +451,7 @@ class CallbackFields(BaseModel):
     callbacks: list[CallbackSpec] = Field(default_factory=list)
     """Callbacks given as import specs (``CallbackSpec``/``{"class": ..., "kwargs": ...}``/``"pkg.mod:Class"``).
     The ``callbacks=`` keyword also takes ``trainbridge.Callback`` instances and ``transformers.TrainerCallback``
-    instances or classes: those are code and go into the arguments' plan (``args.plan.callbacks``, every
+    instances or classes: those are code and go into the run plan (``RunPlan.callbacks``, every
     callback in its order); this field keeps the specs."""
     callback_error_policy: Literal["isolate", "fatal"] = "isolate"
     """``isolate``: a callback error after train begin is logged, counted and reported; ``fatal``: any
