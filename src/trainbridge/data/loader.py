@@ -66,6 +66,7 @@ class TrainBatches:
         max_batch_len: int,
         seed: int,
         padded: bool,
+        whole_batches_of: int | None = None,
     ):
         self.samples = as_source(samples)
         self.collate = collate
@@ -76,8 +77,17 @@ class TrainBatches:
             max_batch_len=max_batch_len,
             seed=seed,
             padded=padded,
+            whole_batches_of=whole_batches_of,
         )
-        self.steps_per_epoch = steps_per_epoch(len(self.samples), effective_batch_size)
+        kept = len(self.samples)
+        if whole_batches_of is not None:
+            kept = kept // whole_batches_of * whole_batches_of
+        if kept == 0:
+            raise ValueError(
+                f"dataloader_drop_last=True: {len(self.samples)} training samples make no whole batch of "
+                f"{whole_batches_of} (all ranks); lower per_device_train_batch_size or set dataloader_drop_last=False"
+            )
+        self.steps_per_epoch = steps_per_epoch(kept, effective_batch_size)
         self.plan: EpochPlan = self.set_epoch(0)
         self.dataset = SampleRows(self.samples)
         """Every training sample (all ranks'), as ``DataLoader.dataset`` gives it to callbacks."""

@@ -222,13 +222,15 @@ def plan_epoch(
     epoch: int,
     padded: bool,
     shuffle: bool = True,
+    whole_batches_of: int | None = None,
 ) -> EpochPlan:
     """Plan every optimizer step of ``epoch`` for all ranks.
 
     ``lengths[i]`` and ``loss_tokens[i]`` describe sample ``i``.  The sample order is shuffled by a
     generator seeded from ``(seed, epoch)`` (unless ``shuffle=False``) and cut into steps of
     ``effective_batch_size`` samples (the last one may be partial).  Within a step, samples are spread
-    over ranks balancing tokens, then packed into micro-batches within the token budget
+    over ranks balancing tokens (``whole_batches_of``: the order cut to a multiple of it first, as a
+    ``DataLoader`` with ``drop_last`` drops its short batch), then packed into micro-batches within the token budget
     ``max_batch_len`` -- padding-free: sum of lengths; ``padded``: rows x longest row -- and each rank's
     list is padded with empty (dummy) micro-batches to the longest one.  Every sample appears exactly
     once.  Raises ``ValueError`` for a sample longer than ``max_batch_len``.
@@ -261,6 +263,8 @@ def plan_epoch(
         order = torch.randperm(count, generator=_epoch_generator(seed, epoch)).numpy()
     else:
         order = np.arange(count, dtype=np.int64)
+    if whole_batches_of is not None:
+        order = order[: count // whole_batches_of * whole_batches_of]
     steps = PlannedSteps(
         order,
         lengths_array,

@@ -7,6 +7,8 @@ Every rank computes the same epoch order with no communication: shuffled by a ge
 ``DistributedSampler`` does), rank ``r`` taking positions ``r, r + world, ...``.  Each rank then has the
 same number of micro-batches, as under Trainer's ``DataLoader``: ``ceil(ceil(N / world) / per_device)``
 per epoch, grouped ``accumulation`` at a time into optimizer steps (the last one may hold fewer).
+``drop_last`` (``dataloader_drop_last``): whole micro-batches only, ``N // per_device // world`` per rank, the
+order's tail left out, as Trainer's ``DataLoader`` drops its short batch.
 ``remove_unused_columns``: the keys the model's forward does not take are dropped from each item before
 the collator sees it, as Trainer's ``RemoveColumnsCollator`` does.
 """
@@ -81,6 +83,7 @@ class SampleBatches:
         rank: int,
         seed: int,
         shuffle: bool = True,
+        drop_last: bool = False,
     ) -> None:
         if per_device <= 0 or accumulation <= 0:
             raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
@@ -93,8 +96,17 @@ class SampleBatches:
         """Items per micro-batch on one rank (``per_device_train_batch_size``)."""
         self.accumulation = accumulation
         self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
-        per_rank = math.ceil(len(dataset) / world_size)
-        self.batches_per_epoch = math.ceil(per_rank / per_device)
+        if drop_last:  # as Trainer's DataLoader: whole batches only, as many on every rank
+            self.batches_per_epoch = len(dataset) // per_device // world_size
+            if self.batches_per_epoch == 0:
+                raise ValueError(
+                    f"dataloader_drop_last=True: {len(dataset)} training items make no whole batch of "
+                    f"{per_device} on each of {world_size} ranks; lower per_device_train_batch_size or set "
+                    "dataloader_drop_last=False"
+                )
+        else:
+            self.batches_per_epoch = math.ceil(math.ceil(len(dataset) / world_size) / per_device)
+        self.drop_last = drop_last
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation)
         self.plan = self.set_epoch(0)
 
@@ -106,7 +118,10 @@ class SampleBatches:
             if self.shuffle
             else list(range(count))
         )
-        padded = order + order[: (-count) % self.world_size]
+        if self.drop_last:
+            padded = order[: self.batches_per_epoch * (self.batch_size or 1) * self.world_size]
+        else:
+            padded = order + order[: (-count) % self.world_size]
         per_rank = [padded[r :: self.world_size] for r in range(self.world_size)]
         size, accumulation = self.batch_size or 1, self.accumulation
         batches = [[tuple(share[i : i + size]) for i in range(0, len(share), size)] for share in per_rank]

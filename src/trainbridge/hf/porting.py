@@ -27,8 +27,9 @@ class HFPortingWarning(UserWarning):
     """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
 
 
-# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
-# meaning is covered by another warning.
+# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, fields whose
+# meaning is covered by another warning, and fields the run reads from ``hf_args`` (``dataloader_drop_last``:
+# ``loop.build``).
 NOT_WARNED = frozenset(
     {
         "do_train",
@@ -53,6 +54,7 @@ NOT_WARNED = frozenset(
         "trackio_bucket_id",
         "trackio_static_space_id",
         "fsdp_config",
+        "dataloader_drop_last",
     }
 )
 

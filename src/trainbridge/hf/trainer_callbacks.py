@@ -106,7 +106,8 @@ class HuggingFaceCallbacks(Callback):
             without arguments, as ``Trainer(callbacks=[...])`` does).
         report_to: reporting integrations (``"tensorboard"``, ``"mlflow"``, ``"wandb"``...), added as
             Trainer adds them.
-        progress: add transformers' ``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``).
+        progress: add transformers' ``ProgressCallback`` (``PrinterCallback`` when ``disable_tqdm``) last, unless
+            ``callbacks`` holds one.
 
     The constructor only stores its arguments (it travels to the workers with cloudpickle);
     ``TrainingArguments``, ``TrainerState``, ``TrainerControl`` and the handler are built at ``on_init_end``
@@ -219,7 +220,10 @@ class HuggingFaceCallbacks(Callback):
         self.args.report_to = self._integrations()
         defaults: list[Any] = [DefaultFlowCallback, *get_reporting_integration_callbacks(self.args.report_to)]
         self.handler = AttributingCallbackHandler(defaults + self.callbacks, model, context.tokenizer, None, None)
-        if self.progress:
+        printing = (PrinterCallback, ProgressCallback)
+        if self.progress and not any(callback_class(cb) in printing for cb in self.callbacks):
+            # last, as Trainer adds it; one the script's Trainer holds stays where it is (a callback added after
+            # it then sees the logs its ``on_log`` changed: PrinterCallback pops ``total_flos``)
             self.handler.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self.handler.on_error = self._on_callback_error
         self.handler.on_success = self._errors.succeeded

@@ -280,6 +280,7 @@ def _token_batches(
         max_batch_len=args.max_batch_len,
         seed=args.seed,
         padded=padded,
+        whole_batches_of=_whole_batches_of(env, plan),
     )
 
     def eval_set(source: Any) -> EvalBatches:
@@ -319,7 +320,8 @@ def _sample_batches(
     if seams.batches == "loader":  # the script's own DataLoader (a Trainer subclass's), this rank's share
         train_batches = _loader_batches(args, env, plan, train if train is not None else stream, collate, model)
     else:
-        train_batches = _item_batches(args, env, train, stream, collate)
+        drop_last = _whole_batches_of(env, plan) is not None
+        train_batches = _item_batches(args, env, train, stream, collate, drop_last)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(
@@ -369,10 +371,20 @@ def _generation(args: TrainingArgs, env: DistributedEnv) -> Generation:
     return Generation(args.generation_kwargs, synced_gpus=sharded and env.world_size > 1)
 
 
+def _whole_batches_of(env: DistributedEnv, plan: RunPlan) -> int | None:
+    """Under the script's ``dataloader_drop_last``: the samples of one whole batch on every rank, the unit an
+    epoch keeps (the rest of its order is dropped, as Trainer's ``DataLoader`` drops its short batch)."""
+    hf = plan.hf_args
+    if hf is None or not hf.dataloader_drop_last:
+        return None
+    return int(hf.per_device_train_batch_size) * env.world_size
+
+
 def _item_batches(
-    args: TrainingArgs, env: DistributedEnv, train: Any, stream: Any, collate: ItemCollator
+    args: TrainingArgs, env: DistributedEnv, train: Any, stream: Any, collate: ItemCollator, drop_last: bool
 ) -> SampleBatches | StreamBatches:
-    """Trainer's sample batches of the items (``train``), or of the stream (``train_stream``)."""
+    """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
+    ``dataloader_drop_last``), or of the stream (``train_stream``)."""
     per_device, accumulation = sample_batch_shape(args, env.world_size)
     if train is not None:
         return SampleBatches(
@@ -383,6 +395,7 @@ def _item_batches(
             world_size=env.world_size,
             rank=env.rank,
             seed=args.seed,
+            drop_last=drop_last,
         )
     return StreamBatches(
         stream,

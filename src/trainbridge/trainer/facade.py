@@ -173,8 +173,9 @@ class LoopTrainer(_TrainerBase):
 
     def _script_callbacks(self) -> list[Any]:
         """The callbacks this Trainer's handler holds that are the script's (``callbacks=``, ``add_callback``),
-        not the ones Trainer adds itself (flow, progress, ``report_to``'s: the loop adds its own)."""
-        own = (transformers.DefaultFlowCallback, transformers.PrinterCallback, transformers.ProgressCallback)
+        not the ones Trainer adds itself (flow, ``report_to``'s: the loop adds its own); its printer or progress bar
+        stays in its place, so a callback added after it sees what its ``on_log`` left, as under Trainer."""
+        own = (transformers.DefaultFlowCallback,)
         reporting = self._reporting_ids()
         return [
             native_callbacks.unwrapped(cb)
