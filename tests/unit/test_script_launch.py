@@ -125,7 +125,7 @@ def test_a_script_asking_for_several_processes_forks_them_once(
     assert script_run == [("fork", 2)]
 
 
-@pytest.mark.parametrize("unsafe", ["opted_out", "python_thread", "openmp"])
+@pytest.mark.parametrize("unsafe", ["opted_out", "python_thread", "openmp", "devices_set_up"])
 def test_a_script_that_cannot_fork_is_re_executed_once_and_exits_with_the_jobs_status(
     script_run: list[Any], monkeypatch: pytest.MonkeyPatch, unsafe: str
 ) -> None:
@@ -134,6 +134,10 @@ def test_a_script_that_cannot_fork_is_re_executed_once_and_exits_with_the_jobs_s
         monkeypatch.setenv(script_launch.SCRIPT_FORK_ENV, "0")
     elif unsafe == "python_thread":
         monkeypatch.setattr(threading, "active_count", lambda: 2)
+    elif unsafe == "devices_set_up":  # a TrainingArguments made before the import (trl's scripts): world size 1
+        from accelerate.state import PartialState
+
+        monkeypatch.setattr(PartialState, "_shared_state", {"num_processes": 1})
     else:
         monkeypatch.setattr(forked_workers, "release_openmp", lambda: "the OpenMP runtime x cannot release")
     script_launch.launch_script()

@@ -11,8 +11,9 @@ read before the script's arguments exist.  What happens (``decide``):
   on with the script from this point, each one rank, with what it imported so far, as the workers of
   ``torchrun script.py`` would run it after their own imports; this process streams their output, forwards
   Ctrl-C and SIGTERM, names the first failing rank (``launch.failures``) and exits with the job's status.
-  Where a fork is not safe (``fork_problem``: CUDA initialised, Python threads running, a platform without
-  fork, an OpenMP runtime that cannot release its threads) or ``TRAINBRIDGE_SCRIPT_FORK=0``, the same command
+  Where a fork is not safe (``fork_problem``: CUDA initialised, Python threads running, the script's devices
+  already set up for one process (a ``TrainingArguments`` made before the import), a platform without fork, an
+  OpenMP runtime that cannot release its threads) or ``TRAINBRIDGE_SCRIPT_FORK=0``, the same command
   line (interpreter options, script or module, arguments: ``sys.orig_argv``) runs again under torchrun
   (``launch.agent``, tied to this process by ``launch.lifeline``), with the same guarantees; the workers'
   ``sys.path`` and environment are what ``torchrun script.py`` would give them (no ``PYTHONPATH`` added);
@@ -152,6 +153,21 @@ def fork_problem(session: Session = "command") -> str | None:
         threading = sys.modules.get("threading")
         if threading is not None and threading.active_count() > 1:
             return f"{threading.active_count() - 1} other Python threads run in this process"
+        return _devices_set_up()
+    return None
+
+
+def _devices_set_up() -> str | None:
+    """Why the script's objects already hold this one process's world (None: they do not): a ``TrainingArguments``
+    made before the Trainer import (trl's scripts parse theirs first) set up accelerate's state, or a process group
+    exists; a worker forked now would keep world size 1."""
+    state = sys.modules.get("accelerate.state")
+    partial = getattr(state, "PartialState", None)
+    if partial is not None and getattr(partial, "_shared_state", None):
+        return "the script set up its devices (a TrainingArguments, accelerate's state) before the Trainer import"
+    distributed = getattr(sys.modules.get("torch"), "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return "a process group exists in this process"
     return None
 
 
