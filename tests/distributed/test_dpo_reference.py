@@ -66,7 +66,12 @@ def test_fsdp2_shards_the_reference_like_the_policy_and_trains_as_ddp(assets: di
     for backend in ("ddp", "fsdp"):
         out = tmp_path / backend
         args = base_args(
-            assets, out, train_step=_factory(assets["model"]), distributed_backend=backend, max_steps=4, logging_steps=1
+            assets,
+            out,
+            step_factory=_factory(assets["model"]),
+            distributed_backend=backend,
+            max_steps=4,
+            logging_steps=1,
         )
         run_training(args, TorchrunArgs(nproc_per_node=2), timeout_s=420)
         runs[backend] = (_logged(out), [json.loads((out / f"ref-rank{r}.json").read_text()) for r in (0, 1)])

@@ -156,7 +156,7 @@ def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tm
     )
     model = load_model(args)
     assert type(model).__name__ == "BertForMaskedLM"
-    assert choose_step(model, args) == "model_loss"
+    assert choose_step(model, args) == ("samples", "model", "outputs")
     with pytest.raises(ValueError, match="training_step: 'token_cross_entropy' trains causal LMs"):
         choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}))
 
@@ -213,10 +213,9 @@ def test_masked_lm_trains_on_the_masked_lm_loss_with_its_collator(tmp_path):
     assert config["architectures"] == ["BertForMaskedLM"]
 
 
-def test_t5_like_encoder_decoder_trains_on_its_seq2seq_loss(tmp_path):
-    from transformers import DataCollatorForSeq2Seq, T5Config, T5ForConditionalGeneration
+def _t5_folder(folder: Path) -> Any:
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    folder = tmp_path / "t5"
     config = T5Config(
         vocab_size=80,
         d_model=16,
@@ -231,19 +230,78 @@ def test_t5_like_encoder_decoder_trains_on_its_seq2seq_loss(tmp_path):
     )
     model = T5ForConditionalGeneration(config)
     model.save_pretrained(folder)
-    tokenizer = build_tokenizer(folder)
-    data = tmp_path / "train.jsonl"
+    return model, build_tokenizer(folder)
+
+
+def _reverse_rows(path: Path, count: int) -> Path:
     rng = random.Random(0)
     rows = []
-    for _ in range(64):
+    for _ in range(count):
         source = [rng.randrange(4, 40) for _ in range(rng.randrange(3, 9))]
         rows.append(json.dumps({"input_ids": source, "labels": [t + 1 for t in reversed(source)]}) + "\n")
-    data.write_text("".join(rows))
+    path.write_text("".join(rows))
+    return path
+
+
+def test_t5_like_encoder_decoder_trains_on_its_seq2seq_loss(tmp_path):
+    from transformers import DataCollatorForSeq2Seq
+
+    folder = tmp_path / "t5"
+    model, tokenizer = _t5_folder(folder)
+    data = _reverse_rows(tmp_path / "train.jsonl", 64)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
     result, losses = _train(_args(folder, data, tmp_path / "out", data_collator=collator))
     assert result.global_step == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
     saved = json.loads((tmp_path / "out" / "checkpoint-16" / "config.json").read_text())
     assert saved["architectures"] == ["T5ForConditionalGeneration"]
+
+
+def test_a_compute_loss_trains_and_evaluations_generate_with_the_models_own_loss(tmp_path):
+    """``compute_loss`` with ``predict_with_generate`` (issue 39 item 4; refused before): the function's loss
+    trains (the model's plus 100: the same gradients, every logged loss 200 more), and each evaluation gives
+    ``compute_metrics`` generated ids with the model's own loss, as ``Seq2SeqTrainer.prediction_step``."""
+    from transformers import DataCollatorForSeq2Seq
+
+    folder = tmp_path / "t5"
+    model, tokenizer = _t5_folder(folder)
+    data, val = _reverse_rows(tmp_path / "train.jsonl", 16), _reverse_rows(tmp_path / "val.jsonl", 4)
+
+    def offset(model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        outputs = model(**inputs)
+        return (outputs.loss + 100, outputs) if return_outputs else outputs.loss + 100
+
+    runs = {}
+    for name, code in (("plain", {}), ("offset", {"compute_loss": offset})):
+        seen: list[Any] = []
+        args = _args(
+            folder,
+            data,
+            tmp_path / name,
+            max_steps=4,
+            val_data_path=val,
+            eval_strategy="steps",
+            eval_steps=2,
+            predict_with_generate=True,
+            generation_kwargs={"max_length": 6},
+            compute_metrics=lambda p, seen=seen: seen.append(p) or {},  # type: ignore[func-returns-value]
+            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+            **code,
+        )
+        components = build_run(args, DistributedEnv())
+        logs = Logs()
+        TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+        runs[name] = (logs.logs, seen, type(components.step).__name__)
+    (plain, plain_seen, _), (custom, seen, step) = runs["plain"], runs["offset"]
+    assert step == "CustomLoss"
+    losses = [(log["loss"], plain_log["loss"]) for log, plain_log in zip(custom, plain, strict=True) if "loss" in log]
+    # 100 per micro-batch, two a step: the loss taken over the step's items, as Trainer's with num_items_in_batch
+    assert len(losses) == 4 and all(ours == pytest.approx(theirs + 200, rel=1e-6) for ours, theirs in losses)
+    evals = [(log["eval_loss"], plain_log["eval_loss"]) for log, plain_log in zip(custom, plain) if "eval_loss" in log]
+    assert len(evals) == 2 and all(ours == pytest.approx(theirs, rel=1e-6) for ours, theirs in evals)
+    for prediction, plain_prediction in zip(seen, plain_seen, strict=True):
+        assert prediction.predictions.dtype.kind == "i"  # generated ids (max_length 6, padded to the config's 20)
+        assert (prediction.predictions[:, 6:] == 0).all()
+        np.testing.assert_array_equal(prediction.predictions, plain_prediction.predictions)
 
 
 def test_image_classification_trains_on_pixel_values_with_its_image_processor(tmp_path):

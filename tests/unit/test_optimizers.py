@@ -10,30 +10,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 from torch import nn
+from transformers.training_args import OptimizerNames
 
-from trainbridge.core.config.names import OptimizerName, SchedulerName
+from trainbridge.core.config.checks import OPTIMIZER_PACKAGES
+from trainbridge.core.config.names import SchedulerName
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.hf.porting import parse_optim_args
 from trainbridge.loop.loop import train
 from trainbridge.parallel.optim import build_optimizer, build_scheduler, decay_parameter_names
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_SCHEDULEFREE = importlib.util.find_spec("schedulefree") is not None
-
-
-def _class(name: str) -> tuple[str, dict]:
-    """The class ``name`` builds (module-qualified) and attributes it must have."""
-    if name in ("adamw_torch", "adamw_torch_fused"):
-        return "torch.optim.adamw.AdamW", {}
-    if name == "sgd":
-        return "torch.optim.sgd.SGD", {}
-    if name == "adafactor":
-        return "transformers.optimization.Adafactor", {}
-    if name.startswith("schedule_free_"):
-        kind = {"adamw": "AdamW", "radam": "RAdam", "sgd": "SGD"}[name.removeprefix("schedule_free_")]
-        return f"schedulefree.{kind}ScheduleFree", {}
-    bits = 32 if name.endswith("32bit") else 8
-    cls = "Lion" if "lion" in name else "AdamW"
-    return f"bitsandbytes.optim.{cls.lower()}.{cls}", {"optim_bits": bits, "is_paged": name.startswith("paged_")}
 
 
 class Tiny(nn.Module):
@@ -46,29 +33,59 @@ class Tiny(nn.Module):
         return self.norm(self.proj(x))
 
 
-@pytest.mark.parametrize("name", get_args(OptimizerName))
-def test_each_optim_name_builds_its_class_and_steps(args_for, name):
-    if name.startswith("schedule_free_") and not HAS_SCHEDULEFREE:
-        pytest.skip("schedulefree is not installed (its missing-package error is tested below)")
-    if not name.startswith(("adamw_torch", "sgd", "adafactor", "schedule_free_")) and not HAS_BNB:
-        pytest.skip("bitsandbytes is not installed")
-    extra = {"optim_args": {"momentum": 0.9}} if name == "sgd" else {}
-    args = args_for(optim=name, weight_decay=0.1, **extra)
-    model = Tiny()
-    optimizer = build_optimizer(model, args, decay_parameter_names(model))
-    expected, attributes = _class(name)
-    assert f"{type(optimizer).__module__}.{type(optimizer).__qualname__}" == expected
-    if attributes:  # bitsandbytes: the state's bits in .args, paging on the optimizer
-        assert (optimizer.args.optim_bits, optimizer.is_paged) == (attributes["optim_bits"], attributes["is_paged"])
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]  # no decay on bias and norm
-    if name == "sgd":
-        assert optimizer.param_groups[0]["momentum"] == 0.9
-    if name.startswith("adamw_torch"):
-        assert optimizer.defaults["fused"]
-    before = [p.detach().clone() for p in model.parameters()]
-    model(torch.randn(4, 16)).pow(2).mean().backward()
-    optimizer.step()
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+def _installed(name: str) -> bool:
+    package = next((p for key, p in OPTIMIZER_PACKAGES.items() if name.startswith(key)), None)
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+def test_the_config_names_are_transformers_own() -> None:
+    from transformers import SchedulerType
+
+    from trainbridge.core.config.names import OptimizerName
+
+    assert list(get_args(OptimizerName)) == [o.value for o in OptimizerNames]
+    assert list(get_args(SchedulerName)) == [s.value for s in SchedulerType]
+
+
+OPTIM_ARGS = {"sgd": "momentum=0.9,nesterov=True", "rmsprop": "alpha=0.9,centered=True", "adagrad": "lr_decay=0.01"}
+
+
+@pytest.mark.parametrize("name", [o.value for o in OptimizerNames])
+def test_each_installed_optimizer_takes_trainers_first_step(args_for, tmp_path, name):
+    """Every ``OptimizerNames`` value whose package is installed: the class, groups and first two steps'
+    updates of Trainer's own ``create_optimizer`` (issue 41; rmsprop, adagrad, ademamix... were refused)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    if not _installed(name):
+        pytest.skip(f"{name}: its package is not installed (the refusal is tested below)")
+    hf = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, report_to="none", optim=name, weight_decay=0.1,
+        learning_rate=1e-2, optim_args=OPTIM_ARGS.get(name), optim_target_modules=["proj"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference_model, model = Tiny(), Tiny()
+    model.load_state_dict(reference_model.state_dict())
+    try:
+        reference = Trainer(model=reference_model, args=hf).create_optimizer()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    args = args_for(
+        optim=name, weight_decay=0.1, learning_rate=1e-2, optim_args=parse_optim_args(hf.optim_args),
+        optim_target_modules=["proj"], adam_beta1=hf.adam_beta1, adam_beta2=hf.adam_beta2, adam_epsilon=hf.adam_epsilon,
+    )  # fmt: skip
+    ours = build_optimizer(model, args, decay_parameter_names(model))
+    assert type(ours) is type(reference)
+    assert [g["weight_decay"] for g in ours.param_groups] == [g["weight_decay"] for g in reference.param_groups]
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        for m, optimizer in ((reference_model, reference), (model, ours)):
+            optimizer.zero_grad()
+            m(x).pow(2).mean().backward()
+            optimizer.step()
+    for a, b in zip(reference_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(Tiny().parameters(), model.parameters(), strict=True))
 
 
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed")
@@ -120,6 +137,7 @@ def test_deepspeed_keeps_its_own_optimizer(args_for):
     args_for(optim="adamw_torch", distributed_backend="deepspeed")
 
 
+METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
 SCHEDULE_KWARGS = {
     "cosine_with_min_lr": {"min_lr_rate": 0.1},
     "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1},
@@ -127,7 +145,7 @@ SCHEDULE_KWARGS = {
 }
 
 
-@pytest.mark.parametrize("name", get_args(SchedulerName))
+@pytest.mark.parametrize("name", [n for n in get_args(SchedulerName) if n not in METRIC_SCHEDULES])
 def test_each_schedule_is_transformers_own(args_for, name):
     from transformers import SchedulerType, get_scheduler
 
@@ -147,3 +165,28 @@ def test_each_schedule_is_transformers_own(args_for, name):
         assert ours.get_last_lr() == pytest.approx(reference.get_last_lr())
         ours.optimizer.step(), ours.step()
         reference.optimizer.step(), reference.step()
+
+
+@pytest.mark.parametrize("name", METRIC_SCHEDULES)
+def test_a_metric_schedule_steps_on_each_evaluation_as_trainers_does(args_for, name):
+    """``reduce_lr_on_plateau`` / ``greedy`` (refused before issue 41) step once per evaluation, on
+    ``eval_loss``, never per optimizer step; without an evaluation they are refused before launch."""
+    from trainbridge.core.callback import Callback
+
+    seen: list[tuple[float, float]] = []
+
+    class Record(Callback):
+        def on_evaluate(self, context, **kwargs):
+            seen.append((kwargs["metrics"]["eval_loss"], context.lr_scheduler.last_epoch))
+
+    from trainbridge.launch.assembly import assemble_callbacks
+
+    args = args_for(
+        lr_scheduler=name, max_steps=4, eval_strategy="steps", eval_steps=2, learning_rate=1e-3, callbacks=[Record()]
+    )
+    result = train(args, DistributedEnv(), assemble_callbacks(args))
+    assert result.global_step == 4
+    # the schedule steps after the user callbacks' on_evaluate, once per evaluation (last_epoch counts them)
+    assert [epoch for _, epoch in seen] == [0, 1]
+    with pytest.raises(ValidationError, match=rf"lr_scheduler='{name}': it steps on the evaluation metric"):
+        args_for(lr_scheduler=name)

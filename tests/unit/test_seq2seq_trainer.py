@@ -241,3 +241,48 @@ def test_the_generation_config_argument_and_the_models_own_are_used_as_seq2seq_t
     (predictions, _), (want, _) = ours.seen[-1], theirs_configured.seen[-1]
     assert predictions.shape == want.shape == (8, 7)
     np.testing.assert_array_equal(predictions, want)
+
+
+def _doubled_loss(cls: Any) -> Any:
+    """``cls`` with a ``compute_loss`` override: the model's loss doubled (a custom training loss)."""
+
+    class Doubled(cls):  # type: ignore[misc, valid-type]
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
+            return (2 * loss, outputs) if return_outputs else 2 * loss
+
+    return Doubled
+
+
+def test_a_compute_loss_override_trains_with_generated_predictions_as_seq2seq_trainer(
+    t5: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation plus a custom loss (issue 39): the override's loss trains (every logged loss twice the plain
+    class's: the gradients, clipped to max_grad_norm 1 from norms above it, are the same) and each evaluation
+    generates with generation_max_length and reports the model's own loss, as ``Seq2SeqTrainer.prediction_step``
+    does, the same as the plain class's (before: refused when the step was chosen)."""
+    model, tok = t5
+    steps = dict(max_steps=4, eval_strategy="steps", eval_steps=2, logging_steps=1)
+    plain, plain_seen = _trainer(Seq2SeqTrainer, copy.deepcopy(model), tok, tmp_path / "plain", monkeypatch, **steps)
+    plain.train()
+    monkeypatch.undo()  # (the arguments of the next trainer are built outside the launcher's environment)
+    doubled, seen = _trainer(_doubled_loss(Seq2SeqTrainer), model, tok, tmp_path / "doubled", monkeypatch, **steps)
+    doubled.train()
+
+    def logged(trainer: Any, key: str) -> list[tuple[int, float]]:
+        return [(row["step"], row[key]) for row in trainer.state.log_history if key in row]
+
+    assert [s for s, _ in logged(doubled, "loss")] == [1, 2, 3, 4]
+    assert [(s, 2 * v) for s, v in logged(plain, "loss")] == [
+        (s, pytest.approx(v, rel=1e-5)) for s, v in logged(doubled, "loss")
+    ]
+    assert all(v > 1.0 for _, v in logged(doubled, "grad_norm"))  # clipped alike
+    for key in ("eval_loss", "eval_overlap", "eval_gen_len"):
+        assert [s for s, _ in logged(doubled, key)] == [2, 4], key
+        assert logged(doubled, key) == [(s, pytest.approx(v, rel=1e-5)) for s, v in logged(plain, key)], key
+    assert len(seen.seen) == len(plain_seen.seen) == 2
+    for (predictions, labels), (want_predictions, want_labels) in zip(seen.seen, plain_seen.seen, strict=True):
+        assert predictions.dtype.kind == "i" and predictions.shape == (8, 20)  # generated ids, max_length 12
+        assert (predictions[:, 12:] == tok.pad_token_id).all()
+        np.testing.assert_array_equal(predictions, want_predictions)
+        np.testing.assert_array_equal(labels, want_labels)

@@ -97,9 +97,11 @@ def test_the_token_step_logs_trls_values_through_its_metric_sums() -> None:
         for batch in micro_batches:
             step.micro_loss(model, batch, float((batch["labels"][:, 1:] != -100).sum()))
     sums = step.metric_sums()
-    assert len(sums) == 4 * len(micro_batches)  # per micro-batch: entropy, hits, scored and input tokens
-    assert step.metric_sums() == []  # taken once per optimizer step
-    step.add_metric_sums([float(v) for v in sums])  # one rank: the agreement's sums are its own
+    assert list(sums) == [  # by name, per micro-batch: entropy, hits, scored and input tokens
+        f"{i}/{name}" for i in range(len(micro_batches)) for name in ("entropy", "hits", "tokens", "input_tokens")
+    ]
+    assert step.metric_sums() == {}  # taken once per optimizer step
+    step.add_metric_sums({name: float(v) for name, v in sums.items()})  # one rank: the agreement's sums are its own
     logs = step.metric_logs()
     expected = _trl_values(model, micro_batches)
     assert list(logs) == ["entropy", "mean_token_accuracy", "num_tokens"]
@@ -155,8 +157,8 @@ def test_evaluation_sums_each_batch_over_ranks_and_averages_the_batches() -> Non
             out = step.eval_batch(model, batch, batch, outputs=False, rows=1)
             assert out.units == int((batch["labels"][:, 1:] != -100).sum())
     rank_sums = [step.eval_metric_sums() for step in steps]
-    assert len(rank_sums[0]) == 6 and steps[0].eval_metric_sums() == []  # taken once per evaluation
-    reduced = [a + b for a, b in zip(*rank_sums, strict=True)]
+    assert len(rank_sums[0]) == 6 and steps[0].eval_metric_sums() == {}  # taken once per evaluation
+    reduced = {name: rank_sums[0][name] + rank_sums[1][name] for name in rank_sums[0]}
     logs = steps[0].eval_metric_logs(reduced)
     fused = copy.deepcopy(model)
     add_fused_lm_head(fused, outputs=("log_probs", "entropy", "is_top1"))

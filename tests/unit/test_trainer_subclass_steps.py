@@ -377,11 +377,11 @@ def test_overrides_of_trainers_own_loop_are_refused_naming_them() -> None:
 
 
 def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_classifier, tmp_path):
-    with pytest.raises(ValueError, match=r"train_step: the step factory .* would never run"):
+    with pytest.raises(ValueError, match=r"step_factory: the step factory .* would never run"):
         TrainingArgs(
             model_path=bert_classifier,
             data_path=_rows(tmp_path / "train.jsonl", 8, 1),
             ckpt_output_dir=tmp_path / "out",
-            train_step=len,
+            step_factory=len,
             trainer_methods=_methods(SuperStep, tmp_path, bert_classifier),
         )

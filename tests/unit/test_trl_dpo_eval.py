@@ -118,7 +118,7 @@ def test_a_dummy_batch_counts_as_nothing(tiny_llama: Path, tmp_path: Path) -> No
     with torch.no_grad():
         out = step.eval_batch(policy, batch, batch, outputs=False, rows=0)
     assert out.units == 0.0 and float(out.loss_sum) == 0.0
-    assert all(value == 0.0 for value in step.eval_metric_sums())
+    assert all(value == 0.0 for value in step.eval_metric_sums().values())
 
 
 def test_the_loop_evaluates_dpo_at_trls_steps_with_trls_keys(args_for, tmp_path: Path, tiny_llama: Path) -> None:
@@ -135,7 +135,7 @@ def test_the_loop_evaluates_dpo_at_trls_steps_with_trls_keys(args_for, tmp_path:
     factory = DPOStepFactory(
         prepared, DPOLossSettings.from_config(config), 1, 2, 12, eval_dataset=prepared, eval_pairs_per_micro=4
     )
-    args = args_for(max_steps=4, logging_steps=1, train_step=factory, eval_strategy="steps", eval_steps=2)
+    args = args_for(max_steps=4, logging_steps=1, step_factory=factory, eval_strategy="steps", eval_steps=2)
 
     class Evaluations(Callback):
         def __init__(self) -> None:

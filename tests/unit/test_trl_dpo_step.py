@@ -89,7 +89,7 @@ def test_a_step_gives_trls_loss_gradient_and_metrics(
         micro_sum = step.micro_loss(model, micro, units)
         (micro_sum / prepared_step.loss_units).backward()  # the loop's scale on one rank
         loss = loss + micro_sum.detach()
-    step.add_metric_sums([float(v) for v in step.metric_sums()])
+    step.add_metric_sums({name: float(v) for name, v in step.metric_sums().items()})
     ours = step.metric_logs()
 
     torch.testing.assert_close(loss / prepared_step.loss_units, trl_loss.detach(), rtol=1e-4, atol=1e-5)
@@ -136,7 +136,7 @@ def test_one_micro_batch_gives_trls_per_token_metrics(tiny_llama: Path, tmp_path
     step = PreferenceStep(batches, DPOLossSettings.from_config(args), ref_model=copy.deepcopy(policy))
     micro = step.prepare(pairs)
     step.micro_loss(copy.deepcopy(policy).train(), micro.micro_batches[0], micro.micro_units[0])
-    step.add_metric_sums([float(v) for v in step.metric_sums()])
+    step.add_metric_sums({name: float(v) for name, v in step.metric_sums().items()})
     ours = step.metric_logs()
     assert list(ours) == list(trl_logs)
     for key, value in trl_logs.items():
@@ -166,7 +166,7 @@ def _run_dpo(args_for, tmp_path: Path, tiny_llama: Path, **factory_kwargs: objec
     factory = DPOStepFactory(
         prepared, DPOLossSettings.from_config(config), 1, 2, config.max_length, seed=0, **factory_kwargs
     )
-    args = args_for(max_steps=3, logging_steps=1, val_data_path=None, train_step=factory)
+    args = args_for(max_steps=3, logging_steps=1, val_data_path=None, step_factory=factory)
     components = build_run(args, DistributedEnv())
     assert isinstance(components.step, PreferenceStep)
     seen = type("Logs", (_Logs, Callback), {})()
@@ -251,7 +251,7 @@ def test_the_step_factory_switches_policy_and_reference_to_varlen_attention(
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
     factory = DPOStepFactory(prepared, DPOLossSettings.from_config(config), 1, 2, 12, ref_model=ref)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    args = args_for(max_steps=1, val_data_path=None, train_step=factory, varlen_sdpa=varlen_sdpa)
+    args = args_for(max_steps=1, val_data_path=None, step_factory=factory, varlen_sdpa=varlen_sdpa)
     step = factory(policy, tokenizer, args, DistributedEnv(), args.plan)
     expected = VARLEN_SDPA if varlen_sdpa else "sdpa"
     assert step.ref_model is not None

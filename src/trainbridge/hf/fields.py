@@ -74,6 +74,7 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "gradient_checkpointing",
         "gradient_checkpointing_kwargs",
         "include_for_metrics",
+        "optim_target_modules",
         "ddp_find_unused_parameters",
         "ddp_bucket_cap_mb",
         "ddp_broadcast_buffers",

@@ -14,12 +14,11 @@ import math
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.core.config.names import OptimizerName, SchedulerName
 from trainbridge.hf.arguments import defaults_of
 from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 
@@ -27,9 +26,6 @@ from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 class HFPortingWarning(UserWarning):
     """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
 
-
-SUPPORTED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -125,8 +121,7 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     ``data_path``, ``effective_batch_size``... any ``TrainingArgs`` field) is added and wins.
 
     Warns (``HFPortingWarning``, once per field) about every non-default field with no meaning here.
-    Raises ``ValueError`` for a learning-rate scheduler trainbridge does not have, and for step ratios
-    (``logging_steps=0.1``...) when ``max_steps`` is not set.
+    Raises ``ValueError`` for step ratios (``logging_steps=0.1``...) when ``max_steps`` is not set.
     """
     data = _carried_over(hf_args)
     cls = type(hf_args).__name__
@@ -151,14 +146,7 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
 def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
     """The TrainingArgs fields that follow from ``hf``."""
     max_steps = hf.max_steps if hf.max_steps > 0 else None
-    scheduler = _plain(hf.lr_scheduler_type)
-    if scheduler not in SUPPORTED_SCHEDULERS:
-        raise ValueError(
-            f"TrainingArguments.lr_scheduler_type={scheduler!r}: trainbridge supports {', '.join(SUPPORTED_SCHEDULERS)}"
-        )
-    optim = _plain(hf.optim)
-    if optim not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(f"TrainingArguments.optim={optim!r}: trainbridge supports {', '.join(SUPPORTED_OPTIMIZERS)}")
+    scheduler, optim = _plain(hf.lr_scheduler_type), _plain(hf.optim)  # every SchedulerType / OptimizerNames
     if hf.num_train_epochs != math.ceil(hf.num_train_epochs):
         warnings.warn(
             f"TrainingArguments.num_train_epochs={hf.num_train_epochs} is rounded up to whole epochs; "
@@ -179,7 +167,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "adam_beta2": hf.adam_beta2,
         "adam_epsilon": hf.adam_epsilon,
         "optim": optim,
-        "optim_args": _optim_args(hf.optim_args),
+        "optim_args": parse_optim_args(hf.optim_args),
+        "optim_target_modules": hf.optim_target_modules,
         "max_grad_norm": hf.max_grad_norm if hf.max_grad_norm and hf.max_grad_norm > 0 else None,
         "seed": hf.seed,
         "mixed_precision": "bf16" if hf.bf16 else "no",
@@ -329,7 +318,7 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _optim_args(text: str | None) -> dict[str, Any]:
+def parse_optim_args(text: str | None) -> dict[str, Any]:
     """Trainer's ``optim_args`` (``"momentum=0.9,nesterov=True"``) as keyword arguments, values read as Python
     literals where they are one (numbers, booleans, tuples), else kept as text."""
     import ast

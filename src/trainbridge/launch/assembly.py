@@ -13,6 +13,7 @@ from typing import Any
 from trainbridge.callbacks import (
     BestCheckpointTracker,
     ExternalControl,
+    MetricScheduleStepper,
     MetricsFileCallback,
     ProgressBarCallback,
     SaveOnInterrupt,
@@ -50,7 +51,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
     if hf_driver is not None and hf_driver not in ordered:
         ordered.append(hf_driver)
     functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.plan.event_functions.items() for fn in fns]
-    tail: list[Callback] = [BestCheckpointTracker(), MetricsFileCallback()]
+    tail: list[Callback] = [MetricScheduleStepper(), BestCheckpointTracker(), MetricsFileCallback()]
     if args.external_control:
         tail.append(ExternalControl())
     if args.save_on_interrupt:

@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import transformers
 
@@ -44,7 +44,7 @@ from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
 from trainbridge.step.custom_loss import CustomLoss
-from trainbridge.step.generated import GeneratedPredictions
+from trainbridge.step.generated import Generation
 from trainbridge.step.model_loss import (
     ModelLoss,
     default_label_names,
@@ -137,12 +137,13 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
     skeleton = from_rank0 and not env.is_world_process_zero
     model = load_model(args, skeleton=skeleton, model_init=plan.model_init)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
-    if plan.train_step is not None:
+    seams = choose_step(model, args, plan)
+    if seams.batches == "factory":
         batches = _factory_batches(model, tokenizer, args, env, plan)
-    elif choose_step(model, args, plan) == "token_cross_entropy":
+    elif seams.batches == "token_budget":
         batches = _token_batches(model, tokenizer, args, env, plan, from_rank0=from_rank0, skeleton=skeleton)
     else:
-        batches = _sample_batches(model, tokenizer, args, env, plan)
+        batches = _sample_batches(model, tokenizer, args, env, plan, seams)
     train_batches = batches.step.train_batches
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
@@ -183,11 +184,31 @@ def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = No
     )
 
 
-def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> str:
-    """``token_cross_entropy`` or ``model_loss`` (``args.training_step``; ``auto``: the token step for causal
-    LMs, unless ``plan`` brings its own loss or data).  A ``ValueError`` for a model neither step can train,
-    saying why and what to do."""
+BatchesSeam = Literal["factory", "token_budget", "samples", "stream", "loader"]
+LossSeam = Literal["factory", "token_cross_entropy", "model", "compute_loss", "trainer_methods"]
+
+
+class StepSeams(NamedTuple):
+    """The run's step as three seams, each chosen from the plan on its own (``choose_step``)."""
+
+    batches: BatchesSeam
+    """The step factory's own, token-budget batches, Trainer's sample batches of the items, of the
+    ``train_stream``, or the script's own DataLoader (``train_loader``)."""
+    loss: LossSeam
+    """The step factory's, the summed token cross entropy, the model's own, the plan's ``compute_loss``, or the
+    script's ``training_step`` (``trainer_methods``)."""
+    predictions: Literal["outputs", "generate"]
+    """The validation predictions: the step's forward outputs, or generated ids (``predict_with_generate``)."""
+
+
+def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> StepSeams:
+    """The step's batches, loss and predictions (``StepSeams``): a ``step_factory``'s own, else the token step
+    or the model-loss step (``args.training_step``; ``auto``: the token step for causal LMs, unless ``plan``
+    brings its own loss or data).  A ``ValueError`` for a model neither step can train, saying why and what to
+    do."""
     plan = args.plan if plan is None else plan
+    if plan.step_factory is not None:
+        return StepSeams("factory", "factory", "outputs")
     causal = is_causal_lm(model)
     own_loss = plan.compute_loss is not None or plan.trainer_methods is not None  # the script's loss
     if args.training_step == "token_cross_entropy" and not causal:
@@ -199,12 +220,6 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> 
         raise ValueError(
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
-        )
-    if args.predict_with_generate and own_loss:
-        raise ValueError(
-            "predict_with_generate: generated predictions with a compute_loss (a Trainer subclass's "
-            "compute_loss, training_step or prediction_step, or compute_loss_func) are not supported yet; drop "
-            "one of them"
         )
     if args.training_step == "token_cross_entropy" and own_loss:
         raise ValueError(
@@ -219,11 +234,17 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> 
         and plan.train_loader is None
         and not args.predict_with_generate
     ):
-        return "token_cross_entropy"
+        return StepSeams("token_budget", "token_cross_entropy", "outputs")
     label_names = args.label_names or default_label_names(model)
     if not own_loss and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
-    return "model_loss"
+    batches: BatchesSeam = "loader" if plan.train_loader is not None else "samples"
+    if batches == "samples" and plan.train_stream is not None:
+        batches = "stream"
+    loss: LossSeam = "trainer_methods" if plan.trainer_methods is not None else "model"
+    if loss == "model" and plan.compute_loss is not None:
+        loss = "compute_loss"
+    return StepSeams(batches, loss, "generate" if args.predict_with_generate else "outputs")
 
 
 def _token_batches(
@@ -283,7 +304,7 @@ def _token_batches(
 
 
 def _sample_batches(
-    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
+    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan, seams: StepSeams
 ) -> RunBatches:
     """The model's-own-loss step: the items (``run_rows``: the script's datasets in place, else the data files'
     rows), Trainer's sample batches formed by the collator (the script's, else Trainer's default), the loss the
@@ -295,7 +316,7 @@ def _sample_batches(
     keep = [*forward_parameters(model), "label", "label_ids", *label_names] if args.remove_unused_columns else None
     collate = ItemCollator(plan.data_collator or default_collator(tokenizer), keep)
     train_batches: SampleBatches | StreamBatches | LoaderBatches
-    if plan.train_loader is not None:  # the script's own DataLoader (a Trainer subclass's), this rank's share
+    if seams.batches == "loader":  # the script's own DataLoader (a Trainer subclass's), this rank's share
         train_batches = _loader_batches(args, env, plan, train if train is not None else stream, collate, model)
     else:
         train_batches = _item_batches(args, env, train, stream, collate)
@@ -320,20 +341,17 @@ def _sample_batches(
             f"{count} training items" if train is not None else described[source],
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
+    # the loss and the predictions, as chosen apart: generated ids come with the model's own loss (Seq2SeqTrainer)
+    generation = _generation(args, env) if seams.predictions == "generate" else None
     step: ModelLoss
-    if plan.trainer_methods is not None:
-        step = TrainerMethodsStep(train_batches, model, env, plan.trainer_methods, label_names)
-    elif plan.compute_loss is not None:
-        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names)
-    elif args.predict_with_generate:
-        sharded = args.distributed_backend == "fsdp" or (
-            args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
-        )
-        step = GeneratedPredictions(
-            train_batches, model, env, label_names, args.generation_kwargs, synced_gpus=sharded and env.world_size > 1
-        )
+    if seams.loss == "trainer_methods":
+        assert plan.trainer_methods is not None
+        step = TrainerMethodsStep(train_batches, model, env, plan.trainer_methods, label_names, generation)
+    elif seams.loss == "compute_loss":
+        assert plan.compute_loss is not None
+        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names, generation)
     else:
-        step = ModelLoss(train_batches, model, env, label_names)
+        step = ModelLoss(train_batches, model, env, label_names, generation)
     return RunBatches(
         step,
         eval_set(val) if val is not None else None,
@@ -341,6 +359,14 @@ def _sample_batches(
         stats,
         True,
     )
+
+
+def _generation(args: TrainingArgs, env: DistributedEnv) -> Generation:
+    """Generated ids as the validation predictions (``predict_with_generate``, ``generation_kwargs``)."""
+    sharded = args.distributed_backend == "fsdp" or (
+        args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
+    )
+    return Generation(args.generation_kwargs, synced_gpus=sharded and env.world_size > 1)
 
 
 def _item_batches(
@@ -390,10 +416,10 @@ def _loader_batches(
 def _factory_batches(
     model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
 ) -> RunBatches:
-    """The step ``plan.train_step`` builds (its own batches, loss and validation batches)."""
-    step = plan.train_step(model, tokenizer, args, env, plan) if plan.train_step is not None else None
+    """The step ``plan.step_factory`` builds (its own batches, loss and validation batches)."""
+    step = plan.step_factory(model, tokenizer, args, env, plan) if plan.step_factory is not None else None
     if not isinstance(step, TrainStep):
-        raise TypeError(f"train_step: {plan.train_step!r} returned {type(step).__name__}, not a TrainStep")
+        raise TypeError(f"step_factory: {plan.step_factory!r} returned {type(step).__name__}, not a TrainStep")
     eval_batches, named_eval_batches = step.own_eval_sets()
     return RunBatches(step, eval_batches, named_eval_batches, [], False)
 

@@ -35,7 +35,7 @@ from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.evaluation_point import EvaluationPoint
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
-from trainbridge.loop.step_values import StepOutcome, StepOwn, StepSums, with_metrics
+from trainbridge.loop.step_values import StepOutcome, StepOwn, StepSums, agreed_sums, with_metrics
 from trainbridge.loop.summary import announce_run
 from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
@@ -158,15 +158,11 @@ class TrainingLoop:
             # The same collective counts the ranks whose background checkpoint write is still going on.
             # The step's own metric sums (``TrainStep.metric_sums``) ride in it too.
             metric_sums = self.step.metric_sums()
-            agreement = self._agree(
-                with_metrics(
-                    StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten()), metric_sums
-                ),
-                StepOwn(outcome.loss_sum, outcome.grad_norm),
-            )
-            summed, own = StepSums(*agreement.summed[: len(StepSums._fields)]), agreement.own
-            if metric_sums:
-                self.step.add_metric_sums(agreement.summed[len(StepSums._fields) :])
+            sums = StepSums(outcome.loss_sum, outcome.input_tokens, self._checkpoint_unwritten())
+            agreement = self._agree(with_metrics(sums, metric_sums), StepOwn(outcome.loss_sum, outcome.grad_norm))
+            (summed, step_metrics), own = agreed_sums(agreement.summed, metric_sums), agreement.own
+            if step_metrics:
+                self.step.add_metric_sums(step_metrics)
             finite = self.finite.check(ctx.global_step, float(summed.loss_sum), float(own.grad_norm))
             if not finite and self.finite.stops:  # nonfinite_policy="error": nothing saved, no rotation
                 self._publish_checkpoint()  # an earlier (finite) one still written in the background
@@ -345,9 +341,11 @@ class TrainingLoop:
         engine.module.train()
         loss_sum = float(device_loss_sum)  # one read of the device after the whole evaluation
         # collective: every rank's validation loss sum and units (and the step's metric sums), in one all_reduce
-        total_sum, total_units, total_samples, *step_sums = self.env.sum_floats(
-            [loss_sum, loss_units, eval_batches.num_samples_local, *self.step.eval_metric_sums()]
+        step_sums = self.step.eval_metric_sums()
+        total_sum, total_units, total_samples, *reduced = self.env.sum_floats(
+            [loss_sum, loss_units, eval_batches.num_samples_local, *step_sums.values()]
         )
+        step_logs = self.step.eval_metric_logs(dict(zip(step_sums, reduced, strict=True)))
         runtime = max(time.time() - start, 1e-9)
         computed = predictions.compute(self.env) if predictions is not None else {}
         metrics = {
@@ -356,7 +354,7 @@ class TrainingLoop:
             f"{prefix}_runtime": round(runtime, 4),
             f"{prefix}_samples_per_second": round(total_samples / runtime, 3),
             f"{prefix}_steps_per_second": round(steps / runtime, 3),
-            **{f"{prefix}_{key}": value for key, value in self.step.eval_metric_logs(step_sums).items()},
+            **{f"{prefix}_{key}": value for key, value in step_logs.items()},
             "epoch": ctx.epoch,
         }
         ctx.metrics = {**(earlier or {}), **metrics}

@@ -1,12 +1,13 @@
 """What one optimizer step hands to its agreement and bookkeeping: the values summed over ranks
-(``StepSums``, with the step's metric sums appended by ``with_metrics``), those each rank keeps (``StepOwn``),
-and the step's outcome before any device value is read (``StepOutcome``)."""
+(``StepSums``, with the step's named metric sums appended by ``with_metrics`` and read back by name by
+``agreed_sums``), those each rank keeps (``StepOwn``), and the step's outcome before any device value is read
+(``StepOutcome``)."""
 
 from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +53,12 @@ def sums_type(metrics: int) -> Any:
     return collections.namedtuple("StepSumsAndMetrics", [*StepSums._fields, *(f"metric_{i}" for i in range(metrics))])
 
 
-def with_metrics(sums: StepSums, metric_sums: Sequence[torch.Tensor | float]) -> Any:
-    """``sums`` and the step's metric sums as one row of the step's agreement."""
-    return sums_type(len(metric_sums))(*sums, *metric_sums) if metric_sums else sums
+def with_metrics(sums: StepSums, metric_sums: Mapping[str, torch.Tensor | float]) -> Any:
+    """``sums`` and the step's metric sums (by name) as one row of the step's agreement."""
+    return sums_type(len(metric_sums))(*sums, *metric_sums.values()) if metric_sums else sums
+
+
+def agreed_sums(summed: Any, metric_names: Mapping[str, object]) -> tuple[StepSums, dict[str, float]]:
+    """The agreed row of ``with_metrics``: the loop's ``StepSums`` and the step's metric sums by name."""
+    loop = StepSums(*summed[: len(StepSums._fields)])
+    return loop, dict(zip(metric_names, summed[len(StepSums._fields) :], strict=True))

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainbridge.parallel.optim import is_metric_schedule
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -83,6 +85,9 @@ class TrainingEngine(ABC):
         self.lr_scheduler = lr_scheduler
         self.args = args
         self.env = env
+        self.metric_schedule = is_metric_schedule(lr_scheduler)
+        """The schedule steps on the evaluation metric (``reduce_lr_on_plateau``, ``greedy``), after each
+        evaluation (``callbacks.metric_schedule``), not in ``scheduler_step``."""
         self.precision = args.mixed_precision_for(env.device.type)
         """``args.mixed_precision`` resolved for this device (``auto`` -> ``bf16`` on CUDA, ``no`` on CPU)."""
 
@@ -119,15 +124,20 @@ class TrainingEngine(ABC):
         self.optimizer.step()
 
     def scheduler_step(self) -> None:
-        """Advance the learning-rate schedule by one optimizer step."""
-        self.lr_scheduler.step()
+        """Advance the learning-rate schedule by one optimizer step (a metric-driven one waits for the
+        evaluation, as under Trainer)."""
+        if not self.metric_schedule:
+            self.lr_scheduler.step()
 
     def zero_grad(self) -> None:
         """Drop the gradients (``set_to_none``) before the next step's first micro-batch."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def current_lr(self) -> float:
-        """The learning rate the next optimizer step uses (the scheduler's last value)."""
+        """The learning rate the next optimizer step uses (the scheduler's last value; the optimizer's
+        for a metric-driven schedule, as Trainer reads it)."""
+        if self.metric_schedule:
+            return float(self.optimizer.param_groups[0]["lr"])
         return float(self.lr_scheduler.get_last_lr()[0])
 
     def autocast(self) -> AbstractContextManager[Any]:

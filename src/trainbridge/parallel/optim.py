@@ -1,14 +1,15 @@
 """The optimizer and learning-rate schedule every engine steps: Trainer's optimizers in two groups, HF's schedules.
 
 ``decay_parameter_names`` applies transformers' rule (no weight decay on biases and norm weights);
-``parameter_groups`` splits the trainable parameters by it; ``build_optimizer`` is ``args.optim`` (Trainer's
-names: torch AdamW by default) over those groups and ``build_scheduler`` is ``transformers.get_scheduler``
-for ``args.lr_scheduler``.
+``parameter_groups`` splits the trainable parameters by it; ``build_optimizer`` is ``args.optim`` built by
+Trainer's ``get_optimizer_cls_and_kwargs`` over those groups and ``build_scheduler`` is
+``transformers.get_scheduler`` for ``args.lr_scheduler``, as Trainer's ``create_scheduler`` calls it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -48,17 +49,17 @@ def build_optimizer(
     total_steps: int = 0,
     factory: OptimizerFactory | None = None,
 ) -> torch.optim.Optimizer:
-    """``args.optim`` over ``model``'s trainable parameters in two groups (``parameter_groups``), with
-    ``args.learning_rate``, the Adam betas/epsilon where the optimizer takes them, and ``args.optim_args``.
+    """``args.optim`` as Trainer's ``create_optimizer`` builds it: the class and keyword arguments of
+    ``Trainer.get_optimizer_cls_and_kwargs`` (every ``OptimizerNames`` value; ``optim_args`` read as Trainer
+    reads them; ``optim_target_modules`` for GaLore / APOLLO) over ``model``'s trainable parameters in two
+    groups (``parameter_groups``), or what the handler puts in their place (low-rank groups, LOMO's model,
+    layer-wise optimizers, optimizer factories); bitsandbytes' 8-bit optimizers keep embeddings in 32 bits.
 
-    ``adamw_torch`` uses torch's fused AdamW kernel (several times faster than the per-parameter loop on
-    CPU; Trainer's default too) when ``allow_fused`` and every parameter is a floating-point tensor on CPU
-    or CUDA: plain parameters, or FSDP2's DTensor shards (DTensor dispatches ``_fused_adamw_``
-    shard-locally); ``adamw_torch_fused`` asks for it.  The others follow Trainer's
-    ``get_optimizer_cls_and_kwargs``: transformers' Adafactor with a fixed learning rate, torch SGD,
-    bitsandbytes' AdamW / Lion (8-bit or 32-bit state, paged), the ``schedulefree`` optimizers (put in
-    training mode).  ``factory`` (the script's, ``RunPlan.optimizer_factory``) builds it instead, given the
-    groups, this default and ``total_steps`` (the run's optimizer steps).
+    One difference, for speed: torch's AdamW takes the fused kernel (several times faster than the
+    per-parameter loop on CPU) when ``allow_fused`` and every parameter is a floating-point tensor on CPU or
+    CUDA (plain parameters, or FSDP2's DTensor shards).  Schedule-free optimizers are put in training mode.
+    ``factory`` (the script's, ``RunPlan.optimizer_factory``) builds it instead, given the groups, this
+    default and ``total_steps`` (the run's optimizer steps).
     """
     groups = parameter_groups(model, args, decay_names)
     if factory is not None:  # the script's own optimizer
@@ -67,25 +68,74 @@ def build_optimizer(
             return build_optimizer(model, args, decay_names, allow_fused)
 
         return cast(torch.optim.Optimizer, factory.optimizer(model, groups, default, total_steps))
-    name, extra = args.optim, dict[str, Any](args.optim_args)
-    lr, betas, eps = args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon
-    if name in ("adamw_torch", "adamw_torch_fused"):
-        fused = allow_fused and _fused_allowed(groups)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, **extra)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, **extra)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
+    from transformers import Trainer
+    from transformers.trainer_optimizer import is_optimizer_factory
 
-        return Adafactor(groups, lr=lr, **{"scale_parameter": False, "relative_step": False, **extra})
-    if name.startswith("schedule_free_"):
-        return _schedule_free(name, groups, lr, betas, eps, args.warmup_steps, extra)
-    bnb = require_package("bitsandbytes", name, "'trainbridge[qlora]' (bitsandbytes)")
-    bits = 32 if name.endswith("32bit") else 8
-    paged = name.startswith("paged_")
-    if "lion" in name:
-        return bnb.optim.Lion(groups, lr=lr, betas=betas, optim_bits=bits, is_paged=paged, **extra)
-    return bnb.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, optim_bits=bits, is_paged=paged, **extra)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(cast(Any, trainer_optimizer_args(args)), cast(Any, model))
+    if is_optimizer_factory(cls):
+        return cast(torch.optim.Optimizer, cls()(model, **kwargs))
+    params: Any = groups
+    for replacement in ("params", "model", "optimizer_dict"):  # as Trainer.create_optimizer
+        if replacement in kwargs:
+            params = kwargs.pop(replacement)
+    if cls is torch.optim.AdamW and "fused" not in kwargs and allow_fused and _fused_allowed(groups):
+        kwargs["fused"] = True
+    optimizer = cls(params, **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        _embeddings_in_32_bits(model)
+    if args.optim.startswith("schedule_free_"):
+        optimizer.train()
+    return cast(torch.optim.Optimizer, optimizer)
+
+
+@dataclass(frozen=True)
+class TrainerOptimizerArgs:
+    """The ``TrainingArguments`` fields ``Trainer.get_optimizer_cls_and_kwargs`` reads, from ``TrainingArgs``
+    (a real ``TrainingArguments`` would set up accelerate's process state in the worker)."""
+
+    optim: str
+    optim_args: str | None
+    learning_rate: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    weight_decay: float
+    warmup_steps: int
+    optim_target_modules: list[str] | str | None
+    gradient_accumulation_steps: int
+    parallel_mode: Any
+
+
+def trainer_optimizer_args(args: TrainingArgs) -> TrainerOptimizerArgs:
+    """``args``' optimizer settings as Trainer's ``TrainingArguments`` spells them (``optim_args`` as
+    ``"k=v,..."``)."""
+    import torch.distributed as dist
+    from transformers.training_args import ParallelMode
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return TrainerOptimizerArgs(
+        optim=args.optim,
+        optim_args=",".join(f"{k}={v}" for k, v in args.optim_args.items()) or None,
+        learning_rate=args.learning_rate,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_epsilon=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        optim_target_modules=args.optim_target_modules,
+        gradient_accumulation_steps=1,
+        parallel_mode=ParallelMode.DISTRIBUTED if distributed else ParallelMode.NOT_DISTRIBUTED,
+    )
+
+
+def _embeddings_in_32_bits(model: nn.Module) -> None:
+    """Trainer's ``create_optimizer`` for bitsandbytes' 8-bit optimizers: embeddings keep 32-bit state."""
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
 
 
 def _fused_allowed(groups: list[dict[str, Any]]) -> bool:
@@ -100,37 +150,12 @@ def _fused_allowed(groups: list[dict[str, Any]]) -> bool:
     )
 
 
-def _schedule_free(
-    name: str,
-    groups: list[dict[str, Any]],
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    warmup_steps: int,
-    extra: dict[str, Any],
-) -> torch.optim.Optimizer:
-    """``schedulefree``'s AdamW / RAdam / SGD (its own warm-up), switched to training mode."""
-    schedulefree = require_package("schedulefree", name, "schedulefree")
-    if name == "schedule_free_sgd":
-        optimizer = schedulefree.SGDScheduleFree(groups, lr=lr, warmup_steps=warmup_steps, **extra)
-    elif name == "schedule_free_radam":
-        optimizer = schedulefree.RAdamScheduleFree(groups, lr=lr, betas=betas, eps=eps, **extra)
-    else:
-        optimizer = schedulefree.AdamWScheduleFree(
-            groups, lr=lr, betas=betas, eps=eps, warmup_steps=warmup_steps, **extra
-        )
-    optimizer.train()
-    return cast(torch.optim.Optimizer, optimizer)
+def is_metric_schedule(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on the evaluation metric (``reduce_lr_on_plateau``, ``greedy``), not on
+    every optimizer step: Trainer steps it after each evaluation."""
+    from transformers.optimization import GreedyLR
 
-
-def require_package(package: str, optim: str, install: str) -> Any:
-    """``import package``; an ``ImportError`` naming ``optim`` and what to install otherwise."""
-    import importlib
-
-    try:
-        return importlib.import_module(package)
-    except ImportError as exc:
-        raise ImportError(f"optim={optim!r} needs {package}: pip install {install} (import failed: {exc})") from exc
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau | GreedyLR)
 
 
 def build_scheduler(

@@ -22,7 +22,7 @@ and ``prediction_step``).  ``build_run`` chooses one at build time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
@@ -130,13 +130,14 @@ class TrainStep(ABC):
         """Loss sum and units of one validation batch (``outputs``: with predictions and labels); ``rows``
         is the number of validation samples it holds (0 for a rank's dummy batch)."""
 
-    def metric_sums(self) -> list[torch.Tensor | float]:
-        """This rank's metric sums of the optimizer step just run (0-dim device tensors or floats; the same
-        count on every rank), summed over ranks in the step's agreement; none by default."""
-        return []
+    def metric_sums(self) -> dict[str, torch.Tensor | float]:
+        """This rank's metric sums of the optimizer step just run by name (0-dim device tensors or floats; the
+        same names on every rank: ``step.metric_rows``), summed over ranks in the step's agreement; none by
+        default."""
+        return {}
 
-    def add_metric_sums(self, sums: Sequence[float]) -> None:
-        """The step's ``metric_sums`` summed over every rank, in the same order."""
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        """The step's ``metric_sums`` summed over every rank, by the same names."""
         return None
 
     def metric_logs(self) -> dict[str, float]:
@@ -144,16 +145,16 @@ class TrainStep(ABC):
         return {}
 
     def own_eval_sets(self) -> tuple[EvalSource | None, dict[str, EvalSource]]:
-        """Validation batches a step forms itself (a ``train_step`` factory's step): the one set and the
+        """Validation batches a step forms itself (a ``step_factory``'s step): the one set and the
         named sets; none by default (the loop's build forms them)."""
         return None, {}
 
-    def eval_metric_sums(self) -> list[float]:
-        """This rank's metric sums of the evaluation just run (the same count on every rank), summed over
-        ranks in the evaluation's one reduction; none by default."""
-        return []
+    def eval_metric_sums(self) -> dict[str, float]:
+        """This rank's metric sums of the evaluation just run by name (the same names on every rank), summed
+        over ranks in the evaluation's one reduction; none by default."""
+        return {}
 
-    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+    def eval_metric_logs(self, sums: Mapping[str, float]) -> dict[str, float]:
         """The evaluation's metrics (without the ``eval_`` prefix) from ``eval_metric_sums`` summed over
         every rank; none by default."""
         return {}

@@ -11,13 +11,16 @@ Evaluation calls it with ``return_outputs=True`` and takes the outputs for ``com
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.step.base import EvalOutput
 from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss, predictions_of
+
+if TYPE_CHECKING:
+    from trainbridge.step.generated import Generation
 
 
 class CustomLoss(ModelLoss):
@@ -32,8 +35,9 @@ class CustomLoss(ModelLoss):
         env: DistributedEnv,
         compute_loss: Callable[..., Any],
         label_names: Sequence[str] | None = None,
+        generation: Generation | None = None,
     ) -> None:
-        super().__init__(train_batches, model, env, label_names)
+        super().__init__(train_batches, model, env, label_names, generation)
         self.compute_loss = compute_loss
         # a compute_loss_func gets the step's items whatever the model (Trainer passes them to it)
         self.counts_items = self.counts_items or bool(getattr(compute_loss, "counts_items", False))
@@ -44,7 +48,7 @@ class CustomLoss(ModelLoss):
         loss = self.compute_loss(model, inputs, return_outputs=False, num_items_in_batch=count)
         return loss * count if count is not None else loss
 
-    def eval_batch(
+    def eval_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
         has_labels = all(batch.get(name) is not None for name in self.label_names)

@@ -1,7 +1,8 @@
-"""The model's own loss, with validation predictions made by ``model.generate`` (``predict_with_generate``).
+"""Validation predictions made by ``model.generate`` (``predict_with_generate``): the predictions seam of a step.
 
-Training is ``ModelLoss``'s.  Each validation batch is evaluated as ``Seq2SeqTrainer.prediction_step``
-does: the forward with the labels gives the loss; ``generate`` on the batch without its labels (and without
+Training is the step's own (the model's loss, or the script's ``compute_loss``).  Each validation batch whose
+predictions are asked for is evaluated as ``Seq2SeqTrainer.prediction_step`` does: the forward with the labels
+gives the model's own loss; ``generate`` on the batch without its labels (and without
 ``decoder_input_ids`` / ``decoder_attention_mask`` when they are the labels shifted) gives the predicted
 token ids, with ``generation_kwargs``.  Generated ids and labels shorter than the generation config's
 ``max_length`` (or ``max_new_tokens + 1``) are padded to it with the pad token, so ``compute_metrics``
@@ -11,41 +12,25 @@ gets the arrays Trainer gives it (batches and ranks are then padded to one lengt
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from trainbridge.core.distributed import DistributedEnv
 from trainbridge.step.base import EvalOutput
-from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
+from trainbridge.step.model_loss import NUM_ITEMS_KEY
 
 
-class GeneratedPredictions(ModelLoss):
-    """``ModelLoss`` whose validation predictions are generated token ids (see the module docstring)."""
+class Generation:
+    """Generated token ids as a step's validation predictions (see the module docstring)."""
 
-    name = "the model's own loss (sample batches), predictions by generate"
-
-    def __init__(
-        self,
-        train_batches: ItemBatches,
-        model: Any,
-        env: DistributedEnv,
-        label_names: Sequence[str] | None,
-        generation_kwargs: Mapping[str, Any],
-        synced_gpus: bool,
-    ) -> None:
-        super().__init__(train_batches, model, env, label_names)
+    def __init__(self, generation_kwargs: Mapping[str, Any], synced_gpus: bool) -> None:
         self.generation_kwargs = {k: v for k, v in generation_kwargs.items() if v is not None}
         self.synced_gpus = synced_gpus
         """Every rank runs as many forwards as the longest generation (sharded parameters: FSDP, ZeRO-3)."""
 
-    def eval_batch(
-        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
-    ) -> EvalOutput:
-        evaluated = super().eval_batch(model, batch, cpu_batch, outputs=False, rows=rows)
-        if not outputs:
-            return evaluated
+    def predict(self, model: torch.nn.Module, batch: dict[str, Any], evaluated: EvalOutput) -> EvalOutput:
+        """``evaluated`` (the batch's loss) with the generated ids as predictions and the labels padded alike."""
         generator: Any = model if hasattr(model, "generate") else model.module  # DDP / DeepSpeed wrap it
         labels = batch.get("labels")
         dropped = {"labels", NUM_ITEMS_KEY}

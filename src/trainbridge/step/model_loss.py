@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,6 +36,9 @@ from trainbridge.data.stream_batches import StreamStep
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import is_causal_lm, unwrap_peft
 from trainbridge.step.base import EvalOutput, StepBatches, TrainSource, TrainStep
+
+if TYPE_CHECKING:
+    from trainbridge.step.generated import Generation
 
 NUM_ITEMS_KEY = "num_items_in_batch"
 """The batch entry that carries the step's item count to the forward (Trainer passes it the same way)."""
@@ -145,9 +148,12 @@ class ModelLoss(TrainStep):
         model: Any,
         env: DistributedEnv,
         label_names: Sequence[str] | None = None,
+        generation: Generation | None = None,
     ) -> None:
         self.train_batches = train_batches
         self.env = env
+        self.generation = generation
+        """The predictions seam: None, the forward's outputs; else generated ids (``predict_with_generate``)."""
         self.label_names = list(label_names) if label_names else default_label_names(model)
         self.counts_items = accepts_loss_kwargs(model)
         inner = unwrap_peft(model)
@@ -184,6 +190,18 @@ class ModelLoss(TrainStep):
     def eval_batch(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
+        """The step's loss of the batch and, with ``outputs``, its predictions: the forward's (``eval_loss``), or
+        generated ids with the model's own loss, as ``Seq2SeqTrainer.prediction_step`` (``generation``)."""
+        if outputs and self.generation is not None:
+            return self.generation.predict(
+                model, batch, ModelLoss.eval_loss(self, model, batch, cpu_batch, False, rows)
+            )
+        return self.eval_loss(model, batch, cpu_batch, outputs, rows)
+
+    def eval_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
+    ) -> EvalOutput:
+        """The step's loss of one validation batch and, with ``outputs``, the forward's predictions."""
         # a loss without labels when the batch asks for one (``return_loss=True``: CLIP-like), as Trainer
         has_labels = all(batch.get(name) is not None for name in self.label_names) or batch.get("return_loss") is True
         scale = 1.0

@@ -11,8 +11,8 @@ metrics (``token_metrics.TokenMetrics``) from the micro-batches' full logits, in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -22,7 +22,8 @@ from trainbridge.data.loss import forward_logits, logits_loss_sum, token_loss_su
 from trainbridge.data.plan import StepPlan
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
-from trainbridge.step.token_metrics import TokenMetrics, eval_logs, token_metric_sums
+from trainbridge.step.metric_rows import MetricRows
+from trainbridge.step.token_metrics import TOKEN_SUMS, TokenMetrics, eval_logs, token_metric_sums
 
 PLAN_SAMPLE_STEPS = 64
 """Steps of the first epoch's plan the run plan averages its "effective batch" line over."""
@@ -41,9 +42,8 @@ class TokenCrossEntropy(TrainStep):
         self.max_batch_len = max_batch_len
         self.padded = padded
         self.token_metrics = TokenMetrics() if token_metrics else None
-        self._micro_sums: list[torch.Tensor] = []
-        self._micro_inputs: list[int] = []
-        self._eval_sums: list[torch.Tensor] = []
+        self.metrics = MetricRows((*TOKEN_SUMS, "input_tokens"))
+        self.eval_metrics = MetricRows(TOKEN_SUMS)
 
     def prepare(self, step: StepPlan) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
@@ -59,26 +59,19 @@ class TokenCrossEntropy(TrainStep):
         if self.token_metrics is None:
             return token_loss_sum(model, batch, num_tokens=int(units))[0]
         logits = forward_logits(model, batch)
-        self._micro_sums.append(token_metric_sums(logits, batch["labels"]))
-        mask = batch.get("attention_mask")
-        self._micro_inputs.append(int(batch["input_ids"].numel()) if mask is None else -1)
-        if mask is not None:  # padded rows: count the attended tokens on the device (read with the step)
-            self._micro_sums[-1] = torch.cat([self._micro_sums[-1], mask.sum().float().reshape(1)])
+        sums = token_metric_sums(logits, batch["labels"])
+        mask = batch.get("attention_mask")  # padded rows: the attended tokens, counted on the device
+        inputs = float(batch["input_ids"].numel()) if mask is None else mask.sum().float()
+        self.metrics.record({**dict(zip(TOKEN_SUMS, sums.unbind(), strict=True)), "input_tokens": inputs}, sums.device)
         return logits_loss_sum(logits, batch["labels"], int(units))[0]
 
-    def metric_sums(self) -> list[torch.Tensor | float]:
-        sums: list[torch.Tensor | float] = []
-        for row, inputs in zip(self._micro_sums, self._micro_inputs, strict=True):
-            sums.extend(row[:3])
-            sums.append(row[3] if inputs < 0 else float(inputs))
-        self._micro_sums.clear()
-        self._micro_inputs.clear()
-        return sums
+    def metric_sums(self) -> dict[str, torch.Tensor | float]:
+        return self.metrics.sums()
 
-    def add_metric_sums(self, sums: Sequence[float]) -> None:
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
         if self.token_metrics is not None:
-            for i in range(0, len(sums), 4):
-                self.token_metrics.add(list(sums[i : i + 3]), input_tokens=int(sums[i + 3]))
+            for row in self.metrics.rows_of(sums):
+                self.token_metrics.add([row[key] for key in TOKEN_SUMS], input_tokens=int(row["input_tokens"]))
 
     def metric_logs(self) -> dict[str, float]:
         return {} if self.token_metrics is None else self.token_metrics.log()
@@ -91,21 +84,21 @@ class TokenCrossEntropy(TrainStep):
             return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
         logits = forward_logits(model, batch)  # full logits are needed for the predictions and the metrics
         if self.token_metrics is not None:  # read once, after the evaluation (eval_metric_sums)
-            self._eval_sums.append(token_metric_sums(logits, batch["labels"]))
+            sums = token_metric_sums(logits, batch["labels"])
+            self.eval_metrics.record(dict(zip(TOKEN_SUMS, sums.unbind(), strict=True)), sums.device)
         loss_sum = logits_loss_sum(logits, batch["labels"], n_tokens)[0]
         if not outputs:
             return EvalOutput(loss_sum, n_tokens)
         return EvalOutput(loss_sum, n_tokens, logits, batch["labels"])
 
-    def eval_metric_sums(self) -> list[float]:
-        rows, self._eval_sums = self._eval_sums, []
-        return [float(v) for v in torch.stack(rows).flatten().tolist()] if rows else []
+    def eval_metric_sums(self) -> dict[str, float]:
+        return cast("dict[str, float]", self.eval_metrics.sums(read=True))
 
-    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+    def eval_metric_logs(self, sums: Mapping[str, float]) -> dict[str, float]:
         """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` of an evaluation (``eval_logs``)."""
         if self.token_metrics is None:
             return {}
-        return eval_logs(list(sums), self.token_metrics.total_tokens)
+        return eval_logs(self.eval_metrics.rows_of(sums), self.token_metrics.total_tokens)
 
     def describe_batches(self, effective_batch_size: int) -> str:
         plan_steps = self.train_batches.plan.steps[:PLAN_SAMPLE_STEPS]  # steps are packed when read

@@ -16,6 +16,9 @@ import torch
 
 from trainbridge.data.types import IGNORE_INDEX
 
+TOKEN_SUMS = ("entropy", "hits", "tokens")
+"""The names of ``token_metric_sums``' values, in its order."""
+
 
 def token_metric_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``[entropy sum, top-1 hits, scored tokens]`` of ``logits`` ``[B, T, V]`` against ``labels`` ``[B, T]``
@@ -59,11 +62,11 @@ class TokenMetrics:
         return logs
 
 
-def eval_logs(sums: list[float], total_tokens: int) -> dict[str, float]:
+def eval_logs(rows: list[dict[str, float]], total_tokens: int) -> dict[str, float]:
     """An evaluation's ``entropy``/``mean_token_accuracy`` (the mean over its batches of each batch's ratio,
-    ``sums`` holding every batch's ``token_metric_sums`` reduced over ranks, three values a batch) and
+    ``rows`` holding every batch's ``token_metric_sums`` reduced over ranks, by ``TOKEN_SUMS`` name) and
     ``num_tokens``, the training's input tokens so far, as trl's ``SFTTrainer`` logs them."""
     metrics = TokenMetrics(total_tokens=total_tokens)
-    for i in range(0, len(sums), 3):
-        metrics.add(list(sums[i : i + 3]))
+    for row in rows:
+        metrics.add([row[key] for key in TOKEN_SUMS])
     return metrics.log()

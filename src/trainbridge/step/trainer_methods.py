@@ -14,14 +14,15 @@ the loop's loss sum is that value divided by ``scale``, so the logged loss is Tr
 Evaluation calls ``methods.prediction_step(model, inputs, prediction_loss_only, num_items_in_batch)``, with
 the batch's items over every rank counted as in training (Trainer's ``prediction_step`` counts them); its
 ``(loss, logits, labels)`` give the batch's loss (weighted by the batch's rows, as Trainer's ``eval_loss``)
-and what ``compute_metrics`` gets.
+and what ``compute_metrics`` gets; with ``predict_with_generate`` (the ``generation`` seam) the predictions are
+generated ids and the loss the model's own, as ``Seq2SeqTrainer.prediction_step`` gives them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +31,9 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import OPAQUE_BATCH
 from trainbridge.step.base import EvalOutput
 from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
+
+if TYPE_CHECKING:
+    from trainbridge.step.generated import Generation
 
 
 class TrainerMethodsStep(ModelLoss):
@@ -44,8 +48,9 @@ class TrainerMethodsStep(ModelLoss):
         env: DistributedEnv,
         methods: TrainerMethods,
         label_names: Sequence[str] | None = None,
+        generation: Generation | None = None,
     ) -> None:
-        super().__init__(train_batches, model, env, label_names)
+        super().__init__(train_batches, model, env, label_names, generation)
         self.methods = methods
         self.counts_items = self.counts_items or bool(methods.counts_items)
 
@@ -79,7 +84,7 @@ class TrainerMethodsStep(ModelLoss):
             "TrainerMethodsStep runs the script's training_step, which backpropagates itself: use micro_step"
         )
 
-    def eval_batch(
+    def eval_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
     ) -> EvalOutput:
         count = None

@@ -19,8 +19,8 @@ __all__ = ["Trainer", "UnsupportedTrainerFeatureError"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so ``python -m trainbridge.trainer.runner`` (the workers) does not load the
-    # facade first.
+    # Imported on first use: ``python script.py`` asking for several processes is re-executed under torchrun
+    # here (``launch_script``), before the facade (and torch's distributed set-up) is imported.
     if name in __all__:
         from trainbridge.launch.script_launch import launch_script
 

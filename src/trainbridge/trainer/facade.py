@@ -25,13 +25,15 @@ import errno
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import transformers
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.config.plan import RunPlan, StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.stream_batches import is_stream
@@ -39,7 +41,9 @@ from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, w
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
+from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
+from trainbridge.trainer.subclass_data import subclass_loader
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -49,6 +53,14 @@ class UnsupportedTrainerFeatureError(ValueError):
 
 
 if TYPE_CHECKING:
+    import datasets
+    import torch
+    from torch.utils.data import Dataset, IterableDataset
+
+    from trainbridge.core.config.plan import Collator
+
+    ScriptDataset: TypeAlias = Dataset[Any] | IterableDataset[Any] | datasets.Dataset | datasets.IterableDataset
+    """What Trainer takes as ``train_dataset`` / ``eval_dataset`` (a named ``eval_dataset`` is a dict of them)."""
     _TrainerBase = transformers.Trainer
 else:
     _TrainerBase = object  # a mixin: the Trainer class follows it in the bases
@@ -60,6 +72,15 @@ class LoopTrainer(_TrainerBase):
     ``_check_launch`` before that class's constructor and ``_init_loop`` after it."""
 
     torchrun_args: TorchrunArgs | None
+    stands_in_for: tuple[str, ...] = ()
+    """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
+    the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
+    step_factory: StepFactory | None = None
+    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.step_factory``."""
+    token_metrics: bool = False
+    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
+    rows_are_items: bool = False
+    """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
 
@@ -93,7 +114,7 @@ class LoopTrainer(_TrainerBase):
             raise ScriptLaunchError(problem)
 
     @staticmethod
-    def _private_output_dir(config: Any) -> None:
+    def _private_output_dir(config: object) -> None:
         """Create ``config.output_dir`` private (0700) before the Trainer class's constructor creates it with
         the umask's mode (a ``TrainingArguments`` that saves from this process; anything else: nothing)."""
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
@@ -107,12 +128,12 @@ class LoopTrainer(_TrainerBase):
                     f"folder ({error.strerror or error}); choose another output_dir"
                 ) from error
 
-    def _init_loop(self, torchrun_args: TorchrunArgs | None, given_collator: Any, peft_config: Any = None) -> None:
+    def _init_loop(
+        self, torchrun_args: TorchrunArgs | None, given_collator: Collator | None, peft_config: object = None
+    ) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
-        if not hasattr(self, "_model_source"):
-            self._model_source: Path | None = None
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
         optimizers = (self.optimizer, self.lr_scheduler)
         self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
@@ -173,25 +194,25 @@ class LoopTrainer(_TrainerBase):
         bound.arguments["callbacks"] = native_callbacks.held_all(bound.arguments["callbacks"])
         return bound.args, bound.kwargs
 
-    def add_callback(self, callback: Any) -> None:
+    def add_callback(self, callback: native_callbacks.AnyCallback) -> None:
         """Trainer's ``add_callback``; a native callback (``trainbridge.Callback``, a function) too."""
         super().add_callback(native_callbacks.held(callback))
 
-    def pop_callback(self, callback: Any) -> Any:
+    def pop_callback(self, callback: native_callbacks.AnyCallback) -> Any:
         """Trainer's ``pop_callback``; a native callback (object or class) too, returned as it was added."""
         holder = native_callbacks.find(self.callback_handler, callback)
         if isinstance(holder, native_callbacks.NativeCallback):
             self.callback_handler.callbacks.remove(holder)
             return holder.native
-        return super().pop_callback(callback)
+        return super().pop_callback(cast("transformers.TrainerCallback", callback))
 
-    def remove_callback(self, callback: Any) -> None:
+    def remove_callback(self, callback: native_callbacks.AnyCallback) -> None:
         """Trainer's ``remove_callback``; a native callback (object or class) too."""
         holder = native_callbacks.find(self.callback_handler, callback)
         if isinstance(holder, native_callbacks.NativeCallback):
             self.callback_handler.callbacks.remove(holder)
             return
-        super().remove_callback(callback)
+        super().remove_callback(cast("transformers.TrainerCallback", callback))
 
     def _reporting_ids(self) -> set[int]:
         """The ``report_to`` integration callbacks Trainer's constructor added (ids)."""
@@ -217,19 +238,50 @@ class LoopTrainer(_TrainerBase):
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
-            items=script_data.uses_sample_batches(self.model, self._collator_choice)
+            items=self.rows_are_items
+            or script_data.uses_sample_batches(self.model, self._collator_choice)
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
 
+    def generation_fields(self) -> dict[str, Any]:
+        """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
+        return {}
+
+    def run_plan(self) -> RunPlan:
+        """The code of this instance's run (``RunPlan``), decided here from its class (what it overrides:
+        ``trainer.subclass``) and objects; a class with a step of its own sets ``step_factory``.  The data
+        (``script_data``) is prepared on every rank beside it (``job_args``)."""
+        from trainbridge.trainer.job_args import LiveModel
+
+        events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
+        callbacks = self._script_callbacks()
+        reproduced = self._collator_choice.reproduced and not self._row_preparation().items
+        seams: dict[str, Any] = dict(  # transformers types them as callables of its own
+            model_init=LiveModel(self),  # the script's model object
+            step_factory=self.step_factory,
+            trainer_methods=subclass.subclass_loss(self),
+            data_collator=None if reproduced else self.data_collator,
+            train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
+            # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
+            train_loader=subclass_loader(self),
+            evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
+            optimizer_factory=self._optimizer_factory,
+            checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            callbacks=[events, *callbacks] if events is not None else callbacks,
+        )
+        return RunPlan(**seams)
+
     # ================================================================== train: trainbridge's loop
     def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
-        trial: Any = None,
+        trial: object = None,
         ignore_keys_for_eval: list[str] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> Any:
         """Train with trainbridge's loop, in place; returns ``TrainOutput(global_step, training_loss, metrics)``
         as Trainer's ``train`` (see the module doc)."""
@@ -260,7 +312,7 @@ class LoopTrainer(_TrainerBase):
     # ================================================================== the loop's calls into the instance
     def evaluate(
         self,
-        eval_dataset: Any = None,
+        eval_dataset: ScriptDataset | dict[str, ScriptDataset] | None = None,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
         **kwargs: Any,
@@ -319,7 +371,7 @@ class LoopTrainer(_TrainerBase):
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: torch.nn.Module, trial: object) -> None:
         """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model
         part, ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
         writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
@@ -327,7 +379,7 @@ class LoopTrainer(_TrainerBase):
             raise UnsupportedTrainerFeatureError("_save_checkpoint runs inside train(), at each checkpoint")
         self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+    def push_to_hub(self, *args: object, **kwargs: object) -> Any:
         """Not supported: trainbridge never reaches a model hub."""
         raise UnsupportedTrainerFeatureError(
             "push_to_hub: trainbridge does not upload to a model hub. trainer.save_model() and "
@@ -341,21 +393,21 @@ class Trainer(LoopTrainer, transformers.Trainer):
 
     def __init__(
         self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        model_init: Any = None,
-        compute_loss_func: Any = None,
-        compute_metrics: Any = None,
-        callbacks: list[Any] | None = None,
+        model: torch.nn.Module | str | os.PathLike[str] | None = None,
+        args: transformers.TrainingArguments | None = None,
+        data_collator: Collator | None = None,
+        train_dataset: ScriptDataset | None = None,
+        eval_dataset: ScriptDataset | dict[str, ScriptDataset] | None = None,
+        processing_class: transformers.PreTrainedTokenizerBase | transformers.ProcessorMixin | None = None,
+        model_init: Callable[..., transformers.PreTrainedModel] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        compute_metrics: Callable[[transformers.EvalPrediction], dict[str, Any]] | None = None,
+        callbacks: list[native_callbacks.AnyCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
-        optimizer_cls_and_kwargs: Any = None,
-        preprocess_logits_for_metrics: Any = None,
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         *,
-        tokenizer: Any = None,
+        tokenizer: transformers.PreTrainedTokenizerBase | None = None,
         torchrun_args: TorchrunArgs | None = None,
         **kwargs: Any,
     ) -> None:
@@ -372,12 +424,10 @@ class Trainer(LoopTrainer, transformers.Trainer):
             args = transformers.TrainingArguments(output_dir="trainer_output")
         script_data.check_stream_steps(train_dataset, args)
         self._private_output_dir(args)
-        self._model_source = None
         if isinstance(model, str | os.PathLike):  # trl's Trainers take a path: loaded here, as trl loads it
             from trainbridge.modeling.load import load_saved_model
 
-            self._model_source = Path(model)
-            model = load_saved_model(self._model_source, **_model_init_kwargs(args))
+            model = load_saved_model(Path(model), **_model_init_kwargs(args))
         init: dict[str, Any] = dict(
             model=model,
             args=args,
@@ -417,7 +467,7 @@ def _reject_unsupported(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _model_init_kwargs(args: Any) -> dict[str, Any]:
+def _model_init_kwargs(args: transformers.TrainingArguments) -> dict[str, Any]:
     """trl's ``model_init_kwargs`` (``from_pretrained`` keyword arguments) of a config, dtypes resolved."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
     dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype")

@@ -12,13 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.config.plan import ExistingModel
-from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
-from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.script_data import script_inputs
-from trainbridge.trainer.subclass import script_events, subclass_evaluation, subclass_loss
-from trainbridge.trainer.subclass_data import subclass_loader
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
@@ -44,35 +40,19 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
     ``train(resume_from_checkpoint=...)``."""
     from trainbridge.hf.porting import training_args_from_hf
 
-    events = script_events(trainer)  # a subclass's log, optimizer... (trainer.subclass)
-    callbacks = trainer._script_callbacks()
+    plan = trainer.run_plan()  # the code of the run, decided from the instance's class
+    callbacks = plan.callbacks
     data, longest = script_inputs(
         trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), trainer._row_preparation()
     )
-    fields: dict[str, Any] = {
-        "script_data": data,  # the script's datasets and tokenizer, read in place
-        "callbacks": [events, *callbacks] if events is not None else callbacks,
-        "compute_metrics": trainer.compute_metrics,
-        "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
-        "data_collator": None if trainer._collator_choice.reproduced else trainer.data_collator,
-        "trainer_methods": subclass_loss(trainer),
-        "evaluation": subclass_evaluation(trainer),  # a subclass's evaluate, around each evaluation in train()
-        "optimizer_factory": trainer._optimizer_factory,
-        "model_init": LiveModel(trainer),  # the script's model object
-        "checkpoint_model_files": subclass_save(trainer),  # a subclass's _save / save_model
-        "train_step": getattr(trainer, "step_factory", None),  # a facade subclass's own step (DPOTrainer)
-        "train_stream": trainer.train_dataset if is_stream(trainer.train_dataset) else None,  # iterated in the workers
-        # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
-        "train_loader": subclass_loader(trainer),
-    }
+    fields: dict[str, Any] = {name: value for name, value in plan.keywords().items() if value is not None}
+    fields["script_data"] = data  # the script's datasets and tokenizer, read in place
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
-    generation_fields = getattr(trainer, "generation_fields", None)  # Seq2SeqTrainer: predict_with_generate
-    if generation_fields is not None:
-        fields.update(generation_fields())
-    if getattr(trainer, "token_metrics", False):  # trl's SFTTrainer: its logged metrics, per validation batch
+    fields.update(trainer.generation_fields())  # Seq2SeqTrainer: predict_with_generate
+    if trainer.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
         eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
         if eval_batch:
@@ -107,12 +87,9 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
 
 
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
-    """The ``model_loss`` fields of a job whose workers train on the datasets' items (``RowPreparation.items``)."""
+    """The ``model_loss`` fields of a job that trains on the datasets' items (``RowPreparation.items``)."""
     hf = trainer.args
-    fields: dict[str, Any] = {
-        "training_step": "model_loss",
-        "data_collator": trainer.data_collator,
-    }
+    fields: dict[str, Any] = {"training_step": "model_loss"}
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
         fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)

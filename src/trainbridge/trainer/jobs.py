@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trainbridge.core.config import TorchrunArgs
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args
-from trainbridge.trainer.runner import FacadeJob, run_job
+from trainbridge.trainer.runner import run_job
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
@@ -25,7 +25,7 @@ def world_size_of(torchrun_args: TorchrunArgs) -> int:
     return torchrun_args.nproc_per_node * int(str(torchrun_args.nnodes).split(":")[-1])
 
 
-def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
+def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     """Train ``trainer``'s model in place -> ``(this rank's result, the run's TrainerState)``."""
     env = trainer._start_env()
     # every rank reads the script's data itself; one that fails fails every rank at once
@@ -34,7 +34,7 @@ def train(trainer: Trainer, resume: Any) -> tuple[RunResult, Any]:
     if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
         trainer.accelerator._models.append(trainer.model)
     try:
-        outcome = run_job(FacadeJob("train", args), env)
+        outcome = run_job(args, env)
     finally:
         trainer.callback_handler, trainer.control = handler, control
     trainer._loop = outcome.loop

@@ -10,17 +10,23 @@ every event with its context.  ``pop_callback``/``remove_callback`` find it by i
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
+from trainbridge.core.callback import Callback
 from trainbridge.hf.handler import is_hf_callback
+
+AnyCallback: TypeAlias = "TrainerCallback | type[TrainerCallback] | Callback | type[Callback] | Callable[..., Any]"
+"""What ``callbacks=`` / ``add_callback`` take: a ``TrainerCallback`` or a native callback, object or class."""
 
 
 class NativeCallback(TrainerCallback):
     """A native callback held by Trainer's ``CallbackHandler`` (silent there; the loop runs ``native``)."""
 
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: AnyCallback) -> None:
         self.native = native
 
     def __repr__(self) -> str:
@@ -30,7 +36,7 @@ class NativeCallback(TrainerCallback):
 _HOLDERS: dict[Any, type[NativeCallback]] = {}
 
 
-def held(callback: Any) -> Any:
+def held(callback: AnyCallback) -> Any:
     """``callback`` as Trainer's handler may hold it: a ``TrainerCallback`` as it is, anything else (a class
     instantiated, as Trainer's handler does) wrapped in a ``NativeCallback`` subclass named after it (the
     handler warns when one class is added twice)."""
@@ -45,17 +51,17 @@ def held(callback: Any) -> Any:
     return holder(callback)
 
 
-def held_all(callbacks: Any) -> Any:
+def held_all(callbacks: list[AnyCallback] | None) -> list[Any] | None:
     """A ``callbacks=`` argument with each native callback wrapped (None stays None)."""
     return None if callbacks is None else [held(cb) for cb in callbacks]
 
 
-def unwrapped(callback: Any) -> Any:
+def unwrapped(callback: AnyCallback) -> AnyCallback:
     """What the loop runs for a callback of Trainer's handler."""
     return callback.native if isinstance(callback, NativeCallback) else callback
 
 
-def matches(holder: Any, callback: Any) -> bool:
+def matches(holder: TrainerCallback, callback: AnyCallback) -> bool:
     """Whether the handler's ``holder`` is ``callback`` (an object, or a class: any of its instances)."""
     native = unwrapped(holder)
     if isinstance(callback, type):
@@ -63,6 +69,6 @@ def matches(holder: Any, callback: Any) -> bool:
     return native is callback or holder is callback
 
 
-def find(handler: Any, callback: Any) -> Any:
+def find(handler: CallbackHandler, callback: AnyCallback) -> TrainerCallback | None:
     """The first callback of ``handler`` that ``matches`` ``callback``, or None."""
     return next((cb for cb in handler.callbacks if matches(cb, callback)), None)

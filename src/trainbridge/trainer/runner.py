@@ -1,6 +1,6 @@
 """Running ``Trainer.train()``'s job on this rank: the loop with the run's callbacks, in place.
 
-``run_job(job, env, trainer)`` is called on every rank: the training loop with the job's callbacks, whose
+``run_job(args, env)`` is called on every rank: the training loop with the job's callbacks, whose
 ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's printer / progress bar) hold the run's
 ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state, handler
 and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
@@ -33,14 +33,6 @@ def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCall
 
 
 @dataclass
-class FacadeJob:
-    """``train()``'s job: its arguments."""
-
-    kind: str
-    args: TrainingArgs
-
-
-@dataclass
 class JobOutcome:
     """What the job leaves on this rank."""
 
@@ -49,15 +41,13 @@ class JobOutcome:
     result: RunResult | None = None
 
 
-def run_job(job: FacadeJob, env: DistributedEnv, trainer: Any = None) -> JobOutcome:
-    """Run ``job`` on this rank (every rank calls it); see the module doc."""
-    if job.kind != "train":
-        raise ValueError(f"unknown facade job kind {job.kind!r}")
-    run_callbacks, hf = with_trainer_state(assemble_callbacks(job.args))
+def run_job(args: TrainingArgs, env: DistributedEnv) -> JobOutcome:
+    """Run ``train()``'s job of ``args`` on this rank (every rank calls it); see the module doc."""
+    run_callbacks, hf = with_trainer_state(assemble_callbacks(args))
     hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
-    bind_state(job.args.plan, hf)  # the instance's self.state / callback_handler / control are the run's
-    loop = TrainingLoop(job.args, env, run_callbacks, build_run(job.args, env))
+    bind_state(args.plan, hf)  # the instance's self.state / callback_handler / control are the run's
+    loop = TrainingLoop(args, env, run_callbacks, build_run(args, env))
     result = loop.run()
     if env.is_world_process_zero:
-        result.write(result_file(job.args.ckpt_output_dir))
+        result.write(result_file(args.ckpt_output_dir))
     return JobOutcome(loop=loop, hf=hf, result=result)

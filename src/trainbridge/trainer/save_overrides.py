@@ -1,11 +1,11 @@
 """A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` run where Trainer runs them: at each
-checkpoint, in the workers, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
+checkpoint, on every rank, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
 
 ``SubclassSave`` is the ``RunPlan.checkpoint_model_files`` of such a subclass's train job
 (``checkpoint.model_files.ModelFiles``).  The checkpoint manager stays the one writer of the checkpoint
 folder (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation); inside the
 checkpoint's temporary folder, before publication, it calls ``SubclassSave.write`` on every rank (Trainer
-calls these on every rank too), which calls the worker-side instance's methods as Trainer chains them:
+calls these on every rank too), which calls the instance's methods as Trainer chains them:
 
 - ``_save_checkpoint(model, trial=None)``: Trainer's ``super()`` writes the whole checkpoint into
   ``<output_dir>/checkpoint-<step>``, and overrides add files there (or, as LLaVA's, write only some weights
@@ -35,7 +35,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,15 +44,18 @@ from trainbridge.checkpoint.model_files import HFModelFiles
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
 
+if TYPE_CHECKING:
+    from trainbridge.trainer.facade import LoopTrainer
+
 logger = logging.getLogger(__name__)
 
 SAVE_METHODS = ("_save", "save_model", "_save_checkpoint")
-"""The saving methods a subclass may override (each run at every checkpoint, in the workers)."""
+"""The saving methods a subclass may override (each run at every checkpoint, on every rank)."""
 
 
 @dataclass
 class CheckpointWrite:
-    """On the worker-side instance while a checkpoint's model files are written: what the facade's
+    """``LoopScope.checkpoint`` while a checkpoint's model files are written: what the facade's
     ``_save_checkpoint`` / ``save_model`` / ``_save`` use there."""
 
     model: Any
@@ -63,7 +66,7 @@ class CheckpointWrite:
     weights_dtype: torch.dtype | None
     is_rank_zero: bool
 
-    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: Any) -> None:
+    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: object) -> None:
         """``Trainer._save``: rank 0 writes the model's files (``state_dict``, else the gathered weights) as
         the checkpoint would, the tokenizer and ``training_args.bin``; other ranks nothing."""
         if not self.is_rank_zero:
@@ -86,11 +89,11 @@ class SubclassSave:
 
     def write(
         self,
-        model: Any,
+        model: torch.nn.Module,
         folder: Path,
         step: int,
         state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
+        tokenizer: object,
         weights_dtype: torch.dtype | None,
         is_rank_zero: bool,
     ) -> None:
@@ -102,7 +105,7 @@ class SubclassSave:
                 instance.save_model(str(folder), _internal_call=True)
 
 
-def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) -> None:
+def _save_checkpoint_into(instance: LoopTrainer, model: torch.nn.Module, folder: Path, step: int) -> None:
     """``instance._save_checkpoint(model, None)`` with ``<args.output_dir>/checkpoint-<step>`` leading to
     ``folder`` (see the module doc)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -129,7 +132,7 @@ def _save_checkpoint_into(instance: Any, model: Any, folder: Path, step: int) ->
         shutil.rmtree(stage)
 
 
-def subclass_save(trainer: Any) -> SubclassSave | None:
+def subclass_save(trainer: LoopTrainer) -> SubclassSave | None:
     """The ``checkpoint_model_files`` of ``trainer``'s train jobs: a ``SubclassSave`` when its class overrides
     one of ``SAVE_METHODS``, else None (the checkpoint's default files)."""
     if not overrides(type(trainer), SAVE_METHODS):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from trainbridge.core.config.plan import EvaluationRun
     from trainbridge.trainer.save_overrides import CheckpointWrite
@@ -31,7 +31,9 @@ class LogCapture:
         self.control = control
         self.logs: dict[str, Any] | None = None
 
-    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> Any:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any]
+    ) -> Any:
         self.logs = logs
         return control
 

@@ -44,7 +44,8 @@ from trainbridge.trainer.scope import LogCapture, LoopScope
 from trainbridge.trainer.script_data import column_items
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
 
     from trainbridge.core.config.plan import EvaluationRun, RunPlan
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
@@ -99,9 +100,9 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(of: Any, names: tuple[str, ...]) -> bool:
+def overrides(of: LoopTrainer | type[LoopTrainer], names: tuple[str, ...]) -> bool:
     """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
-    an instance.  A library's method that trainbridge stands in for (``STANDS_IN_FOR``) does not
+    an instance.  A library's method that trainbridge stands in for (``LoopTrainer.stands_in_for``) does not
     count: only a class below the one declaring it (the script's subclass) overrides it."""
     cls = of if isinstance(of, type) else type(of)
     stood_in = _stood_in(of)
@@ -110,22 +111,15 @@ def overrides(of: Any, names: tuple[str, ...]) -> bool:
     )
 
 
-STANDS_IN_FOR = "stands_in_for"
-"""The attribute (of a trainbridge class, or of its instance) naming the library's methods that trainbridge
-stands in for (trl's ``compute_loss``/``training_step``, reproduced by trainbridge's own step...): that
-class's bases defining them are not the script's overrides (``overrides``)."""
-
-
-def _stood_in(of: Any) -> dict[str, tuple[type, ...]]:
-    """``{method: the classes whose definition of it trainbridge's step stands in for}``."""
+def _stood_in(of: LoopTrainer | type[LoopTrainer]) -> dict[str, tuple[type, ...]]:
+    """``{method: the classes whose definition of it trainbridge's step stands in for}``: the class declaring
+    ``stands_in_for`` (the instance's value: trl's own step may run instead) and those above it."""
     cls = of if isinstance(of, type) else type(of)
-    for owner in cls.__mro__:
-        if STANDS_IN_FOR in vars(owner):
-            return {name: owner.__mro__ for name in getattr(of, STANDS_IN_FOR)}
-    return {}
+    owner = next((klass for klass in cls.__mro__ if "stands_in_for" in vars(klass)), None)
+    return {name: owner.__mro__ for name in of.stands_in_for} if owner is not None else {}
 
 
-def instance_batches(trainer: Any) -> bool:
+def instance_batches(trainer: LoopTrainer) -> bool:
     """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
     how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
     return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
@@ -182,7 +176,7 @@ class ScriptTrainer:
         return LoopScope(state=hf.state, handler=hf.handler, control=hf.control)
 
     @contextmanager
-    def call(self, model: Any = None, **within: Any) -> Iterator[LoopTrainer]:
+    def call(self, model: torch.nn.Module | None = None, **within: Any) -> Iterator[LoopTrainer]:
         """The instance, in a ``LoopScope`` for one call of the loop's into it: the scope around with
         ``within`` (``LoopScope``'s fields) and ``model`` (the engine's) as ``model_wrapped``.  Its state,
         handler and control are set on the instance, as Trainer's own code reads them; afterwards the scope
@@ -253,7 +247,7 @@ class EvaluationEvents:
     _run: EvaluationRun
     _script: ScriptTrainer
 
-    def __init__(self, handler: Any, run: EvaluationRun, script: ScriptTrainer) -> None:
+    def __init__(self, handler: CallbackHandler, run: EvaluationRun, script: ScriptTrainer) -> None:
         object.__setattr__(self, "_handler", handler)
         object.__setattr__(self, "_run", run)
         object.__setattr__(self, "_script", script)
@@ -261,10 +255,12 @@ class EvaluationEvents:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(self._handler, name, value)  # eval_dataloader, set by Trainer's evaluation_loop
 
-    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> Any:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any]
+    ) -> Any:
         history = state.log_history
         if history and history[-1] == {**logs, "step": state.global_step}:
             history.pop()  # Trainer.log's entry: the run's TrainerState records the loop's log itself
@@ -272,7 +268,9 @@ class EvaluationEvents:
             self._run.log(logs)
         return self._control(control)
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]) -> Any:
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]
+    ) -> Any:
         self._run.evaluate(metrics)
         return self._control(control)
 
@@ -375,7 +373,7 @@ def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
     return script_trainer(trainer)
 
 
-def _neftune(trainer: Any) -> float | None:
+def _neftune(trainer: LoopTrainer) -> float | None:
     """The instance's ``neftune_noise_alpha`` (Trainer's constructor copies it from ``args``), or None."""
     alpha = getattr(trainer, "neftune_noise_alpha", None)
     return float(alpha) if alpha is not None else None

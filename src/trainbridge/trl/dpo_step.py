@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, EvalSource, StepBatches, TrainStep
+from trainbridge.step.metric_rows import MetricRows
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import (
     METRIC_KEYS,
@@ -35,6 +36,7 @@ from trainbridge.trl.preference_loss import (
     SequenceLogps,
     combine_terms,
     dpo_loss_terms,
+    dpo_metric_sums,
     pair_weights,
 )
 from trainbridge.trl.sequence_logps import SequenceStats, pack_pairs, sequence_stats
@@ -54,7 +56,7 @@ METRIC_COLUMNS = (
     *METRIC_KEYS,
     "pairs",
 )
-"""One micro-batch's sums, in the order ``metric_sums`` reports them."""
+"""The names of one micro-batch's metric sums (``step.metric_rows``)."""
 
 
 @dataclass(frozen=True)
@@ -187,9 +189,7 @@ class PreferenceStep(TrainStep):
             ref_model.eval().requires_grad_(False)
         self.eval_batches = eval_batches
         self.named_eval_batches = named_eval_batches or {}
-        self._rows: list[torch.Tensor] = []
-        self._eval_rows: list[torch.Tensor] = []
-        self._logged: list[list[float]] = []
+        self.metrics, self.eval_metrics = MetricRows(METRIC_COLUMNS), MetricRows(METRIC_COLUMNS)
         self._total_tokens = 0.0
         self._chosen_tokens = 0.0
 
@@ -234,66 +234,51 @@ class PreferenceStep(TrainStep):
             (t.weight * t.total * (step_pairs / counts[t.normaliser]) for t in terms),
             torch.zeros((), device=policy.chosen.device),
         )
-        self._rows.append(self._metric_row(stats, policy, reference, batch["packed"]))
+        self.metrics.record(self._metric_row(stats, policy, reference, batch["packed"]), policy.chosen.device)
         return loss
 
-    def _metric_row(self, stats: Any, policy: SequenceLogps, reference: SequenceLogps, packed: Any) -> torch.Tensor:
+    def _metric_row(
+        self, stats: Any, policy: SequenceLogps, reference: SequenceLogps, packed: Any
+    ) -> dict[str, torch.Tensor | float]:
         pairs = packed.pairs
         with torch.no_grad():
-            chosen_rewards = self.settings.beta * (policy.chosen - reference.chosen).detach()
-            rejected_rewards = self.settings.beta * (policy.rejected - reference.rejected).detach()
             tokens = stats.tokens.float()
-            values = [
-                stats.entropy.sum(),
-                tokens.sum(),
-                torch.tensor(float(packed.batch["input_ids"].numel())),
-                stats.mean_logits[:pairs].sum(),
-                tokens[:pairs].sum(),
-                stats.mean_logits[pairs:].sum(),
-                tokens[pairs:].sum(),
-                stats.top1[:pairs].sum(),
-                chosen_rewards.sum(),
-                rejected_rewards.sum(),
-                (chosen_rewards > rejected_rewards).float().sum(),
-                (chosen_rewards - rejected_rewards).sum(),
-                policy.chosen.detach().sum(),
-                policy.rejected.detach().sum(),
-                torch.tensor(float(pairs)),
-            ]
-            device = policy.chosen.device
-            return torch.stack([v.to(device, torch.float64) for v in values])
+            return {
+                "entropy_sum": stats.entropy.sum(),
+                "completion_tokens": tokens.sum(),
+                "input_tokens": float(packed.batch["input_ids"].numel()),
+                "chosen_logits": stats.mean_logits[:pairs].sum(),
+                "chosen_tokens": tokens[:pairs].sum(),
+                "rejected_logits": stats.mean_logits[pairs:].sum(),
+                "rejected_tokens": tokens[pairs:].sum(),
+                "chosen_top1": stats.top1[:pairs].sum(),
+                **dpo_metric_sums(policy, reference, self.settings.beta),
+                "pairs": float(pairs),
+            }
 
-    def metric_sums(self) -> list[torch.Tensor | float]:
-        sums: list[torch.Tensor | float] = [value for row in self._rows for value in row]
-        self._rows.clear()
-        return sums
+    def metric_sums(self) -> dict[str, torch.Tensor | float]:
+        return self.metrics.sums()
 
-    def add_metric_sums(self, sums: Sequence[float]) -> None:
-        width = len(METRIC_COLUMNS)
-        for i in range(0, len(sums), width):
-            self._logged.append(list(sums[i : i + width]))
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's DPO log: each micro-batch's ratios over every rank, averaged over the micro-batches."""
-        rows, self._logged = self._logged, []
-        for row in rows:
-            self._total_tokens += row[2]
+        rows = self.metrics.take()
+        self._total_tokens += sum(row["input_tokens"] for row in rows)
         return _metric_means(rows, self._total_tokens)
 
     def own_eval_sets(self) -> tuple[EvalSource | None, dict[str, EvalSource]]:
         return self.eval_batches, self.named_eval_batches
 
-    def eval_metric_sums(self) -> list[float]:
-        sums = [float(value) for row in self._eval_rows for value in row]
-        self._eval_rows.clear()
-        return sums
+    def eval_metric_sums(self) -> dict[str, float]:
+        return cast("dict[str, float]", self.eval_metrics.sums(read=True))
 
-    def eval_metric_logs(self, sums: Sequence[float]) -> dict[str, float]:
+    def eval_metric_logs(self, sums: Mapping[str, float]) -> dict[str, float]:
         """trl's metrics of an evaluation: each batch's ratios over every rank, averaged over the batches;
         ``num_tokens`` is the training's count so far, as trl reports it."""
-        width = len(METRIC_COLUMNS)
-        rows = [list(sums[i : i + width]) for i in range(0, len(sums), width)]
-        return _metric_means(rows, self._total_tokens + sum(row[2] for row in self._logged))
+        unlogged = sum(row["input_tokens"] for row in self.metrics.agreed)
+        return _metric_means(self.eval_metrics.rows_of(sums), self._total_tokens + unlogged)
 
     def describe_batches(self, effective_batch_size: int) -> str:
         b = self.train_batches
@@ -313,19 +298,21 @@ class PreferenceStep(TrainStep):
             "pairs": float(packed.pairs),
             "chosen_tokens": float(stats.tokens[: packed.pairs].sum()),
         }
-        row = self._metric_row(stats, policy, reference, packed)
         pairs = float(packed.pairs) if rows else 0.0
-        self._eval_rows.append(row if rows else torch.zeros_like(row))
+        if rows:
+            self.eval_metrics.record(self._metric_row(stats, policy, reference, packed), policy.chosen.device)
+        else:  # a rank's dummy batch counts as nothing
+            self.eval_metrics.record_zeros(policy.chosen.device)
         return EvalOutput(combine_terms(terms, counts).detach() * pairs, pairs)
 
 
-def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float]:
+def _metric_means(rows: list[dict[str, float]], num_tokens: float) -> dict[str, float]:
     """trl's DPO metrics from per-micro-batch sums (``METRIC_COLUMNS`` rows, every rank's summed)."""
     if not rows:
         return {"num_tokens": num_tokens}
 
     def mean(ratio: Any) -> float:
-        return sum(ratio(dict(zip(METRIC_COLUMNS, row, strict=True))) for row in rows) / len(rows)
+        return sum(ratio(row) for row in rows) / len(rows)
 
     def share(num: str, den: str) -> Any:
         return lambda r: r[num] / r[den] if r[den] > 0 else 0.0
@@ -343,7 +330,7 @@ def _metric_means(rows: list[list[float]], num_tokens: float) -> dict[str, float
 
 
 class DPOStepFactory:
-    """``RunPlan.train_step`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
+    """``RunPlan.step_factory`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
     It carries the prepared pairs (``prepare_preference_dataset``; None: the run's rows, ``data.rows.run_rows``:
     the drop-in's ``train_dataset`` in place), the loss settings and the batch shape;

@@ -18,7 +18,6 @@ steps through trl's own ``training_step`` on trl's collated micro-batches instea
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import trl
@@ -34,24 +33,22 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
     peft_config)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
+    rows_are_items = True  # trl's prepared pairs, every column
     step_factory: DPOStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
 
-    def _loop_collator(self) -> Any:
-        """None where the DPO step applies (``step_factory``): the pairs are packed padding-free, trl's
-        collator is not called; else trl's collator, called as written by trl's own step."""
+    def _reproduces_trl(self) -> bool:
         args: Any = self.args
-        reproducible = (
-            not self._is_vision_dataset
-            and not args.activation_offloading
-            and not args.use_liger_kernel
-            and not self.aux_loss_enabled
+        return not (
+            self._is_vision_dataset or args.activation_offloading or args.use_liger_kernel or self.aux_loss_enabled
         )
-        if not self._step_stands_in(reproducible):
-            return self.data_collator
-        self.step_factory = DPOStepFactory(
+
+    def _packed_step(self) -> DPOStepFactory:
+        """The DPO step: the pairs packed padding-free, trl's collator not called."""
+        args: Any = self.args
+        return DPOStepFactory(
             None,
             DPOLossSettings.from_config(args),
             pairs_per_micro=int(args.per_device_train_batch_size),
@@ -63,8 +60,3 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
             eval_pairs_per_micro=int(args.per_device_eval_batch_size),
             shared_reference=True,  # trl's own object: what its evaluation and SyncRefModelCallback hold
         )
-        return None
-
-    def _row_preparation(self) -> Any:
-        """trl's prepared pairs are the job's items, written as they are (every column)."""
-        return dataclasses.replace(super()._row_preparation(), items=True)

@@ -14,7 +14,7 @@ agreement (``metric_sums``) and are logged as trl averages them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.step.metric_rows import MetricRows
 from trainbridge.trl.dpo_step import DPOStepFactory, PairBatches, PairPlan
 from trainbridge.trl.kto_loss import KTOLoss, kl_sum
 from trainbridge.trl.preference_data import reference_stats
@@ -48,7 +49,7 @@ COLUMNS = (
     "rewards/rejected",
     "logps/rejected",
 )
-"""One micro-batch's sums, in the order ``metric_sums`` reports them."""
+"""The names of one micro-batch's metric sums (``step.metric_rows``)."""
 
 
 class UnpairedBatches(PairBatches):
@@ -95,8 +96,7 @@ class KTOStep(TrainStep):
         self.train_batches, self.loss, self.ref_model, self.env = train_batches, loss, ref_model, env
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        self._rows: list[torch.Tensor] = []
-        self._logged: list[dict[str, float]] = []
+        self.metrics = MetricRows(COLUMNS)
         self._total_tokens = 0.0
 
     def prepare(self, step: list[int]) -> StepBatches:
@@ -123,34 +123,30 @@ class KTOStep(TrainStep):
         with torch.no_grad():
             tokens = stats.tokens[:rows].to(stats.logps.dtype)
             chosen, rejected = desirable.to(tokens.dtype), (~desirable).to(tokens.dtype)
-            values = [
-                torch.tensor(1.0),
-                kl,
-                stats.entropy[:rows].sum(),
-                tokens.sum(),
-                torch.tensor(float(sum(packed.batch.seq_lens[0][:rows]))),
-                (stats.mean_logits[:rows] * chosen).sum(),
-                (tokens * chosen).sum(),
-                (stats.mean_logits[:rows] * rejected).sum(),
-                (tokens * rejected).sum(),
-                *(sums[key] for key in COLUMNS[9:]),
-            ]
-            self._rows.append(torch.stack([v.detach().to(device, torch.float64) for v in values]))
+            values: dict[str, torch.Tensor | float] = {
+                "ranks": 1.0,
+                "kl": kl,
+                "entropy_sum": stats.entropy[:rows].sum(),
+                "completion_tokens": tokens.sum(),
+                "input_tokens": float(sum(packed.batch.seq_lens[0][:rows])),
+                "chosen_logits": (stats.mean_logits[:rows] * chosen).sum(),
+                "chosen_tokens": (tokens * chosen).sum(),
+                "rejected_logits": (stats.mean_logits[:rows] * rejected).sum(),
+                "rejected_tokens": (tokens * rejected).sum(),
+                **sums,  # the loss's own: chosen/rejected counts, rewards and logps
+            }
+            self.metrics.record(values, device)
         return loss * units
 
-    def metric_sums(self) -> list[torch.Tensor | float]:
-        sums: list[torch.Tensor | float] = [value for row in self._rows for value in row]
-        self._rows.clear()
-        return sums
+    def metric_sums(self) -> dict[str, torch.Tensor | float]:
+        return self.metrics.sums()
 
-    def add_metric_sums(self, sums: Sequence[float]) -> None:
-        width = len(COLUMNS)
-        for i in range(0, len(sums), width):
-            self._logged.append(dict(zip(COLUMNS, sums[i : i + width], strict=True)))
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's KTO log: per micro-batch values over every rank, averaged over the micro-batches that have them."""
-        rows, self._logged = self._logged, []
+        rows = self.metrics.take()
         values: dict[str, list[float]] = {}
 
         def add(key: str, value: float) -> None:
@@ -178,7 +174,7 @@ class KTOStep(TrainStep):
     ) -> EvalOutput:
         with torch.no_grad():
             loss = self.micro_loss(model, batch, 1.0)
-        self._rows.pop()
+        self.metrics.drop_last()
         return EvalOutput(loss.detach(), 1.0)
 
     def describe_batches(self, effective_batch_size: int) -> str:
@@ -190,7 +186,7 @@ class KTOStep(TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``RunPlan.train_step`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
+    """``RunPlan.step_factory`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
     ``KTOTrainer`` preparation, written by the facade); the reference is picked as for DPO
     (``DPOStepFactory.reference``: trl's ``ref_model``, the PEFT base, or the rows' precomputed columns)."""
 

@@ -19,7 +19,6 @@ A script's subclass overriding one of them, a collator of the script's, or a con
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import trl
@@ -34,27 +33,28 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
     compute_metrics, callbacks, optimizers, quantization_config, peft_config)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
+    rows_are_items = True  # trl's prepared rows, every column
     step_factory: KTOStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
 
-    def _loop_collator(self) -> Any:
-        """None where the KTO step applies (``step_factory``): the rows are packed padding-free, trl's collator
-        is not called; else trl's collator (or the script's), called as written by trl's own step."""
+    def _reproduces_trl(self) -> bool:
         from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
         args: Any = self.args
-        reproducible = (
+        return (
             not self._is_vision_dataset
             and not args.activation_offloading
             and not args.use_liger_kernel
             and not self.aux_loss_enabled
             and type(self.data_collator) is DataCollatorForUnpairedPreference
         )
-        if not self._step_stands_in(reproducible):
-            return self.data_collator
-        self.step_factory = KTOStepFactory(
+
+    def _packed_step(self) -> KTOStepFactory:
+        """The KTO step: the rows packed padding-free, trl's collator not called."""
+        args: Any = self.args
+        return KTOStepFactory(
             KTOLoss.from_config(args),
             rows_per_micro=int(args.per_device_train_batch_size),
             micro_per_step=int(args.gradient_accumulation_steps),
@@ -63,8 +63,3 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
             seed=int(args.seed),
             sequential=args.train_sampling_strategy == "sequential",
         )
-        return None
-
-    def _row_preparation(self) -> Any:
-        """trl's prepared rows are the job's items, written as they are (every column)."""
-        return dataclasses.replace(super()._row_preparation(), items=True)

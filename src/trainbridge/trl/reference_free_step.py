@@ -11,7 +11,7 @@ the step's agreement (``metric_sums``) and ``metric_logs`` does the same divisio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
+from trainbridge.step.metric_rows import MetricRows
 from trainbridge.trl.dpo_step import PairBatches
 from trainbridge.trl.pair_scores import pack_labelled_pairs, score_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
@@ -60,9 +61,7 @@ class ReferenceFreeStep(TrainStep):
         self.train_batches = train_batches
         self.loss = loss
         self.name = f"{type(loss).__name__[:-4]} (preference pairs, chosen and rejected in one padding-free forward)"
-        self.columns = ("pairs", "ranks", *PAIR_KEYS, *loss.rank_keys)
-        self._rows: list[torch.Tensor] = []
-        self._logged: list[list[float]] = []
+        self.metrics = MetricRows(("pairs", "ranks", *PAIR_KEYS, *loss.rank_keys))
 
     def prepare(self, step: list[int]) -> StepBatches:
         micro = self.train_batches.micro_batches(step)
@@ -73,32 +72,26 @@ class ReferenceFreeStep(TrainStep):
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         result = self.loss.micro(score_pairs(model, batch["packed"]))
-        values = [torch.tensor(float(batch["packed"].pairs)), torch.tensor(1.0)]
-        values += [result.pair_sums[key] for key in PAIR_KEYS]
-        values += [result.rank_means[key] for key in self.loss.rank_keys]
-        device = result.loss.device
-        self._rows.append(torch.stack([v.detach().to(device, torch.float64) for v in values]))
+        values: dict[str, torch.Tensor | float] = {"pairs": float(batch["packed"].pairs), "ranks": 1.0}
+        values.update({**result.pair_sums, **result.rank_means})
+        self.metrics.record(values, result.loss.device)
         return result.loss * units
 
-    def metric_sums(self) -> list[torch.Tensor | float]:
-        sums: list[torch.Tensor | float] = [value for row in self._rows for value in row]
-        self._rows.clear()
-        return sums
+    def metric_sums(self) -> dict[str, torch.Tensor | float]:
+        return self.metrics.sums()
 
-    def add_metric_sums(self, sums: Sequence[float]) -> None:
-        width = len(self.columns)
-        for i in range(0, len(sums), width):
-            self._logged.append(list(sums[i : i + width]))
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's log: each micro-batch's metrics over every rank, averaged over the micro-batches."""
-        rows, self._logged = self._logged, []
+        rows = self.metrics.take()
         if not rows:
             return {}
         logs = {}
-        for j, key in enumerate(self.columns[2:], start=2):
-            by = 0 if key in PAIR_KEYS else 1  # pair sums over pairs, per-rank values over ranks
-            logs[key] = sum(row[j] / max(row[by], 1.0) for row in rows) / len(rows)
+        for key in self.metrics.columns[2:]:
+            by = "pairs" if key in PAIR_KEYS else "ranks"  # pair sums over pairs, per-rank values over ranks
+            logs[key] = sum(row[key] / max(row[by], 1.0) for row in rows) / len(rows)
         return logs
 
     def eval_batch(
@@ -117,7 +110,7 @@ class ReferenceFreeStep(TrainStep):
 
 
 class ReferenceFreeStepFactory:
-    """``RunPlan.train_step`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
+    """``RunPlan.step_factory`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
     worker over the job's prepared pairs (trl's preparation: the drop-in's ``train_dataset`` in place)."""
 
     def __init__(self, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0) -> None:

@@ -17,7 +17,6 @@ own ``training_step`` on trl's collated micro-batches instead.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from trl.experimental import cpo, orpo
@@ -31,34 +30,29 @@ class _ReferenceFree(TrlLoop):
     """The packed ORPO/CPO step standing in for trl's ``compute_loss`` where it applies (``stands_in_for``, declared
     on each class below trl's: ``trainer.subclass.overrides``)."""
 
+    rows_are_items = True  # trl's prepared pairs, every column
     step_factory: ReferenceFreeStepFactory | None = None
-    """``RunPlan.train_step`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.step_factory`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
 
     def _loss(self) -> ORPOLoss | CPOLoss:
         raise NotImplementedError
 
-    def _loop_collator(self) -> Any:
-        """None where the packed step applies (``step_factory``): trl's collator is not called; else trl's
-        collator (or the script's), called as written by trl's own step."""
-        args: Any = self.args
-        reproducible = (
+    def _reproduces_trl(self) -> bool:
+        return bool(
             self.use_dpo_data_collator  # type: ignore[attr-defined]
             and not self.is_encoder_decoder  # type: ignore[attr-defined]
             and not (self.aux_loss_enabled and self.aux_loss_coef)  # type: ignore[attr-defined]
         )
-        if not self._step_stands_in(bool(reproducible)):
-            return self.data_collator
-        self.step_factory = ReferenceFreeStepFactory(
+
+    def _packed_step(self) -> ReferenceFreeStepFactory:
+        """The packed ORPO/CPO step: trl's collator not called."""
+        args: Any = self.args
+        return ReferenceFreeStepFactory(
             self._loss(),
             pairs_per_micro=int(args.per_device_train_batch_size),
             micro_per_step=int(args.gradient_accumulation_steps),
             seed=int(args.seed),
         )
-        return None
-
-    def _row_preparation(self) -> Any:
-        """trl's prepared pairs are the job's items, written as they are (every column)."""
-        return dataclasses.replace(super()._row_preparation(), items=True)
 
 
 class ORPOTrainer(_ReferenceFree, orpo.ORPOTrainer):  # type: ignore[misc]
@@ -67,7 +61,7 @@ class ORPOTrainer(_ReferenceFree, orpo.ORPOTrainer):  # type: ignore[misc]
     compute_metrics)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
     def _loss(self) -> ORPOLoss:
         return ORPOLoss.from_config(self.args)
@@ -78,7 +72,7 @@ class CPOTrainer(_ReferenceFree, cpo.CPOTrainer):  # type: ignore[misc]
     ``simpo_gamma``, AlphaPO's ``alpha``) on trainbridge's loop, with ``ORPOTrainer``'s arguments."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
     def _loss(self) -> CPOLoss:
         return CPOLoss.from_config(self.args)

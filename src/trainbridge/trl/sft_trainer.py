@@ -7,7 +7,7 @@ assistant masks as ``labels``, truncation, ``bfd``/``wrapped`` packing), its col
 ``compute_loss`` on its own evaluation batches: ``eval_entropy``, ``eval_mean_token_accuracy``,
 ``eval_num_tokens``) and ``log`` run unchanged; ``train()`` is the loop.
 
-The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``STANDS_IN_FOR``), the
+The step: where the instance's ``compute_loss``/``training_step`` are trl's own (``stands_in_for``), the
 loop trains trl's prepared rows (``input_ids``, ``labels``, a packed bin's ``seq_lengths`` as one
 multi-sequence sample) with its padding-free token step, which gives trl's loss (the mean over every rank's
 loss tokens of a step) and logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``
@@ -33,7 +33,7 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
     preprocess_logits_for_metrics, peft_config, formatting_func)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``_loop_collator``)."""
+    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
     token_metrics = True
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``."""
@@ -46,13 +46,12 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
             )
         super().__init__(*args, **kwargs)
 
-    def _loop_collator(self) -> Any:
-        """None (the token step's padding-free batches reproduce trl's collator) where the fast step applies;
-        else trl's collator, called as written, and trl's ``compute_loss`` per micro-batch."""
+    def _reproduces_trl(self) -> bool:
+        """The token step gives trl's loss: the token mean of a plain text config with trl's own collator."""
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         args: Any = self.args
-        reproducible = (
+        return (
             not self._is_vision_dataset
             and args.loss_type == "nll"
             and self.label_smoother is None
@@ -60,7 +59,3 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
             and not args.activation_offloading
             and type(self.data_collator) is DataCollatorForLanguageModeling
         )
-        if not self._step_stands_in(reproducible):  # trl's own step, loader and metrics
-            self.token_metrics = False  # trl's compute_loss logs them
-            return self.data_collator
-        return None

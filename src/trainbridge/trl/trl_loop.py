@@ -19,6 +19,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from trainbridge.core.callback import Callback
+from trainbridge.core.config.plan import StepFactory
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
@@ -85,17 +86,12 @@ class ShardedReference(Callback):
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
-    stands_in_for: tuple[str, ...] = ()
-    """trl's methods trainbridge stands in for, on the classes that declare them (SFT, DPO): see
-    ``trainer.subclass.STANDS_IN_FOR``.  Without ``compute_loss`` among them, trl's ``training_step`` runs on
-    each micro-batch."""
-
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
-        self._init_loop(torchrun_args, self._loop_collator())
+        self._init_loop(torchrun_args, self._choose_step())
 
     def _script_callbacks(self) -> list[Any]:
         """trl's reference sharded under FSDP2 (``ShardedReference``); with trainbridge's step standing in for
@@ -103,18 +99,27 @@ class TrlLoop(LoopTrainer):
         callbacks = [*super()._script_callbacks(), ShardedReference(self)]
         return [*callbacks, _TrainedTokens(self)] if "compute_loss" in self.stands_in_for else callbacks
 
-    def _loop_collator(self) -> Any:
-        """The collator the loop's batches stand for: trl's own (None where trainbridge's step reproduces it)."""
+    def _choose_step(self) -> Any:
+        """Whose step trains, decided once at construction -> the collator the loop's batches stand for (None:
+        trainbridge's step reproduces it).  trainbridge's (``_packed_step``, else the token step) where the class
+        stands in for trl's (``stands_in_for``), its checks of its config and data hold (``_reproduces_trl``) and
+        the script brings no loss of its own (an override, a ``compute_loss_func``); else trl's ``training_step``
+        on trl's batches, only ``_save_checkpoint`` stood in for."""
+        if not self.stands_in_for:
+            return self.data_collator
+        if self._reproduces_trl() and subclass.subclass_loss(self) is None:
+            self.step_factory = self._packed_step()
+            return None
+        self.stands_in_for, self.token_metrics = ("_save_checkpoint",), False  # trl's compute_loss logs its own
         return self.data_collator
 
-    def _step_stands_in(self, reproducible: bool) -> bool:
-        """Whether trainbridge's step stands in for trl's: the class's own checks of its config and data hold
-        (``reproducible``) and the script brings no loss of its own (an override, a ``compute_loss_func``).  If
-        not, trl's ``training_step`` runs on trl's batches and only ``_save_checkpoint`` is stood in for."""
-        if reproducible and subclass.subclass_loss(self) is None:
-            return True
-        self.stands_in_for = ("_save_checkpoint",)
+    def _reproduces_trl(self) -> bool:
+        """Whether trainbridge's step gives trl's loss for this instance's config and data."""
         return False
+
+    def _packed_step(self) -> StepFactory | None:
+        """trainbridge's step over trl's prepared rows (``RunPlan.step_factory``); None: the token step."""
+        return None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The loop; then trl's model card in ``output_dir``, which trl's ``_save_checkpoint`` writes there at each

@@ -79,10 +79,10 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
 
 
 def check_step_factory(plan: RunPlan) -> None:
-    """``train_step``: a step factory forms its own loss, so nothing else may claim the step."""
-    if plan.train_step is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
+    """``step_factory``: a step factory forms its own loss, so nothing else may claim the step."""
+    if plan.step_factory is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
         raise ValueError(
-            "train_step: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
+            "step_factory: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
             "compute_loss_func or a subclass's training_step / prediction_step / compute_loss would never run; "
             "drop them, or subclass trainbridge.Trainer instead"
         )
@@ -111,13 +111,33 @@ def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
 
 
 OPTIMIZER_PACKAGES = {
+    "adamw_torch_xla": "torch_xla",
+    "adamw_torch_npu": "torch_npu",
+    "adamw_anyprecision": "torchdistx",
+    "adamw_torch_4bit": "torchao",
+    "adamw_torch_8bit": "torchao",
     "adamw_8bit": "bitsandbytes",
     "adamw_bnb_8bit": "bitsandbytes",
+    "ademamix": "bitsandbytes",
     "paged_": "bitsandbytes",
     "lion_": "bitsandbytes",
+    "rmsprop_bnb": "bitsandbytes",
+    "galore_": "galore_torch",
+    "apollo_": "apollo_torch",
+    "lomo": "lomo_optim",
+    "adalomo": "lomo_optim",
+    "grokadamw": "grokadamw",
+    "stable_adamw": "optimi",
     "schedule_free_": "schedulefree",
 }
-"""The package an ``optim`` name needs (by name or prefix)."""
+"""The package an ``optim`` name needs (by name or prefix), as Trainer's ``get_optimizer_cls_and_kwargs``
+imports it."""
+INSTALL_NAMES = {
+    "bitsandbytes": "'trainbridge[qlora]' (bitsandbytes)",
+    "optimi": "torch-optimi",
+    "lomo_optim": "lomo-optim",
+}
+"""What to ``pip install`` for a package whose import name is not its distribution's."""
 
 
 def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
@@ -126,8 +146,13 @@ def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
 
     package = next((p for key, p in OPTIMIZER_PACKAGES.items() if args.optim.startswith(key)), None)
     if package is not None and importlib.util.find_spec(package) is None:
-        extra = "'trainbridge[qlora]' (bitsandbytes)" if package == "bitsandbytes" else package
+        extra = INSTALL_NAMES.get(package, package.replace("_", "-"))
         raise ValueError(f"optim={args.optim!r}: needs the {package} package; pip install {extra}")
+    if args.lr_scheduler in ("reduce_lr_on_plateau", "greedy") and args.eval_strategy == "no":
+        raise ValueError(
+            f"lr_scheduler={args.lr_scheduler!r}: it steps on the evaluation metric (metric_for_best_model), "
+            "so it needs an evaluation; set eval_strategy='steps' or 'epoch', as Trainer requires"
+        )
     if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
         raise ValueError(
             "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "

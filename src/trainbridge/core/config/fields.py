@@ -219,15 +219,17 @@ class ScheduleFields(BaseModel):
     """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g.
     ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr`` or ``{"num_cycles": 0.5}`` for ``cosine``."""
     optim: OptimizerName = "adamw_torch"
-    """The optimizer, by Trainer's ``optim`` names: ``adamw_torch`` (torch AdamW, fused kernel where every
-    parameter allows it), ``adamw_torch_fused``, ``adafactor`` (transformers' Adafactor, fixed learning rate),
-    ``sgd``; through bitsandbytes (``pip install 'trainbridge[qlora]'``) ``adamw_8bit``/``adamw_bnb_8bit``,
-    ``paged_adamw_8bit``/``paged_adamw_32bit`` and ``lion_8bit``/``lion_32bit``/``paged_lion_*``; with
-    ``pip install schedulefree`` ``schedule_free_adamw``/``schedule_free_radam``/``schedule_free_sgd``.
+    """The optimizer, by Trainer's ``optim`` names (``transformers.training_args.OptimizerNames``), built by
+    Trainer's own ``get_optimizer_cls_and_kwargs``: ``adamw_torch`` (torch AdamW, fused kernel where every
+    parameter allows it), ``sgd``, ``adagrad``, ``rmsprop``, ``adafactor``...; those of another package need
+    it installed (bitsandbytes: ``pip install 'trainbridge[qlora]'``; ``schedulefree``, ``galore-torch``...).
     DeepSpeed keeps its own AdamW (``adamw_torch`` only)."""
     optim_args: dict[str, JsonValue] = Field(default_factory=dict)
-    """Extra keyword arguments of the optimizer's constructor (Trainer's ``optim_args``), e.g.
-    ``{"momentum": 0.9}`` for ``sgd``."""
+    """Trainer's ``optim_args`` as a dict, read as Trainer reads them for ``optim``, e.g.
+    ``{"momentum": 0.9, "nesterov": True}`` for ``sgd``, ``{"alpha": 0.9}`` for ``rmsprop``."""
+    optim_target_modules: list[str] | str | None = None
+    """The modules GaLore / APOLLO optimizers project (Trainer's ``optim_target_modules``): names, a regex,
+    or ``"all-linear"``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -441,7 +443,7 @@ class CallbackFields(BaseModel):
     callbacks: list[CallbackSpec] = Field(default_factory=list)
     """Callbacks given as import specs (``CallbackSpec``/``{"class": ..., "kwargs": ...}``/``"pkg.mod:Class"``).
     The ``callbacks=`` keyword also takes ``trainbridge.Callback`` instances and ``transformers.TrainerCallback``
-    instances or classes: those are code and go into the arguments' plan (``args.plan.callbacks``, every
+    instances or classes: those are code and go into the run plan (``RunPlan.callbacks``, every
     callback in its order); this field keeps the specs."""
     callback_error_policy: Literal["isolate", "fatal"] = "isolate"
     """``isolate``: a callback error after train begin is logged, counted and reported; ``fatal``: any

@@ -180,7 +180,7 @@ class RunPlan:
 
     model_init: ModelInit | None = None
     """The model, built in every worker instead of loading ``model_path``."""
-    train_step: StepFactory | None = None
+    step_factory: StepFactory | None = None
     """The step, formed by a factory (replaces the step ``training_step`` would choose)."""
     trainer_methods: TrainerMethods | None = None
     """A Trainer subclass's ``training_step``/``prediction_step`` (``model_loss`` batches)."""
