@@ -74,6 +74,7 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         use_cpu=True,
         ddp_timeout=77,
         restore_callback_states_from_checkpoint=True,
+        torch_compile_mode="max-autotune",
     )
     ported = training_args_from_hf(hf, model_path=base["model_path"], data_path=base["data_path"])
     expected = {
@@ -84,6 +85,10 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         "use_cpu": "cpu",
         "ddp_timeout": 77.0,
         "restore_callback_states_from_checkpoint": True,
+        "fp16": "no",
+        "torch_compile": True,
+        "torch_compile_backend": "inductor",
+        "torch_compile_mode": "max-autotune",
     }
     assert set(RENAMED) == set(expected)
     for name, ours in RENAMED.items():

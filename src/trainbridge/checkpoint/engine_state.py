@@ -27,6 +27,7 @@ from trainbridge.checkpoint.layout import (
     DEEPSPEED_DIR,
     DEEPSPEED_TAG,
     OPTIMIZER_FILE,
+    SCALER_FILE,
     SCHEDULER_FILE,
     SHARDED_STATE_DIR,
 )
@@ -69,6 +70,9 @@ def save_engine_state(
             torch.save(engine.optimizer_state_dict(), directory / OPTIMIZER_FILE)
     if env.is_world_process_zero:
         torch.save(engine.scheduler_state_dict(), directory / SCHEDULER_FILE)
+        scaler = engine.grad_scaler_state_dict()
+        if scaler is not None:
+            torch.save(scaler, directory / SCALER_FILE)
     return write_dcp(state, directory / SHARDED_STATE_DIR, env, background) if state else None
 
 
@@ -109,6 +113,8 @@ def load_engine_state(engine: TrainingEngine, directory: Path) -> None:
         engine.load_optimizer_state_dict(optimizer)
     scheduler = torch.load(_require(directory / SCHEDULER_FILE), map_location="cpu", weights_only=True)
     engine.load_scheduler_state_dict(scheduler)
+    if engine.grad_scaler_state_dict() is not None and (directory / SCALER_FILE).exists():
+        engine.load_grad_scaler_state_dict(torch.load(directory / SCALER_FILE, map_location="cpu", weights_only=True))
 
 
 def _require(path: Path) -> Path:

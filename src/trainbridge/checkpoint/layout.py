@@ -38,6 +38,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 """A replicated optimizer's state (``torch.save`` of ``Optimizer.state_dict()``), written by rank 0."""
 SCHEDULER_FILE = "scheduler.pt"
 """The LR scheduler's state."""
+SCALER_FILE = "scaler.pt"
+"""fp16's loss-scaler state (``GradScaler.state_dict()``; Trainer's ``SCALER_NAME``), written by rank 0."""
 SHARDED_STATE_DIR = "dcp"
 """The ``torch.distributed.checkpoint`` folder: each rank's shards of the model's own (training-precision)
 weights under ``model``, and of the optimizer state under ``optimizer``."""

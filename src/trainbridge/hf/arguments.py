@@ -161,6 +161,7 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "seed": args.seed,
         "data_seed": args.seed,
         "bf16": args.mixed_precision_for(env.device.type) == "bf16",  # "auto": what the engines run
+        "fp16": args.mixed_precision == "fp16",
         "use_cpu": env.device.type == "cpu",
         "logging_strategy": args.logging_strategy,
         "logging_steps": args.logging_steps,

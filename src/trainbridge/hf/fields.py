@@ -47,6 +47,7 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     *_same("seed"),
     FieldLink("data_seed", None, from_hf=False),  # the data order follows seed
     FieldLink("bf16", "mixed_precision", reads="mixed_precision: bf16"),
+    FieldLink("fp16", "mixed_precision", reads="mixed_precision: fp16"),
     FieldLink("use_cpu", "device", reads="device: cpu"),
     *_same(
         "logging_strategy",
@@ -83,6 +84,9 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     ),
     FieldLink("activation_checkpointing", None, to_hf=False),  # gradient_checkpointing (transformers >= 5)
     FieldLink("activation_checkpointing_kwargs", None, to_hf=False),
+    FieldLink("torch_compile", "compile", to_hf=False),
+    FieldLink("torch_compile_backend", "compile_backend", to_hf=False),
+    FieldLink("torch_compile_mode", "compile_mode", to_hf=False),
     FieldLink("fsdp", None, to_hf=False),  # distributed_backend
     FieldLink("deepspeed", None, to_hf=False),  # distributed_backend and deepspeed_zero_stage
     # fields of trl's configs, not TrainingArguments

@@ -68,14 +68,9 @@ EXPLANATIONS: dict[str, str] = {
         "as the token budget needs)"
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
-    "fp16": (
-        "fp16 mixed precision (with loss scaling) is not implemented; the run trains in float32. "
-        "Set bf16=True (mixed_precision='bf16') for mixed precision"
-    ),
     "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
-    "torch_compile": "torch.compile is not applied",
     "push_to_hub": "trainbridge never pushes to a hub",
     "label_smoothing_factor": "the loss is plain token-level cross-entropy",
     "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
@@ -92,7 +87,6 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_eval_batch_size": ("max_batch_len",),
     "remove_unused_columns": ("remove_unused_columns",),  # Trainer's sample batches honour it
     "include_for_metrics": ("include_for_metrics",),
-    "fp16": ("mixed_precision",),
     "deepspeed": ("distributed_backend",),
     "fsdp": ("distributed_backend",),
     "predict_with_generate": ("predict_with_generate",),
@@ -171,7 +165,7 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "optim_target_modules": hf.optim_target_modules,
         "max_grad_norm": hf.max_grad_norm if hf.max_grad_norm and hf.max_grad_norm > 0 else None,
         "seed": hf.seed,
-        "mixed_precision": "bf16" if hf.bf16 else "no",
+        "mixed_precision": "bf16" if hf.bf16 else "fp16" if hf.fp16 else "no",
         "logging_strategy": _plain(hf.logging_strategy),
         "logging_steps": _absolute_steps("logging_steps", hf.logging_steps, max_steps),
         "logging_first_step": hf.logging_first_step,
@@ -195,6 +189,10 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "ddp_bucket_cap_mb": hf.ddp_bucket_cap_mb,
         "ddp_broadcast_buffers": hf.ddp_broadcast_buffers,
         "ddp_static_graph": hf.ddp_static_graph,
+        # Trainer sets torch_compile when a backend or mode is given, and the backend to inductor
+        "compile": hf.torch_compile,
+        "compile_backend": hf.torch_compile_backend or "inductor",
+        "compile_mode": hf.torch_compile_mode,
     }
     # activation_checkpointing (gradient_checkpointing before transformers 5) and its kwargs
     checkpointing = getattr(hf, "activation_checkpointing", None) or getattr(hf, "gradient_checkpointing", False)
@@ -205,6 +203,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         )
         if kwargs:
             data["gradient_checkpointing_kwargs"] = dict(kwargs)
+    if hf.fp16:  # overflowed steps are skipped by the scaler and training goes on, as under Trainer
+        data["nonfinite_policy"] = "warn"
     if hf.use_cpu:
         data["device"] = "cpu"
     data.update(_backend(hf))

@@ -43,7 +43,7 @@ def build_engine(
     decay_names = decay_parameter_names(model)
     backend = args.distributed_backend
     if args.compile:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, backend=args.compile_backend, mode=args.compile_mode)
     if env.world_size == 1:
         cast(nn.Module, model).to(env.device)
         factory = optimizer_factory
@@ -60,8 +60,9 @@ def build_engine(
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     """``torch.compile`` each decoder layer in place (``nn.Module.compile``), before any wrapping (as
-    torchtitan orders it: compile, then ``fully_shard``); returns how many were compiled."""
-    layers = decoder_layers(model)
+    torchtitan orders it: compile, then ``fully_shard``), or the whole model when it has no decoder layers
+    (a classifier, a vision model: as Trainer compiles it); returns how many modules were compiled."""
+    layers = decoder_layers(model) or [model]
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)

@@ -190,8 +190,9 @@ def deepspeed_config(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
-    if args.mixed_precision_for(env.device.type) == "bf16":
-        config["bf16"] = {"enabled": True}
+    precision = args.mixed_precision_for(env.device.type)
+    if precision in ("bf16", "fp16"):  # fp16: DeepSpeed's dynamic loss scaling (its own checkpointed state)
+        config[precision] = {"enabled": True}
     return config
 
 

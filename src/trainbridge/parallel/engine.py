@@ -90,6 +90,10 @@ class TrainingEngine(ABC):
         evaluation (``callbacks.metric_schedule``), not in ``scheduler_step``."""
         self.precision = args.mixed_precision_for(env.device.type)
         """``args.mixed_precision`` resolved for this device (``auto`` -> ``bf16`` on CUDA, ``no`` on CPU)."""
+        self.grad_scaler: Any = self._grad_scaler() if self.precision == "fp16" else None
+        """fp16's loss scaler (``torch.amp.GradScaler``; FSDP2's sharded one; None where the backend scales
+        itself: DeepSpeed)."""
+        self._step_skipped = False
 
     # ------------------------------------------------------------------ the step
     @abstractmethod
@@ -97,13 +101,17 @@ class TrainingEngine(ABC):
         """Context for one micro-batch's forward and backward; gradients sync only when ``is_last``."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate the (already normalised) loss; gradients accumulate until the optimizer step."""
-        loss.backward()
+        """Back-propagate the (already normalised) loss, scaled under fp16; gradients accumulate until the
+        optimizer step."""
+        (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
         """Total L2 gradient norm before clipping, a 0-dim tensor on the device (same on every rank; no
         host synchronisation); clips to ``max_norm`` unless None.  ``None`` when the backend clips inside
-        its own step (DeepSpeed): then ``reported_grad_norm`` gives it after ``optimizer_step``."""
+        its own step (DeepSpeed): then ``reported_grad_norm`` gives it after ``optimizer_step``.  Under
+        fp16 the gradients are unscaled first (infinite norm: an overflow, the scaler skips the step)."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
         if max_norm is None:
             norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params])
@@ -120,13 +128,20 @@ class TrainingEngine(ABC):
         return None
 
     def optimizer_step(self) -> None:
-        """Apply the accumulated gradients."""
-        self.optimizer.step()
+        """Apply the accumulated gradients (fp16: through the scaler, which skips an overflowed step and
+        updates its scale)."""
+        if self.grad_scaler is None:
+            self.optimizer.step()
+            return
+        scale = self.grad_scaler.get_scale()  # fp16 only: a host read, as accelerate's skip check
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+        self._step_skipped = self.grad_scaler.get_scale() < scale
 
     def scheduler_step(self) -> None:
         """Advance the learning-rate schedule by one optimizer step (a metric-driven one waits for the
-        evaluation, as under Trainer)."""
-        if not self.metric_schedule:
+        evaluation; under fp16 a step the scaler skipped does not advance it: both as under Trainer)."""
+        if not self.metric_schedule and not self._step_skipped:
             self.lr_scheduler.step()
 
     def zero_grad(self) -> None:
@@ -141,14 +156,27 @@ class TrainingEngine(ABC):
         return float(self.lr_scheduler.get_last_lr()[0])
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """bf16 autocast for forward/loss when ``mixed_precision`` resolves to bf16 and the wrapper does not already
-        run in bf16; a null context otherwise."""
-        if self.precision == "bf16" and not self._wrapper_handles_precision():
-            return torch.autocast(device_type=self.env.device.type, dtype=torch.bfloat16)
+        """bf16 / fp16 autocast for forward/loss when ``mixed_precision`` resolves to it and the wrapper does
+        not already run in it; a null context otherwise."""
+        if self.precision in ("bf16", "fp16") and not self._wrapper_handles_precision():
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+            return torch.autocast(device_type=self.env.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def _wrapper_handles_precision(self) -> bool:
         return False
+
+    def _grad_scaler(self) -> Any:
+        return torch.amp.GradScaler(self.env.device.type)
+
+    def grad_scaler_state_dict(self) -> dict[str, Any] | None:
+        """The fp16 loss scaler's state (the same on every rank), None without one."""
+        return None if self.grad_scaler is None else cast(dict[str, Any], self.grad_scaler.state_dict())
+
+    def load_grad_scaler_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``grad_scaler_state_dict`` gave."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ state
     def full_model_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:

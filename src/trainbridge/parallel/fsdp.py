@@ -68,6 +68,11 @@ class FSDP2Engine(TrainingEngine):
     def _wrapper_handles_precision(self) -> bool:
         return self.mixed_precision_policy
 
+    def _grad_scaler(self) -> Any:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.env.device.type)
+
     def full_model_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
         """Collective: all-gathers the shards (only those of ``names`` when given, parameter by parameter in
         the same order on every rank); the full CPU state lands on rank 0."""
@@ -213,7 +218,9 @@ def build_fsdp(
     if weights_from_rank0:
         _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
-    optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
+    # ShardedGradScaler's found_inf (shape [1], all-reduced) does not fit the fused AdamW kernel's scaler arguments
+    fused = args.mixed_precision_for(env.device.type) != "fp16"
+    optimizer = build_optimizer(model, args, decay_names, allow_fused=fused, total_steps=total_steps, factory=factory)
     return FSDP2Engine(
         model,
         model,
@@ -239,13 +246,15 @@ def _shard_kwargs(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     packed = packed_quantized_weights(model)
     # A parameter cast would corrupt 4-bit weights packed in a float storage: a quantised model autocasts.
-    use_mp_policy = args.mixed_precision_for(env.device.type) == "bf16" and env.device.type == "cuda" and not packed
+    precision = args.mixed_precision_for(env.device.type)
+    use_mp_policy = precision in ("bf16", "fp16") and env.device.type == "cuda" and not packed
     kwargs: dict[str, Any] = {"mesh": mesh}
     if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
         kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
     if use_mp_policy:
-        # bf16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # bf16 / fp16 compute, fp32 gradient reduce-scatter (and fp32 sharded gradients for the optimizer)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     return kwargs, use_mp_policy
 
 

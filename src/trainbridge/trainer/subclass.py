@@ -2,7 +2,8 @@
 ``transformers.Trainer``, so the instance is the script's own object, in place, on every rank).
 
 ``script_trainer(trainer)`` is the one ``ScriptTrainer`` of an instance: the ``RunPlan`` seams that call its
-methods.  During ``train()`` the instance's ``state`` is the run's live ``TrainerState`` (``bind_state``), its
+methods, each call inside ``ScriptTrainer.call``, which installs a ``LoopScope`` (``trainer.scope``) as the
+instance's ``_in_loop``.  There the instance's ``state`` is the run's live ``TrainerState`` (``bind_state``), its
 ``model`` the model being trained (unwrapped) and ``model_wrapped`` the engine's; ``accelerator.backward``
 is routed to the loop's backward for the micro-batch under way.
 

@@ -141,7 +141,14 @@ INSTALL_NAMES = {
 
 
 def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
-    """``optim``: its package installed; DeepSpeed keeps its own AdamW."""
+    """``optim``: its package installed; DeepSpeed keeps its own AdamW; a metric-driven schedule needs an
+    evaluation; fp16's loss scaler skips overflowed steps, so the run must go on past them."""
+    if args.mixed_precision == "fp16" and args.nonfinite_policy != "warn":
+        raise ValueError(
+            f"nonfinite_policy: {args.nonfinite_policy!r} with mixed_precision='fp16': fp16's gradient scaler skips "
+            "the steps whose scaled gradients overflow (their norm is infinite) and lowers its scale; set "
+            "nonfinite_policy='warn', as Trainer goes on"
+        )
     import importlib.util
 
     package = next((p for key, p in OPTIMIZER_PACKAGES.items() if args.optim.startswith(key)), None)

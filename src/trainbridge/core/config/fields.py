@@ -266,12 +266,15 @@ class ParallelismFields(BaseModel):
     """ZeRO stage when ``distributed_backend='deepspeed'``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """``bf16`` autocasts forward/backward (parameters and optimizer stay fp32; under FSDP2 a
     ``MixedPrecisionPolicy`` with bf16 compute and fp32 gradient reduction); with
     ``distributed_backend='deepspeed'`` it enables DeepSpeed's bf16 mode instead (bf16 weights, fp32
-    master weights in the optimizer).  ``auto`` (default): ``bf16`` on a CUDA device that supports it,
-    ``no`` elsewhere (CPU runs stay fp32)."""
+    master weights in the optimizer).  ``fp16`` (Trainer's ``fp16=True``): float16 autocast with a
+    ``torch.amp.GradScaler`` (FSDP2: an fp16 ``MixedPrecisionPolicy`` on CUDA and a ``ShardedGradScaler``;
+    DeepSpeed: its own fp16 mode), the scaler's state checkpointed (``scaler.pt``); a step whose scaled
+    gradients overflow is skipped, schedule included, as under Trainer (needs ``nonfinite_policy='warn'``).
+    ``auto`` (default): ``bf16`` on a CUDA device that supports it, ``no`` elsewhere (CPU runs stay fp32)."""
     fsdp_gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     """FSDP2 with gradient accumulation: ``every_micro_batch`` reduce-scatters each micro-batch's
     gradients into the sharded fp32 gradients (memory: one shard of gradients, as torchtitan does);
@@ -289,7 +292,12 @@ class ParallelismFields(BaseModel):
     ``model_kwargs`` (quantization, config overrides, ``revision``, ...) are loaded on every rank as
     before.  ``False``: every rank reads the full checkpoint."""
     compile: bool = False
-    """``torch.compile`` each decoder layer (opt-in; after the first steps' compilation, faster on GPU)."""
+    """``torch.compile`` each decoder layer, or the whole model when it has none (opt-in; after the first
+    steps' compilation, faster on GPU).  Trainer's ``torch_compile``."""
+    compile_backend: str = "inductor"
+    """``torch.compile``'s backend (Trainer's ``torch_compile_backend``)."""
+    compile_mode: str | None = None
+    """``torch.compile``'s mode, e.g. ``"reduce-overhead"`` (Trainer's ``torch_compile_mode``)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
     ddp_find_unused_parameters: bool | None = False

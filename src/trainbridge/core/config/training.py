@@ -114,7 +114,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         """Whether the best checkpoint is tracked (as transformers does it)."""
         return self.metric_for_best_model is not None or self.load_best_model_at_end or self.save_strategy == "best"
 
-    def mixed_precision_for(self, device_type: str) -> Literal["no", "bf16"]:
+    def mixed_precision_for(self, device_type: str) -> Literal["no", "bf16", "fp16"]:
         """``mixed_precision`` with ``auto`` resolved for a run on ``device_type`` (``cuda``/``cpu``)."""
         if self.mixed_precision != "auto":
             return self.mixed_precision
