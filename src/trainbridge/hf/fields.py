@@ -9,8 +9,9 @@ when there is none: it follows from several, or from none), and which way it tra
   set to a non-default value is warned about).
 
 ``differs`` says how a carried-over field's effect differs from Trainer's, where it does
-(``trainer.field_table``, docs/trainer_fields.md).  The values' conversions (steps from ratios, ``effective_batch_size`` from the per-device batch...) live with
-the code that applies them; which field goes where is said here only.
+(``trainer.field_table``, docs/trainer_fields.md).  The values' conversions (steps from ratios,
+``effective_batch_size`` from the per-device batch...) live with the code that applies them; which field
+goes where is said here only.
 """
 
 from __future__ import annotations
