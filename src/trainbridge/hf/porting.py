@@ -88,6 +88,12 @@ EXPLANATIONS: dict[str, str] = {
     "data_seed": "seed orders the data and splits validation",
     "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
+    "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
+    "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
+    "use_liger_kernel": (
+        "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
+        "token path)"
+    ),
 }
 
 
