@@ -65,6 +65,7 @@ rank = os.environ["RANK"]
 seen = {"argv": sys.argv, "path": sys.path, "warnoptions": sys.warnoptions, "utf8": sys.flags.utf8_mode,
         "world": os.environ["WORLD_SIZE"], "pid": os.getpid()}
 (out / f"rank{rank}.json").write_text(json.dumps(seen))
+print(f"hello from {rank}")
 if "fail" in sys.argv and rank == "1":
     raise ValueError("rank one cannot go on")
 if "exit" in sys.argv and rank == "1":
@@ -88,31 +89,37 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300, cwd=cwd)
+def _run(command: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, env=_env(**extra), capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def _seen(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-def test_a_script_runs_again_with_its_options_arguments_and_sys_path_and_its_failure_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_script_runs_again_with_its_options_arguments_and_sys_path_and_its_failure_is_named(
+    tmp_path: Path, fork: str
+) -> None:
     """The workers run the same command line (interpreter options, script, arguments) with the ``sys.path``
-    ``python script.py`` gives the script itself, nothing added; a failing rank is named once, with its error,
-    and the script's exit status is the job's."""
+    ``python script.py`` gives the script itself, nothing added, whether forked at the import or run again under
+    torchrun (``TRAINBRIDGE_SCRIPT_FORK=0``); rank 1's lines carry its prefix; a failing rank is named once,
+    with its error, and the script's exit status is the job's."""
     script = _probe(tmp_path)
     command = [sys.executable, "-W", "error::UserWarning", "-X", "utf8", str(script), str(tmp_path), "--flag"]
-    proc = _run(command, cwd=tmp_path)
+    proc = _run(command, cwd=tmp_path, TRAINBRIDGE_SCRIPT_FORK=fork)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "hello from 0" in lines and "[rank1]: hello from 1" in lines, proc.stdout
     parent = json.loads((tmp_path / "parent.json").read_text())
     for seen in _seen(tmp_path):
         assert seen["argv"] == [str(script), str(tmp_path), "--flag"] and seen["world"] == "2"
         assert seen["warnoptions"] == ["error::UserWarning"] and seen["utf8"] == 1
         assert seen["path"] == parent["path"] and seen["path"][0] == str(script.parent)
-    proc = _run([*command[:-1], "fail"], cwd=tmp_path)
+    proc = _run([*command[:-1], "fail"], cwd=tmp_path, TRAINBRIDGE_SCRIPT_FORK=fork)
     assert proc.returncode == 1
     assert "trainbridge: training failed on rank 1 (exit code 1): ValueError: rank one cannot go on" in proc.stderr
-    proc = _run([*command[:-1], "exit"], cwd=tmp_path)
+    proc = _run([*command[:-1], "exit"], cwd=tmp_path, TRAINBRIDGE_SCRIPT_FORK=fork)
     assert proc.returncode == 3 and "training failed on rank 1 (exit code 3)" in proc.stderr, proc.stderr[-3000:]
 
 

@@ -3,7 +3,11 @@ refused, and the command line its workers run (the launches themselves: tests/di
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +16,7 @@ from transformers import TrainingArguments
 
 from trainbridge.core import nproc
 from trainbridge.core.config import TorchrunArgs
-from trainbridge.launch import script_launch, script_workers
+from trainbridge.launch import forked_workers, script_launch, script_workers
 from trainbridge.launch.script_launch import (
     CommandLine,
     ScriptLaunchError,
@@ -65,10 +69,12 @@ def test_one_process_always_runs_in_place(session: Any) -> None:
     assert decide(session, 1).action == "in_place"
 
 
-def test_several_processes_re_execute_a_script_fork_a_program_and_refuse_a_session() -> None:
+def test_several_processes_fork_a_script_or_re_execute_it_where_a_fork_is_unsafe_and_refuse_a_session() -> None:
     assert decide("worker", 4).action == "in_place"  # already one rank of a job: never a nested launch
     assert decide("test", 4).action == "in_place"  # pytest is not a training script
-    assert decide("script", 2).action == "torchrun" and decide("module", 2).action == "torchrun"
+    assert decide("script", 2).action == "fork" and decide("module", 2).action == "fork"
+    unsafe = decide("script", 2, "CUDA is already initialised in this process")
+    assert unsafe.action == "torchrun" and "CUDA" in unsafe.reason  # a script can run again instead
     assert decide("command", 2).action == "fork" and decide("stdin", 2).action == "fork"
     refused = decide("command", 2, "CUDA is already initialised in this process")
     assert refused.action == "refuse" and "CUDA is already initialised" in refused.reason
@@ -103,16 +109,71 @@ def script_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
     monkeypatch.setattr(script_workers, "run_under_torchrun", lambda command, n: calls.append((command, n)) or 7)
     monkeypatch.setattr(script_workers, "exit_with", lambda code: calls.append(("exit", code)))
+    monkeypatch.setattr(forked_workers, "fork_workers", lambda n: calls.append(("fork", n)))
+    monkeypatch.setattr(forked_workers, "release_openmp", lambda: None)
+    monkeypatch.delenv(script_launch.SCRIPT_FORK_ENV, raising=False)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # pytest's own threads are not the script's
     return calls
 
 
-def test_a_script_asking_for_several_processes_is_re_executed_once_and_exits_with_the_jobs_status(
+def test_a_script_asking_for_several_processes_forks_them_once(
     script_run: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(nproc.NPROC_ENV, "2")
     script_launch.launch_script()
     script_launch.launch_script()  # a second Trainer name resolved: nothing more
+    assert script_run == [("fork", 2)]
+
+
+@pytest.mark.parametrize("unsafe", ["opted_out", "python_thread", "openmp", "devices_set_up"])
+def test_a_script_that_cannot_fork_is_re_executed_once_and_exits_with_the_jobs_status(
+    script_run: list[Any], monkeypatch: pytest.MonkeyPatch, unsafe: str
+) -> None:
+    monkeypatch.setenv(nproc.NPROC_ENV, "2")
+    if unsafe == "opted_out":
+        monkeypatch.setenv(script_launch.SCRIPT_FORK_ENV, "0")
+    elif unsafe == "python_thread":
+        monkeypatch.setattr(threading, "active_count", lambda: 2)
+    elif unsafe == "devices_set_up":  # a TrainingArguments made before the import (trl's scripts): world size 1
+        from accelerate.state import PartialState
+
+        monkeypatch.setattr(PartialState, "_shared_state", {"num_processes": 1})
+    else:
+        monkeypatch.setattr(forked_workers, "release_openmp", lambda: "the OpenMP runtime x cannot release")
+    script_launch.launch_script()
+    script_launch.launch_script()
     assert script_run == [([sys.executable, "-W", "error", "train.py", "--x"], 2), ("exit", 7)]
+
+
+def test_a_child_forked_after_torch_ran_its_thread_pool_can_run_its_own() -> None:
+    """Without ``release_openmp`` the child waits forever on the parent's OpenMP threads (GNU libgomp)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(1 << 20).exp().sum()  # a parallel region: the pool starts
+        assert forked_workers.release_openmp() is None
+        pid = os.fork()
+        if pid == 0:
+            torch.randn(1 << 20).exp().sum()
+            os._exit(0)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child hung"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_lines_of_a_forked_rank_carry_its_prefix_across_reads() -> None:
+    text, at_start = forked_workers.prefixed(b"a\nb", b"[rank1]: ", True)
+    assert (text, at_start) == (b"[rank1]: a\n[rank1]: b", False)
+    text, at_start = forked_workers.prefixed(b"c\n\nd\n", b"[rank1]: ", at_start)
+    assert (text, at_start) == (b"c\n[rank1]: \n[rank1]: d\n", True)
 
 
 def test_a_script_asking_for_one_process_runs_in_place(script_run: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ when there is none: it follows from several, or from none), and which way it tra
 - ``from_hf``: ``training_args_from_hf`` carries it over (``hf.porting.CARRIED_OVER``; every other field
   set to a non-default value is warned about).
 
-The values' conversions (steps from ratios, ``effective_batch_size`` from the per-device batch...) live with
-the code that applies them; which field goes where is said here only.
+``differs`` says how a carried-over field's effect differs from Trainer's, where it does
+(``trainer.field_table``, docs/trainer_fields.md).  The values' conversions (steps from ratios,
+``effective_batch_size`` from the per-device batch...) live with the code that applies them; which field
+goes where is said here only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class FieldLink:
     from_hf: bool = True
     reads: str | None = None
     """How the ``TrainingArgs`` side reads where it is one value of a field (``mixed_precision: bf16``)."""
+    differs: str | None = None
+    """How the run differs from Trainer's for this field, where it does (docs/trainer_fields.md says it)."""
 
 
 def _same(*names: str, to_hf: bool = True) -> tuple[FieldLink, ...]:
@@ -36,7 +40,7 @@ def _same(*names: str, to_hf: bool = True) -> tuple[FieldLink, ...]:
 FIELD_LINKS: tuple[FieldLink, ...] = (
     FieldLink("output_dir", "ckpt_output_dir"),
     FieldLink("do_train", None, from_hf=False),
-    FieldLink("num_train_epochs", "num_epochs"),
+    FieldLink("num_train_epochs", "num_epochs", differs="a fraction is rounded up to whole epochs (warned)"),
     *_same("max_steps", "learning_rate"),
     FieldLink("lr_scheduler_type", "lr_scheduler"),
     *_same("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
@@ -82,13 +86,25 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "ddp_static_graph",
         to_hf=False,
     ),
-    FieldLink("activation_checkpointing", None, to_hf=False),  # gradient_checkpointing (transformers >= 5)
-    FieldLink("activation_checkpointing_kwargs", None, to_hf=False),
+    FieldLink("activation_checkpointing", None, to_hf=False, reads="gradient_checkpointing"),  # transformers >= 5
+    FieldLink("activation_checkpointing_kwargs", None, to_hf=False, reads="gradient_checkpointing_kwargs"),
     FieldLink("torch_compile", "compile", to_hf=False),
     FieldLink("torch_compile_backend", "compile_backend", to_hf=False),
     FieldLink("torch_compile_mode", "compile_mode", to_hf=False),
-    FieldLink("fsdp", None, to_hf=False),  # distributed_backend
-    FieldLink("deepspeed", None, to_hf=False),  # distributed_backend and deepspeed_zero_stage
+    FieldLink(
+        "fsdp",
+        None,
+        to_hf=False,
+        reads="distributed_backend: fsdp",
+        differs="trainbridge's FSDP2 engine (distributed_backend='fsdp'); the options and fsdp_config are not read",
+    ),
+    FieldLink(
+        "deepspeed",
+        None,
+        to_hf=False,
+        reads="distributed_backend: deepspeed",
+        differs="trainbridge's DeepSpeed engine with the config's ZeRO stage (deepspeed_zero_stage)",
+    ),
     # fields of trl's configs, not TrainingArguments
     FieldLink("max_length", None, to_hf=False),  # max_seq_len
     FieldLink("model_init_kwargs", None, to_hf=False),  # the facade's from_pretrained kwargs

@@ -14,7 +14,7 @@ import math
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import TrainingArguments
 
@@ -27,36 +27,48 @@ class HFPortingWarning(UserWarning):
     """A ``TrainingArguments`` field set to a non-default value is ignored by ``training_args_from_hf``."""
 
 
-# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, fields whose
-# meaning is covered by another warning, and fields the run reads from ``hf_args`` (``dataloader_drop_last``:
-# ``loop.build``).
-NOT_WARNED = frozenset(
-    {
-        "do_train",
-        "do_eval",
-        "do_predict",
-        "local_rank",
-        "accelerator_config",
-        "dataloader_pin_memory",
-        "log_level",
-        "log_level_replica",
-        "log_on_each_node",
-        "logging_nan_inf_filter",
-        "skip_memory_metrics",
-        "hub_token",
-        "hub_private_repo",
-        "hub_model_id",
-        "hub_strategy",
-        "hub_always_push",
-        "hub_revision",
-        "project",
-        "trackio_space_id",
-        "trackio_bucket_id",
-        "trackio_static_space_id",
-        "fsdp_config",
-        "dataloader_drop_last",
-    }
-)
+class Unwarned(NamedTuple):
+    """Why a field set to a non-default value is not warned about; ``same`` where the run does what Trainer
+    does with it (nothing, or what Trainer's own ``__init__`` or the callbacks reading ``args`` do)."""
+
+    why: str
+    same: bool = False
+
+
+_BY_SCRIPTS = Unwarned("Trainer does not read it either (example scripts do)", same=True)
+_NOT_PUSHED = Unwarned("nothing is pushed to a hub (push_to_hub is warned about)")
+_TRACKIO = Unwarned("read from args by transformers' trackio callback (report_to), as under Trainer", same=True)
+_LOGGING = Unwarned("Trainer's own __init__ (the facade's) sets transformers' logging verbosity from it", same=True)
+
+# Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
+# meaning is covered by another warning.
+NOT_WARNED: dict[str, Unwarned] = {
+    "do_train": _BY_SCRIPTS,
+    "do_eval": _BY_SCRIPTS,
+    "do_predict": _BY_SCRIPTS,
+    "local_rank": Unwarned("set by the launcher (LOCAL_RANK), as under Trainer", same=True),
+    "accelerator_config": Unwarned("not read: the loop's engines are trainbridge's, not accelerate's"),
+    "dataloader_pin_memory": Unwarned("not read: the loop's batches are not pinned"),
+    "log_level": _LOGGING,
+    "log_level_replica": _LOGGING,
+    "log_on_each_node": _LOGGING,
+    "logging_nan_inf_filter": Unwarned("not read: a non-finite loss is handled as nonfinite_policy says"),
+    "skip_memory_metrics": Unwarned("not read: train()'s metrics carry no memory deltas"),
+    "hub_token": _NOT_PUSHED,
+    "hub_private_repo": _NOT_PUSHED,
+    "hub_model_id": _NOT_PUSHED,
+    "hub_strategy": _NOT_PUSHED,
+    "hub_always_push": _NOT_PUSHED,
+    "hub_revision": _NOT_PUSHED,
+    "project": _TRACKIO,
+    "trackio_space_id": _TRACKIO,
+    "trackio_bucket_id": _TRACKIO,
+    "trackio_static_space_id": _TRACKIO,
+    "fsdp_config": Unwarned("not read: fsdp chooses the FSDP2 engine, which takes none of its options"),
+    "dataloader_drop_last": Unwarned(
+        "read from the script's TrainingArguments: the short batch is dropped (loop.build)", same=True
+    ),
+}
 
 # Why a field has no meaning here, for the fields users set most.
 EXPLANATIONS: dict[str, str] = {
@@ -79,6 +91,12 @@ EXPLANATIONS: dict[str, str] = {
     "data_seed": "seed orders the data and splits validation",
     "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
+    "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
+    "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
+    "use_liger_kernel": (
+        "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
+        "token path)"
+    ),
 }
 
 
@@ -109,7 +127,12 @@ def trainer_field_hint(name: str) -> str | None:
         return f"{prefix}; here it is {RENAMED[name]}."
     if name in EXPLANATIONS:
         return f"{prefix}; here {EXPLANATIONS[name]}."
-    return f"{prefix}; it has no equivalent in trainbridge.TrainingArgs."
+    return f"{prefix}; {ignored_reason(name)}."
+
+
+def ignored_reason(name: str) -> str:
+    """Why a non-default ``name`` is ignored: the warning's words."""
+    return EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
 
 
 def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
@@ -127,7 +150,7 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
         if any(name in getattr(callback, "honours_hf_fields", ()) for callback in required.get("callbacks") or ()):
             continue  # a callback of the caller's applies it (the facade's ScriptTrainerEvents: NEFTune)
         value = getattr(hf_args, name)
-        reason = EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
+        reason = ignored_reason(name)
         if name not in _FIELDS:
             reason = (
                 f"{cls} is not TrainingArguments: trainbridge runs its own loop, so this {cls} field has no "

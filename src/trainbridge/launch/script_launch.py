@@ -7,15 +7,19 @@ read before the script's arguments exist.  What happens (``decide``):
 
 - a launched worker (``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set) or N = 1: nothing; the script goes on in
   this process and the Trainer trains in place (as ``transformers.Trainer``);
-- a script file or ``python -m module``, N > 1: the same command line (interpreter options, script or
-  module, arguments: ``sys.orig_argv``) runs again under torchrun (``launch.agent``, tied to this process by
-  ``launch.lifeline``), ``N`` ranks on this node; this process streams their output, forwards Ctrl-C and
-  SIGTERM, names the first failing rank (``launch.failures``) and exits with the job's status.  The workers'
+- a script file or ``python -m module``, N > 1: the workers are forked here (``launch.forked_workers``) and go
+  on with the script from this point, each one rank, with what it imported so far, as the workers of
+  ``torchrun script.py`` would run it after their own imports; this process streams their output, forwards
+  Ctrl-C and SIGTERM, names the first failing rank (``launch.failures``) and exits with the job's status.
+  Where a fork is not safe (``fork_problem``: CUDA initialised, Python threads running, the script's devices
+  already set up for one process (a ``TrainingArguments`` made before the import), a platform without fork, an
+  OpenMP runtime that cannot release its threads) or ``TRAINBRIDGE_SCRIPT_FORK=0``, the same command
+  line (interpreter options, script or module, arguments: ``sys.orig_argv``) runs again under torchrun
+  (``launch.agent``, tied to this process by ``launch.lifeline``), with the same guarantees; the workers'
   ``sys.path`` and environment are what ``torchrun script.py`` would give them (no ``PYTHONPATH`` added);
   what torchrun leaves (logs, error files) is in a private temporary folder, removed at the end;
-- ``python -c`` or a program piped on stdin, N > 1: it cannot be run again, so the workers are forked here
-  (``launch.fork_launch``, before CUDA is initialised, as accelerate's ``notebook_launcher``) and go on
-  with the program from this point, each one rank; nothing is pickled;
+- ``python -c`` or a program piped on stdin, N > 1: it cannot be run again, so the workers are forked the
+  same way (before CUDA is initialised, as accelerate's ``notebook_launcher``); nothing is pickled;
 - an interactive session (REPL, ``python -i``, IPython/Jupyter), N > 1, or a fork the platform refuses:
   ``ScriptLaunchError``, one line saying what to do.
 
@@ -31,6 +35,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainbridge.core.nproc import NPROC_ENV, default_nproc_per_node
+
+SCRIPT_FORK_ENV = "TRAINBRIDGE_SCRIPT_FORK"
+"""``0``: a script or module with N > 1 is always run again under torchrun, never forked."""
 
 SCRIPT_LAUNCH_ENV = "TRAINBRIDGE_SCRIPT_LAUNCH"
 """Set in the workers of a script this module launched (``torchrun`` or ``fork``)."""
@@ -131,23 +138,46 @@ def _in_ipython() -> bool:
     return get is not None and get() is not None
 
 
-def fork_problem() -> str | None:
-    """Why this process cannot fork its workers (None: it can)."""
+def fork_problem(session: Session = "command") -> str | None:
+    """Why this process cannot fork its workers (None: it can).  A script or module (which can run again
+    instead) is also not forked while other Python threads run, or when ``TRAINBRIDGE_SCRIPT_FORK=0``."""
     if not hasattr(os, "fork") or sys.platform in ("win32", "darwin"):
         return f"forking workers is not safe on {sys.platform}"
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
         return "CUDA is already initialised in this process, and forked workers cannot use it"
+    if session in ("script", "module"):
+        if os.environ.get(SCRIPT_FORK_ENV, "").strip() == "0":
+            return f"{SCRIPT_FORK_ENV}=0"
+        threading = sys.modules.get("threading")
+        if threading is not None and threading.active_count() > 1:
+            return f"{threading.active_count() - 1} other Python threads run in this process"
+        return _devices_set_up()
+    return None
+
+
+def _devices_set_up() -> str | None:
+    """Why the script's objects already hold this one process's world (None: they do not): a ``TrainingArguments``
+    made before the Trainer import (trl's scripts parse theirs first) set up accelerate's state, or a process group
+    exists; a worker forked now would keep world size 1."""
+    state = sys.modules.get("accelerate.state")
+    partial = getattr(state, "PartialState", None)
+    if partial is not None and getattr(partial, "_shared_state", None):
+        return "the script set up its devices (a TrainingArguments, accelerate's state) before the Trainer import"
+    distributed = getattr(sys.modules.get("torch"), "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return "a process group exists in this process"
     return None
 
 
 def decide(session: Session, nproc: int, fork_refused: str | None = None) -> Decision:
-    """The action for a process of kind ``session`` asked for ``nproc`` processes."""
+    """The action for a process of kind ``session`` asked for ``nproc`` processes (``fork_refused``: why
+    forking is not safe here, None where it is)."""
     if session in ("worker", "test") or nproc <= 1:
         return Decision("in_place", nproc, session)
     if session in ("script", "module"):
-        return Decision("torchrun", nproc, session)
+        return Decision("torchrun" if fork_refused else "fork", nproc, session, fork_refused or "")
     if session in ("command", "stdin") and fork_refused is None:
         return Decision("fork", nproc, session)
     why = fork_refused if session in ("command", "stdin") else "an interactive session cannot be run again"
@@ -187,17 +217,22 @@ def launch_script() -> None:
             become_worker()
         return
     nproc = default_nproc_per_node()
-    decision = decide(session, nproc, fork_problem() if session in ("command", "stdin") and nproc > 1 else None)
+    forking = session in ("script", "module", "command", "stdin") and nproc > 1
+    decision = decide(session, nproc, fork_problem(session) if forking else None)
     if decision.action == "in_place":
         return
     if decision.action == "refuse":
         _done = False  # asked again, refused again
         raise ScriptLaunchError(decision.reason)
+    if decision.action == "fork":
+        from trainbridge.launch import forked_workers
+
+        unreleased = forked_workers.release_openmp()
+        if unreleased is None or session in ("command", "stdin"):  # these cannot run again: fork regardless
+            forked_workers.fork_workers(decision.nproc)  # returns in each worker; this process exits
+            return
     from trainbridge.launch import script_workers
 
-    if decision.action == "fork":
-        script_workers.fork_workers(decision.nproc)  # returns in each worker; the parent exits
-        return
     command = worker_command(parse_command_line(sys.orig_argv))
     script_workers.exit_with(script_workers.run_under_torchrun(command, decision.nproc))
 

@@ -1,11 +1,9 @@
-"""The workers of a script run by ``launch.script_launch``: under torchrun (a script file, ``python -m``), or
-forked from the session (``python -c``, a program on stdin); and what each worker sets up for itself.
+"""The workers of a script run by ``launch.script_launch`` under torchrun (forked ones: ``launch.forked_workers``),
+and what each worker sets up for itself.
 
 - ``run_under_torchrun``: the script's command line under ``launch.agent`` (torchrun tied to this process by
   ``launch.lifeline``), ``--no-python``, so the interpreter's options are kept and nothing is added to the
   workers' ``sys.path``; returns the job's exit status after naming the first failing rank.
-- ``fork_workers``: ``N`` forked workers with torchrun's environment (``RANK``, ``MASTER_PORT``...); returns
-  in each worker, which goes on with the program; the session waits and exits with the job's status.
 - ``become_worker``: in each worker, die with the launcher (``lifeline``), and leave the error of an
   uncaught exception where torchrun's failure report finds it (``TORCHELASTIC_ERROR_FILE``).
 """
@@ -15,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +26,7 @@ from trainbridge.launch.console import RANK_PREFIX_TEMPLATE
 from trainbridge.launch.errors import LaunchError, TrainingInterruptedError, WorkerFailedError
 from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.script_launch import SCRIPT_LAUNCH_ENV
-from trainbridge.launch.supervise import SHUTDOWN_GRACE_S, free_port, supervise
+from trainbridge.launch.supervise import free_port, supervise
 
 MASTER_ADDR = "127.0.0.1"
 """A script's job runs on this node: its rendezvous listens on the loopback address only."""
@@ -142,88 +138,3 @@ def _recording_excepthook(
         previous(kind, error, trace)
 
     return hook
-
-
-# ----------------------------------------------------------------------------- forked workers
-def fork_workers(nproc: int) -> None:
-    """Fork ``nproc`` workers; returns in each of them (one rank each).  The session itself waits for them,
-    forwards SIGINT/SIGTERM, stops the others when one fails, and exits with the job's status."""
-    from trainbridge.launch.transport import make_payload_folder
-
-    private = make_payload_folder()
-    env = worker_environment(nproc, "fork")
-    env.update(MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(free_port(MASTER_ADDR)), WORLD_SIZE=str(nproc))
-    env.update(LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children: dict[int, int] = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.clear()
-            os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            os.environ["TORCHELASTIC_ERROR_FILE"] = str(private / f"error-{rank}.json")
-            become_worker()
-            return
-        children[pid] = rank
-    try:
-        code = _wait_for(children, private)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-    exit_with(code)
-
-
-def _wait_for(children: dict[int, int], private: Path) -> int:
-    from trainbridge.launch.failures import root_cause
-
-    records: list[dict[str, Any]] = []
-    received: list[int] = []
-    stop_at: float | None = None
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        _signal_all(children, signal.SIGTERM)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                if stop_at is None and received:
-                    stop_at = time.monotonic() + SHUTDOWN_GRACE_S
-                if stop_at is not None and time.monotonic() > stop_at:
-                    _signal_all(children, signal.SIGKILL)
-                time.sleep(0.1)
-                continue
-            rank = children.pop(pid, None)
-            code = os.waitstatus_to_exitcode(status)
-            if rank is None or code == 0:
-                continue
-            error_file = private / f"error-{rank}.json"
-            records.append(
-                {
-                    "rank": rank,
-                    "local_rank": rank,
-                    "pid": pid,
-                    "exitcode": code,
-                    "signal": signal.Signals(-code).name if code < 0 else None,
-                    "error_file": str(error_file) if error_file.is_file() else None,
-                    "timestamp": int(time.time()),
-                    "message": "",
-                }
-            )
-            if stop_at is None:  # the first failure: torchrun's policy, stop the others
-                _signal_all(children, signal.SIGTERM)
-                stop_at = time.monotonic() + SHUTDOWN_GRACE_S
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if received:
-        return report(TrainingInterruptedError(received[0]))
-    return report(root_cause(records)) if records else 0
-
-
-def _signal_all(children: dict[int, int], signum: int) -> None:
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)

@@ -376,7 +376,7 @@ def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
 
 def _neftune(trainer: LoopTrainer) -> float | None:
     """The instance's ``neftune_noise_alpha`` (Trainer's constructor copies it from ``args``), or None."""
-    alpha = getattr(trainer, "neftune_noise_alpha", None)
+    alpha = trainer.neftune_noise_alpha
     return float(alpha) if alpha is not None else None
 
 
@@ -389,7 +389,7 @@ def needs_trainer_step(trainer: LoopTrainer) -> bool:
     if trainer.compute_loss_func is not None or _neftune(trainer) is not None:
         return True
     generating = bool(getattr(trainer.args, "predict_with_generate", False))
-    return getattr(trainer, "label_smoother", None) is not None and not generating
+    return trainer.label_smoother is not None and not generating
 
 
 def script_events(trainer: LoopTrainer) -> ScriptTrainerEvents | None:
