@@ -3,7 +3,9 @@
 - the final ``on_log``: a callback added after Trainer's ``PrinterCallback`` sees the row it left (no
   ``total_flos``), one given to the constructor sees ``total_flos``; ``state.total_flos`` holds the count;
 - ``dataloader_drop_last=True`` in an epoch-based run: Trainer's step count (the last, short batch dropped), on
-  Trainer's sample batches and on our token batches."""
+  Trainer's sample batches and on our token batches;
+- no ``processing_class``, the tokenizer only in the LM collator: it trains, and checkpoints hold the collator's
+  tokenizer as Trainer's do."""
 
 from __future__ import annotations
 
@@ -122,3 +124,38 @@ def test_drop_last_takes_trainers_step_count(
     assert [e["epoch"] for e in trainer.state.log_history if "loss" in e] == [
         e["epoch"] for e in reference.state.log_history if "loss" in e
     ]
+
+
+def test_without_processing_class_the_tokenizer_comes_from_the_collator(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Trainer(model, args, train_dataset=..., data_collator=DataCollatorForLanguageModeling(tok, mlm=False))``, the
+    model's folder without a tokenizer: it trains (our token batches pad with the collator's tokenizer) and each
+    checkpoint holds the collator's tokenizer, as Trainer saves it."""
+    model, tokenizer, rows = llama
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    assert not (bare / "tokenizer_config.json").exists()
+    saved = []
+    for cls in (transformers.Trainer, Trainer):
+        out = tmp_path / cls.__module__
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            save_steps=3,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        if cls is Trainer:
+            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                monkeypatch.setenv(name, value)
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = cls(
+            transformers.AutoModelForCausalLM.from_pretrained(bare), args, train_dataset=rows, data_collator=collator
+        )
+        trainer.train()
+        assert trainer.state.global_step == 3
+        saved.append({p.name for p in (out / "checkpoint-3").iterdir() if "token" in p.name})
+    assert saved[1] == saved[0] and "tokenizer_config.json" in saved[0]

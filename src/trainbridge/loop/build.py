@@ -472,8 +472,18 @@ def use_padded_batches(model: PreTrainedModel, args: TrainingArgs, probe: bool =
     return padded
 
 
+def _pad_token_id(tokenizer: Any, data_collator: Any) -> int:
+    """What batches are padded with: the run tokenizer's pad id, else that of the collator's own tokenizer (a
+    script that hands its tokenizer only to its collator: no ``processing_class``, as Trainer needs none), else 0."""
+    for source in (tokenizer, getattr(data_collator, "tokenizer", None)):
+        pad_id = getattr(source, "pad_token_id", None)
+        if pad_id is not None:
+            return int(pad_id)
+    return 0
+
+
 def _collate_fn(model: PreTrainedModel, tokenizer: Any, padded: bool, data_collator: Any) -> Any:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = _pad_token_id(tokenizer, data_collator)
     if data_collator is not None:  # the user's collator, called as written (data.user_collate)
         return functools.partial(collate_with, data_collator, pad_token_id=pad_id)
     if padded:

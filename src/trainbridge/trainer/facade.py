@@ -223,9 +223,12 @@ class LoopTrainer(_TrainerBase):
         return {id(cb) for cb in self.callback_handler.callbacks if classes and type(cb) in classes}
 
     def _loop_tokenizer(self) -> Any:
-        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the
-        tokenizer saved beside the model the script loaded, if its folder has one."""
+        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the collator's
+        own (``data_collator.tokenizer``, which Trainer saves into checkpoints then), else the tokenizer saved
+        beside the model the script loaded, if its folder has one."""
         tok = self.processing_class
+        if tok is None:
+            tok = getattr(self.data_collator, "tokenizer", None)
         if tok is None and self._fallback_tokenizer is None and self.model is not None:
             self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
         if tok is None:
