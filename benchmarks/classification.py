@@ -174,10 +174,9 @@ def run_trainbridge(model: Path, data: Path, out: Path, steps: int, learning_rat
         save_strategy="no",
         save_final_checkpoint=False,
         disable_tqdm=True,
-        callbacks=[StepClock(str(out))],
     )
     with console_to(out / "run.log"):
-        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
+        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600, callbacks=[StepClock(str(out))])
 
 
 @dataclass(frozen=True)

@@ -206,9 +206,8 @@ def run_trainbridge(key: str, options: Options, model_dir: Path, data: Path, out
         distributed_backend="fsdp" if key == "tb_fsdp" else "ddp",
         loss_implementation="chunked" if key == "tb_ddp_chunked" else "auto",
         model_kwargs={"attn_implementation": options.attn} if not options.smoke else {},
-        callbacks=[GpuClock(str(out))],
     )
-    run_training(args, TorchrunArgs(nproc_per_node=options.nproc), timeout_s=3600)
+    run_training(args, TorchrunArgs(nproc_per_node=options.nproc), timeout_s=3600, callbacks=[GpuClock(str(out))])
 
 
 def _samples_per_rank(options: Options) -> int:

@@ -42,7 +42,7 @@ def child(config: str, workdir: Path, steps: int) -> dict:
     import psutil
     import torch
 
-    from trainbridge.core.config import TrainingArgs
+    from trainbridge.core.config import RunPlan, TrainingArgs
     from trainbridge.core.distributed import DistributedEnv
     from trainbridge.loop.build import build_run
     from trainbridge.loop.loop import TrainingLoop
@@ -64,7 +64,7 @@ def child(config: str, workdir: Path, steps: int) -> dict:
         **CONFIGS[config],
     )
     env = DistributedEnv()
-    components = build_run(args, env)
+    components = build_run(args, RunPlan(), env)
     rss_built = psutil.Process().memory_info().rss
     start = time.perf_counter()
     TrainingLoop(args, env, [], components).run()

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             "nproc": options.nproc,
         }
         try:
-            straight = run_training(TrainingArgs(ckpt_output_dir=root / backend, callbacks=[Peak()], **common), launch)
+            straight = run_training(TrainingArgs(ckpt_output_dir=root / backend, **common), launch, callbacks=[Peak()])
             resumed = run_training(
                 TrainingArgs(
                     ckpt_output_dir=root / f"{backend}-resumed",

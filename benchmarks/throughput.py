@@ -271,10 +271,9 @@ def run_trainbridge(
         save_strategy="no",
         save_final_checkpoint=False,
         include_num_input_tokens_seen="non_padding",  # StepClock reads state.num_input_tokens_seen (real tokens)
-        callbacks=[StepClock(str(out))],
     )
     with console_to(log_path):
-        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600)
+        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600, callbacks=[StepClock(str(out))])
 
 
 def run_config(

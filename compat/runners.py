@@ -316,8 +316,9 @@ def _root_cause(lines: list[str]) -> str | None:
 def trainbridge_arguments(
     spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
 ) -> Any:
-    """The ``TrainingArgs`` of a trainbridge run: ``training_args_from_hf`` of the scenario's
-    ``TrainingArguments`` plus the paths, batch shape and callbacks."""
+    """The ``TrainingArgs`` of a trainbridge run (``training_args_from_hf`` of the scenario's
+    ``TrainingArguments`` plus the paths and batch shape) and its code for ``run_training`` (the callbacks, the
+    ``TrainingArguments`` they see)."""
     hf_values = spec.training_arguments(outcome.output_dir, world_size)
     if resume_from is not None:
         hf_values["resume_from_checkpoint"] = str(outcome.output_dir / f"checkpoint-{resume_from}")
@@ -336,20 +337,20 @@ def trainbridge_arguments(
             effective_batch_size=spec.samples_per_step,
             max_seq_len=SAMPLE_TOKENS,
             max_batch_len=spec.max_batch_len(world_size),
-            callbacks=[probe, *callbacks, TraceRecorder(str(trace_dir)), probe.closer()],
         )
+    code = {"callbacks": [probe, *callbacks, TraceRecorder(str(trace_dir)), probe.closer()], "hf_args": hf_args}
     if not phase:
         outcome.porting_warnings = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})
-    return args
+    return args, code
 
 
 def _launch_trainbridge(
     spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
 ) -> None:
     try:
-        args = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
+        args, code = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
         with scoped_environment(integration_environment(outcome.run_dir)), console_to(outcome.run_dir / "console.log"):
-            result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s)
+            result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s, **code)
         if result is not None:
             outcome.callback_errors = sorted({report.callback for report in result.callback_errors})
     except LaunchTimeoutError as exc:

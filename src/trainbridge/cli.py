@@ -245,19 +245,24 @@ def _trainer_hint(name: str) -> str | None:
     return trainer_field_hint(name)
 
 
-def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArgs] | str:
-    """Validated arguments, or the error report to print."""
+def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArgs, dict[str, Any]] | str:
+    """Validated arguments and the config's code (``model_init:``, for ``run_training``), or the error report to
+    print."""
     import pydantic
 
     from trainbridge.core import nproc
-    from trainbridge.core.config import TorchrunArgs, TrainingArgs
+    from trainbridge.core.config import RunPlan, TorchrunArgs, TrainingArgs, check_consistent
+    from trainbridge.core.config.training import read_yaml
     from trainbridge.core.config_errors import format_validation_error
 
     overrides = dict(options.overrides)
     if options.resume:
         overrides.setdefault("resume_from_checkpoint", "auto")
     try:
-        args = TrainingArgs.from_yaml(options.config, **overrides)
+        data = {**read_yaml(options.config), **overrides}
+        code = {"model_init": data.pop("model_init")} if data.get("model_init") is not None else {}
+        args = TrainingArgs.model_validate(data)
+        check_consistent(args, RunPlan.from_keywords(**code))
     except pydantic.ValidationError as exc:
         return format_validation_error(
             exc, TrainingArgs, source=str(options.config), overrides=overrides, foreign_hint=_trainer_hint
@@ -285,7 +290,7 @@ def _load_config(options: argparse.Namespace) -> tuple[TrainingArgs, TorchrunArg
     counted_gpus = "nproc_per_node" not in given and nproc.NPROC_ENV not in os.environ
     if counted_gpus and (args.device == "cpu" or nproc.visible_gpu_count() == 0):
         print(f"trainbridge: note: {_NO_GPU_NOTE}", file=sys.stderr)
-    return args, launch
+    return args, launch, code
 
 
 def _train(options: argparse.Namespace) -> int:
@@ -304,13 +309,13 @@ def _train(options: argparse.Namespace) -> int:
     if isinstance(loaded, str):
         print(f"trainbridge: {loaded}", file=sys.stderr)
         return EXIT_INVALID
-    args, launch = loaded
+    args, launch, code = loaded
     if options.dry_run:
         print(f"trainbridge: resolved configuration ({options.config}):\n{args.to_yaml()}", flush=True)
-        launcher.run_training(args, launch, timeout_s=options.timeout, dry_run=True)
+        launcher.run_training(args, launch, timeout_s=options.timeout, dry_run=True, **code)
         print("trainbridge: dry run: nothing was trained")
         return EXIT_OK
-    result = launcher.run_training(args, launch, timeout_s=options.timeout)
+    result = launcher.run_training(args, launch, timeout_s=options.timeout, **code)
     if result is None:
         print("trainbridge: training finished; rank 0 runs on another node and holds the result")
     else:

@@ -15,7 +15,8 @@ import datasets
 import pytest
 
 from tests.distributed.training_fixtures import base_args
-from trainbridge import TorchrunArgs, run_training
+from tests.run_inputs import run_training
+from trainbridge import TorchrunArgs
 from trainbridge.demos.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.distributed

@@ -18,7 +18,8 @@ pytest.importorskip("trl")
 
 from tests.distributed.script_runs import run_checked, torchrun
 from tests.distributed.training_fixtures import base_args
-from trainbridge import TorchrunArgs, run_training
+from tests.run_inputs import run_training
+from trainbridge import TorchrunArgs
 from trainbridge.trl.dpo_step import DPOStepFactory
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from tests.distributed.conftest import free_port
 from tests.distributed.fault_callbacks import ControlThenTerminate, ExitZero, KillOnce
 from tests.distributed.training_fixtures import base_args
-from trainbridge import TorchrunArgs, TrainingInterruptedError, WorkerFailedError, run_training
+from tests.run_inputs import run_training
+from trainbridge import TorchrunArgs, TrainingInterruptedError, WorkerFailedError
 from trainbridge.checkpoint.manifest import verify_checkpoint
 from trainbridge.loop.result import RunResult
 
@@ -51,7 +52,8 @@ def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
         from pathlib import Path
         from tests.distributed.fault_callbacks import SlowSteps
         from tests.distributed.training_fixtures import base_args
-        from trainbridge import TorchrunArgs, run_training
+        from tests.run_inputs import run_training
+        from trainbridge import TorchrunArgs
         assets = {{k: Path(v) for k, v in { ({k: str(v) for k, v in assets.items()})!r}.items()}}
         run_training(base_args(assets, Path({str(out)!r}), max_steps=100000, callbacks=[SlowSteps()]),
                      TorchrunArgs(nproc_per_node=2))

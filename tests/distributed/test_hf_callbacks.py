@@ -14,7 +14,8 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from tests.distributed.conftest import run_on_ranks
 from tests.distributed.training_fixtures import base_args
-from trainbridge import Callback, TorchrunArgs, run_training
+from tests.run_inputs import run_training, split_run
+from trainbridge import Callback, TorchrunArgs
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)
@@ -103,11 +104,10 @@ class FlagsOnOneRank(TrainerCallback):
 def _training_arguments_on_rank(env, model: Path, data: Path, out: Path) -> dict[str, Any]:
     from accelerate.state import PartialState
 
-    from trainbridge.core.config import TrainingArgs
     from trainbridge.hf import build_training_arguments
 
     groups_before = len(dist.distributed_c10d._world.pg_map)
-    args = TrainingArgs(model_path=model, data_path=data, ckpt_output_dir=out, effective_batch_size=8)
+    args = split_run(model_path=model, data_path=data, ckpt_output_dir=out, effective_batch_size=8)
     hf = build_training_arguments(args, env)
     seen = {
         "world_size": hf.world_size,

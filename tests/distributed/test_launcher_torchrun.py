@@ -24,12 +24,12 @@ from tests.distributed.demo_run import (
     library_lines,
     login_user_can_run,
 )
-from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from tests.run_inputs import run_training, split_run
+from trainbridge.core.config import TorchrunArgs
 from trainbridge.launch.launcher import (
     LaunchTimeoutError,
     TrainingInterruptedError,
     WorkerFailedError,
-    run_training,
 )
 from trainbridge.launch.transport import register_by_value
 
@@ -48,7 +48,7 @@ from trainbridge.launch.transport import PAYLOAD_KEY_ENV, read_payload
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--payload", required=True)
-    args = read_payload(parser.parse_args().payload, os.environ[PAYLOAD_KEY_ENV])
+    args, plan = read_payload(parser.parse_args().payload, os.environ[PAYLOAD_KEY_ENV])
     rank = int(os.environ["RANK"])
     print(f"stub worker rank {rank} of {os.environ['WORLD_SIZE']} says hello", flush=True)
     if args.run_name == "fail-on-rank-1":
@@ -63,8 +63,8 @@ def main():
         args.ckpt_output_dir.mkdir(parents=True, exist_ok=True)
         (args.ckpt_output_dir / f"sleeping-rank{rank}").write_text(str(os.getpid()))
         time.sleep(300)
-    (function,) = [fn for fns in args.plan.event_functions.values() for fn in fns]
-    (callback,) = args.plan.callbacks
+    (function,) = [fn for fns in plan.event_functions.values() for fn in fns]
+    (callback,) = plan.callbacks
     if rank == 0:
         import json, psutil
         store_port = int(os.environ["MASTER_PORT"])
@@ -116,7 +116,7 @@ def make_args(tmp_path, monkeypatch, run_files):
     offset = 40
 
     def make(run_name):
-        return TrainingArgs(
+        return split_run(
             model_path=model,
             data_path=data,
             ckpt_output_dir=tmp_path / "out",

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
+from tests.run_inputs import run_training, split_run
 from tests.unit.test_model_loss import BERT, _accuracy, _classification_rows, _save
-from trainbridge import TorchrunArgs, TrainingArgs, run_training
+from trainbridge import TorchrunArgs
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +19,7 @@ def test_sequence_classification_trains_on_two_ranks_through_run_training(tmp_pa
 
     torch.manual_seed(0)
     model = _save(BertForSequenceClassification(BertConfig(**BERT, num_labels=2)), tmp_path / "model")
-    args = TrainingArgs(
+    args = split_run(
         model_path=model,
         data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
         val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2),

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
-from trainbridge import Callback, TorchrunArgs, run_training
+from tests.run_inputs import run_training
+from trainbridge import Callback, TorchrunArgs
 
 pytestmark = pytest.mark.distributed
 TWO = TorchrunArgs(nproc_per_node=2)

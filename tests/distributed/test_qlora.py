@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from tests.distributed.script_runs import run_script
 from tests.distributed.training_fixtures import base_args, make_assets
-from trainbridge import Callback, TorchrunArgs, run_training
+from tests.run_inputs import run_training
+from trainbridge import Callback, TorchrunArgs
 from trainbridge.launch.launcher import free_port
 
 pytest.importorskip("bitsandbytes")

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.run_inputs import run_training, split_run
 from tests.unit.test_model_loss import BERT, _save
 from tests.unit.test_stream_batches import Numbers
-from trainbridge import TorchrunArgs, TrainingArgs, run_training
+from trainbridge import TorchrunArgs
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +46,7 @@ def test_two_ranks_stream_disjoint_items_for_max_steps(tmp_path):
     placeholder.write_text('{"text": "x"}\n')
     seen = tmp_path / "seen"
     seen.mkdir()
-    args = TrainingArgs(
+    args = split_run(
         model_path=model,
         data_path=placeholder,
         train_stream=Numbers(),

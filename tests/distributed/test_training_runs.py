@@ -14,7 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
-from trainbridge import Callback, TorchrunArgs, WorkerFailedError, run_training
+from tests.run_inputs import run_training
+from trainbridge import Callback, TorchrunArgs, WorkerFailedError
 from trainbridge.loop.result import RunResult
 
 pytestmark = pytest.mark.distributed

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.run_inputs import split_run
 from trainbridge import Callback, TrainingArgs
 from trainbridge.demos.tiny_model import build_tiny_llama, write_arithmetic_dataset
 
@@ -37,7 +38,7 @@ def base_args(assets: dict[str, Path], out: Path, **overrides: Any) -> TrainingA
         seed=7,
     )
     values.update(overrides)
-    return TrainingArgs(**values)
+    return split_run(**values)
 
 
 class EventCounter(Callback):

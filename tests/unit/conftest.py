@@ -8,19 +8,20 @@ from typing import Any
 
 import pytest
 
-from trainbridge.core.config import TrainingArgs
+from tests.run_inputs import split_run
 from trainbridge.demos.tiny_model import write_arithmetic_dataset
 
 
 @pytest.fixture
-def args_for(tmp_path: Path, tiny_llama: Path) -> Callable[..., TrainingArgs]:
+def args_for(tmp_path: Path, tiny_llama: Path) -> Callable[..., Any]:
     """``args_for(out="out", **overrides)``: ``TrainingArgs`` for an in-process run of the tiny Llama on
     48 arithmetic rows (6 steps of 8) with 8 validation rows, written under ``tmp_path/out``; nothing is
-    saved unless asked.  A module that wants other defaults wraps it with ``functools.partial``."""
+    saved unless asked; given code (callback objects, ``on_<event>=fn``...): ``RunInputs(args, plan)``
+    (``tests.run_inputs.split_run``).  A module that wants other defaults wraps it with ``functools.partial``."""
     train_file = write_arithmetic_dataset(tmp_path / "train.jsonl", 48, seed=1)
     val_file = write_arithmetic_dataset(tmp_path / "val.jsonl", 8, seed=2)
 
-    def make(out: str = "out", **overrides: Any) -> TrainingArgs:
+    def make(out: str = "out", **overrides: Any) -> Any:
         values: dict[str, Any] = dict(
             model_path=tiny_llama,
             data_path=train_file,
@@ -38,6 +39,6 @@ def args_for(tmp_path: Path, tiny_llama: Path) -> Callable[..., TrainingArgs]:
             seed=7,
         )
         values.update(overrides)
-        return TrainingArgs(**values)
+        return split_run(**values)
 
     return make

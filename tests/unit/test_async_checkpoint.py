@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from tests.run_inputs import as_run
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.checkpoint import engine_state
@@ -53,7 +54,12 @@ def args_for(args_for):
 
 
 def _loop(args: TrainingArgs, *callbacks: Callback) -> TrainingLoop:
-    return TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *callbacks], build_run(args, DistributedEnv()))
+    return TrainingLoop(
+        as_run(args).args,
+        DistributedEnv(),
+        [ScheduleCallback(), *callbacks],
+        build_run(*as_run(args), DistributedEnv()),
+    )
 
 
 def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the_previous_exactly(args_for):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.run_inputs import as_run
 from tests.unit.test_checkpoint import args, new_engine, save_tiny_llama, train_step  # noqa: F401 (fixture)
 from trainbridge.checkpoint.dcp_io import read_dcp, write_dcp
 from trainbridge.checkpoint.folders import CheckpointError
@@ -191,7 +192,7 @@ def test_a_run_shared_with_its_group_writes_checkpoints_its_group_can_read(args_
     """``share_run_dir_with_group`` reaches the checkpoint manager: folders 0750, files 0640."""
     from trainbridge.loop.build import build_run
 
-    components = build_run(args_for(share_run_dir_with_group=True), DistributedEnv())
+    components = build_run(*as_run(args_for(share_run_dir_with_group=True)), DistributedEnv())
     assert components.checkpoints.share_with_group
     path = components.checkpoints.save(components.engine, components.tokenizer, 1, {"global_step": 1}, {})
     assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [path, *path.rglob("*")] if p.is_dir()} == {"0o750"}

@@ -4,7 +4,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from trainbridge.core.config import CallbackSpec, TorchrunArgs, TrainingArgs
+from tests.run_inputs import split_run
+from trainbridge.core.config import CallbackSpec, RunPlan, TorchrunArgs, TrainingArgs
 from trainbridge.core.events import Event
 
 
@@ -20,7 +21,7 @@ def base(run_files):
 
 def _error(fields):
     with pytest.raises(ValidationError) as info:
-        TrainingArgs(**fields)
+        split_run(**fields)
     return str(info.value)
 
 
@@ -51,12 +52,16 @@ def test_eval_strategy_steps_needs_eval_steps(base):
 
 
 def test_unknown_event_keyword_is_named(base):
-    message = _error({**base, "on_foo": print})
+    with pytest.raises(ValueError) as info:
+        RunPlan.from_keywords(on_foo=print)
+    message = str(info.value)
     assert "on_foo: unknown event 'on_foo'" in message and "on_save" in message
 
 
 def test_non_callable_event_function_is_named(base):
-    message = _error({**base, "on_save": 3})
+    with pytest.raises(ValueError) as info:
+        RunPlan.from_keywords(on_save=3)
+    message = str(info.value)
     assert "on_save: expected a callable, got int 3" in message
 
 
@@ -82,12 +87,12 @@ def test_flat_event_keywords_are_collected(base):
     def on_log(context, **kwargs):
         return None
 
-    args = TrainingArgs(**base, on_save=print, on_log=[on_log, print])
+    args = split_run(**base, on_save=print, on_log=[on_log, print])
     assert args.plan.event_functions == {Event.SAVE: [print], Event.LOG: [on_log, print]}
 
 
 def test_yaml_round_trip_keeps_fields_and_callback_specs(base, tmp_path):
-    args = TrainingArgs(
+    args = split_run(
         **base,
         learning_rate=3e-4,
         eval_strategy="steps",

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
+from tests.run_inputs import RunInputs
 from trainbridge import Trainer
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer, tiny_bert_config
 
@@ -153,5 +154,5 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
     plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
     assert not plain._row_preparation().items and custom._row_preparation().items
     custom.train_dataset = [{"input_ids": [1, 2, 3]}]
-    ported = job_args.training_args(custom, world_size=2, resume=None)
+    ported = RunInputs(*job_args.training_job(custom, world_size=2, resume=None))
     assert (ported.training_step, ported.per_device_batch_size, ported.effective_batch_size) == ("model_loss", 2, 12)

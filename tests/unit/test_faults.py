@@ -14,6 +14,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.run_inputs import RunInputs
 from tests.unit.test_checkpoint import args, new_engine, save_tiny_llama, train_step  # noqa: F401 (fixture)
 from trainbridge import cli
 from trainbridge.callbacks.external_control import ExternalControl, take_requests, write_request
@@ -490,7 +491,7 @@ def test_a_zero_batch_size_of_a_trainer_script_names_the_field_and_value(tmp_pat
     setattr(hf, field, 0)  # as a script's argument parser could leave it
     trainer = Trainer(model=model, args=hf, train_dataset=[{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match=rf"^TrainingArguments\.{field}=0: must be a positive integer"):
-        job_args.training_args(trainer, world_size=2, resume=None)
+        RunInputs(*job_args.training_job(trainer, world_size=2, resume=None))
 
 
 @pytest.mark.parametrize("where", ["a_file", "under_a_file"])

@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from transformers.training_args import ParallelMode
 
+from tests.run_inputs import split_run
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.hf import build_training_arguments
@@ -29,7 +30,7 @@ def files(run_files: dict[str, Path]) -> dict[str, Path]:
 def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:
     values: dict[str, Any] = dict(model_path=files["model"], data_path=files["data"], ckpt_output_dir=files["out"])
     values.update(overrides)
-    return TrainingArgs(**values)
+    return split_run(**values)
 
 
 def test_fields_describe_the_run(files):

@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 from trl import SFTConfig
 
+from tests.run_inputs import RunInputs, as_run
 from trainbridge.core.callback import Callback
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.dispatch import CallbackFatalError
 from trainbridge.core.distributed import DistributedEnv
@@ -38,8 +39,10 @@ def args_for(args_for):
     return functools.partial(args_for, max_steps=4)
 
 
-def run(args: TrainingArgs) -> RunResult:
-    return train(args, DistributedEnv(), assemble_callbacks(args))
+def run(inputs: TrainingArgs | RunInputs) -> RunResult:
+    """Train ``inputs`` (``args_for``'s: the arguments, or ``RunInputs`` when code was given) in process."""
+    args, plan = as_run(inputs)
+    return train(args, plan, DistributedEnv(), assemble_callbacks(args, plan))
 
 
 def weights_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> float:
@@ -78,7 +81,7 @@ class NativeWeightsAtTrainEnd(Callback):
 
 def test_every_callback_sees_the_best_weights_in_on_train_end(args_for, tmp_path):
     native_first, hf, native_last = NativeWeightsAtTrainEnd(), HFWeightsAtTrainEnd(), NativeWeightsAtTrainEnd()
-    args = args_for(
+    args, plan = args_for(
         eval_strategy="steps",
         eval_steps=1,
         save_strategy="steps",
@@ -87,8 +90,7 @@ def test_every_callback_sees_the_best_weights_in_on_train_end(args_for, tmp_path
         metric_for_best_model="eval_loss",
         callbacks=[native_first, ScriptedEvalLoss(), hf, native_last],
     )
-    callbacks = assemble_callbacks(args)
-    result = train(args, DistributedEnv(), callbacks)
+    result = run(RunInputs(args, plan))
     assert result.best_checkpoint == str(tmp_path / "out" / "checkpoint-2")
     best = weights_digest(load_file(str(tmp_path / "out" / "checkpoint-2" / "model.safetensors")))
     last = weights_digest(load_file(str(tmp_path / "out" / "checkpoint-4" / "model.safetensors")))
@@ -153,15 +155,13 @@ def test_callbacks_see_the_users_trainingarguments_subclass_with_only_owned_fiel
             max_batch_len=64,
             effective_batch_size=8,
             disable_tqdm=True,
-            callbacks=[reader],
         )
     messages = [str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)]
-    assert args.plan.hf_args is config
     # subclass fields set to non-defaults and not honoured are named (dataset_text_field), as base fields are;
     # max_length is honoured (it is the run's max_seq_len), so it is not called ignored
     assert not any(m.startswith("SFTConfig.max_length") for m in messages), messages
     assert any(m.startswith("SFTConfig.dataset_text_field='prompt' is ignored") for m in messages), messages
-    result = run(args)
+    result = run(RunInputs(args, RunPlan.from_keywords(callbacks=[reader], hf_args=config)))
     assert result.callback_errors == []
     # the same class with every field; the batch shape is trainbridge's (8 samples per step on 1 rank)
     assert reader.seen == [("SFTConfig", 77, "prompt", 8, 1)] * 3
@@ -192,9 +192,8 @@ def test_every_checkpoint_holds_training_args_bin_when_ported_from_training_argu
             max_batch_len=64,
             effective_batch_size=8,
             disable_tqdm=True,
-            callbacks=[TrainerCallback()],
         )
-    run(args)
+    run(RunInputs(args, RunPlan.from_keywords(callbacks=[TrainerCallback()], hf_args=config)))
     for step in (1, 2):
         saved = torch.load(args.ckpt_output_dir / f"checkpoint-{step}" / "training_args.bin", weights_only=False)
         assert type(saved) is SFTConfig and saved.max_length == 77 and saved.output_dir == config.output_dir
@@ -281,7 +280,7 @@ def test_run_training_resumed_with_hf_callbacks_has_the_state_of_one_uninterrupt
     checkpoint over both parts, ``total_flos``, ``num_input_tokens_seen`` and the early-stopping counter."""
     from transformers import EarlyStoppingCallback
 
-    def args(out: str, max_steps: int, resume: str | None = None) -> TrainingArgs:
+    def args(out: str, max_steps: int, resume: str | None = None) -> RunInputs:
         return args_for(
             ckpt_output_dir=tmp_path / out,
             max_steps=max_steps,

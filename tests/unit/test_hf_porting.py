@@ -10,6 +10,7 @@ import pytest
 from accelerate.state import AcceleratorState
 from transformers import TrainingArguments
 
+from trainbridge.core.config import RunPlan, check_consistent
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
 
 
@@ -144,5 +145,5 @@ def test_every_optimizer_and_schedule_is_ported(hf_args, required):
 def test_what_cannot_be_ported_fails_naming_the_field(hf_args, required):
     with pytest.raises(ValueError, match=r"logging_steps=0\.1 is a ratio of max_steps"):
         training_args_from_hf(hf_args(logging_steps=0.1), **required)
-    with pytest.raises(ValueError, match="model_path"):
-        training_args_from_hf(hf_args(), data_path=required["data_path"])
+    with pytest.raises(ValueError, match="model_path"):  # at the run boundary, with the run's code
+        check_consistent(training_args_from_hf(hf_args(), data_path=required["data_path"]), RunPlan())

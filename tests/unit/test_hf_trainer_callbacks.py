@@ -37,6 +37,7 @@ from transformers import (
 )
 from transformers.integrations.integration_utils import TensorBoardCallback
 
+from tests.run_inputs import as_run, split_run
 from trainbridge.callbacks import BestCheckpointTracker, ScheduleCallback
 from trainbridge.core.agreement import AgreedControl, ControlFlag
 from trainbridge.core.callback import Callback
@@ -211,7 +212,7 @@ def make_args(files: dict[str, Path], **overrides: Any) -> TrainingArgs:
         logging_steps=1000,
     )
     values.update(overrides)
-    return TrainingArgs(**values)
+    return split_run(**values)
 
 
 def make_loop(args: TrainingArgs, callbacks: list[Callback], builtins: bool = True) -> TrainingLoop:
@@ -219,7 +220,7 @@ def make_loop(args: TrainingArgs, callbacks: list[Callback], builtins: bool = Tr
     orders them (``trainbridge.launch.assembly``) unless ``builtins=False``."""
     env = DistributedEnv()
     ordered = [ScheduleCallback(), *callbacks, BestCheckpointTracker()] if builtins else list(callbacks)
-    return TrainingLoop(args, env, ordered, build_run(args, env))
+    return TrainingLoop(as_run(args).args, env, ordered, build_run(*as_run(args), env))
 
 
 def fire(loop: TrainingLoop, event: Event, **kwargs: Any) -> None:

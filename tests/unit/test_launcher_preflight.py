@@ -72,7 +72,7 @@ class FakeTorchrun:
         self.log_dir = Path(command[command.index("--log-dir") + 1])
         self.payload_mode = stat.S_IMODE(self.payload.stat().st_mode)
         self.dir_mode = stat.S_IMODE(self.payload.parent.stat().st_mode)
-        self.args = read_payload(self.payload, env[PAYLOAD_KEY_ENV])
+        self.args, self.plan = read_payload(self.payload, env[PAYLOAD_KEY_ENV])
         FakeTorchrun.launches.append(self)
         self.returncode = FakeTorchrun.outcome(self)
 
@@ -98,13 +98,13 @@ def _write_result(fake):
 # ----------------------------------------------------------------------------- preflight
 def test_unpicklable_callback_fails_before_anything_starts(train_args, no_launch):
     with pytest.raises(CallbackTransportError, match=r"callbacks\[1\].*HoldsALock.*holds a thread lock"):
-        run_training({**train_args, "callbacks": [PrinterCallback(), HoldsALock()]})
+        run_training(train_args, callbacks=[PrinterCallback(), HoldsALock()])
 
 
 def test_callback_spec_whose_constructor_raises_is_named(train_args, no_launch):
     spec = {"class": f"{__name__}:NeedsAToken", "kwargs": {}}
     with pytest.raises(PreflightError) as info:
-        run_training({**train_args, "callbacks": [spec]})
+        run_training(train_args, callbacks=[spec])
     assert f"callbacks[0]: CallbackSpec '{__name__}:NeedsAToken' failed to construct" in str(info.value)
     assert "NeedsAToken needs token=" in str(info.value)
 
@@ -117,13 +117,13 @@ def test_callback_spec_with_a_bad_keyword_is_named_when_validated(train_args, no
 
 def test_native_callback_validate_runs_in_the_parent(train_args, no_launch):
     with pytest.raises(PreflightError, match=r"RejectsTheConfig.*rejected the config.*needs eval_strategy='steps'"):
-        run_training({**train_args, "callbacks": [RejectsTheConfig()]})
+        run_training(train_args, callbacks=[RejectsTheConfig()])
 
 
 def test_misconfigured_hf_callback_fails_in_the_parent(train_args, no_launch):
     # EarlyStoppingCallback needs a metric and evaluation: under Trainer it fails at on_train_begin
     with pytest.raises(PreflightError, match=r"HuggingFaceCallbacks.*EarlyStoppingCallback.*metric_for_best_model"):
-        run_training({**train_args, "callbacks": [EarlyStoppingCallback()]})
+        run_training(train_args, callbacks=[EarlyStoppingCallback()])
 
 
 def test_unknown_report_to_integration_fails_in_the_parent(train_args, no_launch):
@@ -145,7 +145,7 @@ def test_multi_node_static_rendezvous_needs_a_port(tmp_path):
 # ----------------------------------------------------------------------------- launch
 def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_args, fake_torchrun):
     fake_torchrun.outcome = _write_result
-    result = run_training({**train_args, "on_save": lambda context, **kwargs: None}, {"nproc_per_node": 2})
+    result = run_training(train_args, {"nproc_per_node": 2}, on_save=lambda context, **kwargs: None)
     assert result == RunResult(global_step=7, epoch=1.0, max_steps=7, final_loss=0.5)
     (fake,) = fake_torchrun.launches
     key = fake.env[PAYLOAD_KEY_ENV]
@@ -157,7 +157,7 @@ def test_launch_keeps_the_payload_private_and_returns_rank_zero_result(train_arg
     assert fake.command[fake.command.index("--nproc-per-node") + 1] == "2"
     assert int(fake.command[fake.command.index("--master-port") + 1]) > 0
     assert fake.command[fake.command.index("--tee") + 1] == "1:3"
-    assert [e.value for e in fake.args.plan.event_functions] == ["on_save"]
+    assert [e.value for e in fake.plan.event_functions] == ["on_save"]
     assert not fake.payload.parent.exists(), "the private payload directory must be removed"
 
 

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainingArguments
 
+from tests.run_inputs import as_run, split_run
 from tests.unit.test_stream_batches import classifier  # noqa: F401  (the fixture)
 from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
-from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import LoaderBatches
 from trainbridge.loop.build import build_run
@@ -183,10 +183,10 @@ def _train(model_path: Path, tmp_path: Path, out: str, **overrides: Any) -> Any:
         disable_tqdm=True,
     )
     fields.update(overrides)
-    args = TrainingArgs(**fields)
-    components = build_run(args, DistributedEnv())
+    args = split_run(**fields)
+    components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.train_batches, LoaderBatches)
-    return TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    return TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback()], components).run()
 
 
 def test_a_run_trains_the_loaders_batches_and_resumes_exactly(classifier, tmp_path):  # noqa: F811

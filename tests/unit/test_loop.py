@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.run_inputs import as_run
 from trainbridge.callbacks import BestCheckpointTracker, MetricsFileCallback, ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
@@ -58,7 +59,7 @@ class CrashAt(Callback):
 def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
     args = args_for(eval_strategy="steps", eval_steps=3)
     env = DistributedEnv()
-    components = build_run(args, env)
+    components = build_run(*as_run(args), env)
     assert isinstance(components, RunComponents)
     assert components.engine.kind == "local" and components.engine.unwrapped.training
     assert components.steps_per_epoch == 6 and components.max_steps == 6 and components.num_epochs == 1
@@ -68,7 +69,7 @@ def test_build_returns_the_components_and_the_loop_only_runs_them(args_for):
     assert components.num_parameters == unwrapped.num_parameters()
     assert components.flops_parameters == unwrapped.num_parameters(exclude_embeddings=True)
     log = EventLog()
-    loop = TrainingLoop(args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
+    loop = TrainingLoop(as_run(args).args, env, [ScheduleCallback(), log, BestCheckpointTracker()], components)
     attributes = set(vars(loop))
     assert loop.context.model is components.engine.module and loop.context.tokenizer is components.tokenizer
     result = loop.run()
@@ -89,7 +90,7 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
             if "loss" in logs:
                 losses.append(logs["loss"])
 
-    result = train(args_for(max_steps=12), DistributedEnv(), [ScheduleCallback(), Losses()])
+    result = train(*as_run(args_for(max_steps=12)), DistributedEnv(), [ScheduleCallback(), Losses()])
     assert result.global_step == 12 and len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
 
@@ -97,7 +98,9 @@ def test_train_builds_and_runs_and_the_loss_goes_down(args_for):
 def _resumes_to_the_same_end(args: TrainingArgs, checkpoint: Path, full: TrainingLoop, final_loss: Any) -> None:
     """A run of ``args`` (``resume_from_checkpoint`` set) resumes from ``checkpoint`` and ends as ``full`` did:
     step 6, the same final loss and weights."""
-    resumed = TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], build_run(args, DistributedEnv()))
+    resumed = TrainingLoop(
+        as_run(args).args, DistributedEnv(), [ScheduleCallback()], build_run(*as_run(args), DistributedEnv())
+    )
     result = resumed.run()
     assert result.resumed_from == str(checkpoint)
     assert result.global_step == 6 and result.final_loss == pytest.approx(final_loss, rel=1e-6)
@@ -107,12 +110,17 @@ def _resumes_to_the_same_end(args: TrainingArgs, checkpoint: Path, full: Trainin
 
 def test_resume_in_process_continues_exactly(args_for):
     full_args = args_for("full", save_strategy="steps", save_steps=3)
-    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full = TrainingLoop(
+        as_run(full_args).args, DistributedEnv(), [ScheduleCallback()], build_run(*as_run(full_args), DistributedEnv())
+    )
     full_result = full.run()
 
     cut_args = args_for("cut", save_strategy="steps", save_steps=3)
     cut = TrainingLoop(
-        cut_args, DistributedEnv(), [ScheduleCallback(), CrashAt(3)], build_run(cut_args, DistributedEnv())
+        as_run(cut_args).args,
+        DistributedEnv(),
+        [ScheduleCallback(), CrashAt(3)],
+        build_run(*as_run(cut_args), DistributedEnv()),
     )
     with pytest.raises(Crash):
         cut.run()
@@ -150,7 +158,7 @@ def test_resume_with_a_callback_added_brings_every_state_back(args_for, caplog):
             metric_for_best_model="eval_loss",
         )
         args = args_for(**{**values, **overrides})
-        loop = TrainingLoop(args, DistributedEnv(), callbacks, build_run(args, DistributedEnv()))
+        loop = TrainingLoop(as_run(args).args, DistributedEnv(), callbacks, build_run(*as_run(args), DistributedEnv()))
         loop.run()
         return loop
 
@@ -198,10 +206,10 @@ def test_callbacks_close_once_at_the_end_clean_or_not(args_for, crash):
     args = args_for(max_steps=3)
     metrics, closing = MetricsFileCallback(), Closing()
     loop = TrainingLoop(
-        args,
+        as_run(args).args,
         DistributedEnv(),
         [ScheduleCallback(), metrics, closing, *([CrashAt(2)] if crash else [])],
-        build_run(args, DistributedEnv()),
+        build_run(*as_run(args), DistributedEnv()),
     )
     if crash:
         with pytest.raises(Crash):
@@ -226,10 +234,10 @@ class ScriptedEvalLoss(Callback):
 def _run(args: TrainingArgs, *callbacks: Callback) -> tuple[TrainingLoop, EventLog]:
     log = EventLog()
     loop = TrainingLoop(
-        args,
+        as_run(args).args,
         DistributedEnv(),
         [ScheduleCallback(), *callbacks, log, BestCheckpointTracker()],
-        build_run(args, DistributedEnv()),
+        build_run(*as_run(args), DistributedEnv()),
     )
     loop.run()
     return loop, log
@@ -297,11 +305,16 @@ def test_a_run_stopped_mid_epoch_saves_a_final_checkpoint_that_resumes_where_it_
     """The final checkpoint of a run a callback stopped at step 3 (of a 6-step epoch) is checkpoint-3, and a run
     resumed from it trains steps 4 to 6 of the same epoch, ending as the uninterrupted run."""
     full_args = args_for("full", save_final_checkpoint=True)
-    full = TrainingLoop(full_args, DistributedEnv(), [ScheduleCallback()], build_run(full_args, DistributedEnv()))
+    full = TrainingLoop(
+        as_run(full_args).args, DistributedEnv(), [ScheduleCallback()], build_run(*as_run(full_args), DistributedEnv())
+    )
     full_result = full.run()
     cut_args = args_for("cut", save_final_checkpoint=True)
     cut = TrainingLoop(
-        cut_args, DistributedEnv(), [ScheduleCallback(), StopAt(3)], build_run(cut_args, DistributedEnv())
+        as_run(cut_args).args,
+        DistributedEnv(),
+        [ScheduleCallback(), StopAt(3)],
+        build_run(*as_run(cut_args), DistributedEnv()),
     )
     stopped = cut.run()
     assert stopped.global_step == 3 and stopped.stopped_early

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.run_inputs import as_run, split_run
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.callback import Callback
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.demos.tiny_model import build_tokenizer
@@ -70,7 +71,7 @@ def _accuracy(prediction: Any) -> dict[str, float]:
 
 
 def test_sequence_classification_trains_on_its_own_loss_with_compute_metrics(bert_classifier, tmp_path):
-    args = TrainingArgs(
+    args = split_run(
         model_path=bert_classifier,
         data_path=_classification_rows(tmp_path / "train.jsonl", 64, 1),
         val_data_path=_classification_rows(tmp_path / "val.jsonl", 12, 2),
@@ -87,11 +88,11 @@ def test_sequence_classification_trains_on_its_own_loss_with_compute_metrics(ber
         compute_metrics=_accuracy,
         max_grad_norm=1.0,
     )
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.step, ModelLoss)
     assert components.steps_per_epoch == 8  # 64 items / (4 per micro-batch x 2 micro-batches)
     logs = Logs()
-    result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+    result = TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
     assert result.global_step == 24
     evals = [log for log in logs.logs if "eval_loss" in log]
     assert len(evals) == 3 and all("eval_accuracy" in log for log in evals)
@@ -113,7 +114,7 @@ def test_a_batch_holds_what_the_collator_made_of_the_items_minus_unused_columns(
         seen.append(items)
         return DataCollatorWithPadding(load_tokenizer(args))(items)
 
-    args = TrainingArgs(
+    args = split_run(
         model_path=bert_classifier,
         data_path=_classification_rows(tmp_path / "train.jsonl", 16, 1),
         ckpt_output_dir=tmp_path / "out",
@@ -125,7 +126,7 @@ def test_a_batch_holds_what_the_collator_made_of_the_items_minus_unused_columns(
         disable_tqdm=True,
         data_collator=collator,
     )
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     batches = components.step.prepare(components.train_batches.set_epoch(0).steps[0])
     assert len(batches.micro_batches) == 4 and len(seen) == 4 and all(len(items) == 2 for items in seen)
     assert set(seen[0][0]) == {"input_ids", "attention_mask", "label"}  # idx removed (not a forward argument)
@@ -138,11 +139,11 @@ def test_a_model_without_a_loss_is_refused_saying_what_to_do(tmp_path):
     from transformers import BertConfig, BertModel
 
     folder = _save(BertModel(BertConfig(**BERT)), tmp_path / "bare")
-    args = TrainingArgs(
+    args = split_run(
         model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1), ckpt_output_dir=tmp_path / "out"
     )
     with pytest.raises(ValueError, match=r"^model: BertModel is not a causal LM and its forward takes no labels"):
-        build_run(args, DistributedEnv())
+        build_run(*as_run(args), DistributedEnv())
 
 
 def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tmp_path):
@@ -151,21 +152,21 @@ def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tm
     from trainbridge.modeling.load import load_model
 
     folder = _save(BertForMaskedLM(BertConfig(**BERT)), tmp_path / "mlm")
-    args = TrainingArgs(
+    args = split_run(
         model_path=folder, data_path=_classification_rows(tmp_path / "t.jsonl", 4, 1), ckpt_output_dir=tmp_path / "out"
     )
     model = load_model(args)
     assert type(model).__name__ == "BertForMaskedLM"
-    assert choose_step(model, args) == ("samples", "model", "outputs")
+    assert choose_step(model, *as_run(args)) == ("samples", "model", "outputs")
     with pytest.raises(ValueError, match="training_step: 'token_cross_entropy' trains causal LMs"):
-        choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}))
+        choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}), RunPlan())
 
 
 def _train(args: TrainingArgs) -> tuple[Any, list[float]]:
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.step, ModelLoss)
     logs = Logs()
-    result = TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+    result = TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
     return result, [log["loss"] for log in logs.logs if "loss" in log]
 
 
@@ -185,7 +186,7 @@ def _args(model: Path, data: Path, out: Path, **overrides: Any) -> TrainingArgs:
         seed=3,
     )
     values.update(overrides)
-    return TrainingArgs(**values)
+    return split_run(**values)
 
 
 def test_masked_lm_trains_on_the_masked_lm_loss_with_its_collator(tmp_path):
@@ -287,9 +288,9 @@ def test_a_compute_loss_trains_and_evaluations_generate_with_the_models_own_loss
             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
             **code,
         )
-        components = build_run(args, DistributedEnv())
+        components = build_run(*as_run(args), DistributedEnv())
         logs = Logs()
-        TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
+        TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback(), logs], components).run()
         runs[name] = (logs.logs, seen, type(components.step).__name__)
     (plain, plain_seen, _), (custom, seen, step) = runs["plain"], runs["offset"]
     assert step == "CustomLoss"

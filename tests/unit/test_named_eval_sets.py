@@ -13,6 +13,7 @@ import pydantic
 import pytest
 from transformers import EarlyStoppingCallback, TrainerCallback
 
+from tests.run_inputs import as_run, split_run
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.demos.tiny_model import write_arithmetic_dataset
@@ -24,19 +25,21 @@ from trainbridge.loop.loop import TrainingLoop
 def test_config_names_sets_and_checks_the_best_metric(run_files: dict[str, Path]) -> None:
     base = dict(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_files["out"])
     sets = {"a": run_files["val"], "a_b": run_files["train"]}
-    args = TrainingArgs(
+    args = split_run(
         **base, eval_data_paths=sets, eval_strategy="steps", eval_steps=1, metric_for_best_model="a_b_loss"
     )
-    assert args.best_metric_name == "eval_a_b_loss" and args.best_metric_eval_set == "a_b"
-    assert TrainingArgs(**base, eval_data_paths=sets, metric_for_best_model="eval_a_loss").best_metric_eval_set == "a"
-    with pytest.raises(pydantic.ValidationError, match=r"metric_for_best_model.*'eval_a_loss'"):
-        TrainingArgs(
+    assert args.best_metric_name == "eval_a_b_loss" and args.best_metric_eval_set(sets) == "a_b"
+    assert (
+        split_run(**base, eval_data_paths=sets, metric_for_best_model="eval_a_loss").best_metric_eval_set(sets) == "a"
+    )
+    with pytest.raises(ValueError, match=r"metric_for_best_model.*'eval_a_loss'"):
+        split_run(
             **base, eval_data_paths=sets, load_best_model_at_end=True, eval_strategy="steps", eval_steps=1, save_steps=1
         )  # Trainer's default eval_loss: no set reports it
     with pytest.raises(pydantic.ValidationError, match="eval_data_paths: give named validation sets or"):
-        TrainingArgs(**base, eval_data_paths=sets, val_data_path=run_files["val"])
+        split_run(**base, eval_data_paths=sets, val_data_path=run_files["val"])
     with pytest.raises(pydantic.ValidationError, match="validation set 'c': data file"):
-        TrainingArgs(**base, eval_data_paths={"c": run_files["out"] / "missing.jsonl"})
+        split_run(**base, eval_data_paths={"c": run_files["out"] / "missing.jsonl"})
 
 
 class Recorder(TrainerCallback):
@@ -72,7 +75,7 @@ def test_each_set_is_evaluated_logged_and_tracked_in_turn(tmp_path: Path, tiny_l
     second = write_arithmetic_dataset(tmp_path / "second.jsonl", 5, seed=3)
     recorder = Recorder()
     # set "b" gets worse after its first evaluation: best stays at step 1, early stopping (patience 2) at step 3
-    args = TrainingArgs(
+    args = split_run(
         model_path=tiny_llama,
         data_path=train,
         eval_data_paths={"a": first, "b": second},
@@ -97,7 +100,7 @@ def test_each_set_is_evaluated_logged_and_tracked_in_turn(tmp_path: Path, tiny_l
         ],
     )
     env = DistributedEnv()
-    loop = TrainingLoop(args, env, assemble_callbacks(args), build_run(args, env))
+    loop = TrainingLoop(as_run(args).args, env, assemble_callbacks(*as_run(args)), build_run(*as_run(args), env))
     result = loop.run()
 
     assert result.global_step == 3 and result.stopped_early  # early stopping on eval_b_loss, not on a's

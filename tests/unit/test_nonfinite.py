@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.run_inputs import as_run, split_run
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
@@ -67,7 +68,7 @@ def args_for(tmp_path: Path, tiny_llama: Path):
             seed=7,
         )
         values.update(overrides)
-        return TrainingArgs(**values)
+        return split_run(**values)
 
     return make
 
@@ -80,7 +81,7 @@ def _finite(checkpoint: Path) -> bool:
 def test_nan_weights_from_step_7_stop_the_run_naming_step_7_and_the_last_checkpoint_stays_finite(args_for):
     args = args_for()
     with pytest.raises(NonFiniteLossError, match=r"^step 7: non-finite loss sum nan"):
-        train(args, DistributedEnv(), [ScheduleCallback(), NaNWeightsFrom(7)])
+        train(*as_run(args), DistributedEnv(), [ScheduleCallback(), NaNWeightsFrom(7)])
     out = args.ckpt_output_dir
     kept = sorted(p.name for p in out.glob("checkpoint-*"))
     assert kept == ["checkpoint-4", "checkpoint-6"]  # nothing saved at or after step 7, nothing rotated out
@@ -90,7 +91,7 @@ def test_nan_weights_from_step_7_stop_the_run_naming_step_7_and_the_last_checkpo
 def test_skip_leaves_a_non_finite_step_unapplied_and_goes_on(args_for, caplog):
     args = args_for(nonfinite_policy="skip", save_strategy="no", save_final_checkpoint=True)
     with caplog.at_level(logging.WARNING, logger="trainbridge.step.finite"):
-        result = train(args, DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
+        result = train(*as_run(args), DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
     assert result.global_step == 12
     assert any(
         r.getMessage().startswith("step 5: non-finite gradient norm nan; the update was not applied")
@@ -103,7 +104,7 @@ def test_skip_leaves_a_non_finite_step_unapplied_and_goes_on(args_for, caplog):
 def test_warn_only_warns(args_for, caplog):
     args = args_for(nonfinite_policy="warn", save_strategy="no", save_final_checkpoint=False, max_steps=8)
     with caplog.at_level(logging.WARNING, logger="trainbridge.step.finite"):
-        result = train(args, DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
+        result = train(*as_run(args), DistributedEnv(), [ScheduleCallback(), NaNGradientsAt(5)])
     assert result.global_step == 8
     assert any(
         r.getMessage().startswith("step 5: non-finite gradient norm nan; training goes on") for r in caplog.records

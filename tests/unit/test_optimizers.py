@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from torch import nn
 from transformers.training_args import OptimizerNames
 
+from tests.run_inputs import as_run
 from trainbridge.core.config.checks import OPTIMIZER_PACKAGES
 from trainbridge.core.config.names import SchedulerName
 from trainbridge.core.distributed import DistributedEnv
@@ -91,12 +92,20 @@ def test_each_installed_optimizer_takes_trainers_first_step(args_for, tmp_path, 
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed")
 def test_a_run_trains_with_a_paged_8bit_optimizer_and_resumes_its_state(args_for):
     result = train(
-        args_for(optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2), DistributedEnv(), []
+        *as_run(args_for(optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2)),
+        DistributedEnv(),
+        [],
     )
     assert result.global_step == 4 and result.train_loss is not None
     resumed = train(
-        args_for(
-            optim="paged_adamw_8bit", max_steps=4, save_strategy="steps", save_steps=2, resume_from_checkpoint="auto"
+        *as_run(
+            args_for(
+                optim="paged_adamw_8bit",
+                max_steps=4,
+                save_strategy="steps",
+                save_steps=2,
+                resume_from_checkpoint="auto",
+            )
         ),
         DistributedEnv(),
         [],
@@ -184,7 +193,7 @@ def test_a_metric_schedule_steps_on_each_evaluation_as_trainers_does(args_for, n
     args = args_for(
         lr_scheduler=name, max_steps=4, eval_strategy="steps", eval_steps=2, learning_rate=1e-3, callbacks=[Record()]
     )
-    result = train(args, DistributedEnv(), assemble_callbacks(args))
+    result = train(*as_run(args), DistributedEnv(), assemble_callbacks(*as_run(args)))
     assert result.global_step == 4
     # the schedule steps after the user callbacks' on_evaluate, once per evaluation (last_epoch counts them)
     assert [epoch for _, epoch in seen] == [0, 1]

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainingArguments
 
+from tests.run_inputs import as_run
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.hf import training_args_from_hf
 from trainbridge.launch.assembly import assemble_callbacks
@@ -38,13 +39,13 @@ def test_fp16_checkpoints_the_scaler_and_resumes_it(args_for) -> None:
         return args_for(mixed_precision="fp16", nonfinite_policy="warn", max_steps=4, **more)
 
     straight_args = fp16(out="straight")
-    straight, straight_dir = train(straight_args, DistributedEnv(), []), straight_args.ckpt_output_dir
+    straight, straight_dir = train(*as_run(straight_args), DistributedEnv(), []), straight_args.ckpt_output_dir
     saving = fp16(out="resumed", save_strategy="steps", save_steps=2, save_total_limit=None)
-    train(saving, DistributedEnv(), assemble_callbacks(saving))
+    train(*as_run(saving), DistributedEnv(), assemble_callbacks(*as_run(saving)))
     checkpoint = saving.ckpt_output_dir / "checkpoint-2"
     scaler = torch.load(checkpoint / "scaler.pt", weights_only=True)
     assert scaler["scale"] > 0 and "_growth_tracker" in scaler
-    resumed = train(fp16(out="resumed", resume_from_checkpoint=str(checkpoint)), DistributedEnv(), [])
+    resumed = train(*as_run(fp16(out="resumed", resume_from_checkpoint=str(checkpoint))), DistributedEnv(), [])
     assert resumed.global_step == straight.global_step == 4
     # the resumed run's weights are the uninterrupted run's: optimizer, schedule and scaler resumed exactly
     final = [load_file(str(a / "checkpoint-4" / "model.safetensors")) for a in (straight_dir, saving.ckpt_output_dir)]
@@ -78,6 +79,6 @@ def test_compile_takes_the_backend_and_mode(args_for, tiny_llama: Path, monkeypa
 
     monkeypatch.setattr(torch.nn.Module, "compile", record)
     args = args_for(compile=True, compile_backend="inductor", compile_mode="max-autotune-no-cudagraphs", max_steps=1)
-    result = train(args, DistributedEnv(), [])
+    result = train(*as_run(args), DistributedEnv(), [])
     assert result.global_step == 1 and seen
     assert all(k == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"} for k in seen)

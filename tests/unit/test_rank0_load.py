@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.run_inputs import split_run
 from trainbridge.core.config import ModelKwargs, TrainingArgs
 from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.modeling.load import build_skeleton, load_base_model, load_model, loads_on_rank0_only
@@ -26,9 +27,7 @@ def args_for(model_dir: Path, tmp_path: Path, **overrides: object) -> TrainingAr
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     settings: dict[str, object] = {"distributed_backend": "fsdp", **overrides}
-    return TrainingArgs(
-        model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "out", device="cpu", **settings
-    )  # type: ignore[arg-type]
+    return split_run(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "out", device="cpu", **settings)  # type: ignore[arg-type]
 
 
 def test_rank0_load_applies_to_plain_fsdp_models_only(model_dir: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from transformers import TrainerCallback
 
+from tests.run_inputs import as_run
 from tests.unit.test_checkpoint import args, new_engine  # noqa: F401 (fixture)
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import read_manifest, write_manifest
@@ -79,7 +80,7 @@ def _set_best(checkpoint: Path, best: str) -> None:
 
 def _run(args_for, out: str, steps: int, *callbacks: Any, **overrides: Any) -> Any:
     run_args = args_for(out=out, max_steps=steps, callbacks=list(callbacks), **overrides)
-    return train(run_args, DistributedEnv(), assemble_callbacks(run_args))
+    return train(*as_run(run_args), DistributedEnv(), assemble_callbacks(*as_run(run_args)))
 
 
 def test_a_best_checkpoint_outside_the_run_folder_is_dropped_before_step_1(args_for, tmp_path, caplog):

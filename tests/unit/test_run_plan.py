@@ -1,4 +1,4 @@
-"""``TrainingArgs`` holds data only; the run's code is its ``RunPlan`` (``core.config.plan``)."""
+"""``TrainingArgs`` holds data only; the run's code is its ``RunPlan`` (``core.config.plan``), given beside it."""
 
 import collections.abc
 import pathlib
@@ -9,7 +9,7 @@ import pydantic
 import pytest
 from pydantic import BaseModel
 
-from trainbridge.core.config import CallbackSpec, RunPlan, TrainingArgs, default_plan
+from trainbridge.core.config import CallbackSpec, RunPlan, TrainingArgs, check_consistent
 from trainbridge.core.events import Event
 
 DATA_TYPES = (str, int, float, bool, type(None), pathlib.Path, BaseModel)
@@ -62,27 +62,49 @@ class _Seen:
         return None
 
 
-def test_code_keywords_go_into_the_plan_and_never_into_a_field(base):
+def test_code_keywords_make_the_plan_beside_the_arguments(base):
     def metrics(prediction):
         return {}
 
     callback = _Seen()
     spec = {"class": "trainbridge.callbacks.schedule:ScheduleCallback"}
-    args = TrainingArgs(**base, compute_metrics=metrics, callbacks=[callback, spec], on_save=print)
-    assert args.plan.compute_metrics is metrics and default_plan(args) is args.plan
-    assert args.plan.event_functions == {Event.SAVE: [print]}
-    assert args.plan.callbacks[0] is callback and isinstance(args.plan.callbacks[1], CallbackSpec)
-    assert args.callbacks == [args.plan.callbacks[1]]  # the field keeps the spec only: it is data
+    plan = RunPlan.from_keywords(compute_metrics=metrics, callbacks=[callback, spec], on_save=print)
+    assert plan.compute_metrics is metrics and plan.event_functions == {Event.SAVE: [print]}
+    assert plan.callbacks[0] is callback and isinstance(plan.callbacks[1], CallbackSpec)
+    args = TrainingArgs(**base, callbacks=[spec])  # import specs are data: the field keeps them
+    assert args.callbacks == [plan.callbacks[1]]
     dumped = args.model_dump()
-    assert "compute_metrics" not in dumped and "event_functions" not in dumped
     assert all(not callable(value) for value in dumped.values())
-    assert "compute_metrics" not in args.to_yaml()
+    assert not hasattr(args, "plan") and "plan" not in dumped
 
 
-def test_plan_survives_copies_and_is_checked(base):
-    args = TrainingArgs(**base, data_collator=print)
-    assert args.model_copy(update={"learning_rate": 1e-3}).plan.data_collator is print
-    plain = args.with_plan(args.plan.replace(data_collator=None))
-    assert plain.plan.data_collator is None and args.plan.data_collator is print
-    with pytest.raises(ValueError, match="packing"):
-        TrainingArgs(**base, packing="padding_free").with_plan(RunPlan(data_collator=print))
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [("compute_metrics", print), ("on_save", print), ("model_init", print), ("data_collator", print)],
+)
+def test_training_args_refuses_code_naming_run_training(base, keyword, value):
+    with pytest.raises(pydantic.ValidationError, match=rf"{keyword}: code, not a setting.*run_training\(args"):
+        TrainingArgs(**base, **{keyword: value})
+
+
+def test_training_args_refuses_a_callback_object_naming_run_training(base):
+    with pytest.raises(pydantic.ValidationError, match=r"callbacks\[0\]: .* is code.*run_training\(args, torchrun"):
+        TrainingArgs(**base, callbacks=[_Seen()])
+
+
+def test_a_bad_code_keyword_is_named(base):
+    with pytest.raises(ValueError, match="learning_rate: not a RunPlan keyword"):
+        RunPlan.from_keywords(learning_rate=1.0)
+    with pytest.raises(ValueError, match="on_save: expected a callable"):
+        RunPlan.from_keywords(on_save=3)
+
+
+def test_the_plan_is_checked_with_the_arguments_at_the_run_boundary(base):
+    args = TrainingArgs(**base, packing="padding_free")
+    check_consistent(args, RunPlan())
+    with pytest.raises(ValueError, match="packing: 'padding_free' cannot be used with a data_collator"):
+        check_consistent(args, RunPlan(data_collator=print))
+    no_model = TrainingArgs(**{**base, "model_path": None}, tokenizer_path=base["model_path"])
+    check_consistent(no_model, RunPlan(model_init=print))
+    with pytest.raises(ValueError, match=r"model_path: None; required .* run_training\(..., model_init=fn\)"):
+        check_consistent(no_model, RunPlan())

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
 
+from tests.run_inputs import RunInputs
 from trainbridge import Seq2SeqTrainer
 from trainbridge.demos.tiny_model import build_tokenizer
 
@@ -151,7 +152,7 @@ def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_
     trainer = Seq2SeqTrainer(
         model=model, args=_args(tmp_path / "out", generation_num_beams=3), train_dataset=_reverse_rows(8, seed=0)
     )
-    ported = job_args.training_args(trainer, 1, None)
+    ported = RunInputs(*job_args.training_job(trainer, 1, None))
     assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
 
 

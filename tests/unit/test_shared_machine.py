@@ -21,8 +21,9 @@ import psutil
 import pytest
 import yaml
 
+from tests.run_inputs import as_run, split_run
 from trainbridge import cli
-from trainbridge.core.config import TorchrunArgs, TrainingArgs
+from trainbridge.core.config import RunPlan, TorchrunArgs, TrainingArgs
 from trainbridge.core.private_files import folder_problem
 from trainbridge.launch import launcher, lifeline, transport
 
@@ -104,7 +105,7 @@ def test_workers_get_user_folders_in_the_signed_payload_not_in_pythonpath(projec
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     path, key = transport.write_payload(
-        TrainingArgs.from_yaml(project / "plain.yaml"), private, launcher.worker_import_path()
+        TrainingArgs.from_yaml(project / "plain.yaml"), RunPlan(), private, launcher.worker_import_path()
     )
     code = (
         "import os, sys; from trainbridge.launch.transport import read_payload; "
@@ -200,7 +201,7 @@ def _rank0_context(run_dir: Path, run_files):
     from trainbridge.core.context import TrainingContext
     from trainbridge.core.distributed import DistributedEnv
 
-    args = TrainingArgs(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_dir)
+    args = split_run(model_path=run_files["model"], data_path=run_files["train"], ckpt_output_dir=run_dir)
     return TrainingContext(args=args, env=DistributedEnv(rank=0, world_size=1))
 
 
@@ -388,7 +389,7 @@ def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run
         match=r"callbacks\[0\].*'subprocess:Popen' is the class subprocess.Popen, "
         r"not a subclass of trainbridge.Callback",
     ):
-        TrainingArgs(
+        split_run(
             model_path=run_files["model"],
             data_path=run_files["train"],
             ckpt_output_dir=tmp_path / "out",
@@ -402,7 +403,7 @@ def test_a_yaml_class_that_is_not_a_callback_is_never_instantiated(tmp_path, run
 def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
     from trainbridge.launch.assembly import assemble_callbacks
 
-    args = TrainingArgs(
+    args = split_run(
         model_path=run_files["model"],
         data_path=run_files["train"],
         ckpt_output_dir=tmp_path / "out",
@@ -411,7 +412,7 @@ def test_yaml_callbacks_of_both_kinds_are_still_built(tmp_path, run_files):
             {"class": "trainbridge.callbacks:MetricsFileCallback"},
         ],
     )
-    names = [type(c).__name__ for c in assemble_callbacks(args)]
+    names = [type(c).__name__ for c in assemble_callbacks(*as_run(args))]
     assert "HuggingFaceCallbacks" in names and names.count("MetricsFileCallback") == 2
 
 

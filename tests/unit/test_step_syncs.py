@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.run_inputs import as_run
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
@@ -129,7 +130,7 @@ def run_counted(
         **overrides,
     )
     callback = CountPerStep(SyncCounter(monkeypatch))
-    train(args, DistributedEnv(), [callback])
+    train(*as_run(args), DistributedEnv(), [callback])
     assert len(callback.per_step) == 3
     return callback
 

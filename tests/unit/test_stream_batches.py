@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.run_inputs import RunInputs, as_run, split_run
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
@@ -103,14 +104,14 @@ def _args(classifier: Path, tmp_path: Path, out: str, **overrides: Any) -> Train
         seed=3,
     )
     fields.update(overrides)
-    return TrainingArgs(**fields)
+    return split_run(**fields)
 
 
 def _train(args: TrainingArgs) -> Any:
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.step, ModelLoss)
     assert isinstance(components.train_batches, StreamBatches)
-    return TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    return TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback()], components).run()
 
 
 def test_a_stream_trains_max_steps_and_a_resumed_run_reaches_the_same_weights(classifier, tmp_path):
@@ -175,8 +176,8 @@ def test_a_stream_shorter_than_max_steps_is_iterated_again_each_epoch_as_trainer
     stream = ShortStream(10)  # 4 items a step: 2 steps a pass, its last 2 items dropped
     args = _args(classifier, tmp_path, "short", train_stream=stream, max_steps=5, save_strategy="no")
     recorder = EpochsAndLogs()
-    components = build_run(args, DistributedEnv())
-    result = TrainingLoop(args, DistributedEnv(), [recorder], components).run()
+    components = build_run(*as_run(args), DistributedEnv())
+    result = TrainingLoop(as_run(args).args, DistributedEnv(), [recorder], components).run()
     assert result.global_step == 5 and not result.stopped_early
     assert stream.epochs == [0, 1, 2]
     # Trainer's epoch over a stream: epoch + steps taken in it / max_steps
@@ -227,5 +228,5 @@ def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classif
     hf = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf, train_dataset=stream)
     assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
-    args = job_args.training_args(trainer, 2, None)
+    args = RunInputs(*job_args.training_job(trainer, 2, None))
     assert args.plan.train_stream is stream and args.data_path is None and args.training_step == "model_loss"

@@ -11,6 +11,7 @@ pytest.importorskip("trl")
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from tests.run_inputs import as_run
 from trainbridge.step.token_metrics import TokenMetrics, token_metric_sums
 
 
@@ -125,7 +126,9 @@ def test_a_run_logs_the_token_metrics_at_its_log_steps(args_for) -> None:
 
     args = args_for(max_steps=4, logging_steps=2, token_metrics=True)
     seen = Logs()
-    TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], build_run(args, DistributedEnv())).run()
+    TrainingLoop(
+        as_run(args).args, DistributedEnv(), [ScheduleCallback(), seen], build_run(*as_run(args), DistributedEnv())
+    ).run()
     step_logs = [(step, logs) for step, logs in seen.logs if "loss" in logs]
     assert [step for step, _ in step_logs] == [2, 4]
     for _, logs in step_logs:

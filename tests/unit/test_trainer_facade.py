@@ -13,7 +13,9 @@ import torch
 import transformers
 from transformers import DataCollatorForLanguageModeling, TrainingArguments
 
+from tests.run_inputs import RunInputs, split_run
 from trainbridge import TorchrunArgs, Trainer, TrainingArgs
+from trainbridge.core.config import RunPlan, eval_set_names
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.hf.porting import HFPortingWarning
@@ -43,7 +45,7 @@ def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tm
     trainer = Trainer(
         model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), train_dataset=[{"input_ids": [1, 2, 3]}]
     )
-    factory = job_args.training_args(trainer, world_size=1, resume=None).plan.optimizer_factory
+    factory = RunInputs(*job_args.training_job(trainer, world_size=1, resume=None)).plan.optimizer_factory
     assert isinstance(factory, InPlace) and factory.script_optimizer is optimizer and factory.model_init() is model
     with pytest.raises(RuntimeError, match=r"both `optimizers` and `optimizer_cls_and_kwargs`"):  # Trainer's own
         Trainer(model=model, args=_hf_args(tmp_path), optimizers=(optimizer, None), optimizer_cls_and_kwargs=(1, {}))
@@ -126,7 +128,7 @@ def test_batch_size_maps_to_effective_batch_without_warning(tiny: Any, tmp_path:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)
-        args = job_args.training_args(trainer, world_size=2, resume=None)
+        args = RunInputs(*job_args.training_job(trainer, world_size=2, resume=None))
     assert args.effective_batch_size == 3 * 2 * 2
     assert args.max_seq_len == 3 and args.max_batch_len == 9
 
@@ -138,7 +140,7 @@ def stopped_at_preflight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tup
     outside a launched worker."""
     seen: list[Any] = []
 
-    def stop(args: TrainingArgs) -> None:
+    def stop(args: TrainingArgs, plan: RunPlan) -> None:
         seen.append(args)
         raise launcher.PreflightError("stop here")
 
@@ -147,7 +149,7 @@ def stopped_at_preflight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tup
         monkeypatch.delenv(name, raising=False)
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
+    args = split_run(model_path=build_tiny_llama(tmp_path / "m"), data_path=data, ckpt_output_dir=tmp_path / "o")
     return args, seen
 
 
@@ -160,7 +162,7 @@ def test_run_training_accepts_instructlab_argument_order(stopped_at_preflight: t
 
 def test_run_training_inside_a_launched_worker_runs_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(launcher, "run_in_place", lambda args: calls.append("in place"))
+    monkeypatch.setattr(launcher, "run_in_place", lambda args, plan: calls.append("in place"))
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("launched nested torchrun"))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -169,7 +171,7 @@ def test_run_training_inside_a_launched_worker_runs_in_place(tmp_path: Path, mon
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     launcher.run_training(
-        TrainingArgs(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o"),
+        split_run(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o"),
         TorchrunArgs(nproc_per_node=2),
     )
     assert calls == ["in place"]
@@ -200,7 +202,7 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(
+    args = split_run(
         model_path=model_dir,
         data_path=data,
         ckpt_output_dir=tmp_path / "o",
@@ -218,10 +220,10 @@ def test_predictions_are_gathered_in_dataset_order_without_padding(tmp_path: Pat
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}, logits
 
     # 5 samples on 2 ranks (uneven): rank 0 holds 0, 2, 4; rank 1 holds 1, 3
-    rank1 = PredictionCollector(args)
+    rank1 = PredictionCollector(*args)
     b, lg = batch([[11 % vocab, 1], [3, 3, 3]])
     rank1.add([1, 3], b, lg, b["labels"])
-    rank0 = PredictionCollector(args)
+    rank0 = PredictionCollector(*args)
     b, lg = batch([[0], [2, 2], [4, 4, 4, 4]])
     rank0.add([0, 2, 4], b, lg, b["labels"])
     b, lg = batch([[0]])
@@ -273,7 +275,7 @@ def test_warmup_ratio_resolves_against_the_run_steps(tmp_path: Path) -> None:
     model_dir = build_tiny_llama(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    args = TrainingArgs(
+    args = split_run(
         model_path=model_dir,
         data_path=data,
         ckpt_output_dir=tmp_path / "o",
@@ -298,7 +300,7 @@ def test_trl_config_max_length_becomes_max_seq_len(tmp_path: Path) -> None:
 
 
 def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
-    """instructlab-training's README TrainingArgs(...) validates with its names: exact equivalents are translated
+    """instructlab-training's README split_run(...) validates with its names: exact equivalents are translated
     (one warning each), data_output_dir is dropped; names needing a decision fail naming ours."""
     import pydantic
 
@@ -309,7 +311,7 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     base = dict(model_path=model_dir, data_path=data, ckpt_output_dir=tmp_path / "o")
     with pytest.warns(InstructlabNameWarning, match="random_seed is instructlab-training's name: use seed="):
-        args = TrainingArgs(
+        args = split_run(
             **base,
             random_seed=1,
             is_padding_free=True,
@@ -319,23 +321,21 @@ def test_instructlab_field_names_translate_or_name_ours(tmp_path: Path) -> None:
         )
     assert (args.seed, args.packing, args.warmup_steps, args.save_total_limit) == (1, "padding_free", 5, 1)
     with pytest.raises(pydantic.ValidationError, match=r"fsdp_options: use distributed_backend=.*mock_data: use no"):
-        TrainingArgs(**base, fsdp_options={}, mock_data=True)
+        split_run(**base, fsdp_options={}, mock_data=True)
     # instructlab's LoraOptions -> peft_config (None target_modules: every *_proj layer); rank 0: full fine-tuning
     from trainbridge.instructlab import DeepSpeedOptions, LoraOptions
 
     with pytest.warns(InstructlabNameWarning, match="lora is instructlab-training's name: use peft_config="):
-        lora = TrainingArgs(
-            **base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05), deepspeed_options=DeepSpeedOptions()
-        )
+        lora = split_run(**base, lora=LoraOptions(rank=8, alpha=16, dropout=0.05), deepspeed_options=DeepSpeedOptions())
     assert lora.peft_config is not None
     assert tuple(lora.peft_config[k] for k in ("r", "lora_alpha", "target_modules")) == (8, 16, r".*_proj")
     assert lora.distributed_backend == "ddp"  # deepspeed_options configure DeepSpeed, they do not select it
     with pytest.warns(InstructlabNameWarning):
-        assert TrainingArgs(**base, lora={"rank": 0}).peft_config is None
+        assert split_run(**base, lora={"rank": 0}).peft_config is None
     with pytest.raises(pydantic.ValidationError, match="cpu_offload_optimizer=True: optimizer CPU offload"):
-        TrainingArgs(**base, deepspeed_options=DeepSpeedOptions(cpu_offload_optimizer=True))
+        split_run(**base, deepspeed_options=DeepSpeedOptions(cpu_offload_optimizer=True))
     with pytest.raises(pydantic.ValidationError, match=r"random_seed .* and seed .* are both given; keep only seed"):
-        TrainingArgs(**base, random_seed=1, seed=2)
+        split_run(**base, random_seed=1, seed=2)
 
 
 def test_run_training_takes_instructlabs_torch_args_keyword(
@@ -549,13 +549,17 @@ def test_a_dict_eval_dataset_becomes_named_validation_sets(tiny: Any, tmp_path: 
         eval_dataset={"a": rows, "b": rows.select([0])},
         processing_class=tok,
     )
-    ported = job_args.training_args(trainer, 1, None)
+    ported = RunInputs(*job_args.training_job(trainer, 1, None))
     data = ported.plan.script_data
     assert data is not None and data.eval is None and list(data.named_eval) == ["a", "b"]
-    assert ported.best_metric_eval_set == "b" and ported.max_seq_len == 4 and ported.eval_data_paths == {}
+    assert (
+        ported.best_metric_eval_set(eval_set_names(*ported)) == "b"
+        and ported.max_seq_len == 4
+        and ported.eval_data_paths == {}
+    )
     assert ported.data_path is None and ported.val_data_path is None and ported.tokenizer_path is None
     single = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok)
-    data = job_args.training_args(single, 1, None).plan.script_data
+    data = RunInputs(*job_args.training_job(single, 1, None)).plan.script_data
     assert data is not None and data.eval is not None and data.named_eval == {} and data.processing_class is tok
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import BertForSequenceClassification, TrainingArguments
 
+from tests.run_inputs import as_run, split_run
 from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
-from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -49,7 +49,7 @@ def _run(path: Path, tmp_path: Path, factory: Any, model: Any = None) -> tuple[A
     """A run with ``factory``; ``model``: the Trainer's own model object, trained in place (``train()``)."""
     if model is None:
         factory = cloudpickle.loads(cloudpickle.dumps(factory))  # rebuilt in another process
-    args = TrainingArgs(
+    args = split_run(
         model_path=path,
         model_init=(lambda: model) if model is not None else None,
         data_path=_rows(tmp_path / "train.jsonl", 32),
@@ -63,9 +63,9 @@ def _run(path: Path, tmp_path: Path, factory: Any, model: Any = None) -> tuple[A
         disable_tqdm=True,
         optimizer_factory=factory,
     )
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     before = {n: p.detach().clone() for n, p in components.engine.module.named_parameters()}
-    TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback()], components).run()
     return components, before
 
 
@@ -95,7 +95,7 @@ def test_an_optimizer_over_other_parameters_fails_at_construction(bert_classifie
 
 def test_deepspeed_refuses_the_scripts_optimizer(bert_classifier: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"DeepSpeed builds and steps its own optimizer"):
-        TrainingArgs(
+        split_run(
             model_path=bert_classifier,
             data_path=_rows(tmp_path / "x.jsonl", 4),
             ckpt_output_dir=tmp_path / "out",
@@ -198,7 +198,7 @@ def _in_place(bert_classifier: Path, tmp_path: Path, momentum: float = 0.9) -> t
 
 def test_in_place_the_scripts_model_optimizer_and_scheduler_objects_train(bert_classifier: Path, tmp_path: Path):
     model, optimizer, scheduler, factory = _in_place(bert_classifier, tmp_path)
-    args = TrainingArgs(
+    args = split_run(
         model_path=bert_classifier,
         model_init=factory.model_init,
         data_path=_rows(tmp_path / "train.jsonl", 32),
@@ -211,8 +211,8 @@ def test_in_place_the_scripts_model_optimizer_and_scheduler_objects_train(bert_c
         optimizer_factory=factory,
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    components = build_run(args, DistributedEnv())
-    TrainingLoop(args, DistributedEnv(), [ScheduleCallback()], components).run()
+    components = build_run(*as_run(args), DistributedEnv())
+    TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback()], components).run()
     assert components.engine.unwrapped is model
     assert components.engine.optimizer is optimizer and components.engine.lr_scheduler is scheduler
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
+from tests.run_inputs import as_run, split_run
 from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
-from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -84,7 +84,7 @@ def _run(
     path: Path, tmp_path: Path, methods: tuple[Any, Any], callbacks: list[Any] | None = None, **fields: Any
 ) -> tuple[Any, Any]:
     worker, model = methods
-    args = TrainingArgs(
+    args = split_run(
         model_init=lambda: model,
         tokenizer_path=path,
         data_path=_classification_rows(tmp_path / "train.jsonl", 32, 1),
@@ -103,8 +103,10 @@ def _run(
         trainer_methods=worker,
         **fields,
     )
-    components = build_run(args, DistributedEnv())
-    return components, TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), *(callbacks or [])], components).run()
+    components = build_run(*as_run(args), DistributedEnv())
+    return components, TrainingLoop(
+        as_run(args).args, DistributedEnv(), [ScheduleCallback(), *(callbacks or [])], components
+    ).run()
 
 
 def test_a_compute_loss_override_runs_on_every_micro_batch_with_the_model_and_batch(bert_classifier, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
+from tests.run_inputs import as_run, split_run
 from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.callback import Callback
@@ -97,7 +98,7 @@ def _run(
     callbacks call) that instance's own model object is trained, as ``train()`` trains it."""
     instance = methods if methods is not None else worker
     model = MODELS[id(instance)] if instance is not None else None
-    args = TrainingArgs(
+    args = split_run(
         model_path=path,
         model_init=(lambda: model) if model is not None else None,
         data_path=_rows(tmp_path / "train.jsonl", 32, 1),
@@ -118,11 +119,11 @@ def _run(
         callbacks=[ScheduleCallback(), *callbacks],
         **fields,
     )
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     hf = next((c for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None)
     if hf is not None:
         bind_state(args.plan, hf)
-    return components, TrainingLoop(args, DistributedEnv(), args.plan.callbacks, components).run()
+    return components, TrainingLoop(as_run(args).args, DistributedEnv(), args.plan.callbacks, components).run()
 
 
 def _weights(components: Any) -> dict[str, torch.Tensor]:
@@ -215,14 +216,14 @@ def test_a_training_step_with_its_own_backward_is_what_the_step_runs(bert_classi
     for first, second in DoubledStep.increments:  # each backward added the same gradient where it was called
         assert first.abs().sum() > 0
         torch.testing.assert_close(second, first)
-    start = _weights(build_run(_args_only(bert_classifier, tmp_path / "c"), DistributedEnv()))
+    start = _weights(build_run(*as_run(_args_only(bert_classifier, tmp_path / "c")), DistributedEnv()))
     cleared, _ = _run(bert_classifier, tmp_path / "b", _methods(ClearingStep, tmp_path, bert_classifier))
     for name, value in start.items():  # the override's gradient manipulation is what the optimizer saw
         torch.testing.assert_close(_weights(cleared)[name], value)
 
 
 def _args_only(path: Path, tmp_path: Path) -> TrainingArgs:
-    return TrainingArgs(
+    return split_run(
         model_path=path,
         data_path=_rows(tmp_path / "train.jsonl", 32, 1),
         ckpt_output_dir=tmp_path / "out",
@@ -378,7 +379,7 @@ def test_overrides_of_trainers_own_loop_are_refused_naming_them() -> None:
 
 def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_classifier, tmp_path):
     with pytest.raises(ValueError, match=r"step_factory: the step factory .* would never run"):
-        TrainingArgs(
+        split_run(
             model_path=bert_classifier,
             data_path=_rows(tmp_path / "train.jsonl", 8, 1),
             ckpt_output_dir=tmp_path / "out",

@@ -1,4 +1,4 @@
-"""The payload that carries TrainingArgs (callbacks included) to the workers: by value, authenticated."""
+"""The payload that carries TrainingArgs and the RunPlan (callbacks included) to the workers: authenticated."""
 
 import os
 import pickle
@@ -12,7 +12,7 @@ import types
 import pytest
 from transformers import EarlyStoppingCallback
 
-from trainbridge.core.config import TrainingArgs
+from tests.run_inputs import as_run, split_run
 from trainbridge.launch import transport
 from trainbridge.launch.transport import (
     PAYLOAD_KEY_ENV,
@@ -48,7 +48,8 @@ def make_args(tmp_path):
     data.write_text('{"text": "1+1=2"}\n')
 
     def make(**fields):
-        return TrainingArgs(model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out", **fields)
+        """``(args, plan)``: the settings and the code of ``fields`` (``tests.run_inputs``)."""
+        return as_run(split_run(model_path=model, data_path=data, ckpt_output_dir=tmp_path / "out", **fields))
 
     return make
 
@@ -92,10 +93,10 @@ def test_lambda_and_closure_round_trip(make_args, private_dir):
         return context + offset
 
     args = make_args(on_save=lambda context, **kwargs: context * 2, on_log=add_offset)
-    path, key = write_payload(args, private_dir)
-    loaded = read_payload(path, key)
-    (save_fn,) = loaded.plan.event_functions[next(e for e in loaded.plan.event_functions if e.value == "on_save")]
-    (log_fn,) = loaded.plan.event_functions[next(e for e in loaded.plan.event_functions if e.value == "on_log")]
+    path, key = write_payload(*args, private_dir)
+    _, loaded = read_payload(path, key)
+    (save_fn,) = loaded.event_functions[next(e for e in loaded.event_functions if e.value == "on_save")]
+    (log_fn,) = loaded.event_functions[next(e for e in loaded.event_functions if e.value == "on_log")]
     assert save_fn(21) == 42
     assert log_fn(2) == 42
 
@@ -103,9 +104,9 @@ def test_lambda_and_closure_round_trip(make_args, private_dir):
 def test_class_from_non_importable_module_travels_by_value(make_args, private_dir, notebook_module):
     callback = notebook_module.ScaledLogger(3, label="eval")
     callback.seen.append(7)
-    path, key = write_payload(make_args(callbacks=[callback]), private_dir)
+    path, key = write_payload(*make_args(callbacks=[callback]), private_dir)
     sys.modules.pop(notebook_module.__name__)  # the "worker" cannot import it
-    (loaded,) = read_payload(path, key).plan.callbacks
+    (loaded,) = read_payload(path, key)[1].callbacks
     assert (loaded.scale, loaded.label, loaded.seen) == (3, "eval", [7])
     assert loaded.describe(2) == "eval=6"
 
@@ -116,14 +117,14 @@ def test_payload_is_readable_in_a_fresh_interpreter(make_args, private_dir, note
         callbacks=[notebook_module.ScaledLogger(5), EarlyStoppingCallback(early_stopping_patience=3)],
         on_evaluate=lambda value: value + 1,
     )
-    path, key = write_payload(args, private_dir)
+    path, key = write_payload(*args, private_dir)
     code = textwrap.dedent(
         f"""
         import importlib.util, os, sys
         from trainbridge.launch.transport import read_payload
-        args = read_payload({str(path)!r}, os.environ[{PAYLOAD_KEY_ENV!r}])
-        logger, early = args.plan.callbacks
-        (fn,) = list(args.plan.event_functions.values())[0]
+        args, plan = read_payload({str(path)!r}, os.environ[{PAYLOAD_KEY_ENV!r}])
+        logger, early = plan.callbacks
+        (fn,) = list(plan.event_functions.values())[0]
         # rebuilt by value: the module is neither importable here nor registered by unpickling
         assert importlib.util.find_spec("tb_notebook_module_not_importable") is None
         assert "tb_notebook_module_not_importable" not in sys.modules
@@ -139,8 +140,8 @@ def test_payload_is_readable_in_a_fresh_interpreter(make_args, private_dir, note
 def test_hf_callback_keeps_its_constructor_arguments(make_args, private_dir):
     callback = EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=0.25)
     callback.early_stopping_patience_counter = 2
-    path, key = write_payload(make_args(callbacks=[callback]), private_dir)
-    (loaded,) = read_payload(path, key).plan.callbacks
+    path, key = write_payload(*make_args(callbacks=[callback]), private_dir)
+    (loaded,) = read_payload(path, key)[1].callbacks
     assert isinstance(loaded, EarlyStoppingCallback)
     assert loaded.early_stopping_patience == 3
     assert loaded.early_stopping_threshold == 0.25
@@ -150,15 +151,15 @@ def test_hf_callback_keeps_its_constructor_arguments(make_args, private_dir):
 def test_untampered_payload_is_unpickled(make_args, private_dir):
     """Control for the tamper test: a valid payload does reach the unpickler."""
     UNPICKLED.clear()
-    path, key = write_payload(make_args(callbacks=[UnpickleRecorder()]), private_dir)
-    assert read_payload(path, key).plan.callbacks == ["unpickled"]
+    path, key = write_payload(*make_args(callbacks=[UnpickleRecorder()]), private_dir)
+    assert read_payload(path, key)[1].callbacks == ["unpickled"]
     assert UNPICKLED == ["unpickled"]
 
 
 @pytest.mark.parametrize("position", [-1, -200, 30])
 def test_tampered_payload_is_rejected_before_unpickling(make_args, private_dir, monkeypatch, position):
     UNPICKLED.clear()
-    path, key = write_payload(make_args(callbacks=[UnpickleRecorder()]), private_dir)
+    path, key = write_payload(*make_args(callbacks=[UnpickleRecorder()]), private_dir)
     data = bytearray(path.read_bytes())
     data[position] ^= 0x01
     path.write_bytes(bytes(data))
@@ -174,7 +175,7 @@ def test_tampered_payload_is_rejected_before_unpickling(make_args, private_dir, 
 
 def test_wrong_key_is_rejected(make_args, private_dir):
     UNPICKLED.clear()
-    path, _ = write_payload(make_args(callbacks=[UnpickleRecorder()]), private_dir)
+    path, _ = write_payload(*make_args(callbacks=[UnpickleRecorder()]), private_dir)
     with pytest.raises(PayloadIntegrityError, match=PAYLOAD_KEY_ENV):
         read_payload(path, "0" * 64)
     with pytest.raises(PayloadIntegrityError):
@@ -192,11 +193,11 @@ def test_foreign_file_is_rejected(private_dir):
 
 
 def test_payload_file_is_private_and_exclusive(make_args, private_dir):
-    path, key = write_payload(make_args(), private_dir)
+    path, key = write_payload(*make_args(), private_dir)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert len(key) == 64 and int(key, 16) >= 0
     with pytest.raises(FileExistsError):
-        write_payload(make_args(), private_dir)
+        write_payload(*make_args(), private_dir)
 
 
 def test_payload_directory_must_be_private(make_args, tmp_path):
@@ -204,7 +205,7 @@ def test_payload_directory_must_be_private(make_args, tmp_path):
     shared.mkdir()
     shared.chmod(0o755)
     with pytest.raises(PermissionError, match="must be private"):
-        write_payload(make_args(), shared)
+        write_payload(*make_args(), shared)
 
 
 class HoldsALock:
@@ -216,7 +217,7 @@ class HoldsALock:
 def test_callback_holding_a_lock_is_named(make_args):
     args = make_args(callbacks=[EarlyStoppingCallback(), HoldsALock()])
     with pytest.raises(CallbackTransportError) as info:
-        check_transportable(args)
+        check_transportable(*args)
     message = str(info.value)
     assert "callbacks[1]" in message
     assert "HoldsALock" in message
@@ -233,7 +234,7 @@ def test_event_function_holding_an_open_file_is_named(make_args, tmp_path):
 
         args = make_args(on_save=[lambda context, **kwargs: None, write_line])
         with pytest.raises(CallbackTransportError) as info:
-            check_transportable(args)
+            check_transportable(*args)
     finally:
         handle.close()
     message = str(info.value)
@@ -243,4 +244,4 @@ def test_event_function_holding_an_open_file_is_named(make_args, tmp_path):
 
 
 def test_transportable_args_pass(make_args, notebook_module):
-    check_transportable(make_args(callbacks=[notebook_module.ScaledLogger(1), EarlyStoppingCallback], on_log=print))
+    check_transportable(*make_args(callbacks=[notebook_module.ScaledLogger(1), EarlyStoppingCallback], on_log=print))

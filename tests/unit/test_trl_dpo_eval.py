@@ -16,6 +16,7 @@ import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
+from tests.run_inputs import as_run
 from trainbridge.trl.dpo_step import PairBatches, PairEvalBatches, PreferenceStep
 from trainbridge.trl.preference_data import prepare_preference_dataset
 from trainbridge.trl.preference_loss import DPOLossSettings
@@ -145,7 +146,9 @@ def test_the_loop_evaluates_dpo_at_trls_steps_with_trls_keys(args_for, tmp_path:
             self.seen.append((context.global_step, dict(metrics or {})))
 
     seen = Evaluations()
-    TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], build_run(args, DistributedEnv())).run()
+    TrainingLoop(
+        as_run(args).args, DistributedEnv(), [ScheduleCallback(), seen], build_run(*as_run(args), DistributedEnv())
+    ).run()
     assert [s for s, _ in seen.seen] == [2, 4]
     metrics = seen.seen[0][1]
     assert set(EVAL_KEYS) | {"eval_num_tokens"} <= set(metrics)

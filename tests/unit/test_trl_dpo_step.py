@@ -15,6 +15,7 @@ import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
+from tests.run_inputs import as_run
 from trainbridge.modeling import VARLEN_SDPA, enable_varlen_sdpa
 from trainbridge.trl.dpo_step import PairBatches, PreferenceStep
 from trainbridge.trl.preference_data import prepare_preference_dataset
@@ -167,10 +168,10 @@ def _run_dpo(args_for, tmp_path: Path, tiny_llama: Path, **factory_kwargs: objec
         prepared, DPOLossSettings.from_config(config), 1, 2, config.max_length, seed=0, **factory_kwargs
     )
     args = args_for(max_steps=3, logging_steps=1, val_data_path=None, step_factory=factory)
-    components = build_run(args, DistributedEnv())
+    components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.step, PreferenceStep)
     seen = type("Logs", (_Logs, Callback), {})()
-    TrainingLoop(args, DistributedEnv(), [ScheduleCallback(), seen], components).run()
+    TrainingLoop(as_run(args).args, DistributedEnv(), [ScheduleCallback(), seen], components).run()
     return [(s, logs) for s, logs in seen.logs if "loss" in logs], factory
 
 
@@ -252,7 +253,7 @@ def test_the_step_factory_switches_policy_and_reference_to_varlen_attention(
     factory = DPOStepFactory(prepared, DPOLossSettings.from_config(config), 1, 2, 12, ref_model=ref)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
     args = args_for(max_steps=1, val_data_path=None, step_factory=factory, varlen_sdpa=varlen_sdpa)
-    step = factory(policy, tokenizer, args, DistributedEnv(), args.plan)
+    step = factory(policy, tokenizer, as_run(args).args, DistributedEnv(), as_run(args).plan)
     expected = VARLEN_SDPA if varlen_sdpa else "sdpa"
     assert step.ref_model is not None
     assert policy.config._attn_implementation == expected

@@ -14,6 +14,7 @@ import transformers
 from transformers import TrainingArguments
 
 import trainbridge
+from tests.run_inputs import as_run
 from trainbridge.demos.tiny_model import arithmetic_problems
 from trainbridge.trainer import script_data, subclass
 
@@ -142,7 +143,7 @@ def test_the_model_trains_on_after_an_evaluation_that_is_not_the_loops(args_for:
             modes.append((context.global_step, context.model.training))
 
     args = args_for(max_steps=4, eval_strategy="steps", eval_steps=2, evaluation=evaluation)
-    train(args, DistributedEnv(), [ScheduleCallback(), Modes()])
+    train(*as_run(args), DistributedEnv(), [ScheduleCallback(), Modes()])
     assert modes == [(0, True), (1, True), (2, True), (3, True)]  # evaluated after step 2
 
 

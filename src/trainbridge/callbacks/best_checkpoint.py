@@ -27,7 +27,7 @@ class BestCheckpointTracker(Callback):
             return
         metrics = kwargs.get("metrics") or {}
         name = args.best_metric_name
-        owner = args.best_metric_eval_set
+        owner = context.args.best_metric_eval_set(context.eval_set_names)
         if owner is not None and f"eval_{owner}_loss" not in metrics:
             return  # named validation sets: this on_evaluate is another set's (each has eval_<set>_loss)
         if name not in metrics and not any(key.startswith("eval_") for key in metrics):

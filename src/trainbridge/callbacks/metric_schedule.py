@@ -27,7 +27,7 @@ class MetricScheduleStepper(Callback):
             return
         metrics = kwargs.get("metrics") or {}
         name = context.args.best_metric_name
-        owner = context.args.best_metric_eval_set
+        owner = context.args.best_metric_eval_set(context.eval_set_names)
         if owner is not None and f"eval_{owner}_loss" not in metrics:
             return  # another named validation set's evaluation
         if name not in metrics:

@@ -49,6 +49,8 @@ class TrainingContext:
     ``trainbridge.Trainer`` or ported script), else None."""
 
     # ------------------------------------------------------------------ progress
+    eval_set_names: list[str] = field(default_factory=list)
+    """The named validation sets, each evaluated in turn (``core.config.eval_set_names``; empty: none)."""
     global_step: int = 0
     """Completed optimizer steps (always; advanced just before ``on_step_end``)."""
     epoch: float = 0.0

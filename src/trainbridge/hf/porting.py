@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Collection
 from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -135,9 +136,13 @@ def ignored_reason(name: str) -> str:
     return EXPLANATIONS.get(name, "it has no equivalent in trainbridge.TrainingArgs")
 
 
-def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> TrainingArgs:
+def training_args_from_hf(
+    hf_args: TrainingArguments, *, honoured: Collection[str] = (), **required: Any
+) -> TrainingArgs:
     """``TrainingArgs`` carrying over ``hf_args``'s schedules and settings; ``required`` (``model_path``,
-    ``data_path``, ``effective_batch_size``... any ``TrainingArgs`` field) is added and wins.
+    ``data_path``, ``effective_batch_size``... any ``TrainingArgs`` field) is added and wins.  Hugging Face
+    callbacks see ``hf_args`` itself when the run gets it: ``run_training(args, torchrun_args, hf_args=hf_args)``.
+    ``honoured``: the fields a callback of the caller's applies (not warned about).
 
     Warns (``HFPortingWarning``, once per field) about every non-default field with no meaning here.
     Raises ``ValueError`` for step ratios (``logging_steps=0.1``...) when ``max_steps`` is not set.
@@ -147,7 +152,7 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
     for name in _ignored_non_default_fields(hf_args):
         if any(required.get(replacement) is not None for replacement in REPLACED_BY.get(name, ())):
             continue
-        if any(name in getattr(callback, "honours_hf_fields", ()) for callback in required.get("callbacks") or ()):
+        if name in honoured:
             continue  # a callback of the caller's applies it (the facade's ScriptTrainerEvents: NEFTune)
         value = getattr(hf_args, name)
         reason = ignored_reason(name)
@@ -157,7 +162,6 @@ def training_args_from_hf(hf_args: TrainingArguments, **required: Any) -> Traini
                 f"effect (Hugging Face callbacks still read it from args)"
             )
         warnings.warn(f"{cls}.{name}={_plain(value)!r} is ignored: {reason}", HFPortingWarning, stacklevel=2)
-    data["hf_args"] = hf_args
     data.update(required)
     return TrainingArgs.model_validate(data)
 

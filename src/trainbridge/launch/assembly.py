@@ -20,19 +20,20 @@ from trainbridge.callbacks import (
     ScheduleCallback,
 )
 from trainbridge.core.callback import Callback, FunctionCallback
-from trainbridge.core.config import CallbackSpec, TrainingArgs
+from trainbridge.core.config import CallbackSpec, RunPlan, TrainingArgs
 
 
-def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
-    """The worker's callback list, in dispatch order.
+def assemble_callbacks(args: TrainingArgs, plan: RunPlan) -> list[Callback]:
+    """The worker's callback list for ``args`` running ``plan``, in dispatch order.
 
-    ``ScheduleCallback`` first (like transformers' DefaultFlowCallback), then the user's callbacks in
-    registration order — all Hugging Face ones driven by one ``HuggingFaceCallbacks`` placed where the first of them
-    was — then event functions, then best-checkpoint tracking, the metrics file, outside control
-    (``trainbridge control``), saving on SIGTERM (``save_on_interrupt``) and, when no ``HuggingFaceCallbacks`` brings
-    transformers' own progress callback, the native progress bar.
+    ``ScheduleCallback`` first (like transformers' DefaultFlowCallback), then the user's callbacks (the
+    arguments' ``CallbackSpec``s, then the plan's) in registration order — all Hugging Face ones driven by one
+    ``HuggingFaceCallbacks`` placed where the first of them was — then event functions, then best-checkpoint
+    tracking, the metrics file, outside control (``trainbridge control``), saving on SIGTERM
+    (``save_on_interrupt``) and, when no ``HuggingFaceCallbacks`` brings transformers' own progress callback, the
+    native progress bar.
     """
-    user = [c.build() if isinstance(c, CallbackSpec) else c for c in args.plan.callbacks]
+    user = [c.build() if isinstance(c, CallbackSpec) else c for c in (*args.callbacks, *plan.callbacks)]
     hf = _hf_callbacks(user)
     hf_driver = None
     if hf or args.report_to:
@@ -50,7 +51,7 @@ def assemble_callbacks(args: TrainingArgs) -> list[Callback]:
         ordered.append(item)
     if hf_driver is not None and hf_driver not in ordered:
         ordered.append(hf_driver)
-    functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in args.plan.event_functions.items() for fn in fns]
+    functions: list[Callback] = [FunctionCallback(e, fn) for e, fns in plan.event_functions.items() for fn in fns]
     tail: list[Callback] = [MetricScheduleStepper(), BestCheckpointTracker(), MetricsFileCallback()]
     if args.external_control:
         tail.append(ExternalControl())

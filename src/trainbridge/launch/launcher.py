@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.checkpoint.runlock import RUN_ID_ENV, RunFolderBusy, RunLock
-from trainbridge.core.config import CallbackSpec, NotACallbackError, TorchrunArgs, TrainingArgs
+from trainbridge.core.config import (
+    CallbackSpec,
+    NotACallbackError,
+    RunPlan,
+    TorchrunArgs,
+    TrainingArgs,
+    check_consistent,
+)
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.nproc import threads_per_worker
 from trainbridge.core.private_files import append_text
@@ -95,8 +102,9 @@ WORKER_MODULE = "trainbridge.launch.worker"
 
 
 # ----------------------------------------------------------------------------- preflight
-def preflight(args: TrainingArgs) -> None:
-    """Every check that can fail before launch, in the parent (raises ``PreflightError``).
+def preflight(args: TrainingArgs, plan: RunPlan) -> None:
+    """Every check of ``args`` running ``plan`` that can fail before launch, in the parent (raises
+    ``PreflightError``).
 
     torchrun is importable; ``peft_config`` applies to the model (``check_model_setup``); each
     ``CallbackSpec`` constructs; each native ``Callback`` accepts the
@@ -118,7 +126,7 @@ def preflight(args: TrainingArgs) -> None:
             check_model_setup(args)  # peft_config against the model's modules (meta device, no weights read)
         except ValueError as exc:
             raise PreflightError(str(exc)) from exc
-    for index, callback in enumerate(args.plan.callbacks):
+    for index, callback in enumerate([*args.callbacks, *plan.callbacks]):
         label = f"callbacks[{index}]"
         if isinstance(callback, CallbackSpec):
             try:
@@ -133,14 +141,14 @@ def preflight(args: TrainingArgs) -> None:
             label += f" ({callback.__class__.__name__} from its CallbackSpec)"
     # Every callback the workers will run (built-ins, user callbacks, HuggingFaceCallbacks with its
     # report_to integrations, event functions) checks the config here, before launch.
-    for callback in assemble_callbacks(args):
+    for callback in assemble_callbacks(args, plan):
         try:
             callback.validate(args)
         except Exception as exc:
             raise PreflightError(
                 f"{callback.name} ({describe(callback)}) rejected the config: {type(exc).__name__}: {exc}"
             ) from exc
-    check_transportable(args)
+    check_transportable(args, plan)
     check_data(args)
 
 
@@ -256,7 +264,7 @@ def build_worker_environment(
 
 
 # ----------------------------------------------------------------------------- entry point
-def run_in_place(args: TrainingArgs) -> RunResult:
+def run_in_place(args: TrainingArgs, plan: RunPlan) -> RunResult:
     """Train on this rank of a job someone else launched (``torchrun script.py`` calling ``run_training``):
     the process group spans the launcher's ranks, no worker is started, every rank returns the result.
 
@@ -266,7 +274,7 @@ def run_in_place(args: TrainingArgs) -> RunResult:
     from trainbridge.core.distributed import DistributedEnv
     from trainbridge.loop.loop import train
 
-    preflight(args)
+    preflight(args, plan)
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
 
     def prepare_output_dir() -> None:
@@ -276,7 +284,7 @@ def run_in_place(args: TrainingArgs) -> RunResult:
         result_file(args.ckpt_output_dir).unlink(missing_ok=True)
 
     env.on_rank_zero(prepare_output_dir, "preparing ckpt_output_dir", error=PreflightError)
-    result = train(args, env, assemble_callbacks(args))
+    result = train(args, plan, env, assemble_callbacks(args, plan))
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))
     return result
@@ -290,12 +298,17 @@ def run_training(
     worker_module: str = WORKER_MODULE,
     dry_run: bool = False,
     torch_args: TorchrunArgs | Mapping[str, Any] | None = None,
+    **code: Any,
 ) -> RunResult | None:
     """Train with ``torchrun`` workers and return rank 0's ``RunResult``.
 
     ``train_args``/``torchrun_args`` are validated objects or dicts of their fields; instructlab's
     argument order ``run_training(torchrun_args, train_args)`` works too (the types tell them apart), and its
     keyword ``torch_args=``.
+    ``code``: the run's code beside its settings, as ``RunPlan.from_keywords`` takes it: ``callbacks=[...]``
+    (``trainbridge.Callback``/``transformers.TrainerCallback`` objects or classes), ``on_<event>=fn``,
+    ``model_init=``, ``compute_metrics=``, ``preprocess_logits_for_metrics=``, ``data_collator=``,
+    ``train_stream=``, ``hf_args=``... (pickled to the workers: ``launch.transport``).
     Called inside a launched worker (``torchrun script.py``: ``RANK``/``WORLD_SIZE`` set), it trains in
     place on this rank (``run_in_place``) instead of launching workers of its own.  Raises
     ``pydantic.ValidationError`` (bad config), ``PreflightError``/``CallbackTransportError`` (before
@@ -318,8 +331,10 @@ def run_training(
     if train_args is None:
         raise TypeError("run_training: no TrainingArgs given")
     args = train_args if isinstance(train_args, TrainingArgs) else TrainingArgs.model_validate(train_args)
+    plan = RunPlan.from_keywords(**code)
+    check_consistent(args, plan)
     if launched_worker():
-        return run_in_place(args)
+        return run_in_place(args, plan)
     if torchrun_args is None:
         launch = TorchrunArgs()
     elif isinstance(torchrun_args, TorchrunArgs):
@@ -333,8 +348,8 @@ def run_training(
         raise PreflightError(problem)
     result_path = result_file(args.ckpt_output_dir)
     if dry_run:  # builds the run and prints its plan; writes nothing into the run folder
-        preflight(args)
-        _launch_once(args, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
+        preflight(args, plan)
+        _launch_once(args, plan, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
         return None
     try:
         lock = RunLock(args.ckpt_output_dir, job=_job_key(launch)).acquire()
@@ -342,8 +357,8 @@ def run_training(
         raise RunFolderLockedError(str(exc)) from None
     try:
         result_path.unlink(missing_ok=True)
-        preflight(args)
-        restarts = _run_with_restarts(args, launch, timeout_s, worker_module, lock.run_id)
+        preflight(args, plan)
+        restarts = _run_with_restarts(args, plan, launch, timeout_s, worker_module, lock.run_id)
     finally:
         lock.release()
     if result_path.is_file():
@@ -368,7 +383,7 @@ def _job_key(launch: TorchrunArgs) -> str | None:
 
 
 def _run_with_restarts(
-    args: TrainingArgs, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str
+    args: TrainingArgs, plan: RunPlan, launch: TorchrunArgs, timeout_s: float | None, worker_module: str, run_id: str
 ) -> int:
     """Launch; after a worker failure, launch again (up to ``max_restarts``) from the newest checkpoint
     that verifies.  Returns how many restarts happened; raises the last failure when they run out."""
@@ -378,7 +393,7 @@ def _run_with_restarts(
     while True:
         remaining = timeout_s if deadline is None or not restarts else max(deadline - time.monotonic(), 1.0)
         try:
-            _launch_once(attempt_args, launch, remaining, worker_module, run_id, restarts)
+            _launch_once(attempt_args, plan, launch, remaining, worker_module, run_id, restarts)
             return restarts
         except WorkerFailedError as failure:
             if restarts >= launch.max_restarts:
@@ -403,6 +418,7 @@ def _run_with_restarts(
 
 def _launch_once(
     args: TrainingArgs,
+    plan: RunPlan,
     launch: TorchrunArgs,
     timeout_s: float | None,
     worker_module: str,
@@ -413,7 +429,7 @@ def _launch_once(
     """One torchrun job; raises ``WorkerFailedError`` (or another ``LaunchError``) when it fails."""
     private_dir = make_payload_folder()
     try:
-        payload_path, key = write_payload(args, private_dir, worker_import_path())
+        payload_path, key = write_payload(args, plan, private_dir, worker_import_path())
         log_dir = private_dir / "torchrun-logs"
         torchrun_error_file = private_dir / "torchrun-error.json"
         failures_file = private_dir / "failures.json"

@@ -1,7 +1,8 @@
-"""Carrying the validated ``TrainingArgs`` (callbacks included) from the parent to the workers.
+"""Carrying the validated ``TrainingArgs`` and the run's ``RunPlan`` (its code: callbacks, functions, the
+model's ``model_init``) from the parent to the workers.
 
 Callbacks are live objects in the parent process; the torchrun workers are new processes.  The whole
-``TrainingArgs`` travels as one cloudpickle payload file:
+``(args, plan)`` travels as one cloudpickle payload file:
 
 - instances keep their constructor arguments and attributes; lambdas, closures and classes defined
   in ``__main__`` (a script or a notebook) are pickled *by value*, so the workers need not import them;
@@ -38,7 +39,7 @@ from typing import Any
 
 import cloudpickle
 
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.scratch import owned_folder, remove_stale_folders
 
 PAYLOAD_KEY_ENV = "TRAINBRIDGE_PAYLOAD_KEY"
@@ -162,22 +163,22 @@ def _check_one(obj: Any, label: str) -> None:
         ) from exc
 
 
-def check_transportable(args: TrainingArgs) -> None:
+def check_transportable(args: TrainingArgs, plan: RunPlan) -> None:
     """Check, in the parent, that every callback and event function survives the trip to the workers.
 
     Each callback and each event function is serialised and deserialised on its own, so the error
     names the culprit (``callbacks[1] (mypkg.MyCallback): attribute 'lock' holds a thread lock``);
-    then the whole ``args`` object is checked.  Raises ``CallbackTransportError``.
+    then the whole ``(args, plan)`` payload is checked.  Raises ``CallbackTransportError``.
     """
-    for index, callback in enumerate(args.plan.callbacks):
+    for index, callback in enumerate(plan.callbacks):
         _check_one(callback, f"callbacks[{index}]")
-    for event, functions in args.plan.event_functions.items():
+    for event, functions in plan.event_functions.items():
         for index, function in enumerate(functions):
             _check_one(function, f"event function {event.value}[{index}]")
-    if args.plan.model_init is not None:
-        _check_one(args.plan.model_init, "model_init")
+    if plan.model_init is not None:
+        _check_one(plan.model_init, "model_init")
     try:
-        _round_trip(args)
+        _round_trip((args, plan))
     except Exception as exc:
         raise CallbackTransportError(f"TrainingArgs cannot be sent to the workers: {_explain(exc)}") from exc
 
@@ -220,8 +221,10 @@ def _opened(path: str | Path, data: bytes, key: str, key_source: str) -> bytes:
     return body
 
 
-def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequence[str] = ()) -> tuple[Path, str]:
-    """Write ``args`` as an authenticated payload file in ``directory``; return ``(path, hex_key)``.
+def write_payload(
+    args: TrainingArgs, plan: RunPlan, directory: str | Path, import_path: Sequence[str] = ()
+) -> tuple[Path, str]:
+    """Write ``(args, plan)`` as an authenticated payload file in ``directory``; return ``(path, hex_key)``.
 
     ``import_path``: folders the worker appends to ``sys.path`` (after site-packages) before unpickling,
     signed with the rest.  ``directory`` must be private to the current user (no group/other permissions, e.g. from
@@ -234,7 +237,7 @@ def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequen
     if mode & 0o077:
         raise PermissionError(f"payload directory {str(directory)!r} has mode {mode:04o}; it must be private (0700)")
     header = json.dumps({"import_path": [str(p) for p in import_path]}).encode("utf-8")
-    body = len(header).to_bytes(4, "big") + header + cloudpickle.dumps(args)
+    body = len(header).to_bytes(4, "big") + header + cloudpickle.dumps((args, plan))
     key = secrets.token_hex(32)
     path = directory / PAYLOAD_FILE_NAME
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -243,8 +246,8 @@ def write_payload(args: TrainingArgs, directory: str | Path, import_path: Sequen
     return path, key
 
 
-def read_payload(path: str | Path, key: str) -> TrainingArgs:
-    """Verify and load a payload written by ``write_payload``.
+def read_payload(path: str | Path, key: str) -> tuple[TrainingArgs, RunPlan]:
+    """Verify and load the ``(args, plan)`` of a payload written by ``write_payload``.
 
     The HMAC is checked with ``hmac.compare_digest`` *before* anything is unpickled; the signed import
     folders are then appended to ``sys.path``.  A file that was
@@ -257,7 +260,12 @@ def read_payload(path: str | Path, key: str) -> TrainingArgs:
     for entry in header["import_path"]:
         if entry not in sys.path:
             sys.path.append(entry)  # after site-packages: a user folder never shadows an installed module
-    args = pickle.loads(body[4 + size :])
-    if not isinstance(args, TrainingArgs):
-        raise PayloadIntegrityError(f"{path}: payload holds a {type(args).__name__}, not TrainingArgs")
-    return args
+    loaded = pickle.loads(body[4 + size :])
+    if not (
+        isinstance(loaded, tuple)
+        and len(loaded) == 2
+        and isinstance(loaded[0], TrainingArgs)
+        and isinstance(loaded[1], RunPlan)
+    ):
+        raise PayloadIntegrityError(f"{path}: payload holds a {type(loaded).__name__}, not (TrainingArgs, RunPlan)")
+    return loaded[0], loaded[1]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.launch import lifeline
@@ -34,17 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(argv, "trainbridge.launch.worker", _train_and_write_result)
 
 
-def _train_and_write_result(args: TrainingArgs, env: DistributedEnv) -> None:
+def _train_and_write_result(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> None:
     from trainbridge.launch.assembly import assemble_callbacks
     from trainbridge.loop.loop import train
 
-    result = train(args, env, assemble_callbacks(args))
+    result = train(args, plan, env, assemble_callbacks(args, plan))
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))
 
 
-def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs, DistributedEnv], None]) -> int:
-    """A torchrun worker's start and end around ``job(args, env)``: read the authenticated payload named
+def run_worker(
+    argv: list[str] | None, module: str, job: Callable[[TrainingArgs, RunPlan, DistributedEnv], None]
+) -> int:
+    """A torchrun worker's start and end around ``job(args, plan, env)``: read the authenticated payload named
     by ``--payload``, start the distributed seam (console configured per rank first), and tear the group
     down (after a barrier only when ``job`` returned).  ``--dry-run`` builds the run and prints its plan
     instead."""
@@ -63,16 +65,16 @@ def run_worker(argv: list[str] | None, module: str, job: Callable[[TrainingArgs,
     from trainbridge.loop.loop import TrainingInterrupted
     from trainbridge.loop.summary import announce_run
 
-    args = read_payload(payload_path, key)  # unpickling the callbacks may import transformers
+    args, plan = read_payload(payload_path, key)  # unpickling the callbacks may import transformers
     env = DistributedEnv.initialize(args.device, args.collective_timeout_s)
     if os.environ.get(lifeline.LAUNCHER_ENV):
         sys.excepthook = _one_line_excepthook(env.rank)
     clean = False
     try:
         if options.dry_run:
-            announce_run(args, env, build_run(args, env))
+            announce_run(args, env, build_run(args, plan, env))
         else:
-            job(args, env)
+            job(args, plan, env)
         clean = True
     except TrainingInterrupted as exc:
         # @record writes error files for Exceptions only; the interruption must reach the launcher too

@@ -22,7 +22,8 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
-from trainbridge.core.config.plan import ExistingModel, RunPlan, default_plan
+from trainbridge.core.config.checks import check_consistent
+from trainbridge.core.config.plan import ExistingModel, RunPlan
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -123,12 +124,10 @@ class RunBatches(NamedTuple):
     padded: bool
 
 
-def build_run(args: TrainingArgs, env: DistributedEnv, plan: RunPlan | None = None) -> RunComponents:
+def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComponents:
     """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
-    engine wraps the model across ranks), running ``plan``'s code (default: ``default_plan(args)``)."""
-    plan = default_plan(args) if plan is None else plan
-    if plan is not args.plan:
-        args = args.with_plan(plan)  # the layers below read the plan the run was built with
+    engine wraps the model across ranks) for ``args`` running ``plan``'s code (checked together first)."""
+    check_consistent(args, plan)
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         transformers.set_seed(args.seed)
     tokenizer = load_tokenizer(args, plan.script_data)
@@ -201,12 +200,11 @@ class StepSeams(NamedTuple):
     """The validation predictions: the step's forward outputs, or generated ids (``predict_with_generate``)."""
 
 
-def choose_step(model: Any, args: TrainingArgs, plan: RunPlan | None = None) -> StepSeams:
+def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
     """The step's batches, loss and predictions (``StepSeams``): a ``step_factory``'s own, else the token step
     or the model-loss step (``args.training_step``; ``auto``: the token step for causal LMs, unless ``plan``
     brings its own loss or data).  A ``ValueError`` for a model neither step can train, saying why and what to
     do."""
-    plan = args.plan if plan is None else plan
     if plan.step_factory is not None:
         return StepSeams("factory", "factory", "outputs")
     causal = is_causal_lm(model)

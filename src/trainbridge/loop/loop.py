@@ -26,7 +26,7 @@ from trainbridge.checkpoint.manager import PendingCheckpoint
 from trainbridge.core.agreement import NO_VALUES, AgreedControl, Agreement, ControlFlag, Own, Summed, agree_control
 from trainbridge.core.callback import Callback
 from trainbridge.core.callback_errors import OWN_CAUSE_MARKER, TrainingInterrupted
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs, eval_set_names
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.dispatch import CallbackFatalError, CallbackManager
 from trainbridge.core.distributed import DistributedEnv
@@ -45,10 +45,11 @@ from trainbridge.step.finite import NOT_MEASURED, NonFiniteGuard
 logger = logging.getLogger(__name__)
 
 
-def train(args: TrainingArgs, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
-    """Build and run one training job on this worker; every rank returns the same ``RunResult``."""
+def train(args: TrainingArgs, plan: RunPlan, env: DistributedEnv, callbacks: Sequence[Callback]) -> RunResult:
+    """Build and run one training job of ``args`` running ``plan`` on this worker; every rank returns the same
+    ``RunResult``."""
     with _sigterm_raises():
-        components = build_run(args, env)
+        components = build_run(args, plan, env)
     announce_run(args, env, components)
     return TrainingLoop(args, env, callbacks, components).run()
 
@@ -93,7 +94,9 @@ class TrainingLoop:
         self._stop_training = False
         self._stop_requesters = ""
         self._merged: Path | None = None
-        self.context = ctx = TrainingContext(args=args, env=env, hf_args=self.plan.hf_args)
+        self.context = ctx = TrainingContext(
+            args=args, env=env, hf_args=self.plan.hf_args, eval_set_names=eval_set_names(args, self.plan)
+        )
         ctx.steps_per_epoch = components.steps_per_epoch
         ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
         ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped

@@ -55,8 +55,7 @@ class GatheredPredictions:
 class PredictionCollector:
     """Collects one evaluation's predictions on this rank and turns them into metrics (see module doc)."""
 
-    def __init__(self, args: TrainingArgs, plan: RunPlan | None = None) -> None:
-        plan = args.plan if plan is None else plan
+    def __init__(self, args: TrainingArgs, plan: RunPlan) -> None:
         self.compute_metrics: Callable[..., Any] | None = plan.compute_metrics
         self.preprocess: Callable[..., Any] | None = plan.preprocess_logits_for_metrics
         self.include_inputs = "inputs" in args.include_for_metrics

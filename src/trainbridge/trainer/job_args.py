@@ -1,8 +1,8 @@
 """``train()``'s ``TrainingArgs`` and run plan: the Trainer's arguments, its data, callbacks and methods.
 
-``training_args`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``) and gives it the
-plan's seams from the live instance: its datasets and tokenizer (``RunPlan.script_data``), its model object
-(``LiveModel``), callbacks, functions and overridden methods (``trainer.subclass``).
+``training_job`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``) and completes the
+plan beside them (``LoopTrainer.run_plan()``: its model object ``LiveModel``, callbacks, functions and
+overridden methods) with the live instance's datasets and tokenizer (``RunPlan.script_data``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs, check_consistent
 from trainbridge.core.config.plan import ExistingModel
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
@@ -35,8 +35,9 @@ class LiveModel(ExistingModel):
         return stepped() if stepped is not None else self.trainer.model
 
 
-def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArgs:
-    """The ``TrainingArgs`` of a job of ``trainer`` on ``world_size`` ranks; ``resume`` is
+def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:
+    """The ``TrainingArgs`` and the ``RunPlan`` (``trainer.run_plan()``, with the script's data and
+    ``TrainingArguments``) of a job of ``trainer`` on ``world_size`` ranks, checked together; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
     from trainbridge.hf.porting import training_args_from_hf
 
@@ -45,8 +46,7 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
     data, longest = script_inputs(
         trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), trainer._row_preparation()
     )
-    fields: dict[str, Any] = {name: value for name, value in plan.keywords().items() if value is not None}
-    fields["script_data"] = data  # the script's datasets and tokenizer, read in place
+    fields: dict[str, Any] = {}
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:
@@ -67,7 +67,7 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
     from transformers import TrainerCallback
 
     if not any(is_hf_callback(c) for c in callbacks):
-        fields["callbacks"] = [*fields["callbacks"], TrainerCallback()]
+        callbacks = [*callbacks, TrainerCallback()]
     per_device = int(hf.per_device_train_batch_size)
     accumulation = int(hf.gradient_accumulation_steps)
     for name, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accumulation)):
@@ -83,7 +83,12 @@ def training_args(trainer: Trainer, world_size: int, resume: Any) -> TrainingArg
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
     if not isinstance(hf, TrainingArgs):  # a callback that raises fails train(), as under Trainer
         fields["callback_error_policy"] = "fatal"
-    return training_args_from_hf(hf, **fields)
+    honoured = {name for callback in callbacks for name in getattr(callback, "honours_hf_fields", ())}
+    args = training_args_from_hf(hf, honoured=honoured, **fields)
+    # the script's datasets and tokenizer, read in place; the TrainingArguments Hugging Face callbacks see
+    plan = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)
+    check_consistent(args, plan)
+    return args, plan
 
 
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:

@@ -29,12 +29,12 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     """Train ``trainer``'s model in place -> ``(this rank's result, the run's TrainerState)``."""
     env = trainer._start_env()
     # every rank reads the script's data itself; one that fails fails every rank at once
-    args = env.on_every_rank(lambda: job_args.training_args(trainer, env.world_size, resume), "preparing its data")
+    args, plan = env.on_every_rank(lambda: job_args.training_job(trainer, env.world_size, resume), "preparing its data")
     handler, control = trainer.callback_handler, trainer.control
     if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
         trainer.accelerator._models.append(trainer.model)
     try:
-        outcome = run_job(args, env)
+        outcome = run_job(args, plan, env)
     finally:
         trainer.callback_handler, trainer.control = handler, control
     trainer._loop = outcome.loop

@@ -1,6 +1,6 @@
 """Running ``Trainer.train()``'s job on this rank: the loop with the run's callbacks, in place.
 
-``run_job(args, env)`` is called on every rank: the training loop with the job's callbacks, whose
+``run_job(args, plan, env)`` is called on every rank: the training loop with the job's callbacks, whose
 ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's printer / progress bar) hold the run's
 ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state, handler
 and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.run_dir import result_file
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
@@ -41,12 +41,12 @@ class JobOutcome:
     result: RunResult | None = None
 
 
-def run_job(args: TrainingArgs, env: DistributedEnv) -> JobOutcome:
-    """Run ``train()``'s job of ``args`` on this rank (every rank calls it); see the module doc."""
-    run_callbacks, hf = with_trainer_state(assemble_callbacks(args))
+def run_job(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> JobOutcome:
+    """Run ``train()``'s job of ``args`` running ``plan`` on this rank (every rank calls it); see the module doc."""
+    run_callbacks, hf = with_trainer_state(assemble_callbacks(args, plan))
     hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
-    bind_state(args.plan, hf)  # the instance's self.state / callback_handler / control are the run's
-    loop = TrainingLoop(args, env, run_callbacks, build_run(args, env))
+    bind_state(plan, hf)  # the instance's self.state / callback_handler / control are the run's
+    loop = TrainingLoop(args, env, run_callbacks, build_run(args, plan, env))
     result = loop.run()
     if env.is_world_process_zero:
         result.write(result_file(args.ckpt_output_dir))

@@ -8,14 +8,16 @@ it, and an invalid value raises a ``pydantic.ValidationError`` naming the field.
 - ``fields``: its fields, in groups of related settings, each with the validators that read it alone;
 - ``model``: ``from_pretrained`` keywords and PEFT adapters; ``imports``: import paths and ``CallbackSpec``
   (what in a config is code);
-- ``plan``: ``RunPlan``, the run's code as typed seams (``TrainingArgs`` holds data only);
+- ``plan``: ``RunPlan``, the run's code as typed seams, given beside ``TrainingArgs`` (which holds data only;
+  ``checks.check_consistent(args, plan)`` checks them together at the run boundary);
 - ``torchrun``: ``TorchrunArgs`` (its default process count: ``core.nproc``).
 """
 
+from trainbridge.core.config.checks import check_consistent
 from trainbridge.core.config.imports import CallbackSpec, NotACallbackError, resolve_import_path
 from trainbridge.core.config.model import ADAPTER_CONFIG_FILE, ModelKwargs, build_peft_config, peft_adapter_base
 from trainbridge.core.config.names import DataColumn
-from trainbridge.core.config.plan import RunPlan, default_plan
+from trainbridge.core.config.plan import RunPlan, eval_set_names
 from trainbridge.core.config.torchrun import TorchrunArgs
 from trainbridge.core.config.training import TrainingArgs
 
@@ -29,7 +31,8 @@ __all__ = [
     "TorchrunArgs",
     "TrainingArgs",
     "build_peft_config",
-    "default_plan",
+    "check_consistent",
+    "eval_set_names",
     "peft_adapter_base",
     "resolve_import_path",
 ]

@@ -1,4 +1,6 @@
-"""The checks of ``TrainingArgs`` that read several fields together (run once, after the fields validate).
+"""The checks that read several settings together: ``check_fields(args)`` (the fields, run when
+``TrainingArgs`` validates) and ``check_consistent(args, plan)`` (the fields with the run's code, at the run
+boundary: ``run_training``, ``build_run``, ``trainbridge.Trainer.train()``, before anything launches).
 
 Each raises ``ValueError`` with a message that starts with the field to change and says how.
 """
@@ -8,28 +10,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainbridge.core.config.model import build_peft_config, peft_adapter_base
+from trainbridge.core.config.plan import RunPlan, eval_set_names
 
 if TYPE_CHECKING:
-    from trainbridge.core.config.plan import RunPlan
     from trainbridge.core.config.training import TrainingArgs
 
 
 def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
-    """The fields together, and with the run's code (``plan``): evaluation, best model, saving and batching
-    settings that must agree."""
-    check_model(args, plan)
-    check_optimizer(args, plan)
+    """The fields with the run's code (``plan``): the model, the data, the evaluation and the step that must
+    agree with it."""
+    check_model_source(args, plan)
     check_stream(args, plan)
     check_step_factory(plan)
-    if args.val_data_path is not None and args.validation_split > 0:
-        raise ValueError("give val_data_path or validation_split, not both")
-    if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
+    if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
         raise ValueError(
-            "eval_data_paths: give named validation sets or val_data_path/validation_split, "
-            "not both (name the single set too: eval_data_paths={'main': ..., ...})"
+            "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "
+            "script's optimizer (optimizers= / optimizer_cls_and_kwargs= / create_optimizer) cannot be used; "
+            "drop it and set optim='adamw_torch', or use distributed_backend='ddp'"
         )
-    if args.eval_strategy == "steps" and args.eval_steps is None:
-        raise ValueError("eval_steps: required when eval_strategy='steps'")
     if (
         args.eval_strategy != "no"
         and args.val_data_path is None
@@ -39,15 +37,36 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
         and not (plan.script_data is not None and (plan.script_data.eval is not None or plan.script_data.named_eval))
     ):
         raise ValueError(
-            "eval_strategy: evaluation needs val_data_path, eval_data_paths or validation_split > 0 (or an "
-            "evaluation of the plan's own)"
+            f"eval_strategy: {args.eval_strategy!r} needs validation data: set val_data_path, eval_data_paths or "
+            "validation_split > 0 (or give the run an evaluation of its own), or set eval_strategy='no'"
         )
-    if args.eval_set_names and args.tracks_best_metric and args.best_metric_eval_set is None:
+    names = eval_set_names(args, plan)
+    if names and args.tracks_best_metric and args.best_metric_eval_set(names) is None:
         raise ValueError(
             f"metric_for_best_model: {args.metric_for_best_model!r} is not a metric of a named validation set; "
             f"with eval_data_paths every metric is eval_<name>_<metric>, e.g. "
-            f"'eval_{args.eval_set_names[0]}_loss' (sets: {', '.join(args.eval_set_names)})"
+            f"'eval_{names[0]}_loss' (sets: {', '.join(names)})"
         )
+    if plan.data_collator is not None and args.packing == "padding_free":
+        raise ValueError(
+            "packing: 'padding_free' cannot be used with a data_collator (it needs padded "
+            "micro-batches); leave packing='auto' or set data_collator=None"
+        )
+
+
+def check_fields(args: TrainingArgs) -> None:
+    """The fields together: evaluation, best model, saving, batching and model settings that must agree."""
+    check_model(args)
+    check_optimizer(args)
+    if args.val_data_path is not None and args.validation_split > 0:
+        raise ValueError("give val_data_path or validation_split, not both")
+    if args.eval_data_paths and (args.val_data_path is not None or args.validation_split > 0):
+        raise ValueError(
+            "eval_data_paths: give named validation sets or val_data_path/validation_split, "
+            "not both (name the single set too: eval_data_paths={'main': ..., ...})"
+        )
+    if args.eval_strategy == "steps" and args.eval_steps is None:
+        raise ValueError("eval_steps: required when eval_strategy='steps'")
     if args.save_strategy == "best" and args.eval_strategy == "no":
         raise ValueError("save_strategy: 'best' needs an eval_strategy other than 'no'")
     if args.load_best_model_at_end:
@@ -65,11 +84,6 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
         raise ValueError(
             "nonfinite_policy: 'skip' cannot be used with distributed_backend='deepspeed' (it "
             "applies its update inside its own step); use 'error' or 'warn'"
-        )
-    if plan.data_collator is not None and args.packing == "padding_free":
-        raise ValueError(
-            "packing: 'padding_free' cannot be used with a data_collator (it needs padded "
-            "micro-batches); leave packing='auto' or set data_collator=None"
         )
     if args.max_batch_len < args.max_seq_len and args.packing != "padded":
         raise ValueError(
@@ -140,7 +154,7 @@ INSTALL_NAMES = {
 """What to ``pip install`` for a package whose import name is not its distribution's."""
 
 
-def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
+def check_optimizer(args: TrainingArgs) -> None:
     """``optim``: its package installed; DeepSpeed keeps its own AdamW; a metric-driven schedule needs an
     evaluation; fp16's loss scaler skips overflowed steps, so the run must go on past them."""
     if args.mixed_precision == "fp16" and args.nonfinite_policy != "warn":
@@ -160,12 +174,6 @@ def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
             f"lr_scheduler={args.lr_scheduler!r}: it steps on the evaluation metric (metric_for_best_model), "
             "so it needs an evaluation; set eval_strategy='steps' or 'epoch', as Trainer requires"
         )
-    if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
-        raise ValueError(
-            "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "
-            "script's optimizer (optimizers= / optimizer_cls_and_kwargs= / create_optimizer) cannot be used; "
-            "drop it and set optim='adamw_torch', or use distributed_backend='ddp'"
-        )
     if args.distributed_backend == "deepspeed" and args.optim not in ("adamw_torch", "adamw_torch_fused"):
         raise ValueError(
             f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
@@ -173,20 +181,37 @@ def check_optimizer(args: TrainingArgs, plan: RunPlan) -> None:
         )
 
 
-def check_model(args: TrainingArgs, plan: RunPlan) -> None:
-    """The model fields together: what to load, PEFT options that cannot combine, quantization."""
+def check_model_source(args: TrainingArgs, plan: RunPlan) -> None:
+    """The model's source: ``model_path`` or the plan's ``model_init``, and what needs a loaded model."""
     if args.model_path is None and plan.model_init is None:
-        raise ValueError("model_path: required (a model or PEFT adapter folder) unless model_init is given")
+        raise ValueError(
+            "model_path: None; required (a model or PEFT adapter folder) unless run_training(..., model_init=fn) "
+            "builds the model"
+        )
     if args.model_path is None and args.tokenizer_path is None and plan.script_data is None:
         raise ValueError("tokenizer_path: required when the model comes from model_init without model_path")
+    if plan.model_init is not None:
+        return
     adapter_base = peft_adapter_base(args.model_path) if args.model_path is not None else None
+    if args.peft_config is not None and adapter_base is not None:
+        raise ValueError(
+            f"peft_config: model_path {str(args.model_path)!r} is already a PEFT adapter folder, which is "
+            "trained as it is; give peft_config with a base model, or drop peft_config to continue the adapter"
+        )
+    is_peft = args.peft_config is not None or adapter_base is not None
+    if args.merge_adapter_at_end and not is_peft:
+        raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
+    if args.model_kwargs.quantized() and not is_peft:
+        raise ValueError(
+            "model_kwargs.quantization_config: a quantized base model trains through an adapter "
+            "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords"
+        )
+
+
+def check_model(args: TrainingArgs) -> None:
+    """The model fields together: PEFT options that cannot combine, quantization."""
     config = args.peft_config
     if config is not None:
-        if adapter_base is not None and plan.model_init is None:
-            raise ValueError(
-                f"peft_config: model_path {str(args.model_path)!r} is already a PEFT adapter folder, which is "
-                "trained as it is; give peft_config with a base model, or drop peft_config to continue the adapter"
-            )
         task = config.get("task_type")
         if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
             raise ValueError(f"peft_config: task_type={task!r}; this loop trains causal LMs (use CAUSAL_LM or None)")
@@ -201,9 +226,6 @@ def check_model(args: TrainingArgs, plan: RunPlan) -> None:
                 "virtual tokens shift the logits against the labels the loss is computed from, and its weights "
                 "live outside the model's state dict; use an adapter method (LoRA, DoRA, IA3, ...)"
             )
-    is_peft = config is not None or adapter_base is not None
-    if args.merge_adapter_at_end and not is_peft and plan.model_init is None:
-        raise ValueError("merge_adapter_at_end: needs a PEFT model (peft_config or an adapter folder as model_path)")
     if args.gradient_checkpointing_kwargs != {"use_reentrant": False} and not args.gradient_checkpointing:
         raise ValueError("gradient_checkpointing_kwargs: given but gradient_checkpointing is False; set it True")
     if args.model_kwargs.quantized():
@@ -213,11 +235,6 @@ def check_model(args: TrainingArgs, plan: RunPlan) -> None:
             raise ValueError(
                 "model_kwargs.quantization_config: a quantized base model needs bitsandbytes; "
                 "pip install 'trainbridge[qlora]'"
-            )
-        if not is_peft and plan.model_init is None:
-            raise ValueError(
-                "model_kwargs.quantization_config: a quantized base model trains through an adapter "
-                "(QLoRA); set peft_config (e.g. a peft.LoraConfig) or drop the quantization keywords"
             )
         if args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3:
             raise ValueError(

@@ -449,10 +449,8 @@ class CallbackFields(BaseModel):
     model_config = _GROUP
 
     callbacks: list[CallbackSpec] = Field(default_factory=list)
-    """Callbacks given as import specs (``CallbackSpec``/``{"class": ..., "kwargs": ...}``/``"pkg.mod:Class"``).
-    The ``callbacks=`` keyword also takes ``trainbridge.Callback`` instances and ``transformers.TrainerCallback``
-    instances or classes: those are code and go into the run plan (``RunPlan.callbacks``, every
-    callback in its order); this field keeps the specs."""
+    """Callbacks given as import specs (``CallbackSpec``/``{"class": ..., "kwargs": ...}``/``"pkg.mod:Class"``),
+    built in every worker.  Callback objects and classes are code: ``run_training(..., callbacks=[...])``."""
     callback_error_policy: Literal["isolate", "fatal"] = "isolate"
     """``isolate``: a callback error after train begin is logged, counted and reported; ``fatal``: any
     callback error stops every rank cleanly and fails the run."""
@@ -484,7 +482,13 @@ class CallbackFields(BaseModel):
                 continue
             if item is None or isinstance(item, int | float | bool):
                 problems.append(f"callbacks[{i}]: {item!r} is not a callback object, class or spec")
+            elif not isinstance(item, CallbackSpec):
+                problems.append(
+                    f"callbacks[{i}]: {item!r} is code, not a setting: pass it to "
+                    "run_training(args, torchrun_args, callbacks=[...]); TrainingArgs.callbacks takes import "
+                    "specs ('package.module:Class' or {'class': ..., 'kwargs': ...})"
+                )
             out.append(item)
         if problems:
             raise ValueError("\n".join(problems))
-        return [item for item in out if isinstance(item, CallbackSpec)]  # objects are code: the plan's
+        return out

@@ -2,11 +2,10 @@
 
 A seam is a Protocol: the step, the training data (a collator, a stream, a DataLoader factory, the script's
 own datasets), prediction (``compute_metrics``, logits preprocessing), the optimizer, the checkpoint's model
-files, the evaluation, the callbacks and event functions, the model (``model_init``).  ``build_run`` and
-``TrainingLoop`` take a plan; ``default_plan(args)`` is the plan of ``run_training``'s workers: the code
-given with the arguments (``TrainingArgs(..., callbacks=[...], on_save=fn, compute_metrics=fn)`` keeps those
-keywords: they are split off into the arguments' plan, never stored as fields) and the ``CallbackSpec`` import
-paths, which stay data.  ``trainbridge.Trainer`` builds its plan from the script's live instance.
+files, the evaluation, the callbacks and event functions, the model (``model_init``).  The plan travels beside
+the arguments: ``run_training(args, torchrun_args, callbacks=[...], on_save=fn, compute_metrics=fn)`` builds
+it (``RunPlan.from_keywords``), ``build_run(args, plan, env)`` runs it; ``trainbridge.Trainer`` builds its
+plan from the script's live instance.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainbridge.core.events import Event
+from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
+from trainbridge.core.events import Event, event_from_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -216,15 +216,66 @@ class RunPlan:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_keywords(cls, **code: Any) -> RunPlan:
+        """The plan of ``run_training``'s code keywords: ``callbacks=[...]`` (objects, classes, ``CallbackSpec``s),
+        ``on_<event>=fn`` (or a list), ``event_functions={event: fns}``, and each seam by its field name
+        (``model_init`` may be a ``package.module:function`` import path).  A ``ValueError`` names a bad one."""
+        functions: dict[Event, list[Any]] = {}
+        for key, value in (code.pop("event_functions", None) or {}).items():
+            functions.setdefault(event_from_name(str(getattr(key, "value", key))), []).extend(
+                value if isinstance(value, list | tuple) else [value]
+            )
+        for key in [k for k in code if k.startswith("on_")]:
+            value = code.pop(key)
+            try:
+                event = event_from_name(key)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+            functions.setdefault(event, []).extend(value if isinstance(value, list | tuple) else [value])
+        for event, fns in functions.items():
+            for fn in fns:
+                if not callable(fn):
+                    raise ValueError(f"{event.value}: expected a callable, got {type(fn).__name__} {fn!r}")
+        unknown = sorted(set(code) - CODE_KEYWORDS - {"callbacks"})
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: not a RunPlan keyword (the code of a run: {', '.join(sorted(CODE_KEYWORDS))}, "
+                "callbacks, on_<event>); settings go into TrainingArgs"
+            )
+        model_init = code.get("model_init")
+        if isinstance(model_init, str):
+            code["model_init"] = model_init = resolve_import_path(model_init)
+        if model_init is not None and not callable(model_init):
+            raise ValueError(f"model_init: expected a function returning the model, got {type(model_init).__name__}")
+        hf_args = code.get("hf_args")
+        if hf_args is not None:
+            from transformers import TrainingArguments
+
+            if not isinstance(hf_args, TrainingArguments):
+                raise ValueError(
+                    f"hf_args: expected a transformers.TrainingArguments (or subclass) instance, got "
+                    f"{type(hf_args).__name__}; pass the object your script built, or leave it unset"
+                )
+        given = code.pop("callbacks", None)
+        items = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+        callbacks = [
+            CallbackSpec.model_validate(c if isinstance(c, dict) else {"class": c}) if isinstance(c, dict | str) else c
+            for c in items
+        ]
+        return cls(callbacks=callbacks, event_functions=functions, **code)
+
     def keywords(self) -> dict[str, Any]:
-        """The plan as ``TrainingArgs`` keywords (what ``TrainingArgs(**data, **plan.keywords())`` splits off)."""
+        """The plan as ``run_training`` keywords (what ``RunPlan.from_keywords`` takes back)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-PLAN_KEYWORDS = frozenset(f.name for f in dataclasses.fields(RunPlan)) - {"callbacks"}
-"""The ``TrainingArgs`` keywords that are code and go into its plan (``callbacks`` is split: specs stay data)."""
+CODE_KEYWORDS = frozenset(f.name for f in dataclasses.fields(RunPlan)) - {"callbacks"}
+"""The keywords that are code (``RunPlan``'s seams): ``run_training`` takes them, ``TrainingArgs`` refuses them."""
 
 
-def default_plan(args: TrainingArgs) -> RunPlan:
-    """The plan of a ``run_training`` worker: the code given with ``args`` (its ``CallbackSpec``s included)."""
-    return args.plan
+def eval_set_names(args: TrainingArgs, plan: RunPlan) -> list[str]:
+    """The names of the named validation sets: ``eval_data_paths``'s, or in place the script's
+    (``RunPlan.script_data.named_eval``)."""
+    script = plan.script_data
+    return list(script.named_eval) if script is not None else list(args.eval_data_paths)
