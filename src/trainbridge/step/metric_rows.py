@@ -68,3 +68,16 @@ class MetricRows:
 
 def _tensor(value: MetricValue) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+
+
+class RecordsMetricRows:
+    """A step (``TrainStep`` subclass, listed before it in the bases) whose training metrics are the rows of
+    ``self.metrics``: its sums go to the step's agreement and come back by name."""
+
+    metrics: MetricRows
+
+    def metric_sums(self) -> dict[str, MetricValue]:
+        return self.metrics.sums()
+
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        self.metrics.add(sums)

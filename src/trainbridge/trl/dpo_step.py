@@ -26,7 +26,7 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, EvalSource, StepBatches, TrainStep
-from trainbridge.step.metric_rows import MetricRows
+from trainbridge.step.metric_rows import MetricRows, RecordsMetricRows
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import (
     METRIC_KEYS,
@@ -168,7 +168,7 @@ class PairEvalBatches:
             yield indices, pair_batch(self.dataset, indices or dummy, self.max_length, self.truncation_mode)
 
 
-class PreferenceStep(TrainStep):
+class PreferenceStep(RecordsMetricRows, TrainStep):
     """trl's DPO step on pair batches (see the module docstring)."""
 
     name = "DPO (preference pairs, chosen and rejected in one padding-free forward)"
@@ -255,12 +255,6 @@ class PreferenceStep(TrainStep):
                 **dpo_metric_sums(policy, reference, self.settings.beta),
                 "pairs": float(pairs),
             }
-
-    def metric_sums(self) -> dict[str, torch.Tensor | float]:
-        return self.metrics.sums()
-
-    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
-        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's DPO log: each micro-batch's ratios over every rank, averaged over the micro-batches."""

@@ -14,7 +14,7 @@ agreement (``metric_sums``) and are logged as trl averages them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
-from trainbridge.step.metric_rows import MetricRows
+from trainbridge.step.metric_rows import MetricRows, RecordsMetricRows
 from trainbridge.trl.dpo_step import DPOStepFactory, PairBatches, PairPlan
 from trainbridge.trl.kto_loss import KTOLoss, kl_sum
 from trainbridge.trl.preference_data import reference_stats
@@ -86,7 +86,7 @@ class UnpairedBatches(PairBatches):
         return batch
 
 
-class KTOStep(TrainStep):
+class KTOStep(RecordsMetricRows, TrainStep):
     """trl's KTO step on unpaired rows (see the module docstring)."""
 
     name = "KTO (unpaired rows with mismatched completions, one padding-free forward)"
@@ -137,12 +137,6 @@ class KTOStep(TrainStep):
             }
             self.metrics.record(values, device)
         return loss * units
-
-    def metric_sums(self) -> dict[str, torch.Tensor | float]:
-        return self.metrics.sums()
-
-    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
-        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's KTO log: per micro-batch values over every rank, averaged over the micro-batches that have them."""

@@ -11,7 +11,7 @@ the step's agreement (``metric_sums``) and ``metric_logs`` does the same divisio
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from trainbridge.data.collate import CollatedBatch
 from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
-from trainbridge.step.metric_rows import MetricRows
+from trainbridge.step.metric_rows import MetricRows, RecordsMetricRows
 from trainbridge.trl.dpo_step import PairBatches
 from trainbridge.trl.pair_scores import pack_labelled_pairs, score_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
@@ -52,7 +52,7 @@ class LabelledPairBatches(PairBatches):
         return batch
 
 
-class ReferenceFreeStep(TrainStep):
+class ReferenceFreeStep(RecordsMetricRows, TrainStep):
     """trl's ORPO or CPO step on labelled pair batches (see the module docstring)."""
 
     train_batches: LabelledPairBatches
@@ -76,12 +76,6 @@ class ReferenceFreeStep(TrainStep):
         values.update({**result.pair_sums, **result.rank_means})
         self.metrics.record(values, result.loss.device)
         return result.loss * units
-
-    def metric_sums(self) -> dict[str, torch.Tensor | float]:
-        return self.metrics.sums()
-
-    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
-        self.metrics.add(sums)
 
     def metric_logs(self) -> dict[str, float]:
         """trl's log: each micro-batch's metrics over every rank, averaged over the micro-batches."""
