@@ -130,7 +130,14 @@ def make_args(tmp_path, monkeypatch, run_files):
 
 def _no_stub_processes_left():
     me = psutil.Process()
-    return [p for p in me.children(recursive=True) if "tb_stub_worker" in " ".join(p.cmdline())]
+    left = []
+    for p in me.children(recursive=True):
+        try:
+            if "tb_stub_worker" in " ".join(p.cmdline()):
+                left.append(p)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # exited: a zombie (an earlier test's child, not reaped yet) runs nothing and has no cmdline
+    return left
 
 
 def test_real_workers_rebuild_callbacks_and_rank_zero_result_comes_back(make_args, stub_worker, capfd, tmp_path):

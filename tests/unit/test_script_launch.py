@@ -120,6 +120,10 @@ def test_a_script_asking_for_several_processes_forks_them_once(
     script_run: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(nproc.NPROC_ENV, "2")
+    # this test process's own state is pinned safe (as the next test pins it unsafe): the xdist worker may hold
+    # threads, an accelerate state or a process group from earlier tests, which refuse the fork (re-run instead)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(script_launch, "_devices_set_up", lambda: None)
     script_launch.launch_script()
     script_launch.launch_script()  # a second Trainer name resolved: nothing more
     assert script_run == [("fork", 2)]
