@@ -1,7 +1,8 @@
 """Control a running job from another shell: ``trainbridge control RUN_DIR save|stop|evaluate|log``.
 
-The command drops a request file into ``RUN_DIR/control/`` (written to a temporary name, then renamed,
-so it is never read half-written).  ``ExternalControl`` runs on every rank but only rank 0 looks:
+The command drops a request file into the run-files folder's ``control/`` (``RUN_DIR/control/``, or
+``RUN_DIR/trainbridge/control/`` for a ported ``TrainingArguments``' run: ``core.run_dir``; written to a
+temporary name, then renamed, so it is never read half-written).  ``ExternalControl`` runs on every rank but only rank 0 looks:
 at each ``on_step_end`` (at most every ``POLL_INTERVAL_S``) it takes the requests it finds (deleting
 them) and makes the matching control request, which the step's agreement — the one collective the
 step already has — turns into the same decision on every rank.  A file needs no open port.
@@ -28,12 +29,12 @@ from typing import Any
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
-from trainbridge.core.private_files import PRIVATE_DIR_MODE, open_in
+from trainbridge.core.private_files import PRIVATE_DIR_MODE, make_run_folder, open_in
 
 logger = logging.getLogger(__name__)
 
 CONTROL_DIR_NAME = "control"
-"""Folder inside the run folder (``ckpt_output_dir``) where requests are dropped."""
+"""Folder inside the run-files folder (``TrainingArgs.resolved_run_files_dir``) where requests are dropped."""
 ACTIONS = ("save", "stop", "evaluate", "log")
 """What can be asked from outside."""
 POLL_INTERVAL_S = 1.0
@@ -86,8 +87,10 @@ def _open_folder(run_dir: Path) -> int:
     return fd
 
 
-def prepare_folder(run_dir: Path) -> None:
-    """Create ``run_dir/control/`` with mode 0700 (or make an existing one of this user 0700)."""
+def prepare_folder(run_dir: Path, share_with_group: bool = False) -> None:
+    """Create ``run_dir/control/`` with mode 0700 (or make an existing one of this user 0700); ``run_dir`` (the
+    run-files folder) is created as the run folder is, if missing."""
+    make_run_folder(run_dir, share_with_group)
     path = Path(run_dir) / CONTROL_DIR_NAME
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, PRIVATE_DIR_MODE)
@@ -166,10 +169,10 @@ class ExternalControl(Callback):
     def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
         if context.is_world_process_zero:
             try:
-                prepare_folder(context.args.ckpt_output_dir)
+                prepare_folder(context.args.resolved_run_files_dir, context.args.share_run_dir_with_group)
             except OSError as exc:
                 logger.warning("trainbridge control will not reach this run: %s", exc)
-            stale = take_requests(context.args.ckpt_output_dir)
+            stale = take_requests(context.args.resolved_run_files_dir)
             if stale:
                 logger.warning("discarding control requests left from an earlier run: %s", ", ".join(stale))
 
@@ -180,7 +183,7 @@ class ExternalControl(Callback):
         if now < self._next_poll:
             return
         self._next_poll = now + POLL_INTERVAL_S
-        for action in take_requests(context.args.ckpt_output_dir):
+        for action in take_requests(context.args.resolved_run_files_dir):
             reason = f"trainbridge control {action} (from another shell)"
             logger.warning("%s at step %d", reason, context.global_step)
             if action == "save":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainbridge.callbacks.external_control import ACTIONS, CONTROL_DIR_NAME, write_request
 from trainbridge.checkpoint.runlock import live_holders
+from trainbridge.core.run_dir import run_files_in
 
 
 class ControlRequestError(RuntimeError):
@@ -33,7 +34,7 @@ def send_control(run_dir: Path, action: str) -> str:
     if not running:
         raise NoRunningJobError(f"no running trainbridge job holds {run_dir}; nothing was requested")
     try:
-        path = write_request(run_dir, action)
+        path = write_request(run_files_in(run_dir), action)  # the lock is the run folder's, requests its files
     except OSError as exc:
         raise ControlRequestError(
             f"cannot write a request into {run_dir / CONTROL_DIR_NAME}: {exc} (only the run's own user can control it)"

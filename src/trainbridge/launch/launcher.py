@@ -281,12 +281,12 @@ def run_in_place(args: TrainingArgs, plan: RunPlan) -> RunResult:
         problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
         if problem:
             raise PreflightError(problem)
-        result_file(args.ckpt_output_dir).unlink(missing_ok=True)
+        result_file(args.resolved_run_files_dir).unlink(missing_ok=True)
 
     env.on_rank_zero(prepare_output_dir, "preparing ckpt_output_dir", error=PreflightError)
     result = train(args, plan, env, assemble_callbacks(args, plan))
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
     return result
 
 
@@ -346,7 +346,7 @@ def run_training(
     problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
     if problem:
         raise PreflightError(problem)
-    result_path = result_file(args.ckpt_output_dir)
+    result_path = result_file(args.resolved_run_files_dir)
     if dry_run:  # builds the run and prints its plan; writes nothing into the run folder
         preflight(args, plan)
         _launch_once(args, plan, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
@@ -466,7 +466,7 @@ def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -
         node = None
     else:
         node = socket.gethostname() if launch.rdzv_endpoint else f"node{launch.node_rank}"
-    path = launch_log_file(args.ckpt_output_dir, node)
+    path = launch_log_file(args.resolved_run_files_dir, node)
     header = (
         f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
         f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "

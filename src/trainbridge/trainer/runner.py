@@ -49,5 +49,5 @@ def run_job(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> JobOutcom
     loop = TrainingLoop(args, env, run_callbacks, build_run(args, plan, env))
     result = loop.run()
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
     return JobOutcome(loop=loop, hf=hf, result=result)
