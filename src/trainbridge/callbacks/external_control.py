@@ -3,8 +3,8 @@
 The command drops a request file into the run-files folder's ``control/`` (``RUN_DIR/control/``, or
 ``RUN_DIR/trainbridge/control/`` for a ported ``TrainingArguments``' run: ``core.run_dir``; written to a
 temporary name, then renamed, so it is never read half-written).  ``ExternalControl`` runs on every rank
-but only rank 0 looks: at each ``on_step_end`` (at most every ``POLL_INTERVAL_S``) it takes the requests it finds (deleting
-them) and makes the matching control request, which the step's agreement — the one collective the
+but only rank 0 looks: at each ``on_step_end`` (at most every ``POLL_INTERVAL_S``) it takes the requests it
+finds (deleting them) and makes the matching control request, which the step's agreement — the one collective the
 step already has — turns into the same decision on every rank.  A file needs no open port.
 
 Only the run's owner can ask: rank 0 creates ``control/`` with mode 0700 at ``on_train_begin``; a
