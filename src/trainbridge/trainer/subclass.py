@@ -20,7 +20,7 @@ What runs there:
 - ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``
   (``trainer.optimizers.SubclassOptimizer``);
 - ``_save`` / ``save_model`` / ``_save_checkpoint`` at each checkpoint (``trainer.save_overrides``);
-- ``get_train_dataloader`` / ``_get_train_sampler`` for the training batches (``trainer.subclass_data``).
+- ``get_train_dataloader`` / ``_get_train_sampler`` for the training batches (``ScriptTrainer.train_loader``).
 
 A dataset whose items are not dicts of columns (tuples, lists, objects: ``script_data.column_items``) is read
 as Trainer reads it: training batches from the instance's own ``get_train_dataloader()``, stepped by its
@@ -32,7 +32,7 @@ Overrides of the methods in ``UNHONOURED`` (parts of Trainer's own loop) are ref
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -77,7 +77,7 @@ EVALUATION_METHODS = ("evaluate", "evaluation_loop", "get_eval_dataloader", "_ge
 """Overrides that make each evaluation during training the instance's ``evaluate()`` (Trainer's own code)."""
 
 LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler", "_set_signature_columns_if_needed")
-"""Overrides whose ``DataLoader`` gives the training batches (``trainer.subclass_data``); the columns Trainer's
+"""Overrides whose ``DataLoader`` gives the training batches (``ScriptTrainer.train_loader``); the columns Trainer's
 loader keeps are the signature columns (trl's reward trainer keeps its ``chosen_ids``/``rejected_ids``)."""
 
 
@@ -211,6 +211,12 @@ class ScriptTrainer:
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
         with self.call(evaluation=loop_evaluation, handler=EvaluationEvents(handler, run, self)) as instance:
             return dict(instance.evaluate(ignore_keys=None))
+
+    def train_loader(self, dataset: object, collate: object, model: object) -> Iterable[Any]:
+        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` -- the script's
+        ``train_dataset`` and ``data_collator``, the DataLoader prepared by the instance's own accelerator,
+        which deals this rank its share as under Trainer."""
+        return self.instance.get_train_dataloader()
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -352,6 +358,12 @@ def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
     worker = script_trainer(trainer) if own else None
     return worker.evaluation if worker is not None else None
+
+
+def subclass_loader(trainer: LoopTrainer) -> Callable[[object, object, object], Iterable[Any]] | None:
+    """The ``RunPlan.train_loader`` of ``trainer``'s jobs: ``ScriptTrainer.train_loader`` when the training
+    batches are the instance's own (``instance_batches``), else None (Trainer's sample batches)."""
+    return trainer._script.train_loader if instance_batches(trainer) else None
 
 
 def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
