@@ -167,6 +167,12 @@ class ScriptTrainer:
         """The run's ``HuggingFaceCallbacks``: their state, handler and control are the instance's in each call."""
         self._hf = hf
 
+    def train_loader(self, dataset: object, collate: object, model: object) -> Iterable[Any]:
+        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` -- the script's
+        ``train_dataset`` and ``data_collator``, the DataLoader prepared by the instance's own accelerator,
+        which deals this rank its share as under Trainer."""
+        return self.instance.get_train_dataloader()
+
     def _around(self, outer: LoopScope | None) -> LoopScope:
         """The scope around a new call: ``outer`` (the one of the call under way), else the run's live state."""
         if outer is not None:
@@ -211,12 +217,6 @@ class ScriptTrainer:
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
         with self.call(evaluation=loop_evaluation, handler=EvaluationEvents(handler, run, self)) as instance:
             return dict(instance.evaluate(ignore_keys=None))
-
-    def train_loader(self, dataset: object, collate: object, model: object) -> Iterable[Any]:
-        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` -- the script's
-        ``train_dataset`` and ``data_collator``, the DataLoader prepared by the instance's own accelerator,
-        which deals this rank its share as under Trainer."""
-        return self.instance.get_train_dataloader()
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -360,12 +360,6 @@ def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     return worker.evaluation if worker is not None else None
 
 
-def subclass_loader(trainer: LoopTrainer) -> Callable[[object, object, object], Iterable[Any]] | None:
-    """The ``RunPlan.train_loader`` of ``trainer``'s jobs: ``ScriptTrainer.train_loader`` when the training
-    batches are the instance's own (``instance_batches``), else None (Trainer's sample batches)."""
-    return trainer._script.train_loader if instance_batches(trainer) else None
-
-
 def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per instance) when the loop calls a method of its class's, it has a
     ``compute_loss_func`` or its items are not dicts of columns, else None."""
@@ -417,3 +411,9 @@ def bind_state(plan: RunPlan, hf: HuggingFaceCallbacks) -> None:
         script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
         if isinstance(script, ScriptTrainer):
             script.bind_state(hf)
+
+
+def subclass_loader(trainer: LoopTrainer) -> Callable[[object, object, object], Iterable[Any]] | None:
+    """The ``RunPlan.train_loader`` of ``trainer``'s jobs: ``ScriptTrainer.train_loader`` when the training
+    batches are the instance's own (``instance_batches``), else None (Trainer's sample batches)."""
+    return trainer._script.train_loader if instance_batches(trainer) else None
