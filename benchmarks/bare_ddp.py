@@ -8,14 +8,18 @@ search, buffers broadcast), ``torch.optim.AdamW(fused=True)`` (the kernel Traine
 the Trainer and trainbridge runs), no scheduler, no logging, no callbacks.  The batches are built
 before the loop: rank ``r`` takes samples ``r, r + 2, ...`` four at a time, so every step is 4 x
 ``len`` tokens per rank (the data must be fixed-length).  Rank ``r`` writes ``clock-rank{r}.json``
-(step end wall and CPU times and its tokens per step) to ``--out``.
+(step end wall and CPU times and its tokens per step) to ``--out``; with ``BENCH_PROFILE=1`` (``throughput.py
+--profile``) rank 0 also writes ``profile-rank0.pstats``: cProfile of the step loop, as ``trainer_run.py``'s
+``StepClock`` profiles Trainer's and trainbridge's steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import os
 import resource
 import time
 from collections.abc import Sequence
@@ -61,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate, fused=True)
     step_end_times: list[float] = []
     step_end_cpu_times: list[float] = []
+    profiler = cProfile.Profile() if os.environ.get("BENCH_PROFILE") == "1" and rank == 0 else None
+    if profiler is not None:
+        profiler.enable()
     for input_ids in batches:
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
@@ -69,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         step_end_times.append(time.time())
         step_end_cpu_times.append(time.process_time())
+    if profiler is not None:
+        profiler.disable()
+        options.out.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(options.out / "profile-rank0.pstats")
     # Same record as trainer_run.write_clock (not imported: that module pulls in transformers.Trainer,
     # which would lengthen this runner's start-up).
     options.out.mkdir(parents=True, exist_ok=True)

@@ -405,18 +405,34 @@ def _ratio_summary(ratios: list[float]) -> str:
 
 def paired_table(results: Results, metric: Metric) -> list[str]:
     """Markdown table: each trainbridge configuration's same-repetition ratios (median, range) to the
-    references of its data kind (``PAIRED_REFERENCES``)."""
+    references of its data kind (``PAIRED_REFERENCES``), with both sides' peak RSS per rank (median over
+    repetitions) and its same-repetition ratio beside each."""
     lines = [
-        "| data | configuration | reference | ratio, median (min–max) over repetitions |",
-        "|---|---|---|---:|",
+        "| data | configuration | reference | ratio, median (min–max) over repetitions "
+        "| peak RSS per rank, MiB (reference) | peak RSS ratio |",
+        "|---|---|---|---:|---:|---:|",
     ]
     for config in ALL_CONFIGS:
         if config.runner != "trainbridge" or config.key not in results.runs:
             continue
         for reference, label in PAIRED_REFERENCES[config.data]:
             ratios = results.paired_ratios(config.key, reference, metric)
-            lines.append(f"| {config.data} | {config.label} | {label} | {_ratio_summary(ratios)} |")
+            memory = _median_rss(results, config.key), _median_rss(results, reference)
+            references = {m.repeat: m.peak_rss_mib for m in results.runs.get(reference, []) if m.peak_rss_mib > 0}
+            memory_ratios = [
+                m.peak_rss_mib / references[m.repeat] for m in results.runs[config.key] if m.repeat in references
+            ]
+            lines.append(
+                f"| {config.data} | {config.label} | {label} | {_ratio_summary(ratios)} "
+                f"| {memory[0]:,.0f} ({memory[1]:,.0f}) | {_ratio_summary(memory_ratios)} |"
+            )
     return lines
+
+
+def _median_rss(results: Results, key: str) -> float:
+    """The median over repetitions of a configuration's largest peak RSS per rank (0: not measured)."""
+    values = [m.peak_rss_mib for m in results.runs.get(key, [])]
+    return statistics.median(values) if values else 0.0
 
 
 def runs_table(results: Results) -> list[str]:

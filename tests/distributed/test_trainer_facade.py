@@ -76,8 +76,14 @@ def _check_against_reference(ours: dict, reference: dict) -> None:
 
 def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "ours"
-    ours = run_script(torchrun(SCRIPT, str(out)), out)
+    cache = tmp_path / "data-cache"
+    ours = run_script(torchrun(SCRIPT, str(out)), out, TRAINBRIDGE_DATA_CACHE=str(cache))
     _check_against_reference(ours, reference)
+    # the in-place datasets were tokenised once on the node (one entry each: training and validation rows, one
+    # rank built each under its lock, the other read it), into a private cache; no scratch folder left
+    entries = sorted(p.name for p in cache.iterdir() if not p.name.startswith("."))
+    assert len(entries) == 2 and not any(".tmp-" in name for name in entries), entries
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [cache, *cache.rglob("*")])
     # one training, not one per rank: the metrics file holds each logged step once
     steps = [
         json.loads(line)["step"]

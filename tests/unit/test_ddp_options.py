@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from accelerate.state import AcceleratorState
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -74,3 +75,26 @@ def test_native_runs_keep_the_lean_step_and_broadcast_buffers_training_updates(
     # batch-norm running statistics change in training: torch's default broadcast, as under Trainer
     assert ddp_options(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), args) == {"find_unused_parameters": False}
     assert ddp_options(tiny, args.model_copy(update={"ddp_find_unused_parameters": None}))["find_unused_parameters"]
+
+
+@pytest.mark.parametrize("max_norm", [1e3, 1.0, 1e-3, 0.0])
+def test_cpu_clip_gives_torch_clip_grad_norm_s_values(max_norm: float) -> None:
+    """``clip_cpu_grads`` skips the multiplication by a clip coefficient of exactly 1 (a norm below
+    ``max_norm``): the norm and every gradient bit for bit as ``torch.nn.utils.clip_grad_norm_``'s, on both
+    sides of the threshold; a NaN gradient clips as torch's does (NaN everywhere)."""
+    from trainbridge.parallel.ddp import clip_cpu_grads
+
+    torch.manual_seed(0)
+    for poison in (False, True):
+        ours, theirs = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+        for p in ours:
+            p.grad = torch.randn_like(p) * 0.1
+            if poison:
+                p.grad[0, 0] = float("nan")
+            theirs.append(torch.nn.Parameter(p.detach().clone()))
+            theirs[-1].grad = p.grad.clone()
+        norm = clip_cpu_grads(ours, max_norm)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        assert torch.equal(norm, expected) or (poison and norm.isnan() and expected.isnan())
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.grad, b.grad) or (poison and torch.equal(a.grad.isnan(), b.grad.isnan()))

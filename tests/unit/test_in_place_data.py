@@ -5,6 +5,7 @@ flagged by the checkpoint fingerprint (``ScriptData.identity``) while a resume o
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
@@ -194,3 +195,62 @@ def test_a_resume_on_other_data_is_flagged_and_on_the_same_data_is_exact(
 
     assert [s for s, _ in losses(resumed)] == [3, 4]
     assert [v for _, v in losses(resumed)] == pytest.approx([v for _, v in losses(whole)], rel=1e-4)
+
+
+def test_in_place_rows_are_tokenised_once_per_fingerprint_into_a_private_cache(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``datasets.Dataset`` handed to ``train()`` is tokenised once (``data.in_place``): a second ``train()``
+    and a second run on the same rows (the same fingerprint) read the cache entry (no tokenisation, the same
+    losses); changed rows are tokenised again; rows with a transform set are never cached (a debug line says
+    why).  The cache is private under umask 002 (folders 0700, files 0600)."""
+    from trainbridge.data import cache
+
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("TRAINBRIDGE_DATA_CACHE", str(cache_dir))
+    monkeypatch.setattr(datasets.fingerprint, "fingerprint_warnings", {})  # an earlier test's unhashable map
+    encoded: list[str] = []
+    encode = cache._encode
+
+    def counted(dataset: Any, source: Path, *args: Any, **kwargs: Any) -> Any:
+        encoded.append(str(source))
+        return encode(dataset, source, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "_encode", counted)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    def trainer(data: Any, name: str) -> Any:
+        return trainbridge.Trainer(
+            model=transformers.AutoModelForCausalLM.from_pretrained(tiny_llama),
+            args=_args(tmp_path / name, max_steps=2, num_train_epochs=1),
+            train_dataset=data,
+            processing_class=tokenizer,
+            data_collator=collator,
+        )
+
+    def losses(run: Any) -> list[float]:
+        return [e["loss"] for e in run.state.log_history if "loss" in e]
+
+    umask = os.umask(0o002)
+    try:
+        first = trainer(_token_rows(tokenizer, 8, seed=1), "first")
+        first.train()
+        expected = losses(first)
+        first.train()  # train() again: the same rows
+        assert encoded == ["train_dataset"]
+        again = trainer(_token_rows(tokenizer, 8, seed=1), "again")  # a second run: rows rebuilt, same fingerprint
+        again.train()
+        assert encoded == ["train_dataset"] and losses(again) == expected
+        trainer(_token_rows(tokenizer, 8, seed=2), "changed").train()
+        assert encoded == ["train_dataset"] * 2
+        with caplog.at_level("DEBUG", logger="trainbridge.data.in_place"):
+            trainer(_token_rows(tokenizer, 8, seed=1).with_transform(lambda batch: batch), "transform").train()
+        assert encoded == ["train_dataset"] * 3
+        assert "train_dataset: not cached (it has a transform set" in caplog.text
+    finally:
+        os.umask(umask)
+    entries = [p for p in cache_dir.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 2  # the two fingerprints (none for the transformed rows); no scratch folder left
+    for path in [cache_dir, *cache_dir.rglob("*")]:
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))

@@ -114,7 +114,7 @@ def test_lm_collator_labels_mask_the_pad_token_like_the_collator(tiny: Any) -> N
     ds = datasets.Dataset.from_list([{"input_ids": [1, 5, tok.pad_token_id, 6], "labels": [-100] * 4}])
     rows, longest = script_data.prepare_rows(ds, script_data.classify_collator(collator), tok.pad_token_id)
     expected = collator([{"input_ids": [1, 5, tok.pad_token_id, 6]}])["labels"][0].tolist()
-    assert rows[0]["labels"] == expected and longest == 4
+    assert rows.rows()[0]["labels"] == expected and longest == 4
 
 
 # ---------------------------------------------------------------------------- arguments

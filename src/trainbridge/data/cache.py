@@ -36,7 +36,7 @@ import shutil
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -127,8 +127,18 @@ def open_tokenized(
     cache_dir: Path,
 ) -> tuple[ArrowSamples, LoadStats]:
     """The samples of ``path``, from the cache (built first if missing, under a file lock)."""
+
+    def build(target: Path) -> None:
+        _build(path, tokenizer, options, chat_template, target)
+
+    return open_entry(cache_key(path, tokenizer, chat_template, options), cache_dir, build)
+
+
+def open_entry(key: str, cache_dir: Path, build: Callable[[Path], None]) -> tuple[ArrowSamples, LoadStats]:
+    """The samples of cache entry ``key`` in ``cache_dir``, memory-mapped: on a miss the first process to take
+    the key's lock calls ``build(target)`` (which writes the entry, ``write_entry``); the others wait, then
+    map it.  An untrusted entry under the key (``entry_problem``) is passed over for ``<key>-uid<uid>``."""
     started = time.perf_counter()
-    key = cache_key(path, tokenizer, chat_template, options)
     target = cache_dir / key
     if os.path.lexists(target) and entry_problem(target) is not None:  # e.g. planted by another user
         logger.warning(
@@ -141,9 +151,10 @@ def open_tokenized(
         from filelock import FileLock
 
         make_run_folder(cache_dir)  # a missing cache folder is created private (0700), whatever the umask
-        with FileLock(str(lock_folder(cache_dir) / f"{key}.lock")):
-            if not (target / "meta.json").is_file():
-                _build(path, tokenizer, options, chat_template, target)
+        with FileLock(str(lock_folder(cache_dir) / f"{key}.lock"), mode=0o600):
+            hit = (target / "meta.json").is_file()  # another process built it while this one waited
+            if not hit:
+                build(target)
     problem = entry_problem(target)
     if problem is not None:
         raise DataInputError(
@@ -184,18 +195,35 @@ def lock_folder(cache_dir: Path) -> Path:
 def _build(
     path: Path, tokenizer: PreTrainedTokenizerBase | None, options: DataOptions, chat_template: str | None, target: Path
 ) -> None:
-    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
+    def rows(scratch: Path) -> tuple[Any, bool]:
         with _quiet_progress(True):
             raw = read_input(path, scratch / "raw")
-        dataset = raw.dataset
+        return raw.dataset, raw.jsonl
+
+    write_entry(rows, path, tokenizer, options, chat_template, target)
+
+
+def write_entry(
+    rows: Callable[[Path], tuple[Any, bool]],
+    source: Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    options: DataOptions,
+    chat_template: str | None,
+    target: Path,
+) -> None:
+    """Tokenise ``rows(scratch)`` -- ``(datasets.Dataset, jsonl)``, read into ``scratch/raw`` if it writes
+    anything -- into the cache entry ``target``: built in a private scratch folder beside it, renamed into
+    place when complete (a crash never leaves a half entry); ``source`` names the rows in errors."""
+    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(mode=0o700, parents=True)  # private while it is written, whatever the umask
+    try:
+        dataset, jsonl = rows(scratch)
         num_proc = max(1, min(options.num_proc, len(dataset) // ROWS_PER_PROCESS))
         result = _encode(
             dataset,
-            path,
-            raw.jsonl,
+            source,
+            jsonl,
             tokenizer,
             options,
             chat_template,
@@ -206,17 +234,17 @@ def _build(
         )
         files = [Path(entry["filename"]).name for entry in result.cache_files]
         table = _open_table(scratch, files)  # as _load will see it: the index's rows are this table's
-        index, stats = _index(path, raw.jsonl, table, options)
+        index, stats = _index(source, jsonl, table, options)
         np.save(scratch / INDEX_FILE, index)
         meta = {
             "format": CACHE_FORMAT,
-            "source": str(path),
+            "source": str(source),
             "files": files,
             "stats": asdict(stats),
             "options": options.key(),
         }
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
-        del result, table, dataset, raw
+        del result, table, dataset
         shutil.rmtree(scratch / "raw", ignore_errors=True)
         for entry in scratch.iterdir():
             entry.chmod(0o700 if entry.is_dir() else 0o600)

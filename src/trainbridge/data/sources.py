@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TrainingArgs
-from trainbridge.data.cache import open_tokenized, tokenize_in_memory
+from trainbridge.data.cache import open_tokenized
 from trainbridge.data.chat import ChatTemplateError, resolve_chat_template
+from trainbridge.data.in_place import open_in_place
 from trainbridge.data.inputs import default_cache_dir
 from trainbridge.data.records import DataOptions
 from trainbridge.data.samples import ArrowSamples, SampleSource
@@ -119,14 +120,14 @@ def load_run_data(
     report: bool = True,
     script: ScriptData | None = None,
 ) -> RunData:
-    """Training and validation samples of ``args`` (memory-mapped; in place, ``script``'s datasets tokenised in
-    memory: ``RunPlan.script_data``); logs the summary when ``report`` (rank 0)."""
+    """Training and validation samples of ``args`` (memory-mapped; in place, ``script``'s rows, ``RunPlan.script_data``,
+    through the same cache by their fingerprint: ``data.in_place``); logs the summary when ``report`` (rank 0)."""
     options = data_options(args)
     cache_dir = args.data_cache_dir or default_cache_dir()
 
     def load(data: Any, name: str) -> tuple[SampleSource, LoadStats]:
         if script is not None:
-            return tokenize_in_memory(data, name, tokenizer, options, _template(tokenizer, options))
+            return open_in_place(data, name, tokenizer, options, _template(tokenizer, options), cache_dir)
         return open_dataset(data, tokenizer, options, cache_dir)
 
     train_data = script.train if script is not None else args.data_path

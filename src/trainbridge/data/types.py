@@ -149,7 +149,7 @@ class LoadStats:
             )
             if n
         ]
-        source = f"cache hit {self.cache}" if self.cache_hit else f"tokenised into {self.cache}"
+        source = f"cache hit {self.cache}" if self.cache_hit else f"tokenised into {self.cache or 'memory'}"
         return (
             f"{self.path}: {self.lines} rows -> {self.samples} samples, {self.tokens} tokens"
             f"{' (' + ', '.join(skipped) + ')' if skipped else ''}; {source} in {self.seconds:.1f} s"

@@ -2,6 +2,8 @@
 
 Gradients are all-reduced once per optimizer step: ``no_sync`` on every micro-batch but the last.  The
 optimizer is replicated, so its state is the same on every rank (``TrainingEngine.optimizer_state_dict``).
+On CPU the clip reads the norm (no device to wait for) and skips scaling the gradients by a coefficient of
+exactly 1 (``clip_grad_norm``): the same gradients, one pass over them fewer per step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import warnings
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
@@ -34,6 +37,14 @@ class DDPEngine(TrainingEngine):
         """``no_sync()`` on non-last micro-batches, so gradients are all-reduced once per step."""
         return contextlib.nullcontext() if is_last else self.module.no_sync()
 
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        """The base engine's clip; on CPU without a grad scaler, the gradients are scaled only when torch's
+        clip coefficient (``max_norm / (norm + 1e-6)``, clamped to 1) is below 1: multiplying by 1.0 changes
+        no value, and reading a CPU norm waits for nothing.  A non-finite norm clips as torch does."""
+        if max_norm is None or self.grad_scaler is not None or self.env.device.type != "cpu":
+            return super().clip_grad_norm(max_norm)
+        return clip_cpu_grads([p for p in self.module.parameters() if p.grad is not None], max_norm)
+
     def describe(self) -> str:
         """E.g. ``ddp (DistributedDataParallel) world=2 device=cpu backend=gloo``."""
         return f"ddp (DistributedDataParallel) {self._where()} backend={self.env.backend}"
@@ -41,6 +52,15 @@ class DDPEngine(TrainingEngine):
     def _verify_wrapper(self) -> None:
         if not isinstance(self.module, DistributedDataParallel):
             raise RuntimeError(f"rank {self.env.rank}: ddp configured but the model is {type(self.module).__name__}")
+
+
+def clip_cpu_grads(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` for CPU gradients, the same values: the pre-clip
+    total norm (detached), the gradients scaled only when the clip coefficient is below 1."""
+    norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params])
+    if not bool(max_norm / (norm + 1e-6) >= 1.0):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.detach()
 
 
 _TRAINED_BUFFERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

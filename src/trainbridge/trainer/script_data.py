@@ -3,7 +3,8 @@
 - ``script_inputs``: ``RunPlan.script_data`` of a train job: the script's datasets as the loop reads them, never
   written anywhere.  On sample batches (``uses_sample_batches``: the model's own loss) each dataset is the
   script's object itself, indexed live (``dataset[i]`` at every micro-batch, each epoch, as Trainer's
-  DataLoader does); on the padding-free token path, its rows prepared in memory (``prepare_rows``).
+  DataLoader does); on the padding-free token path, its rows as ``data.in_place.InPlaceRows`` (``prepare_rows``),
+  tokenised once per node and cached by the dataset's fingerprint.
 - ``as_hf_dataset``: a ``datasets.Dataset``, a torch map-style ``Dataset`` of dicts or a list of dicts as
   one ``datasets.Dataset`` (tensors and numpy arrays as lists), for the token path.
 - ``column_items``: whether a dataset's items are dicts of columns at all; one whose items are anything
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from trainbridge.core.config.plan import ScriptData
+from trainbridge.data.in_place import InPlaceRows
 from trainbridge.data.stream_batches import is_stream
 
 logger = logging.getLogger(__name__)
@@ -152,12 +154,13 @@ def classify_collator(collator: Any) -> CollatorChoice:
     return CollatorChoice(False, description=type(collator).__qualname__)
 
 
-def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None) -> tuple[Any, int | None]:
+def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None) -> tuple[InPlaceRows, int | None]:
     """``(rows, longest)``: the columns the workers read and the longest pre-tokenised row (None for raw rows).
 
     Pre-tokenised rows keep ``input_ids`` and ``labels``; a collator that derives labels from the inputs
     (``DataCollatorForLanguageModeling``) gets labels ``input_ids`` with the pad token at -100, as it
-    computes them.  Untokenised rows keep their raw columns for the data layer.
+    computes them (``InPlaceRows.labels_pad_id``: derived when the rows are tokenised, once per node).
+    Untokenised rows keep their raw columns for the data layer.  Nothing here reads the rows but the lengths.
     """
     columns = set(dataset.column_names)
     if "input_ids" not in columns:
@@ -167,19 +170,25 @@ def prepare_rows(dataset: Any, choice: CollatorChoice, pad_token_id: int | None)
                 f"dataset has columns {dataset.column_names}: expected pre-tokenised 'input_ids' (+ 'labels') "
                 f"or untokenised {', '.join(RAW_COLUMNS)}"
             )
-        return dataset.select_columns(keep), None
+        return InPlaceRows(dataset.select_columns(keep)), None
     keep = [c for c in TOKEN_COLUMNS if c in columns and not (c == "labels" and choice.labels_from_input_ids)]
     rows = dataset.select_columns(keep)
-    if choice.labels_from_input_ids and pad_token_id is not None:
+    derive = choice.labels_from_input_ids and pad_token_id is not None
+    return InPlaceRows(rows, pad_token_id if derive else None), longest_row(rows)
 
-        def _labels(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
-            return {"labels": [[-100 if t == pad_token_id else t for t in ids] for ids in batch["input_ids"]]}
 
-        rows = rows.map(
-            _labels, batched=True, keep_in_memory=True, desc="labels as DataCollatorForLanguageModeling makes them"
-        )
-    lengths = [len(ids) for ids in rows["input_ids"]]
-    return rows, max(lengths, default=0)
+def longest_row(rows: Any) -> int:
+    """The most tokens in a row of ``rows``' ``input_ids`` (0 when empty), from the Arrow column's list
+    lengths: no row is copied into Python."""
+    import pyarrow.compute as pc
+
+    if len(rows) == 0:
+        return 0
+    column = rows.with_format("arrow")["input_ids"]
+    try:
+        return int(pc.max(pc.list_value_length(column)).as_py() or 0)
+    except (NotImplementedError, TypeError, ValueError):  # not an Arrow list column (e.g. a tensor feature)
+        return max((len(ids) for ids in rows.with_format(None)["input_ids"]), default=0)
 
 
 def tokenizer_beside(model: Any) -> Any:

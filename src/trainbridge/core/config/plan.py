@@ -153,8 +153,9 @@ class ComputeMetrics(Protocol):
 class ScriptData:
     """The data of an in-place run (``trainbridge.Trainer.train()``): the script's own objects, read where
     ``run_training``'s workers read ``data_path``, ``val_data_path``, ``eval_data_paths`` and ``tokenizer_path``.
-    Nothing is written: sample batches index a dataset live (``dataset[i]`` at each micro-batch, every epoch);
-    the token step tokenises ``datasets.Dataset`` rows in memory (``data.sources``)."""
+    Sample batches index a dataset live (``dataset[i]`` at each micro-batch, every epoch); the token step
+    tokenises ``datasets.Dataset`` rows into the data cache, once per node, keyed by fingerprint
+    (``data.in_place``).  Nothing goes into ``output_dir``."""
 
     train: Any
     """The training dataset (None: a ``train_stream`` or the script's own ``train_loader`` reads it)."""
