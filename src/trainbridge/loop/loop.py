@@ -430,14 +430,7 @@ class TrainingLoop:
             logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return
         state = self.checkpoints.load(path, self.engine)
-        ctx.global_step = state["global_step"]
-        ctx.epoch_index, ctx.step_in_epoch = state["epoch_index"], state["step_in_epoch"]
-        if ctx.step_in_epoch >= ctx.steps_per_epoch:
-            ctx.epoch_index, ctx.step_in_epoch = ctx.epoch_index + 1, 0
-        ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
-        ctx.samples_seen, ctx.tokens_seen = state["samples_seen"], state["tokens_seen"]
-        ctx.loss_tokens_seen = state["loss_tokens_seen"]
-        ctx.input_tokens_seen = state.get("input_tokens_seen", ctx.tokens_seen)
+        ctx.restore_progress(state)
         self.losses.last_logged_step = self._last_saved_step = ctx.global_step
         ctx.resumed_from = path
         ctx.last_checkpoint = path
@@ -447,19 +440,9 @@ class TrainingLoop:
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop: the run's progress, the world size, the callbacks' state."""
         ctx = self.context
-        return {
-            "global_step": ctx.global_step,
-            "epoch_index": ctx.epoch_index,
-            "step_in_epoch": ctx.step_in_epoch,
-            "epoch": ctx.epoch,
-            "samples_seen": ctx.samples_seen,
-            "tokens_seen": ctx.tokens_seen,
-            "loss_tokens_seen": ctx.loss_tokens_seen,
-            "input_tokens_seen": ctx.input_tokens_seen,
-            "world_size": self.env.world_size,
-            "callbacks": self.callbacks.state_dict(),
-        }
+        return {**ctx.progress(), "world_size": self.env.world_size, "callbacks": self.callbacks.state_dict()}
 
     # ================================================================== bookkeeping
     def _agree(self, summed: Summed = NO_VALUES, own: Own = NO_VALUES) -> Agreement[Summed, Own]:  # type: ignore[assignment]
