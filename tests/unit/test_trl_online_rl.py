@@ -169,7 +169,8 @@ def test_reward_model_logs_trls_values(tiny_llama: Path, tmp_path: Path) -> None
 
 def test_the_drop_ins_are_trls_classes_trained_by_the_loop() -> None:
     """Every method trl's class defines is trl's own (GRPO/RLOO's ``training_step`` and ``_save_checkpoint`` run
-    trl's after restoring or saving the pending generation batch); ``train`` is the loop's."""
+    trl's after restoring or saving the pending generation batch; their completion scoring runs each prompt
+    once, test_trl_shared_prefix, and is trl's for anything else); ``train`` is the loop's."""
     from trainbridge.trainer.facade import LoopTrainer
 
     for name in ("GRPOTrainer", "RLOOTrainer", "RewardTrainer"):
@@ -178,7 +179,8 @@ def test_the_drop_ins_are_trls_classes_trained_by_the_loop() -> None:
         trl_methods = [m for m, value in vars(theirs).items() if callable(value)]
         assert {"__init__", "compute_loss", "log"} <= set(trl_methods)
         for method in trl_methods:
-            if method in ("training_step", "_save_checkpoint", "__init__", "log", "evaluate"):
+            own = ("training_step", "_save_checkpoint", "__init__", "log", "evaluate")
+            if method in (*own, "_get_per_token_logps_and_entropies", "_generate_single_turn"):
                 continue  # run trl's own through super(): checked by the runs above
             assert getattr(ours, method) is getattr(theirs, method), (name, method)
         assert "train" not in vars(theirs) and ours.train.__module__ != "trl"

@@ -315,7 +315,7 @@ def enable_varlen_sdpa(model: torch.nn.Module, max_seq_len: int, probe: bool = T
     model = unwrap_peft(model)
     if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
         return False
-    if not model_supports_padding_free(model) or _has_local_attention(model.config, max_seq_len):
+    if not model_supports_padding_free(model) or has_local_attention(model.config, max_seq_len):
         return False
     register_varlen_sdpa()
     if probe and not _probe_matches(model):
@@ -336,7 +336,7 @@ def enable_for_own_rows(model: torch.nn.Module, args: Any, max_length: int | Non
     return enable_varlen_sdpa(model, max_length if max_length is not None else 2**31 - 1)
 
 
-def _has_local_attention(config: Any, max_seq_len: int) -> bool:
+def has_local_attention(config: Any, max_seq_len: int) -> bool:
     """Whether some layer attends within a window or chunk shorter than ``max_seq_len``."""
     layer_types = getattr(config, "layer_types", None) or ()
     if any(kind != "full_attention" for kind in layer_types):
