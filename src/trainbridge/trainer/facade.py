@@ -37,6 +37,7 @@ from trainbridge.core.config.plan import RunPlan, StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import hp_search, jobs, native_callbacks, results, script_data, subclass
@@ -176,9 +177,14 @@ class LoopTrainer(_TrainerBase):
 
     def _script_callbacks(self) -> list[Any]:
         """The callbacks this Trainer's handler holds that are the script's (``callbacks=``, ``add_callback``),
-        not the ones Trainer adds itself (flow, ``report_to``'s: the loop adds its own); its printer or progress bar
-        stays in its place, so a callback added after it sees what its ``on_log`` left, as under Trainer."""
-        own = (transformers.DefaultFlowCallback,)
+        not the ones Trainer adds itself (flow, ``report_to``'s, ``enable_jit_checkpoint``'s: the loop has its own,
+        ``save_on_interrupt``); its printer or progress bar stays in its place, so a callback added after it sees
+        what its ``on_log`` left, as under Trainer."""
+        own: tuple[type, ...] = (transformers.DefaultFlowCallback,)
+        if getattr(self.args, "enable_jit_checkpoint", False):
+            from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+            own = (*own, JITCheckpointCallback)
         reporting = self._reporting_ids()
         return [
             native_callbacks.unwrapped(cb)
@@ -263,7 +269,8 @@ class LoopTrainer(_TrainerBase):
         from trainbridge.trainer.job_args import LiveModel
 
         events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
-        callbacks = self._script_callbacks()
+        # the final log's memory metrics first (skip_memory_metrics=False), as Trainer adds them before log()
+        callbacks = [*memory_metrics(self), *([events] if events is not None else []), *self._script_callbacks()]
         reproduced = self._collator_choice.reproduced and not self._row_preparation().items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
@@ -278,7 +285,7 @@ class LoopTrainer(_TrainerBase):
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-            callbacks=[events, *callbacks] if events is not None else callbacks,
+            callbacks=callbacks,
         )
         return RunPlan(**seams)
 
@@ -309,6 +316,7 @@ class LoopTrainer(_TrainerBase):
             )
         if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
+        self._memory_tracker.start()  # Trainer's own (skip_memory_metrics=False): stopped at the final log
         self.is_in_train = True
         if report is not None:
             self.add_callback(report)
