@@ -186,6 +186,39 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
     assert "a checkpoint of the model alone (save_only_model)" in caplog.text
 
 
+class AskToStop(TrainerCallback):
+    """``trainbridge control OUTPUT_DIR stop`` from "another shell" at step 2."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.answer = out, ""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from trainbridge.launch.control_command import send_control
+
+        if state.global_step == 2:
+            self.answer = send_control(self.out, "stop")
+
+
+def test_control_and_plot_find_a_trainer_runs_own_files(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Trainer script holds no launcher lock: ``trainbridge control OUTPUT_DIR`` reaches it through rank 0's
+    listener in ``output_dir/trainbridge/control/``; ``trainbridge plot OUTPUT_DIR`` finds its metrics there."""
+    from trainbridge.callbacks import external_control
+    from trainbridge.launch.control_command import NoRunningJobError, send_control
+    from trainbridge.report.plot import find_metrics_file
+
+    monkeypatch.setattr(external_control, "POLL_INTERVAL_S", 0.0)
+    out = tmp_path / "out"
+    asking = AskToStop(out)
+    trainer = _trainer(Trainer, llama, out, monkeypatch, callbacks=[asking], max_steps=6)
+    trainer.train()
+    assert f"pid {os.getpid()}" in asking.answer and trainer.state.global_step in (2, 3)
+    assert find_metrics_file(out) == out / OWN_FILES_DIR / "metrics.jsonl"
+    with pytest.raises(NoRunningJobError):  # the listener is gone with the run
+        send_control(out, "save")
+
+
 class Terminate(TrainerCallback):
     """Sends this process SIGTERM at the end of step ``at``, as a scheduler would."""
 
@@ -315,3 +348,26 @@ def test_average_tokens_across_devices_weighs_ranks_as_trainer(llama: Any, avera
         items = own + other_items if average else own
         trainers = model(**batch, num_items_in_batch=torch.tensor(items)).loss * (2 if average else 1)
     assert float(ours) == pytest.approx(float(trainers), rel=1e-5)
+
+
+def test_full_determinism_turns_deterministic_kernels_on(args_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_training``'s build seeds with ``enable_full_determinism``, as Trainer's constructor (the facade's)."""
+    from tests.run_inputs import as_run
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.hf.porting import training_args_from_hf
+    from trainbridge.loop.build import build_run
+
+    inputs = as_run(args_for())
+    hf = TrainingArguments(output_dir=str(inputs.args.ckpt_output_dir), use_cpu=True, full_determinism=True, seed=5)
+    ported = training_args_from_hf(hf, **inputs.args.model_dump(exclude_defaults=True, exclude={"ckpt_output_dir"}))
+    assert ported.full_determinism and not torch.are_deterministic_algorithms_enabled()
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards: enable_full_determinism sets them
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    try:
+        build_run(ported, inputs.plan, DistributedEnv())
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

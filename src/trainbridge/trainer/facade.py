@@ -44,7 +44,6 @@ from trainbridge.trainer import hp_search, jobs, native_callbacks, results, scri
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
-from trainbridge.trainer.subclass_data import subclass_loader
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -279,7 +278,7 @@ class LoopTrainer(_TrainerBase):
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
-            train_loader=subclass_loader(self),
+            train_loader=subclass.subclass_loader(self),
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
             optimizer_factory=self._optimizer_factory,
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
