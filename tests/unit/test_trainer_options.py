@@ -61,6 +61,7 @@ def _trainer(
     monkeypatch: pytest.MonkeyPatch,
     model: Any = None,
     callbacks: list[Any] | None = None,
+    collator: Any = None,
     **arguments: Any,
 ) -> Any:
     base, tokenizer, rows = llama
@@ -87,7 +88,7 @@ def _trainer(
         model=model if model is not None else copy.deepcopy(base),
         args=args,
         train_dataset=rows,
-        data_collator=_collate(tokenizer),
+        data_collator=collator or _collate(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -184,6 +185,29 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
     assert entries[1] == entries[0] | {OWN_FILES_DIR}
     assert {"metrics.jsonl", "result.json", "control"} <= _files(tmp_path / Trainer.__module__ / OWN_FILES_DIR)
     assert "a checkpoint of the model alone (save_only_model)" in caplog.text
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_remove_unused_columns_hands_the_model_trainers_columns(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remove: bool
+) -> None:
+    """A column the model's forward does not name (``weight``) with transformers' own collator: Trainer hands it
+    to the model when ``remove_unused_columns=False`` (its collator pads every column) and drops it otherwise.
+    Ours does the same: such a column moves the run from the token path to Trainer's sample batches."""
+    _, tokenizer, rows = llama
+    weighted = rows.add_column("weight", list(range(len(rows))))
+    seen: list[list[bool]] = []
+    for cls in (transformers.Trainer, Trainer):
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        out = tmp_path / cls.__module__
+        trainer = _trainer(cls, llama, out, monkeypatch, collator=collator, remove_unused_columns=remove)
+        trainer.train_dataset = weighted
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append("weight" in kwargs), with_kwargs=True
+        )
+        trainer.train()
+    assert set(seen[1]) == set(seen[0]) == {not remove}  # (True: ours stays on the token step's micro-batches)
 
 
 class AskToStop(TrainerCallback):
@@ -303,6 +327,27 @@ def test_dataloader_workers_read_items_in_trainers_order(
         workers_pids = {int(p.name) for p in readers.iterdir()} - {os.getpid()}  # (ours probes an item first)
         assert len(workers_pids) == 2, cls
     assert len(seen[1]) == 6 and seen[1] == seen[0]
+
+
+def test_dataloader_worker_settings_are_trainers(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker DataLoader (not started here) takes Trainer's settings, ``multiprocessing_context`` included."""
+    from trainbridge.data.loader_workers import LoaderWorkers, WorkerFetch
+    from trainbridge.hf.porting import training_args_from_hf
+
+    settings = dict(
+        dataloader_num_workers=2,
+        dataloader_prefetch_factor=3,
+        dataloader_persistent_workers=True,
+        dataloader_multiprocessing_context="spawn",
+    )
+    trainer = _trainer(transformers.Trainer, llama, tmp_path, monkeypatch, **settings)
+    theirs = trainer.get_train_dataloader()
+    ported = training_args_from_hf(trainer.args, effective_batch_size=2)
+    ours = WorkerFetch(trainer.train_dataset, trainer.data_collator, LoaderWorkers.of(ported)).loader
+    names = ("num_workers", "prefetch_factor", "persistent_workers")
+    assert [getattr(ours, name) for name in names] == [getattr(theirs, name) for name in names]
+    assert ours.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
+    assert theirs.multiprocessing_context.get_start_method() == "spawn"
 
 
 class TwoRanks:

@@ -252,10 +252,24 @@ class LoopTrainer(_TrainerBase):
             pad_id,
             items=self.rows_are_items
             or script_data.uses_sample_batches(self.model, self._collator_choice)
+            or bool(self._columns_past_the_token_step())
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
+
+    def _columns_past_the_token_step(self) -> list[str]:
+        """Columns Trainer's batches would hand the model that the token step does not (``remove_unused_columns``
+        as Trainer's own signature columns apply it): a run with any trains on Trainer's sample batches."""
+        kept = None
+        if getattr(self.args, "remove_unused_columns", True):
+            if self.model is None:
+                return []
+            self._set_signature_columns_if_needed()
+            kept = self._signature_columns
+        evaluation: Any = self.eval_dataset
+        sets = [*evaluation.values()] if script_data.is_dataset_dict(evaluation) else [evaluation]
+        return script_data.columns_past_the_token_step(self.data_collator, [self.train_dataset, *sets], kept)
 
     def generation_fields(self) -> dict[str, Any]:
         """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
