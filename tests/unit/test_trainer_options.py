@@ -289,6 +289,37 @@ def test_resume_of_a_saved_from_config_model_is_warned_not_refused(
     assert "model architecture llama/None != this run's llama/['LlamaForCausalLM']" in caplog.text
 
 
+class Crash(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            raise RuntimeError("crash at step 3")
+
+
+def test_crash_then_rerun_of_a_from_config_model_resumes_as_trainer(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model is built with ``from_config`` (``architectures`` None until the first save sets it, after the
+    checkpoint recorded None); the run saves checkpoint-2 and crashes at step 3.  Run again in the same session
+    (a notebook's training cell: a fresh Trainer on the same model object) with
+    ``train(resume_from_checkpoint=True)``: Trainer resumes from checkpoint-2 and finishes, and so does ours,
+    with the same losses (a mismatch of the recorded architecture: the test above)."""
+    config = copy.deepcopy(llama[0].config)
+    config.architectures = None
+    losses = []
+    for cls in (transformers.Trainer, Trainer):
+        out, saving = tmp_path / cls.__module__, dict(save_strategy="steps", save_steps=2, max_steps=4)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(Exception, match="crash at step 3"):
+            _trainer(cls, llama, out, monkeypatch, model=model, callbacks=[Crash()], **saving).train()
+        assert model.config.architectures == ["LlamaForCausalLM"]  # set by checkpoint-2's save
+        trainer = _trainer(cls, llama, out, monkeypatch, model=model, **saving)
+        assert trainer.train(resume_from_checkpoint=True).global_step == 4
+        losses.append([(e["step"], round(e["loss"], 4)) for e in trainer.state.log_history if "loss" in e])
+    assert [step for step, _ in losses[0]] == [1, 2, 3, 4]  # (the checkpoint's log history, then the resumed run's)
+    assert losses[1] == losses[0]
+
+
 class Decoded(torch.utils.data.Dataset[dict[str, Any]]):
     """Items made on access (as images or audio are decoded), each access leaving its process's id in ``folder``."""
 
