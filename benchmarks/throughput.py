@@ -362,14 +362,15 @@ def _ratio(value: float, reference: Measurement | None, metric: Metric) -> str:
 
 
 def results_table(results: Results, metric: Metric) -> list[str]:
-    """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric``."""
+    """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric`` and that
+    run's peak RSS per rank (the references' are in their own rows)."""
     bare, default, tuned, padded = (
         results.best(k, metric) for k in ("bare", "trainer_default", "trainer_tuned", "trainer_padded_var")
     )
     lines = [
         f"| data | configuration | {METRIC_UNITS[metric]} | vs bare | vs Trainer default | vs Trainer tuned "
-        "| vs Trainer padded | start → step 1 (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| vs Trainer padded | start → step 1 (s) | peak RSS per rank (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config in ALL_CONFIGS:
         run = results.best(config.key, metric)
@@ -383,7 +384,7 @@ def results_table(results: Results, metric: Metric) -> list[str]:
             f"| {_ratio(value, default, metric) if fixed else '-'} "
             f"| {_ratio(value, tuned, metric) if fixed else '-'} "
             f"| {'-' if fixed else _ratio(value, padded, metric)} "
-            f"| {run.start_to_first_step_s:.1f} |"
+            f"| {run.start_to_first_step_s:.1f} | {run.peak_rss_mib:,.0f} |"
         )
     return lines
 
@@ -416,6 +417,8 @@ def paired_table(results: Results, metric: Metric) -> list[str]:
         if config.runner != "trainbridge" or config.key not in results.runs:
             continue
         for reference, label in PAIRED_REFERENCES[config.data]:
+            if reference not in results.runs:
+                continue
             ratios = results.paired_ratios(config.key, reference, metric)
             memory = _median_rss(results, config.key), _median_rss(results, reference)
             references = {m.repeat: m.peak_rss_mib for m in results.runs.get(reference, []) if m.peak_rss_mib > 0}
