@@ -1,5 +1,6 @@
-"""A CPU training process keeps the memory a step frees for the next step (``parallel.host_memory``): the next
-step's allocations fault no fresh pages in, unless the user tunes the allocator."""
+"""A CPU training process (every engine on CPU: ``build_engine``) keeps the memory a step frees for the next step
+(``parallel.host_memory``): the next step's allocations fault no fresh pages in, unless the user tunes the
+allocator."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Gradients are all-reduced once per optimizer step: ``no_sync`` on every micro-batch but the last.  The
 optimizer is replicated, so its state is the same on every rank (``TrainingEngine.optimizer_state_dict``).
 On CPU the clip reads the norm (no device to wait for) and skips scaling the gradients by a coefficient of
-exactly 1 (``clip_grad_norm``): the same gradients, one pass over them fewer per step, and the process keeps the
-memory a step frees for the next one (``parallel.host_memory``).
+exactly 1 (``clip_grad_norm``): the same gradients, one pass over them fewer per step.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
 from trainbridge.parallel.engine import TrainingEngine
-from trainbridge.parallel.host_memory import keep_freed_host_memory
 from trainbridge.parallel.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -131,9 +129,7 @@ def build_ddp(
     factory: OptimizerFactory | None = None,
 ) -> DDPEngine:
     """``model`` on ``env.device`` in ``DistributedDataParallel`` (``ddp_options``), with the optimizer and
-    the LR schedule; on CPU, freed host memory is kept for the next step (``keep_freed_host_memory``)."""
-    if env.device.type == "cpu":
-        keep_freed_host_memory()
+    the LR schedule."""
     cast(nn.Module, model).to(env.device)
     wrapped = _DDP(
         model,

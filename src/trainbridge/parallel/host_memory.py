@@ -1,4 +1,4 @@
-"""Host memory of a CPU training process: glibc's ``malloc`` keeps freed memory for the next step.
+"""Host memory of a CPU training process (``build_engine``): glibc's ``malloc`` keeps freed memory for the next step.
 
 A CPU step allocates and frees the same activations and gradients every time.  glibc's defaults hand large
 freed blocks back to the kernel (``munmap``, heap trimming), so the next step faults fresh zeroed pages in
