@@ -36,11 +36,12 @@ from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.config.plan import RunPlan, StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
+from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import hp_search, jobs, native_callbacks, script_data, subclass
+from trainbridge.trainer import hp_search, jobs, native_callbacks, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
@@ -245,13 +246,16 @@ class LoopTrainer(_TrainerBase):
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
+        from trainbridge.modeling.load import is_causal_lm
+
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
             items=self.rows_are_items
-            or script_data.uses_sample_batches(self.model, self._collator_choice)
+            or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
+            or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),

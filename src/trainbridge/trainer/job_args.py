@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import RunPlan, TrainingArgs, check_consistent
 from trainbridge.core.config.plan import ExistingModel
+from trainbridge.data.script_data import script_inputs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
-from trainbridge.trainer.script_data import script_inputs
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
