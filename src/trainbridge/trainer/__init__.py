@@ -5,7 +5,6 @@
 - ``jobs``: ``train()``'s job, the loop in place on every rank; ``job_args``: its ``TrainingArgs`` and run plan.
 - ``subclass``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
   step, evaluation, log, data loader, saves, optimizer).
-- ``native_callbacks``: trainbridge callbacks held by Trainer's callback handler.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -38,10 +38,11 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf import native_callbacks
 from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import hp_search, jobs, native_callbacks, subclass
+from trainbridge.trainer import hp_search, jobs, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
@@ -197,7 +198,7 @@ class LoopTrainer(_TrainerBase):
         init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
-        in a ``TrainerCallback`` (``trainer.native_callbacks``), which Trainer's handler can call."""
+        in a ``TrainerCallback`` (``hf.native_callbacks``), which Trainer's handler can call."""
         bound = inspect.signature(init).bind_partial(*args, **kwargs)
         if bound.arguments.get("callbacks") is None:
             return args, kwargs
