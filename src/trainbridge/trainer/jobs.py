@@ -62,7 +62,7 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     finally:
         trainer.callback_handler, trainer.control = handler, control
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
     trainer._loop = loop
     trainer.model = loop.engine.unwrapped  # the trained model (the script's object; PEFT-wrapped if asked)
     trainer.model_wrapped = loop.engine.module
