@@ -246,6 +246,8 @@ def test_the_combinations_that_work_are_accepted(args_for, low_rank_installed):
     args_for(optim="galore_adamw_8bit_layerwise", training_step="model_loss", per_device_batch_size=8)
     args_for(optim="galore_adamw", distributed_backend="ddp")
     args_for(optim="apollo_adamw", mixed_precision="fp16", nonfinite_policy="warn")
+    json_optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # DeepSpeed's: optim unused
+    args_for(optim="lomo", distributed_backend="deepspeed", deepspeed_config=json_optimizer)
 
 
 def test_a_layerwise_optimizer_on_two_processes_is_refused_before_launch(args_for, low_rank_installed, monkeypatch):

@@ -194,6 +194,8 @@ def check_optimizer_engine(args: TrainingArgs) -> None:
     """``optim`` with the engine: the combinations that cannot work, refused before launch as Trainer refuses
     them (layer-wise optimizers and gradient accumulation) or as they would fail inside the workers."""
     optim, backend = args.optim, args.distributed_backend
+    if backend == "deepspeed" and args.deepspeed_config and "optimizer" in args.deepspeed_config:
+        return  # the JSON's optimizer, built and stepped by DeepSpeed: ``optim`` is not used
     if is_layerwise(optim) and backend != "ddp":
         raise ValueError(
             f"optim={optim!r}: a layer-wise optimizer steps each whole parameter in a hook during backward, which "
