@@ -40,6 +40,11 @@ _BY_SCRIPTS = Unwarned("Trainer does not read it either (example scripts do)", s
 _NOT_PUSHED = Unwarned("nothing is pushed to a hub (push_to_hub is warned about)")
 _TRACKIO = Unwarned("read from args by transformers' trackio callback (report_to), as under Trainer", same=True)
 _LOGGING = Unwarned("Trainer's own __init__ (the facade's) sets transformers' logging verbosity from it", same=True)
+_EVALUATION = Unwarned(
+    "Trainer's own evaluate() reads it at each evaluation on Trainer's sample batches; the padding-free token "
+    "batches' evaluation calls compute_metrics as Trainer does (loop.predictions)",
+    same=True,
+)
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -66,6 +71,18 @@ NOT_WARNED: dict[str, Unwarned] = {
     "trackio_bucket_id": _TRACKIO,
     "trackio_static_space_id": _TRACKIO,
     "fsdp_config": Unwarned("not read: fsdp chooses the FSDP2 engine, which takes none of its options"),
+    "batch_eval_metrics": _EVALUATION,
+    "eval_do_concat_batches": _EVALUATION,
+    "prediction_loss_only": _EVALUATION,
+    "eval_accumulation_steps": Unwarned(
+        "Trainer's own evaluate() reads it on Trainer's sample batches; the token batches' evaluation keeps "
+        "each batch's predictions on the CPU, what it saves memory for",
+        same=True,
+    ),
+    "label_names": Unwarned(
+        "Trainer's own evaluate() and the model_loss step read it on Trainer's sample batches; the padding-free "
+        "token batches' labels are labels"
+    ),
     "dataloader_drop_last": Unwarned(
         "read from the script's TrainingArguments: the short batch is dropped (loop.build)", same=True
     ),

@@ -8,9 +8,10 @@ overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``pr
 ``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
 trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
 and calls back into the instance where Trainer's loop would (``trainer.subclass``): ``training_step`` on each
-micro-batch when the class overrides the step, ``evaluate()`` at evaluation points when it overrides the
-evaluation, ``log()`` on every log, ``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During
-``train()`` ``self.state``, ``self.control`` and ``self.callback_handler`` are the loop's.
+micro-batch when the class overrides the step, ``evaluate()`` at evaluation points (Trainer's own on Trainer's
+sample batches, an override's; the loop's on the padding-free token batches), ``log()`` on every log,
+``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During ``train()`` ``self.state``,
+``self.control`` and ``self.callback_handler`` are the loop's.
 
 Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
 ``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
@@ -330,6 +331,16 @@ class LoopTrainer(_TrainerBase):
         return dict(
             super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         )
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        """Trainer's ``_wrap_model``; inside one of the loop's calls with the engine's model (an evaluation
+        point: ``subclass.ScriptTrainer.evaluation``), the model being trained: for evaluation without the
+        DDP/DeepSpeed wrapper, as Trainer's ``evaluation_loop`` evaluates during ``train()`` (FSDP2's sharded
+        module is the model itself), else the engine's wrapper."""
+        scope = self._in_loop
+        if scope is None or scope.model is None:
+            return cast("torch.nn.Module", super()._wrap_model(model, training, dataloader))
+        return cast("torch.nn.Module", scope.model if training else self.accelerator.unwrap_model(scope.model))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; for one of the loop's logs (``subclass.ScriptTrainerEvents``), what the chain

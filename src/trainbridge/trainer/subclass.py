@@ -13,8 +13,9 @@ What runs there:
   (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``,
   has a ``compute_loss_func``, smooths labels or adds NEFTune noise (``needs_trainer_step``); what it does
   not override is Trainer's own code;
-- ``evaluate`` at each evaluation point when the class overrides one of ``EVALUATION_METHODS``
-  (``RunPlan.evaluation``); Trainer's own ``evaluate`` there is the loop's evaluation of the run's sets;
+- ``evaluate`` at each evaluation point (``RunPlan.evaluation``) on Trainer's sample batches
+  (``trainers_evaluation``: Trainer's own code throughout, on the engine's model) or when the class overrides
+  one of ``EVALUATION_METHODS`` (then Trainer's own ``evaluate`` there is the loop's evaluation of the run's sets);
 - ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``), before the other callbacks see the
   logs, so what the override adds lands;
 - ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -202,15 +204,23 @@ class ScriptTrainer:
             instance._in_loop = outer
             instance.callback_handler = around.handler if around.handler is not None else handler
 
-    def evaluation(self, run: EvaluationRun) -> dict[str, float]:
-        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point; Trainer's own
-        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``) where the evaluation items
-        are dicts of columns (else Trainer's own ``evaluate`` reads them).  What the instance's own evaluation
-        logs and evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
-        loop_evaluation = run if items_are_columns(self.instance, "eval_dataset") else None
+    def evaluation(self, run: EvaluationRun, trainers_own: bool = False) -> dict[str, float]:
+        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point, on the engine's model
+        (``run.model``) in its precision.  Trainer's own ``evaluate`` there is ``run`` (the loop's evaluation:
+        logs, ``on_evaluate``) unless ``trainers_own`` (``trainers_evaluation``) or the evaluation items are not
+        dicts of columns: then it is Trainer's own code throughout.  What the instance's evaluation logs and
+        evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
+        columns = items_are_columns(self.instance, "eval_dataset")
+        loop_evaluation = run if columns and not trainers_own else None
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
-        with self.call(evaluation=loop_evaluation, handler=EvaluationEvents(handler, run, self)) as instance:
-            return dict(instance.evaluate(ignore_keys=None))
+        events = EvaluationEvents(handler, run, self)
+        with self.call(run.model, evaluation=loop_evaluation, handler=events) as instance, run.autocast():
+            try:
+                return dict(instance.evaluate(ignore_keys=None))
+            finally:
+                train_mode = getattr(instance.optimizer, "train", None)  # a schedule-free optimizer: back to
+                if callable(train_mode):  # train mode, as Trainer's training_step puts it after evaluation_loop's
+                    train_mode()
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -346,9 +356,27 @@ OWN_METHODS = (
 ``trainer.save_overrides``)."""
 
 
+def trainers_evaluation(trainer: LoopTrainer) -> bool:
+    """Whether each evaluation during ``train()`` is Trainer's own ``evaluate`` (``evaluation_loop``,
+    ``prediction_step``, ``compute_metrics`` as Trainer calls it): the instance's ``evaluate`` is Trainer's
+    (or ``Seq2SeqTrainer``'s: no override, no trl ``evaluate``) and the run trains on Trainer's sample batches
+    (the script's collator called as written, a model that is not a causal LM, the script's loss...), not on
+    the padding-free token batches, whose faster evaluation is the loop's (``loop.predictions``), nor with a
+    step of trainbridge's own for a library's loss; not under ``TrainingArguments.deepspeed``, where Trainer's
+    ``evaluation_loop`` would start a DeepSpeed engine of its own."""
+    from trainbridge.trainer.facade import LoopTrainer
+
+    if type(trainer).evaluate is not LoopTrainer.evaluate or trainer.step_factory is not None:
+        return False
+    return trainer._row_preparation().items and not trainer.is_deepspeed_enabled
+
+
 def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
-    when its class overrides ``evaluate`` or its evaluation items are not dicts of columns, else None."""
+    when Trainer's own ``evaluate`` runs (``trainers_evaluation``), its class overrides ``evaluate`` or its
+    evaluation items are not dicts of columns, else None (the loop's own evaluation)."""
+    if _evaluates(trainer):
+        return partial(trainer._script.evaluation, trainers_own=True)
     own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
     worker = script_trainer(trainer) if own else None
     return worker.evaluation if worker is not None else None
@@ -358,9 +386,14 @@ def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per instance) when the loop calls a method of its class's, it has a
     ``compute_loss_func`` or its items are not dicts of columns, else None."""
     if not overrides(trainer, (*STEP_METHODS, *OWN_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if not needs_trainer_step(trainer) and not _own_items(trainer):
+        if not needs_trainer_step(trainer) and not _own_items(trainer) and not _evaluates(trainer):
             return None
     return trainer._script
+
+
+def _evaluates(trainer: LoopTrainer) -> bool:
+    """Whether Trainer's own ``evaluate`` runs at the run's evaluation points (``trainers_evaluation``)."""
+    return trainer.eval_dataset is not None and trainers_evaluation(trainer)
 
 
 def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
@@ -371,7 +404,7 @@ def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
     own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
     if not own_step and not needs_trainer_step(trainer):
         return None
-    return script_trainer(trainer)
+    return trainer._script
 
 
 def _neftune(trainer: LoopTrainer) -> float | None:
