@@ -136,8 +136,8 @@ class LoopTrainer(_TrainerBase):
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
-        optimizers = (self.optimizer, self.lr_scheduler)
-        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
+        self._given_optimizers = (self.optimizer, self.lr_scheduler)
+        self._optimizer_factory = optimizer_factory(self, self._given_optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -254,6 +254,16 @@ class LoopTrainer(_TrainerBase):
         """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
         return {}
 
+    def _optimizers(self) -> Any:
+        """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is
+        another (an earlier ``train()``'s, one the script built with ``create_optimizer()``), that optimizer in
+        place, with its state, and the script's own scheduler or else a new one, as Trainer's ``train()`` keeps
+        its optimizer across calls and builds a new scheduler."""
+        given_optimizer, given_scheduler = self._given_optimizers
+        if self.optimizer is None or self.optimizer is given_optimizer or self.model_init is not None:
+            return self._optimizer_factory  # (model_init: a new model, a new optimizer, as Trainer's train())
+        return optimizer_factory(self, (self.optimizer, given_scheduler), None)
+
     def run_plan(self) -> RunPlan:
         """The code of this instance's run (``RunPlan``), decided here from its class (what it overrides:
         ``trainer.subclass``) and objects; a class with a step of its own sets ``step_factory``.  The data
@@ -272,7 +282,7 @@ class LoopTrainer(_TrainerBase):
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
             train_loader=subclass_loader(self),
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
-            optimizer_factory=self._optimizer_factory,
+            optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
