@@ -9,12 +9,13 @@ shipped in the trl wheel and the same script with only the trainer import change
 ``torchrun --nproc_per_node=2`` (gloo, CPU, ``OMP_NUM_THREADS=1`` per rank), ``--repeats`` times interleaved
 (``script_probe.run_script``: the settings every trl benchmark shares).
 Both take ``--steps`` optimizer steps of ``per_device_train_batch_size=8`` completions (16 per step: 2 prompts
-x ``num_generations=8``), sampled with ``transformers`` ``generate`` up to ``--completion-length`` tokens,
-``beta=0`` (trl's default: no reference model), gradient checkpointing off, the same seed.
+x ``num_generations=8``), sampled up to ``--completion-length`` tokens (trl: ``transformers`` ``generate``;
+trainbridge: ``trl.sampling``, the same draws), ``beta=0`` (trl's default: no reference model), gradient
+checkpointing off, the same seed.
 
 Measured per run (``script_probe.py``, added identically to both scripts): completions per second of
 ``train_runtime`` (the ``train()`` call: model and data preparation excluded for both) and per CPU second;
-generation separately: completion tokens per second of the time spent in trl's ``_generate_single_turn``
+generation separately: completion tokens per second of the time spent in ``_generate_single_turn``
 (both ranks' tokens over the ranks' mean generation seconds) and generation's share of ``train()``; each
 rank's peak RSS.  Prints each side's median and range, the same-repetition ratios (median and range), and
 the load average before and after.  ``--profile DIR`` runs each side once under py-spy instead.

@@ -13,7 +13,7 @@ steps and epochs, metric keys and checkpoints; the script's collator gets the it
   on under Trainer (accelerate's sharding).
 
 The real Trainer's runs of the four cases share one launch (``references``: one after another in the same
-processes); ours launch once per case and style.
+processes); ours, one launch per style (``ours``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.script_runs import run_script, run_script_folders, torchrun
+from tests.distributed.script_runs import run_script_folders, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -49,16 +49,28 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return run_script_folders(torchrun(SCRIPT, str(root), ",".join(KINDS), "real"), root, KINDS)
 
 
-def _runs(references: dict[str, dict], tmp_path: Path, kind: str) -> tuple[dict, list[dict]]:
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """Our runs, ``{launch style: {kind: summary}}``: the kinds of each style (``LAUNCHES``) one after another in
+    the same processes, one launch per style (the script re-executed under ``python script.py``)."""
+    root = tmp_path_factory.mktemp("facade-data-ours")
+    styles = {style: [k for k in KINDS if style in LAUNCHES.get(k, ("torchrun",))] for style in ("torchrun", "python")}
+    out = root / "torchrun"
+    runs = {
+        "torchrun": run_script_folders(
+            torchrun(SCRIPT, str(out), ",".join(styles["torchrun"])), out, styles["torchrun"]
+        )
+    }
+    out = root / "python"
+    command = [sys.executable, str(SCRIPT), str(out), ",".join(styles["python"])]
+    runs["python"] = run_script_folders(command, out, styles["python"], TRAINBRIDGE_NPROC_PER_NODE="2")
+    return runs
+
+
+def _runs(references: dict[str, dict], by_style: dict[str, dict[str, dict]], kind: str) -> tuple[dict, list[dict]]:
     """The reference (real Trainer under torchrun), then ours under torchrun and/or plain python (re-executed)."""
     real = references[kind]
-    runs = []
-    for launch in LAUNCHES.get(kind, ("torchrun",)):
-        out = tmp_path / launch
-        if launch == "torchrun":
-            runs.append(run_script(torchrun(SCRIPT, str(out), kind), out))
-        else:
-            runs.append(run_script([sys.executable, str(SCRIPT), str(out), kind], out, TRAINBRIDGE_NPROC_PER_NODE="2"))
+    runs = [by_style[launch][kind] for launch in LAUNCHES.get(kind, ("torchrun",))]
     for ours in runs:
         assert {k: ours[k] for k in SAME} == {k: real[k] for k in SAME}
         assert set(real["log_keys"]) <= set(ours["log_keys"])
@@ -71,8 +83,10 @@ def _batches(lines: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["stream", "hfstream"])
-def test_an_iterable_dataset_streams_as_under_trainer(references: dict[str, dict], kind: str, tmp_path: Path) -> None:
-    real, ours_runs = _runs(references, tmp_path, kind)
+def test_an_iterable_dataset_streams_as_under_trainer(
+    references: dict[str, dict], ours: dict[str, dict[str, dict]], kind: str
+) -> None:
+    real, ours_runs = _runs(references, ours, kind)
     assert real["global_step"] == 5 and real["log_epochs"] == [0.2, 0.4, 0.6, 1.2, 1.4]  # a second pass
     # under Trainer rank 0 reads and collates every micro-batch (accelerate dispatches them; it reads ahead)
     consumed = [i for batch in _batches(real["markers"]["seen-rank0.txt"])[: 5 * 2 * 2] for i in batch]
@@ -89,9 +103,9 @@ def test_an_iterable_dataset_streams_as_under_trainer(references: dict[str, dict
 
 @pytest.mark.parametrize("kind", ["sampler", "loader"])
 def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(
-    references: dict[str, dict], kind: str, tmp_path: Path
+    references: dict[str, dict], ours: dict[str, dict[str, dict]], kind: str
 ) -> None:
-    real, ours_runs = _runs(references, tmp_path, kind)
+    real, ours_runs = _runs(references, ours, kind)
     assert real["global_step"] == (6 if kind == "sampler" else 4)  # 2 epochs of len(DataLoader) / accumulation
     for ours in ours_runs:
         for rank in range(2):

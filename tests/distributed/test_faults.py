@@ -5,6 +5,7 @@ outside control, multi-node c10d on one machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
     """)
     )
     launcher = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=_env())
+    tree: list[psutil.Process] = []
     try:
         _wait_for(
             lambda: all((out / f"pid-rank{r}").is_file() for r in (0, 1)) or launcher.poll() is not None,
@@ -78,8 +80,14 @@ def test_no_process_outlives_a_sigkilled_launcher(assets, tmp_path):
         survivors = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert survivors == [], f"outlived their launcher: {[(p.pid, p.cmdline()[:4]) for p in survivors]}"
     finally:
-        for process in psutil.Process().children(recursive=True):
-            process.kill()
+        # the launcher's tree only, the launcher reaped: not every child of this pytest worker (its
+        # multiprocessing resource tracker, killed unreaped, stayed a zombie that later tests' process checks met)
+        tree += psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []
+        launcher.kill()
+        launcher.wait()
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 SETTINGS = dict(max_steps=6, save_strategy="steps", save_steps=2, checkpoint_weights_dtype="bfloat16")

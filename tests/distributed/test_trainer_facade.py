@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.script_runs import run_script, torchrun
+from tests.distributed.script_runs import run_script, run_script_folders, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -93,19 +93,25 @@ def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     assert steps == sorted(set(steps))
 
 
-def test_python_script_runs_as_under_torchrun(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "ours"
-    ours = run_script([sys.executable, str(SCRIPT), str(out)], out, TRAINBRIDGE_NPROC_PER_NODE="2")
-    _check_against_reference(ours, reference)
+@pytest.fixture(scope="module")
+def python_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Ours under ``python script.py`` (2 ranks), one launch: the plain run, then the ``dict`` one."""
+    out = tmp_path_factory.mktemp("facade") / "python"
+    command = [sys.executable, str(SCRIPT), str(out), "both"]
+    return run_script_folders(command, out, ["plain", "dict"], TRAINBRIDGE_NPROC_PER_NODE="2")
 
 
-def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(tmp_path: Path) -> None:
-    """``eval_dataset={"a": 37 rows, "b": 11 rows}``, ``metric_for_best_model="a_accuracy"``, under torchrun: as
-    transformers.Trainer (checked side by side, examples/ported/README.md), every evaluation (steps 4 and 8, then
-    ``trainer.evaluate()``) logs set a then set b, each ``eval_<name>_`` only; best model and early stopping
-    follow ``eval_a_accuracy``; compute_metrics sees each set's rows once per rank pair, in order."""
-    out = tmp_path / "ours"
-    ours = run_script(torchrun(SCRIPT, str(out), "dict"), out)
+def test_python_script_runs_as_under_torchrun(reference: dict, python_runs: dict[str, dict]) -> None:
+    _check_against_reference(python_runs["plain"], reference)
+
+
+def test_a_dict_of_eval_datasets_is_evaluated_set_by_set_during_training(python_runs: dict[str, dict]) -> None:
+    """``eval_dataset={"a": 37 rows, "b": 11 rows}``, ``metric_for_best_model="a_accuracy"``, on 2 ranks (the
+    ``python script.py`` launch, after the plain run): as transformers.Trainer (checked side by side,
+    examples/ported/README.md), every evaluation (steps 4 and 8, then ``trainer.evaluate()``) logs set a then set
+    b, each ``eval_<name>_`` only; best model and early stopping follow ``eval_a_accuracy``; compute_metrics
+    sees each set's rows once per rank pair, in order."""
+    ours = python_runs["dict"]
     keys = ["accuracy", "loss", "num_rows", "row_checksum", "runtime", "samples_per_second", "steps_per_second"]
     expected = [[step, [f"eval_{name}_{k}" for k in keys]] for step in (4, 8, 8) for name in "ab"]
     assert ours["eval_log_steps"] == expected

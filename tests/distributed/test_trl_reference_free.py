@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.distributed.script_runs import run_script, torchrun
+from tests.distributed.script_runs import run_script_folders, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -19,10 +19,23 @@ TRAINBRIDGE_FILES = {"COMPLETE", "manifest.json", "training_state.json"}
 """What a trainbridge checkpoint adds: the completion marker, file hashes, callback and loop state."""
 
 
-@pytest.mark.parametrize("kind", ["orpo", "simpo"])
-def test_two_ranks_match_trls_trainer(tmp_path: Path, kind: str) -> None:
-    trl = run_script(torchrun(SCRIPT, str(tmp_path / "trl"), kind, "real"), tmp_path / "trl")
-    ours = run_script(torchrun(SCRIPT, str(tmp_path / "ours"), kind), tmp_path / "ours")
+KINDS = ["orpo", "simpo"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """trl's runs and ours, ``{"trl"|"ours": {kind: summary}}``: each side's kinds one after another in the same
+    processes, one launch per side."""
+    root = tmp_path_factory.mktemp("preference")
+    found = {}
+    for side, real in (("trl", ["real"]), ("ours", [])):
+        found[side] = run_script_folders(torchrun(SCRIPT, str(root / side), ",".join(KINDS), *real), root / side, KINDS)
+    return found
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_match_trls_trainer(runs: dict[str, dict[str, dict]], kind: str) -> None:
+    trl, ours = runs["trl"][kind], runs["ours"][kind]
     assert ours["global_step"] == trl["global_step"] == 4
     assert [step for step, _ in ours["rows"]] == [step for step, _ in trl["rows"]] == [2, 4]
     assert ours["rows"] == trl["rows"]  # the same keys in every row: trl's metrics at trl's steps

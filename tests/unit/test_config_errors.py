@@ -75,6 +75,7 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         ddp_timeout=77,
         restore_callback_states_from_checkpoint=True,
         torch_compile_mode="max-autotune",
+        enable_jit_checkpoint=True,
     )
     ported = training_args_from_hf(hf, model_path=base["model_path"], data_path=base["data_path"])
     expected = {
@@ -89,6 +90,7 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         "torch_compile": True,
         "torch_compile_backend": "inductor",
         "torch_compile_mode": "max-autotune",
+        "enable_jit_checkpoint": True,
     }
     assert set(RENAMED) == set(expected)
     for name, ours in RENAMED.items():

@@ -1,5 +1,5 @@
 """A Trainer subclass's ``get_train_dataloader`` / ``_get_train_sampler`` in the workers
-(``trainer.subclass_data``, ``data.loader_batches``, ``TrainingArgs.train_loader``): the loader's batches,
+(``trainer.subclass.subclass_loader``, ``data.loader_batches``, ``TrainingArgs.train_loader``): the loader's batches,
 ``accumulation`` per step with Trainer's remainder step; its share per rank as accelerate deals it; the
 override called on a worker-side instance with the training items; a run in-process trains ``epochs x
 ceil(len / accumulation)`` steps on the sampler's order, and a resumed run skips the consumed batches and
@@ -26,7 +26,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import LoaderBatches
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
-from trainbridge.trainer.subclass_data import SubclassLoader, subclass_loader
+from trainbridge.trainer.subclass import subclass_loader
 
 
 def _items(count: int) -> list[dict[str, Any]]:
@@ -171,7 +171,7 @@ def _train(model_path: Path, tmp_path: Path, out: str, **overrides: Any) -> Any:
         model_path=model_path,
         model_init=lambda: model,
         data_path=tmp_path / "train.jsonl",
-        train_loader=SubclassLoader(trainer),
+        train_loader=subclass_loader(trainer),
         ckpt_output_dir=tmp_path / out,
         effective_batch_size=4,
         per_device_batch_size=2,

@@ -1,8 +1,9 @@
 """Callbacks the loop installs: the schedule, best-checkpoint tracking, metrics file, progress, a metric-driven
-learning-rate schedule's step, control from another shell (``trainbridge control``) and saving on SIGTERM
-(``save_on_interrupt``)."""
+learning-rate schedule's step, control from another shell (``trainbridge control``), saving on SIGTERM
+(``save_on_interrupt``) and emptying the device cache (``torch_empty_cache_steps``)."""
 
 from trainbridge.callbacks.best_checkpoint import BestCheckpointTracker
+from trainbridge.callbacks.device_cache import EmptyDeviceCache
 from trainbridge.callbacks.external_control import ExternalControl
 from trainbridge.callbacks.interrupt import SaveOnInterrupt
 from trainbridge.callbacks.metric_schedule import MetricScheduleStepper
@@ -12,6 +13,7 @@ from trainbridge.callbacks.schedule import ScheduleCallback
 
 __all__ = [
     "BestCheckpointTracker",
+    "EmptyDeviceCache",
     "ExternalControl",
     "MetricScheduleStepper",
     "MetricsFileCallback",

@@ -126,6 +126,7 @@ class CheckpointManager:
         allow_unverified: bool = False,
         share_with_group: bool = False,
         model_files: ModelFiles | None = None,
+        model_only: bool = False,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
@@ -143,6 +144,8 @@ class CheckpointManager:
         """Checkpoints readable by the run folder's group (0750/0640); by default private (0700/0600)."""
         self.model_files: ModelFiles = model_files if model_files is not None else HFModelFiles()
         """What writes the model part of each checkpoint (``checkpoint.model_files``)."""
+        self.model_only = model_only
+        """Checkpoints without optimizer, scheduler, scaler and RNG state (``save_only_model``)."""
         self._published: set[Path] = set()
         """Checkpoints this manager published (trusted without verifying them again)."""
 
@@ -202,10 +205,13 @@ class CheckpointManager:
             del full_state
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(tmp, training_state, extra_files or {})
-            save_rng(tmp, self.env)
+            if not self.model_only:
+                save_rng(tmp, self.env)
         except Exception as exc:
             error = exc
         self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
+        if self.model_only:  # save_only_model: the model and the counters, as Trainer's
+            return PendingCheckpoint(global_step, tmp, final)
 
         peft = is_peft_model(engine.unwrapped)
         model_state = not peft and (

@@ -8,7 +8,8 @@ user allows it (``resume_allow_unverified``).  ``require_own_checkpoint`` holds 
 saved state names (the best one) to the same rules, and to the run folder; ``own_best_checkpoint`` applies
 it at resume, and ``settle_best`` drops a best checkpoint that fails it from the saved callback states.
 ``load_checkpoint`` restores the model weights, the engine's optimizer and scheduler state and this rank's
-RNG states, and returns the saved ``training_state``.
+RNG states (a checkpoint of the model alone, ``save_only_model``: the weights only, warned, as Trainer resumes),
+and returns the saved ``training_state``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.checkpoint.engine_state import load_engine_state
 from trainbridge.checkpoint.folders import CheckpointError, is_complete_checkpoint, list_checkpoints
-from trainbridge.checkpoint.layout import COMPLETE_MARKER, TRAINING_STATE_FILE
+from trainbridge.checkpoint.layout import COMPLETE_MARKER, SCHEDULER_FILE, TRAINING_STATE_FILE
 from trainbridge.checkpoint.manifest import (
     fingerprint_mismatches,
     in_place_data_note,
@@ -151,7 +152,12 @@ def choose_resume(
             "Set resume_allow_mismatch=True to resume from it anyway"
         )
     if mismatches:
-        logger.warning("resuming from %s despite: %s (resume_allow_mismatch=True)", path, "; ".join(mismatches))
+        logger.warning(
+            "resuming from %s although %s (resume_allow_mismatch=True, a ported TrainingArguments' default: Trainer "
+            "resumes from any checkpoint it can load)",
+            path,
+            "; ".join(mismatches),
+        )
     note = in_place_data_note(manifest.get("fingerprint") or {}, fingerprint)
     if note:
         logger.warning("resuming from %s: %s; resumed anyway, as Trainer does", path, note)
@@ -164,6 +170,17 @@ def load_checkpoint(path: Path, engine: TrainingEngine) -> dict[str, Any]:
     path = Path(path)
     require_complete(path)
     load_model_weights(path, engine)
+    if not (path / SCHEDULER_FILE).is_file():  # every engine's state has one, written by rank 0
+        if engine.env.is_world_process_zero:
+            logger.warning(MODEL_ONLY_RESUME, path)
+        return dict(json.loads((path / TRAINING_STATE_FILE).read_text()))
     load_engine_state(engine, path)
     restore_rng(path, engine.env)
     return dict(json.loads((path / TRAINING_STATE_FILE).read_text()))
+
+
+MODEL_ONLY_RESUME = (
+    "resuming from %s, a checkpoint of the model alone (save_only_model): its weights and step are restored; the "
+    "optimizer and learning-rate schedule start afresh and the RNG states are not restored, as under Trainer"
+)
+"""Warned by rank 0 when a resumed checkpoint holds no optimizer or scheduler state."""

@@ -196,6 +196,31 @@ class TrainingContext:
     def grad_norm(self, value: float | torch.Tensor | None) -> None:
         self.deferred_grad_norm = value
 
+    # ------------------------------------------------------------------ progress (checkpoints, resume)
+    def progress(self) -> dict[str, Any]:
+        """The run's position and counters, as a checkpoint keeps them (``restore_progress`` reads them back)."""
+        return {
+            "global_step": self.global_step,
+            "epoch_index": self.epoch_index,
+            "step_in_epoch": self.step_in_epoch,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "loss_tokens_seen": self.loss_tokens_seen,
+            "input_tokens_seen": self.input_tokens_seen,
+        }
+
+    def restore_progress(self, state: dict[str, Any]) -> None:
+        """A checkpoint's ``progress()``; a checkpoint at an epoch's last step resumes at the next epoch's start."""
+        self.global_step = state["global_step"]
+        self.epoch_index, self.step_in_epoch = state["epoch_index"], state["step_in_epoch"]
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch_index, self.step_in_epoch = self.epoch_index + 1, 0
+        self.epoch = self.epoch_index + self.step_in_epoch / self.steps_per_epoch
+        self.samples_seen, self.tokens_seen = state["samples_seen"], state["tokens_seen"]
+        self.loss_tokens_seen = state["loss_tokens_seen"]
+        self.input_tokens_seen = state.get("input_tokens_seen", self.tokens_seen)
+
     # ------------------------------------------------------------------ rank shortcuts
     @property
     def rank(self) -> int:

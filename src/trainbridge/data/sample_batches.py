@@ -2,13 +2,16 @@
 per optimizer step, formed by a collator from the items exactly as the dataset's ``__getitem__`` returns
 them (tensors stay tensors, extra keys stay).
 
-Every rank computes the same epoch order with no communication: shuffled by a generator seeded from
-``(seed, epoch)``, padded to a multiple of the world size by repeating its first items (as
-``DistributedSampler`` does), rank ``r`` taking positions ``r, r + world, ...``.  Each rank then has the
-same number of micro-batches, as under Trainer's ``DataLoader``: ``ceil(ceil(N / world) / per_device)``
-per epoch, grouped ``accumulation`` at a time into optimizer steps (the last one may hold fewer).
-``drop_last`` (``dataloader_drop_last``): whole micro-batches only, ``N // per_device // world`` per rank, the
-order's tail left out, as Trainer's ``DataLoader`` drops its short batch.
+Every rank computes the same epoch order with no communication, Trainer's: a permutation drawn by a
+generator seeded with ``seed + epoch`` (``seed``: the run's ``data_seed``, else its ``seed``), as accelerate's
+``SeedableRandomSampler`` under Trainer's ``DataLoader``, cut into micro-batches of ``per_device`` and dealt
+to the ranks by accelerate's own ``BatchSamplerShard`` (batch ``j`` to rank ``j % world``, the last round
+completed from the epoch's first items).  Each rank then has the same number of micro-batches,
+``ceil(N / (per_device x world))`` per epoch, grouped ``accumulation`` at a time into optimizer steps (the
+last one may hold fewer).  ``drop_last`` (``dataloader_drop_last``): whole micro-batches only,
+``N // per_device // world`` per rank, as Trainer's ``DataLoader`` drops its short batch.
+``workers`` (``dataloader_num_workers``...): the items are read and collated by ``DataLoader`` worker processes
+ahead of the step (``data.loader_workers``), in the same order.
 ``remove_unused_columns``: the keys the model's forward does not take are dropped from each item before
 the collator sees it, as Trainer's ``RemoveColumnsCollator`` does.
 """
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainbridge.data.plan import _epoch_generator
+from trainbridge.data.loader_workers import LoaderWorkers, WorkerFetch
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class SampleBatches:
         seed: int,
         shuffle: bool = True,
         drop_last: bool = False,
+        workers: LoaderWorkers | None = None,
     ) -> None:
         if per_device <= 0 or accumulation <= 0:
             raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
@@ -108,33 +112,43 @@ class SampleBatches:
             self.batches_per_epoch = math.ceil(math.ceil(len(dataset) / world_size) / per_device)
         self.drop_last = drop_last
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation)
+        self._fetch = WorkerFetch(dataset, collate, workers) if workers and workers.num_workers > 0 else None
+        """``dataloader_num_workers``: the items read and collated by worker processes (``data.loader_workers``)."""
+        self._passes = 0
+        """Plans made so far (``set_epoch`` calls): the key of the current plan's pass."""
+        self._index_lists: list[tuple[int, ...]] = []
+        self._first: dict[int, int] = {}
+        """Position in ``_index_lists`` of each step's first micro-batch (by the step's id)."""
         self.plan = self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> SamplePlan:
         """Plan ``epoch`` (deterministic from the seed and the epoch number, the same on every rank)."""
         count = len(self.dataset)
         order = (
-            torch.randperm(count, generator=_epoch_generator(self.seed, epoch)).tolist()
+            torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
             if self.shuffle
             else list(range(count))
         )
-        if self.drop_last:
-            padded = order[: self.batches_per_epoch * (self.batch_size or 1) * self.world_size]
-        else:
-            padded = order + order[: (-count) % self.world_size]
-        per_rank = [padded[r :: self.world_size] for r in range(self.world_size)]
         size, accumulation = self.batch_size or 1, self.accumulation
-        batches = [[tuple(share[i : i + size]) for i in range(0, len(share), size)] for share in per_rank]
+        batches = [_rank_batches(order, size, self.world_size, r, self.drop_last) for r in range(self.world_size)]
         steps = [
             SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
             for k in range(0, self.batches_per_epoch, accumulation)
         ]
         self.plan = SamplePlan(epoch, steps)
+        self._passes += 1
+        if self._fetch is not None:
+            self._index_lists = [indices for step in steps for indices in step.micro_batches[self.rank]]
+            counts = [len(step.micro_batches[self.rank]) for step in steps]
+            self._first = {id(step): sum(counts[:k]) for k, step in enumerate(steps)}
         return self.plan
 
     def micro_batches(self, step: SampleStep) -> list[dict[str, Any]]:
-        """Collated micro-batches (CPU) of this rank in ``step``."""
-        return [self.collate([self.dataset[i] for i in indices]) for indices in step.micro_batches[self.rank]]
+        """Collated micro-batches (CPU) of this rank in ``step`` (a step of the current ``plan``)."""
+        own = step.micro_batches[self.rank]
+        if self._fetch is not None and id(step) in self._first:
+            return self._fetch.fetch(self._passes, self._first[id(step)], self._index_lists, len(own))
+        return [self.collate([self.dataset[i] for i in indices]) for indices in own]
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -142,6 +156,16 @@ class SampleBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for step in self.plan.steps:
             yield from self.micro_batches(step)
+
+
+def _rank_batches(order: list[int], size: int, world_size: int, rank: int, drop_last: bool) -> list[tuple[int, ...]]:
+    """Rank ``rank``'s micro-batches of ``order``, as accelerate deals a ``DataLoader``'s batches to the ranks
+    under Trainer (``BatchSamplerShard``, ``even_batches``)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    sampler = BatchSampler(order, size, drop_last)
+    return [tuple(batch) for batch in BatchSamplerShard(sampler, world_size, rank, even_batches=True)]
 
 
 class SampleEvalBatches:

@@ -159,7 +159,7 @@ def training_argument_fields(args: TrainingArgs, env: DistributedEnv) -> dict[st
         "per_device_train_batch_size": max(1, args.effective_batch_size // env.world_size),
         "gradient_accumulation_steps": 1,
         "seed": args.seed,
-        "data_seed": args.seed,
+        "data_seed": args.data_seed,
         "bf16": args.mixed_precision_for(env.device.type) == "bf16",  # "auto": what the engines run
         "fp16": args.mixed_precision == "fp16",
         "use_cpu": env.device.type == "cpu",

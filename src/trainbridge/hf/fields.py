@@ -48,8 +48,7 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     *_same("max_grad_norm"),
     FieldLink("per_device_train_batch_size", None, from_hf=False),  # from effective_batch_size
     FieldLink("gradient_accumulation_steps", None, from_hf=False),  # 1: micro-batches follow the token budget
-    *_same("seed"),
-    FieldLink("data_seed", None, from_hf=False),  # the data order follows seed
+    *_same("seed", "data_seed"),
     FieldLink("bf16", "mixed_precision", reads="mixed_precision: bf16"),
     FieldLink("fp16", "mixed_precision", reads="mixed_precision: fp16"),
     FieldLink("use_cpu", "device", reads="device: cpu"),
@@ -88,6 +87,23 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
     ),
     FieldLink("activation_checkpointing", None, to_hf=False, reads="gradient_checkpointing"),  # transformers >= 5
     FieldLink("activation_checkpointing_kwargs", None, to_hf=False, reads="gradient_checkpointing_kwargs"),
+    *_same(
+        "full_determinism",
+        "torch_empty_cache_steps",
+        "average_tokens_across_devices",
+        "save_only_model",
+        "dataloader_num_workers",
+        "dataloader_prefetch_factor",
+        "dataloader_persistent_workers",
+        to_hf=False,
+    ),
+    FieldLink(
+        "enable_jit_checkpoint",
+        "save_on_interrupt",
+        to_hf=False,
+        differs="the checkpoint is written at the next step boundary, agreed across ranks (Trainer's: after 3 s, "
+        "by the signalled rank), then training stops",
+    ),
     FieldLink("torch_compile", "compile", to_hf=False),
     FieldLink("torch_compile_backend", "compile_backend", to_hf=False),
     FieldLink("torch_compile_mode", "compile_mode", to_hf=False),

@@ -59,7 +59,11 @@ NOT_WARNED: dict[str, Unwarned] = {
     "log_level_replica": _LOGGING,
     "log_on_each_node": _LOGGING,
     "logging_nan_inf_filter": Unwarned("not read: a non-finite loss is handled as nonfinite_policy says"),
-    "skip_memory_metrics": Unwarned("not read: train()'s metrics carry no memory deltas"),
+    "skip_memory_metrics": Unwarned(
+        "Trainer's own memory tracker (the facade's _memory_tracker) adds its init_mem_* / train_mem_* deltas to "
+        "train()'s metrics",
+        same=True,
+    ),
     "hub_token": _NOT_PUSHED,
     "hub_private_repo": _NOT_PUSHED,
     "hub_model_id": _NOT_PUSHED,
@@ -100,14 +104,11 @@ EXPLANATIONS: dict[str, str] = {
         "as the token budget needs)"
     ),
     "per_device_eval_batch_size": "validation micro-batches are filled up to max_batch_len tokens",
-    "dataloader_num_workers": "samples are pre-tokenized and held in memory; there are no dataloader workers",
     "deepspeed": "use distributed_backend='deepspeed' and deepspeed_zero_stage",
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
     "push_to_hub": "trainbridge never pushes to a hub",
     "label_smoothing_factor": "the loss is plain token-level cross-entropy",
     "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
-    "data_seed": "seed orders the data and splits validation",
-    "save_only_model": "checkpoints always hold model, optimizer, scheduler and training state",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
     "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
     "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
@@ -236,6 +237,17 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "ddp_broadcast_buffers": hf.ddp_broadcast_buffers,
         "ddp_static_graph": hf.ddp_static_graph,
         # Trainer sets torch_compile when a backend or mode is given, and the backend to inductor
+        "data_seed": hf.data_seed,
+        "full_determinism": hf.full_determinism,
+        "torch_empty_cache_steps": getattr(hf, "torch_empty_cache_steps", None),
+        "average_tokens_across_devices": getattr(hf, "average_tokens_across_devices", True),
+        "save_only_model": hf.save_only_model,
+        "save_on_interrupt": getattr(hf, "enable_jit_checkpoint", False),  # Trainer's JIT checkpoint (SIGTERM)
+        # Trainer resumes from any checkpoint it can load: another model or data is warned about, not refused
+        "resume_allow_mismatch": True,
+        "dataloader_num_workers": hf.dataloader_num_workers,
+        "dataloader_prefetch_factor": hf.dataloader_prefetch_factor,
+        "dataloader_persistent_workers": hf.dataloader_persistent_workers,
         "compile": hf.torch_compile,
         "compile_backend": hf.torch_compile_backend or "inductor",
         "compile_mode": hf.torch_compile_mode,

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainbridge.callbacks import (
     BestCheckpointTracker,
+    EmptyDeviceCache,
     ExternalControl,
     MetricScheduleStepper,
     MetricsFileCallback,
@@ -30,8 +31,8 @@ def assemble_callbacks(args: TrainingArgs, plan: RunPlan) -> list[Callback]:
     arguments' ``CallbackSpec``s, then the plan's) in registration order — all Hugging Face ones driven by one
     ``HuggingFaceCallbacks`` placed where the first of them was — then event functions, then best-checkpoint
     tracking, the metrics file, outside control (``trainbridge control``), saving on SIGTERM
-    (``save_on_interrupt``) and, when no ``HuggingFaceCallbacks`` brings transformers' own progress callback, the
-    native progress bar.
+    (``save_on_interrupt``), emptying the device cache (``torch_empty_cache_steps``) and, when no
+    ``HuggingFaceCallbacks`` brings transformers' own progress callback, the native progress bar.
     """
     user = [c.build() if isinstance(c, CallbackSpec) else c for c in (*args.callbacks, *plan.callbacks)]
     hf = _hf_callbacks(user)
@@ -57,6 +58,8 @@ def assemble_callbacks(args: TrainingArgs, plan: RunPlan) -> list[Callback]:
         tail.append(ExternalControl())
     if args.save_on_interrupt:
         tail.append(SaveOnInterrupt())
+    if args.torch_empty_cache_steps is not None:
+        tail.append(EmptyDeviceCache())
     if hf_driver is None:
         tail.append(ProgressBarCallback())
     return [ScheduleCallback(), *ordered, *functions, *tail]

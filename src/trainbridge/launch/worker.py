@@ -2,9 +2,8 @@
 
 The composition root of a worker: it reads the HMAC-checked payload (``trainbridge.launch.transport``),
 starts the distributed seam, assembles the callbacks (``trainbridge.launch.assembly``), runs the loop,
-and has rank 0 write ``result.json``; ``run_worker`` is that start and end around any job (the
-facade's worker, ``trainbridge.trainer.runner``, runs its jobs through it).  ``@record`` makes torchrun
-write this rank's error (type, message, traceback) to an error file the launcher reads.
+and has rank 0 write ``result.json``; ``run_worker`` is that start and end around the job.  ``@record`` makes
+torchrun write this rank's error (type, message, traceback) to an error file the launcher reads.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
+from trainbridge.data.loader_workers import LoaderWorkers
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import run_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
@@ -129,7 +130,8 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     engine wraps the model across ranks) for ``args`` running ``plan``'s code (checked together first)."""
     check_consistent(args, plan)
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
-        transformers.set_seed(args.seed)
+        # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
+        (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
     tokenizer = load_tokenizer(args, plan.script_data)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)
@@ -172,6 +174,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
             allow_unverified=args.resume_allow_unverified,
             share_with_group=args.share_run_dir_with_group,
             model_files=plan.checkpoint_model_files,
+            model_only=args.save_only_model,
         ),
         plan=plan,
         max_steps=max_steps,
@@ -276,7 +279,7 @@ def _token_batches(
         world_size=env.world_size,
         rank=env.rank,
         max_batch_len=args.max_batch_len,
-        seed=args.seed,
+        seed=args.data_order_seed,
         padded=padded,
         whole_batches_of=_whole_batches_of(env, plan),
     )
@@ -351,7 +354,7 @@ def _sample_batches(
         assert plan.compute_loss is not None
         step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names, generation)
     else:
-        step = ModelLoss(train_batches, model, env, label_names, generation)
+        step = ModelLoss(train_batches, model, env, label_names, generation, args.average_tokens_across_devices)
     return RunBatches(
         step,
         eval_set(val) if val is not None else None,
@@ -392,8 +395,11 @@ def _item_batches(
             accumulation=accumulation,
             world_size=env.world_size,
             rank=env.rank,
-            seed=args.seed,
+            seed=args.data_order_seed,
             drop_last=drop_last,
+            workers=LoaderWorkers(
+                args.dataloader_num_workers, args.dataloader_prefetch_factor, args.dataloader_persistent_workers
+            ),
         )
     return StreamBatches(
         stream,

@@ -35,7 +35,7 @@ from trainbridge.loop.build import RunComponents, build_run
 from trainbridge.loop.evaluation_point import EvaluationPoint
 from trainbridge.loop.predictions import PredictionCollector
 from trainbridge.loop.result import RunResult
-from trainbridge.loop.step_values import StepOutcome, StepOwn, StepSums, agreed_sums, with_metrics
+from trainbridge.loop.step_values import LossLog, StepOutcome, StepOwn, StepSums, agreed_sums, with_metrics
 from trainbridge.loop.summary import announce_run
 from trainbridge.modeling import sample_segments
 from trainbridge.modeling.load import load_base_for_merge
@@ -83,10 +83,7 @@ class TrainingLoop:
         """The run's code: its evaluation seam, ``compute_metrics`` (``core.config.plan``)."""
         self.predictions = PredictionCollector.of(args, self.plan, env.world_size)
         self.checkpoints = components.checkpoints
-        self._loss_since_log = 0.0
-        self._last_logged_step = 0
-        self._total_loss = 0.0
-        self._steps_this_run = 0
+        self.losses = LossLog()
         self.finite = NonFiniteGuard(args.nonfinite_policy)
         self._last_saved_step = -1
         # checkpoint_async: the checkpoint begun and not yet published (its dcp/ part written in the background)
@@ -129,7 +126,7 @@ class TrainingLoop:
                     self._save()
                 self._publish_checkpoint()  # one still written in the background: waited for, then published
                 runtime = time.time() - ctx.train_start_time
-                fire(Event.LOG, ctx, logs=self._train_summary(runtime))
+                fire(Event.LOG, ctx, logs=self.losses.train_summary(ctx, runtime))
                 self._load_best_model()
                 self._keep_only_best()
                 fire(Event.TRAIN_END, ctx)
@@ -170,7 +167,7 @@ class TrainingLoop:
             if not finite and self.finite.stops:  # nonfinite_policy="error": nothing saved, no rotation
                 self._publish_checkpoint()  # an earlier (finite) one still written in the background
                 self.finite.raise_error(ctx.global_step)
-            self._account_step(outcome, summed, own, finite)
+            self.losses.account(ctx, outcome, summed, own, counted=finite or self.finite.counts_nonfinite)
             if self._pending_checkpoint is not None and summed.checkpoint_unwritten == 0:
                 self._publish_checkpoint()  # every rank's background write has finished: publish, on_save
             flags = self._log_evaluate_save(agreement.control)
@@ -264,8 +261,9 @@ class TrainingLoop:
         """Carry out agreed log / evaluate / save, in Trainer's order; returns every flag agreed."""
         flags = set(agreed.flags)
         ran = False
-        if ControlFlag.LOG in flags and self.context.global_step > self._last_logged_step:
-            self.callbacks.fire(Event.LOG, self.context, logs=self._training_logs())
+        if ControlFlag.LOG in flags and self.context.global_step > self.losses.last_logged_step:
+            logs = self.losses.training_logs(self.context, self.engine.current_lr, self.step.metric_logs())
+            self.callbacks.fire(Event.LOG, self.context, logs=logs)
             ran = True
         if ControlFlag.EVALUATE in flags:
             self.evaluate()
@@ -432,15 +430,8 @@ class TrainingLoop:
             logger.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", args.ckpt_output_dir)
             return
         state = self.checkpoints.load(path, self.engine)
-        ctx.global_step = state["global_step"]
-        ctx.epoch_index, ctx.step_in_epoch = state["epoch_index"], state["step_in_epoch"]
-        if ctx.step_in_epoch >= ctx.steps_per_epoch:
-            ctx.epoch_index, ctx.step_in_epoch = ctx.epoch_index + 1, 0
-        ctx.epoch = ctx.epoch_index + ctx.step_in_epoch / ctx.steps_per_epoch
-        ctx.samples_seen, ctx.tokens_seen = state["samples_seen"], state["tokens_seen"]
-        ctx.loss_tokens_seen = state["loss_tokens_seen"]
-        ctx.input_tokens_seen = state.get("input_tokens_seen", ctx.tokens_seen)
-        self._last_logged_step = self._last_saved_step = ctx.global_step
+        ctx.restore_progress(state)
+        self.losses.last_logged_step = self._last_saved_step = ctx.global_step
         ctx.resumed_from = path
         ctx.last_checkpoint = path
         ctx.checkpoints = self.checkpoints.list_checkpoints()
@@ -449,19 +440,9 @@ class TrainingLoop:
         logger.info("resumed from %s at step %d (epoch %.3f)", path, ctx.global_step, ctx.epoch)
 
     def _training_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop: the run's progress, the world size, the callbacks' state."""
         ctx = self.context
-        return {
-            "global_step": ctx.global_step,
-            "epoch_index": ctx.epoch_index,
-            "step_in_epoch": ctx.step_in_epoch,
-            "epoch": ctx.epoch,
-            "samples_seen": ctx.samples_seen,
-            "tokens_seen": ctx.tokens_seen,
-            "loss_tokens_seen": ctx.loss_tokens_seen,
-            "input_tokens_seen": ctx.input_tokens_seen,
-            "world_size": self.env.world_size,
-            "callbacks": self.callbacks.state_dict(),
-        }
+        return {**ctx.progress(), "world_size": self.env.world_size, "callbacks": self.callbacks.state_dict()}
 
     # ================================================================== bookkeeping
     def _agree(self, summed: Summed = NO_VALUES, own: Own = NO_VALUES) -> Agreement[Summed, Own]:  # type: ignore[assignment]
@@ -485,78 +466,11 @@ class TrainingLoop:
             )
         return agreement
 
-    def _account_step(self, outcome: StepOutcome, summed: StepSums, own: StepOwn, finite: bool) -> None:
-        """The step's agreed values into the context and the running loss sums (a non-finite step's loss
-        is left out of them under ``nonfinite_policy="skip"``)."""
-        ctx, batches = self.context, outcome.batches
-        ctx.local_loss = float(own.loss_sum) / max(sum(batches.micro_units), 1e-12)
-        ctx.grad_norm = None if own.grad_norm == NOT_MEASURED else float(own.grad_norm)
-        ctx.loss = float(summed.loss_sum) / max(batches.loss_units, 1e-12)
-        ctx.loss_tokens_seen += int(batches.loss_units)
-        ctx.input_tokens_seen += int(summed.input_tokens)
-        ctx.step_time_s = time.perf_counter() - outcome.started
-        ctx.tokens_per_second = batches.num_tokens / ctx.step_time_s
-        ctx.samples_per_second = batches.num_samples / ctx.step_time_s
-        if finite or self.finite.counts_nonfinite:
-            self._loss_since_log += ctx.loss
-            self._total_loss += ctx.loss
-        self._steps_this_run += 1
-
-    def _training_logs(self) -> dict[str, float]:
-        """Trainer's training log: mean loss since the last log, grad norm, learning rate, epoch."""
-        ctx = self.context
-        logs = {
-            "loss": self._loss_since_log / (ctx.global_step - self._last_logged_step),
-            "grad_norm": ctx.grad_norm if ctx.grad_norm is not None else float("nan"),
-            "learning_rate": ctx.learning_rate if ctx.learning_rate is not None else self.engine.current_lr(),
-            **self.step.metric_logs(),
-            "epoch": ctx.epoch,
-        }
-        self._loss_since_log = 0.0
-        self._last_logged_step = ctx.global_step
-        ctx.logs = dict(logs)
-        return logs
-
-    def _train_summary(self, runtime: float) -> dict[str, float]:
-        """Trainer's final log: runtime, throughput, total flos and mean train loss of this run."""
-        ctx = self.context
-        steps = self._steps_this_run
-        samples = ctx.samples_seen
-        logs = {
-            "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-            "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-            "total_flos": ctx.total_flos,
-            "train_loss": self._total_loss / max(steps, 0.001),
-            "epoch": ctx.epoch,
-        }
-        ctx.logs = dict(logs)
-        return logs
-
     def _result(self, runtime: float) -> RunResult:
-        ctx = self.context
         # collective: every rank's isolated callback errors, for the result
         gathered = self.env.all_gather_objects(self.callbacks.error_reports(self.env.rank))
         errors = [r for rank_errors in gathered for r in rank_errors]
-        stopped_early = ctx.agreed.stop_training and ctx.global_step < ctx.max_steps
-        return RunResult(
-            global_step=ctx.global_step,
-            epoch=ctx.epoch,
-            max_steps=ctx.max_steps,
-            train_loss=ctx.logs.get("train_loss"),
-            final_loss=ctx.loss,
-            final_eval_loss=ctx.metrics.get("eval_loss"),
-            stopped_early=stopped_early or (ctx.stop_reason is not None and ctx.global_step < ctx.max_steps),
-            stop_reason=ctx.stop_reason if ctx.global_step < ctx.max_steps else None,
-            checkpoints=[str(p) for p in self.checkpoints.list_checkpoints()],
-            best_checkpoint=str(ctx.best_checkpoint) if ctx.best_checkpoint else None,
-            best_metric=ctx.best_metric,
-            metrics_file=str(self.args.resolved_metrics_file),
-            callback_errors=errors,
-            train_runtime_s=runtime,
-            resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
-            merged_model=str(self._merged) if self._merged else None,
-        )
+        return RunResult.of_run(self.context, self.checkpoints.list_checkpoints(), errors, runtime, self._merged)
 
 
 def _input_tokens(cpu_batch: dict[str, Any], main_input: str = "input_ids") -> int:

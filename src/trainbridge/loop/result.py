@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainbridge.core.callback_errors import CallbackErrorReport
+from trainbridge.core.context import TrainingContext
 from trainbridge.core.private_files import replace_text
 
 
@@ -54,6 +55,36 @@ class RunResult(BaseModel):
     """How many times the launcher restarted the job after a worker failed (``max_restarts``)."""
     merged_model: str | None = None
     """Folder of the merged PEFT model (``merge_adapter_at_end``), loadable with ``AutoModelForCausalLM``."""
+
+    @classmethod
+    def of_run(
+        cls,
+        ctx: TrainingContext,
+        checkpoints: list[Path],
+        errors: list[CallbackErrorReport],
+        runtime: float,
+        merged: Path | None,
+    ) -> RunResult:
+        """The result of the run that ``ctx`` holds at its end."""
+        ended_early = ctx.global_step < ctx.max_steps
+        return cls(
+            global_step=ctx.global_step,
+            epoch=ctx.epoch,
+            max_steps=ctx.max_steps,
+            train_loss=ctx.logs.get("train_loss"),
+            final_loss=ctx.loss,
+            final_eval_loss=ctx.metrics.get("eval_loss"),
+            stopped_early=ended_early and (ctx.agreed.stop_training or ctx.stop_reason is not None),
+            stop_reason=ctx.stop_reason if ended_early else None,
+            checkpoints=[str(p) for p in checkpoints],
+            best_checkpoint=str(ctx.best_checkpoint) if ctx.best_checkpoint else None,
+            best_metric=ctx.best_metric,
+            metrics_file=str(ctx.args.resolved_metrics_file),
+            callback_errors=errors,
+            train_runtime_s=runtime,
+            resumed_from=str(ctx.resumed_from) if ctx.resumed_from else None,
+            merged_model=str(merged) if merged else None,
+        )
 
     def write(self, path: Path) -> None:
         """Write as JSON (atomically, 0600, following no link)."""

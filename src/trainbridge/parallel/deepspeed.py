@@ -214,6 +214,13 @@ def _import_deepspeed(env: DistributedEnv) -> Any:
             f"rank {env.rank}: DeepSpeed's accelerator is {accelerator!r} but the run uses {env.device.type!r}; "
             f"set DS_ACCELERATOR={env.device.type} before deepspeed is first imported"
         )
+    if env.device.type == "cpu":
+        # DeepSpeed's CPU comm backend JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``: two C++
+        # files, 25-80 s on first use) when the op is marked compatible; only ``inference_all_reduce`` uses it,
+        # training never does.  deepspeed.ops caches this dict for edits like this one.
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     return deepspeed
 
 

@@ -11,7 +11,8 @@ micro-batches per step.  The loss follows ``transformers.Trainer``
   has ``labels``, the step's items are counted -- labels other than -100, ``labels[..., 1:]`` for a causal
   loss -- summed over the step's micro-batches and every rank (one small collective per step, as Trainer's
   gather), and passed to the forward as ``num_items_in_batch``; the model's loss is then a sum over the
-  step's items, and the loop normalises by the items;
+  step's items, and the loop normalises by the items (``average_tokens_across_devices=False``: the forward gets
+  this rank's items and each rank's mean weighs alike, as under Trainer);
 - otherwise the model's loss is a per-batch mean and the step's loss is the mean over micro-batches and
   ranks (Trainer divides by ``gradient_accumulation_steps``; the engines average ranks).
 
@@ -149,9 +150,15 @@ class ModelLoss(TrainStep):
         env: DistributedEnv,
         label_names: Sequence[str] | None = None,
         generation: Generation | None = None,
+        average_tokens: bool = True,
     ) -> None:
         self.train_batches = train_batches
         self.env = env
+        self.average_tokens = average_tokens
+        """``average_tokens_across_devices``: the forward gets every rank's items; False: this rank's, and each
+        rank's mean counts alike (the step's loss is the mean over ranks of each rank's mean, as Trainer's)."""
+        self._rank_scale = 1.0
+        """The running step's factor on each micro-batch's loss sum (1 unless ``average_tokens`` is off)."""
         self.generation = generation
         """The predictions seam: None, the forward's outputs; else generated ids (``predict_with_generate``)."""
         self.label_names = list(label_names) if label_names else default_label_names(model)
@@ -168,8 +175,12 @@ class ModelLoss(TrainStep):
         items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)
         # collective: the step's items and non-padding tokens over every rank (Trainer gathers the items too)
         total_items, tokens = self.env.sum_floats([float(sum(items)), float(sum(map(_tokens, micro_batches)))])
+        self._rank_scale = 1.0
         if counted and total_items > 0:
             count = torch.tensor(total_items)
+            if not self.average_tokens:  # the forward divides by this rank's items; the loop by every rank's
+                count = torch.tensor(float(max(sum(items), 1)))
+                self._rank_scale = total_items / (self.env.world_size * float(count))
             for batch in micro_batches:
                 batch[NUM_ITEMS_KEY] = count
             return StepBatches(micro_batches, [float(n) for n in items], total_items, step.num_samples, int(tokens))
@@ -185,7 +196,9 @@ class ModelLoss(TrainStep):
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         loss = loss_of(model(**batch))
         count = batch.get(NUM_ITEMS_KEY)
-        return loss * count if count is not None else loss  # a sum over the step's items, or a batch mean
+        if count is None:
+            return loss  # a batch mean
+        return loss * count * self._rank_scale  # a sum over the step's items (of this rank's, scaled)
 
     def eval_batch(
         self, model: torch.nn.Module, batch: dict[str, Any], cpu_batch: dict[str, Any], outputs: bool, rows: int = 0
@@ -205,7 +218,7 @@ class ModelLoss(TrainStep):
         # a loss without labels when the batch asks for one (``return_loss=True``: CLIP-like), as Trainer
         has_labels = all(batch.get(name) is not None for name in self.label_names) or batch.get("return_loss") is True
         scale = 1.0
-        if self.counts_items and isinstance(batch.get("labels"), torch.Tensor):
+        if self.counts_items and self.average_tokens and isinstance(batch.get("labels"), torch.Tensor):
             # Trainer.prediction_step: the batch's items over every rank go to the forward, and compute_loss
             # scales the loss by the world size (average_tokens_across_devices)
             (items,) = self.env.sum_floats([float(self._items(batch))])  # collective: every rank, every batch

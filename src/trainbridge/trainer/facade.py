@@ -38,13 +38,13 @@ from trainbridge.core.config.plan import RunPlan, StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import jobs, native_callbacks, results, script_data, subclass
+from trainbridge.trainer import hp_search, jobs, native_callbacks, results, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
-from trainbridge.trainer.subclass_data import subclass_loader
 
 logger = logging.getLogger("trainbridge.trainer")
 
@@ -155,10 +155,13 @@ class LoopTrainer(_TrainerBase):
             )
 
     # ================================================================== what the jobs read
+    _trial: Any = None
+    """Trainer's: the trial of the current ``train()`` (``_hp_search_setup``), None outside a search."""
+
     @property
     def output_dir(self) -> Path:
-        """``args.output_dir``."""
-        return Path(self.args.output_dir or "trainer_output")
+        """``args.output_dir``; during a search's trial ``<output_dir>/run-<n>`` (Trainer's ``_get_output_dir``)."""
+        return Path(self._get_output_dir(self._trial) or "trainer_output")
 
     def _device(self) -> str:
         """``TrainingArgs.device`` of the run: ``cpu`` under ``use_cpu``, else ``auto``."""
@@ -174,9 +177,14 @@ class LoopTrainer(_TrainerBase):
 
     def _script_callbacks(self) -> list[Any]:
         """The callbacks this Trainer's handler holds that are the script's (``callbacks=``, ``add_callback``),
-        not the ones Trainer adds itself (flow, ``report_to``'s: the loop adds its own); its printer or progress bar
-        stays in its place, so a callback added after it sees what its ``on_log`` left, as under Trainer."""
-        own = (transformers.DefaultFlowCallback,)
+        not the ones Trainer adds itself (flow, ``report_to``'s, ``enable_jit_checkpoint``'s: the loop has its own,
+        ``save_on_interrupt``); its printer or progress bar stays in its place, so a callback added after it sees
+        what its ``on_log`` left, as under Trainer."""
+        own: tuple[type, ...] = (transformers.DefaultFlowCallback,)
+        if getattr(self.args, "enable_jit_checkpoint", False):
+            from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+            own = (*own, JITCheckpointCallback)
         reporting = self._reporting_ids()
         return [
             native_callbacks.unwrapped(cb)
@@ -271,7 +279,8 @@ class LoopTrainer(_TrainerBase):
         from trainbridge.trainer.job_args import LiveModel
 
         events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
-        callbacks = self._script_callbacks()
+        # the final log's memory metrics first (skip_memory_metrics=False), as Trainer adds them before log()
+        callbacks = [*memory_metrics(self), *([events] if events is not None else []), *self._script_callbacks()]
         reproduced = self._collator_choice.reproduced and not self._row_preparation().items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
@@ -280,13 +289,13 @@ class LoopTrainer(_TrainerBase):
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
-            train_loader=subclass_loader(self),
+            train_loader=subclass.subclass_loader(self),
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
             optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-            callbacks=[events, *callbacks] if events is not None else callbacks,
+            callbacks=callbacks,
         )
         return RunPlan(**seams)
 
@@ -294,7 +303,7 @@ class LoopTrainer(_TrainerBase):
     def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
-        trial: object = None,
+        trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: object,
     ) -> Any:
@@ -302,10 +311,12 @@ class LoopTrainer(_TrainerBase):
         as Trainer's ``train`` (see the module doc)."""
         from transformers.trainer_utils import TrainOutput
 
-        if trial is not None:
-            raise UnsupportedTrainerFeatureError("trial: hyper-parameter search is not supported")
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}")
+        if self.model_init is not None:  # a trial's model, or Trainer's re-init at each train()
+            hp_search.fresh_model(self, trial)
+        self._hp_search_setup(trial)  # Trainer's: a trial's values into self.args
+        report = hp_search.TrialReport(self, trial) if trial is not None else None
         if self.model is None or not hasattr(self.model, "config"):
             raise UnsupportedTrainerFeatureError(
                 f"model: a plain {type(self.model).__name__} (torch.nn.Module, no config) is not supported by "
@@ -315,14 +326,39 @@ class LoopTrainer(_TrainerBase):
             )
         if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
+        self._memory_tracker.start()  # Trainer's own (skip_memory_metrics=False): stopped at the final log
         self.is_in_train = True
+        if report is not None:
+            self.add_callback(report)
         try:
             result, state = jobs.train(self, resume_from_checkpoint)
         finally:
             self.is_in_train = False
+            if report is not None:
+                self.remove_callback(report)
+        if report is not None:
+            report.raise_if_pruned()
         metrics = results.train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
+
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, float]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: Any = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Trainer's ``hyperparameter_search``; each trial is a ``train()`` on trainbridge's loop, in place, on every
+        rank (``trainer.hp_search``)."""
+        hp_search.check_backend(backend)
+        self._start_env()  # the process group Trainer's optuna backend broadcasts each trial over
+        return super().hyperparameter_search(
+            hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs
+        )
 
     # ================================================================== the loop's calls into the instance
     def evaluate(
@@ -396,7 +432,7 @@ class LoopTrainer(_TrainerBase):
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: object) -> None:
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model
         part, ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
         writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""

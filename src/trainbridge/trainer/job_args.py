@@ -46,7 +46,7 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     data, longest = script_inputs(
         trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), trainer._row_preparation()
     )
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"ckpt_output_dir": trainer.output_dir}  # a search's trial: <output_dir>/run-<n>
     if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:

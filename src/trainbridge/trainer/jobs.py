@@ -3,7 +3,10 @@
 Every process trains in place: each rank of a launched script (``torchrun script.py``, or ``python script.py``
 re-executed under torchrun by ``launch.script_launch``), or the script's own process when it runs as one.
 Each rank hands the loop the script's own objects: its datasets and tokenizer (``RunPlan.script_data``,
-nothing written), its model (``RunPlan.model_init``); then every rank runs the loop (``runner.run_job``).
+nothing written), its model (``RunPlan.model_init``); then every rank runs the loop with the job's callbacks,
+whose ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's printer / progress bar) hold the
+run's ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state,
+handler and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
 Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``.
 """
 
@@ -12,9 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
+from trainbridge.core.run_dir import result_file
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
+from trainbridge.launch.assembly import assemble_callbacks
+from trainbridge.loop.build import build_run
+from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args
-from trainbridge.trainer.runner import run_job
+from trainbridge.trainer.subclass import bind_state
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
@@ -25,6 +33,16 @@ def world_size_of(torchrun_args: TorchrunArgs) -> int:
     return torchrun_args.nproc_per_node * int(str(torchrun_args.nnodes).split(":")[-1])
 
 
+def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:
+    """``callbacks`` and the ``HuggingFaceCallbacks`` among them, whose ``TrainerState`` is the job's state
+    (restored on resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
+    hf = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbacks)), None)
+    if hf is None:
+        hf = HuggingFaceCallbacks(progress=False)
+        callbacks = [*callbacks, hf]
+    return callbacks, hf
+
+
 def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     """Train ``trainer``'s model in place -> ``(this rank's result, the run's TrainerState)``."""
     env = trainer._start_env()
@@ -33,20 +51,25 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     handler, control = trainer.callback_handler, trainer.control
     if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
         trainer.accelerator._models.append(trainer.model)
+    run_callbacks, hf = with_trainer_state(assemble_callbacks(args, plan))
+    hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
+    bind_state(plan, hf)  # the instance's self.state / callback_handler / control are the run's
     try:
-        outcome = run_job(args, plan, env)
+        loop = TrainingLoop(args, env, run_callbacks, build_run(args, plan, env))
+        result = loop.run()
     finally:
         trainer.callback_handler, trainer.control = handler, control
-    trainer._loop = outcome.loop
-    trainer.model = outcome.loop.engine.unwrapped  # the trained model (the script's object; PEFT-wrapped if asked)
-    trainer.model_wrapped = outcome.loop.engine.module
-    trainer.optimizer = outcome.loop.engine.optimizer
-    trainer.lr_scheduler = outcome.loop.engine.lr_scheduler
-    assert outcome.hf.state is not None
-    trainer.state = outcome.hf.state
+    if env.is_world_process_zero:
+        result.write(result_file(args.ckpt_output_dir))
+    trainer._loop = loop
+    trainer.model = loop.engine.unwrapped  # the trained model (the script's object; PEFT-wrapped if asked)
+    trainer.model_wrapped = loop.engine.module
+    trainer.optimizer = loop.engine.optimizer
+    trainer.lr_scheduler = loop.engine.lr_scheduler
+    assert hf.state is not None
+    trainer.state = hf.state
     # evaluate()/predict() use the model as it is, as after Trainer's own train()
     trainer.accelerator._models[:] = [trainer.model_wrapped]  # type: ignore[list-item]
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
-    assert outcome.result is not None
-    return outcome.result, trainer.state
+    return result, trainer.state

@@ -1,29 +1,12 @@
 """What a facade job's results become in ``transformers.Trainer``'s API.
 
-The ``TrainerState`` after ``train()``, the metrics ``train()`` returns, and an evaluation's metrics split
-per named set and given the caller's ``metric_key_prefix``, each as ``transformers.Trainer`` makes them.
+The metrics ``train()`` returns, and whether ``train(resume_from_checkpoint=True)`` has a checkpoint to resume.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-
-
-def trainer_state(recorded: dict[str, Any], train_batch_size: int | None, world_zero: bool, local_zero: bool) -> Any:
-    """A ``transformers.TrainerState`` holding a train job's ``recorded`` state (that of its
-    ``HuggingFaceCallbacks``, restored from the checkpoint on resume as Trainer restores it), with this
-    process's rank flags."""
-    from transformers import TrainerState
-
-    state = TrainerState()
-    for key, value in recorded.items():
-        if hasattr(state, key):
-            setattr(state, key, value)
-    state.train_batch_size = train_batch_size
-    state.is_world_process_zero = world_zero
-    state.is_local_process_zero = local_zero
-    return state
 
 
 def train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict[str, Any]:

@@ -1,30 +1,21 @@
-"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` run where Trainer runs them: at each
+"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` where Trainer runs them: at each
 checkpoint, on every rank, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
 
-``SubclassSave`` is the ``RunPlan.checkpoint_model_files`` of such a subclass's train job
-(``checkpoint.model_files.ModelFiles``).  The checkpoint manager stays the one writer of the checkpoint
-folder (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation); inside the
-checkpoint's temporary folder, before publication, it calls ``SubclassSave.write`` on every rank (Trainer
-calls these on every rank too), which calls the instance's methods as Trainer chains them:
+``SubclassSave`` is such a subclass's ``RunPlan.checkpoint_model_files``.  The checkpoint manager stays the one
+writer of the checkpoint (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation);
+before publication it calls ``SubclassSave.write`` on every rank, which calls the instance's methods as
+Trainer chains them:
 
-- ``_save_checkpoint(model, trial=None)``: Trainer's ``super()`` writes the whole checkpoint into
-  ``<output_dir>/checkpoint-<step>``, and overrides add files there (or, as LLaVA's, write only some weights
-  there).  For the call, the instance's ``args`` is a copy whose ``output_dir`` is a folder of this rank's
-  inside the temporary folder, where ``checkpoint-<step>`` leads back to the temporary folder, and
-  ``self.state.global_step`` is the step: whatever the override writes into ``checkpoint-<step>`` lands in
-  the checkpoint being written.  ``super()._save_checkpoint`` is its model part, ``self.save_model(that
-  folder, _internal_call=True)``; the manager writes the rest.  Anything written into ``output_dir`` itself
-  is discarded (with a warning).
-- ``save_model(folder, _internal_call=True)``: calls ``self._save(folder, state_dict=<the gathered full
-  weights on rank 0, None elsewhere>)`` (what Trainer passes under FSDP);
-- ``super()._save`` writes, on rank 0, what the checkpoint writes by default (the weights in Hugging Face
-  layout in the export dtype, a PEFT model's adapter, the tokenizer) and ``training_args.bin``.
+- ``_save_checkpoint(model, trial=None)``, with ``args.output_dir`` a folder of this rank's whose
+  ``checkpoint-<step>`` leads back to the temporary folder: what the override writes there lands in the
+  checkpoint (anything written into ``output_dir`` itself is discarded, with a warning); its ``super()`` is
+  ``self.save_model(that folder, _internal_call=True)``;
+- ``save_model``: ``self._save(folder, state_dict=<the gathered weights on rank 0, None elsewhere>)``;
+- ``super()._save``: on rank 0, the checkpoint's default model files and ``training_args.bin``.
 
-Files an override adds are part of the checkpoint and its manifest; a crash leaves the previous checkpoint
-whole.  Because an override may write the weights its own way, such a checkpoint also keeps the model's own
-weights in ``dcp/`` (``keeps_model_state``) and resume reads them there: exact whatever the override wrote.
-A PEFT model's adapter is the exception: resume reads ``adapter_model.safetensors``, so an override must
-leave it (calling ``super()`` or ``self.model.save_pretrained(output_dir)`` does).
+Such a checkpoint also keeps the model's weights in ``dcp/`` (``keeps_model_state``), which resume reads: exact
+whatever the override wrote.  A PEFT model's adapter is the exception: resume reads
+``adapter_model.safetensors``, so an override must leave it (``super()`` or ``self.model.save_pretrained``).
 """
 
 from __future__ import annotations

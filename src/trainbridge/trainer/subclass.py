@@ -1,39 +1,25 @@
-"""The loop's calls into the script's Trainer instance itself (``trainbridge.Trainer`` is a real
-``transformers.Trainer``, so the instance is the script's own object, in place, on every rank).
+"""The loop's calls into the script's Trainer instance itself (in place, on every rank).
 
-``script_trainer(trainer)`` is the one ``ScriptTrainer`` of an instance: the ``RunPlan`` seams that call its
-methods, each call inside ``ScriptTrainer.call``, which installs a ``LoopScope`` (``trainer.scope``) as the
-instance's ``_in_loop``.  There the instance's ``state`` is the run's live ``TrainerState`` (``bind_state``), its
-``model`` the model being trained (unwrapped) and ``model_wrapped`` the engine's; ``accelerator.backward``
-is routed to the loop's backward for the micro-batch under way.
+``ScriptTrainer`` holds the ``RunPlan`` seams that call the instance's methods, each call inside
+``ScriptTrainer.call``, which installs a ``LoopScope`` (``trainer.scope``) as the instance's ``_in_loop``: its
+``state`` is then the run's live ``TrainerState``, ``model_wrapped`` the engine's model, and
+``accelerator.backward`` the loop's backward for the micro-batch under way.  What runs there:
 
-What runs there:
+- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.trainer_methods``) when the class overrides
+  one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``needs_trainer_step``);
+- ``evaluate`` at each evaluation point on Trainer's sample batches (``trainers_evaluation``: Trainer's own
+  code on the engine's model) or when the class overrides one of ``EVALUATION_METHODS``;
+- ``log`` on every log, before the other callbacks see it (``ScriptTrainerEvents``);
+- ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers``), ``_save`` / ``save_model`` /
+  ``_save_checkpoint`` (``trainer.save_overrides``), ``get_train_dataloader`` (``ScriptTrainer.train_loader``).
 
-- ``training_step`` on each micro-batch and ``prediction_step`` on each validation batch
-  (``RunPlan.trainer_methods`` -> ``step.trainer_methods``) when the class overrides one of ``STEP_METHODS``,
-  has a ``compute_loss_func``, smooths labels or adds NEFTune noise (``needs_trainer_step``); what it does
-  not override is Trainer's own code;
-- ``evaluate`` at each evaluation point (``RunPlan.evaluation``) on Trainer's sample batches
-  (``trainers_evaluation``: Trainer's own code throughout, on the engine's model) or when the class overrides
-  one of ``EVALUATION_METHODS`` (then Trainer's own ``evaluate`` there is the loop's evaluation of the run's sets);
-- ``log`` on every rank where Trainer calls it (``ScriptTrainerEvents``), before the other callbacks see the
-  logs, so what the override adds lands;
-- ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``
-  (``trainer.optimizers.SubclassOptimizer``);
-- ``_save`` / ``save_model`` / ``_save_checkpoint`` at each checkpoint (``trainer.save_overrides``);
-- ``get_train_dataloader`` / ``_get_train_sampler`` for the training batches (``trainer.subclass_data``).
-
-A dataset whose items are not dicts of columns (tuples, lists, objects: ``script_data.column_items``) is read
-as Trainer reads it: training batches from the instance's own ``get_train_dataloader()``, stepped by its
-``training_step`` (a batch that is not a dict travels whole: ``data.loader_batches.OPAQUE_BATCH``); each
-evaluation is the instance's own ``evaluate()``.
-
-Overrides of the methods in ``UNHONOURED`` (parts of Trainer's own loop) are refused at construction.
+Items that are not dicts of columns (``script_data.column_items``) are read as Trainer reads them: its loader,
+``training_step`` and ``evaluate``.  Overrides of ``UNHONOURED`` (Trainer's own loop) are refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -79,7 +65,7 @@ EVALUATION_METHODS = ("evaluate", "evaluation_loop", "get_eval_dataloader", "_ge
 """Overrides that make each evaluation during training the instance's ``evaluate()`` (Trainer's own code)."""
 
 LOADER_METHODS = ("get_train_dataloader", "_get_train_sampler", "_set_signature_columns_if_needed")
-"""Overrides whose ``DataLoader`` gives the training batches (``trainer.subclass_data``); the columns Trainer's
+"""Overrides whose ``DataLoader`` gives the training batches (``ScriptTrainer.train_loader``); the columns Trainer's
 loader keeps are the signature columns (trl's reward trainer keeps its ``chosen_ids``/``rejected_ids``)."""
 
 
@@ -168,6 +154,12 @@ class ScriptTrainer:
     def bind_state(self, hf: HuggingFaceCallbacks) -> None:
         """The run's ``HuggingFaceCallbacks``: their state, handler and control are the instance's in each call."""
         self._hf = hf
+
+    def train_loader(self, dataset: object, collate: object, model: object) -> Iterable[Any]:
+        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` -- the script's
+        ``train_dataset`` and ``data_collator``, the DataLoader prepared by the instance's own accelerator,
+        which deals this rank its share as under Trainer."""
+        return self.instance.get_train_dataloader()
 
     def _around(self, outer: LoopScope | None) -> LoopScope:
         """The scope around a new call: ``outer`` (the one of the call under way), else the run's live state."""
@@ -438,3 +430,9 @@ def bind_state(plan: RunPlan, hf: HuggingFaceCallbacks) -> None:
         script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
         if isinstance(script, ScriptTrainer):
             script.bind_state(hf)
+
+
+def subclass_loader(trainer: LoopTrainer) -> Callable[[object, object, object], Iterable[Any]] | None:
+    """The ``RunPlan.train_loader`` of ``trainer``'s jobs: ``ScriptTrainer.train_loader`` when the training
+    batches are the instance's own (``instance_batches``), else None (Trainer's sample batches)."""
+    return trainer._script.train_loader if instance_batches(trainer) else None

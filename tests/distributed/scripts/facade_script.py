@@ -1,10 +1,11 @@
 """A transformers.Trainer script with its import changed to trainbridge's facade (used by the facade tests).
 
-Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real] [dict]`` or ``python facade_script.py OUT
-[real] [dict]``; ``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic data
-built in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks); compute_metrics
-records which samples it saw.  ``dict``: ``eval_dataset={"a": 37 rows, "b": 11 rows}`` with
+Run as ``torchrun --nproc_per_node=2 facade_script.py OUT [real] [dict|both]`` or ``python facade_script.py OUT
+[real] [dict|both]``; ``real`` uses transformers.Trainer instead (the reference).  Tiny local model, arithmetic
+data built in memory as a ``datasets.Dataset``; 37 validation rows (an uneven last batch on 2 ranks);
+compute_metrics records which samples it saw.  ``dict``: ``eval_dataset={"a": 37 rows, "b": 11 rows}`` with
 ``metric_for_best_model="a_accuracy"`` (Trainer evaluates each set in turn, ``eval_<name>_`` metrics).
+``both``: the plain run into ``OUT/plain``, then the ``dict`` one into ``OUT/dict``, in the same processes.
 """
 
 import json
@@ -31,7 +32,6 @@ else:
 
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama
 
-EVAL_DICT = "dict" in sys.argv[2:]
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-model"
 if not model_dir.exists():
@@ -44,7 +44,6 @@ if not model_dir.exists():
     except OSError:  # another rank published first
         shutil.rmtree(staging)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir)
 
 
 def rows(n, seed):
@@ -98,76 +97,89 @@ class EventsAfterTraining(TrainerCallback):
         self._record("on_predict", state, metrics)
 
 
-after_training = EventsAfterTraining()
-args = TrainingArguments(
-    output_dir=str(out),
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=1,
-    learning_rate=3e-3,
-    lr_scheduler_type="constant",
-    num_train_epochs=2,
-    logging_steps=2,
-    eval_strategy="steps",
-    eval_steps=4,
-    save_strategy="steps",
-    save_steps=4,
-    save_total_limit=2,
-    per_device_eval_batch_size=5,
-    metric_for_best_model="a_accuracy" if EVAL_DICT else "accuracy",
-    load_best_model_at_end=True,
-    report_to="none",
-    use_cpu=True,
-    seed=3,
-    disable_tqdm=True,
-)
-trainer = Trainer(
-    model=model,
-    args=args,
-    train_dataset=train,
-    eval_dataset={"a": val, "b": rows(11, 4)} if EVAL_DICT else val,
-    processing_class=tokenizer,
-    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    compute_metrics=compute_metrics,
-    preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-    # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
-    callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0), after_training],
-)
-result = trainer.train()
-after_training.recording = True
-metrics = trainer.evaluate()
-prediction = trainer.predict(val)
-trainer.save_model(str(out / "final"))
-if trainer.is_world_process_zero():
-    summary = {
-        "global_step": result.global_step,
-        "train_metrics": sorted(result.metrics),
-        "eval_metrics": metrics,
-        "best": trainer.state.best_model_checkpoint,
-        "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
-        "eval_log_steps": [
-            [e["step"], sorted(k for k in e if k.startswith("eval_"))]
-            for e in trainer.state.log_history
-            if any(k.startswith("eval_") for k in e)
-        ],
-        "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
-        "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
-        "final_files": sorted(f.name for f in (out / "final").iterdir()),
-        "predict": {
-            "shape": list(prediction.predictions.shape),
-            "metrics": sorted(prediction.metrics),
-            "labels_rows": len(prediction.label_ids),
-        },
-        "events_after_training": after_training.events,
-        "state": {
-            "global_step": trainer.state.global_step,
-            "best_metric": trainer.state.best_metric,
-            "epoch": trainer.state.epoch,
-        },
-        "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print("SUMMARY", json.dumps(summary, default=str))
-trainer.end()  # transformers >= 5.18: finish trackers, leave the process group
+def run(eval_dict: bool):
+    """Train, evaluate, predict and save into ``out``; rank 0 writes ``out/summary.json``."""
+    after_training = EventsAfterTraining()
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        num_train_epochs=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        save_total_limit=2,
+        per_device_eval_batch_size=5,
+        metric_for_best_model="a_accuracy" if eval_dict else "accuracy",
+        load_best_model_at_end=True,
+        report_to="none",
+        use_cpu=True,
+        seed=3,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=args,
+        train_dataset=train,
+        eval_dataset={"a": val, "b": rows(11, 4)} if eval_dict else val,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        # threshold 1.0: no evaluation counts as an improvement, so training stops at the 2nd evaluation
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0), after_training],
+    )
+    result = trainer.train()
+    after_training.recording = True
+    metrics = trainer.evaluate()
+    prediction = trainer.predict(val)
+    trainer.save_model(str(out / "final"))
+    if trainer.is_world_process_zero():
+        summary = {
+            "global_step": result.global_step,
+            "train_metrics": sorted(result.metrics),
+            "eval_metrics": metrics,
+            "best": trainer.state.best_model_checkpoint,
+            "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
+            "eval_log_steps": [
+                [e["step"], sorted(k for k in e if k.startswith("eval_"))]
+                for e in trainer.state.log_history
+                if any(k.startswith("eval_") for k in e)
+            ],
+            "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+            "checkpoint_files": sorted(f.name for f in out.glob("checkpoint-*/*")),
+            "final_files": sorted(f.name for f in (out / "final").iterdir()),
+            "predict": {
+                "shape": list(prediction.predictions.shape),
+                "metrics": sorted(prediction.metrics),
+                "labels_rows": len(prediction.label_ids),
+            },
+            "events_after_training": after_training.events,
+            "state": {
+                "global_step": trainer.state.global_step,
+                "best_metric": trainer.state.best_metric,
+                "epoch": trainer.state.epoch,
+            },
+            "expected_checksum": float(np.sum(np.arange(len(val)) * np.array([r[1] for r in val["input_ids"]]))),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        print("SUMMARY", json.dumps(summary, default=str))
+    return trainer
+
+
+if "both" in sys.argv[2:]:
+    root = out
+    out = root / "plain"
+    run(eval_dict=False)
+    out = root / "dict"
+    trainer = run(eval_dict=True)
+else:
+    trainer = run(eval_dict="dict" in sys.argv[2:])
+trainer.end()  # once, after the last run (transformers >= 5.18: finish trackers, leave the process group)
 if "real" in sys.argv[2:]:
     # The reference leaves without the interpreter's finalisation: a gloo worker thread releasing a finished
     # collective's tensors then takes the GIL and is ended on the spot, which aborts the process ("terminate

@@ -9,9 +9,10 @@ overrides ``_save_checkpoint`` instead: ``super()``, then ``value_head.json`` in
 ``output_dir/checkpoint-<step>``, and a line (process id, step) in ``OUT/ckpt-rank<RANK>.txt``.
 Checkpoints every 2 steps of 4, then ``trainer.save_model(OUT/final)``.
 
-``torchrun ... save_script.py OUT real references`` runs the three references one after another in the same
-processes (one launch): ``OUT/first``, ``OUT/resumed`` (a copy of ``OUT/first`` resumed from its
-checkpoint-2, as ``resume`` would in ``OUT/first``) and ``OUT/checkpoint``, each from a fresh model.
+``save_script.py OUT [real] cases first,resumed,checkpoint`` runs the cases named one after another in the
+same processes (one launch): ``OUT/first``, ``OUT/resumed`` (a copy of ``OUT/first`` resumed from its
+checkpoint-2, as ``resume`` would in ``OUT/first``) and ``OUT/checkpoint`` (the ``_save_checkpoint``
+override), each from a fresh model.
 """
 
 import json
@@ -125,22 +126,21 @@ def run(checkpoint: bool) -> None:
         )
 
 
-if "references" in sys.argv[2:]:
-    if "real" not in sys.argv[2:]:
-        raise SystemExit("references: real Trainer's runs only")
+CASES = {"first": (False, False), "resumed": (True, False), "checkpoint": (False, True)}
+"""``cases``' runs: ``(resume, checkpoint)``."""
+
+if "cases" in sys.argv[2:]:
     import shutil
 
     import torch.distributed as dist
 
     root = out
-    out, resume = root / "first", False
-    run(checkpoint=False)
-    if dist.get_rank() == 0:  # resume as `resume` would, in a copy: the first run's summary stays readable
-        shutil.copytree(out, root / "resumed")
-    dist.barrier()
-    out, resume = root / "resumed", True
-    run(checkpoint=False)
-    out, resume = root / "checkpoint", False
-    run(checkpoint=True)
+    for case in sys.argv[sys.argv.index("cases") + 1].split(","):
+        out, (resume, checkpoint) = root / case, CASES[case]
+        if resume:  # as `resume` would in OUT/first, in a copy: the first run's summary stays readable
+            if dist.get_rank() == 0:
+                shutil.copytree(root / "first", out)
+            dist.barrier()
+        run(checkpoint=checkpoint)
 else:
     run(checkpoint="checkpoint" in sys.argv[2:])

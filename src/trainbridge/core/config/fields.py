@@ -181,6 +181,14 @@ class BatchFields(BaseModel):
     (None: ``per_device_batch_size``); ``token_cross_entropy``: batches of that many samples in order, batch
     ``i`` on rank ``i % world size``, as Trainer's validation batches (trl's per-batch evaluation metrics
     follow them); None: filled up to ``max_batch_len`` tokens."""
+    dataloader_num_workers: int = Field(default=0, ge=0)
+    """``model_loss``: worker processes that fetch and collate the micro-batches ahead of the step (a
+    ``torch.utils.data.DataLoader``'s, as Trainer's ``dataloader_num_workers``): for items decoded or transformed
+    on access (images, audio).  0: in the training process."""
+    dataloader_prefetch_factor: int | None = Field(default=None, gt=0)
+    """Micro-batches each worker prepares ahead (``DataLoader``'s ``prefetch_factor``; None: torch's 2)."""
+    dataloader_persistent_workers: bool = False
+    """Keep the workers from one epoch to the next (``DataLoader``'s ``persistent_workers``)."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
     sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""
@@ -253,6 +261,11 @@ class ScheduleFields(BaseModel):
     inside its engine) and leaves its loss out of the logged averages; ``warn`` only logs a warning."""
     seed: int = 42
     """Seed for model init side effects, data order and validation split."""
+    data_seed: int | None = None
+    """Seed of the training data order alone (Trainer's ``data_seed``); None: ``seed``."""
+    full_determinism: bool = False
+    """Deterministic algorithms everywhere (``transformers.enable_full_determinism(seed)``: deterministic torch
+    and cuDNN kernels, cuBLAS workspace), as Trainer's ``full_determinism``; slower."""
 
 
 class ParallelismFields(BaseModel):
@@ -298,6 +311,14 @@ class ParallelismFields(BaseModel):
     """``torch.compile``'s backend (Trainer's ``torch_compile_backend``)."""
     compile_mode: str | None = None
     """``torch.compile``'s mode, e.g. ``"reduce-overhead"`` (Trainer's ``torch_compile_mode``)."""
+    torch_empty_cache_steps: int | None = Field(default=None, gt=0)
+    """Empty the accelerator's memory cache (``torch.cuda.empty_cache()``...) after the forward of every
+    micro-batch of each optimizer step whose number is a multiple of this, as Trainer's
+    ``torch_empty_cache_steps``: lower peak memory, slower steps.  None: never."""
+    average_tokens_across_devices: bool = True
+    """``model_loss``: a model that takes ``num_items_in_batch`` gets the step's loss items of every rank
+    and the loss is their mean (Trainer's default); False: each rank's own items, and the step's loss is the
+    mean over ranks of each rank's mean, as Trainer's ``average_tokens_across_devices=False``."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of any collective; a rank that never arrives fails the job instead of hanging it."""
     ddp_find_unused_parameters: bool | None = False
@@ -402,6 +423,10 @@ class CheckpointFields(BaseModel):
     manifest does not list (or symbolic links): nothing then vouches that its files are the ones trainbridge
     wrote.  By default such a checkpoint is refused, naming what is wrong; allow it only for checkpoints you
     trust (DCP metadata and non-tensor entries are read without running code either way)."""
+    save_only_model: bool = False
+    """Checkpoints hold the model (and ``trainer_state.json``, the loop's counters) but no optimizer, scheduler,
+    scaler or RNG state, as Trainer's ``save_only_model``; resuming from one starts a fresh optimizer and
+    scheduler at the saved step (warned), as Trainer does."""
     save_on_interrupt: bool = False
     """On SIGTERM (what schedulers send before killing a job), write a checkpoint at the next step
     boundary, agreed across ranks, then stop; ``resume_from_checkpoint='auto'`` then loses at most one step.

@@ -108,6 +108,11 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
     @property
+    def data_order_seed(self) -> int:
+        """The seed of the training data order: ``data_seed``, else ``seed`` (as Trainer's sampler)."""
+        return self.data_seed if self.data_seed is not None else self.seed
+
+    @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
         return self.metrics_file or self.ckpt_output_dir / METRICS_FILE

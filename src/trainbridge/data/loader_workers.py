@@ -1,0 +1,68 @@
+"""``WorkerFetch``: Trainer's ``dataloader_num_workers`` on the sample-batch path.
+
+The epoch's plan says which items form each of this rank's micro-batches; with workers, a
+``torch.utils.data.DataLoader`` over those index lists (``batch_sampler``) reads the items
+(``dataset[i]``: where images or audio are decoded, random transforms drawn) and collates them in worker
+processes, ``prefetch_factor`` micro-batches ahead each, while the step trains, as Trainer's ``DataLoader``.
+Batches arrive in the plan's order.  A step asked out of turn (the first after a resume) starts a fresh pass
+there.  ``persistent_workers`` keeps the processes from one pass to the next (the index lists are the
+sampler's, read at each pass).  Workers are daemonic children of the rank: they end with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoaderWorkers:
+    """The ``DataLoader`` worker settings (``TrainingArgs.dataloader_*``, Trainer's names)."""
+
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+
+
+class _IndexLists:
+    """A ``batch_sampler`` yielding the index lists of the current pass (replaced before each pass)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class WorkerFetch:
+    """Collated micro-batches of ``dataset`` items, read by ``DataLoader`` workers in the plan's order."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], workers: LoaderWorkers) -> None:
+        from torch.utils.data import DataLoader
+
+        self._lists = _IndexLists()
+        self.loader = DataLoader(
+            dataset,
+            batch_sampler=self._lists,
+            collate_fn=collate,
+            num_workers=workers.num_workers,
+            prefetch_factor=workers.prefetch_factor,
+            persistent_workers=workers.persistent_workers,
+        )
+        self._batches: Iterator[Any] | None = None
+        self._next: tuple[int, int] | None = None
+        """``(pass key, position)`` of the micro-batch the running pass yields next."""
+
+    def fetch(self, key: int, position: int, index_lists: Sequence[Sequence[int]], count: int) -> list[Any]:
+        """The ``count`` micro-batches from ``position`` of the pass ``key`` whose micro-batches are
+        ``index_lists``: the running pass's next ones, else a fresh pass from ``position``."""
+        if self._batches is None or self._next != (key, position):
+            self._lists.batches = [list(indices) for indices in index_lists[position:]]
+            self._batches = iter(self.loader)
+        batches = [next(self._batches) for _ in range(count)]
+        self._next = (key, position + count)
+        return batches

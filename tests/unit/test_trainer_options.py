@@ -1,0 +1,297 @@
+"""``TrainingArguments`` options Trainer acts on, each honoured in place (one rank) and compared with real
+``transformers.Trainer`` where the two can be compared:
+
+- ``skip_memory_metrics=False``: ``train()``'s metrics gain Trainer's ``init_mem_*`` / ``train_mem_*`` keys;
+- ``data_seed``: Trainer's sample order (its seeded sampler), micro-batch for micro-batch;
+- ``torch_empty_cache_steps``: the device cache is emptied where Trainer empties it, as often;
+- ``save_only_model``: checkpoints with Trainer's files (no optimizer, scheduler or RNG state), and a resume
+  from one as Trainer's (weights and step restored, optimizer and schedule fresh);
+- ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
+- a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
+  is warned, not refused, as Trainer resumes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+import transformers
+from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
+
+from trainbridge import Trainer
+from trainbridge.demos.tiny_model import build_tiny_llama_once
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, datasets.Dataset]:
+    folder = build_tiny_llama_once(tmp_path_factory.mktemp("options") / "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(16):
+        ids = tokenizer("".join(rng.choice("12+ab") for _ in range(rng.randint(4, 9))))["input_ids"]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids)})
+    return transformers.AutoModelForCausalLM.from_pretrained(folder), tokenizer, datasets.Dataset.from_list(rows)
+
+
+def _collate(tokenizer: Any) -> Any:
+    """A function of the script's: Trainer's sample batches (the datasets' items), not our token batches."""
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    def collate(items: list[Any]) -> Any:
+        return collator(items)
+
+    return collate
+
+
+def _trainer(
+    cls: type,
+    llama: tuple[Any, Any, datasets.Dataset],
+    out: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: Any = None,
+    callbacks: list[Any] | None = None,
+    **arguments: Any,
+) -> Any:
+    base, tokenizer, rows = llama
+    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+    for name, _ in launcher:  # TrainingArguments would start a process group under a launcher's variables
+        monkeypatch.delenv(name, raising=False)
+    args = TrainingArguments(
+        output_dir=str(out),
+        **{
+            "per_device_train_batch_size": 2,
+            "max_steps": 2,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": "none",
+            "use_cpu": True,
+            "disable_tqdm": True,
+            **arguments,
+        },
+    )
+    if cls is Trainer:  # in place, as under a launcher (after the arguments)
+        for name, value in launcher:
+            monkeypatch.setenv(name, value)
+    return cls(
+        model=model if model is not None else copy.deepcopy(base),
+        args=args,
+        train_dataset=rows,
+        data_collator=_collate(tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+class LastLog(TrainerCallback):
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.logs = dict(logs)
+
+
+MEMORY_METRICS = {  # TrainerMemoryTracker's on CPU, as Trainer's train() returns and logs them
+    "before_init_mem_cpu",
+    "init_mem_cpu_alloc_delta",
+    "init_mem_cpu_peaked_delta",
+    "train_mem_cpu_alloc_delta",
+    "train_mem_cpu_peaked_delta",
+}
+
+
+def test_memory_metrics_are_trainers(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer's own tracker: its metrics in train()'s and in the final on_log (Trainer adds them before its log)."""
+    last = LastLog()
+    trainer = _trainer(Trainer, llama, tmp_path, monkeypatch, max_steps=1, skip_memory_metrics=False, callbacks=[last])
+    metrics = trainer.train().metrics
+    assert {k for k in metrics if "_mem_" in k} == MEMORY_METRICS
+    assert set(last.logs) >= MEMORY_METRICS
+    assert trainer._memory_tracker.cur_stage is None  # stopped: a later evaluate() tracks its own stage
+
+
+def test_data_seed_gives_trainers_order(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two epochs of 8 micro-batches of 2 in Trainer's order: its sampler seeded with data_seed (+ epoch)."""
+    seen: list[list[list[list[int]]]] = []
+    for cls in (transformers.Trainer, Trainer):
+        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, max_steps=16, seed=3, data_seed=11)
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
+        )
+        trainer.train()
+    assert len(seen[1]) == 16 and seen[1] == seen[0]
+
+
+def test_empty_cache_steps_as_trainers(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps 0 and 2 of 4, two micro-batches each: emptied four times, as Trainer's training_step does."""
+    import accelerate.utils.memory
+
+    counts: list[int] = []
+    for cls, where in ((transformers.Trainer, transformers.trainer), (Trainer, accelerate.utils.memory)):
+        counts.append(0)
+        monkeypatch.setattr(where, "clear_device_cache", lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1))
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=4,
+            gradient_accumulation_steps=2,
+            torch_empty_cache_steps=2,
+        )
+        trainer.train()
+    assert counts == [4, 4]
+
+
+def _files(checkpoint: Path) -> set[str]:
+    return {p.name for p in checkpoint.iterdir()}
+
+
+def test_save_only_model_checkpoints_and_resumes_as_trainers(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours_only = {"COMPLETE", "manifest.json", "training_state.json"}
+    files, steps = [], []
+    for cls in (transformers.Trainer, Trainer):
+        out = tmp_path / cls.__module__
+        saving = dict(save_strategy="steps", save_steps=2, save_only_model=True)
+        _trainer(cls, llama, out, monkeypatch, **saving).train()
+        files.append(_files(out / "checkpoint-2") - ours_only)
+        with caplog.at_level(logging.WARNING):
+            resumed = _trainer(cls, llama, out, monkeypatch, **saving, max_steps=3).train(resume_from_checkpoint=True)
+        steps.append(resumed.global_step)
+    assert files[1] == files[0] and not {"optimizer.pt", "scheduler.pt", "rng_state.pth"} & files[1]
+    assert steps == [3, 3]
+    assert "a checkpoint of the model alone (save_only_model)" in caplog.text
+
+
+class Terminate(TrainerCallback):
+    """Sends this process SIGTERM at the end of step ``at``, as a scheduler would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_jit_checkpoint_saves_on_sigterm_and_stops(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer = _trainer(
+            Trainer, llama, tmp_path, monkeypatch, max_steps=6, enable_jit_checkpoint=True, callbacks=[Terminate(2)]
+        )
+        result = trainer.train()
+    finally:
+        signal.signal(signal.SIGTERM, before)  # Trainer's constructor installed its own handler
+    assert result.global_step == 2
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
+
+
+def test_resume_of_a_saved_from_config_model_is_warned_not_refused(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model built from a config has ``architectures`` None until its first save sets it; the checkpoint
+    recorded None. A fresh Trainer on that model object resuming (``train(resume_from_checkpoint=True)``)
+    resumes, as Trainer does."""
+    base, _, _ = llama
+    torch.manual_seed(0)
+    config = copy.deepcopy(base.config)
+    config.architectures = None
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    saving = dict(save_strategy="steps", save_steps=2)
+    _trainer(Trainer, llama, tmp_path, monkeypatch, model=model, **saving).train()
+    assert model.config.architectures == ["LlamaForCausalLM"]  # set by the checkpoint's save
+    with caplog.at_level(logging.WARNING):
+        result = _trainer(Trainer, llama, tmp_path, monkeypatch, model=model, **saving, max_steps=3).train(
+            resume_from_checkpoint=True
+        )
+    assert result.global_step == 3
+    assert "model architecture llama/None != this run's llama/['LlamaForCausalLM']" in caplog.text
+
+
+class Decoded(torch.utils.data.Dataset[dict[str, Any]]):
+    """Items made on access (as images or audio are decoded), each access leaving its process's id in ``folder``."""
+
+    def __init__(self, rows: datasets.Dataset, folder: Path) -> None:
+        self.rows, self.folder = rows, folder
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        (self.folder / str(os.getpid())).touch()
+        return dict(self.rows[index])
+
+
+def test_dataloader_workers_read_items_in_trainers_order(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers (kept across the two epochs) read the items; the model sees Trainer's batches, in its order."""
+    seen: list[list[list[list[int]]]] = []
+    for cls in (transformers.Trainer, Trainer):
+        readers = tmp_path / cls.__module__ / "readers"
+        readers.mkdir(parents=True)
+        workers = dict(dataloader_num_workers=2, dataloader_prefetch_factor=1, dataloader_persistent_workers=True)
+        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, max_steps=12, **workers)
+        trainer.train_dataset = Decoded(trainer.train_dataset, readers)
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
+        )
+        trainer.train()
+        workers_pids = {int(p.name) for p in readers.iterdir()} - {os.getpid()}  # (ours probes an item first)
+        assert len(workers_pids) == 2, cls
+    assert len(seen[1]) == 12 and seen[1] == seen[0]
+
+
+class TwoRanks:
+    """Rank 0 of two for ``ModelLoss``: the other rank's step sums are ``other``."""
+
+    world_size = 2
+
+    def __init__(self, other: list[float]) -> None:
+        self.other = other
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        return [v + o for v, o in zip(values, self.other, strict=True)]
+
+
+class OneStep:
+    """One step of one micro-batch on this rank."""
+
+    accumulation, world_size, collate = 1, 2, None
+
+    def __init__(self, batch: dict[str, Any]) -> None:
+        self.batch = batch
+
+    def micro_batches(self, step: Any) -> list[dict[str, Any]]:
+        return [dict(self.batch)]
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_average_tokens_across_devices_weighs_ranks_as_trainer(llama: Any, average: bool) -> None:
+    """The loss rank 0 backpropagates (the loop's ``micro_sum x world / loss_units``) is Trainer's
+    ``compute_loss``: the forward's loss over every rank's items x world size, or (off) over this rank's own."""
+    from types import SimpleNamespace
+
+    from trainbridge.step.model_loss import ModelLoss
+
+    model, tokenizer, rows = llama
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([rows[0], rows[1]])
+    own = int(batch["labels"][..., 1:].ne(-100).sum())
+    other_items = 3 * own
+    step = ModelLoss(OneStep(batch), model, TwoRanks([other_items, 0.0]), average_tokens=average)  # type: ignore[arg-type]
+    prepared = step.prepare(SimpleNamespace(num_samples=4))  # type: ignore[arg-type]
+    with torch.no_grad():
+        ours = step.micro_loss(model, prepared.micro_batches[0], prepared.micro_units[0]) * 2 / prepared.loss_units
+        items = own + other_items if average else own
+        trainers = model(**batch, num_items_in_batch=torch.tensor(items)).loss * (2 if average else 1)
+    assert float(ours) == pytest.approx(float(trainers), rel=1e-5)
