@@ -24,6 +24,7 @@ from tests.unit.test_trainer_facade import _TwoRanks
 from trainbridge import Trainer
 from trainbridge.demos.tiny_model import build_tiny_llama_once
 from trainbridge.loop.predictions import PredictionCollector
+from trainbridge.trainer.optimizers import back_to_training
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,24 @@ def test_on_two_ranks_a_trainer_batch_is_every_ranks_batch(
         assert [c["label_ids"] for c in metrics.calls] == [[4, 3], [1, 2]]
     else:
         assert [c["label_ids"] for c in metrics.calls] == [["list", [[4, 3], [1, 2]]]]
+
+
+def test_an_optimizer_with_modes_is_back_in_train_mode_after_an_evaluation() -> None:
+    """A schedule-free optimizer (``train()``/``eval()``), which Trainer's evaluation_loop put in eval mode, is put
+    back in train mode (as Trainer's next training_step does); a plain optimizer is left alone."""
+
+    class Modal(torch.optim.SGD):
+        mode = "train"
+
+        def train(self) -> None:
+            self.mode = "train"
+
+        def eval(self) -> None:
+            self.mode = "eval"
+
+    optimizer = Modal([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    optimizer.eval()
+    back_to_training(optimizer)
+    assert optimizer.mode == "train"
+    back_to_training(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    back_to_training(None)

@@ -29,6 +29,7 @@ import torch
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.trainer.optimizers import back_to_training
 from trainbridge.trainer.scope import LogCapture, LoopScope
 from trainbridge.trainer.script_data import column_items
 
@@ -210,9 +211,7 @@ class ScriptTrainer:
             try:
                 return dict(instance.evaluate(ignore_keys=None))
             finally:
-                train_mode = getattr(instance.optimizer, "train", None)  # a schedule-free optimizer: back to
-                if callable(train_mode):  # train mode, as Trainer's training_step puts it after evaluation_loop's
-                    train_mode()
+                back_to_training(instance.optimizer)  # a schedule-free one: Trainer's evaluation_loop called eval()
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
