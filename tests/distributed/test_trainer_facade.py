@@ -87,7 +87,7 @@ def test_torchrun_script_runs_in_place(reference: dict, tmp_path: Path) -> None:
     # one training, not one per rank: the metrics file holds each logged step once
     steps = [
         json.loads(line)["step"]
-        for line in (out / "metrics.jsonl").read_text().splitlines()
+        for line in (out / "trainbridge" / "metrics.jsonl").read_text().splitlines()
         if "loss" in json.loads(line)
     ]
     assert steps == sorted(set(steps))

@@ -103,6 +103,6 @@ def test_an_evaluate_override_feeds_best_checkpoint_early_stopping_and_native_ca
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
     evaluations = [e for e in trainer.state.log_history if "eval_score" in e]
     assert [e["step"] for e in evaluations] == [2, 4, 6]  # once each (Trainer.log's entry not kept twice)
-    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "trainbridge" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval_score" in line] == [2, 4, 6]
     assert "failed in on_evaluate" not in caplog.text  # the other set's on_evaluate is not the best metric's

@@ -222,7 +222,8 @@ def test_control_folder_is_private_and_a_malformed_request_is_reported_not_fatal
     (control / "2-1-save.json").write_text('{"action": "save"}')
     assert take_requests(run_dir) == ["save"]
     assert "1-1-stop.json ignored: not a request" in caplog.text
-    assert sorted(p.name for p in control.iterdir()) == ["notes.json"]
+    assert sorted(p.name for p in control.iterdir()) == ["listening.json", "notes.json"]  # (rank 0's marker)
+    assert (control / "listening.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_linked_control_folder_is_not_followed_and_nothing_there_is_deleted(tmp_path, caplog):

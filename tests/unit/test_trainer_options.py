@@ -5,7 +5,8 @@
 - ``data_seed``: Trainer's sample order (its seeded sampler), micro-batch for micro-batch;
 - ``torch_empty_cache_steps``: the device cache is emptied where Trainer empties it, as often;
 - ``save_only_model``: checkpoints with Trainer's files (no optimizer, scheduler or RNG state), and a resume
-  from one as Trainer's (weights and step restored, optimizer and schedule fresh);
+  from one as Trainer's (weights and step restored, optimizer and schedule fresh); ``output_dir`` then holds
+  Trainer's entries, our own files in its ``trainbridge/`` folder;
 - ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
 - a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
   is warned, not refused, as Trainer resumes."""
@@ -27,6 +28,7 @@ import transformers
 from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
 
 from trainbridge import Trainer
+from trainbridge.core.run_dir import OWN_FILES_DIR
 from trainbridge.demos.tiny_model import build_tiny_llama_once
 
 
@@ -116,16 +118,25 @@ def test_memory_metrics_are_trainers(llama: Any, tmp_path: Path, monkeypatch: py
 
 
 def test_data_seed_gives_trainers_order(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two epochs of 8 micro-batches of 2 in Trainer's order: its sampler seeded with data_seed (+ epoch)."""
+    """Two epochs of 4 micro-batches of 4 in Trainer's order: its sampler seeded with data_seed (+ epoch)."""
     seen: list[list[list[list[int]]]] = []
     for cls in (transformers.Trainer, Trainer):
-        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, max_steps=16, seed=3, data_seed=11)
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=8,
+            per_device_train_batch_size=4,
+            seed=3,
+            data_seed=11,
+        )
         seen.append([])
         trainer.model.register_forward_pre_hook(
             lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
         )
         trainer.train()
-    assert len(seen[1]) == 16 and seen[1] == seen[0]
+    assert len(seen[1]) == 8 and seen[1] == seen[0]
 
 
 def test_empty_cache_steps_as_trainers(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,7 +168,7 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
     llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     ours_only = {"COMPLETE", "manifest.json", "training_state.json"}
-    files, steps = [], []
+    files, steps, entries = [], [], []
     for cls in (transformers.Trainer, Trainer):
         out = tmp_path / cls.__module__
         saving = dict(save_strategy="steps", save_steps=2, save_only_model=True)
@@ -166,9 +177,46 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
         with caplog.at_level(logging.WARNING):
             resumed = _trainer(cls, llama, out, monkeypatch, **saving, max_steps=3).train(resume_from_checkpoint=True)
         steps.append(resumed.global_step)
+        entries.append(_files(out))
     assert files[1] == files[0] and not {"optimizer.pt", "scheduler.pt", "rng_state.pth"} & files[1]
     assert steps == [3, 3]
+    # output_dir holds what Trainer writes there; our own files are in its trainbridge/ folder
+    assert entries[1] == entries[0] | {OWN_FILES_DIR}
+    assert {"metrics.jsonl", "result.json", "control"} <= _files(tmp_path / Trainer.__module__ / OWN_FILES_DIR)
     assert "a checkpoint of the model alone (save_only_model)" in caplog.text
+
+
+class AskToStop(TrainerCallback):
+    """``trainbridge control OUTPUT_DIR stop`` from "another shell" at step 2."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.answer = out, ""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from trainbridge.launch.control_command import send_control
+
+        if state.global_step == 2:
+            self.answer = send_control(self.out, "stop")
+
+
+def test_control_and_plot_find_a_trainer_runs_own_files(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Trainer script holds no launcher lock: ``trainbridge control OUTPUT_DIR`` reaches it through rank 0's
+    listener in ``output_dir/trainbridge/control/``; ``trainbridge plot OUTPUT_DIR`` finds its metrics there."""
+    from trainbridge.callbacks import external_control
+    from trainbridge.launch.control_command import NoRunningJobError, send_control
+    from trainbridge.report.plot import find_metrics_file
+
+    monkeypatch.setattr(external_control, "POLL_INTERVAL_S", 0.0)
+    out = tmp_path / "out"
+    asking = AskToStop(out)
+    trainer = _trainer(Trainer, llama, out, monkeypatch, callbacks=[asking], max_steps=6)
+    trainer.train()
+    assert f"pid {os.getpid()}" in asking.answer and trainer.state.global_step in (2, 3)
+    assert find_metrics_file(out) == out / OWN_FILES_DIR / "metrics.jsonl"
+    with pytest.raises(NoRunningJobError):  # the listener is gone with the run
+        send_control(out, "save")
 
 
 class Terminate(TrainerCallback):
@@ -239,8 +287,13 @@ def test_dataloader_workers_read_items_in_trainers_order(
     for cls in (transformers.Trainer, Trainer):
         readers = tmp_path / cls.__module__ / "readers"
         readers.mkdir(parents=True)
-        workers = dict(dataloader_num_workers=2, dataloader_prefetch_factor=1, dataloader_persistent_workers=True)
-        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, max_steps=12, **workers)
+        workers = dict(
+            dataloader_num_workers=2,
+            dataloader_prefetch_factor=1,
+            dataloader_persistent_workers=True,
+            per_device_train_batch_size=4,
+        )
+        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, max_steps=6, **workers)
         trainer.train_dataset = Decoded(trainer.train_dataset, readers)
         seen.append([])
         trainer.model.register_forward_pre_hook(
@@ -249,7 +302,7 @@ def test_dataloader_workers_read_items_in_trainers_order(
         trainer.train()
         workers_pids = {int(p.name) for p in readers.iterdir()} - {os.getpid()}  # (ours probes an item first)
         assert len(workers_pids) == 2, cls
-    assert len(seen[1]) == 12 and seen[1] == seen[0]
+    assert len(seen[1]) == 6 and seen[1] == seen[0]
 
 
 class TwoRanks:
@@ -295,3 +348,26 @@ def test_average_tokens_across_devices_weighs_ranks_as_trainer(llama: Any, avera
         items = own + other_items if average else own
         trainers = model(**batch, num_items_in_batch=torch.tensor(items)).loss * (2 if average else 1)
     assert float(ours) == pytest.approx(float(trainers), rel=1e-5)
+
+
+def test_full_determinism_turns_deterministic_kernels_on(args_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_training``'s build seeds with ``enable_full_determinism``, as Trainer's constructor (the facade's)."""
+    from tests.run_inputs import as_run
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.hf.porting import training_args_from_hf
+    from trainbridge.loop.build import build_run
+
+    inputs = as_run(args_for())
+    hf = TrainingArguments(output_dir=str(inputs.args.ckpt_output_dir), use_cpu=True, full_determinism=True, seed=5)
+    ported = training_args_from_hf(hf, **inputs.args.model_dump(exclude_defaults=True, exclude={"ckpt_output_dir"}))
+    assert ported.full_determinism and not torch.are_deterministic_algorithms_enabled()
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards: enable_full_determinism sets them
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    try:
+        build_run(ported, inputs.plan, DistributedEnv())
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

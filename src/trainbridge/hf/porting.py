@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from transformers import TrainingArguments
 
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.run_dir import OWN_FILES_DIR
 from trainbridge.hf.arguments import defaults_of
 from trainbridge.hf.fields import CARRIED_OVER, RENAMED
 
@@ -39,6 +40,11 @@ class Unwarned(NamedTuple):
 _BY_SCRIPTS = Unwarned("Trainer does not read it either (example scripts do)", same=True)
 _NOT_PUSHED = Unwarned("nothing is pushed to a hub (push_to_hub is warned about)")
 _TRACKIO = Unwarned("read from args by transformers' trackio callback (report_to), as under Trainer", same=True)
+_FULL_EVAL = Unwarned(
+    "Trainer's own evaluate() and predict() (the facade's) cast the model outside train(); inside train() Trainer "
+    "does not cast it either",
+    same=True,
+)
 _LOGGING = Unwarned("Trainer's own __init__ (the facade's) sets transformers' logging verbosity from it", same=True)
 _EVALUATION = Unwarned(
     "Trainer's own evaluate() reads it at each evaluation on Trainer's sample batches; the padding-free token "
@@ -83,10 +89,9 @@ NOT_WARNED: dict[str, Unwarned] = {
         "each batch's predictions on the CPU, what it saves memory for",
         same=True,
     ),
-    "label_names": Unwarned(
-        "Trainer's own evaluate() and the model_loss step read it on Trainer's sample batches; the padding-free "
-        "token batches' labels are labels"
-    ),
+    "bf16_full_eval": _FULL_EVAL,
+    "fp16_full_eval": _FULL_EVAL,
+    "use_cache": Unwarned("Trainer's own __init__ (the facade's) sets model.config.use_cache from it", same=True),
     "dataloader_drop_last": Unwarned(
         "read from the script's TrainingArguments: the short batch is dropped (loop.build)", same=True
     ),
@@ -111,6 +116,22 @@ EXPLANATIONS: dict[str, str] = {
     "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
     "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
+    "ignore_data_skip": "a resume always goes on at the checkpoint's position in the data (the resume is exact)",
+    "parallelism_config": (
+        "tensor, context and sequence parallelism (accelerate's ParallelismConfig) are not applied: the engines "
+        "are data parallel (DDP, FSDP2, DeepSpeed)"
+    ),
+    "liger_kernel_config": "it configures use_liger_kernel's model patches, which are not applied",
+    "dataloader_multiprocessing_context": (
+        "dataloader_num_workers' workers start with the platform's default method (fork on Linux)"
+    ),
+    "dataloader_in_order": "dataloader_num_workers' micro-batches always come in the plan's order, as by default",
+    "train_sampling_strategy": (
+        "sample batches are drawn in Trainer's random order and token batches are packed by the token budget; "
+        "length grouping and batch rebalancing are not applied"
+    ),
+    "length_column_name": "read only by train_sampling_strategy's length grouping, which is not applied",
+    "debug": "underflow/overflow detection (DebugUnderflowOverflow) is not attached to the model",
     "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
     "use_liger_kernel": (
         "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
@@ -126,6 +147,7 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_eval_batch_size": ("max_batch_len",),
     "remove_unused_columns": ("remove_unused_columns",),  # Trainer's sample batches honour it
     "include_for_metrics": ("include_for_metrics",),
+    "label_names": ("label_names",),  # Trainer's sample batches read it
     "deepspeed": ("distributed_backend",),
     "fsdp": ("distributed_backend",),
     "predict_with_generate": ("predict_with_generate",),
@@ -197,6 +219,7 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         )
     data: dict[str, Any] = {
         "ckpt_output_dir": Path(hf.output_dir or "trainer_output"),
+        "run_files_dir": Path(hf.output_dir or "trainer_output") / OWN_FILES_DIR,  # output_dir: Trainer's files
         "num_epochs": max(1, math.ceil(hf.num_train_epochs)),
         "max_steps": max_steps,
         "learning_rate": hf.learning_rate,

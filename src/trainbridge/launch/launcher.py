@@ -49,7 +49,7 @@ from trainbridge.core.config import (
 )
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.nproc import threads_per_worker
-from trainbridge.core.private_files import append_text
+from trainbridge.core.private_files import append_text, make_run_folder
 from trainbridge.core.run_dir import launch_log_file, result_file
 from trainbridge.launch import lifeline
 from trainbridge.launch.agent import FAILURES_FILE_ENV, LAUNCH_LOG_ENV
@@ -281,12 +281,13 @@ def run_in_place(args: TrainingArgs, plan: RunPlan) -> RunResult:
         problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
         if problem:
             raise PreflightError(problem)
-        result_file(args.ckpt_output_dir).unlink(missing_ok=True)
+        _make_run_files_dir(args)  # result, metrics, control
+        result_file(args.resolved_run_files_dir).unlink(missing_ok=True)
 
     env.on_rank_zero(prepare_output_dir, "preparing ckpt_output_dir", error=PreflightError)
     result = train(args, plan, env, assemble_callbacks(args, plan))
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
     return result
 
 
@@ -346,11 +347,12 @@ def run_training(
     problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
     if problem:
         raise PreflightError(problem)
-    result_path = result_file(args.ckpt_output_dir)
+    result_path = result_file(args.resolved_run_files_dir)
     if dry_run:  # builds the run and prints its plan; writes nothing into the run folder
         preflight(args, plan)
         _launch_once(args, plan, launch, timeout_s, worker_module, "dry-run", 0, dry_run=True)
         return None
+    _make_run_files_dir(args)  # the launch log, the result
     try:
         lock = RunLock(args.ckpt_output_dir, job=_job_key(launch)).acquire()
     except RunFolderBusy as exc:
@@ -371,6 +373,17 @@ def run_training(
     if hosts_rank_zero:
         raise LaunchError(f"torchrun exited cleanly but rank 0 wrote no result at {result_path}")
     return None
+
+
+def _make_run_files_dir(args: TrainingArgs) -> None:
+    """Create the run's own files' folder (``run_files_dir``; ``ckpt_output_dir`` exists by now)."""
+    try:
+        make_run_folder(args.resolved_run_files_dir, args.share_run_dir_with_group)
+    except OSError as exc:
+        raise PreflightError(
+            f"run_files_dir = {str(args.resolved_run_files_dir)!r}: cannot be created: {exc.strerror or exc}; "
+            "choose a folder you can write to."
+        ) from None
 
 
 def _job_key(launch: TorchrunArgs) -> str | None:
@@ -466,7 +479,7 @@ def _start_launch_log(args: TrainingArgs, launch: TorchrunArgs, restarts: int) -
         node = None
     else:
         node = socket.gethostname() if launch.rdzv_endpoint else f"node{launch.node_rank}"
-    path = launch_log_file(args.ckpt_output_dir, node)
+    path = launch_log_file(args.resolved_run_files_dir, node)
     header = (
         f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: trainbridge launch"
         f"{f' (restart {restarts})' if restarts else ''}: torchrun --nnodes {launch.nnodes} "

@@ -39,7 +39,7 @@ def _train_and_write_result(args: TrainingArgs, plan: RunPlan, env: DistributedE
 
     result = train(args, plan, env, assemble_callbacks(args, plan))
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
 
 
 def run_worker(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.core.private_files import open_private
+from trainbridge.core.run_dir import run_files_in
 
 METRICS_FILE_NAME = "metrics.jsonl"
 """The metrics file's name inside a run folder (``TrainingArgs.resolved_metrics_file``'s default)."""
@@ -34,6 +35,7 @@ def find_metrics_file(run: str | Path) -> Path:
     run = Path(run)
     if run.is_file():
         return run
+    run = run_files_in(run)  # a ported TrainingArguments' run keeps its files in output_dir/trainbridge
     candidate = run / METRICS_FILE_NAME
     if candidate.is_file():
         return candidate

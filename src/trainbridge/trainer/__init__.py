@@ -7,7 +7,6 @@
 - ``subclass``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
   step, evaluation, log, data loader, saves, optimizer).
 - ``native_callbacks``: trainbridge callbacks held by Trainer's callback handler.
-- ``results``: the job's results as Trainer's.
 """
 
 from typing import TYPE_CHECKING, Any

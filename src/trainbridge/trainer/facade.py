@@ -41,7 +41,7 @@ from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import hp_search, jobs, native_callbacks, results, script_data, subclass
+from trainbridge.trainer import hp_search, jobs, native_callbacks, script_data, subclass
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
@@ -324,7 +324,7 @@ class LoopTrainer(_TrainerBase):
                 "transformers.PreTrainedModel (a PretrainedConfig and a PreTrainedModel subclass), or keep "
                 "transformers.Trainer for this script"
             )
-        if resume_from_checkpoint is True and not results.has_checkpoint(self.output_dir):
+        if resume_from_checkpoint is True and not jobs.has_checkpoint(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
         self._memory_tracker.start()  # Trainer's own (skip_memory_metrics=False): stopped at the final log
         self.is_in_train = True
@@ -338,7 +338,7 @@ class LoopTrainer(_TrainerBase):
                 self.remove_callback(report)
         if report is not None:
             report.raise_if_pruned()
-        metrics = results.train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
+        metrics = jobs.train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
 

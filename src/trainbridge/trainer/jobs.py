@@ -7,11 +7,13 @@ nothing written), its model (``RunPlan.model_init``); then every rank runs the l
 whose ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's printer / progress bar) hold the
 run's ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state,
 handler and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
-Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``.
+Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``;
+``train_metrics`` is what ``train()`` returns of it, as Trainer.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
@@ -60,7 +62,7 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     finally:
         trainer.callback_handler, trainer.control = handler, control
     if env.is_world_process_zero:
-        result.write(result_file(args.ckpt_output_dir))
+        result.write(result_file(args.resolved_run_files_dir))
     trainer._loop = loop
     trainer.model = loop.engine.unwrapped  # the trained model (the script's object; PEFT-wrapped if asked)
     trainer.model_wrapped = loop.engine.module
@@ -73,3 +75,21 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     return result, trainer.state
+
+
+def train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict[str, Any]:
+    """The metrics ``Trainer.train()`` returns: its final log entry without ``step``. ``total_flos`` stays in
+    (``train_results.json`` of example scripts has it) unless ``disable_tqdm``: then Trainer's ``PrinterCallback``
+    pops it in ``on_log`` from the very dict ``train()`` returns (``ProgressCallback`` pops from a copy)."""
+    metrics = dict(next((e for e in reversed(log_history) if "train_runtime" in e), {}))
+    metrics.pop("step", None)
+    if disable_tqdm:
+        metrics.pop("total_flos", None)
+    return metrics
+
+
+def has_checkpoint(output_dir: Path) -> bool:
+    """True when ``output_dir`` holds a complete checkpoint (``train(resume_from_checkpoint=True)`` needs one)."""
+    from trainbridge.checkpoint.manager import is_complete_checkpoint
+
+    return output_dir.is_dir() and any(is_complete_checkpoint(p) for p in output_dir.iterdir())

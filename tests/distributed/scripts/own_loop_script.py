@@ -234,7 +234,7 @@ if trainer.is_world_process_zero():
     def side(folder, result, metrics, state):
         """What a run left: steps, logs, checkpoints and their tensors, results files, the best checkpoint (and
         trainbridge's metrics file's evaluations)."""
-        history, metrics_file = state.log_history, folder / "metrics.jsonl"
+        history, metrics_file = state.log_history, folder / "trainbridge" / "metrics.jsonl"
         checkpoints = sorted(p.name for p in folder.glob("checkpoint-*"))
         return {
             "global_step": result.global_step,

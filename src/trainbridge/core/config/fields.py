@@ -117,7 +117,11 @@ class DataFields(BaseModel):
     validation_split: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of ``data_path`` held out (deterministically, by ``seed``) for validation."""
     ckpt_output_dir: Path
-    """Where checkpoints ``checkpoint-{global_step}/``, ``metrics.jsonl`` and ``result.json`` go."""
+    """Where checkpoints ``checkpoint-{global_step}/`` go, and the run's own files unless ``run_files_dir``."""
+    run_files_dir: Path | None = None
+    """Where the run's own files go (``metrics.jsonl``, ``result.json``, ``control/``, ``logs/``); None:
+    ``ckpt_output_dir``.  A ported ``TrainingArguments`` (``trainbridge.Trainer``) sets
+    ``output_dir/trainbridge``, leaving ``output_dir`` to what Trainer writes there."""
     share_run_dir_with_group: bool = False
     """Share the run folder with its group: a new ``ckpt_output_dir`` is created 0750 instead of 0700 (and
     checkpoints 0750 / files 0640 instead of 0700 / 0600), and a

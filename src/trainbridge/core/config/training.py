@@ -113,9 +113,14 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         return self.data_seed if self.data_seed is not None else self.seed
 
     @property
+    def resolved_run_files_dir(self) -> Path:
+        """Where the run's own files go: ``run_files_dir``, else ``ckpt_output_dir``."""
+        return self.run_files_dir or self.ckpt_output_dir
+
+    @property
     def resolved_metrics_file(self) -> Path:
         """Where rank 0 writes the JSONL metrics."""
-        return self.metrics_file or self.ckpt_output_dir / METRICS_FILE
+        return self.metrics_file or self.resolved_run_files_dir / METRICS_FILE
 
     @property
     def resolved_logging_dir(self) -> Path:
