@@ -112,14 +112,17 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         None,
         to_hf=False,
         reads="distributed_backend: fsdp",
-        differs="trainbridge's FSDP2 engine (distributed_backend='fsdp'); the options and fsdp_config are not read",
+        differs="trainbridge's FSDP2 engine (distributed_backend='fsdp') with fsdp_config's resharding, CPU "
+        "offload, wrapped classes and activation checkpointing (fsdp_reshard_after_forward, fsdp_cpu_offload, "
+        "fsdp_wrap_classes); its embeddings and output layer are units of their own",
     ),
     FieldLink(
         "deepspeed",
         None,
         to_hf=False,
         reads="distributed_backend: deepspeed",
-        differs="trainbridge's DeepSpeed engine with the config's ZeRO stage (deepspeed_zero_stage)",
+        differs="trainbridge's DeepSpeed engine with the JSON's ZeRO section (offload too), precision, optimizer and "
+        "scheduler, 'auto' filled as Trainer fills it (deepspeed_config); the batch keys are the loop's",
     ),
     # fields of trl's configs, not TrainingArguments
     FieldLink("max_length", None, to_hf=False),  # max_seq_len

@@ -80,7 +80,12 @@ NOT_WARNED: dict[str, Unwarned] = {
     "trackio_space_id": _TRACKIO,
     "trackio_bucket_id": _TRACKIO,
     "trackio_static_space_id": _TRACKIO,
-    "fsdp_config": Unwarned("not read: fsdp chooses the FSDP2 engine, which takes none of its options"),
+    "fsdp_config": Unwarned(
+        "read with fsdp: reshard_after_forward, cpu_offload, transformer_layer_cls_to_wrap / NO_WRAP and "
+        "activation_checkpointing on the FSDP2 engine (fsdp_reshard_after_forward, fsdp_cpu_offload, "
+        "fsdp_wrap_classes, gradient_checkpointing); SIZE_BASED_WRAP is refused; the FSDP1 keys have no meaning "
+        "under FSDP2"
+    ),
     "batch_eval_metrics": _EVALUATION,
     "eval_do_concat_batches": _EVALUATION,
     "prediction_loss_only": _EVALUATION,
@@ -339,14 +344,44 @@ def _backend(hf: TrainingArguments) -> dict[str, Any]:
             config = json.loads(Path(config).read_text())
         stage = config.get("zero_optimization", {}).get("stage") if isinstance(config, dict) else None
         out: dict[str, Any] = {"distributed_backend": "deepspeed"}
+        filled = getattr(hf, "hf_deepspeed_config", None)  # Trainer's integration filled its "auto" from hf
+        out["deepspeed_config"] = filled.config if filled is not None else config
         if stage in (1, 2, 3):
             out["deepspeed_zero_stage"] = stage
         elif stage is not None:
             raise ValueError(f"TrainingArguments.deepspeed: ZeRO stage {stage!r} is not supported (1, 2 or 3)")
         return out
     if hf.fsdp:
-        return {"distributed_backend": "fsdp"}
+        loaded = hf.fsdp_config if isinstance(hf.fsdp_config, dict) else {}  # TrainingArguments read a path's JSON
+        return {"distributed_backend": "fsdp", **_fsdp_settings(loaded)}
     return {}
+
+
+def _fsdp_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Trainer's ``fsdp_config`` (``fsdp``'s words already in it, as ``TrainingArguments`` normalises them) on
+    the FSDP2 engine: resharding, CPU offload, the classes wrapped, activation checkpointing."""
+    policy = config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    if policy == "SIZE_BASED_WRAP":
+        raise ValueError(
+            "TrainingArguments.fsdp_config auto_wrap_policy='SIZE_BASED_WRAP': trainbridge's FSDP2 shards by "
+            "class; set transformer_layer_cls_to_wrap, or leave it to the model's _no_split_modules"
+        )
+    out: dict[str, Any] = {
+        "fsdp_reshard_after_forward": _true(config.get("reshard_after_forward", True)),
+        "fsdp_cpu_offload": _true(config.get("cpu_offload", False)),
+    }
+    if policy == "NO_WRAP":
+        out["fsdp_wrap_classes"] = []
+    elif config.get("transformer_layer_cls_to_wrap"):
+        out["fsdp_wrap_classes"] = list(config["transformer_layer_cls_to_wrap"])
+    if _true(config.get("activation_checkpointing", False)):
+        out["gradient_checkpointing"] = True
+    return out
+
+
+def _true(value: Any) -> bool:
+    """An ``fsdp_config`` flag (a bool, or a string as a JSON file or FSDP1's strategies give it)."""
+    return str(value).lower() in ("true", "1", "full_shard", "hybrid_shard")
 
 
 def _absolute_steps(name: str, value: float, max_steps: int | None, allow_zero: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""``DeepSpeedEngine``: DeepSpeed ZeRO (stage 1, 2 or 3) around our AdamW.
+"""``DeepSpeedEngine``: DeepSpeed ZeRO (stage 1, 2 or 3) around our AdamW, or as a script's DeepSpeed JSON says.
 
 DeepSpeed owns the step: it clips inside it (``gradient_clipping`` from ``max_grad_norm``) and reports
 the pre-clip norm after it; the loop's loss is already normalised (``backward(scale_wrt_gas=False)``)
@@ -9,11 +9,18 @@ DeepSpeed is optional (``pip install trainbridge[deepspeed]``).  On CPU the buil
 ``DS_ACCELERATOR=cpu`` before importing it (DeepSpeed picks its accelerator once, at first import) and
 DeepSpeed joins the gloo group ``DistributedEnv`` started.  Its ``bf16`` mode is DeepSpeed's own: bf16
 parameters with fp32 master weights in the optimizer (as the Hugging Face Trainer configures it).
+
+A Trainer script's DeepSpeed JSON (``TrainingArgs.deepspeed_config``) is honoured as Trainer's integration
+honours it: its ZeRO section (stage, CPU offload of parameters and optimizer, buckets), precision, and its
+``optimizer`` / ``scheduler`` when it names them (DeepSpeed builds them; its scheduler is stepped by
+``engine.step()``); without an optimizer there, ours runs inside ZeRO.  ``"auto"`` is filled as Trainer fills it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import os
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,9 +46,16 @@ class DeepSpeedEngine(TrainingEngine):
     kind = "deepspeed"
     native_checkpoint = True
 
-    def __init__(self, *args: Any, zero_stage: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_stage: int, engine_steps_scheduler: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.zero_stage = zero_stage
+        self.engine_steps_scheduler = engine_steps_scheduler
+        """The scheduler is the DeepSpeed JSON's: ``engine.step()`` steps it (``scheduler_step`` does not)."""
+
+    def scheduler_step(self) -> None:
+        """Ours: after each optimizer step; the JSON's scheduler: already stepped by ``engine.step()``."""
+        if not self.engine_steps_scheduler:
+            super().scheduler_step()
 
     def micro_batch(self, is_last: bool) -> AbstractContextManager[None]:
         """Mark the gradient-accumulation boundary: reduction and step happen after the last micro-batch."""
@@ -166,8 +180,74 @@ DEEPSPEED_BUCKET_ELEMENTS = 200_000_000
 recipes use to bound the bucket memory, 2 x 400 MB in bf16)."""
 
 
-def deepspeed_config(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
-    """The explicit DeepSpeed config: one sample per micro-batch, the boundary set by the engine per step
+def deepspeed_config(
+    args: TrainingArgs, env: DistributedEnv, model: nn.Module | None = None, total_steps: int = 0
+) -> dict[str, Any]:
+    """The DeepSpeed config: ``args.deepspeed_config`` (the script's JSON) over ours (``own_config``), its
+    ``"auto"`` values left by Trainer's ``trainer_config_process`` filled here as its ``trainer_config_finalize``
+    fills them (from ``model``'s hidden size and ``total_steps``); the batch keys are always ours.  Without
+    ``model`` (accelerate's plugin, before the engine) the model's keys may stay ``"auto"``."""
+    ours = own_config(args, env)
+    if not args.deepspeed_config:
+        return ours
+    config: dict[str, Any] = copy.deepcopy(dict(args.deepspeed_config))
+    config["zero_optimization"] = {**ours["zero_optimization"], **dict(config.get("zero_optimization") or {})}
+    config["zero_optimization"]["stage"] = args.deepspeed_zero_stage
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        config[key] = ours[key]  # one micro-batch per call, the boundary set by the engine (see the module doc)
+    for key in ("gradient_clipping", "steps_per_print", "wall_clock_breakdown"):
+        config.setdefault(key, ours[key])
+    if "optimizer" not in config:  # ours (Trainer's optimizer) inside ZeRO, as Trainer's integration allows
+        config["zero_allow_untested_optimizer"] = True
+    _fill_auto(config, args, model, total_steps)
+    return config
+
+
+def _fill_auto(config: dict[str, Any], args: TrainingArgs, model: nn.Module | None, total_steps: int) -> None:
+    """The ``"auto"`` values Trainer fills once the model and the step count are known
+    (``HfTrainerDeepSpeedConfig.trainer_config_finalize``); any other ``"auto"`` left is an error naming it."""
+    zero = config["zero_optimization"]
+    hidden = _hidden_size(model)
+    if hidden is not None:
+        for key, value in (
+            ("reduce_bucket_size", hidden * hidden),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)),
+            ("stage3_param_persistence_threshold", 10 * hidden),
+        ):
+            if zero.get(key) == "auto":
+                zero[key] = value
+    params = (config.get("scheduler") or {}).get("params") or {}
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * total_steps)
+    for key, value in (("total_num_steps", total_steps), ("warmup_num_steps", warmup)):
+        if params.get(key) == "auto":
+            params[key] = value
+    left = sorted(_auto_keys(config))
+    if left and model is not None:  # without the model (accelerate's plugin state): what can be filled
+        raise ValueError(
+            f"deepspeed_config: {left} are 'auto' and nothing fills them (Trainer fills the batch, optimizer, "
+            "scheduler, precision and hidden-size keys); set them to values in the DeepSpeed JSON"
+        )
+
+
+def _hidden_size(model: nn.Module | None) -> int | None:
+    """The model's (or its text model's) hidden size, the largest of ``hidden_sizes``, as Trainer reads it."""
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        if getattr(source, "hidden_size", None) is not None:
+            return int(source.hidden_size)  # type: ignore[union-attr]
+        if getattr(source, "hidden_sizes", None):
+            return int(max(source.hidden_sizes))  # type: ignore[union-attr]
+    return None
+
+
+def _auto_keys(config: Any, prefix: str = "") -> list[str]:
+    if isinstance(config, dict):
+        return [key for name, value in config.items() for key in _auto_keys(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if config == "auto" else []
+
+
+def own_config(args: TrainingArgs, env: DistributedEnv) -> dict[str, Any]:
+    """trainbridge's DeepSpeed config: one sample per micro-batch, the boundary set by the engine per step
     (so ``gradient_accumulation_steps`` is 1), clipping from ``max_grad_norm``, bf16 if configured;
     ZeRO with contiguous gradients and bounded buckets, and on CUDA communication overlapped with the
     backward (``overlap_comm``)."""
@@ -232,23 +312,51 @@ def build_deepspeed(
     decay_names: set[str],
     factory: OptimizerFactory | None = None,
 ) -> DeepSpeedEngine:
-    """``deepspeed.initialize`` over ``model`` on ``env.device`` with ``deepspeed_config``, AdamW (DeepSpeed's
-    FusedAdam on CUDA) and the LR schedule."""
+    """``deepspeed.initialize`` over ``model`` on ``env.device`` with ``deepspeed_config``: the JSON's optimizer
+    and scheduler when it names them, else AdamW (DeepSpeed's FusedAdam on CUDA) and the LR schedule, as
+    Trainer's integration combines them."""
     deepspeed = _import_deepspeed(env)
     # Joins the process group DistributedEnv already started (gloo on CPU, NCCL on CUDA).
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
     cast(nn.Module, model).to(env.device)
-    optimizer = (
-        _deepspeed_fused_adam(deepspeed, model, args, decay_names)
-        if env.device.type == "cuda"
-        else build_optimizer(model, args, decay_names, allow_fused=False, total_steps=total_steps, factory=factory)
+    config = deepspeed_config(args, env, model, total_steps)
+    optimizer, scheduler = None, None
+    if "optimizer" not in config:  # ours inside ZeRO; with the JSON's, DeepSpeed builds it on the trainable ones
+        optimizer = (
+            _deepspeed_fused_adam(deepspeed, model, args, decay_names)
+            if env.device.type == "cuda"
+            else build_optimizer(model, args, decay_names, allow_fused=False, total_steps=total_steps, factory=factory)
+        )
+        if "scheduler" not in config:  # it drives the torch optimizer's param_groups, which ZeRO steps with
+            scheduler = build_scheduler(optimizer, args, total_steps, factory)
+    trainable = [p for p in cast(nn.Module, model).parameters() if p.requires_grad]
+    ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=None if optimizer is not None else trainable,
+        config=config,
+        dist_init_required=False,
     )
-    # The scheduler drives the torch optimizer's param_groups, which the ZeRO optimizer steps with.
-    scheduler = build_scheduler(optimizer, args, total_steps, factory)
-    ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(args, env), dist_init_required=False
+    engine_steps = "scheduler" in config  # the JSON's scheduler: built by DeepSpeed, stepped by engine.step()
+    if engine_steps:
+        scheduler = ds_scheduler
+    elif scheduler is None:  # the JSON's optimizer without its scheduler: Trainer's schedule over it
+        scheduler = build_scheduler(_basic_optimizer(ds_optimizer), args, total_steps)
+    return DeepSpeedEngine(
+        ds_engine,
+        model,
+        ds_optimizer,
+        scheduler,
+        args,
+        env,
+        zero_stage=args.deepspeed_zero_stage,
+        engine_steps_scheduler=engine_steps,
     )
-    return DeepSpeedEngine(ds_engine, model, ds_optimizer, scheduler, args, env, zero_stage=args.deepspeed_zero_stage)
+
+
+def _basic_optimizer(ds_optimizer: Any) -> Any:
+    """The torch optimizer inside DeepSpeed's ZeRO optimizer (its ``param_groups`` are the live ones)."""
+    return getattr(ds_optimizer, "optimizer", ds_optimizer)
 
 
 def _deepspeed_fused_adam(deepspeed: Any, model: nn.Module, args: TrainingArgs, decay_names: set[str]) -> Any:

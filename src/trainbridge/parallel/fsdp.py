@@ -116,6 +116,7 @@ class FSDP2Engine(TrainingEngine):
     def describe(self) -> str:
         """E.g. ``fsdp2 (fully_shard) world=2 device=cpu, 3 sharded modules``."""
         precision = ", bf16 MixedPrecisionPolicy (fp32 reduce)" if self.mixed_precision_policy else ""
+        precision += ", CPU offload" if self.args.fsdp_cpu_offload else ""
         sync = "reduce-scatter every micro-batch" if self.sync_every_micro_batch else "reduce-scatter per step"
         return (
             f"fsdp2 (fully_shard) {self._where()}, {self.sharded_modules} sharded modules, {sync}, "
@@ -150,9 +151,10 @@ def packed_quantized_weights(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers: modules whose class is named in the model's ``_no_split_modules``."""
-    names = set(cast(list[str], model._no_split_modules or []))
+def decoder_layers(model: nn.Module, classes: list[str] | None = None) -> list[nn.Module]:
+    """The decoder layers: modules whose class is named in ``classes``, by default in the model's
+    ``_no_split_modules``."""
+    names = set(cast(list[str], model._no_split_modules or []) if classes is None else classes)
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
@@ -164,14 +166,22 @@ def _model_method(model: nn.Module, name: str) -> Any:
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 
-def fsdp_unit_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+def fsdp_unit_groups(model: nn.Module, classes: list[str] | None = None) -> list[tuple[str, list[nn.Module]]]:
     """The modules FSDP2 shards as their own units, in forward order, before the root:
 
-    the input embeddings, each decoder layer, and the final norm together with the output layer (they
-    run back to back, so one all-gather serves both).  Tied input/output embeddings share a weight,
-    which must stay in one unit: then both stay with the root.
+    the input embeddings, each decoder layer (a module of ``classes``, by default of ``_no_split_modules``),
+    and the final norm together with the output layer (they run back to back, so one all-gather serves
+    both).  Tied input/output embeddings share a weight, which must stay in one unit: then both stay with
+    the root.
     """
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, classes)
+    if classes:
+        missing = sorted(set(classes) - {type(m).__name__ for m in model.modules()})
+        if missing:
+            raise ValueError(
+                f"fsdp_wrap_classes={classes!r}: {missing} are not classes of {type(model).__name__}'s modules; "
+                "name its layer classes (Trainer's fsdp_config transformer_layer_cls_to_wrap) or leave it unset"
+            )
     embed = _model_method(model, "get_input_embeddings")
     head = _model_method(model, "get_output_embeddings")
     tied = embed is not None and head is not None and head.weight is embed.weight
@@ -209,7 +219,7 @@ def build_fsdp(
 
     kwargs, use_mp_policy = _shard_kwargs(model, args, env)
     full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
-    groups = fsdp_unit_groups(model)
+    groups = fsdp_unit_groups(model, args.fsdp_wrap_classes)
     for i, (_, modules) in enumerate(groups):
         # The last unit's backward follows its forward at once: keep its parameters gathered.
         reshard = args.fsdp_reshard_after_forward and i < len(groups) - 1
@@ -218,8 +228,9 @@ def build_fsdp(
     if weights_from_rank0:
         _fill_from_rank0(model, full_state, env)
     # fully_shard replaced the parameters by DTensors: the optimizer must be built on the new ones.
-    # ShardedGradScaler's found_inf (shape [1], all-reduced) does not fit the fused AdamW kernel's scaler arguments
-    fused = args.mixed_precision_for(env.device.type) != "fp16"
+    # ShardedGradScaler's found_inf (shape [1], all-reduced) does not fit the fused AdamW kernel's scaler arguments;
+    # offloaded shards are stepped on the CPU
+    fused = args.mixed_precision_for(env.device.type) != "fp16" and not args.fsdp_cpu_offload
     optimizer = build_optimizer(model, args, decay_names, allow_fused=fused, total_steps=total_steps, factory=factory)
     return FSDP2Engine(
         model,
@@ -235,10 +246,10 @@ def build_fsdp(
 
 
 def _shard_kwargs(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> tuple[dict[str, Any], bool]:
-    """``fully_shard``'s keyword arguments for ``model`` (mesh, ignored packed weights, bf16 policy) and
-    whether they hold a mixed-precision policy."""
+    """``fully_shard``'s keyword arguments for ``model`` (mesh, ignored packed weights, bf16 policy, CPU
+    offload) and whether they hold a mixed-precision policy."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     # An explicit mesh: fully_shard's default is a CUDA mesh whenever CUDA exists, even for device='cpu'.
     # The model stays where it was loaded; fully_shard moves each unit to the mesh device as it shards it,
@@ -249,6 +260,8 @@ def _shard_kwargs(model: nn.Module, args: TrainingArgs, env: DistributedEnv) -> 
     precision = args.mixed_precision_for(env.device.type)
     use_mp_policy = precision in ("bf16", "fp16") and env.device.type == "cuda" and not packed
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if args.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     if any(not p.is_floating_point() for p in packed):  # uint8-packed (no bnb_4bit_quant_storage): kept whole
         kwargs["ignored_params"] = {p for p in packed if not p.is_floating_point()}
     if use_mp_policy:
@@ -269,7 +282,7 @@ def shard_frozen(
 
     kwargs, _ = _shard_kwargs(model, args, env)
     full_state = _rank0_full_state(model, env) if weights_from_rank0 else None
-    for _, modules in fsdp_unit_groups(model):
+    for _, modules in fsdp_unit_groups(model, args.fsdp_wrap_classes):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=True, **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)
     if weights_from_rank0:

@@ -34,14 +34,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 import transformers
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.config.plan import RunPlan, StepFactory
+from trainbridge.core.config.plan import StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
+from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf import native_callbacks
 from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import hp_search, jobs, native_callbacks, script_data, subclass
+from trainbridge.trainer import hp_search, jobs, subclass
+from trainbridge.trainer.job_args import LiveModel, TrainerPlan
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
@@ -197,7 +200,7 @@ class LoopTrainer(_TrainerBase):
         init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
-        in a ``TrainerCallback`` (``trainer.native_callbacks``), which Trainer's handler can call."""
+        in a ``TrainerCallback`` (``hf.native_callbacks``), which Trainer's handler can call."""
         bound = inspect.signature(init).bind_partial(*args, **kwargs)
         if bound.arguments.get("callbacks") is None:
             return args, kwargs
@@ -246,21 +249,20 @@ class LoopTrainer(_TrainerBase):
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
+        from trainbridge.modeling.load import is_causal_lm
+
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
             items=self.rows_are_items
-            or script_data.uses_sample_batches(self.model, self._collator_choice)
+            or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
+            or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
-
-    def generation_fields(self) -> dict[str, Any]:
-        """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
-        return {}
 
     def _optimizers(self) -> Any:
         """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is
@@ -272,16 +274,17 @@ class LoopTrainer(_TrainerBase):
             return self._optimizer_factory  # (model_init: a new model, a new optimizer, as Trainer's train())
         return optimizer_factory(self, (self.optimizer, given_scheduler), None)
 
-    def run_plan(self) -> RunPlan:
-        """The code of this instance's run (``RunPlan``), decided here from its class (what it overrides:
-        ``trainer.subclass``) and objects; a class with a step of its own sets ``step_factory``.  The data
-        (``script_data``) is prepared on every rank beside it (``job_args``)."""
-        from trainbridge.trainer.job_args import LiveModel
-
+    def run_plan(self) -> TrainerPlan:
+        """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
+        here from its class (what it overrides: ``trainer.subclass``) and objects; a class with a step of its own
+        sets ``step_factory``, one with settings of its own overrides this and calls ``super()``
+        (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it
+        (``job_args``)."""
         events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
         # the final log's memory metrics first (skip_memory_metrics=False), as Trainer adds them before log()
         callbacks = [*memory_metrics(self), *([events] if events is not None else []), *self._script_callbacks()]
-        reproduced = self._collator_choice.reproduced and not self._row_preparation().items
+        rows = self._row_preparation()
+        reproduced = self._collator_choice.reproduced and not rows.items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
             step_factory=self.step_factory,
@@ -297,7 +300,7 @@ class LoopTrainer(_TrainerBase):
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             callbacks=callbacks,
         )
-        return RunPlan(**seams)
+        return TrainerPlan(**seams, rows=rows, token_metrics=self.token_metrics)
 
     # ================================================================== train: trainbridge's loop
     def train(

@@ -29,9 +29,9 @@ import torch
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.data.script_data import column_items
 from trainbridge.trainer.optimizers import back_to_training
 from trainbridge.trainer.scope import LogCapture, LoopScope
-from trainbridge.trainer.script_data import column_items
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments

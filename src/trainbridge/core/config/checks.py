@@ -174,7 +174,9 @@ def check_optimizer(args: TrainingArgs) -> None:
             f"lr_scheduler={args.lr_scheduler!r}: it steps on the evaluation metric (metric_for_best_model), "
             "so it needs an evaluation; set eval_strategy='steps' or 'epoch', as Trainer requires"
         )
-    if args.distributed_backend == "deepspeed" and args.optim not in ("adamw_torch", "adamw_torch_fused"):
+    names_optimizer = bool(args.deepspeed_config and "optimizer" in args.deepspeed_config)  # the JSON's: DeepSpeed's
+    deepspeed = args.distributed_backend == "deepspeed" and not names_optimizer
+    if deepspeed and args.optim not in ("adamw_torch", "adamw_torch_fused"):
         raise ValueError(
             f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
             "optim='adamw_torch' with distributed_backend='deepspeed', or ddp/fsdp for this optimizer"

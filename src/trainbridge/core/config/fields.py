@@ -281,6 +281,12 @@ class ParallelismFields(BaseModel):
     """``ddp`` (torch DDP), ``fsdp`` (torch FSDP2 ``fully_shard``), or ``deepspeed`` (ZeRO, optional extra)."""
     deepspeed_zero_stage: Literal[1, 2, 3] = 2
     """ZeRO stage when ``distributed_backend='deepspeed'``."""
+    deepspeed_config: dict[str, JsonValue] | None = None
+    """With ``distributed_backend='deepspeed'``: a DeepSpeed config (Trainer's ``deepspeed=`` JSON, ``"auto"``
+    values filled by Trainer's integration).  Its ``zero_optimization`` (offload, buckets...) and precision are
+    used, and its ``optimizer`` / ``scheduler`` when it names them (DeepSpeed builds and steps them); the batch
+    keys are the loop's; ``"auto"`` left (model size, step count) is filled as Trainer fills it
+    (``parallel.deepspeed``).  None: trainbridge's own config with ``deepspeed_zero_stage``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (NCCL) when available, else CPU (gloo)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -301,6 +307,14 @@ class ParallelismFields(BaseModel):
     """FSDP2: free each unit's gathered parameters after its forward (gathered again for backward; less
     memory, one more all-gather per unit).  ``False`` keeps them until backward (ZeRO-2-like).  The
     ``norm`` + output-layer unit never reshards after forward: its backward comes right after."""
+    fsdp_wrap_classes: list[str] | None = None
+    """FSDP2: the class names sharded as units of their own (Trainer's ``fsdp_config``
+    ``transformer_layer_cls_to_wrap``); ``[]``: none but the embeddings and output layer (``auto_wrap_policy:
+    NO_WRAP``).  None (default): the model's ``_no_split_modules``, its decoder layers."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2: parameters, gradients and optimizer state live on the CPU between uses, copied to the device for
+    each unit's forward and backward; the optimizer steps on the CPU (``CPUOffloadPolicy``; Trainer's
+    ``fsdp='full_shard offload'`` / ``fsdp_config`` ``cpu_offload``).  Less device memory, slower steps."""
     fsdp_load_on_rank0: bool = True
     """FSDP2 with several ranks: only rank 0 reads the checkpoint; the other ranks build the model on the
     meta device (no memory, no disk read) and receive their shards from rank 0 after ``fully_shard``
