@@ -76,6 +76,7 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         restore_callback_states_from_checkpoint=True,
         torch_compile_mode="max-autotune",
         enable_jit_checkpoint=True,
+        debug="underflow_overflow",
     )
     ported = training_args_from_hf(hf, model_path=base["model_path"], data_path=base["data_path"])
     expected = {
@@ -91,6 +92,7 @@ def test_renamed_trainer_fields_are_what_porting_carries_over(tmp_path, base):
         "torch_compile_backend": "inductor",
         "torch_compile_mode": "max-autotune",
         "enable_jit_checkpoint": True,
+        "debug": True,
     }
     assert set(RENAMED) == set(expected)
     for name, ours in RENAMED.items():

@@ -426,6 +426,20 @@ def test_average_tokens_across_devices_weighs_ranks_as_trainer(llama: Any, avera
     assert float(ours) == pytest.approx(float(trainers), rel=1e-5)
 
 
+def test_underflow_overflow_debug_stops_at_the_first_inf_as_trainer(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``debug="underflow_overflow"``: transformers' ``DebugUnderflowOverflow`` watches the model, and the first
+    ``inf`` in an activation stops training with its error, under Trainer and ours."""
+    for cls in (transformers.Trainer, Trainer):
+        model = copy.deepcopy(llama[0])
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("inf")
+        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, model=model, debug="underflow_overflow")
+        with pytest.raises(Exception, match="DebugUnderflowOverflow: inf/nan detected"):
+            trainer.train()
+
+
 def test_full_determinism_turns_deterministic_kernels_on(args_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``run_training``'s build seeds with ``enable_full_determinism``, as Trainer's constructor (the facade's)."""
     from tests.run_inputs import as_run

@@ -1,6 +1,7 @@
 """Callbacks the loop installs: the schedule, best-checkpoint tracking, metrics file, progress, a metric-driven
 learning-rate schedule's step, control from another shell (``trainbridge control``), saving on SIGTERM
-(``save_on_interrupt``) and emptying the device cache (``torch_empty_cache_steps``)."""
+(``save_on_interrupt``), emptying the device cache (``torch_empty_cache_steps``) and watching activations
+for inf/nan (``debug_underflow_overflow``)."""
 
 from trainbridge.callbacks.best_checkpoint import BestCheckpointTracker
 from trainbridge.callbacks.device_cache import EmptyDeviceCache
@@ -10,6 +11,7 @@ from trainbridge.callbacks.metric_schedule import MetricScheduleStepper
 from trainbridge.callbacks.metrics_file import MetricsFileCallback
 from trainbridge.callbacks.progress import ProgressBarCallback
 from trainbridge.callbacks.schedule import ScheduleCallback
+from trainbridge.callbacks.underflow_overflow import UnderflowOverflow
 
 __all__ = [
     "BestCheckpointTracker",
@@ -20,4 +22,5 @@ __all__ = [
     "ProgressBarCallback",
     "SaveOnInterrupt",
     "ScheduleCallback",
+    "UnderflowOverflow",
 ]

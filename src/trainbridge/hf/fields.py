@@ -106,6 +106,7 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         differs="the checkpoint is written at the next step boundary, agreed across ranks (Trainer's: after 3 s, "
         "by the signalled rank), then training stops",
     ),
+    FieldLink("debug", "debug_underflow_overflow", to_hf=False, reads="debug_underflow_overflow: underflow_overflow"),
     FieldLink("torch_compile", "compile", to_hf=False),
     FieldLink("torch_compile_backend", "compile_backend", to_hf=False),
     FieldLink("torch_compile_mode", "compile_mode", to_hf=False),

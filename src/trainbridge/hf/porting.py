@@ -133,7 +133,6 @@ EXPLANATIONS: dict[str, str] = {
         "length grouping and batch rebalancing are not applied"
     ),
     "length_column_name": "read only by train_sampling_strategy's length grouping, which is not applied",
-    "debug": "underflow/overflow detection (DebugUnderflowOverflow) is not attached to the model",
     "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
     "use_liger_kernel": (
         "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
@@ -273,6 +272,7 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "dataloader_prefetch_factor": hf.dataloader_prefetch_factor,
         "dataloader_persistent_workers": hf.dataloader_persistent_workers,
         "dataloader_multiprocessing_context": hf.dataloader_multiprocessing_context,
+        "debug_underflow_overflow": "underflow_overflow" in [_plain(option) for option in hf.debug or ()],
         # Trainer's sample batches keep the forward's columns; the token step is left where more would reach
         # the model (trainer.facade's _columns_past_the_token_step)
         "remove_unused_columns": hf.remove_unused_columns,

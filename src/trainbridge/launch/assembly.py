@@ -19,6 +19,7 @@ from trainbridge.callbacks import (
     ProgressBarCallback,
     SaveOnInterrupt,
     ScheduleCallback,
+    UnderflowOverflow,
 )
 from trainbridge.core.callback import Callback, FunctionCallback
 from trainbridge.core.config import CallbackSpec, RunPlan, TrainingArgs
@@ -60,6 +61,8 @@ def assemble_callbacks(args: TrainingArgs, plan: RunPlan) -> list[Callback]:
         tail.append(SaveOnInterrupt())
     if args.torch_empty_cache_steps is not None:
         tail.append(EmptyDeviceCache())
+    if args.debug_underflow_overflow:
+        tail.append(UnderflowOverflow())
     if hf_driver is None:
         tail.append(ProgressBarCallback())
     return [ScheduleCallback(), *ordered, *functions, *tail]

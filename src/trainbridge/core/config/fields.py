@@ -334,6 +334,9 @@ class ParallelismFields(BaseModel):
     """``torch.compile``'s backend (Trainer's ``torch_compile_backend``)."""
     compile_mode: str | None = None
     """``torch.compile``'s mode, e.g. ``"reduce-overhead"`` (Trainer's ``torch_compile_mode``)."""
+    debug_underflow_overflow: bool = False
+    """Watch every module's activations with transformers' ``DebugUnderflowOverflow`` and stop at the first
+    inf/nan, printing the frames before it (Trainer's ``debug="underflow_overflow"``)."""
     torch_empty_cache_steps: int | None = Field(default=None, gt=0)
     """Empty the accelerator's memory cache (``torch.cuda.empty_cache()``...) after the forward of every
     micro-batch of each optimizer step whose number is a multiple of this, as Trainer's
