@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import transformers
@@ -22,9 +23,10 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
+from trainbridge.core.config import eval_set_names
 from trainbridge.core.config.checks import check_consistent
 from trainbridge.core.config.plan import ExistingModel, RunPlan
-from trainbridge.core.context import count_parameters, flops_parameters
+from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
@@ -113,6 +115,21 @@ class RunComponents:
         if getattr(self.train_batches, "unsized", False):
             return sys.maxsize
         return math.ceil(self.max_steps / self.steps_per_epoch)
+
+    def context(self, args: TrainingArgs, env: DistributedEnv) -> TrainingContext:
+        """The run's ``TrainingContext`` over these components, at step 0 (a resume restores its progress)."""
+        engine, plan = self.engine, self.plan
+        ctx = TrainingContext(args=args, env=env, hf_args=plan.hf_args, eval_set_names=eval_set_names(args, plan))
+        ctx.steps_per_epoch, ctx.max_steps, ctx.num_epochs = self.steps_per_epoch, self.max_steps, self.num_epochs
+        ctx.model, ctx.unwrapped_model = engine.module, engine.unwrapped
+        ctx.optimizer, ctx.lr_scheduler = engine.optimizer, engine.lr_scheduler
+        ctx.train_dataloader = self.train_batches
+        ctx.eval_dataloader = self.eval_batches or next(iter(self.named_eval_batches.values()), None)
+        ctx.tokenizer = self.tokenizer
+        ctx.num_parameters, ctx.flops_parameters = self.num_parameters, self.flops_parameters
+        ctx.flops_input_positions = self.step.flops_input_positions
+        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), engine)
+        return ctx
 
 
 class RunBatches(NamedTuple):
@@ -387,29 +404,16 @@ def _item_batches(
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
     per_device, accumulation = sample_batch_shape(args, env.world_size)
-    if train is not None:
-        return SampleBatches(
-            train,
-            collate,
-            per_device=per_device,
-            accumulation=accumulation,
-            world_size=env.world_size,
-            rank=env.rank,
-            seed=args.data_order_seed,
-            drop_last=drop_last,
-            workers=LoaderWorkers(
-                args.dataloader_num_workers, args.dataloader_prefetch_factor, args.dataloader_persistent_workers
-            ),
-        )
-    return StreamBatches(
-        stream,
-        collate,
-        per_device=per_device,
-        accumulation=accumulation,
-        world_size=env.world_size,
-        rank=env.rank,
-        max_steps=args.max_steps,
+    # both kinds deal this rank its share of each step's items alike
+    shape: dict[str, Any] = dict(
+        per_device=per_device, accumulation=accumulation, world_size=env.world_size, rank=env.rank
     )
+    if train is None:
+        return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
+    workers = LoaderWorkers(
+        args.dataloader_num_workers, args.dataloader_prefetch_factor, args.dataloader_persistent_workers
+    )
+    return SampleBatches(train, collate, **shape, seed=args.data_order_seed, drop_last=drop_last, workers=workers)
 
 
 def _loader_batches(
