@@ -8,9 +8,10 @@ overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``pr
 ``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
 trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
 and calls back into the instance where Trainer's loop would (``trainer.subclass``): ``training_step`` on each
-micro-batch when the class overrides the step, ``evaluate()`` at evaluation points when it overrides the
-evaluation, ``log()`` on every log, ``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During
-``train()`` ``self.state``, ``self.control`` and ``self.callback_handler`` are the loop's.
+micro-batch when the class overrides the step, ``evaluate()`` at evaluation points (Trainer's own on Trainer's
+sample batches, an override's; the loop's on the padding-free token batches), ``log()`` on every log,
+``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During ``train()`` ``self.state``,
+``self.control`` and ``self.callback_handler`` are the loop's.
 
 Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
 ``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
@@ -138,8 +139,8 @@ class LoopTrainer(_TrainerBase):
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
-        optimizers = (self.optimizer, self.lr_scheduler)
-        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
+        self._given_optimizers = (self.optimizer, self.lr_scheduler)
+        self._optimizer_factory = optimizer_factory(self, self._given_optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -263,6 +264,16 @@ class LoopTrainer(_TrainerBase):
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
 
+    def _optimizers(self) -> Any:
+        """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is
+        another (an earlier ``train()``'s, one the script built with ``create_optimizer()``), that optimizer in
+        place, with its state, and the script's own scheduler or else a new one, as Trainer's ``train()`` keeps
+        its optimizer across calls and builds a new scheduler."""
+        given_optimizer, given_scheduler = self._given_optimizers
+        if self.optimizer is None or self.optimizer is given_optimizer or self.model_init is not None:
+            return self._optimizer_factory  # (model_init: a new model, a new optimizer, as Trainer's train())
+        return optimizer_factory(self, (self.optimizer, given_scheduler), None)
+
     def run_plan(self) -> TrainerPlan:
         """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
         here from its class (what it overrides: ``trainer.subclass``) and objects; a class with a step of its own
@@ -283,7 +294,7 @@ class LoopTrainer(_TrainerBase):
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
             train_loader=subclass.subclass_loader(self),
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
-            optimizer_factory=self._optimizer_factory,
+            optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
@@ -369,6 +380,16 @@ class LoopTrainer(_TrainerBase):
         return dict(
             super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         )
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        """Trainer's ``_wrap_model``; inside one of the loop's calls with the engine's model (an evaluation
+        point: ``subclass.ScriptTrainer.evaluation``), the model being trained: for evaluation without the
+        DDP/DeepSpeed wrapper, as Trainer's ``evaluation_loop`` evaluates during ``train()`` (FSDP2's sharded
+        module is the model itself), else the engine's wrapper."""
+        scope = self._in_loop
+        if scope is None or scope.model is None:
+            return cast("torch.nn.Module", super()._wrap_model(model, training, dataloader))
+        return cast("torch.nn.Module", scope.model if training else self.accelerator.unwrap_model(scope.model))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; for one of the loop's logs (``subclass.ScriptTrainerEvents``), what the chain

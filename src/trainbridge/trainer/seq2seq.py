@@ -1,9 +1,9 @@
 """``Seq2SeqTrainer``: a real ``transformers.Seq2SeqTrainer`` whose training loop is trainbridge's.
 
 Its constructor, ``evaluate``, ``predict`` and ``prediction_step`` are transformers' own (generation with
-``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments).  During
-``train()`` the loop's evaluations generate as ``Seq2SeqTrainer.evaluate`` would (``step.generated``): with
-``generation_max_length`` / ``generation_num_beams`` and the model's ``generation_config``.
+``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments), at each
+evaluation during ``train()`` too (``trainer.subclass.trainers_evaluation``: an encoder-decoder trains on
+Trainer's sample batches), on the loop's model.
 """
 
 from __future__ import annotations

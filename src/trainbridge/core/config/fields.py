@@ -235,7 +235,9 @@ class ScheduleFields(BaseModel):
     Trainer's own ``get_optimizer_cls_and_kwargs``: ``adamw_torch`` (torch AdamW, fused kernel where every
     parameter allows it), ``sgd``, ``adagrad``, ``rmsprop``, ``adafactor``...; those of another package need
     it installed (bitsandbytes: ``pip install 'trainbridge[qlora]'``; ``schedulefree``, ``galore-torch``...).
-    DeepSpeed keeps its own AdamW (``adamw_torch`` only)."""
+    DeepSpeed keeps its own AdamW (``adamw_torch`` only).  Refused before launch, as they cannot work:
+    layer-wise ``*_layerwise`` on more than one process, with FSDP2 or DeepSpeed, with fp16, or over more than
+    one micro-batch per step; GaLore / APOLLO with FSDP2; LOMO / AdaLomo (``core.config.checks``)."""
     optim_args: dict[str, JsonValue] = Field(default_factory=dict)
     """Trainer's ``optim_args`` as a dict, read as Trainer reads them for ``optim``, e.g.
     ``{"momentum": 0.9, "nesterov": True}`` for ``sgd``, ``{"alpha": 0.9}`` for ``rmsprop``."""
