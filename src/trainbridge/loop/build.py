@@ -24,7 +24,7 @@ from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.config import eval_set_names
-from trainbridge.core.config.checks import check_consistent
+from trainbridge.core.config.checks import check_consistent, check_world
 from trainbridge.core.config.plan import ExistingModel, RunPlan
 from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
@@ -146,6 +146,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
     engine wraps the model across ranks) for ``args`` running ``plan``'s code (checked together first)."""
     check_consistent(args, plan)
+    check_world(args, env.world_size)
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
@@ -410,9 +411,7 @@ def _item_batches(
     )
     if train is None:
         return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
-    workers = LoaderWorkers(
-        args.dataloader_num_workers, args.dataloader_prefetch_factor, args.dataloader_persistent_workers
-    )
+    workers = LoaderWorkers.of(args)
     return SampleBatches(train, collate, **shape, seed=args.data_order_seed, drop_last=drop_last, workers=workers)
 
 
