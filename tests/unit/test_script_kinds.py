@@ -1,12 +1,13 @@
 """Script kinds (tests/distributed/scripts/kinds_script.py), in place on one rank, against real
 ``transformers.Trainer``: the same script with only the import changed gives the same steps, log steps and keys,
-checkpoints and checkpoint files (Trainer's within ours), and losses: audio decoded from WAV bytes on every
+checkpoints and checkpoint files (Trainer's within ours), and losses: images with a random crop and flip per
+access read by 2 loader workers (``dataloader_num_workers``), audio decoded from WAV bytes on every
 access with a random window (``random.randint``) per access, a CLIP two-tower contrastive model
 (``return_loss=True`` in the batch, no labels), a LLaVA vision-language SFT collator (image tokens, masked
 prompt, pixel values), trl's DPOTrainer on a LLaVA model with a ``LlavaProcessor`` (vision-language DPO: the
 same rewards too).  Ours writes the processor's tokenizer into checkpoints, not the processor
 (``processor_config.json`` is missing: a known difference, checked as such).  Both launch styles on 2 gloo
-ranks, with the DeepSpeed JSON, fsdp_config and image kinds: tests/distributed/test_script_kinds.py
+ranks, with the DeepSpeed JSON and fsdp_config kinds: tests/distributed/test_script_kinds.py
 (``compat_full``)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from unittest import mock
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "distributed" / "scripts" / "kinds_script.py"
-KINDS = ["audio", "twotower", "vlm", "vlmdpo"]
+KINDS = ["images", "audio", "twotower", "vlm", "vlmdpo"]
 NOT_WRITTEN = {"vlmdpo": {"processor_config.json"}}
 """Trainer's checkpoint files ours lacks, per kind: the processor's own file (ours saves its tokenizer)."""
 SAME = ("global_step", "loss_steps", "eval_steps", "checkpoints")
@@ -47,8 +48,10 @@ def test_each_kind_trains_as_under_trainer(runs: dict[str, dict[str, dict]], kin
     assert ours["log_keys"] == real["log_keys"]
     assert real["checkpoint_files"]
     assert set(real["checkpoint_files"]) - set(ours["checkpoint_files"]) == NOT_WRITTEN.get(kind, set())
-    # audio draws its windows from Python's random per access: the same draws, up to float noise
-    assert ours["losses"] == pytest.approx(real["losses"], rel=1e-4 if kind != "audio" else 5e-2)
+    # a random draw per access (images: torch's crops and flips; audio: Python's windows, and dropout): the torch
+    # stream is not consumed as Trainer's DataLoader consumes it, so those losses agree within the draws' noise
+    assert ours["losses"] == pytest.approx(real["losses"], rel={"images": 5e-3, "audio": 5e-2}.get(kind, 1e-4))
+    assert ours.get("eval_accuracy") == real.get("eval_accuracy")
     for values in ("eval_losses", "margins"):
         if values in real:
             assert ours[values] == pytest.approx(real[values], rel=1e-4)
