@@ -12,7 +12,8 @@ checkpoint at the end, an evaluation of 8 rows), on 2 CPU gloo ranks.  It runs t
 - ``tb_python``: ``TRAINBRIDGE_NPROC_PER_NODE=2 python script.py`` (re-executed under torchrun once, at the
   import, so one launch runs every call).
 
-Each command's wall time is taken from outside (start to exit); the script also stamps each call's time.  The
+Each command's wall time is taken from outside (start to exit); the script also stamps each call's time and every
+rank its peak RSS (``ru_maxrss``), reported beside the same-repetition wall ratios to Trainer.  The
 load (``uptime``) is printed before and after.  Timing is reported, never asserted.
 """
 
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 SCRIPT = """
-import json, os, sys, time
+import json, os, resource, sys, time
 from pathlib import Path
 
 import datasets
@@ -79,8 +80,10 @@ for task in range(tasks):
     start = time.time()
     trainer.evaluate()
     calls.append({"call": f"evaluate{task}", "s": time.time() - start})
-if int(os.environ.get("RANK", "0")) == 0:
+rank = int(os.environ.get("RANK", "0"))
+if rank == 0:
     (out / "calls.json").write_text(json.dumps(calls))
+(out / f"peak-rss-rank{rank}.json").write_text(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 if "real" in sys.argv[3:]:
     torch.distributed.barrier()
     sys.stdout.flush()
@@ -112,6 +115,7 @@ def main() -> None:
     }
     print("load before:", load())
     walls: dict[str, list[float]] = {name: [] for name in ways}
+    peaks: dict[str, list[float]] = {name: [] for name in ways}
     for repeat in range(options.repeats):
         for name, (command, extra, more_env) in ways.items():  # interleaved: the load drifts alike for each
             out = options.workdir / f"{name}-{repeat}"
@@ -126,13 +130,24 @@ def main() -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             walls[name].append(wall)
+            peaks[name].append(max(json.loads(path.read_text()) for path in out.glob("peak-rss-rank*.json")))
             calls = json.loads((out / "calls.json").read_text())
             inside = ", ".join(f"{c['call']} {c['s']:.1f}" for c in calls)
-            print(f"{name:12s} repeat {repeat}: wall {wall:6.1f} s; calls (s): {inside}", flush=True)
+            print(
+                f"{name:12s} repeat {repeat}: wall {wall:6.1f} s, peak RSS per rank {peaks[name][-1]:.0f} MiB; "
+                f"calls (s): {inside}",
+                flush=True,
+            )
     print("load after:", load())
     for name, values in walls.items():
         spread = f" (min {min(values):.1f}, max {max(values):.1f})" if len(values) > 1 else ""
-        print(f"{name:12s} median wall {statistics.median(values):6.1f} s{spread}")
+        print(f"{name:12s} median wall {statistics.median(values):6.1f} s{spread}, median peak RSS per rank "
+              f"{statistics.median(peaks[name]):.0f} MiB")  # fmt: skip
+    for name in ("tb_torchrun", "tb_python"):  # same-repetition ratios to Trainer, the peak memory beside
+        wall = [a / b for a, b in zip(walls[name], walls["trainer"], strict=True)]
+        rss = [a / b for a, b in zip(peaks[name], peaks["trainer"], strict=True)]
+        print(f"{name} / trainer: wall {statistics.median(wall):.2f} ({min(wall):.2f}..{max(wall):.2f}), "
+              f"peak RSS per rank {statistics.median(rss):.2f} ({min(rss):.2f}..{max(rss):.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

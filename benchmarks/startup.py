@@ -21,7 +21,8 @@ timestamps the jobs write (``time.time()``, one clock on one machine):
 Phases: parent (imports, config, preflight, payload: until torchrun starts), torchrun spawn (until the
 first worker exists), worker set-up (imports, process group, model and data load, until training
 begins), training, teardown (last train end to the command's exit).  Worker imports alone are measured
-separately (a fresh interpreter importing the worker's modules).  Timing is reported, never asserted.
+separately (a fresh interpreter importing the worker's modules).  Peak RSS per rank (the ranks' largest
+``ru_maxrss`` at train end) is reported beside the same-repetition wall ratio.  Timing is reported, never asserted.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ import time
 from pathlib import Path
 
 STEPS = 8
+PEAK_RSS = "peak RSS per rank (MiB)"
+"""The ranks' largest ``ru_maxrss`` at train end."""
 EFFECTIVE_BATCH = 8
 
 CLOCK_CALLBACK = '''
-import json, os, time
+import json, os, resource, time
 from pathlib import Path
 
 import psutil
@@ -64,6 +67,7 @@ class PhaseClock(Callback):
 
     def on_train_end(self, context, **kwargs):
         self.stamps["train_end"] = time.time()
+        self.stamps["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path(self.folder, f"clock-rank{context.rank}.json").write_text(json.dumps(self.stamps))
 '''
 
@@ -85,7 +89,7 @@ sys.exit(cli.main())  # as the console script runs it: main() reads sys.argv and
 """
 
 TRAINER_JOB = """
-import json, os, sys, time
+import json, os, resource, sys, time
 t0 = time.time()
 import psutil
 import torch
@@ -105,6 +109,7 @@ class Clock(TrainerCallback):
         stamps["train_begin"] = time.time()
     def on_train_end(self, args, state, control, **kwargs):
         stamps["train_end"] = time.time()
+        stamps["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rank = int(os.environ.get("RANK", "0"))
         open(os.path.join(out, f"clock-rank{rank}.json"), "w").write(json.dumps(stamps))
 
@@ -217,6 +222,7 @@ def run_trainbridge(workdir: Path, src: Path | None = None) -> dict[str, float]:
         "worker set-up": max(r["train_begin"] for r in ranks) - min(r["spawned"] for r in ranks),
         "training": max(r["train_end"] for r in ranks) - max(r["train_begin"] for r in ranks),
         "teardown": launched + wall - max(r["train_end"] for r in ranks),
+        PEAK_RSS: max(r["peak_rss_mib"] for r in ranks),
     }
 
 
@@ -253,6 +259,7 @@ def run_trainer(workdir: Path, paths: dict[str, Path]) -> dict[str, float]:
         "worker set-up": max(r["train_begin"] for r in ranks) - min(r["spawned"] for r in ranks),
         "training": max(r["train_end"] for r in ranks) - max(r["train_begin"] for r in ranks),
         "teardown": launched + wall - max(r["train_end"] for r in ranks),
+        PEAK_RSS: max(r["peak_rss_mib"] for r in ranks),
     }
 
 
@@ -325,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
             cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})")
         print(f"| {phase} | {' | '.join(cells)} |")
     print()
+    ours, theirs = runs["trainbridge train"], runs["torchrun + Trainer"]
+    for key in ("wall", PEAK_RSS):  # same-repetition ratios, the peak memory beside the wall time
+        ratios = [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
+        print(f"- trainbridge train / torchrun + Trainer, {key}: {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}..{max(ratios):.2f})")  # fmt: skip
     for name, values in imports.items():
         print(f"- {name} (fresh interpreter): {statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f})")
 

@@ -75,6 +75,8 @@ class BenchConfig:
     """Token budget of one micro-batch on one rank; the default holds a rank's 4 samples in one micro-batch."""
     trainbridge_varlen_sdpa: bool = True
     """``TrainingArgs.varlen_sdpa``: padding-free rows attend per sample (``False``: transformers' masked sdpa)."""
+    environment: tuple[tuple[str, str], ...] = ()
+    """Variables set for this run's processes only."""
 
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -110,6 +112,13 @@ CONFIGS: tuple[BenchConfig, ...] = (
 
 EXPERIMENTS: tuple[BenchConfig, ...] = (
     BenchConfig(
+        "tb_fixed_glibc",
+        "trainbridge padding-free, glibc's malloc defaults",
+        "trainbridge",
+        "fixed",
+        environment=(("GLIBC_TUNABLES", "glibc.malloc.perturb=0"),),  # a no-op tunable: parallel.host_memory defers
+    ),
+    BenchConfig(
         "tb_var_256",
         "trainbridge padding-free, max_batch_len=256",
         "trainbridge",
@@ -124,7 +133,8 @@ EXPERIMENTS: tuple[BenchConfig, ...] = (
         trainbridge_max_batch_len=192,
     ),
 )
-"""Further settings, run with ``--experiments`` (smaller token budgets: gradient accumulation)."""
+"""Further settings, run with ``--experiments``: the host allocator left at glibc's defaults (what
+``parallel.host_memory`` changes), smaller token budgets (gradient accumulation)."""
 ALL_CONFIGS = CONFIGS + EXPERIMENTS
 
 
@@ -296,7 +306,31 @@ def run_config(
         "--seed",
         str(seed),
     ]
+    saved = {name: os.environ.get(name) for name, _ in config.environment}
+    os.environ.update(config.environment)
     launch = time.time()
+    try:
+        run_runner(config, assets, common, steps, learning_rate, seed, out, log_path)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return measure(config, repeat, out, steps, launch, time.time() - launch)
+
+
+def run_runner(
+    config: BenchConfig,
+    assets: Assets,
+    common: list[str],
+    steps: int,
+    learning_rate: float,
+    seed: int,
+    out: Path,
+    log_path: Path,
+) -> None:
+    """Start ``config``'s runner (bare loop, Trainer script or ``run_training``) and wait for it."""
     if config.runner == "bare":
         run_torchrun_script("bare_ddp.py", common, log_path)
     elif config.runner == "trainer":
@@ -304,7 +338,6 @@ def run_config(
         run_torchrun_script("trainer_run.py", common + extra, log_path)
     else:
         run_trainbridge(config, assets, steps, learning_rate, seed, out, log_path)
-    return measure(config, repeat, out, steps, launch, time.time() - launch)
 
 
 def measure(config: BenchConfig, repeat: int, out: Path, steps: int, launch: float, wall_s: float) -> Measurement:
@@ -362,14 +395,15 @@ def _ratio(value: float, reference: Measurement | None, metric: Metric) -> str:
 
 
 def results_table(results: Results, metric: Metric) -> list[str]:
-    """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric``."""
+    """Markdown table of the best run (by ``metric``) of each configuration, with ratios of ``metric`` and that
+    run's peak RSS per rank (the references' are in their own rows)."""
     bare, default, tuned, padded = (
         results.best(k, metric) for k in ("bare", "trainer_default", "trainer_tuned", "trainer_padded_var")
     )
     lines = [
         f"| data | configuration | {METRIC_UNITS[metric]} | vs bare | vs Trainer default | vs Trainer tuned "
-        "| vs Trainer padded | start → step 1 (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| vs Trainer padded | start → step 1 (s) | peak RSS per rank (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config in ALL_CONFIGS:
         run = results.best(config.key, metric)
@@ -383,7 +417,7 @@ def results_table(results: Results, metric: Metric) -> list[str]:
             f"| {_ratio(value, default, metric) if fixed else '-'} "
             f"| {_ratio(value, tuned, metric) if fixed else '-'} "
             f"| {'-' if fixed else _ratio(value, padded, metric)} "
-            f"| {run.start_to_first_step_s:.1f} |"
+            f"| {run.start_to_first_step_s:.1f} | {run.peak_rss_mib:,.0f} |"
         )
     return lines
 
@@ -416,6 +450,8 @@ def paired_table(results: Results, metric: Metric) -> list[str]:
         if config.runner != "trainbridge" or config.key not in results.runs:
             continue
         for reference, label in PAIRED_REFERENCES[config.data]:
+            if reference not in results.runs:
+                continue
             ratios = results.paired_ratios(config.key, reference, metric)
             memory = _median_rss(results, config.key), _median_rss(results, reference)
             references = {m.repeat: m.peak_rss_mib for m in results.runs.get(reference, []) if m.peak_rss_mib > 0}

@@ -254,3 +254,32 @@ def test_in_place_rows_are_tokenised_once_per_fingerprint_into_a_private_cache(
     assert len(entries) == 2  # the two fingerprints (none for the transformed rows); no scratch folder left
     for path in [cache_dir, *cache_dir.rglob("*")]:
         assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
+
+
+def test_a_fingerprint_that_does_not_name_the_rows_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unusable_fingerprint`` names why a dataset's fingerprint is not a cache key: not a ``datasets.Dataset``,
+    a transform set, ``Dataset.from_generator`` rows, ``datasets``' caching off, a transformation it could not
+    hash in this process (random fingerprints); plain rows and their ``map``/``select`` results are usable."""
+    from trainbridge.data.in_place import unusable_fingerprint
+
+    monkeypatch.setattr(datasets.fingerprint, "fingerprint_warnings", {})
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]})
+    assert unusable_fingerprint(rows) is None
+    assert unusable_fingerprint(rows.map(lambda row: {"n": len(row["input_ids"])}).select([1])) is None
+    assert "not a datasets.Dataset" in str(unusable_fingerprint([{"input_ids": [1]}]))
+    assert "transform set" in str(unusable_fingerprint(rows.with_transform(lambda batch: batch)))
+
+    def generate() -> Any:
+        yield {"input_ids": [1, 2]}
+
+    generated = datasets.Dataset.from_generator(generate, cache_dir=str(tmp_path / "hf"))
+    assert "from_generator" in str(unusable_fingerprint(generated))
+    datasets.disable_caching()
+    try:
+        assert "caching is off" in str(unusable_fingerprint(rows))
+    finally:
+        datasets.enable_caching()
+    unhashable = socket.socket()
+    rows.map(lambda row: row if unhashable else {})  # datasets warns and falls back to a random fingerprint
+    unhashable.close()
+    assert "could not hash" in str(unusable_fingerprint(rows))

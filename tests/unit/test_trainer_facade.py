@@ -17,11 +17,12 @@ from tests.run_inputs import RunInputs, split_run
 from trainbridge import TorchrunArgs, Trainer, TrainingArgs
 from trainbridge.core.config import RunPlan, eval_set_names
 from trainbridge.core.distributed import DistributedEnv
+from trainbridge.data import script_data
 from trainbridge.demos.tiny_model import build_tiny_llama
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.launch import launcher
 from trainbridge.loop.predictions import PredictionCollector
-from trainbridge.trainer import job_args, script_data
+from trainbridge.trainer import job_args
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
 
 

@@ -15,8 +15,9 @@ from transformers import TrainingArguments
 
 import trainbridge
 from tests.run_inputs import as_run
+from trainbridge.data import script_data
 from trainbridge.demos.tiny_model import arithmetic_problems
-from trainbridge.trainer import script_data, subclass
+from trainbridge.trainer import subclass
 
 
 def _tuples(tokenizer: Any, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -313,3 +313,45 @@ def test_torch_varlen_kernel_on_a_gpu_matches_per_sample_sdpa() -> None:
     loss, _ = token_loss_sum(model, batch)
     loss.backward()
     assert varlen_attention._kernel_works is True
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_row_of_equal_length_samples_is_one_call_with_each_samples_values(
+    kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fixed-length data: a packed row of samples of one length attends in one batched sdpa call (no split, no
+    concatenation), with the outputs and gradients of one call per sample bit for bit (GQA too); a row of
+    mixed lengths still calls once per sample."""
+    from trainbridge.modeling import varlen_attention
+
+    torch.manual_seed(0)
+    heads, length, samples, dim = 4, 16, 3, 8
+    query = torch.randn(1, heads, samples * length, dim, requires_grad=True)
+    key, value = (torch.randn(1, kv_heads, samples * length, dim, requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, samples * length, heads, dim)
+    bounds = [[0, length, 2 * length, 3 * length]]
+    calls: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return sdpa(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(varlen_attention.F, "scaled_dot_product_attention", counted)
+    out = varlen_attention._per_sample_forward(query, key, value, bounds, 0.0, None, kv_heads != heads)
+    out.backward(grad)
+    assert calls == [samples]
+    fast = [out.detach(), *(t.grad for t in (query, key, value))]
+    for t in (query, key, value):
+        t.grad = None
+    pieces = [
+        sdpa(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+        for q, k, v in zip(*(t.split(length, dim=2) for t in (query, key, value)), strict=True)
+    ]
+    alone = torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
+    alone.backward(grad)
+    for a, b in zip(fast, [alone.detach(), *(t.grad for t in (query, key, value))], strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+    calls.clear()
+    varlen_attention._per_sample_forward(query, key, value, [[0, 10, 48]], 0.0, None, kv_heads != heads)
+    assert calls == [1, 1]

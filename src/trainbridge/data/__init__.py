@@ -11,6 +11,7 @@
 - ``loader``: ``TrainBatches`` / ``EvalBatches``, one rank's view of the plan as collated tensors.
 - ``collate``: padding-free (packed rows) and padded tensors.
 - ``loss``: the token-sum loss the loop normalises by the step's global loss-token count.
+- ``script_data``: a ``Trainer`` script's datasets and collator, made ready for the loop in place (never written).
 """
 
 from trainbridge.data.collate import DUMMY_TOKEN_ID, collate_padded, collate_padding_free

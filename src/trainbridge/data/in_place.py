@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class InPlaceRows:
-    """A script's ``datasets.Dataset`` as the token step reads it (``trainer.script_data.prepare_rows``)."""
+    """A script's ``datasets.Dataset`` as the token step reads it (``data.script_data.prepare_rows``)."""
 
     dataset: Any
     """The columns the data layer reads (pre-tokenised ``input_ids``/``labels``, or raw text columns)."""

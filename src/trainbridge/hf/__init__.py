@@ -8,6 +8,7 @@
 - ``training_args_from_hf``: port an existing ``TrainingArguments`` to ``TrainingArgs``
   (``trainbridge.hf.porting``).
 - ``split_callbacks``: separate HF callbacks from the others.
+- ``native_callbacks``: trainbridge's own callbacks held by a ``Trainer``'s ``CallbackHandler`` (silent there).
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ _FULL_EVAL = Unwarned(
     same=True,
 )
 _LOGGING = Unwarned("Trainer's own __init__ (the facade's) sets transformers' logging verbosity from it", same=True)
+_EVALUATION = Unwarned(
+    "Trainer's own evaluate() reads it at each evaluation on Trainer's sample batches; the padding-free token "
+    "batches' evaluation calls compute_metrics as Trainer does (loop.predictions)",
+    same=True,
+)
 
 # Fields never warned about: bookkeeping, values TrainingArguments normalises itself, and fields whose
 # meaning is covered by another warning.
@@ -80,6 +85,14 @@ NOT_WARNED: dict[str, Unwarned] = {
         "activation_checkpointing on the FSDP2 engine (fsdp_reshard_after_forward, fsdp_cpu_offload, "
         "fsdp_wrap_classes, gradient_checkpointing); SIZE_BASED_WRAP is refused; the FSDP1 keys have no meaning "
         "under FSDP2"
+    ),
+    "batch_eval_metrics": _EVALUATION,
+    "eval_do_concat_batches": _EVALUATION,
+    "prediction_loss_only": _EVALUATION,
+    "eval_accumulation_steps": Unwarned(
+        "Trainer's own evaluate() reads it on Trainer's sample batches; the token batches' evaluation keeps "
+        "each batch's predictions on the CPU, what it saves memory for",
+        same=True,
     ),
     "bf16_full_eval": _FULL_EVAL,
     "fp16_full_eval": _FULL_EVAL,

@@ -81,7 +81,7 @@ class TrainingLoop:
         # compute_metrics: per-sample validation predictions (build_run pads validation batches for it)
         self.plan = components.plan
         """The run's code: its evaluation seam, ``compute_metrics`` (``core.config.plan``)."""
-        self.predictions = PredictionCollector(args, self.plan) if self.plan.compute_metrics is not None else None
+        self.predictions = PredictionCollector.of(args, self.plan, env.world_size)
         self.checkpoints = components.checkpoints
         self.losses = LossLog()
         self.finite = NonFiniteGuard(args.nonfinite_policy)
@@ -291,7 +291,7 @@ class TrainingLoop:
         returns fired, as Trainer judges the best metric by what ``evaluate()`` returns."""
         if self.plan.evaluation is None:
             return self.evaluate_sets()
-        point = EvaluationPoint(self.evaluate_sets, self.callbacks, self.context)
+        point = EvaluationPoint(self.evaluate_sets, self.callbacks, self.context, self.engine)
         try:
             metrics = dict(self.plan.evaluation(point))
         finally:

@@ -8,7 +8,11 @@ the samples of every rank are gathered (one ``all_gather_object``), put back in 
 validation sample is on exactly one rank: nothing duplicated, nothing dropped), padded to a common
 length with ``-100`` (Trainer's ``padding_index``) and stacked into an ``EvalPrediction``.  Rank 0 runs
 ``compute_metrics`` and broadcasts the result, so every rank holds the same metrics (best-model
-tracking and control decisions read them).
+tracking and control decisions read them).  It calls it as Trainer's ``evaluation_loop`` does
+(``TrainingArguments``, ``RunPlan.hf_args``): with ``batch_eval_metrics`` once per Trainer batch (the rows one
+step of Trainer's gathers from every rank: ``per_device_eval_batch_size`` x world size, in dataset order), as
+tensors, with ``compute_result`` True on the last; with ``eval_do_concat_batches=False`` each field is a list
+of those batches' arrays; with ``prediction_loss_only`` no predictions are kept and it is not called.
 """
 
 from __future__ import annotations
@@ -55,14 +59,29 @@ class GatheredPredictions:
 class PredictionCollector:
     """Collects one evaluation's predictions on this rank and turns them into metrics (see module doc)."""
 
-    def __init__(self, args: TrainingArgs, plan: RunPlan) -> None:
+    def __init__(self, args: TrainingArgs, plan: RunPlan, world_size: int = 1) -> None:
         self.compute_metrics: Callable[..., Any] | None = plan.compute_metrics
         self.preprocess: Callable[..., Any] | None = plan.preprocess_logits_for_metrics
         self.include_inputs = "inputs" in args.include_for_metrics
         self.include_loss = "loss" in args.include_for_metrics
+        hf = plan.hf_args
+        self.per_call = bool(hf is not None and hf.batch_eval_metrics)
+        """``batch_eval_metrics``: one call per Trainer batch, ``compute_result`` True on the last."""
+        self.concat = bool(hf is None or hf.eval_do_concat_batches)
+        """``eval_do_concat_batches``: one array per field, else a list of each Trainer batch's."""
+        self.trainer_batch = int(hf.per_device_eval_batch_size) * world_size if hf is not None else 0
+        """Rows of one Trainer batch, gathered from every rank."""
         self._samples: list[SamplePrediction] = []
         self.last: GatheredPredictions | None = None
         """The last evaluation's gathered predictions (``Trainer.predict`` returns them)."""
+
+    @classmethod
+    def of(cls, args: TrainingArgs, plan: RunPlan, world_size: int) -> PredictionCollector | None:
+        """The run's collector: None without ``compute_metrics`` or with ``prediction_loss_only`` (Trainer then
+        keeps no predictions and does not call it)."""
+        if plan.compute_metrics is None or (plan.hf_args is not None and plan.hf_args.prediction_loss_only):
+            return None
+        return cls(args, plan, world_size)
 
     def start(self) -> None:
         """Forget the previous evaluation's samples."""
@@ -106,12 +125,37 @@ class PredictionCollector:
             )
 
     def gather(self, env: DistributedEnv) -> GatheredPredictions:
+        """Every rank's samples, in dataset order, stacked (collective: ``all_gather_object``)."""
+        return self._stacked(self._gathered(env))
+
+    def _gathered(self, env: DistributedEnv) -> list[SamplePrediction]:
         """Every rank's samples, in dataset order (collective: ``all_gather_object``)."""
         samples = sorted((s for part in env.all_gather_objects(self._samples) for s in part), key=lambda s: s.index)
         self._samples = []
         indices = [s.index for s in samples]
         if len(set(indices)) != len(indices):
             raise RuntimeError("validation predictions: a sample was predicted on more than one rank")
+        return samples
+
+    def _trainer_batches(self, samples: list[SamplePrediction]) -> list[list[SamplePrediction]]:
+        """``samples`` (dataset order) in the batches one step of Trainer's evaluation gathers."""
+        size = self.trainer_batch or len(samples) or 1
+        return [samples[start : start + size] for start in range(0, len(samples), size)] or [[]]
+
+    def _prediction(self, gathered: Any, convert: Callable[[Any], Any]) -> Any:
+        """The ``EvalPrediction`` of ``gathered`` (a ``GatheredPredictions``, or one of lists), each field
+        ``convert``ed; ``inputs`` / ``losses`` as ``include_for_metrics`` asks."""
+        from transformers.trainer_utils import EvalPrediction
+
+        extra: dict[str, Any] = {}
+        if self.include_inputs:
+            extra["inputs"] = convert(gathered.inputs)
+        if self.include_loss:
+            extra["losses"] = convert(gathered.losses)
+        return EvalPrediction(predictions=convert(gathered.predictions), label_ids=convert(gathered.label_ids), **extra)
+
+    def _stacked(self, samples: list[SamplePrediction]) -> GatheredPredictions:
+        """``samples`` stacked as ``Trainer.predict``/``evaluate`` build them (padded with ``PADDING_INDEX``)."""
         return GatheredPredictions(
             predictions=_stack_nested([s.predictions for s in samples]),
             label_ids=_stack_nested([s.labels for s in samples]) if samples and samples[0].labels is not None else None,
@@ -122,29 +166,50 @@ class PredictionCollector:
 
     def compute(self, env: DistributedEnv) -> dict[str, Any]:
         """Gather, run ``compute_metrics`` on rank 0, broadcast; keys prefixed ``eval_`` (collectives)."""
-        gathered = self.last = self.gather(env)
+        samples = self._gathered(env)
+        gathered = self.last = self._stacked(samples)
         metrics: dict[str, Any] | None = None
         if env.is_world_process_zero and self.compute_metrics is not None:
-            from transformers.trainer_utils import EvalPrediction
-
-            extra: dict[str, Any] = {}
-            if self.include_inputs:
-                extra["inputs"] = gathered.inputs
-            if self.include_loss:
-                extra["losses"] = gathered.losses
-            result = self.compute_metrics(
-                EvalPrediction(
-                    predictions=gathered.predictions,
-                    label_ids=gathered.label_ids,
-                    **extra,  # type: ignore[arg-type]
-                )
-            )
+            if self.per_call:
+                result: Any = {}
+                batches = self._trainer_batches(samples)
+                for number, batch in enumerate(batches, start=1):
+                    stacked = self._stacked(batch)
+                    prediction = self._prediction(stacked, lambda v: _tensors(v))
+                    result = self.compute_metrics(prediction, compute_result=number == len(batches))
+            elif self.concat:
+                result = self.compute_metrics(self._prediction(gathered, lambda v: v))
+            else:
+                parts = [self._stacked(batch) for batch in self._trainer_batches(samples)]
+                result = self.compute_metrics(self._prediction(_listed(parts), lambda v: v))
             if not isinstance(result, dict):
                 raise TypeError(f"compute_metrics returned {type(result).__name__}; it must return a dict")
             metrics = {(k if k.startswith("eval_") else f"eval_{k}"): _plain(v) for k, v in result.items()}
         # collective: rank 0's metrics on every rank
         out = env.broadcast_object(metrics)
         return dict(out or {})
+
+
+def _listed(parts: list[GatheredPredictions]) -> GatheredPredictions:
+    """Each field a list of the parts' arrays (``eval_do_concat_batches=False``)."""
+    return GatheredPredictions(
+        predictions=[p.predictions for p in parts],
+        label_ids=[p.label_ids for p in parts] if parts and parts[0].label_ids is not None else None,
+        inputs=[p.inputs for p in parts] if parts and parts[0].inputs is not None else None,  # type: ignore[arg-type]
+        losses=[p.losses for p in parts] if parts and parts[0].losses is not None else None,  # type: ignore[arg-type]
+        num_samples=sum(p.num_samples for p in parts),
+    )
+
+
+def _tensors(value: Any) -> Any:
+    """numpy arrays (nested) as tensors: what Trainer hands ``compute_metrics`` per batch."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tensors(v) for k, v in value.items()}
+    return value
 
 
 def _row_losses(logits: Any, labels: Any) -> list[float]:

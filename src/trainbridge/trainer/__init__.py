@@ -3,10 +3,8 @@
 - ``facade``: the ``Trainer`` class (Trainer's constructor and methods; ``train()`` is the loop) and ``LoopTrainer``,
   what any Trainer class (``seq2seq``, trl's in ``trainbridge.trl``) puts in front of it.
 - ``jobs``: ``train()``'s job, the loop in place on every rank; ``job_args``: its ``TrainingArgs`` and run plan.
-- ``script_data``: the script's datasets and collator, made ready for the loop's batches (in memory, never written).
 - ``subclass``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
   step, evaluation, log, data loader, saves, optimizer).
-- ``native_callbacks``: trainbridge callbacks held by Trainer's callback handler.
 """
 
 from typing import TYPE_CHECKING, Any

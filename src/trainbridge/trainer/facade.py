@@ -8,9 +8,10 @@ overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``pr
 ``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
 trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
 and calls back into the instance where Trainer's loop would (``trainer.subclass``): ``training_step`` on each
-micro-batch when the class overrides the step, ``evaluate()`` at evaluation points when it overrides the
-evaluation, ``log()`` on every log, ``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During
-``train()`` ``self.state``, ``self.control`` and ``self.callback_handler`` are the loop's.
+micro-batch when the class overrides the step, ``evaluate()`` at evaluation points (Trainer's own on Trainer's
+sample batches, an override's; the loop's on the padding-free token batches), ``log()`` on every log,
+``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During ``train()`` ``self.state``,
+``self.control`` and ``self.callback_handler`` are the loop's.
 
 Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
 ``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
@@ -33,14 +34,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 import transformers
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.config.plan import RunPlan, StepFactory
+from trainbridge.core.config.plan import StepFactory
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_run_folder
+from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
+from trainbridge.hf import native_callbacks
 from trainbridge.hf.memory_metrics import memory_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
-from trainbridge.trainer import hp_search, jobs, native_callbacks, script_data, subclass
+from trainbridge.trainer import hp_search, jobs, subclass
+from trainbridge.trainer.job_args import LiveModel, TrainerPlan
 from trainbridge.trainer.optimizers import optimizer_factory
 from trainbridge.trainer.save_overrides import subclass_save
 from trainbridge.trainer.scope import LoopScope
@@ -135,8 +139,8 @@ class LoopTrainer(_TrainerBase):
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
         # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
-        optimizers = (self.optimizer, self.lr_scheduler)
-        self._optimizer_factory = optimizer_factory(self, optimizers, self.optimizer_cls_and_kwargs)
+        self._given_optimizers = (self.optimizer, self.lr_scheduler)
+        self._optimizer_factory = optimizer_factory(self, self._given_optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
@@ -196,7 +200,7 @@ class LoopTrainer(_TrainerBase):
         init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
-        in a ``TrainerCallback`` (``trainer.native_callbacks``), which Trainer's handler can call."""
+        in a ``TrainerCallback`` (``hf.native_callbacks``), which Trainer's handler can call."""
         bound = inspect.signature(init).bind_partial(*args, **kwargs)
         if bound.arguments.get("callbacks") is None:
             return args, kwargs
@@ -245,32 +249,42 @@ class LoopTrainer(_TrainerBase):
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
+        from trainbridge.modeling.load import is_causal_lm
+
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
             items=self.rows_are_items
-            or script_data.uses_sample_batches(self.model, self._collator_choice)
+            or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
+            or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
 
-    def generation_fields(self) -> dict[str, Any]:
-        """The ``TrainingArgs`` fields of generated predictions the arguments ask for (``Seq2SeqTrainer``)."""
-        return {}
+    def _optimizers(self) -> Any:
+        """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is
+        another (an earlier ``train()``'s, one the script built with ``create_optimizer()``), that optimizer in
+        place, with its state, and the script's own scheduler or else a new one, as Trainer's ``train()`` keeps
+        its optimizer across calls and builds a new scheduler."""
+        given_optimizer, given_scheduler = self._given_optimizers
+        if self.optimizer is None or self.optimizer is given_optimizer or self.model_init is not None:
+            return self._optimizer_factory  # (model_init: a new model, a new optimizer, as Trainer's train())
+        return optimizer_factory(self, (self.optimizer, given_scheduler), None)
 
-    def run_plan(self) -> RunPlan:
-        """The code of this instance's run (``RunPlan``), decided here from its class (what it overrides:
-        ``trainer.subclass``) and objects; a class with a step of its own sets ``step_factory``.  The data
-        (``script_data``) is prepared on every rank beside it (``job_args``)."""
-        from trainbridge.trainer.job_args import LiveModel
-
+    def run_plan(self) -> TrainerPlan:
+        """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
+        here from its class (what it overrides: ``trainer.subclass``) and objects; a class with a step of its own
+        sets ``step_factory``, one with settings of its own overrides this and calls ``super()``
+        (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it
+        (``job_args``)."""
         events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
         # the final log's memory metrics first (skip_memory_metrics=False), as Trainer adds them before log()
         callbacks = [*memory_metrics(self), *([events] if events is not None else []), *self._script_callbacks()]
-        reproduced = self._collator_choice.reproduced and not self._row_preparation().items
+        rows = self._row_preparation()
+        reproduced = self._collator_choice.reproduced and not rows.items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
             step_factory=self.step_factory,
@@ -280,13 +294,13 @@ class LoopTrainer(_TrainerBase):
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
             train_loader=subclass.subclass_loader(self),
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
-            optimizer_factory=self._optimizer_factory,
+            optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             callbacks=callbacks,
         )
-        return RunPlan(**seams)
+        return TrainerPlan(**seams, rows=rows, token_metrics=self.token_metrics)
 
     # ================================================================== train: trainbridge's loop
     def train(
@@ -366,6 +380,16 @@ class LoopTrainer(_TrainerBase):
         return dict(
             super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         )
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        """Trainer's ``_wrap_model``; inside one of the loop's calls with the engine's model (an evaluation
+        point: ``subclass.ScriptTrainer.evaluation``), the model being trained: for evaluation without the
+        DDP/DeepSpeed wrapper, as Trainer's ``evaluation_loop`` evaluates during ``train()`` (FSDP2's sharded
+        module is the model itself), else the engine's wrapper."""
+        scope = self._in_loop
+        if scope is None or scope.model is None:
+            return cast("torch.nn.Module", super()._wrap_model(model, training, dataloader))
+        return cast("torch.nn.Module", scope.model if training else self.accelerator.unwrap_model(scope.model))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; for one of the loop's logs (``subclass.ScriptTrainerEvents``), what the chain

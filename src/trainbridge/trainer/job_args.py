@@ -1,20 +1,22 @@
 """``train()``'s ``TrainingArgs`` and run plan: the Trainer's arguments, its data, callbacks and methods.
 
 ``training_job`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``) and completes the
-plan beside them (``LoopTrainer.run_plan()``: its model object ``LiveModel``, callbacks, functions and
-overridden methods) with the live instance's datasets and tokenizer (``RunPlan.script_data``).
+plan beside them (``LoopTrainer.run_plan()``, a ``TrainerPlan``: its model object ``LiveModel``, callbacks,
+functions, overridden methods and the settings its class decides) with the live instance's datasets and
+tokenizer (``RunPlan.script_data``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import RunPlan, TrainingArgs, check_consistent
 from trainbridge.core.config.plan import ExistingModel
+from trainbridge.data.script_data import RowPreparation, script_inputs
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
-from trainbridge.trainer.script_data import script_inputs
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
@@ -35,24 +37,41 @@ class LiveModel(ExistingModel):
         return stepped() if stepped is not None else self.trainer.model
 
 
+@dataclass
+class TrainerPlan(RunPlan):
+    """``LoopTrainer.run_plan()``: the run's code and the settings its class decides with it, which
+    ``training_job`` writes into the run's ``TrainingArgs`` (a class's override changes them here, once)."""
+
+    rows: RowPreparation | None = None
+    """How the datasets' rows reach the loop; ``rows.items``: Trainer's sample batches and the model's own loss
+    (``training_step='model_loss'``), else the token step's prepared rows.  Always set by ``run_plan()``."""
+    token_metrics: bool = False
+    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
+    predict_with_generate: bool | None = None
+    """Validation predictions by ``model.generate`` (``Seq2SeqTrainer``'s ``predict_with_generate``); None: a
+    class that never generates (the arguments' ``predict_with_generate`` is then reported ignored)."""
+    generation_kwargs: dict[str, Any] | None = None
+    """``model.generate``'s keyword arguments (``Seq2SeqTrainer``: ``generation_max_length``...)."""
+
+
 def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:
     """The ``TrainingArgs`` and the ``RunPlan`` (``trainer.run_plan()``, with the script's data and
     ``TrainingArguments``) of a job of ``trainer`` on ``world_size`` ranks, checked together; ``resume`` is
     ``train(resume_from_checkpoint=...)``."""
     from trainbridge.hf.porting import training_args_from_hf
 
-    plan = trainer.run_plan()  # the code of the run, decided from the instance's class
+    plan = trainer.run_plan()  # the code of the run and its settings, decided from the instance's class
+    assert plan.rows is not None
     callbacks = plan.callbacks
-    data, longest = script_inputs(
-        trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), trainer._row_preparation()
-    )
+    data, longest = script_inputs(trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), plan.rows)
     fields: dict[str, Any] = {"ckpt_output_dir": trainer.output_dir}  # a search's trial: <output_dir>/run-<n>
-    if trainer._row_preparation().items:  # Trainer's sample batches, the model's own loss, the script's collator
+    if plan.rows.items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
-    fields.update(trainer.generation_fields())  # Seq2SeqTrainer: predict_with_generate
-    if trainer.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
+    if plan.predict_with_generate is not None:
+        fields.update(predict_with_generate=plan.predict_with_generate, generation_kwargs=plan.generation_kwargs or {})
+    if plan.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
         eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
         if eval_batch:
@@ -86,9 +105,9 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     honoured = {name for callback in callbacks for name in getattr(callback, "honours_hf_fields", ())}
     args = training_args_from_hf(hf, honoured=honoured, **fields)
     # the script's datasets and tokenizer, read in place; the TrainingArguments Hugging Face callbacks see
-    plan = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)
-    check_consistent(args, plan)
-    return args, plan
+    run = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)
+    check_consistent(args, run)
+    return args, run
 
 
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:

@@ -13,10 +13,27 @@ and ``optimizer.state`` are the live ones.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+
+@runtime_checkable
+class ModalOptimizer(Protocol):
+    """An optimizer with train and eval modes (``schedulefree``'s): Trainer's ``evaluation_loop`` calls its
+    ``eval()`` and its ``training_step`` its ``train()``."""
+
+    def train(self) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+def back_to_training(optimizer: object) -> None:
+    """``optimizer`` in train mode again after an evaluation put it in eval mode (a ``ModalOptimizer``), as
+    Trainer's next ``training_step`` puts it."""
+    if isinstance(optimizer, ModalOptimizer):
+        optimizer.train()
 
 
 class ClassAndKwargs:

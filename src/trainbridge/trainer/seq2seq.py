@@ -1,18 +1,20 @@
 """``Seq2SeqTrainer``: a real ``transformers.Seq2SeqTrainer`` whose training loop is trainbridge's.
 
 Its constructor, ``evaluate``, ``predict`` and ``prediction_step`` are transformers' own (generation with
-``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments).  During
-``train()`` the loop's evaluations generate as ``Seq2SeqTrainer.evaluate`` would (``step.generated``): with
-``generation_max_length`` / ``generation_num_beams`` and the model's ``generation_config``.
+``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments), at each
+evaluation during ``train()`` too (``trainer.subclass.trainers_evaluation``: an encoder-decoder trains on
+Trainer's sample batches), on the loop's model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import transformers
 
 from trainbridge.trainer.facade import Trainer
+from trainbridge.trainer.job_args import TrainerPlan
 
 
 class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
@@ -27,9 +29,7 @@ class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
         }
         return {k: v for k, v in kwargs.items() if v is not None}
 
-    def generation_fields(self) -> dict[str, Any]:
-        """The ``TrainingArgs`` fields of generated predictions this trainer's arguments ask for."""
-        return {
-            "predict_with_generate": bool(getattr(self.args, "predict_with_generate", False)),
-            "generation_kwargs": self.generation_kwargs(),
-        }
+    def run_plan(self) -> TrainerPlan:
+        """``Trainer``'s plan, with generated predictions where the arguments ask for them."""
+        generate = bool(getattr(self.args, "predict_with_generate", False))
+        return replace(super().run_plan(), predict_with_generate=generate, generation_kwargs=self.generation_kwargs())

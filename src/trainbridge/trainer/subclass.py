@@ -7,7 +7,8 @@
 
 - ``training_step`` / ``prediction_step`` on each batch (``RunPlan.trainer_methods``) when the class overrides
   one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``needs_trainer_step``);
-- ``evaluate`` at each evaluation point when the class overrides one of ``EVALUATION_METHODS``;
+- ``evaluate`` at each evaluation point on Trainer's sample batches (``trainers_evaluation``: Trainer's own
+  code on the engine's model) or when the class overrides one of ``EVALUATION_METHODS``;
 - ``log`` on every log, before the other callbacks see it (``ScriptTrainerEvents``);
 - ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers``), ``_save`` / ``save_model`` /
   ``_save_checkpoint`` (``trainer.save_overrides``), ``get_train_dataloader`` (``ScriptTrainer.train_loader``).
@@ -21,14 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
+from trainbridge.data.script_data import column_items
+from trainbridge.trainer.optimizers import back_to_training
 from trainbridge.trainer.scope import LogCapture, LoopScope
-from trainbridge.trainer.script_data import column_items
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -194,15 +197,21 @@ class ScriptTrainer:
             instance._in_loop = outer
             instance.callback_handler = around.handler if around.handler is not None else handler
 
-    def evaluation(self, run: EvaluationRun) -> dict[str, float]:
-        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point; Trainer's own
-        ``evaluate`` there is ``run`` (the loop's evaluation: logs, ``on_evaluate``) where the evaluation items
-        are dicts of columns (else Trainer's own ``evaluate`` reads them).  What the instance's own evaluation
-        logs and evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
-        loop_evaluation = run if items_are_columns(self.instance, "eval_dataset") else None
+    def evaluation(self, run: EvaluationRun, trainers_own: bool = False) -> dict[str, float]:
+        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point, on the engine's model
+        (``run.model``) in its precision.  Trainer's own ``evaluate`` there is ``run`` (the loop's evaluation:
+        logs, ``on_evaluate``) unless ``trainers_own`` (``trainers_evaluation``) or the evaluation items are not
+        dicts of columns: then it is Trainer's own code throughout.  What the instance's evaluation logs and
+        evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
+        columns = items_are_columns(self.instance, "eval_dataset")
+        loop_evaluation = run if columns and not trainers_own else None
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
-        with self.call(evaluation=loop_evaluation, handler=EvaluationEvents(handler, run, self)) as instance:
-            return dict(instance.evaluate(ignore_keys=None))
+        events = EvaluationEvents(handler, run, self)
+        with self.call(run.model, evaluation=loop_evaluation, handler=events) as instance, run.autocast():
+            try:
+                return dict(instance.evaluate(ignore_keys=None))
+            finally:
+                back_to_training(instance.optimizer)  # a schedule-free one: Trainer's evaluation_loop called eval()
 
     # ------------------------------------------------------------------ step.trainer_methods.TrainerMethods
     def training_step(
@@ -338,9 +347,27 @@ OWN_METHODS = (
 ``trainer.save_overrides``)."""
 
 
+def trainers_evaluation(trainer: LoopTrainer) -> bool:
+    """Whether each evaluation during ``train()`` is Trainer's own ``evaluate`` (``evaluation_loop``,
+    ``prediction_step``, ``compute_metrics`` as Trainer calls it): the instance's ``evaluate`` is Trainer's
+    (or ``Seq2SeqTrainer``'s: no override, no trl ``evaluate``) and the run trains on Trainer's sample batches
+    (the script's collator called as written, a model that is not a causal LM, the script's loss...), not on
+    the padding-free token batches, whose faster evaluation is the loop's (``loop.predictions``), nor with a
+    step of trainbridge's own for a library's loss; not under ``TrainingArguments.deepspeed``, where Trainer's
+    ``evaluation_loop`` would start a DeepSpeed engine of its own."""
+    from trainbridge.trainer.facade import LoopTrainer
+
+    if type(trainer).evaluate is not LoopTrainer.evaluate or trainer.step_factory is not None:
+        return False
+    return trainer._row_preparation().items and not trainer.is_deepspeed_enabled
+
+
 def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
-    when its class overrides ``evaluate`` or its evaluation items are not dicts of columns, else None."""
+    when Trainer's own ``evaluate`` runs (``trainers_evaluation``), its class overrides ``evaluate`` or its
+    evaluation items are not dicts of columns, else None (the loop's own evaluation)."""
+    if _evaluates(trainer):
+        return partial(trainer._script.evaluation, trainers_own=True)
     own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
     worker = script_trainer(trainer) if own else None
     return worker.evaluation if worker is not None else None
@@ -350,9 +377,14 @@ def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
     """``trainer``'s ``ScriptTrainer`` (one per instance) when the loop calls a method of its class's, it has a
     ``compute_loss_func`` or its items are not dicts of columns, else None."""
     if not overrides(trainer, (*STEP_METHODS, *OWN_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if not needs_trainer_step(trainer) and not _own_items(trainer):
+        if not needs_trainer_step(trainer) and not _own_items(trainer) and not _evaluates(trainer):
             return None
     return trainer._script
+
+
+def _evaluates(trainer: LoopTrainer) -> bool:
+    """Whether Trainer's own ``evaluate`` runs at the run's evaluation points (``trainers_evaluation``)."""
+    return trainer.eval_dataset is not None and trainers_evaluation(trainer)
 
 
 def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
@@ -363,7 +395,7 @@ def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
     own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
     if not own_step and not needs_trainer_step(trainer):
         return None
-    return script_trainer(trainer)
+    return trainer._script
 
 
 def _neftune(trainer: LoopTrainer) -> float | None:

@@ -4,13 +4,14 @@ trl generates with ``model.generate`` on ``[B, P]`` prompts in which each prompt
 ``num_generations`` times, so each is prefilled that many times, and every decode step pays ``generate``'s
 per-step bookkeeping (input preparation, mask building, stopping criteria objects).  ``sample_completions``
 prefills the distinct prompts once (left-padded as trl pads them), copies each prompt's KV cache to its rows
-(``Cache.batch_select_indices``) and decodes with the model's own forward: per step the float32 logits of the
-last position, the sampling processors ``generate`` builds for trl's settings (temperature, top-k, top-p,
-min-p, in ``generate``'s order), ``softmax`` and one ``torch.multinomial`` over all ``B`` rows, finished rows
-continued with the pad token, stopping when every row has an end-of-sequence token or ``max_new_tokens`` are
-drawn.  That is ``generate``'s sampling step for step, the same draws from the same random stream, so the
-completions are ``generate``'s (bitwise wherever the prefill's logits are: a batch-1 prefill may round
-differently from trl's batch-``B`` one).
+(``Cache.batch_select_indices``) and decodes with the model's own forward (``decode_step``: replayed from its
+submodules without the forward's per-call wrappers where that gives its logits bit for bit): per step the
+float32 logits of the last position, the sampling processors ``generate`` builds for trl's settings
+(temperature, top-k, top-p, min-p, in ``generate``'s order), ``softmax`` and one ``torch.multinomial`` over all
+``B`` rows, finished rows continued with the pad token, stopping when every row has an end-of-sequence token or
+``max_new_tokens`` are drawn. That is ``generate``'s sampling step for step, the same draws from the same random
+stream, so the completions are ``generate``'s (bitwise wherever the prefill's logits are: a batch-1 prefill may
+round differently from trl's batch-``B`` one).
 
 ``supported`` says when that holds: sampling without beams or a repetition penalty, and no other setting of
 trl's generation config or of the model's own that would add a processor or a stopping rule.
@@ -30,6 +31,8 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from trainbridge.trl import decode_step
 
 SUPPORTED_FIELDS = frozenset(
     {
@@ -119,6 +122,7 @@ def sample_completions(
     logits = out.logits[rows, -1]
     input_ids, mask, next_position = ids[rows], mask[rows], lengths[rows].unsqueeze(1)
     warpers = processors(config)
+    decode = decode_step.Decoder(model)
     eos = torch.tensor(list(eos_token_ids), device=device)
     unfinished = torch.ones(len(prompts), dtype=torch.long, device=device)
     generated: list[torch.Tensor] = []
@@ -133,15 +137,8 @@ def sample_completions(
             break
         if padded:
             mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=-1)
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask if padded else None,
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        logits = decode(tokens, next_position, mask if padded else None, cache)
         next_position = next_position + 1
-        logits = out.logits[:, -1]
     completions = torch.stack(generated, dim=1).tolist()
     eos_set = set(eos_token_ids)
     return [_through_first(row, eos_set) for row in completions]

@@ -4,7 +4,9 @@ Run as ``torchrun --nproc_per_node=2 seq2seq_script.py OUT [real]`` or ``python 
 ``real`` uses transformers.Seq2SeqTrainer (the reference).  A tiny T5 learns to reverse digit strings;
 ``compute_metrics`` decodes the generated ids and records (``OUT/metric-calls.jsonl``), per call, the
 predictions' shape and the longest generation; after training ``evaluate(max_length=6)`` and
-``predict(..., max_new_tokens=3)`` pass their ``generate`` arguments.  Rank 0 writes ``OUT/summary.json``.
+``predict(..., max_new_tokens=3)`` pass their ``generate`` arguments.  The script's class overrides
+``compute_loss`` (the model's loss plus a weight penalty: generation plus a custom loss) and counts its calls.
+Rank 0 writes ``OUT/summary.json``.
 """
 
 import json
@@ -25,6 +27,20 @@ else:
     from trainbridge import Seq2SeqTrainer
 
 from trainbridge.demos.tiny_model import build_tokenizer
+
+
+class PenalisedSeq2Seq(Seq2SeqTrainer):
+    """The model's loss plus an L2 penalty on the weights; counts its training and evaluation calls."""
+
+    calls = {"train": 0, "eval": 0}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        self.calls["train" if model.training else "eval"] += 1
+        penalty = sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
+        loss = loss + 1e-3 * penalty
+        return (loss, outputs) if return_outputs else loss
+
 
 out = Path(sys.argv[1])
 model_dir = out.parent / "tiny-t5"
@@ -94,7 +110,7 @@ args = Seq2SeqTrainingArguments(
     disable_tqdm=True,
     seed=7,
 )
-trainer = Seq2SeqTrainer(
+trainer = PenalisedSeq2Seq(
     model=model,
     args=args,
     train_dataset=rows(48, 0),
@@ -111,6 +127,9 @@ if trainer.is_world_process_zero():
     summary = {
         "global_step": result.global_step,
         "log_steps": [e["step"] for e in history if "loss" in e],
+        "losses": [e["loss"] for e in history if "loss" in e],
+        "eval_losses": [e["eval_loss"] for e in history if "eval_exact" in e],
+        "compute_loss_calls": PenalisedSeq2Seq.calls,
         "eval_steps": [e["step"] for e in history if "eval_exact" in e],
         "eval_keys": sorted({k for e in history if "eval_exact" in e for k in e if "runtime" not in k}),
         "evaluate_keys": sorted(evaluated),

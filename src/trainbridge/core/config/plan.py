@@ -97,15 +97,20 @@ class TrainLoaderFactory(Protocol):
 
 
 class EvaluationRun(Protocol):
-    """What ``Evaluation`` gets (``loop.loop.EvaluationPoint``): ``run()`` is the loop's own evaluation;
-    ``run.log(logs)`` / ``run.evaluate(metrics)`` fire ``on_log`` / ``on_evaluate`` to every callback with what
-    an evaluation of the seam's own logs and evaluates."""
+    """What ``Evaluation`` gets (``loop.evaluation_point.EvaluationPoint``): ``run()`` is the loop's own
+    evaluation; ``run.log(logs)`` / ``run.evaluate(metrics)`` fire ``on_log`` / ``on_evaluate`` to every callback for an
+    evaluation of the seam's own; ``model`` is the engine's (wrapped) model and ``autocast()`` its forward
+    precision."""
+
+    model: Any
 
     def __call__(self) -> dict[str, float]: ...
 
     def log(self, logs: dict[str, Any]) -> None: ...
 
     def evaluate(self, metrics: dict[str, Any]) -> None: ...
+
+    def autocast(self) -> Any: ...
 
 
 class Evaluation(Protocol):

@@ -1,7 +1,7 @@
 """What a ``Trainer`` script hands over, made ready for the loop in place: datasets, the collator, the model.
 
 - ``script_inputs``: ``RunPlan.script_data`` of a train job: the script's datasets as the loop reads them, never
-  written anywhere.  On sample batches (``uses_sample_batches``: the model's own loss) each dataset is the
+  written anywhere.  On sample batches (``RowPreparation.items``: the model's own loss) each dataset is the
   script's object itself, indexed live (``dataset[i]`` at every micro-batch, each epoch, as Trainer's
   DataLoader does); on the padding-free token path, its rows as ``data.in_place.InPlaceRows`` (``prepare_rows``),
   tokenised once per node and cached by the dataset's fingerprint.
@@ -9,7 +9,7 @@
   one ``datasets.Dataset`` (tensors and numpy arrays as lists), for the token path.
 - ``column_items``: whether a dataset's items are dicts of columns at all; one whose items are anything
   else (tuples, lists, objects: Trainer hands any item to the collator) is not the loop's: the instance's
-  own ``get_train_dataloader()`` / ``evaluate()`` read it (``trainer.subclass``).
+  own ``get_train_dataloader()`` / ``evaluate()`` read it (``trainbridge.trainer.subclass``).
 - ``data_identity``: what the training data is, for the checkpoint fingerprint (resume on other data flagged).
 - a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it is ``RunPlan.train_stream``
   (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
@@ -101,15 +101,6 @@ def check_stream_steps(train_dataset: Any, args: Any) -> None:
     max_steps = getattr(args, "max_steps", None)
     if is_stream(train_dataset) and (max_steps is None or max_steps <= 0):
         raise ValueError(STREAM_NEEDS_MAX_STEPS)
-
-
-def uses_sample_batches(model: Any, choice: CollatorChoice) -> bool:
-    """Whether the workers train on Trainer's sample batches and the model's own loss (``model_loss``): the
-    model is not a causal LM, or the script's collator is not reproduced by the padding-free batching (it is
-    then called on the items exactly as the dataset returns them)."""
-    from trainbridge.modeling.load import is_causal_lm
-
-    return not choice.reproduced or (model is not None and not is_causal_lm(model))
 
 
 def _plain(value: Any) -> Any:
@@ -212,7 +203,7 @@ class RowPreparation:
     collator: CollatorChoice
     pad_token_id: int | None
     items: bool = False
-    """The loop trains on the model's own loss over the datasets' items (``uses_sample_batches``): each
+    """The loop trains on the model's own loss over the datasets' items (``RowPreparation.items``): each
     dataset is the script's object, indexed live; else its rows are prepared for the token step."""
 
 
