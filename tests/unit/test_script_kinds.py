@@ -1,7 +1,9 @@
 """Script kinds (tests/distributed/scripts/kinds_script.py), in place on one rank, against real
 ``transformers.Trainer``: the same script with only the import changed gives the same steps, log steps and keys,
 checkpoints and checkpoint files (Trainer's within ours), and losses: images with a random crop and flip per
-access read by 2 loader workers (``dataloader_num_workers``), audio decoded from WAV bytes on every
+access read by 2 loader workers (``dataloader_num_workers``), detection and segmentation labels as lists of
+dicts (classes, boxes, masks) that ``compute_metrics`` walks batch by batch (``eval_do_concat_batches=False``),
+audio decoded from WAV bytes on every
 access with a random window (``random.randint``) per access, a CLIP two-tower contrastive model
 (``return_loss=True`` in the batch, no labels), a LLaVA vision-language SFT collator (image tokens, masked
 prompt, pixel values), trl's DPOTrainer on a LLaVA model with a ``LlavaProcessor`` (vision-language DPO: the
@@ -21,7 +23,7 @@ from unittest import mock
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "distributed" / "scripts" / "kinds_script.py"
-KINDS = ["images", "audio", "twotower", "vlm", "vlmdpo"]
+KINDS = ["images", "detection", "audio", "twotower", "vlm", "vlmdpo"]
 NOT_WRITTEN = {"vlmdpo": {"processor_config.json"}}
 """Trainer's checkpoint files ours lacks, per kind: the processor's own file (ours saves its tokenizer)."""
 SAME = ("global_step", "loss_steps", "eval_steps", "checkpoints")
@@ -52,6 +54,8 @@ def test_each_kind_trains_as_under_trainer(runs: dict[str, dict[str, dict]], kin
     # stream is not consumed as Trainer's DataLoader consumes it, so those losses agree within the draws' noise
     assert ours["losses"] == pytest.approx(real["losses"], rel={"images": 5e-3, "audio": 5e-2}.get(kind, 1e-4))
     assert ours.get("eval_accuracy") == real.get("eval_accuracy")
+    # detection: compute_metrics got the same per-batch lists of label dicts (images, objects, mask pixels)
+    assert (ours.get("counts"), ours.get("batches")) == (real.get("counts"), real.get("batches"))
     for values in ("eval_losses", "margins"):
         if values in real:
             assert ours[values] == pytest.approx(real[values], rel=1e-4)

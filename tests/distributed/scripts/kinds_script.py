@@ -442,7 +442,7 @@ def detection(out: Path) -> dict:
         learning_rate=1e-2,
         eval_strategy="steps",
         eval_steps=2,
-        save_strategy="no",
+        save_steps=4,
         remove_unused_columns=False,
         eval_do_concat_batches=False,
     )
