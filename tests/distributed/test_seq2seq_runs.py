@@ -1,12 +1,12 @@
 """A ``Seq2SeqTrainer`` script with ``predict_with_generate`` whose class overrides ``compute_loss``
 (``scripts/seq2seq_script.py``, issue 39: generation plus a custom loss), on 2 ranks, against
-transformers.Seq2SeqTrainer running the same subclass: the same global_step, losses, log and eval steps, metric
-keys, checkpoint files and ``compute_loss`` calls (training and evaluation); each evaluation during training is
-Seq2SeqTrainer's own ``evaluate`` on the loop's DDP model, so ``compute_metrics`` gets what Seq2SeqTrainer gives it
-(generated token ids padded as it pads them, with ``generation_max_length``; the samples accelerate repeats to
-even out the ranks' batches included), and after training ``evaluate``/``predict`` pass their ``generate``
-arguments.  Launch styles: ``torchrun script.py`` here in CI; ``python script.py`` (the forked ranks) under
-``compat_full``."""
+transformers.Seq2SeqTrainer running the same subclass: the same global_step, losses, log and eval steps, log and
+metric keys, compute_metrics' values during training, checkpoint files and ``compute_loss`` calls (training and
+evaluation); each evaluation during training is Seq2SeqTrainer's own ``evaluate`` on the loop's DDP model, so
+``compute_metrics`` gets what Seq2SeqTrainer gives it (generated token ids padded as it pads them, with
+``generation_max_length``; the samples accelerate repeats to even out the ranks' batches included), and after
+training ``evaluate``/``predict`` pass their ``generate`` arguments. Launch styles: ``torchrun script.py`` here in
+CI; ``python script.py`` (the forked ranks) under ``compat_full``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def _check(ours: dict, reference: dict) -> None:
         assert min(run["losses"]) > max(run["eval_losses"]) + 5
     assert ours["losses"] == pytest.approx(reference["losses"], rel=0.1)  # (the batches' order differs)
     assert ours["eval_losses"] == pytest.approx(reference["eval_losses"], rel=2e-2)
+    assert ours["eval_metrics"] == reference["eval_metrics"]  # compute_metrics' values (exact, gen_len)
+    assert ours["log_keys"] == reference["log_keys"] and ours["final_keys"] == reference["final_keys"]
     assert all(c["dtype"] == "i" for c in ours["calls"])
     # the longest generation: generation_max_length while training, then the calls' own limits
     assert [c["longest"] for c in ours["calls"]] == [c["longest"] for c in reference["calls"]] == [10, 10, 6, 4]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,15 @@ def llama(folder: Path) -> tuple[Any, Any, datasets.Dataset]:
 
 
 def _shape(value: Any) -> Any:
+    if isinstance(value, Mapping):  # Trainer's batch_eval_metrics inputs: its rank's batch
+        return {key: _values(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [type(value).__name__, [_shape(v) for v in value]]
     return list(np.asarray(value.cpu() if hasattr(value, "cpu") else value).shape) if value is not None else None
+
+
+def _values(value: Any) -> Any:
+    return np.asarray(value.cpu() if hasattr(value, "cpu") else value).tolist()
 
 
 class Metrics:
@@ -55,6 +62,8 @@ class Metrics:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self.tokens = 0
+        self.losses: list[Any] = []
+        """Each call's ``losses`` (``include_for_metrics``), compared with a tolerance."""
 
     def __call__(self, p: Any, compute_result: bool | None = None) -> dict[str, float]:
         self.calls.append(
@@ -66,6 +75,8 @@ class Metrics:
                 "losses": _shape(p.losses),
             }
         )
+        if p.losses is not None:
+            self.losses.append([_values(part) for part in (p.losses if isinstance(p.losses, list) else [p.losses])])
         self.tokens += int(sum(np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels).size for labels in
                                (p.label_ids if isinstance(p.label_ids, list) else [p.label_ids])))  # fmt: skip
         return {"seen": float(self.tokens)} if compute_result in (None, True) else {}
@@ -134,8 +145,13 @@ def test_evaluation_on_sample_batches_is_trainers_own(
 
 
 TOKEN_CASES = {
-    "batch_eval_metrics": dict(batch_eval_metrics=True),
-    "lists": dict(eval_do_concat_batches=False),
+    "batch_eval_metrics": dict(batch_eval_metrics=True, include_for_metrics=["inputs", "loss"]),
+    "lists": dict(
+        eval_do_concat_batches=False,
+        eval_accumulation_steps=1,
+        include_for_metrics=["inputs", "loss"],
+        label_names=["labels"],
+    ),
     "loss_only": dict(prediction_loss_only=True),
 }
 
@@ -147,11 +163,20 @@ def test_the_token_batches_evaluation_calls_compute_metrics_as_trainer(
     case: str, llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The padding-free evaluation (the LM collator, reproduced): ``compute_metrics`` is called per Trainer batch
-    (3 rows, the last 2) with ``compute_result`` as Trainer, gets lists of those batches, or is not called."""
+    (3 rows, the last 2) with ``compute_result`` as Trainer, gets lists of those batches, or is not called;
+    ``include_for_metrics``: the inputs (per batch: the rank's batch as the collator builds it) and the losses
+    (each batch's loss, per row) Trainer hands it; ``eval_accumulation_steps`` and ``label_names`` change
+    nothing, as under Trainer."""
     (reference, want), (trainer, got) = _both(llama, tmp_path, monkeypatch, own=False, **TOKEN_CASES[case])
     assert [sorted(r) for r in _eval_rows(trainer)] == [sorted(r) for r in _eval_rows(reference)]
     assert [r.get("eval_seen") for r in _eval_rows(trainer)] == [r.get("eval_seen") for r in _eval_rows(reference)]
     assert got.calls == want.calls
+    assert len(got.losses) == len(want.losses) == (6 if case == "batch_eval_metrics" else 2 if case == "lists" else 0)
+    for ours, theirs in zip(got.losses, want.losses, strict=True):
+        assert [len(part) for part in ours] == [len(part) for part in theirs]
+        for part, want_part in zip(ours, theirs, strict=True):  # (the trained weights differ slightly)
+            assert part == pytest.approx(want_part, rel=1e-2)
+            assert len(set(part[:3])) == 1  # one batch loss, repeated for its rows
 
 
 @pytest.mark.parametrize("fields", [dict(batch_eval_metrics=True), dict(eval_do_concat_batches=False)])

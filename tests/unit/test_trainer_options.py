@@ -61,6 +61,7 @@ def _trainer(
     monkeypatch: pytest.MonkeyPatch,
     model: Any = None,
     callbacks: list[Any] | None = None,
+    collator: Any = None,
     **arguments: Any,
 ) -> Any:
     base, tokenizer, rows = llama
@@ -87,7 +88,7 @@ def _trainer(
         model=model if model is not None else copy.deepcopy(base),
         args=args,
         train_dataset=rows,
-        data_collator=_collate(tokenizer),
+        data_collator=collator or _collate(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -186,6 +187,29 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
     assert "a checkpoint of the model alone (save_only_model)" in caplog.text
 
 
+@pytest.mark.parametrize("remove", [False, True])
+def test_remove_unused_columns_hands_the_model_trainers_columns(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remove: bool
+) -> None:
+    """A column the model's forward does not name (``weight``) with transformers' own collator: Trainer hands it
+    to the model when ``remove_unused_columns=False`` (its collator pads every column) and drops it otherwise.
+    Ours does the same: such a column moves the run from the token path to Trainer's sample batches."""
+    _, tokenizer, rows = llama
+    weighted = rows.add_column("weight", list(range(len(rows))))
+    seen: list[list[bool]] = []
+    for cls in (transformers.Trainer, Trainer):
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        out = tmp_path / cls.__module__
+        trainer = _trainer(cls, llama, out, monkeypatch, collator=collator, remove_unused_columns=remove)
+        trainer.train_dataset = weighted
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append("weight" in kwargs), with_kwargs=True
+        )
+        trainer.train()
+    assert set(seen[1]) == set(seen[0]) == {not remove}  # (True: ours stays on the token step's micro-batches)
+
+
 class AskToStop(TrainerCallback):
     """``trainbridge control OUTPUT_DIR stop`` from "another shell" at step 2."""
 
@@ -265,6 +289,37 @@ def test_resume_of_a_saved_from_config_model_is_warned_not_refused(
     assert "model architecture llama/None != this run's llama/['LlamaForCausalLM']" in caplog.text
 
 
+class Crash(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            raise RuntimeError("crash at step 3")
+
+
+def test_crash_then_rerun_of_a_from_config_model_resumes_as_trainer(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model is built with ``from_config`` (``architectures`` None until the first save sets it, after the
+    checkpoint recorded None); the run saves checkpoint-2 and crashes at step 3.  Run again in the same session
+    (a notebook's training cell: a fresh Trainer on the same model object) with
+    ``train(resume_from_checkpoint=True)``: Trainer resumes from checkpoint-2 and finishes, and so does ours,
+    with the same losses (a mismatch of the recorded architecture: the test above)."""
+    config = copy.deepcopy(llama[0].config)
+    config.architectures = None
+    losses = []
+    for cls in (transformers.Trainer, Trainer):
+        out, saving = tmp_path / cls.__module__, dict(save_strategy="steps", save_steps=2, max_steps=4)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(Exception, match="crash at step 3"):
+            _trainer(cls, llama, out, monkeypatch, model=model, callbacks=[Crash()], **saving).train()
+        assert model.config.architectures == ["LlamaForCausalLM"]  # set by checkpoint-2's save
+        trainer = _trainer(cls, llama, out, monkeypatch, model=model, **saving)
+        assert trainer.train(resume_from_checkpoint=True).global_step == 4
+        losses.append([(e["step"], round(e["loss"], 4)) for e in trainer.state.log_history if "loss" in e])
+    assert [step for step, _ in losses[0]] == [1, 2, 3, 4]  # (the checkpoint's log history, then the resumed run's)
+    assert losses[1] == losses[0]
+
+
 class Decoded(torch.utils.data.Dataset[dict[str, Any]]):
     """Items made on access (as images or audio are decoded), each access leaving its process's id in ``folder``."""
 
@@ -303,6 +358,27 @@ def test_dataloader_workers_read_items_in_trainers_order(
         workers_pids = {int(p.name) for p in readers.iterdir()} - {os.getpid()}  # (ours probes an item first)
         assert len(workers_pids) == 2, cls
     assert len(seen[1]) == 6 and seen[1] == seen[0]
+
+
+def test_dataloader_worker_settings_are_trainers(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker DataLoader (not started here) takes Trainer's settings, ``multiprocessing_context`` included."""
+    from trainbridge.data.loader_workers import LoaderWorkers, WorkerFetch
+    from trainbridge.hf.porting import training_args_from_hf
+
+    settings = dict(
+        dataloader_num_workers=2,
+        dataloader_prefetch_factor=3,
+        dataloader_persistent_workers=True,
+        dataloader_multiprocessing_context="spawn",
+    )
+    trainer = _trainer(transformers.Trainer, llama, tmp_path, monkeypatch, **settings)
+    theirs = trainer.get_train_dataloader()
+    ported = training_args_from_hf(trainer.args, effective_batch_size=2)
+    ours = WorkerFetch(trainer.train_dataset, trainer.data_collator, LoaderWorkers.of(ported)).loader
+    names = ("num_workers", "prefetch_factor", "persistent_workers")
+    assert [getattr(ours, name) for name in names] == [getattr(theirs, name) for name in names]
+    assert ours.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
+    assert theirs.multiprocessing_context.get_start_method() == "spawn"
 
 
 class TwoRanks:

@@ -94,7 +94,7 @@ def test_the_decoder_keeps_the_replay_only_where_its_first_step_matched() -> Non
     model = MODELS["llama"]()
     ids, tokens = torch.randint(3, 40, (2, 5)), torch.randint(3, 40, (2,))
     positions = torch.full((2, 1), 5)
-    for replay_differs in (False, True):
+    for replay_differs in (False, True, "raises"):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -103,9 +103,11 @@ def test_the_decoder_keeps_the_replay_only_where_its_first_step_matched() -> Non
             decoder = decode_step.Decoder(model)
             step = decoder.step
             assert step is not None
-            if replay_differs:  # as a kernel routed inside the attention would
+            if replay_differs is True:  # as a kernel routed inside the attention would
                 decoder.step = lambda *args, step=step: step(*args) + 1e-6
+            elif replay_differs:  # as a layout the replay does not know would
+                decoder.step = lambda *args: torch.zeros(()).view(-1, 7)
             assert torch.equal(decoder(tokens, positions, None, cache), expected)
-            assert (decoder.step is None) == replay_differs
+            assert (decoder.step is None) == bool(replay_differs)
             for mine, theirs in zip(cache.layers, reference.layers, strict=True):
                 assert torch.equal(mine.keys, theirs.keys)

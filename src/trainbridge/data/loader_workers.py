@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainbridge.core.config import TrainingArgs
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,18 @@ class LoaderWorkers:
     num_workers: int = 0
     prefetch_factor: int | None = None
     persistent_workers: bool = False
+    multiprocessing_context: str | None = None
+
+    @classmethod
+    def of(cls, args: TrainingArgs) -> LoaderWorkers:
+        """The run's settings: ``dataloader_num_workers``, ``_prefetch_factor``, ``_persistent_workers`` and
+        ``_multiprocessing_context``."""
+        return cls(
+            args.dataloader_num_workers,
+            args.dataloader_prefetch_factor,
+            args.dataloader_persistent_workers,
+            args.dataloader_multiprocessing_context,
+        )
 
 
 class _IndexLists:
@@ -52,6 +67,7 @@ class WorkerFetch:
             num_workers=workers.num_workers,
             prefetch_factor=workers.prefetch_factor,
             persistent_workers=workers.persistent_workers,
+            multiprocessing_context=workers.multiprocessing_context,
         )
         self._batches: Iterator[Any] | None = None
         self._next: tuple[int, int] | None = None

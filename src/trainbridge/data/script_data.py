@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,41 @@ def check_stream_steps(train_dataset: Any, args: Any) -> None:
     max_steps = getattr(args, "max_steps", None)
     if is_stream(train_dataset) and (max_steps is None or max_steps <= 0):
         raise ValueError(STREAM_NEEDS_MAX_STEPS)
+
+
+PASS_THROUGH_COLLATORS = (
+    "DefaultDataCollator",
+    "DataCollatorWithPadding",
+    "DataCollatorForLanguageModeling",
+    "DataCollatorForSeq2Seq",
+)
+"""transformers' collators that hand on every column they get (strings aside): Trainer's batches then carry it."""
+TOKEN_STEP_COLUMNS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
+"""What the padding-free token step hands the model."""
+
+
+def columns_past_the_token_step(collator: Any, datasets: Sequence[Any], kept: Collection[str] | None) -> list[str]:
+    """The columns of the pre-tokenised ``datasets`` that Trainer's batches hand the model and the token step
+    does not: ``collator`` is one of transformers' own (it passes on every column but text), given the columns
+    in ``kept`` (Trainer's signature columns under ``remove_unused_columns``; None: every column)."""
+    import transformers
+
+    own = collator is transformers.default_data_collator or any(
+        type(collator) is getattr(transformers, name, None) for name in PASS_THROUGH_COLLATORS
+    )
+    past: list[str] = []
+    for data in datasets if own else ():
+        try:
+            item = data[0] if not isinstance(data, Mapping) and not is_stream(data) and len(data) else None
+        except (IndexError, KeyError, TypeError, NotImplementedError):
+            item = None
+        if not isinstance(item, Mapping) or "input_ids" not in item:
+            continue  # untokenised rows (the data layer tokenises them) or not a dataset of columns
+        for name, value in item.items():
+            text = isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], str))
+            if name not in TOKEN_STEP_COLUMNS and not text and (kept is None or name in kept) and name not in past:
+                past.append(name)
+    return past
 
 
 def _plain(value: Any) -> Any:

@@ -95,6 +95,8 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "dataloader_num_workers",
         "dataloader_prefetch_factor",
         "dataloader_persistent_workers",
+        "dataloader_multiprocessing_context",
+        "remove_unused_columns",
         to_hf=False,
     ),
     FieldLink(

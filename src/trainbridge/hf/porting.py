@@ -127,9 +127,6 @@ EXPLANATIONS: dict[str, str] = {
         "are data parallel (DDP, FSDP2, DeepSpeed)"
     ),
     "liger_kernel_config": "it configures use_liger_kernel's model patches, which are not applied",
-    "dataloader_multiprocessing_context": (
-        "dataloader_num_workers' workers start with the platform's default method (fork on Linux)"
-    ),
     "dataloader_in_order": "dataloader_num_workers' micro-batches always come in the plan's order, as by default",
     "train_sampling_strategy": (
         "sample batches are drawn in Trainer's random order and token batches are packed by the token budget; "
@@ -150,7 +147,6 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_train_batch_size": ("effective_batch_size",),
     "gradient_accumulation_steps": ("effective_batch_size",),
     "per_device_eval_batch_size": ("max_batch_len",),
-    "remove_unused_columns": ("remove_unused_columns",),  # Trainer's sample batches honour it
     "include_for_metrics": ("include_for_metrics",),
     "label_names": ("label_names",),  # Trainer's sample batches read it
     "deepspeed": ("distributed_backend",),
@@ -276,6 +272,10 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "dataloader_num_workers": hf.dataloader_num_workers,
         "dataloader_prefetch_factor": hf.dataloader_prefetch_factor,
         "dataloader_persistent_workers": hf.dataloader_persistent_workers,
+        "dataloader_multiprocessing_context": hf.dataloader_multiprocessing_context,
+        # Trainer's sample batches keep the forward's columns; the token step is left where more would reach
+        # the model (trainer.facade's _columns_past_the_token_step)
+        "remove_unused_columns": hf.remove_unused_columns,
         "compile": hf.torch_compile,
         "compile_backend": hf.torch_compile_backend or "inductor",
         "compile_mode": hf.torch_compile_mode,

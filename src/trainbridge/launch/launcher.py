@@ -47,6 +47,7 @@ from trainbridge.core.config import (
     TrainingArgs,
     check_consistent,
 )
+from trainbridge.core.config.checks import check_world
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.nproc import threads_per_worker
 from trainbridge.core.private_files import append_text, make_run_folder
@@ -335,6 +336,7 @@ def run_training(
     plan = RunPlan.from_keywords(**code)
     check_consistent(args, plan)
     if launched_worker():
+        check_world(args, int(os.environ.get("WORLD_SIZE", "1")))
         return run_in_place(args, plan)
     if torchrun_args is None:
         launch = TorchrunArgs()
@@ -343,6 +345,7 @@ def run_training(
     else:
         launch = TorchrunArgs.model_validate(torchrun_args)
     launch = launch.for_device(args.device)
+    check_world(args, launch.max_world_size())
     # once per launch (preflight does not repeat it)
     problem = check_output_dir(args.ckpt_output_dir, args.share_run_dir_with_group)
     if problem:

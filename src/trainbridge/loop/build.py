@@ -397,9 +397,7 @@ def _item_batches(
             rank=env.rank,
             seed=args.data_order_seed,
             drop_last=drop_last,
-            workers=LoaderWorkers(
-                args.dataloader_num_workers, args.dataloader_prefetch_factor, args.dataloader_persistent_workers
-            ),
+            workers=LoaderWorkers.of(args),
         )
     return StreamBatches(
         stream,

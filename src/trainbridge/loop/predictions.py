@@ -11,8 +11,12 @@ length with ``-100`` (Trainer's ``padding_index``) and stacked into an ``EvalPre
 tracking and control decisions read them).  It calls it as Trainer's ``evaluation_loop`` does
 (``TrainingArguments``, ``RunPlan.hf_args``): with ``batch_eval_metrics`` once per Trainer batch (the rows one
 step of Trainer's gathers from every rank: ``per_device_eval_batch_size`` x world size, in dataset order), as
-tensors, with ``compute_result`` True on the last; with ``eval_do_concat_batches=False`` each field is a list
-of those batches' arrays; with ``prediction_loss_only`` no predictions are kept and it is not called.
+tensors, with ``compute_result`` True on the last and, for ``include_for_metrics`` ``inputs``, the batch of
+rank 0's rows as a dict (Trainer's is its rank's batch); with ``eval_do_concat_batches=False`` each field is a
+list of those batches' arrays; with ``prediction_loss_only`` no predictions are kept and it is not called.  The
+``losses`` of ``include_for_metrics`` are Trainer's: each rank's batch loss (the token mean over its
+``per_device_eval_batch_size`` rows, the last batch completed from the first samples as accelerate's even
+batches are) repeated for each of its rows.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class SamplePrediction:
     labels: Any
     inputs: np.ndarray | None = None
     loss: float | None = None
+    """The row's summed token loss (``nan`` where the outputs are not token logits)."""
+    loss_tokens: int = 0
+    """The row's loss tokens (labels after the shift that are not ignored)."""
 
 
 @dataclass
@@ -69,8 +76,12 @@ class PredictionCollector:
         """``batch_eval_metrics``: one call per Trainer batch, ``compute_result`` True on the last."""
         self.concat = bool(hf is None or hf.eval_do_concat_batches)
         """``eval_do_concat_batches``: one array per field, else a list of each Trainer batch's."""
-        self.trainer_batch = int(hf.per_device_eval_batch_size) * world_size if hf is not None else 0
+        self.rank_batch = int(hf.per_device_eval_batch_size) if hf is not None else 0
+        """Rows of one rank's batch under Trainer (0: no Trainer arguments, each row its own loss)."""
+        self.trainer_batch = self.rank_batch * world_size
         """Rows of one Trainer batch, gathered from every rank."""
+        self._padding: tuple[int, bool] = (0, False)
+        """The validation batches' input padding: (value, left side), as the collator pads."""
         self._samples: list[SamplePrediction] = []
         self.last: GatheredPredictions | None = None
         """The last evaluation's gathered predictions (``Trainer.predict`` returns them)."""
@@ -112,6 +123,10 @@ class PredictionCollector:
         )
         width = mask.shape[1] if token_level and mask is not None else None
         losses = _row_losses(logits, labels) if self.include_loss else None
+        if self.include_inputs and isinstance(mask, torch.Tensor) and isinstance(input_ids, torch.Tensor):
+            padded = mask == 0
+            if bool(padded.any()):
+                self._padding = (int(input_ids[padded][0]), bool(padded[:, 0].any()))
         for row, index in enumerate(indices):
             valid = mask[row].bool().cpu() if isinstance(mask, torch.Tensor) and width is not None else None
             self._samples.append(
@@ -120,13 +135,15 @@ class PredictionCollector:
                     predictions=_take_row(predictions, row, valid, width),
                     labels=_take_row(labels, row, valid, width),
                     inputs=_take_row(input_ids, row, valid, width) if self.include_inputs else None,
-                    loss=float(losses[row]) if losses is not None else None,
+                    loss=losses[row][0] if losses is not None else None,
+                    loss_tokens=losses[row][1] if losses is not None else 0,
                 )
             )
 
     def gather(self, env: DistributedEnv) -> GatheredPredictions:
         """Every rank's samples, in dataset order, stacked (collective: ``all_gather_object``)."""
-        return self._stacked(self._gathered(env))
+        samples = self._gathered(env)
+        return self._stacked(samples, self._losses(samples))
 
     def _gathered(self, env: DistributedEnv) -> list[SamplePrediction]:
         """Every rank's samples, in dataset order (collective: ``all_gather_object``)."""
@@ -142,45 +159,90 @@ class PredictionCollector:
         size = self.trainer_batch or len(samples) or 1
         return [samples[start : start + size] for start in range(0, len(samples), size)] or [[]]
 
-    def _prediction(self, gathered: Any, convert: Callable[[Any], Any]) -> Any:
+    def _losses(self, samples: list[SamplePrediction]) -> dict[int, float]:
+        """Trainer's ``losses`` of ``samples`` (all of them, dataset order): each rank's batch loss (token mean
+        of its rows; the last batch completed from the first samples, as accelerate evens batches out) repeated
+        for each of its rows, by sample index; without Trainer's arguments each row's own mean.  Empty unless
+        ``include_for_metrics`` asks for them."""
+        if not self.include_loss:
+            return {}
+        size, count = self.rank_batch or 1, len(samples)
+        losses: dict[int, float] = {}
+        for start in range(0, count, size):
+            rows = [samples[position % count] for position in range(start, start + size)]
+            tokens = sum(s.loss_tokens for s in rows)
+            total = sum(s.loss for s in rows if s.loss is not None)
+            loss = total / tokens if tokens > 0 else float("nan")
+            losses.update((s.index, loss) for s in samples[start : start + size])
+        return losses
+
+    def _rank_batch(self, samples: list[SamplePrediction]) -> dict[str, torch.Tensor]:
+        """Rank 0's rows of one Trainer batch as the collator's batch (Trainer hands ``compute_metrics`` its
+        rank's ``inputs`` with ``batch_eval_metrics``): ``input_ids`` padded as the validation batches are,
+        ``attention_mask``, ``labels`` padded with ``PADDING_INDEX``."""
+        rows = samples[: self.rank_batch or len(samples)]
+        value, left = self._padding
+
+        def padded(values: list[Any], fill: int) -> torch.Tensor:
+            tensors = [torch.as_tensor(np.asarray(row)).reshape(-1) for row in values]
+            width = max((len(row) for row in tensors), default=0)
+            out = torch.full((len(tensors), width), fill, dtype=torch.long)
+            for number, row in enumerate(tensors):
+                if left:
+                    out[number, width - len(row) :] = row
+                else:
+                    out[number, : len(row)] = row
+            return out
+
+        batch = {
+            "input_ids": padded([s.inputs for s in rows], value),
+            "attention_mask": padded([np.ones(len(np.asarray(s.inputs)), dtype=np.int64) for s in rows], 0),
+        }
+        if rows and isinstance(rows[0].labels, np.ndarray) and rows[0].labels.ndim == 1:
+            batch["labels"] = padded([s.labels for s in rows], PADDING_INDEX)
+        return batch
+
+    def _prediction(self, gathered: Any, convert: Callable[[Any], Any], inputs: Any = None) -> Any:
         """The ``EvalPrediction`` of ``gathered`` (a ``GatheredPredictions``, or one of lists), each field
-        ``convert``ed; ``inputs`` / ``losses`` as ``include_for_metrics`` asks."""
+        ``convert``ed; ``inputs`` (else ``gathered``'s) / ``losses`` as ``include_for_metrics`` asks."""
         from transformers.trainer_utils import EvalPrediction
 
         extra: dict[str, Any] = {}
         if self.include_inputs:
-            extra["inputs"] = convert(gathered.inputs)
+            extra["inputs"] = inputs if inputs is not None else convert(gathered.inputs)
         if self.include_loss:
             extra["losses"] = convert(gathered.losses)
         return EvalPrediction(predictions=convert(gathered.predictions), label_ids=convert(gathered.label_ids), **extra)
 
-    def _stacked(self, samples: list[SamplePrediction]) -> GatheredPredictions:
-        """``samples`` stacked as ``Trainer.predict``/``evaluate`` build them (padded with ``PADDING_INDEX``)."""
+    def _stacked(self, samples: list[SamplePrediction], losses: dict[int, float]) -> GatheredPredictions:
+        """``samples`` stacked as ``Trainer.predict``/``evaluate`` build them (padded with ``PADDING_INDEX``),
+        with their ``losses`` (``_losses``)."""
         return GatheredPredictions(
             predictions=_stack_nested([s.predictions for s in samples]),
             label_ids=_stack_nested([s.labels for s in samples]) if samples and samples[0].labels is not None else None,
             inputs=_stack([s.inputs for s in samples if s.inputs is not None]) if self.include_inputs else None,
-            losses=np.array([s.loss for s in samples], dtype=np.float32) if self.include_loss else None,
+            losses=np.array([losses[s.index] for s in samples], dtype=np.float32) if self.include_loss else None,
             num_samples=len(samples),
         )
 
     def compute(self, env: DistributedEnv) -> dict[str, Any]:
         """Gather, run ``compute_metrics`` on rank 0, broadcast; keys prefixed ``eval_`` (collectives)."""
         samples = self._gathered(env)
-        gathered = self.last = self._stacked(samples)
+        losses = self._losses(samples)
+        gathered = self.last = self._stacked(samples, losses)
         metrics: dict[str, Any] | None = None
         if env.is_world_process_zero and self.compute_metrics is not None:
             if self.per_call:
                 result: Any = {}
                 batches = self._trainer_batches(samples)
                 for number, batch in enumerate(batches, start=1):
-                    stacked = self._stacked(batch)
-                    prediction = self._prediction(stacked, lambda v: _tensors(v))
+                    inputs = self._rank_batch(batch) if self.include_inputs else None
+                    prediction = self._prediction(self._stacked(batch, losses), _tensors, inputs)
                     result = self.compute_metrics(prediction, compute_result=number == len(batches))
             elif self.concat:
                 result = self.compute_metrics(self._prediction(gathered, lambda v: v))
             else:
-                parts = [self._stacked(batch) for batch in self._trainer_batches(samples)]
+                parts = [self._stacked(batch, losses) for batch in self._trainer_batches(samples)]
                 result = self.compute_metrics(self._prediction(_listed(parts), lambda v: v))
             if not isinstance(result, dict):
                 raise TypeError(f"compute_metrics returned {type(result).__name__}; it must return a dict")
@@ -212,9 +274,9 @@ def _tensors(value: Any) -> Any:
     return value
 
 
-def _row_losses(logits: Any, labels: Any) -> list[float]:
-    """Mean shifted token cross entropy of each row (``nan`` for a row without loss tokens; every row's
-    ``nan`` when the outputs are not token logits with token labels)."""
+def _row_losses(logits: Any, labels: Any) -> list[tuple[float, int]]:
+    """Summed shifted token cross entropy and loss tokens of each row (``(nan, 0)`` for every row when the
+    outputs are not token logits with token labels)."""
     if not (
         isinstance(logits, torch.Tensor)
         and isinstance(labels, torch.Tensor)
@@ -222,14 +284,14 @@ def _row_losses(logits: Any, labels: Any) -> list[float]:
         and labels.dim() == 2
     ):
         rows = len(labels) if labels is not None else len(logits)
-        return [float("nan")] * rows
+        return [(float("nan"), 0)] * rows
     shifted = labels[:, 1:].to(logits.device)
     per_token = F.cross_entropy(
         logits[:, :-1, :].float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none"
     )
     counts = (shifted != IGNORE_INDEX).sum(dim=1)
     sums = per_token.sum(dim=1)
-    return [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), counts.tolist())]
+    return list(zip(sums.tolist(), counts.tolist(), strict=True))
 
 
 def _detach(value: Any) -> Any:

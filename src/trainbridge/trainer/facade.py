@@ -259,10 +259,24 @@ class LoopTrainer(_TrainerBase):
             items=self.rows_are_items
             or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
             or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
+            or bool(self._columns_past_the_token_step())  # columns Trainer would hand the model: its batches
             or subclass.subclass_loss(self) is not None
             or is_stream(self.train_dataset)
             or subclass.instance_batches(self),
         )  # the script's loss, a stream, its own DataLoader: its items
+
+    def _columns_past_the_token_step(self) -> list[str]:
+        """Columns Trainer's batches would hand the model that the token step does not (``remove_unused_columns``
+        as Trainer's own signature columns apply it): a run with any trains on Trainer's sample batches."""
+        kept = None
+        if getattr(self.args, "remove_unused_columns", True):
+            if self.model is None:
+                return []
+            self._set_signature_columns_if_needed()
+            kept = self._signature_columns
+        evaluation: Any = self.eval_dataset
+        sets = [*evaluation.values()] if script_data.is_dataset_dict(evaluation) else [evaluation]
+        return script_data.columns_past_the_token_step(self.data_collator, [self.train_dataset, *sets], kept)
 
     def _optimizers(self) -> Any:
         """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is

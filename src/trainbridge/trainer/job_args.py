@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import RunPlan, TrainingArgs, check_consistent
+from trainbridge.core.config.checks import check_world
 from trainbridge.core.config.plan import ExistingModel
 from trainbridge.data.script_data import RowPreparation, script_inputs
 from trainbridge.hf.handler import is_hf_callback
@@ -107,6 +108,7 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     # the script's datasets and tokenizer, read in place; the TrainingArguments Hugging Face callbacks see
     run = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)
     check_consistent(args, run)
+    check_world(args, world_size)
     return args, run
 
 

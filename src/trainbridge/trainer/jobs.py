@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def world_size_of(torchrun_args: TorchrunArgs) -> int:
     """The ranks ``torchrun_args`` start (elastic ``MIN:MAX`` nodes: the most)."""
-    return torchrun_args.nproc_per_node * int(str(torchrun_args.nnodes).split(":")[-1])
+    return torchrun_args.max_world_size()
 
 
 def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:

@@ -150,7 +150,12 @@ class Decoder:
     ) -> torch.Tensor:
         if self.step is not None and self.checked:
             return self.step(tokens, positions, mask, cache)
-        replayed = None if self.step is None else self.step(tokens, positions, mask, copy.deepcopy(cache))
+        replayed = None
+        if self.step is not None:
+            try:
+                replayed = self.step(tokens, positions, mask, copy.deepcopy(cache))
+            except Exception:  # a layout the replay does not know (another transformers version): the forward's
+                self.step = None
         ids = tokens[:, None]
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True

@@ -163,6 +163,7 @@ def check_optimizer(args: TrainingArgs) -> None:
             "the steps whose scaled gradients overflow (their norm is infinite) and lowers its scale; set "
             "nonfinite_policy='warn', as Trainer goes on"
         )
+    check_optimizer_engine(args)
     import importlib.util
 
     package = next((p for key, p in OPTIMIZER_PACKAGES.items() if args.optim.startswith(key)), None)
@@ -180,6 +181,75 @@ def check_optimizer(args: TrainingArgs) -> None:
         raise ValueError(
             f"optim={args.optim!r}: DeepSpeed steps its own AdamW (FusedAdam on CUDA); use "
             "optim='adamw_torch' with distributed_backend='deepspeed', or ddp/fsdp for this optimizer"
+        )
+
+
+def is_layerwise(optim: str) -> bool:
+    """Whether ``optim`` is one of Trainer's layer-wise optimizers (``*_layerwise``): each parameter is stepped
+    by its own optimizer in a hook when its gradient is accumulated, during ``backward``."""
+    return optim.endswith("layerwise")
+
+
+def check_optimizer_engine(args: TrainingArgs) -> None:
+    """``optim`` with the engine: the combinations that cannot work, refused before launch as Trainer refuses
+    them (layer-wise optimizers and gradient accumulation) or as they would fail inside the workers."""
+    optim, backend = args.optim, args.distributed_backend
+    if backend == "deepspeed" and args.deepspeed_config and "optimizer" in args.deepspeed_config:
+        return  # the JSON's optimizer, built and stepped by DeepSpeed: ``optim`` is not used
+    if is_layerwise(optim) and backend != "ddp":
+        raise ValueError(
+            f"optim={optim!r}: a layer-wise optimizer steps each whole parameter in a hook during backward, which "
+            f"distributed_backend={backend!r} shards or owns; use distributed_backend='ddp' on one process, or "
+            f"optim={optim.removesuffix('_layerwise')!r}"
+        )
+    if optim.startswith(("galore_", "apollo_")) and backend == "fsdp":
+        raise ValueError(
+            f"optim={optim!r}: GaLore / APOLLO project each target module's whole gradient matrix "
+            "(optim_target_modules), which FSDP2 shards across ranks; use distributed_backend='ddp', or "
+            "optim='adamw_torch' with fsdp"
+        )
+    if is_layerwise(optim) and args.mixed_precision == "fp16":
+        raise ValueError(
+            f"optim={optim!r}: a layer-wise optimizer steps on each gradient during backward, before fp16's "
+            "gradient scaler could unscale it or skip an overflowed step; use mixed_precision='bf16' or 'no', "
+            f"or optim={optim.removesuffix('_layerwise')!r}"
+        )
+    if optim in ("lomo", "adalomo"):
+        raise ValueError(
+            f"optim={optim!r}: LOMO updates the parameters inside its own fused backward, which trainbridge's "
+            "loop does not call (its engines step the optimizer after backward); use optim='adafactor' for a "
+            "low-memory optimizer, or transformers.Trainer for LOMO"
+        )
+    if is_layerwise(optim):
+        per_rank = args.per_device_batch_size
+        fits = (
+            args.effective_batch_size <= per_rank
+            if per_rank
+            else args.effective_batch_size * args.max_seq_len <= args.max_batch_len
+        )
+        if not fits:
+            what = (
+                f"effective_batch_size={args.effective_batch_size} > per_device_batch_size={per_rank}"
+                if per_rank
+                else f"effective_batch_size={args.effective_batch_size} x max_seq_len={args.max_seq_len} > "
+                f"max_batch_len={args.max_batch_len}"
+            )
+            raise ValueError(
+                f"optim={optim!r}: a layer-wise optimizer steps during each backward, so it cannot accumulate "
+                f"gradients over micro-batches ({what}), as Trainer refuses gradient_accumulation_steps > 1 with "
+                "it; use one micro-batch per optimizer step (raise max_batch_len / per_device_batch_size or lower "
+                "effective_batch_size)"
+            )
+
+
+def check_world(args: TrainingArgs, world_size: int) -> None:
+    """``optim`` with the number of processes: a layer-wise optimizer steps each parameter in its gradient
+    hook, before DDP has reduced the gradient over ranks, so Trainer refuses it on more than one process."""
+    if is_layerwise(args.optim) and world_size > 1:
+        raise ValueError(
+            f"optim={args.optim!r}: layer-wise optimizers cannot run on {world_size} processes (they step each "
+            "parameter before its gradient is reduced across ranks; Trainer refuses them under DDP too); "
+            f"run one process (nproc_per_node=1), or use optim={args.optim.removesuffix('_layerwise')!r}"
         )
 
 

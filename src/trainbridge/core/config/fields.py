@@ -193,9 +193,12 @@ class BatchFields(BaseModel):
     """Micro-batches each worker prepares ahead (``DataLoader``'s ``prefetch_factor``; None: torch's 2)."""
     dataloader_persistent_workers: bool = False
     """Keep the workers from one epoch to the next (``DataLoader``'s ``persistent_workers``)."""
+    dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = None
+    """How the workers start (``DataLoader``'s ``multiprocessing_context``; None: the platform's default)."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
-    sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept)."""
+    sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept).  A ``trainbridge.Trainer``
+    whose datasets would hand the model more than the token step gives trains on sample batches."""
     label_names: list[str] | None = None
     """``model_loss``: the batch keys that hold the labels (Trainer's ``label_names``); None: ``labels``, or
     ``start_positions``/``end_positions`` for question answering."""
@@ -235,7 +238,9 @@ class ScheduleFields(BaseModel):
     Trainer's own ``get_optimizer_cls_and_kwargs``: ``adamw_torch`` (torch AdamW, fused kernel where every
     parameter allows it), ``sgd``, ``adagrad``, ``rmsprop``, ``adafactor``...; those of another package need
     it installed (bitsandbytes: ``pip install 'trainbridge[qlora]'``; ``schedulefree``, ``galore-torch``...).
-    DeepSpeed keeps its own AdamW (``adamw_torch`` only)."""
+    DeepSpeed keeps its own AdamW (``adamw_torch`` only).  Refused before launch, as they cannot work:
+    layer-wise ``*_layerwise`` on more than one process, with FSDP2 or DeepSpeed, with fp16, or over more than
+    one micro-batch per step; GaLore / APOLLO with FSDP2; LOMO / AdaLomo (``core.config.checks``)."""
     optim_args: dict[str, JsonValue] = Field(default_factory=dict)
     """Trainer's ``optim_args`` as a dict, read as Trainer reads them for ``optim``, e.g.
     ``{"momentum": 0.9, "nesterov": True}`` for ``sgd``, ``{"alpha": 0.9}`` for ``rmsprop``."""

@@ -50,6 +50,10 @@ class TorchrunArgs(BaseModel):
             raise ValueError(f"nnodes: {value!r} is not N or MIN:MAX with positive integers")
         return int(text) if len(parts) == 1 else text
 
+    def max_world_size(self) -> int:
+        """The ranks these arguments start (elastic ``MIN:MAX`` nodes: the most)."""
+        return self.nproc_per_node * int(str(self.nnodes).split(":")[-1])
+
     def for_device(self, device: str) -> TorchrunArgs:
         """These arguments for a run on ``device``: a default ``nproc_per_node`` (not given) is counted
         again for it, so a CPU run on a machine with GPUs starts one process, not one per GPU."""
