@@ -22,7 +22,7 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
-from trainbridge.core.config.checks import check_consistent
+from trainbridge.core.config.checks import check_consistent, check_world
 from trainbridge.core.config.plan import ExistingModel, RunPlan
 from trainbridge.core.context import count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
@@ -129,6 +129,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
     engine wraps the model across ranks) for ``args`` running ``plan``'s code (checked together first)."""
     check_consistent(args, plan)
+    check_world(args, env.world_size)
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
