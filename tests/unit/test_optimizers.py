@@ -222,19 +222,13 @@ def low_rank_installed(monkeypatch):
         ({"optim": "galore_adafactor_layerwise", "mixed_precision": "fp16", "nonfinite_policy": "warn"}, "scaler"),
         ({"optim": "lomo"}, "fused backward"),
         ({"optim": "adalomo", "distributed_backend": "fsdp"}, "fused backward"),
-        ({"optim": "galore_adamw_layerwise"}, "effective_batch_size=8 x max_seq_len=32 > max_batch_len=64"),
-        (
-            {"optim": "galore_adamw_8bit_layerwise", "training_step": "model_loss", "per_device_batch_size": 4},
-            "effective_batch_size=8 > per_device_batch_size=4",
-        ),
     ],
 )
 def test_optimizer_engine_combinations_that_cannot_work_are_refused_before_launch(
     args_for, low_rank_installed, fields, needle
 ):
-    """Layer-wise optimizers only on one process, with plain DDP, no fp16 scaler and one micro-batch per step
-    (Trainer refuses DDP and gradient accumulation with them); GaLore / APOLLO not on FSDP2's shards; LOMO,
-    whose fused backward the loop does not run: one line naming the field, the value and the fix."""
+    """Layer-wise optimizers only with plain DDP and no fp16 scaler; GaLore / APOLLO not on FSDP2's shards;
+    LOMO, whose fused backward the loop does not run: one line naming the field, the value and the fix."""
     with pytest.raises(ValidationError) as info:
         args_for(**fields)
     message = str(info.value)
@@ -251,13 +245,23 @@ def test_the_combinations_that_work_are_accepted(args_for, low_rank_installed):
 
 
 def test_a_layerwise_optimizer_on_two_processes_is_refused_before_launch(args_for, low_rank_installed, monkeypatch):
-    """Trainer's "Layer-wise ... does not support DDP": ``run_training`` refuses it from the process count
-    (nothing launched), a worker in place from ``WORLD_SIZE``, ``Trainer.train()`` from its world."""
+    """Trainer's "Layer-wise ... does not support DDP" and "... does not support gradient accumulation":
+    ``run_training`` refuses them from the process count and the batch fields (nothing launched), a worker
+    in place from ``WORLD_SIZE``, ``Trainer.train()`` from its world (below)."""
     from trainbridge import TorchrunArgs, run_training
     from trainbridge.core.config.checks import check_world
 
     args = args_for(optim="galore_adamw_layerwise", max_batch_len=256)
     check_world(args, 1)
+    accumulating = {
+        "effective_batch_size=8 x max_seq_len=32 > max_batch_len=64": args_for(optim="galore_adamw_layerwise"),
+        "effective_batch_size=8 > per_device_batch_size=4": args_for(
+            optim="galore_adamw_layerwise", training_step="model_loss", per_device_batch_size=4
+        ),
+    }
+    for what, refused in accumulating.items():
+        with pytest.raises(ValueError, match=rf"cannot accumulate gradients over micro-batches \({what}\).*; use one"):
+            run_training(refused, TorchrunArgs(nproc_per_node=1))
     with pytest.raises(ValueError, match=r"optim='galore_adamw_layerwise': layer-wise optimizers cannot run on 2 "):
         run_training(args, TorchrunArgs(nproc_per_node=2))
     with pytest.raises(ValueError, match=r"on 4 processes.*nproc_per_node=1.*optim='galore_adamw'"):
@@ -267,3 +271,26 @@ def test_a_layerwise_optimizer_on_two_processes_is_refused_before_launch(args_fo
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=r"cannot run on 2 processes"):
         run_training(args)
+
+
+def test_a_trainer_script_gets_trainers_layerwise_refusals_from_train(tiny_llama, tmp_path, low_rank_installed):
+    """``trainbridge.Trainer``: a layer-wise optimizer on a world of 2, or with gradient accumulation, is
+    refused when ``train()`` builds its job, before anything runs (Trainer refuses both in create_optimizer)."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from trainbridge import Trainer
+    from trainbridge.trainer import job_args
+
+    def trainer(**more):
+        hf = TrainingArguments(
+            output_dir=str(tmp_path), report_to="none", use_cpu=True, optim="galore_adamw_layerwise",
+            optim_target_modules=["q_proj"], max_steps=2, **more,
+        )  # fmt: skip
+        return Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_llama), args=hf, train_dataset=ROWS)
+
+    ROWS = [{"input_ids": [1, 2, 3, 4]}] * 8
+    job_args.training_job(trainer(), 1, None)
+    with pytest.raises(ValueError, match=r"optim='galore_adamw_layerwise': layer-wise optimizers cannot run on 2 "):
+        job_args.training_job(trainer(), 2, None)
+    with pytest.raises(ValueError, match=r"cannot accumulate gradients over micro-batches"):
+        job_args.training_job(trainer(gradient_accumulation_steps=2), 1, None)

@@ -25,13 +25,16 @@ import threading
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.agreement import ControlFlag, ControlRequests
 from trainbridge.core.callback import Callback
 from trainbridge.core.callback_errors import CallbackErrorLedger, CallbackErrorReport
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.events import Event
+
+if TYPE_CHECKING:
+    from trainbridge.core.config import TrainingArgs
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,18 @@ class CallbackManager:
             for event in Event:
                 if cb.handles(event):
                     self._index[event].append(_Entry(i, cb))
+
+    @classmethod
+    def of_run(cls, callbacks: Iterable[Callback], args: TrainingArgs, is_world_process_zero: bool) -> CallbackManager:
+        """The manager of a run of ``args`` (its callback error policy and non-blocking queue settings)."""
+        return cls(
+            callbacks,
+            error_policy=args.callback_error_policy,
+            max_consecutive_errors=args.callback_max_consecutive_errors,
+            is_world_process_zero=is_world_process_zero,
+            queue_size=args.nonblocking_queue_size,
+            drain_timeout_s=args.nonblocking_drain_timeout_s,
+        )
 
     # ------------------------------------------------------------------ naming
     @property

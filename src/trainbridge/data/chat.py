@@ -364,14 +364,19 @@ class ChatEncoder:
     ) -> tuple[list[int], list[int]]:
         """``input_ids`` and ``labels`` (``-100`` outside the assistant spans) of one conversation."""
         text, spans = self.spans(messages, tools, assistant_from)
-        encoded = self.tokenizer(
+        encoded = self._tokenize(text)
+        return _labelled(list(encoded["input_ids"]), encoded["offset_mapping"], spans)
+
+    def _tokenize(self, text: str | list[str]) -> Any:
+        """``input_ids`` and character ``offset_mapping`` of ``text`` (a list: of each), no special tokens added
+        (the template renders them)."""
+        return self.tokenizer(
             text,
             add_special_tokens=False,
             return_offsets_mapping=True,
             return_attention_mask=False,
             return_token_type_ids=False,
         )
-        return _labelled(list(encoded["input_ids"]), encoded["offset_mapping"], spans)
 
     def encode_batch(self, items: list[ChatItem]) -> list[tuple[list[int], list[int]] | ChatTemplateError]:
         """``encode`` of each conversation (renders batched, one tokenizer call); a failing one gets its error."""
@@ -386,13 +391,7 @@ class ChatEncoder:
                 out.append(([], []))
                 texts.append(result[0])
         if texts:
-            encoded = self.tokenizer(
-                texts,
-                add_special_tokens=False,
-                return_offsets_mapping=True,
-                return_attention_mask=False,
-                return_token_type_ids=False,
-            )
+            encoded = self._tokenize(texts)
             for k, ids, offsets in zip(good, encoded["input_ids"], encoded["offset_mapping"]):
                 result = spans[k]
                 assert not isinstance(result, ChatTemplateError)

@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import transformers
@@ -22,9 +23,10 @@ import transformers
 from trainbridge.checkpoint.manager import CheckpointManager
 from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
-from trainbridge.core.config.checks import check_consistent
+from trainbridge.core.config import eval_set_names
+from trainbridge.core.config.checks import check_consistent, check_world
 from trainbridge.core.config.plan import ExistingModel, RunPlan
-from trainbridge.core.context import count_parameters, flops_parameters
+from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
@@ -114,6 +116,21 @@ class RunComponents:
             return sys.maxsize
         return math.ceil(self.max_steps / self.steps_per_epoch)
 
+    def context(self, args: TrainingArgs, env: DistributedEnv) -> TrainingContext:
+        """The run's ``TrainingContext`` over these components, at step 0 (a resume restores its progress)."""
+        engine, plan = self.engine, self.plan
+        ctx = TrainingContext(args=args, env=env, hf_args=plan.hf_args, eval_set_names=eval_set_names(args, plan))
+        ctx.steps_per_epoch, ctx.max_steps, ctx.num_epochs = self.steps_per_epoch, self.max_steps, self.num_epochs
+        ctx.model, ctx.unwrapped_model = engine.module, engine.unwrapped
+        ctx.optimizer, ctx.lr_scheduler = engine.optimizer, engine.lr_scheduler
+        ctx.train_dataloader = self.train_batches
+        ctx.eval_dataloader = self.eval_batches or next(iter(self.named_eval_batches.values()), None)
+        ctx.tokenizer = self.tokenizer
+        ctx.num_parameters, ctx.flops_parameters = self.num_parameters, self.flops_parameters
+        ctx.flops_input_positions = self.step.flops_input_positions
+        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), engine)
+        return ctx
+
 
 class RunBatches(NamedTuple):
     """The step and the validation batches of a run, as one kind of step forms them."""
@@ -129,6 +146,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     """Build this worker's tokenizer, model, step and data, engine and checkpoint manager (collective: the
     engine wraps the model across ranks) for ``args`` running ``plan``'s code (checked together first)."""
     check_consistent(args, plan)
+    check_world(args, env.world_size)
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
@@ -387,27 +405,14 @@ def _item_batches(
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
     per_device, accumulation = sample_batch_shape(args, env.world_size)
-    if train is not None:
-        return SampleBatches(
-            train,
-            collate,
-            per_device=per_device,
-            accumulation=accumulation,
-            world_size=env.world_size,
-            rank=env.rank,
-            seed=args.data_order_seed,
-            drop_last=drop_last,
-            workers=LoaderWorkers.of(args),
-        )
-    return StreamBatches(
-        stream,
-        collate,
-        per_device=per_device,
-        accumulation=accumulation,
-        world_size=env.world_size,
-        rank=env.rank,
-        max_steps=args.max_steps,
+    # both kinds deal this rank its share of each step's items alike
+    shape: dict[str, Any] = dict(
+        per_device=per_device, accumulation=accumulation, world_size=env.world_size, rank=env.rank
     )
+    if train is None:
+        return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
+    workers = LoaderWorkers.of(args)
+    return SampleBatches(train, collate, **shape, seed=args.data_order_seed, drop_last=drop_last, workers=workers)
 
 
 def _loader_batches(

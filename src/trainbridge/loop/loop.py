@@ -26,8 +26,7 @@ from trainbridge.checkpoint.manager import PendingCheckpoint
 from trainbridge.core.agreement import NO_VALUES, AgreedControl, Agreement, ControlFlag, Own, Summed, agree_control
 from trainbridge.core.callback import Callback
 from trainbridge.core.callback_errors import OWN_CAUSE_MARKER, TrainingInterrupted
-from trainbridge.core.config import RunPlan, TrainingArgs, eval_set_names
-from trainbridge.core.context import TrainingContext
+from trainbridge.core.config import RunPlan, TrainingArgs
 from trainbridge.core.dispatch import CallbackFatalError, CallbackManager
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.events import Event
@@ -62,14 +61,7 @@ class TrainingLoop:
     ):
         self.args = args
         self.env = env
-        self.callbacks = CallbackManager(
-            callbacks,
-            error_policy=args.callback_error_policy,
-            max_consecutive_errors=args.callback_max_consecutive_errors,
-            is_world_process_zero=env.is_world_process_zero,
-            queue_size=args.nonblocking_queue_size,
-            drain_timeout_s=args.nonblocking_drain_timeout_s,
-        )
+        self.callbacks = CallbackManager.of_run(callbacks, args, env.is_world_process_zero)
         self.tokenizer = components.tokenizer
         self.engine = components.engine
         self.step = components.step
@@ -91,20 +83,7 @@ class TrainingLoop:
         self._stop_training = False
         self._stop_requesters = ""
         self._merged: Path | None = None
-        self.context = ctx = TrainingContext(
-            args=args, env=env, hf_args=self.plan.hf_args, eval_set_names=eval_set_names(args, self.plan)
-        )
-        ctx.steps_per_epoch = components.steps_per_epoch
-        ctx.max_steps, ctx.num_epochs = components.max_steps, components.num_epochs
-        ctx.model, ctx.unwrapped_model = self.engine.module, self.engine.unwrapped
-        ctx.optimizer, ctx.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
-        ctx.train_dataloader = self.train_batches
-        ctx.eval_dataloader = self.eval_batches or next(iter(self.named_eval_batches.values()), None)
-        ctx.tokenizer = self.tokenizer
-        ctx.num_parameters = components.num_parameters
-        ctx.flops_parameters = components.flops_parameters
-        ctx.flops_input_positions = self.step.flops_input_positions
-        ctx.restore_model_weights = lambda path: self.checkpoints.load_model_weights(Path(path), self.engine)
+        self.context = components.context(args, env)
 
     # ================================================================== the run
     def run(self) -> RunResult:
@@ -329,7 +308,7 @@ class TrainingLoop:
         with torch.no_grad():
             for indices, cpu_batch in eval_batches.indexed():
                 batch = _to_device(cpu_batch, self.env.device)
-                with engine.autocast(), sample_segments(cpu_batch):
+                with _forward_context(engine, cpu_batch):
                     out = self.step.eval_batch(
                         engine.module, batch, cpu_batch, outputs=predictions is not None, rows=len(indices)
                     )

@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -44,7 +44,9 @@ from trainbridge.trl.sequence_logps import SequenceStats, pack_pairs, sequence_s
 if TYPE_CHECKING:
     from trainbridge.core.config.plan import RunPlan
 
-METRIC_COLUMNS = (
+Batches = TypeVar("Batches", bound="PairBatches")
+
+SEQUENCE_COLUMNS = (
     "entropy_sum",
     "completion_tokens",
     "input_tokens",
@@ -52,6 +54,11 @@ METRIC_COLUMNS = (
     "chosen_tokens",
     "rejected_logits",
     "rejected_tokens",
+)
+"""The metric sums of a micro-batch's scored sequences (``sequence_logps.sequence_stats``), DPO's and KTO's."""
+
+METRIC_COLUMNS = (
+    *SEQUENCE_COLUMNS,
     "chosen_top1",
     *METRIC_KEYS,
     "pairs",
@@ -388,24 +395,28 @@ class DPOStepFactory:
             )
         return reference.to(env.device).eval().requires_grad_(False)
 
-    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> PreferenceStep:
+    def train_rows(self, model: torch.nn.Module, tokenizer: Any, args: Any, plan: RunPlan) -> tuple[Any, Any, Any]:
+        """``(training rows, validation rows, named validation rows)``: the prepared pairs when the factory
+        carries them, else the run's (``data.rows.run_rows``); ``model`` set to read them one attention call per
+        layer, not through a ``[T, T]`` mask; ``columns`` are the training rows'."""
         from trainbridge.data.rows import run_rows
 
-        enable_for_own_rows(model, args, self.max_length)  # one attention call per layer, not a [T, T] mask
+        enable_for_own_rows(model, args, self.max_length)
         own = self.dataset is not None and self.eval_dataset is not None
         rows, val, named = run_rows(args, tokenizer, plan.script_data) if not own else (self.dataset, None, {})
         dataset = self.dataset if self.dataset is not None else rows
         self.columns = list(dataset.column_names)
-        batches = PairBatches(
-            dataset,
-            self.pairs_per_micro,
-            self.micro_per_step,
-            env.world_size,
-            env.rank,
-            self.seed,
-            self.max_length,
-            self.truncation_mode,
-        )
+        return dataset, val, named
+
+    def batches(self, kind: type[Batches], dataset: Any, env: Any, **options: Any) -> Batches:
+        """This rank's training batches of ``dataset`` (``kind``: ``PairBatches`` or a subclass, with ``options``)
+        in the factory's shape."""
+        shape = (self.pairs_per_micro, self.micro_per_step, env.world_size, env.rank, self.seed, self.max_length)
+        return kind(dataset, *shape, self.truncation_mode, **options)
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> PreferenceStep:
+        dataset, val, named = self.train_rows(model, tokenizer, args, plan)
+        batches = self.batches(PairBatches, dataset, env)
         evaluation = self.eval_dataset
         if evaluation is None:
             evaluation = val if val is not None else named or None

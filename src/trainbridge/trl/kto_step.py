@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainbridge.data.collate import CollatedBatch
-from trainbridge.modeling.varlen_attention import enable_for_own_rows
 from trainbridge.step.base import EvalOutput, StepBatches, TrainStep
 from trainbridge.step.metric_rows import MetricRows, RecordsMetricRows
-from trainbridge.trl.dpo_step import DPOStepFactory, PairBatches, PairPlan
+from trainbridge.trl.dpo_step import SEQUENCE_COLUMNS, DPOStepFactory, PairBatches, PairPlan
 from trainbridge.trl.kto_loss import KTOLoss, kl_sum
 from trainbridge.trl.preference_data import reference_stats
 from trainbridge.trl.preference_loss import DPOLossSettings
@@ -35,13 +34,7 @@ if TYPE_CHECKING:
 COLUMNS = (
     "ranks",
     "kl",
-    "entropy_sum",
-    "completion_tokens",
-    "input_tokens",
-    "chosen_logits",
-    "chosen_tokens",
-    "rejected_logits",
-    "rejected_tokens",
+    *SEQUENCE_COLUMNS,
     "chosen",
     "rejected",
     "rewards/chosen",
@@ -209,21 +202,8 @@ class KTOStepFactory(DPOStepFactory):
     def __call__(  # type: ignore[override]
         self, model: torch.nn.Module, tokenizer: Any, args: Any, env: Any, plan: RunPlan
     ) -> KTOStep:
-        from trainbridge.data.rows import run_rows
-
-        enable_for_own_rows(model, args, self.max_length)
-        dataset = run_rows(args, tokenizer, plan.script_data)[0]
-        self.columns = list(dataset.column_names)
-        batches = UnpairedBatches(
-            dataset,
-            self.pairs_per_micro,
-            self.micro_per_step,
-            env.world_size,
-            env.rank,
-            self.seed,
-            self.max_length,
-            sequential=self.sequential,
-        )
+        dataset = self.train_rows(model, tokenizer, args, plan)[0]  # the run's rows (trl's prepared rows)
+        batches = self.batches(UnpairedBatches, dataset, env, sequential=self.sequential)
         reference = None if "ref_logps" in self.columns else self.reference(model, args, env, plan)
         self.hand_to_sync_callback(reference, plan.callbacks)
         return KTOStep(batches, self.loss, reference, env)

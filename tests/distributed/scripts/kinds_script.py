@@ -18,6 +18,8 @@
 - ``audio``: run_audio_classification.py in small: WAV bytes decoded on every access, a random window each time.
 - ``twotower``: run_clip.py in small: a CLIP dual encoder's contrastive loss, ``return_loss=True``, no labels.
 - ``vlm``: vision-language SFT: a LLaVA model, a collator placing image tokens and masking the prompt.
+- ``vlmdpo``: vision-language DPO: trl's ``DPOTrainer`` (ours: ``from trainbridge import DPOTrainer``) on a LLaVA
+  model with a ``LlavaProcessor``, images with conversational preference rows.
 - ``fsdp``: a causal LM with ``fsdp="full_shard auto_wrap"`` and an ``fsdp_config`` (wrapped class, activation
   checkpointing, CPU offload).
 """
@@ -29,6 +31,7 @@ import json
 import os
 import random
 import sys
+import time
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +40,14 @@ import datasets
 import numpy as np
 import torch
 from accelerate.state import AcceleratorState
+from PIL import Image
 from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BertForSequenceClassification,
     CLIPConfig,
+    CLIPImageProcessor,
     CLIPModel,
     CLIPVisionConfig,
     DataCollatorForLanguageModeling,
@@ -50,6 +55,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaProcessor,
     PretrainedConfig,
     PreTrainedModel,
     TrainerCallback,
@@ -65,8 +71,9 @@ from transformers.utils import ModelOutput
 
 if "real" in sys.argv[3:]:
     from transformers import Trainer
+    from trl import DPOTrainer
 else:
-    from trainbridge import Trainer
+    from trainbridge import DPOTrainer, Trainer
 
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama_once, tiny_bert_config
 
@@ -272,8 +279,6 @@ def deepspeed_scheduler(out: Path) -> dict:
 def picture_rows(n: int, seed: int) -> datasets.Dataset:
     """``n`` 20x20 RGB PIL images (an ``Image`` column, as load_dataset("imagefolder") gives), labelled by
     brightness."""
-    from PIL import Image
-
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 2, n).tolist()
     images = [Image.fromarray((rng.random((20, 20, 3)) * 128 + 100 * label).astype("uint8"), "RGB") for label in labels]
@@ -437,7 +442,7 @@ def detection(out: Path) -> dict:
         learning_rate=1e-2,
         eval_strategy="steps",
         eval_steps=2,
-        save_strategy="no",
+        save_steps=4,
         remove_unused_columns=False,
         eval_do_concat_batches=False,
     )
@@ -546,6 +551,12 @@ def audio(out: Path) -> dict:
 
 
 # ============================================================ two-tower: a contrastive image-text model
+TINY_VISION = dict(
+    image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+)
+"""A CLIP vision tower of 16x16 images in four 8x8 patches (two-tower, LLaVA)."""
+
+
 def captioned_rows(n: int, seed: int) -> datasets.Dataset:
     rows = picture_rows(n, seed)
     return rows.add_column("caption", ["a light picture" if y else "a dark one" for y in rows["label"]])
@@ -734,6 +745,91 @@ def fsdp_recipe(out: Path) -> dict:
     return summary_of(trainer, out, fsdp=sharded if units else {})
 
 
+# ============================================================ vision-language DPO: trl's DPOTrainer on a LLaVA model
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def vision_language_dpo(out: Path) -> dict:
+    """trl's dpo_vlm.py in small: a LLaVA model loaded from a folder (trl loads its reference from the same path),
+    a ``LlavaProcessor`` (CLIP image processor, the tokenizer with ``<image>``) as ``processing_class``, rows of
+    ``images`` and conversational ``prompt`` / ``chosen`` / ``rejected``."""
+    from trl import DPOConfig
+
+    vlm_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vlm_tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=vlm_tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VLM_CHAT_TEMPLATE,
+    )
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(vlm_tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            pad_token_id=vlm_tokenizer.pad_token_id,
+        ),
+        image_token_id=vlm_tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=4,
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+    )
+    folder = root.parent / "tiny-llava"
+    if int(os.environ.get("RANK", "0")) == 0 and not folder.exists():
+        torch.manual_seed(0)
+        LlavaForConditionalGeneration(config).save_pretrained(folder.with_suffix(".tmp"))
+        folder.with_suffix(".tmp").replace(folder)
+    while not (folder / "config.json").exists():  # the other rank waits for rank 0's folder
+        time.sleep(0.1)
+    rng = np.random.default_rng(7)
+    pictures = [Image.fromarray((rng.random((16, 16, 3)) * 255).astype("uint8")) for _ in range(24)]
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    rows = datasets.Dataset.from_dict(
+        {
+            "images": [[p] for p in pictures],
+            "prompt": [question] * len(pictures),
+            "chosen": [[{"role": "assistant", "content": [{"type": "text", "text": "a light one"}]}]] * len(pictures),
+            "rejected": [[{"role": "assistant", "content": [{"type": "text", "text": "dark"}]}]] * len(pictures),
+        }
+    )
+    args = DPOConfig(
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=3,
+        learning_rate=1e-3,
+        logging_steps=2,
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        seed=3,
+        disable_tqdm=True,
+    )
+    model = LlavaForConditionalGeneration.from_pretrained(folder)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=processor)
+    trainer.train()
+    history = trainer.state.log_history
+    return summary_of(trainer, out, margins=[e["rewards/margins"] for e in history if "rewards/margins" in e])
+
+
 CASES = {
     "hpsearch": hpsearch,
     "deepspeed": deepspeed_recipe,
@@ -743,6 +839,7 @@ CASES = {
     "audio": audio,
     "twotower": two_tower,
     "vlm": vision_language,
+    "vlmdpo": vision_language_dpo,
     "fsdp": fsdp_recipe,
 }
 

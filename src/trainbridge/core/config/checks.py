@@ -220,36 +220,35 @@ def check_optimizer_engine(args: TrainingArgs) -> None:
             "loop does not call (its engines step the optimizer after backward); use optim='adafactor' for a "
             "low-memory optimizer, or transformers.Trainer for LOMO"
         )
-    if is_layerwise(optim):
-        per_rank = args.per_device_batch_size
-        fits = (
-            args.effective_batch_size <= per_rank
-            if per_rank
-            else args.effective_batch_size * args.max_seq_len <= args.max_batch_len
-        )
-        if not fits:
-            what = (
-                f"effective_batch_size={args.effective_batch_size} > per_device_batch_size={per_rank}"
-                if per_rank
-                else f"effective_batch_size={args.effective_batch_size} x max_seq_len={args.max_seq_len} > "
-                f"max_batch_len={args.max_batch_len}"
-            )
-            raise ValueError(
-                f"optim={optim!r}: a layer-wise optimizer steps during each backward, so it cannot accumulate "
-                f"gradients over micro-batches ({what}), as Trainer refuses gradient_accumulation_steps > 1 with "
-                "it; use one micro-batch per optimizer step (raise max_batch_len / per_device_batch_size or lower "
-                "effective_batch_size)"
-            )
 
 
 def check_world(args: TrainingArgs, world_size: int) -> None:
     """``optim`` with the number of processes: a layer-wise optimizer steps each parameter in its gradient
-    hook, before DDP has reduced the gradient over ranks, so Trainer refuses it on more than one process."""
-    if is_layerwise(args.optim) and world_size > 1:
+    hook during backward, before DDP has reduced the gradient over ranks and before a later micro-batch adds
+    to it, so Trainer refuses it under DDP and with gradient accumulation.  Run at every run boundary that
+    knows the world (``run_training``, ``Trainer.train()``, ``build_run``)."""
+    optim = args.optim
+    if not is_layerwise(optim):
+        return
+    if world_size > 1:
         raise ValueError(
-            f"optim={args.optim!r}: layer-wise optimizers cannot run on {world_size} processes (they step each "
+            f"optim={optim!r}: layer-wise optimizers cannot run on {world_size} processes (they step each "
             "parameter before its gradient is reduced across ranks; Trainer refuses them under DDP too); "
-            f"run one process (nproc_per_node=1), or use optim={args.optim.removesuffix('_layerwise')!r}"
+            f"run one process (nproc_per_node=1), or use optim={optim.removesuffix('_layerwise')!r}"
+        )
+    per_rank, samples = args.per_device_batch_size, args.effective_batch_size
+    fits = samples <= per_rank if per_rank else samples * args.max_seq_len <= args.max_batch_len
+    if not fits:
+        what = (
+            f"effective_batch_size={samples} > per_device_batch_size={per_rank}"
+            if per_rank
+            else f"effective_batch_size={samples} x max_seq_len={args.max_seq_len} > max_batch_len={args.max_batch_len}"
+        )
+        raise ValueError(
+            f"optim={optim!r}: a layer-wise optimizer steps during each backward, so it cannot accumulate "
+            f"gradients over micro-batches ({what}), as Trainer refuses gradient_accumulation_steps > 1 with "
+            "it; use one micro-batch per optimizer step (raise max_batch_len / per_device_batch_size or lower "
+            "effective_batch_size)"
         )
 
 
