@@ -105,15 +105,18 @@ defer_bitsandbytes()
 import transformers.trainer_utils, transformers.optimization, peft  # what a worker imports, peft among it
 print("at import:", "bitsandbytes" in sys.modules)
 import peft.helpers
-peft.helpers.bnb.functional  # the analysis helper's dequantisation, used
+if hasattr(peft.helpers, "bnb"):  # peft < 0.22 imports it at the helpers' top: the stand-in imports on first use
+    peft.helpers.bnb.functional  # the analysis helper's dequantisation, used
+else:  # peft >= 0.22 imports it where it is used
+    import peft.tuners.lora.bnb  # peft's k-bit adapter layers, used
 print("on use:", "bitsandbytes" in sys.modules)
 """
 
 
 def test_bitsandbytes_is_imported_only_when_used():
-    """peft imports bitsandbytes at its top wherever it is installed (bitsandbytes then warns about CPU kernels);
-    after ``defer_bitsandbytes`` it stays unimported until quantised-weight code uses it (a fresh interpreter:
-    this one has imported both)."""
+    """peft before 0.22 imports bitsandbytes at its top wherever it is installed (bitsandbytes then warns about
+    CPU kernels); after ``defer_bitsandbytes`` it stays unimported until quantised-weight code uses it (a fresh
+    interpreter: this one has imported both)."""
     import subprocess
     import sys
 

@@ -94,11 +94,11 @@ def defer_bitsandbytes() -> None:
     imports nothing).
 
     transformers imports peft whenever peft is installed (``trainer_utils``, reached from its callbacks,
-    ``optimization`` and ``Trainer``), and ``peft.helpers`` imports bitsandbytes at its top, only to dequantise
-    weights in an analysis helper; bitsandbytes then prints CPU-kernel warnings on import.  That one eager
-    import is deferred (``_PeftHelpersLoader``).  Everything else imports bitsandbytes where it is used and
-    finds it installed: transformers' quantizers (``quantization_config``), peft's k-bit adapter layers, our
-    QLoRA loading (``require_bitsandbytes``) and 8-bit optimizers.  A no-op once peft is imported.
+    ``optimization`` and ``Trainer``), and ``peft.helpers`` before peft 0.22 imports bitsandbytes at its top,
+    only to dequantise weights in an analysis helper; bitsandbytes then prints CPU-kernel warnings on import.
+    That one eager import is deferred (``_PeftHelpersLoader``).  Everything else imports bitsandbytes where it is
+    used and finds it installed: transformers' quantizers (``quantization_config``), peft's k-bit adapter layers,
+    our QLoRA loading (``require_bitsandbytes``) and 8-bit optimizers.  A no-op once peft is imported.
     """
     if "peft.helpers" in sys.modules or any(isinstance(f, _DeferBitsandbytes) for f in sys.meta_path):
         return
