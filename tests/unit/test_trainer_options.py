@@ -64,6 +64,7 @@ def _trainer(
     model: Any = None,
     callbacks: list[Any] | None = None,
     collator: Any = None,
+    eval_dataset: Any = None,
     **arguments: Any,
 ) -> Any:
     base, tokenizer, rows = llama
@@ -90,6 +91,7 @@ def _trainer(
         model=model if model is not None else copy.deepcopy(base),
         args=args,
         train_dataset=rows,
+        eval_dataset=eval_dataset,
         data_collator=collator or _collate(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
@@ -500,3 +502,33 @@ def test_ignore_data_skip_resumes_from_the_epochs_first_batch_as_trainer(
     assert len(seen[1]) == 4 and seen[1] == seen[0]
     assert [epoch for _, epoch in rows[1][:-1]] == [epoch for _, epoch in rows[0][:-1]] == [0.25, 0.5, 0.75, 1.0]
     assert rows[1][-1][1] == pytest.approx(rows[0][-1][1], rel=1e-4)
+
+
+def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
+    Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean."""
+    _, tokenizer, rows = llama
+    evaluations: list[list[float]] = []
+    for cls in (transformers.Trainer, Trainer):
+        logs = Logs()
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=1,
+            eval_strategy="steps",
+            eval_steps=1,
+            eval_on_start=True,
+            per_device_eval_batch_size=4,
+            callbacks=[logs],
+            collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            eval_dataset=rows.select(range(10)),
+        )
+        trainer.train()
+        evaluations.append([row["eval_loss"] for row in logs.rows if "eval_loss" in row])
+    assert len(evaluations[1]) == 2
+    assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
+    assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)

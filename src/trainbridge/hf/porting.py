@@ -148,7 +148,7 @@ EXPLANATIONS: dict[str, str] = {
 REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_train_batch_size": ("effective_batch_size",),
     "gradient_accumulation_steps": ("effective_batch_size",),
-    "per_device_eval_batch_size": ("max_batch_len",),
+    "per_device_eval_batch_size": ("per_device_eval_batch_size", "max_batch_len"),
     "include_for_metrics": ("include_for_metrics",),
     "label_names": ("label_names",),  # Trainer's sample batches read it
     "deepspeed": ("distributed_backend",),

@@ -184,7 +184,8 @@ class BatchFields(BaseModel):
     """Validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``): ``model_loss``
     (None: ``per_device_batch_size``); ``token_cross_entropy``: batches of that many samples in order, batch
     ``i`` on rank ``i % world size``, as Trainer's validation batches (trl's per-batch evaluation metrics
-    follow them); None: filled up to ``max_batch_len`` tokens."""
+    follow them), and ``eval_loss`` is Trainer's: each batch's token mean, weighted by its samples; None:
+    filled up to ``max_batch_len`` tokens, ``eval_loss`` the token mean of the whole set."""
     dataloader_num_workers: int = Field(default=0, ge=0)
     """``model_loss``: worker processes that fetch and collate the micro-batches ahead of the step (a
     ``torch.utils.data.DataLoader``'s, as Trainer's ``dataloader_num_workers``): for items decoded or transformed
