@@ -9,6 +9,7 @@
   Trainer's entries, our own files in its ``trainbridge/`` folder;
 - ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
 - ``ignore_data_skip``: a resume restarts the epoch's data from its first batch, as Trainer's;
+- ``train_sampling_strategy``: Trainer's samplers' orders (``group_by_length``, ``batch_rebalance``, ``sequential``);
 - ``dataloader_in_order``: the worker ``DataLoader``'s ``in_order``, as Trainer's;
 - a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
   is warned, not refused, as Trainer resumes."""
@@ -532,3 +533,31 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
     assert len(evaluations[1]) == 2
     assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
     assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)
+
+
+def test_train_sampling_strategies_give_trainers_order(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch of Trainer's sample batches, micro-batch for micro-batch, under each ``train_sampling_strategy``:
+    length-grouped mega-batches (the longest item first), transformers' cost-balanced micro-batches, in order."""
+    orders: dict[str, list[list[list[list[int]]]]] = {}
+    for strategy in ("group_by_length", "batch_rebalance", "sequential"):
+        seen = orders.setdefault(strategy, [])
+        for cls in (transformers.Trainer, Trainer):
+            trainer = _trainer(
+                cls,
+                llama,
+                tmp_path / strategy / cls.__module__,
+                monkeypatch,
+                max_steps=4,
+                seed=7,
+                gradient_accumulation_steps=2,
+                train_sampling_strategy=strategy,
+            )
+            seen.append([])
+            trainer.model.register_forward_pre_hook(
+                lambda module, args, kwargs, into=seen[-1]: into.append(kwargs["input_ids"].tolist()),
+                with_kwargs=True,
+            )
+            trainer.train()
+        assert len(seen[1]) == 8 and seen[1] == seen[0], strategy
