@@ -84,6 +84,9 @@ class LoopTrainer(_TrainerBase):
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
+    counts_step: bool = True
+    """The loader's batches carry loss items and input tokens summed over the ranks at each step; False where
+    they are raw rows and the loss reads its own counts (trl's GRPO/RLOO: ``step.step_totals.uncounted``)."""
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
