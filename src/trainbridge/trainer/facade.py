@@ -234,25 +234,24 @@ class LoopTrainer(_TrainerBase):
         classes = tuple(get_reporting_integration_callbacks(self.args.report_to))
         return {id(cb) for cb in self.callback_handler.callbacks if classes and type(cb) in classes}
 
-    def _loop_tokenizer(self) -> Any:
-        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the collator's
-        own (``data_collator.tokenizer``, which Trainer saves into checkpoints then), else the tokenizer saved
-        beside the model the script loaded, if its folder has one."""
-        tok = self.processing_class
-        if tok is None:
-            tok = getattr(self.data_collator, "tokenizer", None)
-        if tok is None and self._fallback_tokenizer is None and self.model is not None:
+    def _loop_processing_class(self) -> Any:
+        """What Trainer saves into each checkpoint and hands its callbacks: the processing class as given (a
+        multimodal processor whole: the loop's data reads its tokenizer); without one (Trainer needs none for
+        tokenised rows), the collator's own (``data_collator.tokenizer``), else the tokenizer saved beside the
+        model the script loaded, if its folder has one."""
+        processing = self.processing_class
+        if processing is None:
+            processing = getattr(self.data_collator, "tokenizer", None)
+        if processing is None and self._fallback_tokenizer is None and self.model is not None:
             self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
-        if tok is None:
-            tok = self._fallback_tokenizer
-        return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
+        return processing if processing is not None else self._fallback_tokenizer
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
-        from trainbridge.modeling.load import is_causal_lm
+        from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
-        pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
+        pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
