@@ -257,6 +257,16 @@ def load_saved_model(folder: Path | str, **kwargs: Any) -> Any:
     return model_class(config).from_pretrained(str(folder), **kwargs)
 
 
+def from_pretrained_kwargs(model_init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """trl's ``model_init_kwargs`` as ``from_pretrained`` keyword arguments: a dtype's name (``torch_dtype``
+    or ``dtype``, not ``auto``) resolved to the torch dtype, unset (None) ones left out."""
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
     """``cls`` built from ``config`` (an Auto class's ``from_config``, a model class's ``_from_config``)."""
     if hasattr(cls, "from_config"):
