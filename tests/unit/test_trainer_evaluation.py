@@ -25,7 +25,7 @@ from tests.unit.test_trainer_facade import _TwoRanks
 from trainbridge import Trainer
 from trainbridge.demos.tiny_model import build_tiny_llama_once
 from trainbridge.loop.predictions import PredictionCollector
-from trainbridge.trainer.optimizers import back_to_training
+from trainbridge.parallel.script_optimizer import back_to_training
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def _hf_args(tmp_path: Path, **kw: Any) -> TrainingArguments:
 # ---------------------------------------------------------------------------- unsupported
 def test_live_optimizers_reach_the_jobs_as_the_scripts_own_objects(tiny: Any, tmp_path: Path) -> None:
     """A plain single process trains in place (no launch): the job steps the script's own optimizer and model."""
-    from trainbridge.trainer.optimizers import InPlace
+    from trainbridge.parallel.script_optimizer import InPlace
 
     model, _ = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

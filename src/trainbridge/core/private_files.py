@@ -236,6 +236,20 @@ def make_run_folder(path: str | Path, share_with_group: bool = False) -> list[Pa
     return created
 
 
+def make_output_folder(path: str | Path, field: str) -> None:
+    """``make_run_folder(path)`` for a config's output folder (``field``: the config field naming it); an
+    ``NotADirectoryError`` naming the field, the value and the fix when ``path`` cannot be one (a file...)."""
+    try:
+        make_run_folder(path)
+        if not Path(path).is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
+    except OSError as error:
+        raise NotADirectoryError(
+            f"{field}={str(path)!r}: cannot be used as the output folder ({error.strerror or error}); choose "
+            f"another {field.rsplit('.', 1)[-1]}"
+        ) from error
+
+
 def make_private(folder: str | Path, share_with_group: bool = False) -> None:
     """Every folder and file under ``folder`` (itself included) private: 0700 and 0600, or readable by the
     group with ``share_with_group`` (0750 and 0640), whatever the umask or the writer (DCP, DeepSpeed,

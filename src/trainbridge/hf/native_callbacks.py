@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
 from trainbridge.core.callback import Callback
@@ -72,3 +72,32 @@ def matches(holder: TrainerCallback, callback: AnyCallback) -> bool:
 def find(handler: CallbackHandler, callback: AnyCallback) -> TrainerCallback | None:
     """The first callback of ``handler`` that ``matches`` ``callback``, or None."""
     return next((cb for cb in handler.callbacks if matches(cb, callback)), None)
+
+
+def held_in_arguments(
+    init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
+    in a ``TrainerCallback`` (``held``), which Trainer's handler can call."""
+    bound = inspect.signature(init).bind_partial(*args, **kwargs)
+    if bound.arguments.get("callbacks") is None:
+        return args, kwargs
+    bound.arguments["callbacks"] = held_all(bound.arguments["callbacks"])
+    return bound.args, bound.kwargs
+
+
+def script_callbacks(handler: CallbackHandler, hf_args: TrainingArguments) -> list[AnyCallback]:
+    """The callbacks ``handler`` (a Trainer's) holds that are the script's (``callbacks=``, ``add_callback``),
+    unwrapped, not the ones Trainer adds itself (flow, ``report_to``'s, ``enable_jit_checkpoint``'s: the loop has
+    its own, ``save_on_interrupt``); its printer or progress bar stays in its place, so a callback added after
+    it sees what its ``on_log`` left, as under Trainer."""
+    from transformers import DefaultFlowCallback
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    own: tuple[type, ...] = (DefaultFlowCallback,)
+    if getattr(hf_args, "enable_jit_checkpoint", False):
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+        own = (*own, JITCheckpointCallback)
+    reporting = tuple(get_reporting_integration_callbacks(hf_args.report_to))
+    return [unwrapped(cb) for cb in handler.callbacks if type(cb) not in own and type(cb) not in reporting]

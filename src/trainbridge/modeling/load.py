@@ -78,6 +78,17 @@ def load_tokenizer(args: TrainingArgs, script: ScriptData | None = None) -> PreT
     return tokenizer
 
 
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer inside ``processing_class`` (what the loop tokenises and pads with): a multimodal
+    processor's (``ProcessorMixin.tokenizer``), else ``processing_class`` itself (a tokenizer, an image
+    processor or feature extractor, None).  Checkpoints save ``processing_class`` whole, as Trainer does."""
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin):
+        return getattr(processing_class, "tokenizer", None) or processing_class
+    return processing_class
+
+
 def loads_on_rank0_only(args: TrainingArgs, world_size: int, model_init: ModelInit | None = None) -> bool:
     """Whether rank 0 alone reads the weights and the other ranks build a meta-device skeleton
     (``fsdp_load_on_rank0``): FSDP2 with several ranks, a plain ``model_path`` model (no ``model_init``,
@@ -244,6 +255,16 @@ def load_saved_model(folder: Path | str, **kwargs: Any) -> Any:
 
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=bool(kwargs.get("trust_remote_code")))
     return model_class(config).from_pretrained(str(folder), **kwargs)
+
+
+def from_pretrained_kwargs(model_init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """trl's ``model_init_kwargs`` as ``from_pretrained`` keyword arguments: a dtype's name (``torch_dtype``
+    or ``dtype``, not ``auto``) resolved to the torch dtype, unset (None) ones left out."""
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,6 @@ loop runs in the script's process.  ``torchrun_args=`` is honoured when it is th
 from __future__ import annotations
 
 import atexit
-import errno
 import inspect
 import logging
 import os
@@ -36,7 +35,7 @@ import transformers
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.config.plan import StepFactory
 from trainbridge.core.distributed import DistributedEnv
-from trainbridge.core.private_files import make_run_folder
+from trainbridge.core.private_files import make_output_folder
 from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf import native_callbacks
@@ -125,15 +124,7 @@ class LoopTrainer(_TrainerBase):
         """Create ``config.output_dir`` private (0700) before the Trainer class's constructor creates it with
         the umask's mode (a ``TrainingArguments`` that saves from this process; anything else: nothing)."""
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
-            try:
-                make_run_folder(config.output_dir)
-                if not Path(config.output_dir).is_dir():
-                    raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
-            except OSError as error:  # before: Trainer's own "[Errno 17] File exists: '...'", no field named
-                raise NotADirectoryError(
-                    f"{type(config).__name__}.output_dir={config.output_dir!r}: cannot be used as the output "
-                    f"folder ({error.strerror or error}); choose another output_dir"
-                ) from error
+            make_output_folder(config.output_dir, f"{type(config).__name__}.output_dir")
 
     def _init_loop(
         self, torchrun_args: TorchrunArgs | None, given_collator: Collator | None, peft_config: object = None
@@ -182,33 +173,10 @@ class LoopTrainer(_TrainerBase):
         return self._env
 
     def _script_callbacks(self) -> list[Any]:
-        """The callbacks this Trainer's handler holds that are the script's (``callbacks=``, ``add_callback``),
-        not the ones Trainer adds itself (flow, ``report_to``'s, ``enable_jit_checkpoint``'s: the loop has its own,
-        ``save_on_interrupt``); its printer or progress bar stays in its place, so a callback added after it sees
-        what its ``on_log`` left, as under Trainer."""
-        own: tuple[type, ...] = (transformers.DefaultFlowCallback,)
-        if getattr(self.args, "enable_jit_checkpoint", False):
-            from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+        """The callbacks this Trainer's handler holds that are the script's (``native_callbacks.script_callbacks``)."""
+        return native_callbacks.script_callbacks(self.callback_handler, self.args)
 
-            own = (*own, JITCheckpointCallback)
-        reporting = self._reporting_ids()
-        return [
-            native_callbacks.unwrapped(cb)
-            for cb in self.callback_handler.callbacks
-            if type(cb) not in own and id(cb) not in reporting
-        ]
-
-    @staticmethod
-    def _holding_natives(
-        init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``init``'s (a Trainer class's constructor) arguments with each native callback of ``callbacks`` held
-        in a ``TrainerCallback`` (``hf.native_callbacks``), which Trainer's handler can call."""
-        bound = inspect.signature(init).bind_partial(*args, **kwargs)
-        if bound.arguments.get("callbacks") is None:
-            return args, kwargs
-        bound.arguments["callbacks"] = native_callbacks.held_all(bound.arguments["callbacks"])
-        return bound.args, bound.kwargs
+    _holding_natives = staticmethod(native_callbacks.held_in_arguments)
 
     def add_callback(self, callback: native_callbacks.AnyCallback) -> None:
         """Trainer's ``add_callback``; a native callback (``trainbridge.Callback``, a function) too."""
@@ -230,32 +198,24 @@ class LoopTrainer(_TrainerBase):
             return
         super().remove_callback(cast("transformers.TrainerCallback", callback))
 
-    def _reporting_ids(self) -> set[int]:
-        """The ``report_to`` integration callbacks Trainer's constructor added (ids)."""
-        from transformers.integrations import get_reporting_integration_callbacks
-
-        classes = tuple(get_reporting_integration_callbacks(self.args.report_to))
-        return {id(cb) for cb in self.callback_handler.callbacks if classes and type(cb) in classes}
-
-    def _loop_tokenizer(self) -> Any:
-        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the collator's
-        own (``data_collator.tokenizer``, which Trainer saves into checkpoints then), else the tokenizer saved
-        beside the model the script loaded, if its folder has one."""
-        tok = self.processing_class
-        if tok is None:
-            tok = getattr(self.data_collator, "tokenizer", None)
-        if tok is None and self._fallback_tokenizer is None and self.model is not None:
+    def _loop_processing_class(self) -> Any:
+        """What Trainer saves into each checkpoint and hands its callbacks: the processing class as given (a
+        multimodal processor whole: the loop's data reads its tokenizer); without one (Trainer needs none for
+        tokenised rows), the collator's own (``data_collator.tokenizer``), else the tokenizer saved beside the
+        model the script loaded, if its folder has one."""
+        processing = self.processing_class
+        if processing is None:
+            processing = getattr(self.data_collator, "tokenizer", None)
+        if processing is None and self._fallback_tokenizer is None and self.model is not None:
             self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
-        if tok is None:
-            tok = self._fallback_tokenizer
-        return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
+        return processing if processing is not None else self._fallback_tokenizer
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
-        from trainbridge.modeling.load import is_causal_lm
+        from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
-        pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
+        pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,
@@ -506,9 +466,9 @@ class Trainer(LoopTrainer, transformers.Trainer):
         script_data.check_stream_steps(train_dataset, args)
         self._private_output_dir(args)
         if isinstance(model, str | os.PathLike):  # trl's Trainers take a path: loaded here, as trl loads it
-            from trainbridge.modeling.load import load_saved_model
+            from trainbridge.modeling.load import from_pretrained_kwargs, load_saved_model
 
-            model = load_saved_model(Path(model), **_model_init_kwargs(args))
+            model = load_saved_model(Path(model), **from_pretrained_kwargs(getattr(args, "model_init_kwargs", None)))
         init: dict[str, Any] = dict(
             model=model,
             args=args,
@@ -546,14 +506,3 @@ def _reject_unsupported(kwargs: dict[str, Any]) -> None:
             "formatting_func: format the rows before the Trainer (dataset.map) into 'text', 'messages' or "
             "'prompt'/'completion' columns; trainbridge tokenises those itself."
         )
-
-
-def _model_init_kwargs(args: transformers.TrainingArguments) -> dict[str, Any]:
-    """trl's ``model_init_kwargs`` (``from_pretrained`` keyword arguments) of a config, dtypes resolved."""
-    kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-    dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype")
-    if isinstance(dtype, str) and dtype != "auto":
-        import torch
-
-        kwargs["dtype"] = getattr(torch, dtype)
-    return {k: v for k, v in kwargs.items() if v is not None}

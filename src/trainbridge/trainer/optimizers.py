@@ -1,128 +1,22 @@
-"""A script's own optimizer and schedule: ``RunPlan.optimizer_factory`` of ``Trainer.train()``.
-
-``ClassAndKwargs`` is ``optimizer_cls_and_kwargs=(cls, kwargs)``: ``cls(groups, **kwargs)`` over Trainer's two
-weight-decay groups.  ``InPlace`` is ``optimizers=(optimizer, scheduler)``: the loop trains the script's model
-object and the script's optimizer and scheduler objects step it, as under Trainer.  The engine wraps the model
-first (DDP keeps its parameters; FSDP2 replaces them by sharded ones), then each parameter group is pointed at
-the model's parameters of the same names, as accelerate does for FSDP2: the script's ``optimizer.param_groups``
-and ``optimizer.state`` are the live ones.
-
-``SubclassOptimizer`` runs a subclass's ``create_optimizer``/``create_scheduler`` (or
-``create_optimizer_and_scheduler``) on the instance, over either.
+"""A Trainer subclass's own ``create_optimizer`` / ``create_scheduler``: ``RunPlan.optimizer_factory`` of
+``Trainer.train()``, over the script's ``optimizers=`` / ``optimizer_cls_and_kwargs=`` objects
+(``parallel.script_optimizer``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from trainbridge.parallel.script_optimizer import ClassAndKwargs, InPlace, script_optimizer
 
-@runtime_checkable
-class ModalOptimizer(Protocol):
-    """An optimizer with train and eval modes (``schedulefree``'s): Trainer's ``evaluation_loop`` calls its
-    ``eval()`` and its ``training_step`` its ``train()``."""
-
-    def train(self) -> Any: ...
-
-    def eval(self) -> Any: ...
-
-
-def back_to_training(optimizer: object) -> None:
-    """``optimizer`` in train mode again after an evaluation put it in eval mode (a ``ModalOptimizer``), as
-    Trainer's next ``training_step`` puts it."""
-    if isinstance(optimizer, ModalOptimizer):
-        optimizer.train()
-
-
-class ClassAndKwargs:
-    """``optimizer_cls_and_kwargs``: ``cls(groups, **kwargs)``; the schedule is ``lr_scheduler_type``'s."""
-
-    def __init__(self, cls: type, kwargs: dict[str, Any]) -> None:
-        self.cls, self.kwargs = cls, dict(kwargs)
-
-    def optimizer(
-        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
-    ) -> torch.optim.Optimizer:
-        return self.cls(groups, **self.kwargs)  # type: ignore[no-any-return]
-
-    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
-        return None
-
-
-def group_parameter_names(model: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The names in ``model`` of each parameter group's parameters; refused, saying what to do, when a
-    parameter is not one of the model's."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            "optimizers=: the optimizer's parameters are matched to the Trainer's model by name; pass model="
-        )
-    names = {id(p): n for n, p in model.named_parameters()}
-    found = []
-    for group in optimizer.param_groups:
-        unknown = [p for p in group["params"] if id(p) not in names]
-        if unknown:
-            raise ValueError(
-                f"optimizers=: {len(unknown)} parameter(s) of the optimizer's groups are not parameters of the "
-                "Trainer's model (build the optimizer on trainer's model, e.g. model.parameters(), after any "
-                "change to it such as get_peft_model)"
-            )
-        found.append([names[id(p)] for p in group["params"]])
-    return found
-
-
-class InPlace:
-    """``optimizers=(optimizer, scheduler)`` under the script's launcher: the script's own objects, stepping
-    the script's own model (see the module doc).  Never leaves the script's process."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
-        if optimizer is None:
-            raise ValueError(
-                "optimizers=(None, scheduler): a scheduler needs the optimizer it drives; pass both, or set "
-                "lr_scheduler_type in the TrainingArguments"
-            )
-        self.model = model
-        self.names = group_parameter_names(model, optimizer)
-        self.script_optimizer = optimizer
-        self.script_scheduler = scheduler
-
-    def model_init(self) -> nn.Module:
-        """The job's model: the script's own object (``RunPlan.model_init`` of the in-place train job)."""
-        return self.model
-
-    def optimizer(
-        self, model: nn.Module, groups: list[dict[str, Any]], default: Any, total_steps: int
-    ) -> torch.optim.Optimizer:
-        """The script's optimizer, each group pointed at ``model``'s parameters of the same names (the same
-        objects under DDP and on one process; FSDP2's sharded ones)."""
-        params = dict(model.named_parameters())
-        optimizer = self.script_optimizer
-        for group, names in zip(optimizer.param_groups, self.names, strict=True):
-            missing = [n for n in names if n not in params]
-            if missing:
-                raise RuntimeError(
-                    f"optimizers=: the trained model has no parameter(s) {missing[:3]} that the script's optimizer "
-                    "holds (was the model changed after the optimizer was built, e.g. by peft_config?)"
-                )
-            moved = [p for n, p in zip(names, group["params"], strict=True) if params[n] is not p]
-            if any(p in optimizer.state for p in moved):
-                raise RuntimeError(
-                    "optimizers=: the script's optimizer already holds state for parameters that the engine "
-                    "replaced (FSDP2 shards them); pass an optimizer that has not stepped yet"
-                )
-            group["params"] = [params[n] for n in names]
-        return optimizer
-
-    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int, default: Any) -> Any:
-        """The script's scheduler (None: ``lr_scheduler_type``'s over the script's optimizer)."""
-        return self.script_scheduler
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            "optimizers=: the script's optimizer is used in place under the script's launcher and cannot be "
-            "sent to other processes"
-        )
+if TYPE_CHECKING:
+    from trainbridge.core.config.plan import OptimizerFactory
+    from trainbridge.trainer.facade import LoopTrainer
+    from trainbridge.trainer.subclass import ScriptTrainer
 
 
 class SubclassOptimizer:
@@ -133,7 +27,7 @@ class SubclassOptimizer:
     the override runs, as under Trainer.  ``create_optimizer_and_scheduler`` runs when the engine builds the
     optimizer, with the run's optimizer steps."""
 
-    def __init__(self, worker: Any, inner: Any, both: bool = False) -> None:
+    def __init__(self, worker: ScriptTrainer, inner: InPlace | ClassAndKwargs | None, both: bool = False) -> None:
         self.worker, self.inner, self.both = worker, inner, both
 
     def optimizer(
@@ -162,33 +56,25 @@ class SubclassOptimizer:
         return instance.lr_scheduler
 
 
-def optimizer_factory(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
+def optimizer_factory(
+    trainer: LoopTrainer,
+    optimizers: tuple[Any, Any] | None,
+    optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None,
+) -> OptimizerFactory | None:
     """The ``RunPlan.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
     and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
     None when it has none of them."""
-    from trainbridge.trainer.subclass import overrides, script_trainer
+    from trainbridge.trainer.subclass import overrides
 
-    inner = _script_objects(trainer, optimizers, optimizer_cls_and_kwargs)
+    inner = script_optimizer(trainer.model, optimizers, optimizer_cls_and_kwargs)
     both = overrides(type(trainer), ("create_optimizer_and_scheduler",))
     if not both and not overrides(type(trainer), ("create_optimizer", "create_scheduler")):
         return inner
-    return SubclassOptimizer(script_trainer(trainer), inner, both)
+    return SubclassOptimizer(trainer._script, inner, both)
 
 
-def script_model(factory: Any) -> Any:
+def script_model(factory: OptimizerFactory | None) -> Callable[[], nn.Module] | None:
     """The ``model_init`` of a train job whose ``optimizer_factory`` is ``factory``: the script's model object
     when the script's optimizer steps it in place (``InPlace``, also under a ``SubclassOptimizer``), else None."""
     inner = factory.inner if isinstance(factory, SubclassOptimizer) else factory
     return inner.model_init if isinstance(inner, InPlace) else None
-
-
-def _script_objects(trainer: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> Any:
-    optimizer, scheduler = tuple(optimizers or (None, None))
-    if optimizer is not None or scheduler is not None:
-        if optimizer_cls_and_kwargs is not None:
-            raise ValueError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
-        return InPlace(trainer.model, optimizer, scheduler)
-    if optimizer_cls_and_kwargs is not None:
-        cls, kwargs = optimizer_cls_and_kwargs
-        return ClassAndKwargs(cls, kwargs)
-    return None

@@ -30,7 +30,7 @@ import torch
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.data.script_data import column_items
-from trainbridge.trainer.optimizers import back_to_training
+from trainbridge.parallel.script_optimizer import back_to_training
 from trainbridge.trainer.scope import LogCapture, LoopScope
 
 if TYPE_CHECKING:
