@@ -561,3 +561,27 @@ def test_train_sampling_strategies_give_trainers_order(
             )
             trainer.train()
         assert len(seen[1]) == 8 and seen[1] == seen[0], strategy
+
+
+def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_sampler(llama: Any) -> None:
+    """Trainer's ``LengthGroupedSampler`` under accelerate's ``prepare_data_loader`` for rank 0 and 1 of 2 (its
+    permutation from the global generator as ``set_seed`` leaves it): each rank's micro-batches are ours."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from trainbridge.data.sample_order import SampleOrder, lengths_of
+
+    _, _, rows = llama
+    lengths = lengths_of(rows, "length", "input_ids", kept=False)
+    ours = SampleOrder("group_by_length", seed=0, global_seed=5, lengths=lengths).rank_batches(
+        0, len(rows), 3, 2, 2, False
+    )
+    for rank in (0, 1):
+        sampler = LengthGroupedSampler(3 * 2, lengths=lengths)
+        loader = DataLoader(range(len(rows)), batch_size=3, sampler=sampler, collate_fn=list)
+        prepared = prepare_data_loader(
+            loader, num_processes=2, process_index=rank, put_on_device=False, use_seedable_sampler=True
+        )  # as Trainer's accelerator prepares it
+        transformers.set_seed(5)
+        assert [tuple(batch) for batch in prepared] == ours[rank]
