@@ -19,7 +19,7 @@ on 2 gloo ranks, against transformers.Trainer under torchrun: every kind of a la
   image as lists of dicts, gathered per batch for ``compute_metrics``), ``audio`` (WAV bytes decoded per access, a
   random window), ``twotower`` (CLIP, contrastive loss without labels), ``vlm`` (LLaVA SFT), ``vlmdpo`` (trl's
   DPOTrainer on LLaVA with a processor): the same steps, log keys, evaluation steps, checkpoints and checkpoint
-  files (Trainer's within ours, but the processor's ``processor_config.json``: ours saves its tokenizer); the
+  files (Trainer's, the processor's whole, and our loop's own three); the
   same losses (within the noise of a random draw per access where there is one: the torch stream of dropout and
   random crops is not consumed as Trainer's DataLoader consumes it) and DPO rewards.
 
@@ -37,11 +37,14 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.script_runs import run_script_folders, torchrun
+from trainbridge.checkpoint.layout import COMPLETE_MARKER, MANIFEST_FILE, TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.compat_full, pytest.mark.timeout(1800)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "kinds_script.py"
 KINDS = ["fsdp", "hpsearch", "deepspeed", "dsscheduler", "images", "audio", "twotower", "vlm", "vlmdpo", "detection"]
+LOOP_FILES = {TRAINING_STATE_FILE, MANIFEST_FILE, COMPLETE_MARKER}
+"""The files our checkpoints hold beside Trainer's: the loop's state and the checkpoint's integrity."""
 SAME = ("global_step", "loss_steps", "log_keys", "checkpoints")
 SAMPLES = {"detection": 1e-4, "images": 5e-3, "audio": 1e-2, "twotower": 1e-4, "vlm": 1e-4, "vlmdpo": 1e-4}
 """The kinds compared loss for loss, with the relative tolerance of each (a random draw per access: images,
@@ -116,8 +119,7 @@ def test_sample_kinds_train_as_under_trainer(runs: dict[str, dict[str, dict]], k
     for launch in ("torchrun", "python"):
         ours = runs[launch][kind]
         assert {k: ours[k] for k in (*SAME, "eval_steps")} == {k: reference[k] for k in (*SAME, "eval_steps")}, launch
-        missing = set(reference["checkpoint_files"]) - set(ours["checkpoint_files"])
-        assert missing == ({"processor_config.json"} if kind == "vlmdpo" else set()), launch  # the processor's own
+        assert set(ours["checkpoint_files"]) - LOOP_FILES == set(reference["checkpoint_files"]), launch
         assert ours["losses"] == pytest.approx(reference["losses"], rel=SAMPLES[kind]), launch
         if "margins" in reference:  # DPO's rewards
             # a margin is a difference of sequence log-probabilities, so the packed forward's float32 rounding

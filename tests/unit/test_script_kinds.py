@@ -1,14 +1,13 @@
 """Script kinds (tests/distributed/scripts/kinds_script.py), in place on one rank, against real
 ``transformers.Trainer``: the same script with only the import changed gives the same steps, log steps and keys,
-checkpoints and checkpoint files (Trainer's within ours), and losses: images with a random crop and flip per
-access read by 2 loader workers (``dataloader_num_workers``), detection and segmentation labels as lists of
+checkpoints and checkpoint files (Trainer's, and our loop's own three), and losses: images with a random crop
+and flip per access read by 2 loader workers (``dataloader_num_workers``), detection and segmentation labels as lists of
 dicts (classes, boxes, masks) that ``compute_metrics`` walks batch by batch (``eval_do_concat_batches=False``),
 audio decoded from WAV bytes on every
 access with a random window (``random.randint``) per access, a CLIP two-tower contrastive model
 (``return_loss=True`` in the batch, no labels), a LLaVA vision-language SFT collator (image tokens, masked
 prompt, pixel values), trl's DPOTrainer on a LLaVA model with a ``LlavaProcessor`` (vision-language DPO: the
-same rewards too).  Ours writes the processor's tokenizer into checkpoints, not the processor
-(``processor_config.json`` is missing: a known difference, checked as such).  Both launch styles on 2 gloo
+same rewards too; the processor saved whole, ``processor_config.json`` included).  Both launch styles on 2 gloo
 ranks, with the DeepSpeed JSON and fsdp_config kinds: tests/distributed/test_script_kinds.py
 (``compat_full``)."""
 
@@ -22,10 +21,12 @@ from unittest import mock
 
 import pytest
 
+from trainbridge.checkpoint.layout import COMPLETE_MARKER, MANIFEST_FILE, TRAINING_STATE_FILE
+
 SCRIPT = Path(__file__).parents[1] / "distributed" / "scripts" / "kinds_script.py"
 KINDS = ["images", "detection", "audio", "twotower", "vlm", "vlmdpo"]
-NOT_WRITTEN = {"vlmdpo": {"processor_config.json"}}
-"""Trainer's checkpoint files ours lacks, per kind: the processor's own file (ours saves its tokenizer)."""
+LOOP_FILES = {TRAINING_STATE_FILE, MANIFEST_FILE, COMPLETE_MARKER}
+"""The files our checkpoints hold beside Trainer's: the loop's state and the checkpoint's integrity."""
 SAME = ("global_step", "loss_steps", "eval_steps", "checkpoints")
 
 
@@ -49,7 +50,7 @@ def test_each_kind_trains_as_under_trainer(runs: dict[str, dict[str, dict]], kin
     assert {k: ours[k] for k in SAME} == {k: real[k] for k in SAME}
     assert ours["log_keys"] == real["log_keys"]
     assert real["checkpoint_files"]
-    assert set(real["checkpoint_files"]) - set(ours["checkpoint_files"]) == NOT_WRITTEN.get(kind, set())
+    assert set(ours["checkpoint_files"]) - LOOP_FILES == set(real["checkpoint_files"])
     # a random draw per access (images: torch's crops and flips; audio: Python's windows, and dropout): the torch
     # stream is not consumed as Trainer's DataLoader consumes it, so those losses agree within the draws' noise
     assert ours["losses"] == pytest.approx(real["losses"], rel={"images": 5e-3, "audio": 5e-2}.get(kind, 1e-4))

@@ -159,3 +159,43 @@ def test_without_processing_class_the_tokenizer_comes_from_the_collator(
         assert trainer.state.global_step == 3
         saved.append({p.name for p in (out / "checkpoint-3").iterdir() if "token" in p.name})
     assert saved[1] == saved[0] and "tokenizer_config.json" in saved[0]
+
+
+def test_a_multimodal_processor_is_saved_whole_into_checkpoints_as_trainer_saves_it(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``processing_class=`` a ``ProcessorMixin`` (LLaVA's: an image processor and the tokenizer): each checkpoint
+    holds every file ``processor.save_pretrained`` writes (``processor_config.json`` too, not only its
+    tokenizer's), as Trainer's checkpoints do; the token batches still pad with its tokenizer."""
+    model, tokenizer, rows = llama
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
+        tokenizer=tokenizer,
+        patch_size=8,
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    processor.save_pretrained(tmp_path / "processor")
+    written = {p.name for p in (tmp_path / "processor").iterdir()}
+    assert "processor_config.json" in written
+    saved = []
+    for cls in (transformers.Trainer, Trainer):
+        out = tmp_path / cls.__module__
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=2,
+            save_steps=2,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        if cls is Trainer:
+            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                monkeypatch.setenv(name, value)
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = cls(
+            copy.deepcopy(model), args, train_dataset=rows, data_collator=collator, processing_class=processor
+        )
+        trainer.train()
+        saved.append({p.name for p in (out / "checkpoint-2").iterdir()})
+    assert saved[1] & written == saved[0] & written == written

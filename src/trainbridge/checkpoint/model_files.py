@@ -6,7 +6,9 @@ optimizer, manifest, ``COMPLETE``, rotation); inside the temporary folder, befor
 gathered (``state``: on rank 0, None on the others), so an implementation may take part in collectives.
 
 ``HFModelFiles`` (the default): rank 0 writes the weights in Hugging Face layout in the export dtype
-(``checkpoint.weights.write_model_files``; a PEFT model its adapter) and the tokenizer.  Another
+(``checkpoint.weights.write_model_files``; a PEFT model its adapter) and the run's processing class as
+Trainer saves it (``save_pretrained``: a tokenizer's files; a multimodal processor's whole, its
+``processor_config.json``, image processor, chat template and tokenizer).  Another
 implementation (``RunPlan.checkpoint_model_files``: the facade's for a Trainer subclass overriding
 ``_save`` / ``save_model`` / ``_save_checkpoint``) may write them differently; its ``keeps_model_state``
 then makes the checkpoint keep the model's own weights in ``dcp/`` too, so resume never depends on what it
@@ -24,7 +26,7 @@ from trainbridge.checkpoint.weights import write_model_files
 
 
 class HFModelFiles:
-    """Rank 0 writes the weights in Hugging Face layout and the tokenizer (the default)."""
+    """Rank 0 writes the weights in Hugging Face layout and the processing class (the default)."""
 
     keeps_model_state = False
 

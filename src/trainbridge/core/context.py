@@ -139,7 +139,7 @@ class TrainingContext:
     eval_dataloader: Any = None
     """The validation batch iterable, or None (always)."""
     tokenizer: Any = None
-    """The tokenizer (always)."""
+    """The tokenizer, or the script's multimodal processor whole (Trainer's ``processing_class``) (always)."""
     restore_model_weights: Callable[[Path], None] | None = None
     """Loads a checkpoint's model weights into the live model on every rank (collective; call it from an
     event that fires on every rank at the same point)."""

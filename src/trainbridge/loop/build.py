@@ -43,7 +43,14 @@ from trainbridge.modeling import (
     model_supports_padding_free,
     packed_row_tokens,
 )
-from trainbridge.modeling.load import is_causal_lm, load_model, load_tokenizer, loads_on_rank0_only, unwrap_peft
+from trainbridge.modeling.load import (
+    is_causal_lm,
+    load_model,
+    load_tokenizer,
+    loads_on_rank0_only,
+    text_tokenizer,
+    unwrap_peft,
+)
 from trainbridge.parallel.build import build_engine
 from trainbridge.parallel.engine import TrainingEngine
 from trainbridge.step.base import EvalSource, TrainSource, TrainStep
@@ -73,7 +80,8 @@ class RunComponents:
     """Everything a ``TrainingLoop`` runs with, built by ``build_run``."""
 
     tokenizer: Any
-    """The run's tokenizer (saved into every checkpoint; ``processing_class`` for HF callbacks)."""
+    """The run's processing class: its tokenizer, or the script's multimodal processor whole (saved into every
+    checkpoint as Trainer saves it; ``processing_class`` for HF callbacks)."""
     engine: TrainingEngine
     """The wrapped model, its optimizer and LR scheduler."""
     step: TrainStep
@@ -150,7 +158,8 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
-    tokenizer = load_tokenizer(args, plan.script_data)
+    processing_class = load_tokenizer(args, plan.script_data)  # saved whole; the data sees its tokenizer
+    tokenizer = text_tokenizer(processing_class)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)
     skeleton = from_rank0 and not env.is_world_process_zero
@@ -173,7 +182,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     engine.verify()
     logger.info("engine: %s; step: %s", engine.describe(), batches.step.describe())
     return RunComponents(
-        tokenizer=tokenizer,
+        tokenizer=processing_class,
         engine=engine,
         step=batches.step,
         eval_batches=batches.eval_batches,

@@ -78,6 +78,17 @@ def load_tokenizer(args: TrainingArgs, script: ScriptData | None = None) -> PreT
     return tokenizer
 
 
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer inside ``processing_class`` (what the loop tokenises and pads with): a multimodal
+    processor's (``ProcessorMixin.tokenizer``), else ``processing_class`` itself (a tokenizer, an image
+    processor or feature extractor, None).  Checkpoints save ``processing_class`` whole, as Trainer does."""
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin):
+        return getattr(processing_class, "tokenizer", None) or processing_class
+    return processing_class
+
+
 def loads_on_rank0_only(args: TrainingArgs, world_size: int, model_init: ModelInit | None = None) -> bool:
     """Whether rank 0 alone reads the weights and the other ranks build a meta-device skeleton
     (``fsdp_load_on_rank0``): FSDP2 with several ranks, a plain ``model_path`` model (no ``model_init``,

@@ -83,6 +83,9 @@ class LoopTrainer(_TrainerBase):
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
+    counts_step: bool = True
+    """The loader's batches carry loss items and input tokens summed over the ranks at each step; False where
+    they are raw rows and the loss reads its own counts (trl's GRPO/RLOO: ``step.step_totals.uncounted``)."""
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
@@ -195,25 +198,24 @@ class LoopTrainer(_TrainerBase):
             return
         super().remove_callback(cast("transformers.TrainerCallback", callback))
 
-    def _loop_tokenizer(self) -> Any:
-        """The processing class's tokenizer; without one (Trainer needs none for tokenised rows), the collator's
-        own (``data_collator.tokenizer``, which Trainer saves into checkpoints then), else the tokenizer saved
-        beside the model the script loaded, if its folder has one."""
-        tok = self.processing_class
-        if tok is None:
-            tok = getattr(self.data_collator, "tokenizer", None)
-        if tok is None and self._fallback_tokenizer is None and self.model is not None:
+    def _loop_processing_class(self) -> Any:
+        """What Trainer saves into each checkpoint and hands its callbacks: the processing class as given (a
+        multimodal processor whole: the loop's data reads its tokenizer); without one (Trainer needs none for
+        tokenised rows), the collator's own (``data_collator.tokenizer``), else the tokenizer saved beside the
+        model the script loaded, if its folder has one."""
+        processing = self.processing_class
+        if processing is None:
+            processing = getattr(self.data_collator, "tokenizer", None)
+        if processing is None and self._fallback_tokenizer is None and self.model is not None:
             self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
-        if tok is None:
-            tok = self._fallback_tokenizer
-        return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
+        return processing if processing is not None else self._fallback_tokenizer
 
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
-        from trainbridge.modeling.load import is_causal_lm
+        from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
-        pad_id = getattr(collator_tokenizer or self._loop_tokenizer(), "pad_token_id", None)
+        pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
         return script_data.RowPreparation(
             self._collator_choice,
             pad_id,

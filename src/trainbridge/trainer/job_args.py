@@ -62,7 +62,9 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     plan = trainer.run_plan()  # the code of the run and its settings, decided from the instance's class
     assert plan.rows is not None
     callbacks = plan.callbacks
-    data, longest = script_inputs(trainer.train_dataset, trainer.eval_dataset, trainer._loop_tokenizer(), plan.rows)
+    data, longest = script_inputs(
+        trainer.train_dataset, trainer.eval_dataset, trainer._loop_processing_class(), plan.rows
+    )
     fields: dict[str, Any] = {"ckpt_output_dir": trainer.output_dir}  # a search's trial: <output_dir>/run-<n>
     if plan.rows.items:  # Trainer's sample batches, the model's own loss, the script's collator
         fields.update(_sample_batch_fields(trainer))

@@ -152,6 +152,11 @@ class ScriptTrainer:
         ``compute_loss_func``, whose loss is then a mean over those items."""
         return self.instance.compute_loss_func is not None
 
+    @property
+    def counts_step(self) -> bool:
+        """Whether the loader's batches carry counts to sum over the ranks (``LoopTrainer.counts_step``)."""
+        return self.instance.counts_step
+
     def bind_state(self, hf: HuggingFaceCallbacks) -> None:
         """The run's ``HuggingFaceCallbacks``: their state, handler and control are the instance's in each call."""
         self._hf = hf

@@ -61,6 +61,9 @@ class TrainerMethods(Protocol):
     counts_items: bool
     """Whether the step's items are counted whatever the model (Trainer counts them for a
     ``compute_loss_func``)."""
+    counts_step: bool
+    """Whether the loader's batches carry loss items and input tokens to sum over the ranks at each step; False
+    (trl's GRPO/RLOO: raw prompt rows, a loss that reads trl's own counts): no per-step collective."""
 
     def training_step(
         self,
