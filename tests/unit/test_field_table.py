@@ -38,7 +38,7 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
-        ignore_data_skip=True,
+        save_on_each_node=True,
         fp16=True,
         ddp_find_unused_parameters=True,
         skip_memory_metrics=False,
@@ -50,8 +50,8 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
     warned = {
         str(w.message).split("=")[0].split(".")[-1]: str(w.message) for w in caught if w.category is HFPortingWarning
     }
-    assert field_row("ignore_data_skip").status == "ignored"
-    assert field_row("ignore_data_skip").why in warned["ignore_data_skip"]
+    assert field_row("save_on_each_node").status == "ignored"
+    assert field_row("save_on_each_node").why in warned["save_on_each_node"]
     assert field_row("fp16").status == "same" and field_row("fp16").here == "mixed_precision: fp16"
     assert field_row("ddp_find_unused_parameters").status == "same"
     assert field_row("skip_memory_metrics").status == "same"

@@ -8,6 +8,8 @@
   from one as Trainer's (weights and step restored, optimizer and schedule fresh); ``output_dir`` then holds
   Trainer's entries, our own files in its ``trainbridge/`` folder;
 - ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
+- ``ignore_data_skip``: a resume restarts the epoch's data from its first batch, as Trainer's;
+- ``dataloader_in_order``: the worker ``DataLoader``'s ``in_order``, as Trainer's;
 - a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
   is warned, not refused, as Trainer resumes."""
 
@@ -62,6 +64,7 @@ def _trainer(
     model: Any = None,
     callbacks: list[Any] | None = None,
     collator: Any = None,
+    eval_dataset: Any = None,
     **arguments: Any,
 ) -> Any:
     base, tokenizer, rows = llama
@@ -88,6 +91,7 @@ def _trainer(
         model=model if model is not None else copy.deepcopy(base),
         args=args,
         train_dataset=rows,
+        eval_dataset=eval_dataset,
         data_collator=collator or _collate(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
@@ -370,12 +374,13 @@ def test_dataloader_worker_settings_are_trainers(llama: Any, tmp_path: Path, mon
         dataloader_prefetch_factor=3,
         dataloader_persistent_workers=True,
         dataloader_multiprocessing_context="spawn",
+        dataloader_in_order=False,
     )
     trainer = _trainer(transformers.Trainer, llama, tmp_path, monkeypatch, **settings)
     theirs = trainer.get_train_dataloader()
     ported = training_args_from_hf(trainer.args, effective_batch_size=2)
     ours = WorkerFetch(trainer.train_dataset, trainer.data_collator, LoaderWorkers.of(ported)).loader
-    names = ("num_workers", "prefetch_factor", "persistent_workers")
+    names = ("num_workers", "prefetch_factor", "persistent_workers", "in_order")
     assert [getattr(ours, name) for name in names] == [getattr(theirs, name) for name in names]
     assert ours.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
     assert theirs.multiprocessing_context.get_start_method() == "spawn"
@@ -461,3 +466,69 @@ def test_full_determinism_turns_deterministic_kernels_on(args_for: Any, monkeypa
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+class Logs(TrainerCallback):
+    """Every ``on_log`` row."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.rows.append(dict(logs))
+
+
+def test_ignore_data_skip_resumes_from_the_epochs_first_batch_as_trainer(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved at step 2 of 4 per epoch, resumed with ``ignore_data_skip``: Trainer restarts epoch 0's data
+    (the model sees its first batches again) and logs epochs 0.25... up to step 6; so does ours."""
+    seen: list[list[list[list[int]]]] = []
+    rows: list[list[tuple[int | None, float | None]]] = []
+    for cls in (transformers.Trainer, Trainer):
+        out = tmp_path / cls.__module__
+        saving = dict(save_strategy="steps", save_steps=2, per_device_train_batch_size=4, seed=5)
+        _trainer(cls, llama, out, monkeypatch, **saving, max_steps=2).train()
+        logs = Logs()
+        trainer = _trainer(cls, llama, out, monkeypatch, **saving, max_steps=6, ignore_data_skip=True, callbacks=[logs])
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
+        )
+        trainer.train(resume_from_checkpoint=True)
+        rows.append([(row.get("step"), row.get("epoch")) for row in logs.rows if "loss" in row])
+        losses = [row["loss"] for row in logs.rows if "loss" in row]
+        rows[-1].append((None, losses[-1]))
+    assert len(seen[1]) == 4 and seen[1] == seen[0]
+    assert [epoch for _, epoch in rows[1][:-1]] == [epoch for _, epoch in rows[0][:-1]] == [0.25, 0.5, 0.75, 1.0]
+    assert rows[1][-1][1] == pytest.approx(rows[0][-1][1], rel=1e-4)
+
+
+def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
+    Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean."""
+    _, tokenizer, rows = llama
+    evaluations: list[list[float]] = []
+    for cls in (transformers.Trainer, Trainer):
+        logs = Logs()
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=1,
+            eval_strategy="steps",
+            eval_steps=1,
+            eval_on_start=True,
+            per_device_eval_batch_size=4,
+            callbacks=[logs],
+            collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            eval_dataset=rows.select(range(10)),
+        )
+        trainer.train()
+        evaluations.append([row["eval_loss"] for row in logs.rows if "eval_loss" in row])
+    assert len(evaluations[1]) == 2
+    assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
+    assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)

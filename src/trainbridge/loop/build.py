@@ -325,7 +325,9 @@ def _token_batches(
         )
 
     return RunBatches(
-        TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
+        TokenCrossEntropy(
+            train_batches, args.max_batch_len, padded, args.token_metrics, args.per_device_eval_batch_size is not None
+        ),
         eval_set(data.val) if data.val else None,
         {name: eval_set(source) for name, source in data.named_val.items()},
         data.stats,

@@ -72,9 +72,9 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
         fields["peft_config"] = trainer._peft_config
     if plan.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
-        eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
-        if eval_batch:
-            fields["per_device_eval_batch_size"] = int(eval_batch)
+    eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
+    if eval_batch and not plan.rows.items:  # Trainer's validation batches: its eval_loss and per-batch metrics
+        fields["per_device_eval_batch_size"] = int(eval_batch)
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
