@@ -25,7 +25,7 @@ from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.config import eval_set_names
 from trainbridge.core.config.checks import check_consistent, check_world
-from trainbridge.core.config.plan import ExistingModel, RunPlan
+from trainbridge.core.config.plan import ExistingModel, Generate, RunPlan, predictions_of
 from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -227,8 +227,8 @@ class StepSeams(NamedTuple):
     loss: LossSeam
     """The step factory's, the summed token cross entropy, the model's own, the plan's ``compute_loss``, or the
     script's ``training_step`` (``trainer_methods``)."""
-    predictions: Literal["outputs", "generate"]
-    """The validation predictions: the step's forward outputs, or generated ids (``predict_with_generate``)."""
+    predictions: Generate | None
+    """The validation predictions: None, the step's forward outputs; else generated ids (``predictions_of``)."""
 
 
 def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
@@ -237,7 +237,8 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
     brings its own loss or data).  A ``ValueError`` for a model neither step can train, saying why and what to
     do."""
     if plan.step_factory is not None:
-        return StepSeams("factory", "factory", "outputs")
+        return StepSeams("factory", "factory", None)
+    predictions = predictions_of(args, plan)
     causal = is_causal_lm(model)
     own_loss = plan.compute_loss is not None or plan.trainer_methods is not None  # the script's loss
     if args.training_step == "token_cross_entropy" and not causal:
@@ -245,7 +246,7 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
             "is not one: use training_step='model_loss' (or 'auto')"
         )
-    if args.training_step == "token_cross_entropy" and args.predict_with_generate:
+    if args.training_step == "token_cross_entropy" and predictions is not None:
         raise ValueError(
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
@@ -261,9 +262,9 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
         and not own_loss
         and plan.train_stream is None
         and plan.train_loader is None
-        and not args.predict_with_generate
+        and predictions is None
     ):
-        return StepSeams("token_budget", "token_cross_entropy", "outputs")
+        return StepSeams("token_budget", "token_cross_entropy", None)
     label_names = args.label_names or default_label_names(model)
     if not own_loss and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
@@ -273,7 +274,7 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
     loss: LossSeam = "trainer_methods" if plan.trainer_methods is not None else "model"
     if loss == "model" and plan.compute_loss is not None:
         loss = "compute_loss"
-    return StepSeams(batches, loss, "generate" if args.predict_with_generate else "outputs")
+    return StepSeams(batches, loss, predictions)
 
 
 def _token_batches(
@@ -376,7 +377,7 @@ def _sample_batches(
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     # the loss and the predictions, as chosen apart: generated ids come with the model's own loss (Seq2SeqTrainer)
-    generation = _generation(args, env) if seams.predictions == "generate" else None
+    generation = _generation(seams.predictions, args, env) if seams.predictions is not None else None
     step: ModelLoss
     if seams.loss == "trainer_methods":
         assert plan.trainer_methods is not None
@@ -395,12 +396,12 @@ def _sample_batches(
     )
 
 
-def _generation(args: TrainingArgs, env: DistributedEnv) -> Generation:
-    """Generated ids as the validation predictions (``predict_with_generate``, ``generation_kwargs``)."""
+def _generation(predictions: Generate, args: TrainingArgs, env: DistributedEnv) -> Generation:
+    """Generated ids as the validation predictions (``predictions``), synced across ranks of a sharded model."""
     sharded = args.distributed_backend == "fsdp" or (
         args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
     )
-    return Generation(args.generation_kwargs, synced_gpus=sharded and env.world_size > 1)
+    return Generation(predictions.kwargs, synced_gpus=sharded and env.world_size > 1)
 
 
 def _whole_batches_of(env: DistributedEnv, plan: RunPlan) -> int | None:
