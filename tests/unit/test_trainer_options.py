@@ -505,11 +505,13 @@ def test_ignore_data_skip_resumes_from_the_epochs_first_batch_as_trainer(
     assert rows[1][-1][1] == pytest.approx(rows[0][-1][1], rel=1e-4)
 
 
+@pytest.mark.parametrize("strategy", ["random", "group_by_length"])
 def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
-    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
     """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
-    Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean."""
+    Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean.
+    Under ``group_by_length`` Trainer's evaluation sampler groups the samples by length (other batches)."""
     _, tokenizer, rows = llama
     evaluations: list[list[float]] = []
     for cls in (transformers.Trainer, Trainer):
@@ -524,6 +526,7 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
             eval_steps=1,
             eval_on_start=True,
             per_device_eval_batch_size=4,
+            train_sampling_strategy=strategy,
             callbacks=[logs],
             collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             eval_dataset=rows.select(range(10)),

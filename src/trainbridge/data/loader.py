@@ -6,7 +6,7 @@ the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches
 set across ranks and packs it to the token budget, padding with dummy micro-batches so every rank runs
 the same number of forwards (sharded models all-gather parameters in forward); with ``per_device`` it
 takes Trainer's validation batches instead (that many samples per rank, as accelerate shards them, the last
-round completed from the first samples).
+round completed from the first samples; ``order``: Trainer's evaluation sampler's, under ``group_by_length``).
 
 A multi-sequence sample (``Sample.seq_lengths``: a packed bin) is one sample to the plan and the batch
 counts, and reaches the collator as its sequences (``Sample.sequences``), so a padding-free row lays the
@@ -131,12 +131,15 @@ class EvalBatches:
         padded: bool,
         per_device: int | None = None,
         row_per_sample: bool = False,
+        order: Sequence[int] | None = None,
     ):
         self.samples = as_source(samples)
         self.collate = collate
         count = len(self.samples)
         if per_device is not None:
-            rows_by_rank = _trainer_batches(count, per_device, world_size)
+            rows_by_rank = _trainer_batches(
+                list(order) if order is not None else list(range(count)), per_device, world_size
+            )
         else:
             packed = [
                 _pack(range(r, count, world_size), self.samples.lengths, max_batch_len, padded)
@@ -185,16 +188,16 @@ def sequences(samples: Sequence[Sample]) -> list[Sample]:
     return [part for sample in samples for part in sample.sequences()]
 
 
-def _trainer_batches(count: int, per_device: int, world_size: int) -> list[list[tuple[list[int], list[int]]]]:
-    """Trainer's validation batches of ``count`` samples on each rank, ``(rows, real samples)``: consecutive
-    batches of ``per_device`` samples in order, batch ``i`` on rank ``i % world_size``; with several ranks the
-    last round is completed from the first samples (cycled), as accelerate's even batches are."""
-    order = list(range(count))
+def _trainer_batches(order: list[int], per_device: int, world_size: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Trainer's validation batches of the samples in ``order`` on each rank, ``(rows, real samples)``:
+    consecutive batches of ``per_device`` samples, batch ``i`` on rank ``i % world_size``; with several ranks
+    the last round is completed from the first samples (cycled), as accelerate's even batches are."""
+    count = len(order)
     if world_size > 1 and count:
         start = order[: per_device * world_size]
-        order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]
+        order = order + [start[i % len(start)] for i in range(-count % (per_device * world_size))]
     batches = [
-        (order[first : first + per_device], list(range(first, min(first + per_device, count))))
+        (order[first : first + per_device], order[first : min(first + per_device, count)])
         for first in range(0, len(order), per_device)
     ]
     return [batches[rank::world_size] for rank in range(world_size)]

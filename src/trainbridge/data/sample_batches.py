@@ -158,7 +158,8 @@ class SampleEvalBatches:
     ``j % world``; with several ranks the tail is completed with the data set's first items (cycled) up to a
     multiple of ``per_device x world``, so every rank runs the same number of full batches.  The completing
     rows run through the model (they are in the batch's mean loss, as under Trainer) but are not samples:
-    ``indexed`` yields only the real items' indices, which lead each batch, and a batch's loss counts once
+    ``indexed`` yields only the real items' indices, which lead each batch (``order``: the items' order,
+    Trainer's evaluation sampler's under ``group_by_length``; None: dataset order), and a batch's loss counts once
     per real item (Trainer repeats it ``eval_batch_size`` times and drops the gathered copies past the data
     set's end, which is the same weight)."""
 
@@ -170,12 +171,13 @@ class SampleEvalBatches:
         per_device: int,
         world_size: int,
         rank: int,
+        order: Sequence[int] | None = None,
     ) -> None:
         self.dataset = dataset
         self.collate = collate
         self.batch_size: int | None = per_device
         count = len(dataset)
-        order = list(range(count))
+        order = list(order) if order is not None else list(range(count))
         if world_size > 1 and count:
             start = order[: per_device * world_size]
             order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]

@@ -15,7 +15,8 @@ rank's micro-batches of it, as ``SampleBatches`` plans them.
 - ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` itself, as Trainer builds it (its default
   seed, 42; ``set_epoch``), one per rank: micro-batches of varying size, ``accumulation`` per step.
 
-The first three are cut into micro-batches of ``per_device`` and dealt to the ranks by accelerate's own
+Validation items under ``group_by_length`` take Trainer's evaluation order (``eval_order``).  The first three
+are cut into micro-batches of ``per_device`` and dealt to the ranks by accelerate's own
 ``BatchSamplerShard`` (batch ``j`` to rank ``j % world``, the last round completed from the epoch's first
 items; ``drop_last``: whole micro-batches only).
 """
@@ -86,16 +87,34 @@ class SampleOrder:
         return torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
 
+def eval_order(args: TrainingArgs, lengths: Sequence[int], per_device: int) -> list[int] | None:
+    """The validation items' order under ``group_by_length``, Trainer's evaluation sampler's (the same at every
+    evaluation: a ``LengthGroupedSampler`` of ``per_device`` with a generator seeded by ``data_seed``, else
+    ``seed``); None (dataset order) for every other strategy."""
+    if args.train_sampling_strategy != "group_by_length" or not len(lengths):
+        return None
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    generator = torch.Generator().manual_seed(args.data_order_seed)
+    return list(get_length_grouped_indices([int(n) for n in lengths], per_device, generator=generator))
+
+
 def sample_order(args: TrainingArgs, dataset: Any, tokenizer: Any, keep: Collection[str] | None) -> SampleOrder:
     """The run's order of ``dataset``'s items (``train_sampling_strategy``); ``keep``: the columns the
     collator keeps for the model (None: all, ``remove_unused_columns=False``)."""
     strategy = args.train_sampling_strategy
-    lengths = None
-    if strategy in ("group_by_length", "batch_rebalance"):
-        names = getattr(tokenizer, "model_input_names", None)
-        column = args.length_column_name
-        lengths = lengths_of(dataset, column, names[0] if names else None, keep is None or column in keep)
+    lengths = (
+        sample_lengths(args, dataset, tokenizer, keep) if strategy in ("group_by_length", "batch_rebalance") else None
+    )
     return SampleOrder(strategy, args.data_order_seed, args.seed, lengths)
+
+
+def sample_lengths(args: TrainingArgs, dataset: Any, tokenizer: Any, keep: Collection[str] | None) -> list[int]:
+    """``dataset``'s item lengths as Trainer's samplers read them (``lengths_of``: ``length_column_name``, else
+    the processing class's first model input)."""
+    names = getattr(tokenizer, "model_input_names", None)
+    column = args.length_column_name
+    return lengths_of(dataset, column, names[0] if names else None, keep is None or column in keep)
 
 
 def lengths_of(dataset: Any, column: str, model_input_name: str | None, kept: bool) -> list[int]:

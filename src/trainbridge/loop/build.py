@@ -34,7 +34,8 @@ from trainbridge.data.loader_workers import LoaderWorkers
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import run_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
-from trainbridge.data.sample_order import SampleOrder, sample_order
+from trainbridge.data.sample_order import SampleOrder, eval_order, sample_lengths, sample_order
+from trainbridge.data.samples import as_source
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.stream_batches import StreamBatches
 from trainbridge.data.user_collate import collate_with
@@ -314,6 +315,8 @@ def _token_batches(
     )
 
     def eval_set(source: Any) -> EvalBatches:
+        per_eval, grouped = args.per_device_eval_batch_size, args.train_sampling_strategy == "group_by_length"
+        order = eval_order(args, as_source(source).lengths.tolist(), per_eval) if per_eval and grouped else None
         return EvalBatches(
             source,
             eval_collate,
@@ -323,6 +326,7 @@ def _token_batches(
             padded=eval_padded,
             per_device=args.per_device_eval_batch_size,
             row_per_sample=plan.compute_metrics is not None,
+            order=order,
         )
 
     return RunBatches(
@@ -357,12 +361,12 @@ def _sample_batches(
         train_batches = _item_batches(args, env, train, stream, collate, drop_last, order)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
+        per_eval = args.per_device_eval_batch_size or per_device
+        order = None
+        if args.train_sampling_strategy == "group_by_length":
+            order = eval_order(args, sample_lengths(args, dataset, tokenizer, collate.keep), per_eval)
         return SampleEvalBatches(
-            dataset,
-            collate,
-            per_device=args.per_device_eval_batch_size or per_device,
-            world_size=env.world_size,
-            rank=env.rank,
+            dataset, collate, per_device=per_eval, world_size=env.world_size, rank=env.rank, order=order
         )
 
     count = len(train) if train is not None else 0
