@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import random
@@ -588,3 +589,39 @@ def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_samp
         )  # as Trainer's accelerator prepares it
         transformers.set_seed(5)
         assert [tuple(batch) for batch in prepared] == ours[rank]
+
+
+def _sequences(kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The samples of a forward's batch: rows by their attention mask, or a padding-free row cut where its
+    ``position_ids`` restart."""
+    ids, mask, positions = kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is None and positions is not None:
+        starts = [int(i) for i in (positions[0] == 0).nonzero()] + [ids.shape[1]]
+        return sorted(tuple(ids[0, a:b].tolist()) for a, b in itertools.pairwise(starts))
+    return sorted(tuple(row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True))
+
+
+def test_token_path_sequential_steps_take_trainers_samples(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train_sampling_strategy="sequential"`` with transformers' own collator (the token path): each step
+    trains on the samples Trainer's ``SequentialSampler`` gives it, in order."""
+    _, tokenizer, _ = llama
+    seen: list[list[list[tuple[int, ...]]]] = []
+    for cls in (transformers.Trainer, Trainer):
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=4,
+            per_device_train_batch_size=4,
+            train_sampling_strategy="sequential",
+            collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        )
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append(_sequences(kwargs)), with_kwargs=True
+        )
+        trainer.train()
+    assert len(seen[0]) == 4 and seen[1][-4:] == seen[0]  # (ours first probes the varlen attention: 2 forwards)

@@ -68,6 +68,7 @@ class TrainBatches:
         seed: int,
         padded: bool,
         whole_batches_of: int | None = None,
+        shuffle: bool = True,
     ):
         self.samples = as_source(samples)
         self.collate = collate
@@ -79,6 +80,7 @@ class TrainBatches:
             seed=seed,
             padded=padded,
             whole_batches_of=whole_batches_of,
+            shuffle=shuffle,
         )
         kept = len(self.samples)
         if whole_batches_of is not None:

@@ -109,8 +109,9 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "the first are seeded by seed + epoch (Trainer's draw from the global generator after the earlier epochs' "
         "draws, which a resume could not repeat); under it the validation batches are Trainer's length-grouped "
         "ones (eval_loss as Trainer's), compute_metrics still gets the predictions in dataset order; the "
-        "padding-free token batches pack each step's samples by length themselves (longest first, no padding to "
-        "save) in a random order",
+        "padding-free token batches take each step's samples in a random order (in order under sequential) and "
+        "pack them by length themselves (longest first, no padding to save): group_by_length and batch_rebalance "
+        "add nothing there",
     ),
     *_same("length_column_name", to_hf=False),
     FieldLink(

@@ -312,6 +312,7 @@ def _token_batches(
         seed=args.data_order_seed,
         padded=padded,
         whole_batches_of=_whole_batches_of(env, plan),
+        shuffle=args.train_sampling_strategy != "sequential",  # Trainer's SequentialSampler: steps in order
     )
 
     def eval_set(source: Any) -> EvalBatches:

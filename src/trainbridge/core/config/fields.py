@@ -184,8 +184,9 @@ class BatchFields(BaseModel):
     """``model_loss``: the order of an epoch's items, Trainer's sampler's (``data.sample_order``): ``random``
     (seeded by ``data_seed``/``seed`` and the epoch), ``sequential``, ``group_by_length`` (transformers'
     length-grouped mega-batches) or ``batch_rebalance`` (transformers' ``BatchRebalanceSampler``: micro-batches
-    of varying size, cost-balanced across ranks).  ``token_cross_entropy`` packs each step's samples by length
-    itself (longest first, balanced across ranks, no padding to save), so only ``random`` applies there."""
+    of varying size, cost-balanced across ranks).  ``token_cross_entropy`` takes each step's samples in a
+    random order, or in order under ``sequential``, and packs them by length itself (longest first, balanced
+    across ranks, no padding to save): ``group_by_length`` and ``batch_rebalance`` add nothing there."""
     length_column_name: str = "length"
     """``group_by_length`` / ``batch_rebalance``: the dataset column holding each item's length, read when the
     dataset keeps it for the model (else the items' first model input is measured), as Trainer reads it."""
