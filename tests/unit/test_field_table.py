@@ -38,11 +38,14 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
-        ignore_data_skip=True,
+        save_on_each_node=True,
         fp16=True,
         ddp_find_unused_parameters=True,
         skip_memory_metrics=False,
         neftune_noise_alpha=5.0,
+        eval_use_gather_object=True,
+        ignore_data_skip=True,
+        train_sampling_strategy="group_by_length",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -50,12 +53,20 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
     warned = {
         str(w.message).split("=")[0].split(".")[-1]: str(w.message) for w in caught if w.category is HFPortingWarning
     }
-    assert field_row("ignore_data_skip").status == "ignored"
-    assert field_row("ignore_data_skip").why in warned["ignore_data_skip"]
+    assert field_row("save_on_each_node").status == "ignored"
+    assert field_row("save_on_each_node").why in warned["save_on_each_node"]
     assert field_row("fp16").status == "same" and field_row("fp16").here == "mixed_precision: fp16"
     assert field_row("ddp_find_unused_parameters").status == "same"
     assert field_row("skip_memory_metrics").status == "same"
     assert field_row("neftune_noise_alpha").status == "same"
-    for name in ("fp16", "ddp_find_unused_parameters", "skip_memory_metrics"):
+    assert field_row("eval_use_gather_object").status == "differs"  # Trainer's evaluate() reads it on sample batches
+    for name in (
+        "fp16",
+        "ddp_find_unused_parameters",
+        "skip_memory_metrics",
+        "eval_use_gather_object",
+        "ignore_data_skip",
+        "train_sampling_strategy",
+    ):
         assert name not in warned
     assert "neftune_noise_alpha" in warned  # no honouring callback passed: the facade passes ScriptTrainerEvents

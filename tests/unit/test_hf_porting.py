@@ -94,18 +94,18 @@ def test_each_ignored_non_default_field_warns_once_and_says_why(hf_args, require
     hf = hf_args(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=8,
-        ignore_data_skip=True,
         label_smoothing_factor=0.1,
         neftune_noise_alpha=5.0,
+        save_on_each_node=True,
     )
     _, messages = porting_warnings(hf, **required)
     fields = sorted(m.split("=")[0].removeprefix("TrainingArguments.") for m in messages)
     assert fields == [
         "gradient_accumulation_steps",
-        "ignore_data_skip",
         "label_smoothing_factor",
         "neftune_noise_alpha",
         "per_device_train_batch_size",
+        "save_on_each_node",
     ]
     batch = next(m for m in messages if m.startswith("TrainingArguments.per_device_train_batch_size=4"))
     assert "effective_batch_size" in batch and "max_batch_len" in batch

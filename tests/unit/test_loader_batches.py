@@ -1,5 +1,5 @@
-"""A Trainer subclass's ``get_train_dataloader`` / ``_get_train_sampler`` in the workers
-(``trainer.subclass.subclass_loader``, ``data.loader_batches``, ``TrainingArgs.train_loader``): the loader's batches,
+"""A Trainer subclass's ``get_train_dataloader`` / ``_get_train_sampler`` in the workers (``LoopTrainer.run_plan``'s
+``train_loader``, ``data.loader_batches``, ``TrainingArgs.train_loader``): the loader's batches,
 ``accumulation`` per step with Trainer's remainder step; its share per rank as accelerate deals it; the
 override called on a worker-side instance with the training items; a run in-process trains ``epochs x
 ceil(len / accumulation)`` steps on the sampler's order, and a resumed run skips the consumed batches and
@@ -26,7 +26,11 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import LoaderBatches
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
-from trainbridge.trainer.subclass import subclass_loader
+
+
+def _train_loader(trainer: Any) -> Any:
+    """The ``RunPlan.train_loader`` the instance's class decides (``LoopTrainer.run_plan``)."""
+    return trainer.run_plan().train_loader
 
 
 def _items(count: int) -> list[dict[str, Any]]:
@@ -134,16 +138,16 @@ def test_the_override_is_called_on_the_scripts_own_instance(tmp_path: Path):
     )
     model = torch.nn.Linear(2, 2)
     data = {"train_dataset": _items(6), "data_collator": _collate}
-    loader = subclass_loader(SamplerTrainer(model=model, args=hf, **data))
+    loader = _train_loader(SamplerTrainer(model=model, args=hf, **data))
     assert loader is not None and [b["idx"].tolist() for b in loader(None, None, model)] == [[5, 4], [3, 2], [1, 0]]
-    loader = subclass_loader(LoaderTrainer(model=model, args=hf, **data))
+    loader = _train_loader(LoaderTrainer(model=model, args=hf, **data))
     assert loader is not None and sorted(i for b in loader(None, None, model) for i in b["idx"].tolist()) == list(
         range(6)
     )
-    strided = subclass_loader(StridedTrainer(model=model, args=hf, stride=3, **data))  # the script's attribute
+    strided = _train_loader(StridedTrainer(model=model, args=hf, stride=3, **data))  # the script's attribute
     assert strided is not None
     assert [b["idx"].tolist() for b in strided(None, None, model)] == [[0, 3], [1, 4], [2, 5]]
-    assert subclass_loader(Trainer(model=model, args=hf)) is None
+    assert _train_loader(Trainer(model=model, args=hf)) is None
     # Trainer's own, in the script's process too (a script printing a sample batch)
     assert next(iter(SamplerTrainer(model=model, args=hf, **data).get_train_dataloader()))["idx"].tolist() == [5, 4]
 
@@ -171,7 +175,7 @@ def _train(model_path: Path, tmp_path: Path, out: str, **overrides: Any) -> Any:
         model_path=model_path,
         model_init=lambda: model,
         data_path=tmp_path / "train.jsonl",
-        train_loader=subclass_loader(trainer),
+        train_loader=_train_loader(trainer),
         ckpt_output_dir=tmp_path / out,
         effective_batch_size=4,
         per_device_batch_size=2,

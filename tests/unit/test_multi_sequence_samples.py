@@ -112,13 +112,16 @@ def test_data_files_and_the_cache_keep_seq_lengths(tmp_path: Path) -> None:
 
 
 def test_trainers_validation_batches_and_packed_predictions() -> None:
-    """``per_device``: batch ``i`` of ``per_device`` samples on rank ``i % world``, as accelerate deals them."""
+    """``per_device``: batch ``i`` of ``per_device`` samples on rank ``i % world``, as accelerate deals them, the
+    last round completed from the first samples (rows that are no validation sample of the batch)."""
     samples = [Sample((1, 2, 3), (1, 2, 3))] * 5
     ranks = [
         EvalBatches(samples, collate_padding_free, world_size=2, rank=r, max_batch_len=64, padded=False, per_device=2)
         for r in range(2)
     ]
-    assert [b.groups for b in ranks] == [[[0, 1], [4]], [[2, 3], []]]
+    assert [b.groups for b in ranks] == [[[0, 1], [4, 0]], [[2, 3], [1, 2]]]
+    assert [b.real for b in ranks] == [[[0, 1], [4]], [[2, 3], []]]
+    assert [indices for indices, _ in ranks[0].indexed()] == [[0, 1], [4]]
     assert [b.num_samples_local for b in ranks] == [3, 2]
     packed = [Sample((1, 2, 3, 4), (1, 2, 3, 4), (2, 2))]
     predicted = EvalBatches(

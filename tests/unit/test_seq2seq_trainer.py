@@ -145,7 +145,11 @@ def test_seq2seq_trainer_trains_and_evaluates_on_generated_ids(
     assert labels.shape == (6, 20)
 
 
-def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_path: Path) -> None:
+def test_the_predictions_seam_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_path: Path) -> None:
+    """The class's plan holds the predictions seam (``RunPlan.predictions``), not a ``TrainingArgs`` flag; a
+    plan's own seam and ``TrainingArgs.predict_with_generate`` together are refused, naming the field."""
+    from trainbridge.core.config import check_consistent
+    from trainbridge.core.config.plan import Generate
     from trainbridge.trainer import job_args
 
     model = t5[0]
@@ -153,7 +157,12 @@ def test_the_step_is_chosen_from_predict_with_generate(t5: tuple[Any, Any], tmp_
         model=model, args=_args(tmp_path / "out", generation_num_beams=3), train_dataset=_reverse_rows(8, seed=0)
     )
     ported = RunInputs(*job_args.training_job(trainer, 1, None))
-    assert ported.predict_with_generate and ported.generation_kwargs == {"max_length": 12, "num_beams": 3}
+    assert ported.plan.predictions == Generate({"max_length": 12, "num_beams": 3})
+    assert not ported.args.predict_with_generate
+    trainer.args.predict_with_generate = False
+    assert RunInputs(*job_args.training_job(trainer, 1, None)).plan.predictions is None
+    with pytest.raises(ValueError, match=r"^predict_with_generate: .*leave predict_with_generate False"):
+        check_consistent(ported.args.model_copy(update={"predict_with_generate": True}), ported.plan)
 
 
 def _trainer(

@@ -8,6 +8,9 @@
   from one as Trainer's (weights and step restored, optimizer and schedule fresh); ``output_dir`` then holds
   Trainer's entries, our own files in its ``trainbridge/`` folder;
 - ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
+- ``ignore_data_skip``: a resume restarts the epoch's data from its first batch, as Trainer's;
+- ``train_sampling_strategy``: Trainer's samplers' orders (``group_by_length``, ``batch_rebalance``, ``sequential``);
+- ``dataloader_in_order``: the worker ``DataLoader``'s ``in_order``, as Trainer's;
 - a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
   is warned, not refused, as Trainer resumes."""
 
@@ -62,6 +65,7 @@ def _trainer(
     model: Any = None,
     callbacks: list[Any] | None = None,
     collator: Any = None,
+    eval_dataset: Any = None,
     **arguments: Any,
 ) -> Any:
     base, tokenizer, rows = llama
@@ -88,6 +92,7 @@ def _trainer(
         model=model if model is not None else copy.deepcopy(base),
         args=args,
         train_dataset=rows,
+        eval_dataset=eval_dataset,
         data_collator=collator or _collate(tokenizer),
         processing_class=tokenizer,
         callbacks=callbacks,
@@ -370,12 +375,13 @@ def test_dataloader_worker_settings_are_trainers(llama: Any, tmp_path: Path, mon
         dataloader_prefetch_factor=3,
         dataloader_persistent_workers=True,
         dataloader_multiprocessing_context="spawn",
+        dataloader_in_order=False,
     )
     trainer = _trainer(transformers.Trainer, llama, tmp_path, monkeypatch, **settings)
     theirs = trainer.get_train_dataloader()
     ported = training_args_from_hf(trainer.args, effective_batch_size=2)
     ours = WorkerFetch(trainer.train_dataset, trainer.data_collator, LoaderWorkers.of(ported)).loader
-    names = ("num_workers", "prefetch_factor", "persistent_workers")
+    names = ("num_workers", "prefetch_factor", "persistent_workers", "in_order")
     assert [getattr(ours, name) for name in names] == [getattr(theirs, name) for name in names]
     assert ours.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
     assert theirs.multiprocessing_context.get_start_method() == "spawn"
@@ -461,3 +467,121 @@ def test_full_determinism_turns_deterministic_kernels_on(args_for: Any, monkeypa
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+class Logs(TrainerCallback):
+    """Every ``on_log`` row."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.rows.append(dict(logs))
+
+
+def test_ignore_data_skip_resumes_from_the_epochs_first_batch_as_trainer(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved at step 2 of 4 per epoch, resumed with ``ignore_data_skip``: Trainer restarts epoch 0's data
+    (the model sees its first batches again) and logs epochs 0.25... up to step 6; so does ours."""
+    seen: list[list[list[list[int]]]] = []
+    rows: list[list[tuple[int | None, float | None]]] = []
+    for cls in (transformers.Trainer, Trainer):
+        out = tmp_path / cls.__module__
+        saving = dict(save_strategy="steps", save_steps=2, per_device_train_batch_size=4, seed=5)
+        _trainer(cls, llama, out, monkeypatch, **saving, max_steps=2).train()
+        logs = Logs()
+        trainer = _trainer(cls, llama, out, monkeypatch, **saving, max_steps=6, ignore_data_skip=True, callbacks=[logs])
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
+        )
+        trainer.train(resume_from_checkpoint=True)
+        rows.append([(row.get("step"), row.get("epoch")) for row in logs.rows if "loss" in row])
+        losses = [row["loss"] for row in logs.rows if "loss" in row]
+        rows[-1].append((None, losses[-1]))
+    assert len(seen[1]) == 4 and seen[1] == seen[0]
+    assert [epoch for _, epoch in rows[1][:-1]] == [epoch for _, epoch in rows[0][:-1]] == [0.25, 0.5, 0.75, 1.0]
+    assert rows[1][-1][1] == pytest.approx(rows[0][-1][1], rel=1e-4)
+
+
+def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
+    Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean."""
+    _, tokenizer, rows = llama
+    evaluations: list[list[float]] = []
+    for cls in (transformers.Trainer, Trainer):
+        logs = Logs()
+        trainer = _trainer(
+            cls,
+            llama,
+            tmp_path / cls.__module__,
+            monkeypatch,
+            max_steps=1,
+            eval_strategy="steps",
+            eval_steps=1,
+            eval_on_start=True,
+            per_device_eval_batch_size=4,
+            callbacks=[logs],
+            collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            eval_dataset=rows.select(range(10)),
+        )
+        trainer.train()
+        evaluations.append([row["eval_loss"] for row in logs.rows if "eval_loss" in row])
+    assert len(evaluations[1]) == 2
+    assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
+    assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)
+
+
+def test_train_sampling_strategies_give_trainers_order(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch of Trainer's sample batches, micro-batch for micro-batch, under each ``train_sampling_strategy``:
+    length-grouped mega-batches (the longest item first), transformers' cost-balanced micro-batches, in order."""
+    orders: dict[str, list[list[list[list[int]]]]] = {}
+    for strategy in ("group_by_length", "batch_rebalance", "sequential"):
+        seen = orders.setdefault(strategy, [])
+        for cls in (transformers.Trainer, Trainer):
+            trainer = _trainer(
+                cls,
+                llama,
+                tmp_path / strategy / cls.__module__,
+                monkeypatch,
+                max_steps=4,
+                seed=7,
+                gradient_accumulation_steps=2,
+                train_sampling_strategy=strategy,
+            )
+            seen.append([])
+            trainer.model.register_forward_pre_hook(
+                lambda module, args, kwargs, into=seen[-1]: into.append(kwargs["input_ids"].tolist()),
+                with_kwargs=True,
+            )
+            trainer.train()
+        assert len(seen[1]) == 8 and seen[1] == seen[0], strategy
+
+
+def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_sampler(llama: Any) -> None:
+    """Trainer's ``LengthGroupedSampler`` under accelerate's ``prepare_data_loader`` for rank 0 and 1 of 2 (its
+    permutation from the global generator as ``set_seed`` leaves it): each rank's micro-batches are ours."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from trainbridge.data.sample_order import SampleOrder, lengths_of
+
+    _, _, rows = llama
+    lengths = lengths_of(rows, "length", "input_ids", kept=False)
+    ours = SampleOrder("group_by_length", seed=0, global_seed=5, lengths=lengths).rank_batches(
+        0, len(rows), 3, 2, 2, False
+    )
+    for rank in (0, 1):
+        sampler = LengthGroupedSampler(3 * 2, lengths=lengths)
+        loader = DataLoader(range(len(rows)), batch_size=3, sampler=sampler, collate_fn=list)
+        prepared = prepare_data_loader(
+            loader, num_processes=2, process_index=rank, put_on_device=False, use_seedable_sampler=True
+        )  # as Trainer's accelerator prepares it
+        transformers.set_seed(5)
+        assert [tuple(batch) for batch in prepared] == ours[rank]

@@ -29,7 +29,6 @@ from trainbridge.step.trainer_methods import TrainerMethodsStep
 from trainbridge.trainer.subclass import (
     ScriptTrainer,
     ScriptTrainerEvents,
-    bind_state,
     script_trainer,
     unhonoured_overrides,
 )
@@ -121,8 +120,10 @@ def _run(
     )
     components = build_run(*as_run(args), DistributedEnv())
     hf = next((c for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None)
-    if hf is not None:
-        bind_state(args.plan, hf)
+    for seam in [args.plan.trainer_methods, *args.plan.callbacks] if hf is not None else []:
+        script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
+        if isinstance(script, ScriptTrainer):  # as train() binds the instance's ScriptTrainer
+            script.bind_state(hf)
     return components, TrainingLoop(as_run(args).args, DistributedEnv(), args.plan.callbacks, components).run()
 
 

@@ -21,6 +21,7 @@ import trl
 
 import trainbridge
 from tests.unit.test_trl_sft_trainer import _fresh_accelerate_state  # noqa: F401  (autouse: trl's state reset)
+from trainbridge.core.distributed import DistributedEnv
 from trainbridge.demos.rewards import answer_reward, digit_reward
 from trainbridge.demos.tiny_model import arithmetic_problems
 
@@ -79,14 +80,23 @@ def _grpo(cls: Any, tiny_llama: Path, config: Any) -> Any:
     ("name", "extra"),
     [("GRPO", {"steps_per_generation": 2}), ("RLOO", {"num_iterations": 2, "gradient_accumulation_steps": 2})],
 )
-def test_online_rl_logs_trls_values(tiny_llama: Path, tmp_path: Path, name: str, extra: dict[str, Any]) -> None:
-    """The same completions, rewards, advantages, losses, clip ratios, KL and entropies as trl's, step by step."""
+def test_online_rl_logs_trls_values(
+    tiny_llama: Path, tmp_path: Path, name: str, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same completions, rewards, advantages, losses, clip ratios, KL and entropies as trl's, step by step;
+    the loop sums no counts over the ranks at a step (``LoopTrainer.counts_step``: trl's loss reads its own)."""
+    summed: list[list[float]] = []
+    sum_floats = DistributedEnv.sum_floats
+    monkeypatch.setattr(
+        DistributedEnv, "sum_floats", lambda env, values: summed.append(list(values)) or sum_floats(env, values)
+    )
     logs = []
     for cls in (getattr(trl, f"{name}Trainer"), getattr(trainbridge, f"{name}Trainer")):
         config = _online_config(getattr(trl, f"{name}Config"), tmp_path / cls.__module__, **extra)
         trainer = _grpo(cls, tiny_llama, config)
         trainer.train()
         logs.append(trainer.state.log_history)
+    assert summed == []  # no per-step collective of the loop's counts (4 steps: 4 of them when counted)
     trl_log, log = map(_values, logs)
     assert [row["step"] for row in log] == [row["step"] for row in trl_log] == [1, 2, 3, 4, 4]
     assert log[0].keys() >= {

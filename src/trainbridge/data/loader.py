@@ -5,7 +5,8 @@ columns) into this rank's micro-batch tensors, step by step, fetching each micro
 the ``SampleSource`` (``data.samples``) only when it is collated.  ``EvalBatches`` splits the validation
 set across ranks and packs it to the token budget, padding with dummy micro-batches so every rank runs
 the same number of forwards (sharded models all-gather parameters in forward); with ``per_device`` it
-takes Trainer's validation batches instead (that many samples per rank, as accelerate shards them).
+takes Trainer's validation batches instead (that many samples per rank, as accelerate shards them, the last
+round completed from the first samples).
 
 A multi-sequence sample (``Sample.seq_lengths``: a packed bin) is one sample to the plan and the batch
 counts, and reaches the collator as its sequences (``Sample.sequences``), so a padding-free row lays the
@@ -135,15 +136,20 @@ class EvalBatches:
         self.collate = collate
         count = len(self.samples)
         if per_device is not None:
-            groups_by_rank = _trainer_batches(count, per_device, world_size)
+            rows_by_rank = _trainer_batches(count, per_device, world_size)
         else:
-            groups_by_rank = [
+            packed = [
                 _pack(range(r, count, world_size), self.samples.lengths, max_batch_len, padded)
                 for r in range(world_size)
             ]
-        most = max(len(groups) for groups in groups_by_rank)
-        self.groups: list[list[int]] = groups_by_rank[rank] + [[] for _ in range(most - len(groups_by_rank[rank]))]
-        self.num_samples_local = sum(len(group) for group in self.groups)
+            rows_by_rank = [[(group, group) for group in groups] for groups in packed]
+        most = max(len(groups) for groups in rows_by_rank)
+        mine = rows_by_rank[rank] + [([], []) for _ in range(most - len(rows_by_rank[rank]))]
+        self.groups: list[list[int]] = [rows for rows, _ in mine]
+        """The sample indices of each batch's rows (a dummy batch: none)."""
+        self.real: list[list[int]] = [real for _, real in mine]
+        """The validation samples of each batch: its leading rows (the rest complete Trainer's last round)."""
+        self.num_samples_local = sum(len(real) for real in self.real)
         self.row_per_sample = row_per_sample
         """Row ``r`` of a batch must hold sample ``r`` of its group (predictions for ``compute_metrics``)."""
         self.dataset = SampleRows(self.samples)
@@ -159,8 +165,9 @@ class EvalBatches:
             yield batch
 
     def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
-        """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]``."""
-        for group in self.groups:
+        """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]`` (rows past
+        the indices complete the batch, counted nowhere)."""
+        for group, real in zip(self.groups, self.real, strict=True):
             samples = self.samples.fetch(group)
             parts = sequences(samples)
             if len(parts) != len(samples) and self.row_per_sample:
@@ -168,7 +175,7 @@ class EvalBatches:
                     "compute_metrics: validation predictions need one row per validation sample, and these "
                     "samples are packed sequences (seq_lengths); evaluate unpacked samples (trl: eval_packing=False)"
                 )
-            yield group, self.collate(parts)
+            yield real, self.collate(parts)
 
 
 def sequences(samples: Sequence[Sample]) -> list[Sample]:
@@ -178,11 +185,18 @@ def sequences(samples: Sequence[Sample]) -> list[Sample]:
     return [part for sample in samples for part in sample.sequences()]
 
 
-def _trainer_batches(count: int, per_device: int, world_size: int) -> list[list[list[int]]]:
-    """Trainer's validation batches of ``count`` samples on each rank: consecutive batches of ``per_device``
-    samples in order, batch ``i`` on rank ``i % world_size`` (accelerate's sharding), without accelerate's
-    repeated samples in an incomplete last round (a rank short of batches runs dummy ones)."""
-    batches = [list(range(start, min(start + per_device, count))) for start in range(0, count, per_device)]
+def _trainer_batches(count: int, per_device: int, world_size: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Trainer's validation batches of ``count`` samples on each rank, ``(rows, real samples)``: consecutive
+    batches of ``per_device`` samples in order, batch ``i`` on rank ``i % world_size``; with several ranks the
+    last round is completed from the first samples (cycled), as accelerate's even batches are."""
+    order = list(range(count))
+    if world_size > 1 and count:
+        start = order[: per_device * world_size]
+        order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]
+    batches = [
+        (order[first : first + per_device], list(range(first, min(first + per_device, count))))
+        for first in range(0, len(order), per_device)
+    ]
     return [batches[rank::world_size] for rank in range(world_size)]
 
 

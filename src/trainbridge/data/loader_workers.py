@@ -4,7 +4,8 @@ The epoch's plan says which items form each of this rank's micro-batches; with w
 ``torch.utils.data.DataLoader`` over those index lists (``batch_sampler``) reads the items
 (``dataset[i]``: where images or audio are decoded, random transforms drawn) and collates them in worker
 processes, ``prefetch_factor`` micro-batches ahead each, while the step trains, as Trainer's ``DataLoader``.
-Batches arrive in the plan's order.  A step asked out of turn (the first after a resume) starts a fresh pass
+Batches arrive in the plan's order (``in_order=False``: as the workers finish them, as Trainer's
+``dataloader_in_order=False``).  A step asked out of turn (the first after a resume) starts a fresh pass
 there.  ``persistent_workers`` keeps the processes from one pass to the next (the index lists are the
 sampler's, read at each pass).  Workers are daemonic children of the rank: they end with it.
 
@@ -37,16 +38,18 @@ class LoaderWorkers:
     prefetch_factor: int | None = None
     persistent_workers: bool = False
     multiprocessing_context: str | None = None
+    in_order: bool = True
 
     @classmethod
     def of(cls, args: TrainingArgs) -> LoaderWorkers:
         """The run's settings: ``dataloader_num_workers``, ``_prefetch_factor``, ``_persistent_workers`` and
-        ``_multiprocessing_context``."""
+        ``_multiprocessing_context`` and ``_in_order``."""
         return cls(
             args.dataloader_num_workers,
             args.dataloader_prefetch_factor,
             args.dataloader_persistent_workers,
             args.dataloader_multiprocessing_context,
+            args.dataloader_in_order,
         )
 
 
@@ -82,6 +85,7 @@ class WorkerFetch:
             prefetch_factor=workers.prefetch_factor,
             persistent_workers=workers.persistent_workers,
             multiprocessing_context=workers.multiprocessing_context,
+            in_order=workers.in_order,
             worker_init_fn=partial(seed_worker, num_workers=workers.num_workers, rank=rank),
         )
         self._batches: Iterator[Any] | None = None

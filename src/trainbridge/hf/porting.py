@@ -89,6 +89,11 @@ NOT_WARNED: dict[str, Unwarned] = {
     "batch_eval_metrics": _EVALUATION,
     "eval_do_concat_batches": _EVALUATION,
     "prediction_loss_only": _EVALUATION,
+    "eval_use_gather_object": Unwarned(
+        "Trainer's own evaluate() (its gather_function) reads it on Trainer's sample batches; the padding-free "
+        "token batches' evaluation gathers every rank's rows as objects (all_gather_object) whatever its value and "
+        "hands compute_metrics stacked arrays, as Trainer's tensor gather does"
+    ),
     "eval_accumulation_steps": Unwarned(
         "Trainer's own evaluate() reads it on Trainer's sample batches; the token batches' evaluation keeps "
         "each batch's predictions on the CPU, what it saves memory for",
@@ -121,18 +126,11 @@ EXPLANATIONS: dict[str, str] = {
     "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
     "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
-    "ignore_data_skip": "a resume always goes on at the checkpoint's position in the data (the resume is exact)",
     "parallelism_config": (
         "tensor, context and sequence parallelism (accelerate's ParallelismConfig) are not applied: the engines "
         "are data parallel (DDP, FSDP2, DeepSpeed)"
     ),
     "liger_kernel_config": "it configures use_liger_kernel's model patches, which are not applied",
-    "dataloader_in_order": "dataloader_num_workers' micro-batches always come in the plan's order, as by default",
-    "train_sampling_strategy": (
-        "sample batches are drawn in Trainer's random order and token batches are packed by the token budget; "
-        "length grouping and batch rebalancing are not applied"
-    ),
-    "length_column_name": "read only by train_sampling_strategy's length grouping, which is not applied",
     "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
     "use_liger_kernel": (
         "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
@@ -145,7 +143,7 @@ EXPLANATIONS: dict[str, str] = {
 REPLACED_BY: dict[str, tuple[str, ...]] = {
     "per_device_train_batch_size": ("effective_batch_size",),
     "gradient_accumulation_steps": ("effective_batch_size",),
-    "per_device_eval_batch_size": ("max_batch_len",),
+    "per_device_eval_batch_size": ("per_device_eval_batch_size", "max_batch_len"),
     "include_for_metrics": ("include_for_metrics",),
     "label_names": ("label_names",),  # Trainer's sample batches read it
     "deepspeed": ("distributed_backend",),
@@ -265,6 +263,7 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "torch_empty_cache_steps": getattr(hf, "torch_empty_cache_steps", None),
         "average_tokens_across_devices": getattr(hf, "average_tokens_across_devices", True),
         "save_only_model": hf.save_only_model,
+        "ignore_data_skip": hf.ignore_data_skip,
         "save_on_interrupt": getattr(hf, "enable_jit_checkpoint", False),  # Trainer's JIT checkpoint (SIGTERM)
         # Trainer resumes from any checkpoint it can load: another model or data is warned about, not refused
         "resume_allow_mismatch": True,
@@ -272,6 +271,9 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "dataloader_prefetch_factor": hf.dataloader_prefetch_factor,
         "dataloader_persistent_workers": hf.dataloader_persistent_workers,
         "dataloader_multiprocessing_context": hf.dataloader_multiprocessing_context,
+        "dataloader_in_order": hf.dataloader_in_order,
+        "train_sampling_strategy": _plain(getattr(hf, "train_sampling_strategy", "random")),
+        "length_column_name": getattr(hf, "length_column_name", "length"),
         "debug_underflow_overflow": "underflow_overflow" in [_plain(option) for option in hf.debug or ()],
         # Trainer's sample batches keep the forward's columns; the token step is left where more would reach
         # the model (trainer.facade's _columns_past_the_token_step)

@@ -25,7 +25,7 @@ from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.config import eval_set_names
 from trainbridge.core.config.checks import check_consistent, check_world
-from trainbridge.core.config.plan import ExistingModel, RunPlan
+from trainbridge.core.config.plan import ExistingModel, Generate, RunPlan, predictions_of
 from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
@@ -34,6 +34,7 @@ from trainbridge.data.loader_workers import LoaderWorkers
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import run_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
+from trainbridge.data.sample_order import SampleOrder, sample_order
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.stream_batches import StreamBatches
 from trainbridge.data.user_collate import collate_with
@@ -226,8 +227,8 @@ class StepSeams(NamedTuple):
     loss: LossSeam
     """The step factory's, the summed token cross entropy, the model's own, the plan's ``compute_loss``, or the
     script's ``training_step`` (``trainer_methods``)."""
-    predictions: Literal["outputs", "generate"]
-    """The validation predictions: the step's forward outputs, or generated ids (``predict_with_generate``)."""
+    predictions: Generate | None
+    """The validation predictions: None, the step's forward outputs; else generated ids (``predictions_of``)."""
 
 
 def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
@@ -236,7 +237,8 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
     brings its own loss or data).  A ``ValueError`` for a model neither step can train, saying why and what to
     do."""
     if plan.step_factory is not None:
-        return StepSeams("factory", "factory", "outputs")
+        return StepSeams("factory", "factory", None)
+    predictions = predictions_of(args, plan)
     causal = is_causal_lm(model)
     own_loss = plan.compute_loss is not None or plan.trainer_methods is not None  # the script's loss
     if args.training_step == "token_cross_entropy" and not causal:
@@ -244,7 +246,7 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
             "is not one: use training_step='model_loss' (or 'auto')"
         )
-    if args.training_step == "token_cross_entropy" and args.predict_with_generate:
+    if args.training_step == "token_cross_entropy" and predictions is not None:
         raise ValueError(
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
@@ -260,9 +262,9 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
         and not own_loss
         and plan.train_stream is None
         and plan.train_loader is None
-        and not args.predict_with_generate
+        and predictions is None
     ):
-        return StepSeams("token_budget", "token_cross_entropy", "outputs")
+        return StepSeams("token_budget", "token_cross_entropy", None)
     label_names = args.label_names or default_label_names(model)
     if not own_loss and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
@@ -272,7 +274,7 @@ def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
     loss: LossSeam = "trainer_methods" if plan.trainer_methods is not None else "model"
     if loss == "model" and plan.compute_loss is not None:
         loss = "compute_loss"
-    return StepSeams(batches, loss, "generate" if args.predict_with_generate else "outputs")
+    return StepSeams(batches, loss, predictions)
 
 
 def _token_batches(
@@ -324,7 +326,9 @@ def _token_batches(
         )
 
     return RunBatches(
-        TokenCrossEntropy(train_batches, args.max_batch_len, padded, args.token_metrics),
+        TokenCrossEntropy(
+            train_batches, args.max_batch_len, padded, args.token_metrics, args.per_device_eval_batch_size is not None
+        ),
         eval_set(data.val) if data.val else None,
         {name: eval_set(source) for name, source in data.named_val.items()},
         data.stats,
@@ -349,7 +353,8 @@ def _sample_batches(
         train_batches = _loader_batches(args, env, plan, train if train is not None else stream, collate, model)
     else:
         drop_last = _whole_batches_of(env, plan) is not None
-        train_batches = _item_batches(args, env, train, stream, collate, drop_last)
+        order = sample_order(args, train, tokenizer, collate.keep) if train is not None else None
+        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(
@@ -372,7 +377,7 @@ def _sample_batches(
             f"{len(val)} validation items" if val is not None else "no validation data",
         )
     # the loss and the predictions, as chosen apart: generated ids come with the model's own loss (Seq2SeqTrainer)
-    generation = _generation(args, env) if seams.predictions == "generate" else None
+    generation = _generation(seams.predictions, args, env) if seams.predictions is not None else None
     step: ModelLoss
     if seams.loss == "trainer_methods":
         assert plan.trainer_methods is not None
@@ -391,12 +396,12 @@ def _sample_batches(
     )
 
 
-def _generation(args: TrainingArgs, env: DistributedEnv) -> Generation:
-    """Generated ids as the validation predictions (``predict_with_generate``, ``generation_kwargs``)."""
+def _generation(predictions: Generate, args: TrainingArgs, env: DistributedEnv) -> Generation:
+    """Generated ids as the validation predictions (``predictions``), synced across ranks of a sharded model."""
     sharded = args.distributed_backend == "fsdp" or (
         args.distributed_backend == "deepspeed" and args.deepspeed_zero_stage == 3
     )
-    return Generation(args.generation_kwargs, synced_gpus=sharded and env.world_size > 1)
+    return Generation(predictions.kwargs, synced_gpus=sharded and env.world_size > 1)
 
 
 def _whole_batches_of(env: DistributedEnv, plan: RunPlan) -> int | None:
@@ -409,7 +414,13 @@ def _whole_batches_of(env: DistributedEnv, plan: RunPlan) -> int | None:
 
 
 def _item_batches(
-    args: TrainingArgs, env: DistributedEnv, train: Any, stream: Any, collate: ItemCollator, drop_last: bool
+    args: TrainingArgs,
+    env: DistributedEnv,
+    train: Any,
+    stream: Any,
+    collate: ItemCollator,
+    drop_last: bool,
+    order: SampleOrder | None = None,
 ) -> SampleBatches | StreamBatches:
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
@@ -421,7 +432,9 @@ def _item_batches(
     if train is None:
         return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
     workers = LoaderWorkers.of(args)
-    return SampleBatches(train, collate, **shape, seed=args.data_order_seed, drop_last=drop_last, workers=workers)
+    return SampleBatches(
+        train, collate, **shape, seed=args.data_order_seed, order=order, drop_last=drop_last, workers=workers
+    )
 
 
 def _loader_batches(

@@ -412,6 +412,8 @@ class TrainingLoop:
             return
         state = self.checkpoints.load(path, self.engine)
         ctx.restore_progress(state)
+        if args.ignore_data_skip:  # as Trainer: the resumed epoch's data starts from its beginning
+            ctx.step_in_epoch, ctx.epoch = 0, float(ctx.epoch_index)
         self.losses.last_logged_step = self._last_saved_step = ctx.global_step
         ctx.resumed_from = path
         ctx.last_checkpoint = path

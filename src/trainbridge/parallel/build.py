@@ -15,7 +15,6 @@ from trainbridge.parallel.ddp import build_ddp
 from trainbridge.parallel.deepspeed import build_deepspeed
 from trainbridge.parallel.engine import LocalEngine, TrainingEngine
 from trainbridge.parallel.fsdp import build_fsdp, decoder_layers
-from trainbridge.parallel.host_memory import keep_freed_host_memory
 from trainbridge.parallel.optim import build_optimizer, build_scheduler, decay_parameter_names
 
 if TYPE_CHECKING:
@@ -40,10 +39,7 @@ def build_engine(
     ``weights_from_rank0`` (FSDP2 only, every rank passes the same value): rank 0's ``model`` holds the
     weights, the other ranks' ``model`` is a meta-device skeleton of it (``modeling.load.build_skeleton``);
     after ``fully_shard`` rank 0 broadcasts every shard and buffer.  ``optimizer_factory``: the script's
-    optimizer and schedule instead (``RunPlan.optimizer_factory``).  On CPU the process keeps the host memory
-    a step frees for the next step (``parallel.host_memory``)."""
-    if env.device.type == "cpu":
-        keep_freed_host_memory()
+    optimizer and schedule instead (``RunPlan.optimizer_factory``)."""
     decay_names = decay_parameter_names(model)
     backend = args.distributed_backend
     if args.compile:

@@ -37,6 +37,7 @@ from trainbridge.data.stream_batches import StreamStep
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import is_causal_lm, unwrap_peft
 from trainbridge.step.base import EvalOutput, StepBatches, TrainSource, TrainStep
+from trainbridge.step.step_totals import StepTotals, across_ranks
 
 if TYPE_CHECKING:
     from trainbridge.step.generated import Generation
@@ -163,6 +164,8 @@ class ModelLoss(TrainStep):
         """The predictions seam: None, the forward's outputs; else generated ids (``predict_with_generate``)."""
         self.label_names = list(label_names) if label_names else default_label_names(model)
         self.counts_items = accepts_loss_kwargs(model)
+        self.totals: StepTotals = across_ranks
+        """How ``prepare`` sums the step's counts over the ranks (``step_totals``)."""
         inner = unwrap_peft(model)
         config = getattr(inner, "config", None)
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
@@ -173,8 +176,8 @@ class ModelLoss(TrainStep):
         micro_batches = self.train_batches.micro_batches(step)
         counted = self.counts_items and all("labels" in b for b in micro_batches)
         items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)
-        # collective: the step's items and non-padding tokens over every rank (Trainer gathers the items too)
-        total_items, tokens = self.env.sum_floats([float(sum(items)), float(sum(map(_tokens, micro_batches)))])
+        # the step's items and non-padding tokens over every rank (a collective unless built without counts)
+        total_items, tokens = self.totals(self.env, float(sum(items)), float(sum(map(_tokens, micro_batches))))
         self._rank_scale = 1.0
         if counted and total_items > 0:
             count = torch.tensor(total_items)

@@ -36,9 +36,17 @@ class TokenCrossEntropy(TrainStep):
     train_batches: TrainBatches
 
     def __init__(
-        self, train_batches: TrainBatches, max_batch_len: int, padded: bool, token_metrics: bool = False
+        self,
+        train_batches: TrainBatches,
+        max_batch_len: int,
+        padded: bool,
+        token_metrics: bool = False,
+        batch_mean_eval: bool = False,
     ) -> None:
         self.train_batches = train_batches
+        self.batch_mean_eval = batch_mean_eval
+        """Validation in Trainer's batches (``per_device_eval_batch_size``): ``eval_loss`` is Trainer's, each
+        batch's token mean weighted by its samples; else the token mean of the whole set."""
         self.max_batch_len = max_batch_len
         self.padded = padded
         self.token_metrics = TokenMetrics() if token_metrics else None
@@ -81,15 +89,20 @@ class TokenCrossEntropy(TrainStep):
     ) -> EvalOutput:
         n_tokens = cpu_loss_tokens(cpu_batch)
         if not outputs and self.token_metrics is None:
-            return EvalOutput(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens)
+            return self._eval_loss(token_loss_sum(model, batch, num_tokens=n_tokens)[0], n_tokens, rows)
         logits = forward_logits(model, batch)  # full logits are needed for the predictions and the metrics
         if self.token_metrics is not None:  # read once, after the evaluation (eval_metric_sums)
             sums = token_metric_sums(logits, batch["labels"])
             self.eval_metrics.record(dict(zip(TOKEN_SUMS, sums.unbind(), strict=True)), sums.device)
-        loss_sum = logits_loss_sum(logits, batch["labels"], n_tokens)[0]
-        if not outputs:
+        loss = self._eval_loss(logits_loss_sum(logits, batch["labels"], n_tokens)[0], n_tokens, rows)
+        return loss._replace(predictions=logits, labels=batch["labels"]) if outputs else loss
+
+    def _eval_loss(self, loss_sum: torch.Tensor, n_tokens: int, rows: int) -> EvalOutput:
+        """The batch's share of ``eval_loss``: its token sum over tokens, or (``batch_mean_eval``) its token
+        mean once per validation sample, as Trainer's ``evaluation_loop`` repeats each batch's loss."""
+        if not self.batch_mean_eval:
             return EvalOutput(loss_sum, n_tokens)
-        return EvalOutput(loss_sum, n_tokens, logits, batch["labels"])
+        return EvalOutput(loss_sum * (rows / max(n_tokens, 1)), rows)
 
     def eval_metric_sums(self) -> dict[str, float]:
         return cast("dict[str, float]", self.eval_metrics.sums(read=True))

@@ -31,6 +31,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import OPAQUE_BATCH
 from trainbridge.step.base import EvalOutput
 from trainbridge.step.model_loss import NUM_ITEMS_KEY, ItemBatches, ModelLoss
+from trainbridge.step.step_totals import across_ranks, uncounted
 
 if TYPE_CHECKING:
     from trainbridge.step.generated import Generation
@@ -53,6 +54,7 @@ class TrainerMethodsStep(ModelLoss):
         super().__init__(train_batches, model, env, label_names, generation)
         self.methods = methods
         self.counts_items = self.counts_items or bool(methods.counts_items)
+        self.totals = across_ranks if methods.counts_step else uncounted
 
     def micro_step(
         self,

@@ -83,6 +83,9 @@ class LoopTrainer(_TrainerBase):
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
+    counts_step: bool = True
+    """The loader's batches carry loss items and input tokens summed over the ranks at each step; False where
+    they are raw rows and the loss reads its own counts (trl's GRPO/RLOO: ``step.step_totals.uncounted``)."""
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
@@ -254,9 +257,10 @@ class LoopTrainer(_TrainerBase):
         sets ``step_factory``, one with settings of its own overrides this and calls ``super()``
         (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it
         (``job_args``)."""
-        events = subclass.script_events(self)  # a subclass's log, optimizer... (trainer.subclass)
-        # the final log's memory metrics first (skip_memory_metrics=False), as Trainer adds them before log()
-        callbacks = [*memory_metrics(self), *([events] if events is not None else []), *self._script_callbacks()]
+        # a subclass's log, optimizer... (trainer.subclass), after the final log's memory metrics
+        # (skip_memory_metrics=False), as Trainer adds them before log()
+        events = [subclass.ScriptTrainerEvents(self._script)] if subclass.script_trainer(self) is not None else []
+        callbacks = [*memory_metrics(self), *events, *self._script_callbacks()]
         rows = self._row_preparation()
         reproduced = self._collator_choice.reproduced and not rows.items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
@@ -266,7 +270,7 @@ class LoopTrainer(_TrainerBase):
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
-            train_loader=subclass.subclass_loader(self),
+            train_loader=self._script.train_loader if subclass.instance_batches(self) else None,
             evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
             optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model

@@ -48,11 +48,9 @@ class TrainerPlan(RunPlan):
     (``training_step='model_loss'``), else the token step's prepared rows.  Always set by ``run_plan()``."""
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
-    predict_with_generate: bool | None = None
-    """Validation predictions by ``model.generate`` (``Seq2SeqTrainer``'s ``predict_with_generate``); None: a
-    class that never generates (the arguments' ``predict_with_generate`` is then reported ignored)."""
-    generation_kwargs: dict[str, Any] | None = None
-    """``model.generate``'s keyword arguments (``Seq2SeqTrainer``: ``generation_max_length``...)."""
+    honours_hf_fields: tuple[str, ...] = ()
+    """``TrainingArguments`` fields the class applies itself through its seams, not reported ignored
+    (``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
 
 
 def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:
@@ -72,13 +70,11 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
-    if plan.predict_with_generate is not None:
-        fields.update(predict_with_generate=plan.predict_with_generate, generation_kwargs=plan.generation_kwargs or {})
     if plan.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
         fields["token_metrics"] = True
-        eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
-        if eval_batch:
-            fields["per_device_eval_batch_size"] = int(eval_batch)
+    eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
+    if eval_batch and not plan.rows.items:  # Trainer's validation batches: its eval_loss and per-batch metrics
+        fields["per_device_eval_batch_size"] = int(eval_batch)
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
@@ -106,6 +102,7 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     if not isinstance(hf, TrainingArgs):  # a callback that raises fails train(), as under Trainer
         fields["callback_error_policy"] = "fatal"
     honoured = {name for callback in callbacks for name in getattr(callback, "honours_hf_fields", ())}
+    honoured.update(plan.honours_hf_fields)
     args = training_args_from_hf(hf, honoured=honoured, **fields)
     # the script's datasets and tokenizer, read in place; the TrainingArguments Hugging Face callbacks see
     run = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)

@@ -24,7 +24,6 @@ from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.loop.result import RunResult
 from trainbridge.trainer import job_args
-from trainbridge.trainer.subclass import bind_state
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
@@ -55,7 +54,7 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         trainer.accelerator._models.append(trainer.model)
     run_callbacks, hf = with_trainer_state(assemble_callbacks(args, plan))
     hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
-    bind_state(plan, hf)  # the instance's self.state / callback_handler / control are the run's
+    trainer._script.bind_state(hf)  # the instance's self.state / callback_handler / control in the loop's calls
     try:
         loop = TrainingLoop(args, env, run_callbacks, build_run(args, plan, env))
         result = loop.run()

@@ -13,8 +13,12 @@ from typing import Any
 
 import transformers
 
+from trainbridge.core.config.plan import Generate
 from trainbridge.trainer.facade import Trainer
 from trainbridge.trainer.job_args import TrainerPlan
+
+GENERATION_FIELDS = ("predict_with_generate", "generation_max_length", "generation_num_beams", "generation_config")
+"""``Seq2SeqTrainingArguments``' fields that ``Seq2SeqTrainer`` applies (``RunPlan.predictions``)."""
 
 
 class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
@@ -32,4 +36,5 @@ class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
     def run_plan(self) -> TrainerPlan:
         """``Trainer``'s plan, with generated predictions where the arguments ask for them."""
         generate = bool(getattr(self.args, "predict_with_generate", False))
-        return replace(super().run_plan(), predict_with_generate=generate, generation_kwargs=self.generation_kwargs())
+        predictions = Generate(self.generation_kwargs()) if generate else None
+        return replace(super().run_plan(), predictions=predictions, honours_hf_fields=GENERATION_FIELDS)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import CallbackHandler
 
-    from trainbridge.core.config.plan import EvaluationRun, RunPlan
+    from trainbridge.core.config.plan import EvaluationRun
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
     from trainbridge.trainer.facade import LoopTrainer
 
@@ -151,6 +151,11 @@ class ScriptTrainer:
         """Whether the step counts ``num_items_in_batch`` whatever the model: Trainer counts them for a
         ``compute_loss_func``, whose loss is then a mean over those items."""
         return self.instance.compute_loss_func is not None
+
+    @property
+    def counts_step(self) -> bool:
+        """Whether the loader's batches carry counts to sum over the ranks (``LoopTrainer.counts_step``)."""
+        return self.instance.counts_step
 
     def bind_state(self, hf: HuggingFaceCallbacks) -> None:
         """The run's ``HuggingFaceCallbacks``: their state, handler and control are the instance's in each call."""
@@ -369,8 +374,7 @@ def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
     if _evaluates(trainer):
         return partial(trainer._script.evaluation, trainers_own=True)
     own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
-    worker = script_trainer(trainer) if own else None
-    return worker.evaluation if worker is not None else None
+    return trainer._script.evaluation if own else None
 
 
 def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
@@ -414,24 +418,3 @@ def needs_trainer_step(trainer: LoopTrainer) -> bool:
         return True
     generating = bool(getattr(trainer.args, "predict_with_generate", False))
     return trainer.label_smoother is not None and not generating
-
-
-def script_events(trainer: LoopTrainer) -> ScriptTrainerEvents | None:
-    """The callback of ``trainer``'s ``ScriptTrainer`` in its jobs (``ScriptTrainerEvents``), or None."""
-    worker = script_trainer(trainer)
-    return ScriptTrainerEvents(worker) if worker is not None else None
-
-
-def bind_state(plan: RunPlan, hf: HuggingFaceCallbacks) -> None:
-    """Give the job's ``ScriptTrainer`` (the one of its ``ScriptTrainerEvents``, else its ``trainer_methods``)
-    the run's live state, handler and control."""
-    for seam in [plan.trainer_methods, *plan.callbacks]:
-        script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
-        if isinstance(script, ScriptTrainer):
-            script.bind_state(hf)
-
-
-def subclass_loader(trainer: LoopTrainer) -> Callable[[object, object, object], Iterable[Any]] | None:
-    """The ``RunPlan.train_loader`` of ``trainer``'s jobs: ``ScriptTrainer.train_loader`` when the training
-    batches are the instance's own (``instance_batches``), else None (Trainer's sample batches)."""
-    return trainer._script.train_loader if instance_batches(trainer) else None

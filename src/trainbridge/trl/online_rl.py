@@ -13,6 +13,10 @@ Two steps run faster with the same results: completions are sampled with each di
 for the loss and for the old-policy and reference log-probs, with each prompt run once for all of its
 completions (``shared_prefix``: trl's values up to float summation order).  Anything else is trl's own.
 
+The loop sums no counts over the ranks at each step (``LoopTrainer.counts_step``): the loader gives raw prompt
+rows, and trl's GRPO/RLOO loss normalises by the counts its ``_prepare_inputs`` gathers, never by
+``num_items_in_batch``; one collective per step fewer than a counted step, the same values.
+
 The additions: a checkpoint taken in the middle of a buffered generation batch holds that batch, and
 resume trains on it, so resume is exact (``generation_buffer``; trl generates anew there).  Under FSDP2 the
 reference model (``beta`` > 0) is sharded as the policy is (``trl_loop.ShardedReference``), where trl's
@@ -168,6 +172,8 @@ class GRPOTrainer(_PrefillOnce, _PromptOnce, _PendingGeneration, trl.GRPOTrainer
     """trl's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config, ...)`` on trainbridge's loop."""
 
+    counts_step = False  # raw prompt rows; trl's loss reads its own counts, not num_items_in_batch
+
     def _generate_single_turn(
         self,
         prompt_ids: list[list[int]],
@@ -187,6 +193,8 @@ class GRPOTrainer(_PrefillOnce, _PromptOnce, _PendingGeneration, trl.GRPOTrainer
 class RLOOTrainer(_PrefillOnce, _PromptOnce, _PendingGeneration, trl.RLOOTrainer):  # type: ignore[misc]
     """trl's ``RLOOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config)`` on trainbridge's loop."""
+
+    counts_step = False  # as GRPOTrainer's
 
     def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any) -> Any:
         completions = self._sampled(prompt_ids, images, multimodal_fields)

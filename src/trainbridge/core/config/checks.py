@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainbridge.core.config.model import build_peft_config, peft_adapter_base
-from trainbridge.core.config.plan import RunPlan, eval_set_names
+from trainbridge.core.config.plan import RunPlan, eval_set_names, predictions_of
 
 if TYPE_CHECKING:
     from trainbridge.core.config.training import TrainingArgs
@@ -22,6 +22,7 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
     check_model_source(args, plan)
     check_stream(args, plan)
     check_step_factory(plan)
+    predictions_of(args, plan)  # one predictions seam
     if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
         raise ValueError(
             "optimizer_factory: DeepSpeed builds and steps its own optimizer (ZeRO partitions it), so the "

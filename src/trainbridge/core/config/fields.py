@@ -180,11 +180,21 @@ class BatchFields(BaseModel):
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
     micro-batch per step, ``effective_batch_size / world size`` items."""
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length", "batch_rebalance"] = "random"
+    """``model_loss``: the order of an epoch's items, Trainer's sampler's (``data.sample_order``): ``random``
+    (seeded by ``data_seed``/``seed`` and the epoch), ``sequential``, ``group_by_length`` (transformers'
+    length-grouped mega-batches) or ``batch_rebalance`` (transformers' ``BatchRebalanceSampler``: micro-batches
+    of varying size, cost-balanced across ranks).  ``token_cross_entropy`` packs each step's samples by length
+    itself (longest first, balanced across ranks, no padding to save), so only ``random`` applies there."""
+    length_column_name: str = "length"
+    """``group_by_length`` / ``batch_rebalance``: the dataset column holding each item's length, read when the
+    dataset keeps it for the model (else the items' first model input is measured), as Trainer reads it."""
     per_device_eval_batch_size: int | None = Field(default=None, gt=0)
     """Validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``): ``model_loss``
     (None: ``per_device_batch_size``); ``token_cross_entropy``: batches of that many samples in order, batch
     ``i`` on rank ``i % world size``, as Trainer's validation batches (trl's per-batch evaluation metrics
-    follow them); None: filled up to ``max_batch_len`` tokens."""
+    follow them), and ``eval_loss`` is Trainer's: each batch's token mean, weighted by its samples; None:
+    filled up to ``max_batch_len`` tokens, ``eval_loss`` the token mean of the whole set."""
     dataloader_num_workers: int = Field(default=0, ge=0)
     """``model_loss``: worker processes that fetch and collate the micro-batches ahead of the step (a
     ``torch.utils.data.DataLoader``'s, as Trainer's ``dataloader_num_workers``): for items decoded or transformed
@@ -195,6 +205,9 @@ class BatchFields(BaseModel):
     """Keep the workers from one epoch to the next (``DataLoader``'s ``persistent_workers``)."""
     dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = None
     """How the workers start (``DataLoader``'s ``multiprocessing_context``; None: the platform's default)."""
+    dataloader_in_order: bool = True
+    """With workers, yield the micro-batches in the plan's order; ``False``: as soon as a worker has one ready
+    (``DataLoader``'s ``in_order``, as Trainer's ``dataloader_in_order``; the epoch holds the same batches)."""
     remove_unused_columns: bool = True
     """``model_loss``: drop the keys of each item that the model's forward does not take before the collator
     sees it, as Trainer does (``label``, ``label_ids`` and ``label_names`` are kept).  A ``trainbridge.Trainer``
@@ -449,6 +462,10 @@ class CheckpointFields(BaseModel):
     manifest does not list (or symbolic links): nothing then vouches that its files are the ones trainbridge
     wrote.  By default such a checkpoint is refused, naming what is wrong; allow it only for checkpoints you
     trust (DCP metadata and non-tensor entries are read without running code either way)."""
+    ignore_data_skip: bool = False
+    """On resume, start the resumed epoch's data from its beginning instead of skipping the batches the
+    checkpoint's steps consumed, as Trainer's ``ignore_data_skip``: the step count, schedule and RNG are
+    restored; the epoch trains on its first batches until the run's last step."""
     save_only_model: bool = False
     """Checkpoints hold the model (and ``trainer_state.json``, the loop's counters) but no optimizer, scheduler,
     scaler or RNG state, as Trainer's ``save_only_model``; resuming from one starts a fresh optimizer and

@@ -61,6 +61,9 @@ class TrainerMethods(Protocol):
     counts_items: bool
     """Whether the step's items are counted whatever the model (Trainer counts them for a
     ``compute_loss_func``)."""
+    counts_step: bool
+    """Whether the loader's batches carry loss items and input tokens to sum over the ranks at each step; False
+    (trl's GRPO/RLOO: raw prompt rows, a loss that reads trl's own counts): no per-step collective."""
 
     def training_step(
         self,
@@ -180,6 +183,16 @@ class PreprocessLogits(Protocol):
     def __call__(self, logits: Any, labels: Any) -> Any: ...
 
 
+@dataclass(frozen=True)
+class Generate:
+    """The predictions seam: each validation batch's predictions are the token ids ``model.generate`` returns
+    for its inputs without the labels (``Seq2SeqTrainer``'s ``predict_with_generate``); the loss is still the
+    step's.  ``TrainingArgs.predict_with_generate`` asks for one with its ``generation_kwargs``."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """``model.generate``'s keyword arguments (``max_length``, ``num_beams``); the generation config gives the rest."""
+
+
 @dataclass
 class RunPlan:
     """The run's code, one typed seam each; None (or empty): trainbridge's default for that seam."""
@@ -210,6 +223,9 @@ class RunPlan:
     """Metrics of the whole validation set's predictions, merged into the evaluation metrics."""
     preprocess_logits_for_metrics: PreprocessLogits | None = None
     """Applied to each validation batch's logits before the predictions are kept."""
+    predictions: Generate | None = None
+    """How validation predictions are made: None, the step's forward outputs; ``Generate``, generated ids
+    (``Seq2SeqTrainer``'s; ``TrainingArgs.predict_with_generate`` asks for one: ``predictions_of``)."""
     hf_args: Any = None
     """The ``transformers.TrainingArguments`` (or subclass: trl's configs) the settings were ported from, which
     Hugging Face callbacks see (``hf.arguments``)."""
@@ -278,6 +294,19 @@ class RunPlan:
 
 CODE_KEYWORDS = frozenset(f.name for f in dataclasses.fields(RunPlan)) - {"callbacks"}
 """The keywords that are code (``RunPlan``'s seams): ``run_training`` takes them, ``TrainingArgs`` refuses them."""
+
+
+def predictions_of(args: TrainingArgs, plan: RunPlan) -> Generate | None:
+    """The run's predictions seam, chosen once at build time: the plan's, else ``Generate`` when
+    ``args.predict_with_generate`` asks for it; a ``ValueError`` when both give one."""
+    if not args.predict_with_generate:
+        return plan.predictions
+    if plan.predictions is not None:
+        raise ValueError(
+            "predict_with_generate: the run's code already makes its predictions by generation (RunPlan.predictions "
+            "from Seq2SeqTrainer or predictions=); leave predict_with_generate False"
+        )
+    return Generate(dict(args.generation_kwargs))
 
 
 def eval_set_names(args: TrainingArgs, plan: RunPlan) -> list[str]:
