@@ -29,6 +29,7 @@ the result is written between the markers of ``--out`` (text outside them is kep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -44,7 +45,13 @@ from typing import Any
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS_DIR))
 
-from throughput import WORKER_ENVIRONMENT, WORLD_SIZE, machine_facts, run_torchrun_script  # noqa: E402
+from throughput import (  # noqa: E402
+    WORKER_ENVIRONMENT,
+    WORLD_SIZE,
+    machine_facts,
+    run_torchrun_script,
+    train_with_callbacks,
+)
 from trainer_run import LOGGING_STEPS, StepClock  # noqa: E402
 
 PER_DEVICE = 8
@@ -153,10 +160,7 @@ def run_trainer_worker(argv: Sequence[str]) -> None:
 
 def run_trainbridge(model: Path, data: Path, out: Path, steps: int, learning_rate: float, seed: int) -> None:
     """``run_training`` with ``training_step="model_loss"`` and the ``StepClock`` HF callback."""
-    from trainbridge import TorchrunArgs, TrainingArgs, run_training
-    from trainbridge.launch.console import console_to
-
-    args = TrainingArgs(
+    fields: dict[str, object] = dict(
         model_path=model,
         data_path=data,
         ckpt_output_dir=out,
@@ -175,8 +179,7 @@ def run_trainbridge(model: Path, data: Path, out: Path, steps: int, learning_rat
         save_final_checkpoint=False,
         disable_tqdm=True,
     )
-    with console_to(out / "run.log"):
-        run_training(args, TorchrunArgs(nproc_per_node=WORLD_SIZE), timeout_s=600, callbacks=[StepClock(str(out))])
+    train_with_callbacks(fields, [StepClock(str(out))], out / "run.log")
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="markdown report to update (docs/benchmarks.md)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep model, data and logs here")
+    parser.add_argument("--only", nargs="+", choices=["trainer", "trainbridge"], default=["trainer", "trainbridge"])
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's measurement here")
     options = parser.parse_args(argv)
     if options.steps < 3:
         parser.error("--steps must be at least 3")
@@ -294,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_model(workdir / "model", options.seed)
     data = write_rows(workdir / "train.jsonl", options.rows, options.seed + 1)
     print(f"model, data and logs in {workdir}", flush=True)
-    runs: dict[str, list[Measurement]] = {"trainer": [], "trainbridge": []}
+    runs: dict[str, list[Measurement]] = {name: [] for name in options.only}
     for repeat in range(options.repeats):
         for name in runs:
             out = workdir / f"run{repeat}-{name}"
@@ -331,11 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     facts.append("- load average after the run: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     command = "python benchmarks/classification.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    section = results_section(command.strip(), facts, runs, options.steps, options.rows)
+    section = results_section(command.strip(), facts, runs, options.steps, options.rows) if len(runs) == 2 else ""
     print(section)
-    if options.out is not None:
+    if options.out is not None and section:
         write_report(options.out, section)
         print(f"wrote {options.out}")
+    if options.json is not None:
+        measured = {name: [dataclasses.asdict(m) for m in side] for name, side in runs.items()}
+        options.json.write_text(json.dumps({"runs": measured, "failures": []}))
     return 0
 
 
