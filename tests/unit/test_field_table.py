@@ -43,6 +43,9 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
         ddp_find_unused_parameters=True,
         skip_memory_metrics=False,
         neftune_noise_alpha=5.0,
+        eval_use_gather_object=True,
+        ignore_data_skip=True,
+        train_sampling_strategy="group_by_length",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -56,6 +59,14 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
     assert field_row("ddp_find_unused_parameters").status == "same"
     assert field_row("skip_memory_metrics").status == "same"
     assert field_row("neftune_noise_alpha").status == "same"
-    for name in ("fp16", "ddp_find_unused_parameters", "skip_memory_metrics"):
+    assert field_row("eval_use_gather_object").status == "differs"  # Trainer's evaluate() reads it on sample batches
+    for name in (
+        "fp16",
+        "ddp_find_unused_parameters",
+        "skip_memory_metrics",
+        "eval_use_gather_object",
+        "ignore_data_skip",
+        "train_sampling_strategy",
+    ):
         assert name not in warned
     assert "neftune_noise_alpha" in warned  # no honouring callback passed: the facade passes ScriptTrainerEvents

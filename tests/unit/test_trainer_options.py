@@ -9,6 +9,7 @@
   Trainer's entries, our own files in its ``trainbridge/`` folder;
 - ``enable_jit_checkpoint``: SIGTERM writes a checkpoint at the next step boundary and stops;
 - ``ignore_data_skip``: a resume restarts the epoch's data from its first batch, as Trainer's;
+- ``train_sampling_strategy``: Trainer's samplers' orders (``group_by_length``, ``batch_rebalance``, ``sequential``);
 - ``dataloader_in_order``: the worker ``DataLoader``'s ``in_order``, as Trainer's;
 - a fresh Trainer resuming a checkpoint of another model configuration (``architectures`` set by the save)
   is warned, not refused, as Trainer resumes."""
@@ -532,3 +533,55 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
     assert len(evaluations[1]) == 2
     assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
     assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)
+
+
+def test_train_sampling_strategies_give_trainers_order(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch of Trainer's sample batches, micro-batch for micro-batch, under each ``train_sampling_strategy``:
+    length-grouped mega-batches (the longest item first), transformers' cost-balanced micro-batches, in order."""
+    orders: dict[str, list[list[list[list[int]]]]] = {}
+    for strategy in ("group_by_length", "batch_rebalance", "sequential"):
+        seen = orders.setdefault(strategy, [])
+        for cls in (transformers.Trainer, Trainer):
+            trainer = _trainer(
+                cls,
+                llama,
+                tmp_path / strategy / cls.__module__,
+                monkeypatch,
+                max_steps=4,
+                seed=7,
+                gradient_accumulation_steps=2,
+                train_sampling_strategy=strategy,
+            )
+            seen.append([])
+            trainer.model.register_forward_pre_hook(
+                lambda module, args, kwargs, into=seen[-1]: into.append(kwargs["input_ids"].tolist()),
+                with_kwargs=True,
+            )
+            trainer.train()
+        assert len(seen[1]) == 8 and seen[1] == seen[0], strategy
+
+
+def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_sampler(llama: Any) -> None:
+    """Trainer's ``LengthGroupedSampler`` under accelerate's ``prepare_data_loader`` for rank 0 and 1 of 2 (its
+    permutation from the global generator as ``set_seed`` leaves it): each rank's micro-batches are ours."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from trainbridge.data.sample_order import SampleOrder, lengths_of
+
+    _, _, rows = llama
+    lengths = lengths_of(rows, "length", "input_ids", kept=False)
+    ours = SampleOrder("group_by_length", seed=0, global_seed=5, lengths=lengths).rank_batches(
+        0, len(rows), 3, 2, 2, False
+    )
+    for rank in (0, 1):
+        sampler = LengthGroupedSampler(3 * 2, lengths=lengths)
+        loader = DataLoader(range(len(rows)), batch_size=3, sampler=sampler, collate_fn=list)
+        prepared = prepare_data_loader(
+            loader, num_processes=2, process_index=rank, put_on_device=False, use_seedable_sampler=True
+        )  # as Trainer's accelerator prepares it
+        transformers.set_seed(5)
+        assert [tuple(batch) for batch in prepared] == ours[rank]

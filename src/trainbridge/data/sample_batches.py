@@ -2,14 +2,14 @@
 per optimizer step, formed by a collator from the items exactly as the dataset's ``__getitem__`` returns
 them (tensors stay tensors, extra keys stay).
 
-Every rank computes the same epoch order with no communication, Trainer's: a permutation drawn by a
-generator seeded with ``seed + epoch`` (``seed``: the run's ``data_seed``, else its ``seed``), as accelerate's
-``SeedableRandomSampler`` under Trainer's ``DataLoader``, cut into micro-batches of ``per_device`` and dealt
-to the ranks by accelerate's own ``BatchSamplerShard`` (batch ``j`` to rank ``j % world``, the last round
-completed from the epoch's first items).  Each rank then has the same number of micro-batches,
-``ceil(N / (per_device x world))`` per epoch, grouped ``accumulation`` at a time into optimizer steps (the
-last one may hold fewer).  ``drop_last`` (``dataloader_drop_last``): whole micro-batches only,
-``N // per_device // world`` per rank, as Trainer's ``DataLoader`` drops its short batch.
+Every rank computes the same epoch order with no communication, Trainer's (``order``, a
+``data.sample_order.SampleOrder``: ``train_sampling_strategy``; by default a permutation drawn by a generator
+seeded with ``seed + epoch``, as accelerate's ``SeedableRandomSampler`` under Trainer's ``DataLoader``), cut
+into micro-batches of ``per_device`` and dealt to the ranks by accelerate's own ``BatchSamplerShard``.  Each
+rank then has the same number of micro-batches, ``ceil(N / (per_device x world))`` per epoch, grouped
+``accumulation`` at a time into optimizer steps (the last one may hold fewer).  ``drop_last``
+(``dataloader_drop_last``): whole micro-batches only, ``N // per_device // world`` per rank, as Trainer's
+``DataLoader`` drops its short batch.
 ``workers`` (``dataloader_num_workers``...): the items are read and collated by ``DataLoader`` worker processes
 ahead of the step (``data.loader_workers``), in the same order.
 ``remove_unused_columns``: the keys the model's forward does not take are dropped from each item before
@@ -23,9 +23,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from trainbridge.data.loader_workers import LoaderWorkers, WorkerFetch
+from trainbridge.data.sample_order import SampleOrder
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class SampleBatches:
         world_size: int,
         rank: int,
         seed: int,
-        shuffle: bool = True,
+        order: SampleOrder | None = None,
         drop_last: bool = False,
         workers: LoaderWorkers | None = None,
     ) -> None:
@@ -99,17 +98,18 @@ class SampleBatches:
         self.batch_size: int | None = per_device
         """Items per micro-batch on one rank (``per_device_train_batch_size``)."""
         self.accumulation = accumulation
-        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
-        if drop_last:  # as Trainer's DataLoader: whole batches only, as many on every rank
-            self.batches_per_epoch = len(dataset) // per_device // world_size
-            if self.batches_per_epoch == 0:
-                raise ValueError(
-                    f"dataloader_drop_last=True: {len(dataset)} training items make no whole batch of "
-                    f"{per_device} on each of {world_size} ranks; lower per_device_train_batch_size or set "
-                    "dataloader_drop_last=False"
-                )
-        else:
-            self.batches_per_epoch = math.ceil(math.ceil(len(dataset) / world_size) / per_device)
+        self.world_size, self.rank = world_size, rank
+        self.order = order or SampleOrder(seed=seed)
+        """The epoch's order and its dealing (``train_sampling_strategy``)."""
+        self.batches_per_epoch = self.order.batches_per_rank(
+            len(dataset), per_device, accumulation, world_size, drop_last
+        )
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"dataloader_drop_last=True: {len(dataset)} training items make no whole batch of "
+                f"{per_device} on each of {world_size} ranks; lower per_device_train_batch_size or set "
+                "dataloader_drop_last=False"
+            )
         self.drop_last = drop_last
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation)
         self._fetch = WorkerFetch(dataset, collate, workers) if workers and workers.num_workers > 0 else None
@@ -123,14 +123,8 @@ class SampleBatches:
 
     def set_epoch(self, epoch: int) -> SamplePlan:
         """Plan ``epoch`` (deterministic from the seed and the epoch number, the same on every rank)."""
-        count = len(self.dataset)
-        order = (
-            torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-            if self.shuffle
-            else list(range(count))
-        )
         size, accumulation = self.batch_size or 1, self.accumulation
-        batches = [_rank_batches(order, size, self.world_size, r, self.drop_last) for r in range(self.world_size)]
+        batches = self.order.rank_batches(epoch, len(self.dataset), size, accumulation, self.world_size, self.drop_last)
         steps = [
             SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
             for k in range(0, self.batches_per_epoch, accumulation)
@@ -156,16 +150,6 @@ class SampleBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for step in self.plan.steps:
             yield from self.micro_batches(step)
-
-
-def _rank_batches(order: list[int], size: int, world_size: int, rank: int, drop_last: bool) -> list[tuple[int, ...]]:
-    """Rank ``rank``'s micro-batches of ``order``, as accelerate deals a ``DataLoader``'s batches to the ranks
-    under Trainer (``BatchSamplerShard``, ``even_batches``)."""
-    from accelerate.data_loader import BatchSamplerShard
-    from torch.utils.data import BatchSampler
-
-    sampler = BatchSampler(order, size, drop_last)
-    return [tuple(batch) for batch in BatchSamplerShard(sampler, world_size, rank, even_batches=True)]
 
 
 class SampleEvalBatches:

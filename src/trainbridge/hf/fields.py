@@ -102,6 +102,17 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         to_hf=False,
     ),
     FieldLink(
+        "train_sampling_strategy",
+        "train_sampling_strategy",
+        to_hf=False,
+        differs="Trainer's samplers' orders on its sample batches (data.sample_order); group_by_length's epochs after "
+        "the first are seeded by seed + epoch (Trainer's draw from the global generator after the earlier epochs' "
+        "draws, which a resume could not repeat); the loop's own evaluation of sample batches keeps the items' "
+        "order (Trainer's evaluate(), which runs there by default, groups them); the padding-free token batches "
+        "pack each step's samples by length themselves (longest first, no padding to save) in a random order",
+    ),
+    *_same("length_column_name", to_hf=False),
+    FieldLink(
         "enable_jit_checkpoint",
         "save_on_interrupt",
         to_hf=False,

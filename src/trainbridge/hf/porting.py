@@ -131,11 +131,6 @@ EXPLANATIONS: dict[str, str] = {
         "are data parallel (DDP, FSDP2, DeepSpeed)"
     ),
     "liger_kernel_config": "it configures use_liger_kernel's model patches, which are not applied",
-    "train_sampling_strategy": (
-        "sample batches are drawn in Trainer's random order and token batches are packed by the token budget; "
-        "length grouping and batch rebalancing are not applied"
-    ),
-    "length_column_name": "read only by train_sampling_strategy's length grouping, which is not applied",
     "ddp_backend": "the process group's backend follows the device: nccl on CUDA, gloo on CPU",
     "use_liger_kernel": (
         "Liger's model patches are not applied (loss_implementation='liger' is its fused cross entropy on the "
@@ -277,6 +272,8 @@ def _carried_over(hf: TrainingArguments) -> dict[str, Any]:
         "dataloader_persistent_workers": hf.dataloader_persistent_workers,
         "dataloader_multiprocessing_context": hf.dataloader_multiprocessing_context,
         "dataloader_in_order": hf.dataloader_in_order,
+        "train_sampling_strategy": _plain(getattr(hf, "train_sampling_strategy", "random")),
+        "length_column_name": getattr(hf, "length_column_name", "length"),
         "debug_underflow_overflow": "underflow_overflow" in [_plain(option) for option in hf.debug or ()],
         # Trainer's sample batches keep the forward's columns; the token step is left where more would reach
         # the model (trainer.facade's _columns_past_the_token_step)

@@ -34,6 +34,7 @@ from trainbridge.data.loader_workers import LoaderWorkers
 from trainbridge.data.loss import install_loss_head, resolve_loss_implementation
 from trainbridge.data.rows import run_rows
 from trainbridge.data.sample_batches import ItemCollator, SampleBatches, SampleEvalBatches
+from trainbridge.data.sample_order import SampleOrder, sample_order
 from trainbridge.data.sources import load_run_data
 from trainbridge.data.stream_batches import StreamBatches
 from trainbridge.data.user_collate import collate_with
@@ -352,7 +353,8 @@ def _sample_batches(
         train_batches = _loader_batches(args, env, plan, train if train is not None else stream, collate, model)
     else:
         drop_last = _whole_batches_of(env, plan) is not None
-        train_batches = _item_batches(args, env, train, stream, collate, drop_last)
+        order = sample_order(args, train, tokenizer, collate.keep) if train is not None else None
+        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         return SampleEvalBatches(
@@ -412,7 +414,13 @@ def _whole_batches_of(env: DistributedEnv, plan: RunPlan) -> int | None:
 
 
 def _item_batches(
-    args: TrainingArgs, env: DistributedEnv, train: Any, stream: Any, collate: ItemCollator, drop_last: bool
+    args: TrainingArgs,
+    env: DistributedEnv,
+    train: Any,
+    stream: Any,
+    collate: ItemCollator,
+    drop_last: bool,
+    order: SampleOrder | None = None,
 ) -> SampleBatches | StreamBatches:
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
@@ -424,7 +432,9 @@ def _item_batches(
     if train is None:
         return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
     workers = LoaderWorkers.of(args)
-    return SampleBatches(train, collate, **shape, seed=args.data_order_seed, drop_last=drop_last, workers=workers)
+    return SampleBatches(
+        train, collate, **shape, seed=args.data_order_seed, order=order, drop_last=drop_last, workers=workers
+    )
 
 
 def _loader_batches(

@@ -180,6 +180,15 @@ class BatchFields(BaseModel):
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one
     micro-batch per step, ``effective_batch_size / world size`` items."""
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length", "batch_rebalance"] = "random"
+    """``model_loss``: the order of an epoch's items, Trainer's sampler's (``data.sample_order``): ``random``
+    (seeded by ``data_seed``/``seed`` and the epoch), ``sequential``, ``group_by_length`` (transformers'
+    length-grouped mega-batches) or ``batch_rebalance`` (transformers' ``BatchRebalanceSampler``: micro-batches
+    of varying size, cost-balanced across ranks).  ``token_cross_entropy`` packs each step's samples by length
+    itself (longest first, balanced across ranks, no padding to save), so only ``random`` applies there."""
+    length_column_name: str = "length"
+    """``group_by_length`` / ``batch_rebalance``: the dataset column holding each item's length, read when the
+    dataset keeps it for the model (else the items' first model input is measured), as Trainer reads it."""
     per_device_eval_batch_size: int | None = Field(default=None, gt=0)
     """Validation items per batch on one rank (Trainer's ``per_device_eval_batch_size``): ``model_loss``
     (None: ``per_device_batch_size``); ``token_cross_entropy``: batches of that many samples in order, batch
