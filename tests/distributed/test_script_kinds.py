@@ -20,8 +20,8 @@ on 2 gloo ranks, against transformers.Trainer under torchrun: every kind of a la
   random window), ``twotower`` (CLIP, contrastive loss without labels), ``vlm`` (LLaVA SFT), ``vlmdpo`` (trl's
   DPOTrainer on LLaVA with a processor): the same steps, log keys, evaluation steps, checkpoints and checkpoint
   files (Trainer's, the processor's whole, and our loop's own three); the
-  same losses (within the noise of a random draw per access where there is one: the torch stream of dropout and
-  random crops is not consumed as Trainer's DataLoader consumes it) and DPO rewards.
+  same losses (a random draw per access and dropout too: torch's stream is drawn as Trainer's DataLoader draws
+  it) and DPO rewards.
 
 The whole comparison is ``compat_full`` (three launches, minutes; DeepSpeed's CPU Adam compiles on first use):
 run by hand with ``python -m pytest -q -m compat_full tests/distributed/test_script_kinds.py``.  CI runs the
@@ -46,9 +46,9 @@ KINDS = ["fsdp", "hpsearch", "deepspeed", "dsscheduler", "images", "audio", "two
 LOOP_FILES = {TRAINING_STATE_FILE, MANIFEST_FILE, COMPLETE_MARKER}
 """The files our checkpoints hold beside Trainer's: the loop's state and the checkpoint's integrity."""
 SAME = ("global_step", "loss_steps", "log_keys", "checkpoints")
-SAMPLES = {"detection": 1e-4, "images": 5e-3, "audio": 1e-2, "twotower": 1e-4, "vlm": 1e-4, "vlmdpo": 1e-4}
-"""The kinds compared loss for loss, with the relative tolerance of each (a random draw per access: images,
-audio)."""
+SAMPLES = {"detection": 1e-4, "images": 1e-4, "audio": 1e-4, "twotower": 1e-4, "vlm": 1e-4, "vlmdpo": 1e-4}
+"""The kinds compared loss for loss, with the relative tolerance of each (a random draw per access, images and
+audio, and dropout: the streams as Trainer's DataLoader leaves them, no extra tolerance)."""
 
 
 def _launch(out: Path, launch: str, real: bool = False) -> dict[str, dict]:

@@ -128,7 +128,8 @@ def test_a_batch_holds_what_the_collator_made_of_the_items_minus_unused_columns(
     )
     components = build_run(*as_run(args), DistributedEnv())
     batches = components.step.prepare(components.train_batches.set_epoch(0).steps[0])
-    assert len(batches.micro_batches) == 4 and len(seen) == 4 and all(len(items) == 2 for items in seen)
+    # the next step's first micro-batch is read ahead too, as under Trainer (accelerate's DataLoaderShard)
+    assert len(batches.micro_batches) == 4 and len(seen) == 5 and all(len(items) == 2 for items in seen)
     assert set(seen[0][0]) == {"input_ids", "attention_mask", "label"}  # idx removed (not a forward argument)
     # BertForSequenceClassification takes **kwargs: num_items_in_batch counts the step's labels (8 items)
     assert batches.loss_units == 8.0 and batches.micro_units == [2.0] * 4

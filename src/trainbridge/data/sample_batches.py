@@ -112,8 +112,10 @@ class SampleBatches:
             )
         self.drop_last = drop_last
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation)
-        self._fetch = WorkerFetch(dataset, collate, workers) if workers and workers.num_workers > 0 else None
-        """``dataloader_num_workers``: the items read and collated by worker processes (``data.loader_workers``)."""
+        reading = workers if workers is not None and workers.num_workers > 0 else LoaderWorkers()
+        self._fetch = WorkerFetch(dataset, collate, reading, rank)
+        """The items read and collated by a ``DataLoader`` (``data.loader_workers``): torch's RNG drawn as under
+        Trainer; ``dataloader_num_workers``: in worker processes."""
         self._passes = 0
         """Plans made so far (``set_epoch`` calls): the key of the current plan's pass."""
         self._index_lists: list[tuple[int, ...]] = []
@@ -131,16 +133,15 @@ class SampleBatches:
         ]
         self.plan = SamplePlan(epoch, steps)
         self._passes += 1
-        if self._fetch is not None:
-            self._index_lists = [indices for step in steps for indices in step.micro_batches[self.rank]]
-            counts = [len(step.micro_batches[self.rank]) for step in steps]
-            self._first = {id(step): sum(counts[:k]) for k, step in enumerate(steps)}
+        self._index_lists = [indices for step in steps for indices in step.micro_batches[self.rank]]
+        counts = [len(step.micro_batches[self.rank]) for step in steps]
+        self._first = {id(step): sum(counts[:k]) for k, step in enumerate(steps)}
         return self.plan
 
     def micro_batches(self, step: SampleStep) -> list[dict[str, Any]]:
         """Collated micro-batches (CPU) of this rank in ``step`` (a step of the current ``plan``)."""
         own = step.micro_batches[self.rank]
-        if self._fetch is not None and id(step) in self._first:
+        if id(step) in self._first:
             return self._fetch.fetch(self._passes, self._first[id(step)], self._index_lists, len(own))
         return [self.collate([self.dataset[i] for i in indices]) for indices in own]
 

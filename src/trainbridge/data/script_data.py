@@ -13,6 +13,8 @@
 - ``data_identity``: what the training data is, for the checkpoint fingerprint (resume on other data flagged).
 - a streaming ``train_dataset`` (an ``IterableDataset``) is never read here: it is ``RunPlan.train_stream``
   (``check_stream_steps``: it needs ``max_steps``, as under Trainer).
+- reading an item here to look at it leaves the random streams as they were (``peek``): Trainer reads none
+  before its DataLoader, and a random transform per access draws when an item is read.
 - ``classify_collator``: whether our own batching reproduces the collator's result exactly (then it is
   not called: samples go through padding-free token-budget batching) or it must be called as written
   on the padded path.
@@ -20,9 +22,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-from collections.abc import Collection, Mapping, Sequence
+import random
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,26 @@ from trainbridge.data.in_place import InPlaceRows
 from trainbridge.data.stream_batches import is_stream
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _random_streams_kept() -> Iterator[None]:
+    """torch's (CPU), Python's and NumPy's global random states as they were on entry, on exit."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
+def peek(data: Any, index: int | None = 0) -> Any:
+    """``data[index]`` (``index`` None: the first item of a fresh iterator, None when empty), the random
+    streams left as they were (see the module doc)."""
+    with _random_streams_kept():
+        return next(iter(data), None) if index is None else data[index]
+
 
 TOKEN_COLUMNS = ("input_ids", "labels", "seq_lengths")
 """Columns of pre-tokenised rows the workers read (``attention_mask`` is implied by the lengths)."""
@@ -81,9 +105,9 @@ def column_items(data: Any) -> bool:
     if isinstance(data, Mapping):
         return all(column_items(part) for part in data.values())
     if isinstance(data, torch.utils.data.IterableDataset):
-        first = next(iter(data), None)
+        first = peek(data, None)
     elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        first = data[0] if len(data) else None
+        first = peek(data) if len(data) else None
     else:
         return True
     return first is None or isinstance(first, Mapping)
@@ -126,7 +150,7 @@ def columns_past_the_token_step(collator: Any, datasets: Sequence[Any], kept: Co
     past: list[str] = []
     for data in datasets if own else ():
         try:
-            item = data[0] if not isinstance(data, Mapping) and not is_stream(data) and len(data) else None
+            item = peek(data) if not isinstance(data, Mapping) and not is_stream(data) and len(data) else None
         except (IndexError, KeyError, TypeError, NotImplementedError):
             item = None
         if not isinstance(item, Mapping) or "input_ids" not in item:
@@ -306,9 +330,9 @@ def data_identity(data: Any) -> str:
         return f"datasets:{data._fingerprint}"
     count = len(data)
     digest = hashlib.sha256(f"{type(data).__module__}.{type(data).__qualname__}:{count}".encode())
-    if count and _item_digest(data[0]) == _item_digest(data[0]):  # the same item at each fetch
+    if count and _item_digest(peek(data)) == _item_digest(peek(data)):  # the same item at each fetch
         for index in sorted({0, count // 2, count - 1})[:IDENTITY_ITEMS]:
-            digest.update(_item_digest(data[index]).encode())
+            digest.update(_item_digest(peek(data, index)).encode())
     return f"items:{digest.hexdigest()}"
 
 

@@ -174,10 +174,12 @@ class TrainingLoop:
         agreement reads them (``ctx.local_loss`` / ``ctx.grad_norm`` convert on a callback's read)."""
         ctx, fire, engine = self.context, self.callbacks.fire, self.engine
         started = time.perf_counter()
-        fire(Event.STEP_BEGIN, ctx)
+        # the step's batches are read first, then on_step_begin, as Trainer (``get_batch_samples``): a random
+        # transform or a DataLoader's seed draws from torch's stream before the callbacks, not after them
         batches = self.step.prepare(step_plan)
         micro_batches = batches.micro_batches
         ctx.micro_steps_in_step = len(micro_batches)
+        fire(Event.STEP_BEGIN, ctx)
         scale = self.env.world_size / max(batches.loss_units, 1e-12)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, cpu_batch in enumerate(micro_batches):
