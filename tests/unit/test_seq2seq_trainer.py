@@ -165,6 +165,19 @@ def test_the_predictions_seam_is_chosen_from_predict_with_generate(t5: tuple[Any
         check_consistent(ported.args.model_copy(update={"predict_with_generate": True}), ported.plan)
 
 
+def test_label_smoothing_is_trainers_step_unless_the_class_generates(t5: tuple[Any, Any], tmp_path: Path) -> None:
+    """Only a class that generates (``Seq2SeqTrainer``) drops Trainer's smoothed loss for its generation step; a
+    plain ``Trainer`` given ``Seq2SeqTrainingArguments(predict_with_generate=True)`` never generates, so its
+    ``label_smoothing_factor`` trains through Trainer's own ``compute_loss``, as under ``transformers.Trainer``."""
+    from trainbridge import Trainer
+
+    args = _args(tmp_path / "out", label_smoothing_factor=0.1)
+    plain = Trainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
+    assert plain.trainer_methods is not None and plain.predictions is None
+    generating = Seq2SeqTrainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
+    assert generating.trainer_methods is None and generating.predictions is not None
+
+
 def _trainer(
     cls: Any, model: Any, tok: Any, out: Path, monkeypatch: pytest.MonkeyPatch | None = None, **arg_overrides: Any
 ) -> tuple[Any, Recorder]:

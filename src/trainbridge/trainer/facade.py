@@ -210,6 +210,10 @@ class LoopTrainer(_TrainerBase):
             self._fallback_tokenizer = script_data.tokenizer_beside(self.model)
         return processing if processing is not None else self._fallback_tokenizer
 
+    def _generates(self) -> bool:
+        """Whether the class makes its validation predictions by ``model.generate`` (``Seq2SeqTrainer``)."""
+        return False
+
     def _row_preparation(self) -> script_data.RowPreparation:
         """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
         from trainbridge.modeling.load import is_causal_lm, text_tokenizer

@@ -33,8 +33,10 @@ class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
         }
         return {k: v for k, v in kwargs.items() if v is not None}
 
+    def _generates(self) -> bool:
+        return bool(getattr(self.args, "predict_with_generate", False))
+
     def run_plan(self) -> TrainerPlan:
         """``Trainer``'s plan, with generated predictions where the arguments ask for them."""
-        generate = bool(getattr(self.args, "predict_with_generate", False))
-        predictions = Generate(self.generation_kwargs()) if generate else None
+        predictions = Generate(self.generation_kwargs()) if self._generates() else None
         return replace(super().run_plan(), predictions=predictions, honours_hf_fields=GENERATION_FIELDS)

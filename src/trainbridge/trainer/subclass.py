@@ -411,10 +411,10 @@ def _neftune(trainer: LoopTrainer) -> float | None:
 def needs_trainer_step(trainer: LoopTrainer) -> bool:
     """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches although
     the class overrides nothing: Trainer's own ``compute_loss`` forms a loss other than the forward's (a
-    ``compute_loss_func``, or ``label_smoothing_factor``: Trainer's ``label_smoother``; not with
-    ``predict_with_generate``, whose evaluation is the loop's generation step, so smoothing is ignored there
-    with a warning), or NEFTune's noise, scaled by the length of Trainer's padded rows, is on."""
+    ``compute_loss_func``, or ``label_smoothing_factor``: Trainer's ``label_smoother``; not for a class that
+    generates its predictions (``Seq2SeqTrainer``'s ``predict_with_generate``: the loop's generation step, so
+    smoothing is ignored there with a warning), or NEFTune's noise, scaled by the length of Trainer's padded
+    rows, is on."""
     if trainer.compute_loss_func is not None or _neftune(trainer) is not None:
         return True
-    generating = bool(getattr(trainer.args, "predict_with_generate", False))
-    return trainer.label_smoother is not None and not generating
+    return trainer.label_smoother is not None and not trainer._generates()
