@@ -6,15 +6,14 @@ run draws the same numbers (dropout, sampling) as the uninterrupted one.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainbridge.checkpoint.layout import rng_state_file_name
+from trainbridge.core.random_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
@@ -35,34 +34,3 @@ def restore_rng(folder: Path, env: DistributedEnv) -> None:
         logger.warning("rank %d: %s not found; RNG states not restored", env.rank, file)
         return
     restore_rng_state(torch.load(file, map_location="cpu", weights_only=True))
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's python, numpy (if installed), torch CPU and CUDA generator states."""
-    python_state = random.getstate()
-    state: dict[str, Any] = {
-        "python": [python_state[0], list(python_state[1]), python_state[2]],
-        "cpu": torch.get_rng_state(),
-    }
-    if importlib.util.find_spec("numpy") is not None:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float], np.random.get_state())
-        state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of ``capture_rng_state``."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["cpu"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -22,11 +22,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import random
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,28 +33,17 @@ import numpy as np
 import torch
 
 from trainbridge.core.config.plan import ScriptData
+from trainbridge.core.random_state import rng_states_kept
 from trainbridge.data.in_place import InPlaceRows
 from trainbridge.data.stream_batches import is_stream
 
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _random_streams_kept() -> Iterator[None]:
-    """torch's (CPU), Python's and NumPy's global random states as they were on entry, on exit."""
-    python, numpy = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
-
-
 def peek(data: Any, index: int | None = 0) -> Any:
     """``data[index]`` (``index`` None: the first item of a fresh iterator, None when empty), the random
     streams left as they were (see the module doc)."""
-    with _random_streams_kept():
+    with rng_states_kept():
         return next(iter(data), None) if index is None else data[index]
 
 
