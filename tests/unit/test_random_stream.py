@@ -2,7 +2,10 @@
 ``transformers.Trainer`` (in place, one rank): each epoch's pass draws the ``DataLoader``'s base seed and
 reads one micro-batch ahead of the step (accelerate's ``DataLoaderShard``), so a classifier with dropout, on
 items masked at random when read, gives Trainer's loss at every step, over two epochs, with and without
-gradient accumulation (``data.loader_workers``)."""
+gradient accumulation (``data.loader_workers``).  Under ``group_by_length`` each epoch's order is drawn from
+the global generator after the earlier epochs' dropout, as Trainer's ``LengthGroupedSampler`` draws it, and a
+resume inside an epoch gets that order back; a stream draws the base seed each pass and reads a round ahead
+(``data.stream_batches``)."""
 
 from __future__ import annotations
 
@@ -184,3 +187,46 @@ def test_group_by_length_resumed_inside_an_epoch_gets_its_order_back(
     assert seen == seen_whole[24:]
     ends = [e["loss"] for e in whole.state.log_history if "loss" in e][6:]
     assert [e["loss"] for e in resumed.state.log_history if "loss" in e][-6:] == pytest.approx(ends, rel=1e-6)
+
+
+class MaskedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """``RandomlyMasked``'s items as a stream (no length): masked at random as they are read."""
+
+    def __init__(self, count: int) -> None:
+        self.items = RandomlyMasked(count)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.items)):
+            yield self.items[i]
+
+
+def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream (``IterableDataset``) of items masked at random when read, with dropout: each pass draws the
+    ``DataLoader``'s base seed and reads a round ahead, as under Trainer: its loss at every step over two passes."""
+    model = _classifier()
+    losses: list[list[Any]] = []
+    for cls in (transformers.Trainer, Trainer):
+        launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+        for name, _ in launcher:
+            monkeypatch.delenv(name, raising=False)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / cls.__module__),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=8,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=3,
+        )
+        if cls is Trainer:
+            for name, value in launcher:
+                monkeypatch.setenv(name, value)
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=MaskedStream(16))
+        trainer.train()
+        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(losses[1]) == len(losses[0]) == 8
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)

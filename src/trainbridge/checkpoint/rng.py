@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainbridge.checkpoint.layout import rng_state_file_name
-from trainbridge.core.random_state import capture_rng_state, restore_rng_state
+from trainbridge.core.random_state import SamplerDraw, capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from trainbridge.core.distributed import DistributedEnv
