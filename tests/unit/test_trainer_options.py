@@ -512,11 +512,14 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
 ) -> None:
     """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
     Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean.
-    Under ``group_by_length`` Trainer's evaluation sampler groups the samples by length (other batches)."""
+    Under ``group_by_length`` Trainer's evaluation sampler groups the samples by length (other batches), and
+    ``compute_metrics`` gets the predictions in that order."""
     _, tokenizer, rows = llama
     evaluations: list[list[float]] = []
+    handed: list[list[Any]] = []
     for cls in (transformers.Trainer, Trainer):
         logs = Logs()
+        handed.append([])
         trainer = _trainer(
             cls,
             llama,
@@ -532,8 +535,13 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
             collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             eval_dataset=rows.select(range(10)),
         )
+        trainer.compute_metrics = lambda p, into=handed[-1]: into.append((p.predictions, p.label_ids)) or {}
         trainer.train()
         evaluations.append([row["eval_loss"] for row in logs.rows if "eval_loss" in row])
+    (theirs, their_labels), (ours, our_labels) = handed[0][0], handed[1][0]  # the start-up evaluation's
+    assert our_labels.tolist() == their_labels.tolist()
+    real = their_labels != -100  # (Trainer keeps the logits of a batch's padding; ours pads with -100)
+    assert ours[real] == pytest.approx(theirs[real], abs=1e-4)
     assert len(evaluations[1]) == 2
     assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
     assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)

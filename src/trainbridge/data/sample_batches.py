@@ -200,10 +200,10 @@ class SampleEvalBatches:
     ``j % world``; with several ranks the tail is completed with the data set's first items (cycled) up to a
     multiple of ``per_device x world``, so every rank runs the same number of full batches.  The completing
     rows run through the model (they are in the batch's mean loss, as under Trainer) but are not samples:
-    ``indexed`` yields only the real items' indices, which lead each batch (``order``: the items' order,
-    Trainer's evaluation sampler's under ``group_by_length``; None: dataset order), and a batch's loss counts once
-    per real item (Trainer repeats it ``eval_batch_size`` times and drops the gathered copies past the data
-    set's end, which is the same weight)."""
+    ``indexed`` yields only the real items (as positions in the evaluation order), which lead each batch
+    (``order``: the items' order, Trainer's evaluation sampler's under ``group_by_length``; None: dataset
+    order), and a batch's loss counts once per real item (Trainer repeats it ``eval_batch_size`` times and
+    drops the gathered copies past the data set's end, which is the same weight)."""
 
     def __init__(
         self,
@@ -225,11 +225,12 @@ class SampleEvalBatches:
             order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]
         batches = [order[i : i + per_device] for i in range(0, len(order), per_device)]
         self.groups: list[tuple[list[int], list[int]]] = []
-        """``(item indices of the batch's rows, indices of its real items)`` of this rank's batches."""
+        """``(item indices of the batch's rows, positions of its real items in the evaluation order)`` of this
+        rank's batches (``compute_metrics`` gets the items in that order, as Trainer's evaluation sampler's)."""
         for number in range(rank, len(batches), world_size):
             rows = batches[number]
             first = number * per_device
-            self.groups.append((rows, rows[: max(0, min(len(rows), count - first))]))
+            self.groups.append((rows, list(range(first, first + max(0, min(len(rows), count - first))))))
         self.num_samples_local = sum(len(real) for _, real in self.groups)
 
     def __len__(self) -> int:
@@ -240,6 +241,7 @@ class SampleEvalBatches:
             yield batch
 
     def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """``(real item indices, batch)`` pairs; rows past the indices complete the batch (counted nowhere)."""
+        """``(real items' positions in the evaluation order, batch)`` pairs; rows past them complete the batch
+        (counted nowhere)."""
         for rows, real in self.groups:
             yield real, self.collate([self.dataset[i] for i in rows])

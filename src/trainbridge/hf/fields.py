@@ -108,7 +108,7 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         differs="Trainer's samplers' orders on its sample batches (data.sample_order; group_by_length draws each "
         "epoch's order from the global generator as Trainer's sampler, and a resume inside the epoch draws it "
         "again from the state kept in the checkpoint); under it the validation batches are Trainer's length-grouped "
-        "ones (eval_loss as Trainer's), compute_metrics still gets the predictions in dataset order; the "
+        "ones (eval_loss as Trainer's) and compute_metrics gets the predictions in their order; the "
         "padding-free token batches take each step's samples in a random order (in order under sequential) and "
         "pack them by length themselves (longest first, no padding to save): group_by_length and batch_rebalance "
         "add nothing there",
