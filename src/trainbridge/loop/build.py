@@ -48,7 +48,7 @@ from trainbridge.modeling import (
 from trainbridge.modeling.load import (
     is_causal_lm,
     load_model,
-    load_tokenizer,
+    load_processing_class,
     loads_on_rank0_only,
     text_tokenizer,
     unwrap_peft,
@@ -160,7 +160,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
-    processing_class = load_tokenizer(args, plan.script_data)  # saved whole; the data sees its tokenizer
+    processing_class = load_processing_class(args, plan.script_data)  # saved whole; the data sees its tokenizer
     tokenizer = text_tokenizer(processing_class)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)
