@@ -52,10 +52,13 @@ def unwrap_peft(model: Any) -> Any:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def load_tokenizer(args: TrainingArgs, script: ScriptData | None = None) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(
+    args: TrainingArgs, script: ScriptData | None = None, items: bool = False
+) -> PreTrainedTokenizerBase | None:
     """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
     else ``model_path``, else an adapter folder's base model); an image processor for a folder holding only
-    that; None for a ``model_loss`` run whose folder holds neither.  In place (``script``: the script's data), the
+    that; None when the run trains on the dataset's items (``items``: a loss of Trainer's sample batches,
+    ``core.config.loss.trains_on_items``) and the folder holds neither.  In place (``script``: the script's data), the
     script's own (``ScriptData.processing_class``)."""
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -71,7 +74,7 @@ def load_tokenizer(args: TrainingArgs, script: ScriptData | None = None) -> PreT
     ):
         processor: Any = AutoProcessor.from_pretrained(str(path))  # an image model: its image processor
         return cast("PreTrainedTokenizerBase", processor)
-    if folder.is_dir() and args.training_step == "model_loss" and not (folder / "preprocessor_config.json").is_file():
+    if folder.is_dir() and items and not (folder / "preprocessor_config.json").is_file():
         if not any((folder / f).is_file() for f in tokenizer_files):
             return None  # a model saved without a processing class (Trainer needs none): the collator forms batches
     tokenizer: Any = AutoTokenizer.from_pretrained(path)

@@ -44,10 +44,8 @@ class TrainerPlan(RunPlan):
     ``training_job`` writes into the run's ``TrainingArgs`` (a class's override changes them here, once)."""
 
     rows: RowPreparation | None = None
-    """How the datasets' rows reach the loop; ``rows.items``: Trainer's sample batches and the model's own loss
-    (``training_step='model_loss'``), else the token step's prepared rows.  Always set by ``run_plan()``."""
-    token_metrics: bool = False
-    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
+    """How the datasets' rows reach the loop; ``rows.items``: Trainer's sample batches (a ``RunPlan.loss`` of
+    those), else the token step's prepared rows.  Always set by ``run_plan()``."""
     honours_hf_fields: tuple[str, ...] = ()
     """``TrainingArguments`` fields the class applies itself through its seams, not reported ignored
     (``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
@@ -70,8 +68,6 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
         fields.update(_sample_batch_fields(trainer))
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
-    if plan.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
-        fields["token_metrics"] = True
     eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
     if eval_batch and not plan.rows.items:  # Trainer's validation batches: its eval_loss and per-batch metrics
         fields["per_device_eval_batch_size"] = int(eval_batch)
@@ -114,7 +110,7 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
 def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
     """The ``model_loss`` fields of a job that trains on the datasets' items (``RowPreparation.items``)."""
     hf = trainer.args
-    fields: dict[str, Any] = {"training_step": "model_loss"}
+    fields: dict[str, Any] = {}
     if not isinstance(hf, TrainingArgs):
         fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
         fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)

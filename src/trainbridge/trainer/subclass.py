@@ -5,7 +5,7 @@
 ``state`` is then the run's live ``TrainerState``, ``model_wrapped`` the engine's model, and
 ``accelerator.backward`` the loop's backward for the micro-batch under way.  What runs there:
 
-- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.trainer_methods``) when the class overrides
+- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.loss``: ``InstanceStep``) when the class overrides
   one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``needs_trainer_step``);
 - ``evaluate`` at each evaluation point on Trainer's sample batches (``trainers_evaluation``: Trainer's own
   code on the engine's model) or when the class overrides one of ``EVALUATION_METHODS``;
@@ -392,7 +392,7 @@ def _evaluates(trainer: LoopTrainer) -> bool:
 
 
 def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
-    """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
+    """The ``RunPlan.loss``: ``InstanceStep`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
     overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
     batch), else None (the model's own loss, or the token step)."""
