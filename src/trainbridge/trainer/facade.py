@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import transformers
 
+from trainbridge.checkpoint.model_files import trainers_save
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, OwnStep, StepFactory, TokenLoss
 from trainbridge.core.distributed import DistributedEnv
@@ -40,6 +41,7 @@ from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf import native_callbacks
 from trainbridge.hf.memory_metrics import memory_metrics
+from trainbridge.hf.trainer_state import train_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import hp_search, jobs, subclass
@@ -336,7 +338,7 @@ class LoopTrainer(_TrainerBase):
                 self.remove_callback(report)
         if report is not None:
             report.raise_if_pruned()
-        metrics = jobs.train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
+        metrics = train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
 
@@ -425,7 +427,7 @@ class LoopTrainer(_TrainerBase):
         scope = self._in_loop
         if scope is not None and scope.checkpoint is not None:
             target = Path(output_dir) if output_dir is not None else self.output_dir
-            scope.checkpoint.default_save(target, state_dict, self.args)
+            trainers_save(scope.checkpoint, target, state_dict, self.args)
             return
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)

@@ -86,6 +86,23 @@ class OptimizerFactory(Protocol):
     def scheduler(self, optimizer: Any, total_steps: int, default: Any) -> Any: ...
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """A checkpoint's model part, to be written inside its temporary folder (``ModelFiles.write``)."""
+
+    model: Any
+    folder: Path
+    """The temporary folder of the checkpoint of ``step``."""
+    step: int
+    state: dict[str, torch.Tensor] | None
+    """The model's gathered full weights on rank 0 (a PEFT model's adapter weights), None on the others."""
+    tokenizer: Any
+    """The run's processing class (None: none to save)."""
+    weights_dtype: torch.dtype | None
+    """The dtype the weights are written in (None: as they are)."""
+    is_rank_zero: bool
+
+
 class ModelFiles(Protocol):
     """What writes a checkpoint's model part inside its temporary folder (``checkpoint.model_files``; HF layout
     by default)."""
@@ -93,18 +110,8 @@ class ModelFiles(Protocol):
     keeps_model_state: bool
     """The checkpoint keeps the model's own weights in ``dcp/`` (resume reads them there)."""
 
-    def write(
-        self,
-        model: Any,
-        folder: Path,
-        step: int,
-        state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
-        weights_dtype: torch.dtype | None,
-        is_rank_zero: bool,
-    ) -> None:
-        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder``, the
-        temporary folder of the checkpoint of ``step`` (every rank)."""
+    def write(self, part: ModelPart) -> None:
+        """Write ``part``'s files into ``part.folder`` (called on every rank)."""
 
 
 class ComputeMetrics(Protocol):
