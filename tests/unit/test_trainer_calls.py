@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +127,16 @@ def test_drop_last_takes_trainers_step_count(
     ]
 
 
-def test_without_processing_class_the_tokenizer_comes_from_the_collator(
-    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``Trainer(model, args, train_dataset=..., data_collator=DataCollatorForLanguageModeling(tok, mlm=False))``, the
-    model's folder without a tokenizer: it trains (our token batches pad with the collator's tokenizer) and each
-    checkpoint holds the collator's tokenizer, as Trainer saves it."""
-    model, tokenizer, rows = llama
-    bare = tmp_path / "bare"
-    model.save_pretrained(bare)
-    assert not (bare / "tokenizer_config.json").exists()
+def _checkpoint_files(
+    model: Callable[[], Any],
+    llama: tuple[Any, Any, datasets.Dataset],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    **trainer_kwargs: Any,
+) -> list[set[str]]:
+    """The files of Trainer's checkpoint after 3 steps, then ours: each run on a fresh ``model()``, the LM collator
+    of the fixture's tokenizer and ``trainer_kwargs``."""
+    _, tokenizer, rows = llama
     saved = []
     for cls in (transformers.Trainer, Trainer):
         out = tmp_path / cls.__module__
@@ -152,12 +153,27 @@ def test_without_processing_class_the_tokenizer_comes_from_the_collator(
             for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 monkeypatch.setenv(name, value)
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = cls(
-            transformers.AutoModelForCausalLM.from_pretrained(bare), args, train_dataset=rows, data_collator=collator
-        )
+        trainer = cls(model(), args, train_dataset=rows, data_collator=collator, **trainer_kwargs)
         trainer.train()
         assert trainer.state.global_step == 3
-        saved.append({p.name for p in (out / "checkpoint-3").iterdir() if "token" in p.name})
+        saved.append({p.name for p in (out / "checkpoint-3").iterdir()})
+    return saved
+
+
+def test_without_processing_class_the_tokenizer_comes_from_the_collator(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Trainer(model, args, train_dataset=..., data_collator=DataCollatorForLanguageModeling(tok, mlm=False))``, the
+    model's folder without a tokenizer: it trains (our token batches pad with the collator's tokenizer) and each
+    checkpoint holds the collator's tokenizer, as Trainer saves it."""
+    model = llama[0]
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    assert not (bare / "tokenizer_config.json").exists()
+    saved = _checkpoint_files(
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(bare), llama, tmp_path, monkeypatch
+    )
+    saved = [{name for name in files if "token" in name} for files in saved]
     assert saved[1] == saved[0] and "tokenizer_config.json" in saved[0]
 
 
@@ -167,7 +183,7 @@ def test_a_multimodal_processor_is_saved_whole_into_checkpoints_as_trainer_saves
     """``processing_class=`` a ``ProcessorMixin`` (LLaVA's: an image processor and the tokenizer): each checkpoint
     holds every file ``processor.save_pretrained`` writes (``processor_config.json`` too, not only its
     tokenizer's), as Trainer's checkpoints do; the token batches still pad with its tokenizer."""
-    model, tokenizer, rows = llama
+    model, tokenizer, _ = llama
     processor = transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
         tokenizer=tokenizer,
@@ -177,25 +193,5 @@ def test_a_multimodal_processor_is_saved_whole_into_checkpoints_as_trainer_saves
     processor.save_pretrained(tmp_path / "processor")
     written = {p.name for p in (tmp_path / "processor").iterdir()}
     assert "processor_config.json" in written
-    saved = []
-    for cls in (transformers.Trainer, Trainer):
-        out = tmp_path / cls.__module__
-        args = TrainingArguments(
-            output_dir=str(out),
-            per_device_train_batch_size=4,
-            max_steps=2,
-            save_steps=2,
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-        )
-        if cls is Trainer:
-            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-                monkeypatch.setenv(name, value)
-        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = cls(
-            copy.deepcopy(model), args, train_dataset=rows, data_collator=collator, processing_class=processor
-        )
-        trainer.train()
-        saved.append({p.name for p in (out / "checkpoint-2").iterdir()})
+    saved = _checkpoint_files(lambda: copy.deepcopy(model), llama, tmp_path, monkeypatch, processing_class=processor)
     assert saved[1] & written == saved[0] & written == written

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,30 @@ def _trainer(
     )
 
 
+def _input_ids(kwargs: dict[str, Any]) -> Any:
+    return kwargs["input_ids"].tolist()
+
+
+def _forward_inputs(
+    llama: tuple[Any, Any, datasets.Dataset],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    read: Callable[[dict[str, Any]], Any] = _input_ids,
+    **arguments: Any,
+) -> list[list[Any]]:
+    """Trainer's run, then ours (``_trainer(..., **arguments)`` under ``tmp_path``): what ``read`` takes from each
+    forward's keyword arguments, in order."""
+    seen: list[list[Any]] = []
+    for cls in (transformers.Trainer, Trainer):
+        trainer = _trainer(cls, llama, tmp_path / cls.__module__, monkeypatch, **arguments)
+        seen.append([])
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs, into=seen[-1]: into.append(read(kwargs)), with_kwargs=True
+        )
+        trainer.train()
+    return seen
+
+
 class LastLog(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         self.logs = dict(logs)
@@ -126,23 +151,9 @@ def test_memory_metrics_are_trainers(llama: Any, tmp_path: Path, monkeypatch: py
 
 def test_data_seed_gives_trainers_order(llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two epochs of 4 micro-batches of 4 in Trainer's order: its sampler seeded with data_seed (+ epoch)."""
-    seen: list[list[list[list[int]]]] = []
-    for cls in (transformers.Trainer, Trainer):
-        trainer = _trainer(
-            cls,
-            llama,
-            tmp_path / cls.__module__,
-            monkeypatch,
-            max_steps=8,
-            per_device_train_batch_size=4,
-            seed=3,
-            data_seed=11,
-        )
-        seen.append([])
-        trainer.model.register_forward_pre_hook(
-            lambda module, args, kwargs: seen[-1].append(kwargs["input_ids"].tolist()), with_kwargs=True
-        )
-        trainer.train()
+    seen = _forward_inputs(
+        llama, tmp_path, monkeypatch, max_steps=8, per_device_train_batch_size=4, seed=3, data_seed=11
+    )
     assert len(seen[1]) == 8 and seen[1] == seen[0]
 
 
@@ -607,21 +618,14 @@ def test_token_path_sequential_steps_take_trainers_samples(
     """``train_sampling_strategy="sequential"`` with transformers' own collator (the token path): each step
     trains on the samples Trainer's ``SequentialSampler`` gives it, in order."""
     _, tokenizer, _ = llama
-    seen: list[list[list[tuple[int, ...]]]] = []
-    for cls in (transformers.Trainer, Trainer):
-        trainer = _trainer(
-            cls,
-            llama,
-            tmp_path / cls.__module__,
-            monkeypatch,
-            max_steps=4,
-            per_device_train_batch_size=4,
-            train_sampling_strategy="sequential",
-            collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        )
-        seen.append([])
-        trainer.model.register_forward_pre_hook(
-            lambda module, args, kwargs: seen[-1].append(_sequences(kwargs)), with_kwargs=True
-        )
-        trainer.train()
+    seen = _forward_inputs(
+        llama,
+        tmp_path,
+        monkeypatch,
+        read=_sequences,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        train_sampling_strategy="sequential",
+        collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
     assert len(seen[0]) == 4 and seen[1][-4:] == seen[0]  # (ours first probes the varlen attention: 2 forwards)

@@ -59,7 +59,7 @@ from trainbridge.modeling import (
 from trainbridge.modeling.load import (
     is_causal_lm,
     load_model,
-    load_tokenizer,
+    load_processing_class,
     loads_on_rank0_only,
     text_tokenizer,
     unwrap_peft,
@@ -172,7 +172,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
     items = trains_on_items(declared_loss(args, plan))  # a folder without a tokenizer is then fine (as Trainer)
-    processing_class = load_tokenizer(args, plan.script_data, items)  # saved whole; the data sees its tokenizer
+    processing_class = load_processing_class(args, plan.script_data, items)  # saved whole; the data: its tokenizer
     tokenizer = text_tokenizer(processing_class)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)

@@ -1,5 +1,6 @@
-"""Loading the model and tokenizer a run trains: ``load_model(args)`` and ``load_tokenizer(args)``, the one
-place the builder (``trainbridge.loop.build``) gets them from.
+"""Loading the model and processing class a run trains with: ``load_model(args)`` and
+``load_processing_class(args)`` (``load_tokenizer``: its tokenizer), the one place the builder
+(``trainbridge.loop.build``) gets them from.
 
 In order: the model comes from ``model_init()`` or ``from_pretrained(model_path, **model_kwargs)``
 (for a PEFT adapter folder: its base model, then the adapter, trainable); gradient checkpointing is
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -52,33 +54,52 @@ def unwrap_peft(model: Any) -> Any:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def load_tokenizer(
-    args: TrainingArgs, script: ScriptData | None = None, items: bool = False
-) -> PreTrainedTokenizerBase | None:
-    """The run's tokenizer: ``AutoTokenizer.from_pretrained(args.resolved_tokenizer_path)`` (``tokenizer_path``,
-    else ``model_path``, else an adapter folder's base model); an image processor for a folder holding only
-    that; None when the run trains on the dataset's items (``items``: a loss of Trainer's sample batches,
-    ``core.config.loss.trains_on_items``) and the folder holds neither.  In place (``script``: the script's data), the
-    script's own (``ScriptData.processing_class``)."""
-    from transformers import AutoProcessor, AutoTokenizer
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
+"""Files any saved tokenizer has one of."""
+
+
+def load_processing_class(args: TrainingArgs, script: ScriptData | None = None, items: bool = False) -> Any:
+    """The run's processing class, what checkpoints save whole as Trainer's ``save_pretrained`` does.  From
+    ``args.resolved_tokenizer_path`` (``tokenizer_path``, else ``model_path``, else an adapter folder's base):
+    its multimodal processor (``AutoProcessor``) where the folder saved one (``has_processor``), its image
+    processor where it holds only that, else its tokenizer (``AutoTokenizer``); None when the run trains on the
+    dataset's items (``items``: ``core.config.loss.trains_on_items``) and the folder holds neither.  Code in the
+    folder (an ``auto_map``) runs only with ``model_kwargs.trust_remote_code``.  In place (``script``: the
+    script's data), the script's own (``ScriptData.processing_class``)."""
+    from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
 
     if script is not None:  # in place: the script's own object, as it is
-        return cast("PreTrainedTokenizerBase | None", script.processing_class)
+        return script.processing_class
     path = args.resolved_tokenizer_path
-    tokenizer_files = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
+    trust = {"trust_remote_code": args.model_kwargs.trust_remote_code}
     folder = Path(str(path))
-    if (
-        folder.is_dir()
-        and not any((folder / f).is_file() for f in tokenizer_files)
-        and (folder / "preprocessor_config.json").is_file()
-    ):
-        processor: Any = AutoProcessor.from_pretrained(str(path))  # an image model: its image processor
-        return cast("PreTrainedTokenizerBase", processor)
-    if folder.is_dir() and items and not (folder / "preprocessor_config.json").is_file():
-        if not any((folder / f).is_file() for f in tokenizer_files):
+    has_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
+    image_only = folder.is_dir() and not has_tokenizer and (folder / "preprocessor_config.json").is_file()
+    if image_only or (folder.is_dir() and has_processor(folder)):
+        processor: Any = AutoProcessor.from_pretrained(str(path), **trust)
+        if image_only or isinstance(processor, ProcessorMixin):
+            return processor  # a multimodal processor whole; an image model's image processor
+    elif folder.is_dir() and items and not has_tokenizer:
+        if not (folder / "preprocessor_config.json").is_file():
             return None  # a model saved without a processing class (Trainer needs none): the collator forms batches
-    tokenizer: Any = AutoTokenizer.from_pretrained(path)
-    return tokenizer
+    return AutoTokenizer.from_pretrained(path, **trust)
+
+
+def has_processor(folder: Path) -> bool:
+    """Whether ``folder`` holds a saved multimodal processor: its ``processor_config.json``, or (as older
+    transformers saved one) a ``preprocessor_config.json`` naming its ``processor_class``."""
+    if (folder / "processor_config.json").is_file():
+        return True
+    try:
+        saved = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "processor_class" in saved
+
+
+def load_tokenizer(args: TrainingArgs, items: bool = False) -> PreTrainedTokenizerBase | None:
+    """The tokenizer the run's data is tokenised with: ``text_tokenizer`` of ``load_processing_class``."""
+    return cast("PreTrainedTokenizerBase | None", text_tokenizer(load_processing_class(args, items=items)))
 
 
 def text_tokenizer(processing_class: Any) -> Any:
