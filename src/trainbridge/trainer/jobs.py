@@ -63,7 +63,8 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     search = isinstance(trainer.args, TrainingArguments) and bool(trainer.args.auto_find_batch_size)
     if search and env.world_size > 1:
         search = False
-        logger.warning(AUTO_FIND_ON_RANKS)
+        if env.is_world_process_zero:
+            logger.warning(AUTO_FIND_ON_RANKS)
     try:  # auto_find_batch_size: Trainer's own search (accelerate's), on an out-of-memory error
         loop, result = find_executable_batch_size(attempt, args.per_device_batch_size or 1, search)()
     finally:
