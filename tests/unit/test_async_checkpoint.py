@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 from tests.run_inputs import as_run
 from tests.unit.test_loop import Crash, CrashAt
 from trainbridge.callbacks import ScheduleCallback
-from trainbridge.checkpoint import engine_state
+from trainbridge.checkpoint import dcp_io
 from trainbridge.checkpoint.folders import CheckpointError
 from trainbridge.checkpoint.layout import COMPLETE_MARKER
 from trainbridge.core.callback import Callback
@@ -100,7 +100,7 @@ def test_on_save_fires_once_published_and_a_crash_while_pending_resumes_from_the
 
 def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpoint(args_for, monkeypatch):
     loop = _loop(args_for("failing"))
-    real_write = engine_state.write_dcp
+    real_write = dcp_io.write_dcp
     calls: list[bool] = []
 
     def write(state: dict[str, Any], path: Path, env: Any, background: bool) -> Future[Any] | None:
@@ -111,7 +111,7 @@ def test_a_failed_background_write_fails_the_save_and_keeps_the_previous_checkpo
         failed.set_exception(OSError("the background writer failed"))
         return failed
 
-    monkeypatch.setattr(engine_state, "write_dcp", write)
+    monkeypatch.setattr(dcp_io, "write_dcp", write)
     with pytest.raises(CheckpointError, match="in the background: the background writer failed"):
         loop.run()
     assert calls == [True, True]

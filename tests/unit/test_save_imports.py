@@ -72,3 +72,25 @@ def test_deepspeed_in_use_is_still_unwrapped(monkeypatch):
     inner = torch.nn.Linear(2, 2)
     with without_deepspeed_import():
         assert other.extract_model_from_parallel(Engine(inner)) is inner
+
+
+def test_the_trainer_imports_no_distributed_checkpoint_until_a_dcp_folder_is_used(tmp_path):
+    """``from trainbridge import Trainer`` leaves ``torch.distributed.checkpoint`` (and the elastic agent it
+    pulls in, ~0.15 s) unimported; a checkpoint folder without ``dcp/`` is read without it; one with ``dcp/``
+    imports it (``checkpoint.engine_state``)."""
+    import subprocess
+
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom trainbridge import Trainer\n"
+        "from trainbridge.checkpoint.engine_state import _dcp_holds\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))\n"
+        "assert not loaded(), loaded()\n"
+        f"folder = Path({str(tmp_path)!r})\n"
+        "assert not _dcp_holds(folder / 'dcp', 'optimizer') and not loaded(), loaded()\n"
+        "(folder / 'dcp').mkdir(); (folder / 'dcp' / '.metadata').write_bytes(b'not a pickle')\n"
+        "try:\n    _dcp_holds(folder / 'dcp', 'optimizer')\nexcept Exception as exc:\n    print(type(exc).__name__)\n"
+        "assert loaded()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "CheckpointError"  # the metadata was read (and refused) through dcp_io

@@ -11,6 +11,9 @@ go and writes and reads them (every function is collective: every rank calls it)
 * a backend with its own format (DeepSpeed) writes it into ``deepspeed/state/`` (read back by DeepSpeed's
   own loader, which unpickles: resume warns that such a checkpoint must be trusted);
 * the LR scheduler, ``scheduler.pt``, by rank 0.
+
+``torch.distributed.checkpoint`` (and the elastic agent it imports: ~0.15 s) is imported only when a ``dcp/``
+folder is written or read, not by ``from trainbridge import Trainer``: a DDP run that never does pays nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainbridge.checkpoint.dcp_io import dcp_has, read_dcp, write_dcp
 from trainbridge.checkpoint.layout import (
+    DCP_METADATA_FILE,
     DEEPSPEED_DIR,
     DEEPSPEED_TAG,
     OPTIMIZER_FILE,
@@ -74,14 +77,18 @@ def save_engine_state(
         scaler = engine.grad_scaler_state_dict()
         if scaler is not None:
             torch.save(scaler, directory / SCALER_FILE)
-    return write_dcp(state, directory / SHARDED_STATE_DIR, env, background) if state else None
+    if not state:
+        return None
+    from trainbridge.checkpoint.dcp_io import write_dcp
+
+    return write_dcp(state, directory / SHARDED_STATE_DIR, env, background)
 
 
 def has_model_state(engine: TrainingEngine, directory: Path) -> bool:
     """Whether checkpoint ``directory`` holds the model's own weights for ``engine`` in ``dcp/`` (never
     for DeepSpeed: its resume loads the HF-layout weights first, then its own folder overwrites the module
     and its fp32 master partitions, so resume is exact whatever the export)."""
-    return not engine.native_checkpoint and dcp_has(directory / SHARDED_STATE_DIR, "model")
+    return not engine.native_checkpoint and _dcp_holds(directory / SHARDED_STATE_DIR, "model")
 
 
 def load_model_state(engine: TrainingEngine, directory: Path) -> bool:
@@ -90,6 +97,8 @@ def load_model_state(engine: TrainingEngine, directory: Path) -> bool:
     are the model's."""
     if not has_model_state(engine, directory):
         return False
+    from trainbridge.checkpoint.dcp_io import read_dcp
+
     state = {"model": engine.sharded_model_state_dict()}
     read_dcp(state, directory / SHARDED_STATE_DIR, engine.env)  # only the model's entries
     engine.load_sharded_model_state_dict(state["model"])
@@ -105,7 +114,9 @@ def load_engine_state(engine: TrainingEngine, directory: Path) -> None:
         if env.is_world_process_zero:
             logger.warning(NATIVE_RESUME_TRUST, directory)
         engine.load_native_state(_require(directory / DEEPSPEED_DIR / DEEPSPEED_TAG))
-    elif engine.sharded_optimizer or dcp_has(sharded, "optimizer"):
+    elif engine.sharded_optimizer or _dcp_holds(sharded, "optimizer"):
+        from trainbridge.checkpoint.dcp_io import read_dcp
+
         state = {"optimizer": engine.sharded_optimizer_state_dict()}
         with torch.serialization.safe_globals(optimizer_state_classes(engine.optimizer)):
             read_dcp(state, _require(sharded), env)  # each rank reads the shards it owns
@@ -145,3 +156,13 @@ def _require(path: Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"training state file {str(path)!r} is missing (not written by this backend?)")
     return path
+
+
+def _dcp_holds(path: Path, entry: str) -> bool:
+    """``dcp_io.dcp_has(path, entry)``, importing ``torch.distributed.checkpoint`` only when ``path`` is a DCP
+    folder (its metadata file exists)."""
+    if not (path / DCP_METADATA_FILE).is_file():
+        return False
+    from trainbridge.checkpoint.dcp_io import dcp_has
+
+    return dcp_has(path, entry)

@@ -27,6 +27,7 @@ from trainbridge.core.config import eval_set_names
 from trainbridge.core.config.checks import check_consistent, check_world
 from trainbridge.core.config.plan import ExistingModel, Generate, RunPlan, predictions_of
 from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
+from trainbridge.core.random_state import SamplerDraw
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
@@ -168,12 +169,13 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     model = load_model(args, skeleton=skeleton, model_init=plan.model_init)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     seams = choose_step(model, args, plan)
+    drawn = SamplerDraw()  # the state an epoch's order was drawn from, kept in the checkpoints' RNG files
     if seams.batches == "factory":
         batches = _factory_batches(model, tokenizer, args, env, plan)
     elif seams.batches == "token_budget":
         batches = _token_batches(model, tokenizer, args, env, plan, from_rank0=from_rank0, skeleton=skeleton)
     else:
-        batches = _sample_batches(model, tokenizer, args, env, plan, seams)
+        batches = _sample_batches(model, tokenizer, args, env, plan, seams, drawn)
     train_batches = batches.step.train_batches
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
@@ -204,6 +206,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
             share_with_group=args.share_run_dir_with_group,
             model_files=plan.checkpoint_model_files,
             model_only=args.save_only_model,
+            sampler=drawn,
         ),
         plan=plan,
         max_steps=max_steps,
@@ -342,7 +345,13 @@ def _token_batches(
 
 
 def _sample_batches(
-    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan, seams: StepSeams
+    model: PreTrainedModel,
+    tokenizer: Any,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    plan: RunPlan,
+    seams: StepSeams,
+    drawn: SamplerDraw,
 ) -> RunBatches:
     """The model's-own-loss step: the items (``run_rows``: the script's datasets in place, else the data files'
     rows), Trainer's sample batches formed by the collator (the script's, else Trainer's default), the loss the
@@ -359,7 +368,7 @@ def _sample_batches(
     else:
         drop_last = _whole_batches_of(env, plan) is not None
         order = sample_order(args, train, tokenizer, collate.keep) if train is not None else None
-        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order)
+        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order, drawn)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         per_eval = args.per_device_eval_batch_size or per_device
@@ -426,6 +435,7 @@ def _item_batches(
     collate: ItemCollator,
     drop_last: bool,
     order: SampleOrder | None = None,
+    drawn: SamplerDraw | None = None,
 ) -> SampleBatches | StreamBatches:
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
@@ -438,7 +448,14 @@ def _item_batches(
         return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
     workers = LoaderWorkers.of(args)
     return SampleBatches(
-        train, collate, **shape, seed=args.data_order_seed, order=order, drop_last=drop_last, workers=workers
+        train,
+        collate,
+        **shape,
+        seed=args.data_order_seed,
+        order=order,
+        drop_last=drop_last,
+        workers=workers,
+        drawn=drawn,
     )
 
 
