@@ -66,7 +66,7 @@ from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
 from trainbridge.checkpoint.weights import fill_tied_weights, load_model_weights, read_safetensors_weights
 from trainbridge.checkpoint.weights_dtype import exports_lossy
-from trainbridge.core.config.plan import ModelFiles
+from trainbridge.core.config.plan import ModelFiles, ModelPart
 from trainbridge.core.private_files import modes
 from trainbridge.core.random_state import SamplerDraw
 from trainbridge.core.run_dir import checkpoint_dir
@@ -197,16 +197,10 @@ class CheckpointManager:
         error: BaseException | None = None
         try:
             with without_deepspeed_import():
-                self.model_files.write(
-                    engine.unwrapped,
-                    tmp,
-                    global_step,
-                    full_state,
-                    tokenizer,
-                    self.weights_dtype,
-                    self.env.is_world_process_zero,
-                )
-            del full_state
+                rank0 = self.env.is_world_process_zero
+                part = ModelPart(engine.unwrapped, tmp, global_step, full_state, tokenizer, self.weights_dtype, rank0)
+                self.model_files.write(part)
+            del part, full_state  # the gathered weights, freed before the rest is written
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(tmp, training_state, extra_files or {})
             if not self.model_only:
