@@ -20,6 +20,7 @@ from tests.distributed.script_runs import run_checked, torchrun
 from tests.distributed.training_fixtures import base_args
 from tests.run_inputs import run_training
 from trainbridge import TorchrunArgs
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.trl.dpo_step import DPOStepFactory
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -69,7 +70,7 @@ def test_fsdp2_shards_the_reference_like_the_policy_and_trains_as_ddp(assets: di
         args = base_args(
             assets,
             out,
-            step_factory=_factory(assets["model"]),
+            loss=OwnStep(_factory(assets["model"])),
             distributed_backend=backend,
             max_steps=4,
             logging_steps=1,

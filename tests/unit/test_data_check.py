@@ -33,9 +33,9 @@ def tokenizer_loads(monkeypatch) -> list[str]:
     loads: list[str] = []
     real = load.load_tokenizer
 
-    def counted(args):
+    def counted(args, *rest, **options):
         loads.append(str(args.resolved_tokenizer_path))
-        return real(args)
+        return real(args, *rest, **options)
 
     monkeypatch.setattr(load, "load_tokenizer", counted)
     return loads

@@ -1,7 +1,7 @@
 """What a Trainer's own evaluation logs and evaluates during ``train()`` (an ``evaluate`` override running its own
 loop, as transformers' question-answering example; Trainer's own ``evaluate`` on items that are not columns)
 reaches every callback of the run as the loop's own evaluation does (``loop.EvaluationPoint``,
-``trainer.subclass.EvaluationEvents``): best-checkpoint tracking (``load_best_model_at_end``,
+``hf.stand_in_handlers.EvaluationEvents``): best-checkpoint tracking (``load_best_model_at_end``,
 ``save_total_limit=1``), ``EarlyStoppingCallback``, the metrics file and native callbacks."""
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from tests.run_inputs import RunInputs
 from trainbridge import Trainer
+from trainbridge.core.config.loss import InstanceStep, TokenLoss
 from trainbridge.demos.tiny_model import arithmetic_problems, build_tiny_llama, build_tokenizer, tiny_bert_config
 
 
@@ -155,4 +156,7 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
     assert not plain._row_preparation().items and custom._row_preparation().items
     custom.train_dataset = [{"input_ids": [1, 2, 3]}]
     ported = RunInputs(*job_args.training_job(custom, world_size=2, resume=None))
-    assert (ported.training_step, ported.per_device_batch_size, ported.effective_batch_size) == ("model_loss", 2, 12)
+    assert (ported.per_device_batch_size, ported.effective_batch_size) == (2, 12)
+    assert isinstance(ported.plan.loss, InstanceStep) and ported.training_step == "auto"  # the plan's seam
+    plain.train_dataset = custom.train_dataset
+    assert plain.run_plan().loss == TokenLoss()  # chosen from the class, once: Trainer's loss on token rows

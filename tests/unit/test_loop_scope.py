@@ -9,8 +9,9 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerState, TrainingArguments
 
 from trainbridge import Trainer
+from trainbridge.hf.stand_in_handlers import LogCapture
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
-from trainbridge.trainer.scope import LogCapture, LoopScope
+from trainbridge.trainer.scope import LoopScope
 
 
 @pytest.fixture

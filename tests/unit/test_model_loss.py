@@ -16,6 +16,7 @@ from tests.run_inputs import as_run, split_run
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import RunPlan, TrainingArgs
+from trainbridge.core.config.loss import ForwardLoss, LossFunction, TokenLoss
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.demos.tiny_model import build_tokenizer
@@ -158,9 +159,29 @@ def test_the_saved_class_is_loaded_so_a_masked_lm_never_trains_as_a_causal_lm(tm
     )
     model = load_model(args)
     assert type(model).__name__ == "BertForMaskedLM"
-    assert choose_step(model, *as_run(args)) == ("samples", "model", None)
+    assert choose_step(model, *as_run(args)) == ("samples", ForwardLoss(), None)
     with pytest.raises(ValueError, match="training_step: 'token_cross_entropy' trains causal LMs"):
         choose_step(model, args.model_copy(update={"training_step": "token_cross_entropy"}), RunPlan())
+
+
+def test_the_loss_seam_is_chosen_once_at_build_time_from_the_plan_the_field_and_the_model(tmp_path, tiny_llama):
+    def fn(model: Any, inputs: Any, **kwargs: Any) -> Any:
+        return model(**inputs).loss
+
+    from trainbridge.modeling.load import load_model
+
+    data = _classification_rows(tmp_path / "t.jsonl", 4, 1)
+    args = TrainingArgs(model_path=tiny_llama, data_path=data, ckpt_output_dir=tmp_path / "out")
+    causal = load_model(args)
+    assert choose_step(causal, args, RunPlan()) == ("token_budget", TokenLoss(), None)  # auto: a causal LM
+    metrics = RunPlan(loss=TokenLoss(metrics=True))  # SFTTrainer's: trl's metrics travel with the loss
+    assert choose_step(causal, args, metrics).loss == TokenLoss(metrics=True)
+    assert choose_step(causal, args, RunPlan(loss=LossFunction(fn))) == ("samples", LossFunction(fn), None)
+    named = args.model_copy(update={"training_step": "model_loss"})  # the user-facing field names a seam
+    assert choose_step(causal, named, RunPlan()) == ("samples", ForwardLoss(), None)
+    assert choose_step(causal, args, RunPlan(loss=ForwardLoss(), train_stream=[])).batches == "stream"
+    with pytest.raises(ValueError, match=r"training_step: 'model_loss' trains on .* TokenLoss"):
+        choose_step(causal, named, metrics)
 
 
 def _train(args: TrainingArgs) -> tuple[Any, list[float]]:
@@ -273,7 +294,7 @@ def test_a_compute_loss_trains_and_evaluations_generate_with_the_models_own_loss
         return (outputs.loss + 100, outputs) if return_outputs else outputs.loss + 100
 
     runs = {}
-    for name, code in (("plain", {}), ("offset", {"compute_loss": offset})):
+    for name, code in (("plain", {}), ("offset", {"loss": LossFunction(offset)})):
         seen: list[Any] = []
         args = _args(
             folder,

@@ -2,7 +2,10 @@
 ``transformers.Trainer`` (in place, one rank): each epoch's pass draws the ``DataLoader``'s base seed and
 reads one micro-batch ahead of the step (accelerate's ``DataLoaderShard``), so a classifier with dropout, on
 items masked at random when read, gives Trainer's loss at every step, over two epochs, with and without
-gradient accumulation (``data.loader_workers``)."""
+gradient accumulation (``data.loader_workers``).  Under ``group_by_length`` each epoch's order is drawn from
+the global generator after the earlier epochs' dropout, as Trainer's ``LengthGroupedSampler`` draws it, and a
+resume inside an epoch gets that order back; a stream draws the base seed each pass and reads a round ahead
+(``data.stream_batches``)."""
 
 from __future__ import annotations
 
@@ -73,4 +76,157 @@ def test_dropout_and_random_transforms_give_trainers_losses(
         trainer.train()
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
     assert len(losses[1]) == len(losses[0]) == 8 // accumulation
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+class VariableRows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Token rows of 3 to 12 tokens (a list each, as a tokenised dataset's), padded by ``pad``."""
+
+    def __init__(self, count: int) -> None:
+        rng = np.random.default_rng(1)
+        self.rows = [rng.integers(5, 60, int(rng.integers(3, 13))).tolist() for _ in range(count)]
+        self.labels = rng.integers(0, 2, count).tolist()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.rows[i], "labels": self.labels[i]}
+
+
+def pad(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.tensor([item["input_ids"] + [0] * (longest - len(item["input_ids"])) for item in items])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([i["labels"] for i in items])}
+
+
+def _grouped_run(cls: type, model: Any, out: Path, monkeypatch: pytest.MonkeyPatch, **arguments: Any) -> Any:
+    """A classifier with dropout under ``group_by_length``, 4 steps of 4 items an epoch, three epochs."""
+    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+    for name, _ in launcher:  # TrainingArguments would start a process group under a launcher's variables
+        monkeypatch.delenv(name, raising=False)
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=3,
+        train_sampling_strategy="group_by_length",
+        **{"save_strategy": "no", **arguments},
+    )
+    if cls is Trainer:  # in place, as under a launcher (after the arguments)
+        for name, value in launcher:
+            monkeypatch.setenv(name, value)
+    trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
+    seen: list[list[int]] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.extend(kwargs["input_ids"][:, 0].tolist()), with_kwargs=True
+    )
+    return trainer, seen
+
+
+def _classifier() -> Any:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        hidden_dropout_prob=0.3,
+        attention_probs_dropout_prob=0.3,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+def test_group_by_length_epochs_draw_trainers_order_after_dropout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``group_by_length``'s sampler draws each epoch's order from the global generator after the earlier
+    epochs' dropout: three epochs give Trainer's items and losses at every step."""
+    model = _classifier()
+    seen, losses = [], []
+    for cls in (transformers.Trainer, Trainer):
+        trainer, order = _grouped_run(cls, model, tmp_path / cls.__module__, monkeypatch)
+        trainer.train()
+        seen.append(order)
+        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(seen[1]) == 48 and seen[1] == seen[0]
+    assert len(losses[1]) == 12 and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        control.should_training_stop = control.should_training_stop or state.global_step >= self.step
+
+
+def test_group_by_length_resumed_inside_an_epoch_gets_its_order_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved at step 6 (inside the second epoch, whose order was drawn after the first's dropout), a fresh
+    Trainer resumes with the uninterrupted run's items and losses (the state the order was drawn from is in
+    the checkpoint's RNG file)."""
+    model = _classifier()
+    whole, seen_whole = _grouped_run(Trainer, model, tmp_path / "whole", monkeypatch)
+    whole.train()
+    out = tmp_path / "resumed"
+    first, _ = _grouped_run(Trainer, model, out, monkeypatch, save_strategy="steps", save_steps=6)
+    first.add_callback(StopAt(6))  # the same schedule as the uninterrupted run's
+    first.train()
+    resumed, seen = _grouped_run(Trainer, model, out, monkeypatch)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert seen == seen_whole[24:]
+    ends = [e["loss"] for e in whole.state.log_history if "loss" in e][6:]
+    assert [e["loss"] for e in resumed.state.log_history if "loss" in e][-6:] == pytest.approx(ends, rel=1e-6)
+
+
+class MaskedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """``RandomlyMasked``'s items as a stream (no length): masked at random as they are read."""
+
+    def __init__(self, count: int) -> None:
+        self.items = RandomlyMasked(count)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.items)):
+            yield self.items[i]
+
+
+def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream (``IterableDataset``) of items masked at random when read, with dropout: each pass draws the
+    ``DataLoader``'s base seed and reads a round ahead, as under Trainer: its loss at every step over two passes."""
+    model = _classifier()
+    losses: list[list[Any]] = []
+    for cls in (transformers.Trainer, Trainer):
+        launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+        for name, _ in launcher:
+            monkeypatch.delenv(name, raising=False)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / cls.__module__),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=8,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=3,
+        )
+        if cls is Trainer:
+            for name, value in launcher:
+                monkeypatch.setenv(name, value)
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=MaskedStream(16))
+        trainer.train()
+        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(losses[1]) == len(losses[0]) == 8
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)

@@ -108,3 +108,14 @@ def test_the_plan_is_checked_with_the_arguments_at_the_run_boundary(base):
     check_consistent(no_model, RunPlan(model_init=print))
     with pytest.raises(ValueError, match=r"model_path: None; required .* run_training\(..., model_init=fn\)"):
         check_consistent(no_model, RunPlan())
+
+
+def test_the_loss_is_the_plans_and_token_metrics_is_no_setting(base):
+    from trainbridge.core.config.loss import TokenLoss
+
+    with pytest.raises(
+        pydantic.ValidationError, match=r"token_metrics: .* loss=trainbridge.core.config.loss.TokenLoss"
+    ):
+        TrainingArgs(**base, token_metrics=True)
+    plan = RunPlan.from_keywords(loss=TokenLoss(metrics=True))
+    assert plan.loss == TokenLoss(metrics=True) and RunPlan.from_keywords(**plan.keywords()).loss == plan.loss

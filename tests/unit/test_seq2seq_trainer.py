@@ -17,6 +17,7 @@ from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, T5Con
 
 from tests.run_inputs import RunInputs
 from trainbridge import Seq2SeqTrainer
+from trainbridge.core.config.loss import ForwardLoss, InstanceStep
 from trainbridge.demos.tiny_model import build_tokenizer
 
 T5 = dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)
@@ -173,9 +174,9 @@ def test_label_smoothing_is_trainers_step_unless_the_class_generates(t5: tuple[A
 
     args = _args(tmp_path / "out", label_smoothing_factor=0.1)
     plain = Trainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
-    assert plain.trainer_methods is not None and plain.predictions is None
+    assert isinstance(plain.loss, InstanceStep) and plain.predictions is None
     generating = Seq2SeqTrainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
-    assert generating.trainer_methods is None and generating.predictions is not None
+    assert generating.loss == ForwardLoss() and generating.predictions is not None
 
 
 def _trainer(

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from tests.run_inputs import RunInputs, as_run, split_run
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.loss import ForwardLoss
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.stream_batches import StreamBatches
 from trainbridge.demos.tiny_model import build_tokenizer, tiny_bert_config
@@ -229,4 +230,4 @@ def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classif
     trainer = Trainer(model=model, args=hf, train_dataset=stream)
     assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
     args = RunInputs(*job_args.training_job(trainer, 2, None))
-    assert args.plan.train_stream is stream and args.data_path is None and args.training_step == "model_loss"
+    assert args.plan.train_stream is stream and args.data_path is None and isinstance(args.plan.loss, ForwardLoss)

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
 from tests.run_inputs import as_run
+from trainbridge.core.config.loss import TokenLoss
 from trainbridge.step.token_metrics import TokenMetrics, token_metric_sums
 
 
@@ -124,7 +125,7 @@ def test_a_run_logs_the_token_metrics_at_its_log_steps(args_for) -> None:
         def on_log(self, context, logs=None, **kwargs):  # type: ignore[no-untyped-def]
             self.logs.append((context.global_step, dict(logs or {})))
 
-    args = args_for(max_steps=4, logging_steps=2, token_metrics=True)
+    args = args_for(max_steps=4, logging_steps=2, loss=TokenLoss(metrics=True))
     seen = Logs()
     TrainingLoop(
         as_run(args).args, DistributedEnv(), [ScheduleCallback(), seen], build_run(*as_run(args), DistributedEnv())

@@ -461,7 +461,7 @@ def test_a_peft_model_trains_in_place_adapter_only(tiny: Any, tmp_path: Path) ->
 def test_train_metrics_keep_total_flos_like_trainer_unless_printer_callback_pops_it() -> None:
     """run_clm.py's ``train_results.json`` holds ``total_flos`` under real Trainer (ProgressCallback, the
     default, pops from a copy); with ``disable_tqdm`` Trainer's PrinterCallback pops it from the returned dict."""
-    from trainbridge.trainer.jobs import train_metrics
+    from trainbridge.hf.trainer_state import train_metrics
 
     history = [
         {"loss": 1.0, "step": 2},

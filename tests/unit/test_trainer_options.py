@@ -523,11 +523,14 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
 ) -> None:
     """transformers' own collator (the padding-free token path): 10 validation samples in batches of 4, 4 and 2;
     Trainer's ``eval_loss`` is the batches' token means weighted by their samples, not the set's token mean.
-    Under ``group_by_length`` Trainer's evaluation sampler groups the samples by length (other batches)."""
+    Under ``group_by_length`` Trainer's evaluation sampler groups the samples by length (other batches), and
+    ``compute_metrics`` gets the predictions in that order."""
     _, tokenizer, rows = llama
     evaluations: list[list[float]] = []
+    handed: list[list[Any]] = []
     for cls in (transformers.Trainer, Trainer):
         logs = Logs()
+        handed.append([])
         trainer = _trainer(
             cls,
             llama,
@@ -543,8 +546,13 @@ def test_token_path_eval_loss_is_trainers_mean_of_batch_losses(
             collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             eval_dataset=rows.select(range(10)),
         )
+        trainer.compute_metrics = lambda p, into=handed[-1]: into.append((p.predictions, p.label_ids)) or {}
         trainer.train()
         evaluations.append([row["eval_loss"] for row in logs.rows if "eval_loss" in row])
+    (theirs, their_labels), (ours, our_labels) = handed[0][0], handed[1][0]  # the start-up evaluation's
+    assert our_labels.tolist() == their_labels.tolist()
+    real = their_labels != -100  # (Trainer keeps the logits of a batch's padding; ours pads with -100)
+    assert ours[real] == pytest.approx(theirs[real], abs=1e-4)
     assert len(evaluations[1]) == 2
     assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-6)  # the same weights
     assert evaluations[1][1] == pytest.approx(evaluations[0][1], rel=1e-2)  # (the token path's first step differs)
@@ -589,9 +597,10 @@ def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_samp
 
     _, _, rows = llama
     lengths = lengths_of(rows, "length", "input_ids", kept=False)
-    ours = SampleOrder("group_by_length", seed=0, global_seed=5, lengths=lengths).rank_batches(
-        0, len(rows), 3, 2, 2, False
-    )
+    positions = SampleOrder("group_by_length", lengths=lengths).rank_batches(0, len(rows), 3, 2, 2, False)
+    transformers.set_seed(5)
+    torch.empty((), dtype=torch.int64).random_()  # the DataLoader's base seed, then the sampler's draw
+    order = SampleOrder("group_by_length", lengths=lengths).order(0, len(rows), 3 * 2)
     for rank in (0, 1):
         sampler = LengthGroupedSampler(3 * 2, lengths=lengths)
         loader = DataLoader(range(len(rows)), batch_size=3, sampler=sampler, collate_fn=list)
@@ -599,7 +608,7 @@ def test_group_by_length_is_dealt_to_two_ranks_as_accelerate_deals_trainers_samp
             loader, num_processes=2, process_index=rank, put_on_device=False, use_seedable_sampler=True
         )  # as Trainer's accelerator prepares it
         transformers.set_seed(5)
-        assert [tuple(batch) for batch in prepared] == ours[rank]
+        assert [tuple(batch) for batch in prepared] == [tuple(order[p] for p in b) for b in positions[rank]]
 
 
 def _sequences(kwargs: dict[str, Any]) -> list[tuple[int, ...]]:

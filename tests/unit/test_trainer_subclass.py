@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 from tests.run_inputs import as_run, split_run
 from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
+from trainbridge.core.config.loss import InstanceStep
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -100,7 +101,7 @@ def _run(
         eval_steps=2,
         save_strategy="no",
         disable_tqdm=True,
-        trainer_methods=worker,
+        loss=InstanceStep(worker) if worker is not None else None,
         **fields,
     )
     components = build_run(*as_run(args), DistributedEnv())

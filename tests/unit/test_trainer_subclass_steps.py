@@ -19,6 +19,7 @@ from trainbridge import Trainer
 from trainbridge.callbacks import ScheduleCallback
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
+from trainbridge.core.config.loss import InstanceStep, declared_loss
 from trainbridge.core.context import TrainingContext
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
@@ -114,13 +115,14 @@ def _run(
         eval_steps=2,
         save_strategy="no",
         disable_tqdm=True,
-        trainer_methods=methods,
+        loss=InstanceStep(methods) if methods is not None else None,
         callbacks=[ScheduleCallback(), *callbacks],
         **fields,
     )
     components = build_run(*as_run(args), DistributedEnv())
     hf = next((c for c in callbacks if isinstance(c, HuggingFaceCallbacks)), None)
-    for seam in [args.plan.trainer_methods, *args.plan.callbacks] if hf is not None else []:
+    given = [args.plan.loss.methods] if isinstance(args.plan.loss, InstanceStep) else []
+    for seam in [*given, *args.plan.callbacks] if hf is not None else []:
         script = seam.worker if isinstance(seam, ScriptTrainerEvents) else seam
         if isinstance(script, ScriptTrainer):  # as train() binds the instance's ScriptTrainer
             script.bind_state(hf)
@@ -378,12 +380,16 @@ def test_overrides_of_trainers_own_loop_are_refused_naming_them() -> None:
         Looping(model=torch.nn.Linear(2, 2), args=hf_args)
 
 
-def test_a_step_factory_with_a_subclass_step_is_refused_before_launch(bert_classifier, tmp_path):
-    with pytest.raises(ValueError, match=r"step_factory: the step factory .* would never run"):
-        split_run(
-            model_path=bert_classifier,
-            data_path=_rows(tmp_path / "train.jsonl", 8, 1),
-            ckpt_output_dir=tmp_path / "out",
-            step_factory=len,
-            trainer_methods=_methods(SuperStep, tmp_path, bert_classifier),
-        )
+def test_the_loss_seam_is_one_typed_plan_object_checked_against_training_step(bert_classifier, tmp_path):
+    methods = _methods(SuperStep, tmp_path, bert_classifier)
+    common: dict[str, Any] = dict(
+        model_path=bert_classifier, data_path=_rows(tmp_path / "train.jsonl", 8, 1), ckpt_output_dir=tmp_path / "out"
+    )
+    with pytest.raises(ValueError, match=r"loss: expected one of TokenLoss, .* got function; wrap .* LossFunction"):
+        split_run(**common, loss=lambda model, inputs: 0)
+    with pytest.raises(
+        ValueError, match=r"training_step: 'token_cross_entropy' computes its own loss, .* InstanceStep"
+    ):
+        split_run(**common, training_step="token_cross_entropy", loss=InstanceStep(methods))
+    run = split_run(**common, training_step="model_loss", loss=InstanceStep(methods))  # the same batches: fine
+    assert declared_loss(*run) == InstanceStep(methods)

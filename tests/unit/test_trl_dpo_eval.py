@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from tests.run_inputs import as_run
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.trl.dpo_step import PairBatches, PairEvalBatches, PreferenceStep
 from trainbridge.trl.preference_data import prepare_preference_dataset
 from trainbridge.trl.preference_loss import DPOLossSettings
@@ -136,7 +137,7 @@ def test_the_loop_evaluates_dpo_at_trls_steps_with_trls_keys(args_for, tmp_path:
     factory = DPOStepFactory(
         prepared, DPOLossSettings.from_config(config), 1, 2, 12, eval_dataset=prepared, eval_pairs_per_micro=4
     )
-    args = args_for(max_steps=4, logging_steps=1, step_factory=factory, eval_strategy="steps", eval_steps=2)
+    args = args_for(max_steps=4, logging_steps=1, loss=OwnStep(factory), eval_strategy="steps", eval_steps=2)
 
     class Evaluations(Callback):
         def __init__(self) -> None:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from tests.run_inputs import as_run
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.modeling import VARLEN_SDPA, enable_varlen_sdpa
 from trainbridge.trl.dpo_step import PairBatches, PreferenceStep
 from trainbridge.trl.preference_data import prepare_preference_dataset
@@ -167,7 +168,7 @@ def _run_dpo(args_for, tmp_path: Path, tiny_llama: Path, **factory_kwargs: objec
     factory = DPOStepFactory(
         prepared, DPOLossSettings.from_config(config), 1, 2, config.max_length, seed=0, **factory_kwargs
     )
-    args = args_for(max_steps=3, logging_steps=1, val_data_path=None, step_factory=factory)
+    args = args_for(max_steps=3, logging_steps=1, val_data_path=None, loss=OwnStep(factory))
     components = build_run(*as_run(args), DistributedEnv())
     assert isinstance(components.step, PreferenceStep)
     seen = type("Logs", (_Logs, Callback), {})()
@@ -252,7 +253,7 @@ def test_the_step_factory_switches_policy_and_reference_to_varlen_attention(
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
     factory = DPOStepFactory(prepared, DPOLossSettings.from_config(config), 1, 2, 12, ref_model=ref)
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    args = args_for(max_steps=1, val_data_path=None, step_factory=factory, varlen_sdpa=varlen_sdpa)
+    args = args_for(max_steps=1, val_data_path=None, loss=OwnStep(factory), varlen_sdpa=varlen_sdpa)
     step = factory(policy, tokenizer, as_run(args).args, DistributedEnv(), as_run(args).plan)
     expected = VARLEN_SDPA if varlen_sdpa else "sdpa"
     assert step.ref_model is not None

@@ -66,8 +66,9 @@ from trainbridge.checkpoint.rng import restore_rng, save_rng
 from trainbridge.checkpoint.runlock import RUN_ID_ENV
 from trainbridge.checkpoint.weights import fill_tied_weights, load_model_weights, read_safetensors_weights
 from trainbridge.checkpoint.weights_dtype import exports_lossy
-from trainbridge.core.config.plan import ModelFiles
+from trainbridge.core.config.plan import ModelFiles, ModelPart
 from trainbridge.core.private_files import modes
+from trainbridge.core.random_state import SamplerDraw
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.modeling.adapter_state import adapter_weight_names
 from trainbridge.modeling.load import is_peft_model, merge_adapter
@@ -127,6 +128,7 @@ class CheckpointManager:
         share_with_group: bool = False,
         model_files: ModelFiles | None = None,
         model_only: bool = False,
+        sampler: SamplerDraw | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.env = env
@@ -146,6 +148,8 @@ class CheckpointManager:
         """What writes the model part of each checkpoint (``checkpoint.model_files``)."""
         self.model_only = model_only
         """Checkpoints without optimizer, scheduler, scaler and RNG state (``save_only_model``)."""
+        self.sampler = sampler
+        """The state the running epoch's training order was drawn from, kept in each rank's RNG file."""
         self._published: set[Path] = set()
         """Checkpoints this manager published (trusted without verifying them again)."""
 
@@ -193,20 +197,14 @@ class CheckpointManager:
         error: BaseException | None = None
         try:
             with without_deepspeed_import():
-                self.model_files.write(
-                    engine.unwrapped,
-                    tmp,
-                    global_step,
-                    full_state,
-                    tokenizer,
-                    self.weights_dtype,
-                    self.env.is_world_process_zero,
-                )
-            del full_state
+                rank0 = self.env.is_world_process_zero
+                part = ModelPart(engine.unwrapped, tmp, global_step, full_state, tokenizer, self.weights_dtype, rank0)
+                self.model_files.write(part)
+            del part, full_state  # the gathered weights, freed before the rest is written
             if self.env.is_world_process_zero:
                 self._write_rank_zero_files(tmp, training_state, extra_files or {})
             if not self.model_only:
-                save_rng(tmp, self.env)
+                save_rng(tmp, self.env, self.sampler)
         except Exception as exc:
             error = exc
         self._agree(error, f"writing model, tokenizer and state files into {tmp}", final)
@@ -413,7 +411,7 @@ class CheckpointManager:
     def load(self, path: Path, engine: TrainingEngine) -> dict[str, Any]:
         """Load a checkpoint into ``engine`` (collective): model weights, optimizer and scheduler state, and
         this rank's RNG state.  Returns the ``training_state`` dict saved with it."""
-        return load_checkpoint(path, engine)
+        return load_checkpoint(path, engine, self.sampler)
 
     def settle_best(self, states: Mapping[str, Any], resumed: Path) -> dict[str, Any]:
         """The saved callback ``states`` of checkpoint ``resumed`` with the best checkpoint they name checked
@@ -468,4 +466,4 @@ class CheckpointManager:
 
     def restore_rng(self, path: Path) -> None:
         """Restore this rank's RNG states from checkpoint ``path``."""
-        restore_rng(path, self.env)
+        restore_rng(path, self.env, self.sampler)

@@ -17,12 +17,14 @@ wrote (a PEFT model's adapter is still read from its adapter files).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from trainbridge.checkpoint.layout import TRAINING_ARGS_FILE
 from trainbridge.checkpoint.weights import write_model_files
+from trainbridge.core.config.plan import ModelPart
 
 
 class HFModelFiles:
@@ -30,20 +32,23 @@ class HFModelFiles:
 
     keeps_model_state = False
 
-    def write(
-        self,
-        model: Any,
-        folder: Path,
-        step: int,
-        state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
-        weights_dtype: torch.dtype | None,
-        is_rank_zero: bool,
-    ) -> None:
-        if not is_rank_zero:
+    def write(self, part: ModelPart) -> None:
+        if not part.is_rank_zero:
             return
-        if state is None:
-            raise RuntimeError(f"the engine gave rank 0 no full state dict of {type(model).__name__}")
-        write_model_files(model, folder, state, weights_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+        if part.state is None:
+            raise RuntimeError(f"the engine gave rank 0 no full state dict of {type(part.model).__name__}")
+        write_model_files(part.model, part.folder, part.state, part.weights_dtype)
+        if part.tokenizer is not None:
+            part.tokenizer.save_pretrained(part.folder)
+
+
+def trainers_save(part: ModelPart, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: object) -> None:
+    """``Trainer._save`` while ``part`` is written (a Trainer subclass's save overrides call it,
+    ``trainer.save_overrides``): rank 0 writes the model's files into ``output_dir`` (``state_dict``, else the
+    gathered weights) as the checkpoint would, the tokenizer and ``training_args.bin``; other ranks nothing."""
+    if not part.is_rank_zero:
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    state = state_dict if state_dict is not None else part.state
+    HFModelFiles().write(replace(part, folder=output_dir, step=0, state=state))
+    torch.save(args, output_dir / TRAINING_ARGS_FILE)

@@ -31,6 +31,7 @@ from trainbridge.checkpoint.manifest import (
 )
 from trainbridge.checkpoint.rng import restore_rng
 from trainbridge.checkpoint.weights import load_model_weights
+from trainbridge.core.random_state import SamplerDraw
 from trainbridge.core.run_dir import CHECKPOINT_PREFIX
 
 if TYPE_CHECKING:
@@ -164,9 +165,9 @@ def choose_resume(
     return path
 
 
-def load_checkpoint(path: Path, engine: TrainingEngine) -> dict[str, Any]:
+def load_checkpoint(path: Path, engine: TrainingEngine, sampler: SamplerDraw | None = None) -> dict[str, Any]:
     """Load checkpoint ``path`` into ``engine`` (collective): model weights, optimizer and scheduler state,
-    and this rank's RNG states.  Returns the ``training_state`` dict saved with it."""
+    and this rank's RNG states (``sampler``: its epoch order's).  Returns the ``training_state`` saved with it."""
     path = Path(path)
     require_complete(path)
     load_model_weights(path, engine)
@@ -175,7 +176,7 @@ def load_checkpoint(path: Path, engine: TrainingEngine) -> dict[str, Any]:
             logger.warning(MODEL_ONLY_RESUME, path)
         return dict(json.loads((path / TRAINING_STATE_FILE).read_text()))
     load_engine_state(engine, path)
-    restore_rng(path, engine.env)
+    restore_rng(path, engine.env, sampler)
     return dict(json.loads((path / TRAINING_STATE_FILE).read_text()))
 
 

@@ -51,3 +51,14 @@ def rng_states_kept() -> Iterator[None]:
         yield
     finally:
         restore_rng_state(state)
+
+
+class SamplerDraw:
+    """The torch generator state an epoch's training order was drawn from, where the sampler draws it from the
+    global generator as the epoch's ``DataLoader`` starts reading (Trainer's ``LengthGroupedSampler``, after
+    every draw of the earlier epochs).  Each rank's checkpoint RNG file keeps it (``checkpoint.rng``), so a run
+    resumed inside that epoch draws the same order again."""
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+        """The state the running epoch's order was drawn from (None: no such draw, or not known)."""

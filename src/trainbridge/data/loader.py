@@ -138,10 +138,12 @@ class EvalBatches:
         self.samples = as_source(samples)
         self.collate = collate
         count = len(self.samples)
-        if per_device is not None:
-            rows_by_rank = _trainer_batches(
-                list(order) if order is not None else list(range(count)), per_device, world_size
-            )
+        if per_device is not None:  # positions in the evaluation order, the rows' samples through it
+            items = list(order) if order is not None else list(range(count))
+            rows_by_rank = [
+                [([items[p] for p in rows], real) for rows, real in batches]
+                for batches in _trainer_batches(list(range(count)), per_device, world_size)
+            ]
         else:
             packed = [
                 _pack(range(r, count, world_size), self.samples.lengths, max_batch_len, padded)
@@ -153,7 +155,9 @@ class EvalBatches:
         self.groups: list[list[int]] = [rows for rows, _ in mine]
         """The sample indices of each batch's rows (a dummy batch: none)."""
         self.real: list[list[int]] = [real for _, real in mine]
-        """The validation samples of each batch: its leading rows (the rest complete Trainer's last round)."""
+        """The validation samples of each batch, its leading rows (the rest complete Trainer's last round), as
+        positions in the evaluation order (``order``'s: Trainer's sampler's; else dataset indices), the order
+        ``compute_metrics`` gets them in."""
         self.num_samples_local = sum(len(real) for real in self.real)
         self.row_per_sample = row_per_sample
         """Row ``r`` of a batch must hold sample ``r`` of its group (predictions for ``compute_metrics``)."""
@@ -170,8 +174,8 @@ class EvalBatches:
             yield batch
 
     def indexed(self) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
-        """``(sample indices, batch)`` pairs; row ``r`` of a padded batch holds sample ``indices[r]`` (rows past
-        the indices complete the batch, counted nowhere)."""
+        """``(sample positions, batch)`` pairs; row ``r`` of a padded batch holds the sample at position
+        ``positions[r]`` of the evaluation order (``real``; rows past them complete the batch, counted nowhere)."""
         for group, real in zip(self.groups, self.real, strict=True):
             samples = self.samples.fetch(group)
             parts = sequences(samples)

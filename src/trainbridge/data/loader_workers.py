@@ -4,6 +4,8 @@ The epoch's plan says which items form each of this rank's micro-batches; with w
 ``torch.utils.data.DataLoader`` over those index lists (``batch_sampler``) reads the items
 (``dataset[i]``: where images or audio are decoded, random transforms drawn) and collates them in worker
 processes, ``prefetch_factor`` micro-batches ahead each, while the step trains, as Trainer's ``DataLoader``.
+The lists are asked for as the pass reads its first batch (``IndexLists``), after the loader's base seed,
+where Trainer's sampler draws its order.
 Batches arrive in the plan's order (``in_order=False``: as the workers finish them, as Trainer's
 ``dataloader_in_order=False``).  A step asked out of turn (the first after a resume) starts a fresh pass
 there.  ``persistent_workers`` keeps the processes from one pass to the next (the index lists are the
@@ -53,17 +55,25 @@ class LoaderWorkers:
         )
 
 
+IndexLists = Callable[[int], Sequence[Sequence[int]]]
+"""A pass's micro-batches (item indices) from a position on: called as the pass reads its first batch, after
+the ``DataLoader`` drew its base seed, where a sampler draws its order."""
+
+
 class _IndexLists:
-    """A ``batch_sampler`` yielding the index lists of the current pass (replaced before each pass)."""
+    """A ``batch_sampler`` yielding the index lists of the current pass from ``start`` (set before each pass),
+    resolved when the pass reads its first batch."""
 
     def __init__(self) -> None:
-        self.batches: list[list[int]] = []
+        self.resolve: IndexLists = lambda start: []
+        self.start = self.count = 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
+        for indices in self.resolve(self.start):  # a generator: runs at the pass's first read
+            yield list(indices)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return self.count
 
 
 class WorkerFetch:
@@ -94,13 +104,14 @@ class WorkerFetch:
         self._next: tuple[int, int] | None = None
         """``(pass key, position)`` of the micro-batch the running pass yields next."""
 
-    def fetch(self, key: int, position: int, index_lists: Sequence[Sequence[int]], count: int) -> list[Any]:
-        """The ``count`` micro-batches from ``position`` of the pass ``key`` whose micro-batches are
-        ``index_lists``: the running pass's next ones, else a fresh pass from ``position``."""
+    def fetch(self, key: int, position: int, index_lists: IndexLists, total: int, count: int) -> list[Any]:
+        """The ``count`` micro-batches from ``position`` of the pass ``key`` of ``total`` micro-batches, whose
+        index lists from a position are ``index_lists``: the running pass's next ones, else a fresh pass from
+        ``position``."""
         resumed = None
         if self._batches is None or self._next != (key, position):
             resumed = torch.random.get_rng_state() if position > 0 else None
-            self._lists.batches = [list(indices) for indices in index_lists[position:]]
+            self._lists.resolve, self._lists.start, self._lists.count = index_lists, position, total - position
             self._batches = iter(self.loader)  # draws the pass's base seed, as Trainer's DataLoader
             self._ahead = []
         batches = self._ahead + [next(self._batches) for _ in range(count - len(self._ahead))]

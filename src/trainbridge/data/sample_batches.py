@@ -2,10 +2,13 @@
 per optimizer step, formed by a collator from the items exactly as the dataset's ``__getitem__`` returns
 them (tensors stay tensors, extra keys stay).
 
-Every rank computes the same epoch order with no communication, Trainer's (``order``, a
-``data.sample_order.SampleOrder``: ``train_sampling_strategy``; by default a permutation drawn by a generator
-seeded with ``seed + epoch``, as accelerate's ``SeedableRandomSampler`` under Trainer's ``DataLoader``), cut
-into micro-batches of ``per_device`` and dealt to the ranks by accelerate's own ``BatchSamplerShard``.  Each
+Every rank computes the same epoch plan with no communication: positions in the epoch's order, cut into
+micro-batches of ``per_device`` and dealt to the ranks by accelerate's own ``BatchSamplerShard``.  The order
+is Trainer's (``order``, a ``data.sample_order.SampleOrder``: ``train_sampling_strategy``; by default a
+permutation drawn by a generator seeded with ``seed + epoch``, as accelerate's ``SeedableRandomSampler``
+under Trainer's ``DataLoader``); under ``group_by_length`` each rank draws it from the global generator as
+the epoch's pass reads its first batch, as Trainer's ``LengthGroupedSampler`` (``drawn`` keeps the state it
+drew from, for the checkpoint: a pass resumed inside the epoch draws from that state again).  Each
 rank then has the same number of micro-batches, ``ceil(N / (per_device x world))`` per epoch, grouped
 ``accumulation`` at a time into optimizer steps (the last one may hold fewer).  ``drop_last``
 (``dataloader_drop_last``): whole micro-batches only, ``N // per_device // world`` per rank, as Trainer's
@@ -18,19 +21,25 @@ the collator sees it, as Trainer's ``RemoveColumnsCollator`` does.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from trainbridge.core.random_state import SamplerDraw
 from trainbridge.data.loader_workers import LoaderWorkers, WorkerFetch
 from trainbridge.data.sample_order import SampleOrder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SampleStep:
-    """One optimizer step on all ranks: ``micro_batches[rank][i]`` holds the item indices of micro-batch
-    ``i`` of ``rank`` (every rank has the same number)."""
+    """One optimizer step on all ranks: ``micro_batches[rank][i]`` holds the positions in the epoch's order of
+    the items of micro-batch ``i`` of ``rank`` (every rank has the same number)."""
 
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
 
@@ -87,6 +96,7 @@ class SampleBatches:
         order: SampleOrder | None = None,
         drop_last: bool = False,
         workers: LoaderWorkers | None = None,
+        drawn: SamplerDraw | None = None,
     ) -> None:
         if per_device <= 0 or accumulation <= 0:
             raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
@@ -116,6 +126,10 @@ class SampleBatches:
         self._fetch = WorkerFetch(dataset, collate, reading, rank)
         """The items read and collated by a ``DataLoader`` (``data.loader_workers``): torch's RNG drawn as under
         Trainer; ``dataloader_num_workers``: in worker processes."""
+        self.drawn = drawn if drawn is not None else SamplerDraw()
+        """The state this rank drew the running epoch's order from (``group_by_length``), for checkpoints."""
+        self._order: list[int] | None = None
+        """The running epoch's item order (None: drawn as its pass starts)."""
         self._passes = 0
         """Plans made so far (``set_epoch`` calls): the key of the current plan's pass."""
         self._index_lists: list[tuple[int, ...]] = []
@@ -124,9 +138,10 @@ class SampleBatches:
         self.plan = self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> SamplePlan:
-        """Plan ``epoch`` (deterministic from the seed and the epoch number, the same on every rank)."""
-        size, accumulation = self.batch_size or 1, self.accumulation
-        batches = self.order.rank_batches(epoch, len(self.dataset), size, accumulation, self.world_size, self.drop_last)
+        """Plan ``epoch`` (the same on every rank); its order is drawn now, or as its pass starts."""
+        size, accumulation, count = self.batch_size or 1, self.accumulation, len(self.dataset)
+        batches = self.order.rank_batches(epoch, count, size, accumulation, self.world_size, self.drop_last)
+        self._order = None if self.order.draws_at_pass_start else self.order.order(epoch, count, size * accumulation)
         steps = [
             SampleStep(tuple(tuple(rank_batches[k : k + accumulation]) for rank_batches in batches))
             for k in range(0, self.batches_per_epoch, accumulation)
@@ -142,8 +157,34 @@ class SampleBatches:
         """Collated micro-batches (CPU) of this rank in ``step`` (a step of the current ``plan``)."""
         own = step.micro_batches[self.rank]
         if id(step) in self._first:
-            return self._fetch.fetch(self._passes, self._first[id(step)], self._index_lists, len(own))
-        return [self.collate([self.dataset[i] for i in indices]) for indices in own]
+            lists = self._items_from
+            return self._fetch.fetch(self._passes, self._first[id(step)], lists, len(self._index_lists), len(own))
+        order = self._epoch_order(resumed=True)
+        return [self.collate([self.dataset[order[p]] for p in positions]) for positions in own]
+
+    def _items_from(self, start: int) -> list[list[int]]:
+        """This rank's micro-batches (item indices) of the running pass from micro-batch ``start`` on."""
+        order = self._epoch_order(resumed=start > 0)
+        return [[order[p] for p in positions] for positions in self._index_lists[start:]]
+
+    def _epoch_order(self, resumed: bool) -> list[int]:
+        """The running epoch's order; under ``group_by_length`` drawn now (the pass reads its first batch) from
+        the global generator, or, for a pass ``resumed`` inside the epoch, from the state it was drawn from."""
+        if self._order is None:
+            epoch, count, group = self.plan.epoch, len(self.dataset), (self.batch_size or 1) * self.accumulation
+            generator = None
+            if resumed and self.drawn.state is not None:
+                generator = torch.Generator()
+                generator.set_state(self.drawn.state)
+            elif resumed:
+                logger.warning(
+                    "train_sampling_strategy='group_by_length': epoch %d resumes without the state its order "
+                    "was drawn from (a checkpoint without it): its remaining items follow a new order",
+                    epoch,
+                )
+            self.drawn.state = torch.get_rng_state() if generator is None else self.drawn.state
+            self._order = self.order.order(epoch, count, group, generator)
+        return self._order
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -159,10 +200,10 @@ class SampleEvalBatches:
     ``j % world``; with several ranks the tail is completed with the data set's first items (cycled) up to a
     multiple of ``per_device x world``, so every rank runs the same number of full batches.  The completing
     rows run through the model (they are in the batch's mean loss, as under Trainer) but are not samples:
-    ``indexed`` yields only the real items' indices, which lead each batch (``order``: the items' order,
-    Trainer's evaluation sampler's under ``group_by_length``; None: dataset order), and a batch's loss counts once
-    per real item (Trainer repeats it ``eval_batch_size`` times and drops the gathered copies past the data
-    set's end, which is the same weight)."""
+    ``indexed`` yields only the real items (as positions in the evaluation order), which lead each batch
+    (``order``: the items' order, Trainer's evaluation sampler's under ``group_by_length``; None: dataset
+    order), and a batch's loss counts once per real item (Trainer repeats it ``eval_batch_size`` times and
+    drops the gathered copies past the data set's end, which is the same weight)."""
 
     def __init__(
         self,
@@ -184,11 +225,12 @@ class SampleEvalBatches:
             order += [start[i % len(start)] for i in range(-count % (per_device * world_size))]
         batches = [order[i : i + per_device] for i in range(0, len(order), per_device)]
         self.groups: list[tuple[list[int], list[int]]] = []
-        """``(item indices of the batch's rows, indices of its real items)`` of this rank's batches."""
+        """``(item indices of the batch's rows, positions of its real items in the evaluation order)`` of this
+        rank's batches (``compute_metrics`` gets the items in that order, as Trainer's evaluation sampler's)."""
         for number in range(rank, len(batches), world_size):
             rows = batches[number]
             first = number * per_device
-            self.groups.append((rows, rows[: max(0, min(len(rows), count - first))]))
+            self.groups.append((rows, list(range(first, first + max(0, min(len(rows), count - first))))))
         self.num_samples_local = sum(len(real) for _, real in self.groups)
 
     def __len__(self) -> int:
@@ -199,6 +241,7 @@ class SampleEvalBatches:
             yield batch
 
     def indexed(self) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """``(real item indices, batch)`` pairs; rows past the indices complete the batch (counted nowhere)."""
+        """``(real items' positions in the evaluation order, batch)`` pairs; rows past them complete the batch
+        (counted nowhere)."""
         for rows, real in self.groups:
             yield real, self.collate([self.dataset[i] for i in rows])

@@ -1,19 +1,19 @@
 """The order Trainer's training sampler gives an epoch's items in (``train_sampling_strategy``), and each
-rank's micro-batches of it, as ``SampleBatches`` plans them.
+rank's micro-batches of it, as ``SampleBatches`` plans them: positions in the epoch's order, dealt to the ranks.
 
 - ``random``: a permutation by a generator seeded with ``seed + epoch`` (``seed``: ``data_seed``, else
   ``seed``), as accelerate's ``SeedableRandomSampler`` under Trainer's ``DataLoader``;
 - ``sequential``: the items in order (``SequentialSampler``);
 - ``group_by_length``: transformers' own ``get_length_grouped_indices`` (mega-batches of ``per_device x
   accumulation x 50`` items, or a quarter of the epoch, each sorted by length, the longest item first), over
-  the ``lengths`` Trainer's ``LengthGroupedSampler`` reads.  That sampler draws its permutation from the
-  global torch generator as the epoch's ``DataLoader`` starts: seeded by ``set_seed(seed)`` in Trainer's
-  constructor, after the ``DataLoader`` drew its base seed (one int64).  Epoch 0 draws exactly that (a
-  generator seeded with ``seed``, one int64, the permutation), on every rank; epoch ``e`` the same from
-  ``seed + e``.  Trainer's later epochs draw after everything the earlier ones drew from the global generator
-  (dropout...), which no seeded order repeats and a resume could not (Trainer's own resume does not);
+  the ``lengths`` Trainer's ``LengthGroupedSampler`` reads.  That sampler has no generator of its own: each
+  epoch it draws its permutation from the global torch generator (``draws_at_pass_start``) as the epoch's
+  ``DataLoader`` reads its first batch, after the loader's base seed and every draw of the earlier epochs
+  (dropout, random transforms); each rank from its own.  ``SampleBatches`` draws it there too, and keeps the
+  state it drew from (``core.random_state.SamplerDraw``) for a resume inside the epoch;
 - ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` itself, as Trainer builds it (its default
-  seed, 42; ``set_epoch``), one per rank: micro-batches of varying size, ``accumulation`` per step.
+  seed, 42; ``set_epoch``), one per rank: micro-batches of varying size, ``accumulation`` per step (item
+  indices: its order is the items').
 
 Validation items under ``group_by_length`` take Trainer's evaluation order (``eval_order``).  The first three
 are cut into micro-batches of ``per_device`` and dealt to the ranks by accelerate's own
@@ -44,8 +44,6 @@ class SampleOrder:
     strategy: Strategy = "random"
     seed: int = 42
     """The data order's seed (``random``: ``data_seed``, else ``seed``)."""
-    global_seed: int = 42
-    """``group_by_length``: the run's ``seed``, which seeds the global generator Trainer's sampler draws from."""
     lengths: Sequence[int] | None = None
     """``group_by_length`` / ``batch_rebalance``: each item's length (``lengths_of``)."""
 
@@ -64,25 +62,28 @@ class SampleOrder:
     def rank_batches(
         self, epoch: int, count: int, per_device: int, accumulation: int, world_size: int, drop_last: bool
     ) -> list[list[tuple[int, ...]]]:
-        """Every rank's micro-batches (item indices) of ``epoch``."""
+        """Every rank's micro-batches of ``epoch``: positions in the epoch's ``order``."""
         if self.strategy == "batch_rebalance":
             ranks = [_rebalance(self, per_device, accumulation, world_size, r, drop_last) for r in range(world_size)]
             for sampler in ranks:
                 sampler.set_epoch(epoch)
             return [[tuple(batch) for batch in sampler] for sampler in ranks]
-        order = self.order(epoch, count, per_device * accumulation)
-        return [_dealt(order, per_device, world_size, r, drop_last) for r in range(world_size)]
+        return [_dealt(list(range(count)), per_device, world_size, r, drop_last) for r in range(world_size)]
 
-    def order(self, epoch: int, count: int, group: int) -> list[int]:
-        """The epoch's item order (not ``batch_rebalance``); ``group``: items per optimizer step on one rank."""
-        if self.strategy == "sequential":
+    @property
+    def draws_at_pass_start(self) -> bool:
+        """The order is drawn from a torch generator as the epoch's pass starts (``group_by_length``)."""
+        return self.strategy == "group_by_length"
+
+    def order(self, epoch: int, count: int, group: int, generator: torch.Generator | None = None) -> list[int]:
+        """The epoch's item order; ``group``: items per optimizer step on one rank; ``generator``: what a
+        ``group_by_length`` order is drawn from (None: the global generator, as Trainer's sampler)."""
+        if self.strategy in ("sequential", "batch_rebalance"):
             return list(range(count))
         if self.strategy == "group_by_length":
             from transformers.trainer_pt_utils import get_length_grouped_indices
 
             assert self.lengths is not None
-            generator = torch.Generator().manual_seed(self.global_seed + epoch)
-            torch.empty((), dtype=torch.int64).random_(generator=generator)  # the DataLoader's base seed
             return list(get_length_grouped_indices(list(self.lengths), group, generator=generator))
         return torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
@@ -106,7 +107,7 @@ def sample_order(args: TrainingArgs, dataset: Any, tokenizer: Any, keep: Collect
     lengths = (
         sample_lengths(args, dataset, tokenizer, keep) if strategy in ("group_by_length", "batch_rebalance") else None
     )
-    return SampleOrder(strategy, args.data_order_seed, args.seed, lengths)
+    return SampleOrder(strategy, args.data_order_seed, lengths)
 
 
 def sample_lengths(args: TrainingArgs, dataset: Any, tokenizer: Any, keep: Collection[str] | None) -> list[int]:

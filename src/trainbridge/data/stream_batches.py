@@ -11,6 +11,13 @@ drops a round it cannot give every rank).  ``unsized``: the loop then starts the
 (``set_epoch`` first, as Trainer does), until ``max_steps``; a pass with no step ends the run.  Resume: the
 loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
 steps already taken, so a resumed run trains on exactly the items an uninterrupted one would.
+
+The stream is read through a ``DataLoader`` (no workers), as Trainer's is: each pass draws the loader's base
+seed from torch's global generator, micro-batches are read (and this rank's collated) in stream order, one
+round of ``world_size`` micro-batches ahead of the step (accelerate's ``DataLoaderDispatcher``), so dropout,
+random transforms and a random collator draw torch's stream as under Trainer.  A pass resumed inside it puts
+the RNG back once the step's micro-batches are read (Trainer's ``rng_to_sync``).  On several ranks each rank
+reads the stream (Trainer's rank 0 reads it and sends each rank its share) and collates its own micro-batches.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
+
+import torch
 
 STREAM_NEEDS_MAX_STEPS = (
     "max_steps: a streaming (iterable) dataset has no length, so the number of steps cannot be derived from "
@@ -48,9 +57,9 @@ def require_max_steps(max_steps: int | None) -> int:
 
 @dataclass(frozen=True)
 class StreamStep:
-    """One optimizer step: this rank's micro-batches of items (not yet collated)."""
+    """One optimizer step: this rank's micro-batches, collated (CPU)."""
 
-    items: tuple[tuple[Any, ...], ...]
+    batches: tuple[dict[str, Any], ...]
     num_samples: int
     """Items in the step, every rank."""
 
@@ -109,27 +118,43 @@ class StreamBatches:
         self.plan = StreamPlan(self, epoch)
         return self.plan
 
-    def _rounds(self) -> Iterator[list[tuple[Any, ...]]]:
-        """The stream as rounds of ``world_size x accumulation`` full micro-batches (one step, every rank)."""
+    def _rounds(self) -> Iterator[list[Any]]:
+        """The pass as rounds of ``world_size`` full micro-batches (this rank's collated, the others' items),
+        read through a ``DataLoader`` (its base seed drawn at the first read)."""
+        from torch.utils.data import DataLoader
+
         size = self.batch_size or 1
-        need = size * self.world_size * self.accumulation
-        items = iter(self.dataset)
+        batches = iter(DataLoader(_TorchStream.of(self.dataset), batch_size=size, collate_fn=list))
         while True:
-            chunk = tuple(islice(items, need))
-            if len(chunk) < need:
-                return
-            yield [chunk[i : i + size] for i in range(0, need, size)]
+            round_: list[Any] = []
+            for index in range(self.world_size):
+                items = next(batches, None)
+                if items is None or len(items) < size:
+                    return
+                round_.append(self.collate(items) if index == self.rank else items)
+            yield round_
 
     def steps_from(self, epoch: int, start: int) -> Iterator[StreamStep]:
-        """The steps of ``epoch`` from step ``start`` on, the items of earlier steps read and dropped."""
+        """The steps of ``epoch`` from step ``start`` on, the items of earlier steps read and dropped; each
+        step's rounds are read with one more ahead of it."""
         del epoch  # the pass is set up by set_epoch
-        for round_ in islice(self._rounds(), start, self.steps_per_epoch):
-            mine = tuple(round_[i] for i in range(self.rank, len(round_), self.world_size))
-            yield StreamStep(mine, sum(len(micro) for micro in round_))
+        resumed = torch.random.get_rng_state() if start > 0 else None
+        rounds = self._rounds()
+        accumulation, samples = self.accumulation, (self.batch_size or 1) * self.world_size * self.accumulation
+        ahead = list(islice(rounds, start * accumulation, start * accumulation + 1))
+        for _ in range(start, self.steps_per_epoch):
+            group = ahead + list(islice(rounds, accumulation - len(ahead)))
+            if len(group) < accumulation:
+                return
+            ahead = list(islice(rounds, 1))  # one round ahead, as accelerate's DataLoaderDispatcher
+            if resumed is not None:
+                torch.random.set_rng_state(resumed)
+                resumed = None
+            yield StreamStep(tuple(round_[self.rank] for round_ in group), samples)
 
     def micro_batches(self, step: StreamStep) -> list[dict[str, Any]]:
         """Collated micro-batches (CPU) of this rank in ``step``."""
-        return [self.collate(list(items)) for items in step.items]
+        return list(step.batches)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.accumulation
@@ -137,3 +162,18 @@ class StreamBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for step in self.plan.steps[0:]:
             yield from self.micro_batches(step)
+
+
+class _TorchStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A re-iterable of items as a torch ``IterableDataset`` (a ``DataLoader`` reads it as a stream)."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    @staticmethod
+    def of(dataset: Iterable[Any]) -> Any:
+        """``dataset`` itself when a ``DataLoader`` reads it as a stream, else wrapped."""
+        return dataset if isinstance(dataset, torch.utils.data.IterableDataset) else _TorchStream(dataset)

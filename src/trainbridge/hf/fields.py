@@ -105,10 +105,10 @@ FIELD_LINKS: tuple[FieldLink, ...] = (
         "train_sampling_strategy",
         "train_sampling_strategy",
         to_hf=False,
-        differs="Trainer's samplers' orders on its sample batches (data.sample_order); group_by_length's epochs after "
-        "the first are seeded by seed + epoch (Trainer's draw from the global generator after the earlier epochs' "
-        "draws, which a resume could not repeat); under it the validation batches are Trainer's length-grouped "
-        "ones (eval_loss as Trainer's), compute_metrics still gets the predictions in dataset order; the "
+        differs="Trainer's samplers' orders on its sample batches (data.sample_order; group_by_length draws each "
+        "epoch's order from the global generator as Trainer's sampler, and a resume inside the epoch draws it "
+        "again from the state kept in the checkpoint); under it the validation batches are Trainer's length-grouped "
+        "ones (eval_loss as Trainer's) and compute_metrics gets the predictions in their order; the "
         "padding-free token batches take each step's samples in a random order (in order under sequential) and "
         "pack them by length themselves (longest first, no padding to save): group_by_length and batch_rebalance "
         "add nothing there",

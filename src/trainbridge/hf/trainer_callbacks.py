@@ -390,6 +390,16 @@ class HuggingFaceCallbacks(Callback):
         return exportable(self.handler.callbacks if self.handler is not None else [], self.control)
 
 
+def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:
+    """``callbacks`` and the ``HuggingFaceCallbacks`` among them, whose ``TrainerState`` is the job's state
+    (restored on resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
+    hf = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbacks)), None)
+    if hf is None:
+        hf = HuggingFaceCallbacks(progress=False)
+        callbacks = [*callbacks, hf]
+    return callbacks, hf
+
+
 def _point_tensorboard_at(callbacks: list[Any], train_args: TrainingArgs) -> None:
     """transformers 5 reads TensorBoard's directory from ``TENSORBOARD_LOGGING_DIR`` (default
     ``output_dir/runs/<time>_<host>``); an explicit ``TrainingArgs.logging_dir`` wins over the default."""

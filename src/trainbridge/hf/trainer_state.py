@@ -178,3 +178,14 @@ def restore_callbacks(callbacks: list[Any], control: TrainerControl, stored: Any
             ", ".join(not_found),
         )
     return control
+
+
+def train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict[str, Any]:
+    """The metrics ``Trainer.train()`` returns: its final log entry without ``step``. ``total_flos`` stays in
+    (``train_results.json`` of example scripts has it) unless ``disable_tqdm``: then Trainer's ``PrinterCallback``
+    pops it in ``on_log`` from the very dict ``train()`` returns (``ProgressCallback`` pops from a copy)."""
+    metrics = dict(next((e for e in reversed(log_history) if "train_runtime" in e), {}))
+    metrics.pop("step", None)
+    if disable_tqdm:
+        metrics.pop("total_flos", None)
+    return metrics

@@ -38,9 +38,10 @@ NOTE_FOLDER = "preflight"
 """Folder of the data cache holding the notes of passed checks."""
 
 
-def check_data(args: TrainingArgs) -> None:
+def check_data(args: TrainingArgs, items: bool = False) -> None:
     """Read (and on a cache miss tokenise) the data with the run's tokenizer, unless a note says the same
-    inputs passed before; raises ``PreflightError`` naming the problem (bad rows by file and line)."""
+    inputs passed before; ``items``: the run's loss trains on the dataset's items (``trains_on_items``), so the
+    files only need to open as them.  Raises ``PreflightError`` naming the problem (bad rows by file and line)."""
     note = _note_path(args)
     if note is not None and _note_holds(note):
         return
@@ -48,12 +49,12 @@ def check_data(args: TrainingArgs) -> None:
     from trainbridge.modeling.load import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(args)
+        tokenizer = load_tokenizer(args, items=items)
     except Exception as exc:
         raise PreflightError(
             f"tokenizer: cannot load one from {args.resolved_tokenizer_path}: {type(exc).__name__}: {exc}"
         ) from exc
-    if args.training_step == "model_loss":  # the files are the dataset's items (data.rows), not token rows
+    if items:  # the files are the dataset's items (data.rows), not token rows
         _check_items(args, tokenizer)
         return
     try:

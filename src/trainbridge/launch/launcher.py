@@ -48,6 +48,7 @@ from trainbridge.core.config import (
     check_consistent,
 )
 from trainbridge.core.config.checks import check_world
+from trainbridge.core.config.loss import declared_loss, trains_on_items
 from trainbridge.core.distributed import DistributedEnv, launched_worker
 from trainbridge.core.nproc import threads_per_worker
 from trainbridge.core.private_files import append_text, make_run_folder
@@ -150,7 +151,7 @@ def preflight(args: TrainingArgs, plan: RunPlan) -> None:
                 f"{callback.name} ({describe(callback)}) rejected the config: {type(exc).__name__}: {exc}"
             ) from exc
     check_transportable(args, plan)
-    check_data(args)
+    check_data(args, trains_on_items(declared_loss(args, plan)))
 
 
 # ----------------------------------------------------------------------------- command and environment

@@ -25,8 +25,20 @@ from trainbridge.checkpoint.manifest import run_fingerprint
 from trainbridge.checkpoint.weights_dtype import checkpoint_weights_dtype
 from trainbridge.core.config import eval_set_names
 from trainbridge.core.config.checks import check_consistent, check_world
+from trainbridge.core.config.loss import (
+    ForwardLoss,
+    InstanceStep,
+    Loss,
+    LossFunction,
+    OwnStep,
+    StepFactory,
+    TokenLoss,
+    declared_loss,
+    trains_on_items,
+)
 from trainbridge.core.config.plan import ExistingModel, Generate, RunPlan, predictions_of
 from trainbridge.core.context import TrainingContext, count_parameters, flops_parameters
+from trainbridge.core.random_state import SamplerDraw
 from trainbridge.data import LoadStats, collate_padded, collate_padding_free
 from trainbridge.data.loader import EvalBatches, TrainBatches
 from trainbridge.data.loader_batches import LoaderBatches
@@ -160,7 +172,8 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     if not isinstance(plan.model_init, ExistingModel):  # seeded before it is built (an existing one: as it is)
         # full_determinism: deterministic kernels from here on too, as Trainer's __init__ (which a facade's ran)
         (transformers.enable_full_determinism if args.full_determinism else transformers.set_seed)(args.seed)
-    processing_class = load_processing_class(args, plan.script_data)  # saved whole; the data sees its tokenizer
+    items = trains_on_items(declared_loss(args, plan))  # a folder without a tokenizer is then fine (as Trainer)
+    processing_class = load_processing_class(args, plan.script_data, items)  # saved whole; the data: its tokenizer
     tokenizer = text_tokenizer(processing_class)
     # FSDP2: rank 0 reads the weights, the other ranks build a meta skeleton and get shards from it.
     from_rank0 = loads_on_rank0_only(args, env.world_size, plan.model_init)
@@ -168,12 +181,15 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
     model = load_model(args, skeleton=skeleton, model_init=plan.model_init)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
     seams = choose_step(model, args, plan)
-    if seams.batches == "factory":
-        batches = _factory_batches(model, tokenizer, args, env, plan)
-    elif seams.batches == "token_budget":
-        batches = _token_batches(model, tokenizer, args, env, plan, from_rank0=from_rank0, skeleton=skeleton)
+    drawn = SamplerDraw()  # the state an epoch's order was drawn from, kept in the checkpoints' RNG files
+    if isinstance(seams.loss, OwnStep):
+        batches = _factory_batches(model, tokenizer, args, env, plan, seams.loss.factory)
+    elif isinstance(seams.loss, TokenLoss):
+        batches = _token_batches(
+            model, tokenizer, args, env, plan, seams.loss, from_rank0=from_rank0, skeleton=skeleton
+        )
     else:
-        batches = _sample_batches(model, tokenizer, args, env, plan, seams)
+        batches = _sample_batches(model, tokenizer, args, env, plan, seams, drawn)
     train_batches = batches.step.train_batches
     max_steps = args.max_steps or train_batches.steps_per_epoch * args.num_epochs
     num_parameters = count_parameters(model)
@@ -204,6 +220,7 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
             share_with_group=args.share_run_dir_with_group,
             model_files=plan.checkpoint_model_files,
             model_only=args.save_only_model,
+            sampler=drawn,
         ),
         plan=plan,
         max_steps=max_steps,
@@ -216,7 +233,6 @@ def build_run(args: TrainingArgs, plan: RunPlan, env: DistributedEnv) -> RunComp
 
 
 BatchesSeam = Literal["factory", "token_budget", "samples", "stream", "loader"]
-LossSeam = Literal["factory", "token_cross_entropy", "model", "compute_loss", "trainer_methods"]
 
 
 class StepSeams(NamedTuple):
@@ -225,56 +241,43 @@ class StepSeams(NamedTuple):
     batches: BatchesSeam
     """The step factory's own, token-budget batches, Trainer's sample batches of the items, of the
     ``train_stream``, or the script's own DataLoader (``train_loader``)."""
-    loss: LossSeam
-    """The step factory's, the summed token cross entropy, the model's own, the plan's ``compute_loss``, or the
-    script's ``training_step`` (``trainer_methods``)."""
+    loss: Loss
+    """What the step trains on (``core.config.loss``): the plan's, the one ``training_step`` names, else the
+    model's choice."""
     predictions: Generate | None
     """The validation predictions: None, the step's forward outputs; else generated ids (``predictions_of``)."""
 
 
 def choose_step(model: Any, args: TrainingArgs, plan: RunPlan) -> StepSeams:
-    """The step's batches, loss and predictions (``StepSeams``): a ``step_factory``'s own, else the token step
-    or the model-loss step (``args.training_step``; ``auto``: the token step for causal LMs, unless ``plan``
-    brings its own loss or data).  A ``ValueError`` for a model neither step can train, saying why and what to
-    do."""
-    if plan.step_factory is not None:
-        return StepSeams("factory", "factory", None)
+    """The step's batches, loss and predictions (``StepSeams``), once, at build time: the declared loss
+    (``declared_loss``: ``RunPlan.loss``, else ``args.training_step``'s), else (``auto``) the token loss for a
+    causal LM whose plan brings no stream, loader or generation, the forward's own loss for every other model.
+    A ``ValueError`` for a model the loss cannot train, saying why and what to do."""
+    declared = declared_loss(args, plan)
+    if isinstance(declared, OwnStep):
+        return StepSeams("factory", declared, None)
     predictions = predictions_of(args, plan)
     causal = is_causal_lm(model)
-    own_loss = plan.compute_loss is not None or plan.trainer_methods is not None  # the script's loss
-    if args.training_step == "token_cross_entropy" and not causal:
+    if isinstance(declared, TokenLoss) and not causal:
         raise ValueError(
             f"training_step: 'token_cross_entropy' trains causal LMs; {type(unwrap_peft(model)).__name__} "
             "is not one: use training_step='model_loss' (or 'auto')"
         )
-    if args.training_step == "token_cross_entropy" and predictions is not None:
+    if isinstance(declared, TokenLoss) and predictions is not None:
         raise ValueError(
             "predict_with_generate: generated predictions need training_step='model_loss' (or 'auto' for a "
             "model that is not a causal LM); 'token_cross_entropy' predicts the forward's logits"
         )
-    if args.training_step == "token_cross_entropy" and own_loss:
-        raise ValueError(
-            "training_step: 'token_cross_entropy' computes its own loss; a compute_loss needs "
-            "training_step='model_loss' (or 'auto')"
-        )
-    if args.training_step == "token_cross_entropy" or (
-        args.training_step == "auto"
-        and causal
-        and not own_loss
-        and plan.train_stream is None
-        and plan.train_loader is None
-        and predictions is None
-    ):
-        return StepSeams("token_budget", "token_cross_entropy", None)
+    items = plan.train_stream is not None or plan.train_loader is not None or predictions is not None
+    if isinstance(declared, TokenLoss) or (declared is None and causal and not items):
+        return StepSeams("token_budget", declared or TokenLoss(), None)
+    loss = declared or ForwardLoss()
     label_names = args.label_names or default_label_names(model)
-    if not own_loss and not returns_loss(model, label_names):
+    if isinstance(loss, ForwardLoss) and not returns_loss(model, label_names):
         raise ValueError(untrainable_reason(model, label_names))
     batches: BatchesSeam = "loader" if plan.train_loader is not None else "samples"
     if batches == "samples" and plan.train_stream is not None:
         batches = "stream"
-    loss: LossSeam = "trainer_methods" if plan.trainer_methods is not None else "model"
-    if loss == "model" and plan.compute_loss is not None:
-        loss = "compute_loss"
     return StepSeams(batches, loss, predictions)
 
 
@@ -284,6 +287,7 @@ def _token_batches(
     args: TrainingArgs,
     env: DistributedEnv,
     plan: RunPlan,
+    loss: TokenLoss,
     *,
     from_rank0: bool,
     skeleton: bool,
@@ -332,7 +336,7 @@ def _token_batches(
 
     return RunBatches(
         TokenCrossEntropy(
-            train_batches, args.max_batch_len, padded, args.token_metrics, args.per_device_eval_batch_size is not None
+            train_batches, args.max_batch_len, padded, loss.metrics, args.per_device_eval_batch_size is not None
         ),
         eval_set(data.val) if data.val else None,
         {name: eval_set(source) for name, source in data.named_val.items()},
@@ -342,7 +346,13 @@ def _token_batches(
 
 
 def _sample_batches(
-    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan, seams: StepSeams
+    model: PreTrainedModel,
+    tokenizer: Any,
+    args: TrainingArgs,
+    env: DistributedEnv,
+    plan: RunPlan,
+    seams: StepSeams,
+    drawn: SamplerDraw,
 ) -> RunBatches:
     """The model's-own-loss step: the items (``run_rows``: the script's datasets in place, else the data files'
     rows), Trainer's sample batches formed by the collator (the script's, else Trainer's default), the loss the
@@ -359,7 +369,7 @@ def _sample_batches(
     else:
         drop_last = _whole_batches_of(env, plan) is not None
         order = sample_order(args, train, tokenizer, collate.keep) if train is not None else None
-        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order)
+        train_batches = _item_batches(args, env, train, stream, collate, drop_last, order, drawn)
 
     def eval_set(dataset: Any) -> SampleEvalBatches:
         per_eval = args.per_device_eval_batch_size or per_device
@@ -384,12 +394,10 @@ def _sample_batches(
     # the loss and the predictions, as chosen apart: generated ids come with the model's own loss (Seq2SeqTrainer)
     generation = _generation(seams.predictions, args, env) if seams.predictions is not None else None
     step: ModelLoss
-    if seams.loss == "trainer_methods":
-        assert plan.trainer_methods is not None
-        step = TrainerMethodsStep(train_batches, model, env, plan.trainer_methods, label_names, generation)
-    elif seams.loss == "compute_loss":
-        assert plan.compute_loss is not None
-        step = CustomLoss(train_batches, model, env, plan.compute_loss, label_names, generation)
+    if isinstance(seams.loss, InstanceStep):
+        step = TrainerMethodsStep(train_batches, model, env, seams.loss.methods, label_names, generation)
+    elif isinstance(seams.loss, LossFunction):
+        step = CustomLoss(train_batches, model, env, seams.loss.fn, label_names, generation)
     else:
         step = ModelLoss(train_batches, model, env, label_names, generation, args.average_tokens_across_devices)
     return RunBatches(
@@ -426,6 +434,7 @@ def _item_batches(
     collate: ItemCollator,
     drop_last: bool,
     order: SampleOrder | None = None,
+    drawn: SamplerDraw | None = None,
 ) -> SampleBatches | StreamBatches:
     """Trainer's sample batches of the items (``train``; whole batches only under ``drop_last``, the script's
     ``dataloader_drop_last``), or of the stream (``train_stream``)."""
@@ -438,7 +447,14 @@ def _item_batches(
         return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
     workers = LoaderWorkers.of(args)
     return SampleBatches(
-        train, collate, **shape, seed=args.data_order_seed, order=order, drop_last=drop_last, workers=workers
+        train,
+        collate,
+        **shape,
+        seed=args.data_order_seed,
+        order=order,
+        drop_last=drop_last,
+        workers=workers,
+        drawn=drawn,
     )
 
 
@@ -461,12 +477,12 @@ def _loader_batches(
 
 
 def _factory_batches(
-    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan
+    model: PreTrainedModel, tokenizer: Any, args: TrainingArgs, env: DistributedEnv, plan: RunPlan, factory: StepFactory
 ) -> RunBatches:
-    """The step ``plan.step_factory`` builds (its own batches, loss and validation batches)."""
-    step = plan.step_factory(model, tokenizer, args, env, plan) if plan.step_factory is not None else None
+    """The step ``factory`` builds (``OwnStep``: its own batches, loss and validation batches)."""
+    step = factory(model, tokenizer, args, env, plan)
     if not isinstance(step, TrainStep):
-        raise TypeError(f"step_factory: {plan.step_factory!r} returned {type(step).__name__}, not a TrainStep")
+        raise TypeError(f"loss: OwnStep's factory {factory!r} returned {type(step).__name__}, not a TrainStep")
     eval_batches, named_eval_batches = step.own_eval_sets()
     return RunBatches(step, eval_batches, named_eval_batches, [], False)
 

@@ -4,8 +4,9 @@ Each rank keeps, per validation sample of its share, the predictions of its batc
 ``preprocess_logits_for_metrics``, applied per batch on the rank so full logits are kept only when no
 preprocessing is given), the row's labels and, with ``include_for_metrics``, its inputs and loss.
 Padding is removed per sample (positions where ``attention_mask`` is 0).  At the end of an evaluation
-the samples of every rank are gathered (one ``all_gather_object``), put back in dataset order (each
-validation sample is on exactly one rank: nothing duplicated, nothing dropped), padded to a common
+the samples of every rank are gathered (one ``all_gather_object``), put back in Trainer's evaluation order (each
+validation sample is on exactly one rank: nothing duplicated, nothing dropped; a sample's ``index`` is its
+position in that order: dataset order, but under ``group_by_length``), padded to a common
 length with ``-100`` (Trainer's ``padding_index``) and stacked into an ``EvalPrediction``.  Rank 0 runs
 ``compute_metrics`` and broadcasts the result, so every rank holds the same metrics (best-model
 tracking and control decisions read them).  It calls it as Trainer's ``evaluation_loop`` does

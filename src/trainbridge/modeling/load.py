@@ -58,14 +58,14 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "spie
 """Files any saved tokenizer has one of."""
 
 
-def load_processing_class(args: TrainingArgs, script: ScriptData | None = None) -> Any:
+def load_processing_class(args: TrainingArgs, script: ScriptData | None = None, items: bool = False) -> Any:
     """The run's processing class, what checkpoints save whole as Trainer's ``save_pretrained`` does.  From
     ``args.resolved_tokenizer_path`` (``tokenizer_path``, else ``model_path``, else an adapter folder's base):
     its multimodal processor (``AutoProcessor``) where the folder saved one (``has_processor``), its image
-    processor where it holds only that, else its tokenizer (``AutoTokenizer``); None for a ``model_loss`` run
-    whose folder holds neither.  Code in the folder (an ``auto_map``) runs only with
-    ``model_kwargs.trust_remote_code``.  In place (``script``: the script's data), the script's own
-    (``ScriptData.processing_class``)."""
+    processor where it holds only that, else its tokenizer (``AutoTokenizer``); None when the run trains on the
+    dataset's items (``items``: ``core.config.loss.trains_on_items``) and the folder holds neither.  Code in the
+    folder (an ``auto_map``) runs only with ``model_kwargs.trust_remote_code``.  In place (``script``: the
+    script's data), the script's own (``ScriptData.processing_class``)."""
     from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
 
     if script is not None:  # in place: the script's own object, as it is
@@ -79,7 +79,7 @@ def load_processing_class(args: TrainingArgs, script: ScriptData | None = None) 
         processor: Any = AutoProcessor.from_pretrained(str(path), **trust)
         if image_only or isinstance(processor, ProcessorMixin):
             return processor  # a multimodal processor whole; an image model's image processor
-    elif folder.is_dir() and args.training_step == "model_loss" and not has_tokenizer:
+    elif folder.is_dir() and items and not has_tokenizer:
         if not (folder / "preprocessor_config.json").is_file():
             return None  # a model saved without a processing class (Trainer needs none): the collator forms batches
     return AutoTokenizer.from_pretrained(path, **trust)
@@ -97,9 +97,9 @@ def has_processor(folder: Path) -> bool:
     return isinstance(saved, dict) and "processor_class" in saved
 
 
-def load_tokenizer(args: TrainingArgs) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(args: TrainingArgs, items: bool = False) -> PreTrainedTokenizerBase | None:
     """The tokenizer the run's data is tokenised with: ``text_tokenizer`` of ``load_processing_class``."""
-    return cast("PreTrainedTokenizerBase | None", text_tokenizer(load_processing_class(args)))
+    return cast("PreTrainedTokenizerBase | None", text_tokenizer(load_processing_class(args, items=items)))
 
 
 def text_tokenizer(processing_class: Any) -> Any:

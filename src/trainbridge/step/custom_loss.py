@@ -1,4 +1,4 @@
-"""The script's own loss on Trainer's sample batches: ``RunPlan.compute_loss`` (a Trainer subclass's
+"""The script's own loss on Trainer's sample batches: ``RunPlan.loss``: ``LossFunction`` (a Trainer subclass's
 ``compute_loss`` override or ``compute_loss_func``, set by the facade) called on each micro-batch in the
 workers, with the real model and batch.
 

@@ -1,5 +1,5 @@
 """A Trainer subclass's own step: its ``training_step`` runs each micro-batch and its ``prediction_step``
-each validation batch, in the workers, with the real model and batches (``RunPlan.trainer_methods``,
+each validation batch, in the workers, with the real model and batches (``RunPlan.loss``: ``InstanceStep``,
 set by the facade for a subclass overriding ``training_step``, ``prediction_step`` or ``compute_loss``, or
 given a ``compute_loss_func``).
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainbridge.core.config.plan import TrainerMethods
+from trainbridge.core.config.loss import TrainerMethods
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.data.loader_batches import OPAQUE_BATCH
 from trainbridge.step.base import EvalOutput

@@ -32,14 +32,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import transformers
 
+from trainbridge.checkpoint.model_files import trainers_save
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.config.plan import StepFactory
+from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, OwnStep, StepFactory, TokenLoss
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_output_folder
 from trainbridge.data import script_data
 from trainbridge.data.stream_batches import is_stream
 from trainbridge.hf import native_callbacks
 from trainbridge.hf.memory_metrics import memory_metrics
+from trainbridge.hf.trainer_state import train_metrics
 from trainbridge.launch.script_launch import ScriptLaunchError, launch_script, world_problem
 from trainbridge.modeling.saving import without_deepspeed_import
 from trainbridge.trainer import hp_search, jobs, subclass
@@ -79,7 +81,7 @@ class LoopTrainer(_TrainerBase):
     """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
     the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
     step_factory: StepFactory | None = None
-    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.step_factory``."""
+    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.loss`` (``OwnStep``)."""
     token_metrics: bool = False
     """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
@@ -269,8 +271,7 @@ class LoopTrainer(_TrainerBase):
         reproduced = self._collator_choice.reproduced and not rows.items
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
-            step_factory=self.step_factory,
-            trainer_methods=subclass.subclass_loss(self),
+            loss=self._loss_seam(rows.items),
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
@@ -282,7 +283,21 @@ class LoopTrainer(_TrainerBase):
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             callbacks=callbacks,
         )
-        return TrainerPlan(**seams, rows=rows, token_metrics=self.token_metrics)
+        return TrainerPlan(**seams, rows=rows)
+
+    def _loss_seam(self, items: bool) -> Loss:
+        """The run's loss seam, from the class: its own step (``step_factory``: trl's DPO...), the instance's
+        ``training_step`` (``subclass.subclass_loss``), the forward's own loss on the datasets' items (``items``)
+        or with generated predictions (``Seq2SeqTrainer``), else the token loss on the prepared token rows (with
+        trl's SFT metrics where the class logs them: ``token_metrics``)."""
+        methods = subclass.subclass_loss(self)
+        if self.step_factory is not None:
+            return OwnStep(self.step_factory)
+        if methods is not None:
+            return InstanceStep(methods)
+        if items or self._generates():
+            return ForwardLoss()
+        return TokenLoss(metrics=self.token_metrics)
 
     # ================================================================== train: trainbridge's loop
     def train(
@@ -323,7 +338,7 @@ class LoopTrainer(_TrainerBase):
                 self.remove_callback(report)
         if report is not None:
             report.raise_if_pruned()
-        metrics = jobs.train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
+        metrics = train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
 
@@ -412,7 +427,7 @@ class LoopTrainer(_TrainerBase):
         scope = self._in_loop
         if scope is not None and scope.checkpoint is not None:
             target = Path(output_dir) if output_dir is not None else self.output_dir
-            scope.checkpoint.default_save(target, state_dict, self.args)
+            trainers_save(scope.checkpoint, target, state_dict, self.args)
             return
         with without_deepspeed_import():
             super()._save(output_dir, state_dict=state_dict)

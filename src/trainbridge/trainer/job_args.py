@@ -16,14 +16,12 @@ from trainbridge.core.config import RunPlan, TrainingArgs, check_consistent
 from trainbridge.core.config.checks import check_world
 from trainbridge.core.config.plan import ExistingModel
 from trainbridge.data.script_data import RowPreparation, script_inputs
+from trainbridge.hf.batch_shape import batch_fields
 from trainbridge.hf.handler import is_hf_callback
 from trainbridge.trainer.optimizers import script_model
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
-
-DEFAULT_MAX_SEQ_LEN = 512
-"""``max_seq_len`` of a ported run whose rows are not tokenised yet and whose arguments name no length."""
 
 
 class LiveModel(ExistingModel):
@@ -44,10 +42,8 @@ class TrainerPlan(RunPlan):
     ``training_job`` writes into the run's ``TrainingArgs`` (a class's override changes them here, once)."""
 
     rows: RowPreparation | None = None
-    """How the datasets' rows reach the loop; ``rows.items``: Trainer's sample batches and the model's own loss
-    (``training_step='model_loss'``), else the token step's prepared rows.  Always set by ``run_plan()``."""
-    token_metrics: bool = False
-    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
+    """How the datasets' rows reach the loop; ``rows.items``: Trainer's sample batches (a ``RunPlan.loss`` of
+    those), else the token step's prepared rows.  Always set by ``run_plan()``."""
     honours_hf_fields: tuple[str, ...] = ()
     """``TrainingArguments`` fields the class applies itself through its seams, not reported ignored
     (``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
@@ -65,42 +61,24 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     data, longest = script_inputs(
         trainer.train_dataset, trainer.eval_dataset, trainer._loop_processing_class(), plan.rows
     )
-    fields: dict[str, Any] = {"ckpt_output_dir": trainer.output_dir}  # a search's trial: <output_dir>/run-<n>
-    if plan.rows.items:  # Trainer's sample batches, the model's own loss, the script's collator
-        fields.update(_sample_batch_fields(trainer))
+    hf = trainer.args
+    fields = batch_fields(hf, world_size, longest, plan.rows.items)
+    fields["ckpt_output_dir"] = trainer.output_dir  # a search's trial: <output_dir>/run-<n>
     if trainer._peft_config is not None:
         fields["peft_config"] = trainer._peft_config
-    if plan.token_metrics:  # trl's SFTTrainer: its logged metrics, per validation batch
-        fields["token_metrics"] = True
-    eval_batch = getattr(trainer.args, "per_device_eval_batch_size", None)
-    if eval_batch and not plan.rows.items:  # Trainer's validation batches: its eval_loss and per-batch metrics
-        fields["per_device_eval_batch_size"] = int(eval_batch)
     if resume is True:
         fields["resume_from_checkpoint"] = "auto"
     elif resume:
         fields["resume_from_checkpoint"] = Path(resume)
-    hf = trainer.args
     # Always run through HuggingFaceCallbacks, as a Trainer script expects: it adds Trainer's own printer /
     # progress bar, and each checkpoint gets trainer_state.json as under Trainer
     from transformers import TrainerCallback
 
     if not any(is_hf_callback(c) for c in callbacks):
         callbacks = [*callbacks, TrainerCallback()]
-    per_device = int(hf.per_device_train_batch_size)
-    accumulation = int(hf.gradient_accumulation_steps)
-    for name, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accumulation)):
-        if value < 1:  # before: a pydantic dump naming our effective_batch_size / per_device_batch_size
-            raise ValueError(f"{type(hf).__name__}.{name}={value}: must be a positive integer (1 or more)")
-    fields["effective_batch_size"] = per_device * accumulation * world_size
-    fields["per_device_batch_size"] = per_device  # Trainer's sample batches (model_loss): accumulation follows
-    max_len = getattr(hf, "max_length", None) or getattr(hf, "max_seq_length", None)
-    max_seq_len = int(longest or max_len or DEFAULT_MAX_SEQ_LEN)
-    fields["max_seq_len"] = max_seq_len
-    fields["max_batch_len"] = max(per_device * max_seq_len, max_seq_len)
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
-    if not isinstance(hf, TrainingArgs):  # a callback that raises fails train(), as under Trainer
-        fields["callback_error_policy"] = "fatal"
+    fields["callback_error_policy"] = "fatal"  # a callback that raises fails train(), as under Trainer
     honoured = {name for callback in callbacks for name in getattr(callback, "honours_hf_fields", ())}
     honoured.update(plan.honours_hf_fields)
     args = training_args_from_hf(hf, honoured=honoured, **fields)
@@ -109,17 +87,3 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     check_consistent(args, run)
     check_world(args, world_size)
     return args, run
-
-
-def _sample_batch_fields(trainer: Trainer) -> dict[str, Any]:
-    """The ``model_loss`` fields of a job that trains on the datasets' items (``RowPreparation.items``)."""
-    hf = trainer.args
-    fields: dict[str, Any] = {"training_step": "model_loss"}
-    if not isinstance(hf, TrainingArgs):
-        fields["per_device_batch_size"] = int(hf.per_device_train_batch_size)
-        fields["per_device_eval_batch_size"] = int(hf.per_device_eval_batch_size)
-        fields["remove_unused_columns"] = bool(getattr(hf, "remove_unused_columns", True))
-        label_names = getattr(hf, "label_names", None)
-        if label_names:
-            fields["label_names"] = list(label_names)
-    return fields

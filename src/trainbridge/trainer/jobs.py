@@ -8,7 +8,7 @@ whose ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's pri
 run's ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state,
 handler and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
 Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``;
-``train_metrics`` is what ``train()`` returns of it, as Trainer.
+``hf.trainer_state.train_metrics`` is what ``train()`` returns of it, as Trainer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs
 from trainbridge.core.run_dir import result_file
-from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
+from trainbridge.hf.trainer_callbacks import with_trainer_state
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -32,16 +32,6 @@ if TYPE_CHECKING:
 def world_size_of(torchrun_args: TorchrunArgs) -> int:
     """The ranks ``torchrun_args`` start (elastic ``MIN:MAX`` nodes: the most)."""
     return torchrun_args.max_world_size()
-
-
-def with_trainer_state(callbacks: list[Any]) -> tuple[list[Any], HuggingFaceCallbacks]:
-    """``callbacks`` and the ``HuggingFaceCallbacks`` among them, whose ``TrainerState`` is the job's state
-    (restored on resume as Trainer restores it); a run without HF callbacks gets one driving none (no printer)."""
-    hf = next((cb for cb in callbacks if isinstance(cb, HuggingFaceCallbacks)), None)
-    if hf is None:
-        hf = HuggingFaceCallbacks(progress=False)
-        callbacks = [*callbacks, hf]
-    return callbacks, hf
 
 
 def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
@@ -74,17 +64,6 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     return result, trainer.state
-
-
-def train_metrics(log_history: list[dict[str, Any]], disable_tqdm: bool) -> dict[str, Any]:
-    """The metrics ``Trainer.train()`` returns: its final log entry without ``step``. ``total_flos`` stays in
-    (``train_results.json`` of example scripts has it) unless ``disable_tqdm``: then Trainer's ``PrinterCallback``
-    pops it in ``on_log`` from the very dict ``train()`` returns (``ProgressCallback`` pops from a copy)."""
-    metrics = dict(next((e for e in reversed(log_history) if "train_runtime" in e), {}))
-    metrics.pop("step", None)
-    if disable_tqdm:
-        metrics.pop("total_flos", None)
-    return metrics
 
 
 def has_checkpoint(output_dir: Path) -> bool:

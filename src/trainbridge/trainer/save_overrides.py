@@ -24,14 +24,12 @@ import copy
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from trainbridge.checkpoint.layout import TRAINING_ARGS_FILE
-from trainbridge.checkpoint.model_files import HFModelFiles
+from trainbridge.core.config.plan import ModelPart
 from trainbridge.core.run_dir import checkpoint_dir
 from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
 
@@ -44,30 +42,6 @@ SAVE_METHODS = ("_save", "save_model", "_save_checkpoint")
 """The saving methods a subclass may override (each run at every checkpoint, on every rank)."""
 
 
-@dataclass
-class CheckpointWrite:
-    """``LoopScope.checkpoint`` while a checkpoint's model files are written: what the facade's
-    ``_save_checkpoint`` / ``save_model`` / ``_save`` use there."""
-
-    model: Any
-    folder: Path
-    state: dict[str, torch.Tensor] | None
-    """The gathered full weights (rank 0), as Trainer passes ``state_dict`` under FSDP."""
-    tokenizer: Any
-    weights_dtype: torch.dtype | None
-    is_rank_zero: bool
-
-    def default_save(self, output_dir: Path, state_dict: dict[str, torch.Tensor] | None, args: object) -> None:
-        """``Trainer._save``: rank 0 writes the model's files (``state_dict``, else the gathered weights) as
-        the checkpoint would, the tokenizer and ``training_args.bin``; other ranks nothing."""
-        if not self.is_rank_zero:
-            return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        state = state_dict if state_dict is not None else self.state
-        HFModelFiles().write(self.model, output_dir, 0, state, self.tokenizer, self.weights_dtype, True)
-        torch.save(args, output_dir / TRAINING_ARGS_FILE)
-
-
 class SubclassSave:
     """``ModelFiles`` for a Trainer subclass overriding a method of ``SAVE_METHODS`` (see the module doc)."""
 
@@ -78,22 +52,12 @@ class SubclassSave:
         self.whole_checkpoint = whole_checkpoint
         """The subclass overrides ``_save_checkpoint``: that is the entry point."""
 
-    def write(
-        self,
-        model: torch.nn.Module,
-        folder: Path,
-        step: int,
-        state: dict[str, torch.Tensor] | None,
-        tokenizer: object,
-        weights_dtype: torch.dtype | None,
-        is_rank_zero: bool,
-    ) -> None:
-        writing = CheckpointWrite(model, folder, state, tokenizer, weights_dtype, is_rank_zero)
-        with self.worker.call(model, checkpoint=writing) as instance:
+    def write(self, part: ModelPart) -> None:
+        with self.worker.call(part.model, checkpoint=part) as instance:
             if self.whole_checkpoint:
-                _save_checkpoint_into(instance, model, folder, step)
+                _save_checkpoint_into(instance, part.model, part.folder, part.step)
             else:
-                instance.save_model(str(folder), _internal_call=True)
+                instance.save_model(str(part.folder), _internal_call=True)
 
 
 def _save_checkpoint_into(instance: LoopTrainer, model: torch.nn.Module, folder: Path, step: int) -> None:

@@ -17,25 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers import TrainerControl, TrainerState
 
-    from trainbridge.core.config.plan import EvaluationRun
-    from trainbridge.trainer.save_overrides import CheckpointWrite
-
-
-class LogCapture:
-    """The instance's ``callback_handler`` while one of the loop's logs goes through its ``log``: keeps the
-    ``logs`` Trainer's ``log`` hands to ``on_log``."""
-
-    def __init__(self, control: TrainerControl | None) -> None:
-        self.control = control
-        self.logs: dict[str, Any] | None = None
-
-    def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any]
-    ) -> Any:
-        self.logs = logs
-        return control
+    from trainbridge.core.config.plan import EvaluationRun, ModelPart
+    from trainbridge.hf.stand_in_handlers import LogCapture
 
 
 @dataclass(frozen=True)
@@ -57,5 +42,5 @@ class LoopScope:
     """While ``log()`` runs for one of the loop's logs: what it hands to ``on_log`` is kept here."""
     routed: bool = False
     """While a log of the instance's own evaluation goes to the loop: the loop does not call ``log()`` again."""
-    checkpoint: CheckpointWrite | None = None
+    checkpoint: ModelPart | None = None
     """While a checkpoint's model files are written (``trainer.save_overrides``)."""

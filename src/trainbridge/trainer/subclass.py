@@ -5,7 +5,7 @@
 ``state`` is then the run's live ``TrainerState``, ``model_wrapped`` the engine's model, and
 ``accelerator.backward`` the loop's backward for the micro-batch under way.  What runs there:
 
-- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.trainer_methods``) when the class overrides
+- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.loss``: ``InstanceStep``) when the class overrides
   one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``needs_trainer_step``);
 - ``evaluate`` at each evaluation point on Trainer's sample batches (``trainers_evaluation``: Trainer's own
   code on the engine's model) or when the class overrides one of ``EVALUATION_METHODS``;
@@ -30,13 +30,11 @@ import torch
 from trainbridge.core.callback import Callback
 from trainbridge.core.context import TrainingContext
 from trainbridge.data.script_data import column_items
+from trainbridge.hf.stand_in_handlers import EvaluationEvents, LogCapture
 from trainbridge.parallel.script_optimizer import back_to_training
-from trainbridge.trainer.scope import LogCapture, LoopScope
+from trainbridge.trainer.scope import LoopScope
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState, TrainingArguments
-    from transformers.trainer_callback import CallbackHandler
-
     from trainbridge.core.config.plan import EvaluationRun
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
     from trainbridge.trainer.facade import LoopTrainer
@@ -211,7 +209,7 @@ class ScriptTrainer:
         columns = items_are_columns(self.instance, "eval_dataset")
         loop_evaluation = run if columns and not trainers_own else None
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
-        events = EvaluationEvents(handler, run, self)
+        events = EvaluationEvents(handler, run, partial(self.call, routed=True), self._hf)
         with self.call(run.model, evaluation=loop_evaluation, handler=events) as instance, run.autocast():
             try:
                 return dict(instance.evaluate(ignore_keys=None))
@@ -241,49 +239,6 @@ class ScriptTrainer:
     ) -> tuple[Any, Any, Any]:
         with self.call(model) as instance:
             return tuple(instance.prediction_step(model, inputs, prediction_loss_only, ignore_keys=None))  # type: ignore[return-value]
-
-
-class EvaluationEvents:
-    """The instance's ``callback_handler`` while its own ``evaluate`` runs at an evaluation point of ``train()``
-    (an override's loop, Trainer's own on items that are not columns, trl's): the ``on_log``/``on_evaluate`` it
-    fires go to the loop (``EvaluationRun.log``/``evaluate``), so every callback of the run sees them as the
-    loop's own (``TrainerCallback``s through the run's handler, and the native ones: best checkpoint, metrics
-    file); any other hook or attribute is the run's handler's."""
-
-    _handler: Any
-    _run: EvaluationRun
-    _script: ScriptTrainer
-
-    def __init__(self, handler: CallbackHandler, run: EvaluationRun, script: ScriptTrainer) -> None:
-        object.__setattr__(self, "_handler", handler)
-        object.__setattr__(self, "_run", run)
-        object.__setattr__(self, "_script", script)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handler, name)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        setattr(self._handler, name, value)  # eval_dataloader, set by Trainer's evaluation_loop
-
-    def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any]
-    ) -> Any:
-        history = state.log_history
-        if history and history[-1] == {**logs, "step": state.global_step}:
-            history.pop()  # Trainer.log's entry: the run's TrainerState records the loop's log itself
-        with self._script.call(routed=True):  # the instance's own log: ScriptTrainerEvents does not log it again
-            self._run.log(logs)
-        return self._control(control)
-
-    def on_evaluate(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, metrics: dict[str, Any]
-    ) -> Any:
-        self._run.evaluate(metrics)
-        return self._control(control)
-
-    def _control(self, control: TrainerControl) -> TrainerControl:
-        hf = self._script._hf
-        return hf.control if hf is not None and hf.control is not None else control
 
 
 class ScriptTrainerEvents(Callback):
@@ -392,7 +347,7 @@ def _evaluates(trainer: LoopTrainer) -> bool:
 
 
 def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
-    """The ``RunPlan.trainer_methods`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
+    """The ``RunPlan.loss``: ``InstanceStep`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
     overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
     training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
     batch), else None (the model's own loss, or the token step)."""

@@ -331,7 +331,7 @@ def _metric_means(rows: list[dict[str, float]], num_tokens: float) -> dict[str, 
 
 
 class DPOStepFactory:
-    """``RunPlan.step_factory`` for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
+    """``RunPlan.loss`` (``OwnStep``) for DPO: a picklable recipe that builds ``PreferenceStep`` in each worker.
 
     It carries the prepared pairs (``prepare_preference_dataset``; None: the run's rows, ``data.rows.run_rows``:
     the drop-in's ``train_dataset`` in place), the loss settings and the batch shape;

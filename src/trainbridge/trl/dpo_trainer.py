@@ -37,7 +37,7 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
 
     rows_are_items = True  # trl's prepared pairs, every column
     step_factory: DPOStepFactory | None = None
-    """``RunPlan.step_factory`` of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.loss`` (``OwnStep``) of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
 
     def _reproduces_trl(self) -> bool:
         args: Any = self.args

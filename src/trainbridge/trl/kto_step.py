@@ -173,7 +173,7 @@ class KTOStep(RecordsMetricRows, TrainStep):
 
 
 class KTOStepFactory(DPOStepFactory):
-    """``RunPlan.step_factory`` for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
+    """``RunPlan.loss`` (``OwnStep``) for KTO: builds ``KTOStep`` in each worker over the job's prepared rows (trl's
     ``KTOTrainer`` preparation, written by the facade); the reference is picked as for DPO
     (``DPOStepFactory.reference``: trl's ``ref_model``, the PEFT base, or the rows' precomputed columns)."""
 

@@ -37,7 +37,7 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
 
     rows_are_items = True  # trl's prepared rows, every column
     step_factory: KTOStepFactory | None = None
-    """``RunPlan.step_factory`` of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
+    """``RunPlan.loss`` (``OwnStep``) of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
 
     def _reproduces_trl(self) -> bool:
         from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference

@@ -104,7 +104,7 @@ class ReferenceFreeStep(RecordsMetricRows, TrainStep):
 
 
 class ReferenceFreeStepFactory:
-    """``RunPlan.step_factory`` for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
+    """``RunPlan.loss`` (``OwnStep``) for ORPO/CPO: a picklable recipe that builds ``ReferenceFreeStep`` in each
     worker over the job's prepared pairs (trl's preparation: the drop-in's ``train_dataset`` in place)."""
 
     def __init__(self, loss: PairLoss, pairs_per_micro: int, micro_per_step: int, seed: int = 0) -> None:

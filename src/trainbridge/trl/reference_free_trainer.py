@@ -32,7 +32,7 @@ class _ReferenceFree(TrlLoop):
 
     rows_are_items = True  # trl's prepared pairs, every column
     step_factory: ReferenceFreeStepFactory | None = None
-    """``RunPlan.step_factory`` of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's own step)."""
+    """``RunPlan.loss`` (``OwnStep``) of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's step)."""
 
     def _loss(self) -> ORPOLoss | CPOLoss:
         raise NotImplementedError

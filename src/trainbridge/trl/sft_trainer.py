@@ -11,7 +11,7 @@ The step: where the instance's ``compute_loss``/``training_step`` are trl's own 
 loop trains trl's prepared rows (``input_ids``, ``labels``, a packed bin's ``seq_lengths`` as one
 multi-sequence sample) with its padding-free token step, which gives trl's loss (the mean over every rank's
 loss tokens of a step) and logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``
-(``TrainingArgs.token_metrics``).  A script's subclass overriding one of them, a ``compute_loss_func``, or a
+(``TokenLoss(metrics=True)``).  A script's subclass overriding one of them, a ``compute_loss_func``, or a
 config whose loss is not the plain token mean (``loss_type="dft"``, label smoothing, a MoE router loss,
 activation offloading, vision rows, a collator of the script's) steps through trl's own ``training_step``
 on trl's collated micro-batches instead.

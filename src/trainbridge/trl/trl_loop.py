@@ -19,7 +19,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config.plan import StepFactory
+from trainbridge.core.config.loss import StepFactory
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
@@ -118,7 +118,7 @@ class TrlLoop(LoopTrainer):
         return False
 
     def _packed_step(self) -> StepFactory | None:
-        """trainbridge's step over trl's prepared rows (``RunPlan.step_factory``); None: the token step."""
+        """trainbridge's step over trl's prepared rows (``RunPlan.loss`` (``OwnStep``)); None: the token step."""
         return None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trainbridge.core.config.loss import Loss, TokenLoss, declared_loss
 from trainbridge.core.config.model import build_peft_config, peft_adapter_base
 from trainbridge.core.config.plan import RunPlan, eval_set_names, predictions_of
 
@@ -20,8 +21,7 @@ def check_consistent(args: TrainingArgs, plan: RunPlan) -> None:
     """The fields with the run's code (``plan``): the model, the data, the evaluation and the step that must
     agree with it."""
     check_model_source(args, plan)
-    check_stream(args, plan)
-    check_step_factory(plan)
+    check_stream(args, plan, declared_loss(args, plan))  # one loss seam
     predictions_of(args, plan)  # one predictions seam
     if args.distributed_backend == "deepspeed" and plan.optimizer_factory is not None:
         raise ValueError(
@@ -93,20 +93,10 @@ def check_fields(args: TrainingArgs) -> None:
         )
 
 
-def check_step_factory(plan: RunPlan) -> None:
-    """``step_factory``: a step factory forms its own loss, so nothing else may claim the step."""
-    if plan.step_factory is not None and (plan.trainer_methods is not None or plan.compute_loss is not None):
-        raise ValueError(
-            "step_factory: the step factory (e.g. trainbridge's DPOTrainer) forms its own loss, so a compute_loss, "
-            "compute_loss_func or a subclass's training_step / prediction_step / compute_loss would never run; "
-            "drop them, or subclass trainbridge.Trainer instead"
-        )
-
-
-def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
+def check_stream(args: TrainingArgs, plan: RunPlan, loss: Loss | None) -> None:
     """``data_path`` or ``train_stream``; a stream has no length, so it needs ``max_steps``; it has no rows to
-    split or plan."""
-    if plan.train_loader is not None and args.training_step == "token_cross_entropy":
+    split or plan; neither it nor a ``train_loader`` makes token-budget batches (``loss``: the declared one)."""
+    if plan.train_loader is not None and isinstance(loss, TokenLoss):
         raise ValueError("training_step: a train_loader's batches train on 'model_loss'; leave it 'auto'")
     if plan.train_stream is None:
         if args.data_path is None and plan.train_loader is None and plan.script_data is None:
@@ -121,7 +111,7 @@ def check_stream(args: TrainingArgs, plan: RunPlan) -> None:
         )
     if args.validation_split > 0:
         raise ValueError("validation_split: a train_stream cannot be split; give val_data_path instead")
-    if args.training_step == "token_cross_entropy":
+    if isinstance(loss, TokenLoss):
         raise ValueError("training_step: a train_stream trains on 'model_loss' batches; leave it 'auto'")
 
 

@@ -171,11 +171,9 @@ class BatchFields(BaseModel):
     ``default_data_collator`` as Trainer picks) and the loss the model's forward returns (any model with a
     task head: classification, masked LM, encoder-decoder, images).  ``auto``: ``token_cross_entropy`` for
     causal LMs, ``model_loss`` for every other model.  Under ``model_loss`` the data files are read as the
-    dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``)."""
-    token_metrics: bool = False
-    """``token_cross_entropy``: also log trl's SFT metrics ``entropy``, ``mean_token_accuracy`` (means over
-    the micro-batches since the last log, each reduced over ranks) and ``num_tokens`` (input tokens so
-    far), from each micro-batch's full logits (no chunked / Liger loss head then).  ``SFTTrainer`` sets it."""
+    dataset's items, unchanged (a ``text`` column without ``input_ids`` is tokenised, up to ``max_seq_len``).
+    It names the run's loss seam (``RunPlan.loss``, ``core.config.loss``: ``TokenLoss`` / ``ForwardLoss``), which the
+    run's code may give instead (``run_training(..., loss=...)``; a different one is refused)."""
     per_device_batch_size: int | None = Field(default=None, gt=0)
     """``model_loss``: items per micro-batch on one rank (Trainer's ``per_device_train_batch_size``); the
     micro-batches per step are ``effective_batch_size / (per_device_batch_size x world size)``.  None: one

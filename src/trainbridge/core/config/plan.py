@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainbridge.core.config.imports import CallbackSpec, resolve_import_path
+from trainbridge.core.config.loss import LOSSES, Loss
 from trainbridge.core.events import Event, event_from_name
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
-    from torch import nn
 
     from trainbridge.core.config.training import TrainingArgs
 
@@ -47,50 +47,6 @@ class Collator(Protocol):
     """A data collator: a list of items -> a batch (``transformers``' collators, a function)."""
 
     def __call__(self, features: list[Any]) -> Any: ...
-
-
-class ComputeLoss(Protocol):
-    """``fn(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss`` as ``Trainer.compute_loss``."""
-
-    def __call__(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class TrainerMethods(Protocol):
-    """The script's Trainer methods as a worker runs them (``trainer.subclass.ScriptTrainer``)."""
-
-    counts_items: bool
-    """Whether the step's items are counted whatever the model (Trainer counts them for a
-    ``compute_loss_func``)."""
-    counts_step: bool
-    """Whether the loader's batches carry loss items and input tokens to sum over the ranks at each step; False
-    (trl's GRPO/RLOO: raw prompt rows, a loss that reads trl's own counts): no per-step collective."""
-
-    def training_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        num_items_in_batch: Any,
-        backward: Callable[[torch.Tensor], None],
-        accumulation: int,
-    ) -> torch.Tensor:
-        """``Trainer.training_step`` on this worker's instance (``accumulation`` micro-batches per step); its
-        ``accelerator.backward(loss)`` calls ``backward(loss)``; returns the (detached) loss it reports."""
-        ...
-
-    def prediction_step(
-        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, num_items_in_batch: Any
-    ) -> tuple[Any, Any, Any]:
-        """``Trainer.prediction_step`` on this worker's instance: ``(loss, logits, labels)``; ``super()`` passes
-        ``num_items_in_batch`` (the batch's items over every rank, or None) to ``compute_loss``."""
-        ...
-
-
-class StepFactory(Protocol):
-    """``factory(model, tokenizer, args, env, plan) -> TrainStep`` (``step.base``): a step forming its own batches
-    and loss (trl's DPO) for the run of ``plan`` (its script data, model and callbacks); called once the model is
-    loaded, before the engine wraps it."""
-
-    def __call__(self, model: Any, tokenizer: Any, args: Any, env: Any, plan: RunPlan) -> Any: ...
 
 
 class TrainLoaderFactory(Protocol):
@@ -130,6 +86,23 @@ class OptimizerFactory(Protocol):
     def scheduler(self, optimizer: Any, total_steps: int, default: Any) -> Any: ...
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """A checkpoint's model part, to be written inside its temporary folder (``ModelFiles.write``)."""
+
+    model: Any
+    folder: Path
+    """The temporary folder of the checkpoint of ``step``."""
+    step: int
+    state: dict[str, torch.Tensor] | None
+    """The model's gathered full weights on rank 0 (a PEFT model's adapter weights), None on the others."""
+    tokenizer: Any
+    """The run's processing class (None: none to save)."""
+    weights_dtype: torch.dtype | None
+    """The dtype the weights are written in (None: as they are)."""
+    is_rank_zero: bool
+
+
 class ModelFiles(Protocol):
     """What writes a checkpoint's model part inside its temporary folder (``checkpoint.model_files``; HF layout
     by default)."""
@@ -137,18 +110,8 @@ class ModelFiles(Protocol):
     keeps_model_state: bool
     """The checkpoint keeps the model's own weights in ``dcp/`` (resume reads them there)."""
 
-    def write(
-        self,
-        model: Any,
-        folder: Path,
-        step: int,
-        state: dict[str, torch.Tensor] | None,
-        tokenizer: Any,
-        weights_dtype: torch.dtype | None,
-        is_rank_zero: bool,
-    ) -> None:
-        """Write ``model``'s files (``state``: its gathered full weights on rank 0) into ``folder``, the
-        temporary folder of the checkpoint of ``step`` (every rank)."""
+    def write(self, part: ModelPart) -> None:
+        """Write ``part``'s files into ``part.folder`` (called on every rank)."""
 
 
 class ComputeMetrics(Protocol):
@@ -199,12 +162,10 @@ class RunPlan:
 
     model_init: ModelInit | None = None
     """The model, built in every worker instead of loading ``model_path``."""
-    step_factory: StepFactory | None = None
-    """The step, formed by a factory (replaces the step ``training_step`` would choose)."""
-    trainer_methods: TrainerMethods | None = None
-    """A Trainer subclass's ``training_step``/``prediction_step`` (``model_loss`` batches)."""
-    compute_loss: ComputeLoss | None = None
-    """The loss of each micro-batch instead of the forward's own (``model_loss`` batches)."""
+    loss: Loss | None = None
+    """What each step trains on (``core.config.loss``): the token cross entropy, the forward's own loss, a
+    ``compute_loss`` function, a Trainer instance's ``training_step`` or a step factory's own; None:
+    ``TrainingArgs.training_step`` names it (``declared_loss``), ``auto`` chosen from the model at build time."""
     data_collator: Collator | None = None
     """The script's collator, called as written (padded batches)."""
     train_stream: Iterable[Any] | None = None
@@ -270,6 +231,12 @@ class RunPlan:
             code["model_init"] = model_init = resolve_import_path(model_init)
         if model_init is not None and not callable(model_init):
             raise ValueError(f"model_init: expected a function returning the model, got {type(model_init).__name__}")
+        loss = code.get("loss")
+        if loss is not None and not isinstance(loss, LOSSES):
+            raise ValueError(
+                f"loss: expected one of {', '.join(c.__name__ for c in LOSSES)} (trainbridge.core.config.loss), got "
+                f"{type(loss).__name__}; wrap a compute_loss function as LossFunction(fn)"
+            )
         hf_args = code.get("hf_args")
         if hf_args is not None:
             from transformers import TrainingArguments
