@@ -56,3 +56,47 @@ def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
         results.append((losses, trainer.state.train_batch_size))
     assert results[0][1] == results[1][1] == 2
     assert len(results[1][0]) == 4 and results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+
+
+def _out_of_memory_above_20_tokens(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    if kwargs["input_ids"].numel() > 20:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' own collator (the padding-free token path, micro-batches of at most ``max_batch_len`` =
+    batch x longest tokens, two a step): a forward out of memory above 20 tokens ends the search at Trainer's
+    size."""
+    from trainbridge.demos.tiny_model import build_tiny_llama_once
+
+    folder = build_tiny_llama_once(tmp_path / "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    rows = [{"input_ids": tokenizer("ab+12" * 2)["input_ids"][:9]} for _ in range(16)]
+    sizes = []
+    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+    for cls in (transformers.Trainer, Trainer):
+        for name, _ in launcher:
+            monkeypatch.delenv(name, raising=False)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / cls.__module__),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            auto_find_batch_size=True,
+            max_steps=2,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        if cls is Trainer:
+            for name, value in launcher:
+                monkeypatch.setenv(name, value)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = cls(model=model, args=args, train_dataset=rows, data_collator=collator, processing_class=tokenizer)
+        trainer.model.register_forward_pre_hook(_out_of_memory_above_20_tokens, with_kwargs=True)
+        trainer.train()
+        sizes.append((trainer.state.train_batch_size, trainer.state.global_step))
+    assert sizes[1] == sizes[0] == (2, 2)
