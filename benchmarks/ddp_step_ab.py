@@ -54,7 +54,7 @@ ARMS = {
     for arm in (
         Arm("bare", trainbridge=False),
         Arm("tb"),
-        Arm("tb_static", ddp={"static_graph": True}),  # not a default: with no_sync it stops reducing (torch #187732)
+        Arm("tb_static", ddp={"static_graph": True}),  # not a default: with no_sync (pytorch#187732)
         Arm("tb_one_bucket", ddp={"bucket_cap_mb": 64}),
         Arm("tb_one_group", one_group=True),
         Arm("tb_zero_fill", set_to_none=False),

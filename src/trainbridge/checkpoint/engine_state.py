@@ -19,6 +19,7 @@ folder is written or read, not by ``from trainbridge import Trainer``: a DDP run
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,15 +118,38 @@ def load_engine_state(engine: TrainingEngine, directory: Path) -> None:
         from trainbridge.checkpoint.dcp_io import read_dcp
 
         state = {"optimizer": engine.sharded_optimizer_state_dict()}
-        read_dcp(state, _require(sharded), env)  # each rank reads the shards it owns
+        with torch.serialization.safe_globals(optimizer_state_classes(engine.optimizer)):
+            read_dcp(state, _require(sharded), env)  # each rank reads the shards it owns
         engine.load_sharded_optimizer_state_dict(state["optimizer"])
     else:
-        optimizer = torch.load(_require(directory / OPTIMIZER_FILE), map_location=env.device, weights_only=True)
+        with torch.serialization.safe_globals(optimizer_state_classes(engine.optimizer)):
+            optimizer = torch.load(_require(directory / OPTIMIZER_FILE), map_location=env.device, weights_only=True)
         engine.load_optimizer_state_dict(optimizer)
     scheduler = torch.load(_require(directory / SCHEDULER_FILE), map_location="cpu", weights_only=True)
     engine.load_scheduler_state_dict(scheduler)
     if engine.grad_scaler_state_dict() is not None and (directory / SCALER_FILE).exists():
         engine.load_grad_scaler_state_dict(torch.load(directory / SCALER_FILE, map_location="cpu", weights_only=True))
+
+
+STATE_CLASSES = {
+    "galore_torch": (("galore_torch.galore_projector", "GaLoreProjector"),),
+    "apollo_torch": (
+        ("apollo_torch.random_projector", "GradientProjector"),
+        ("apollo_torch.svd_projector", "GaLoreProjector"),
+    ),
+}
+"""By an optimizer's package, the classes it keeps in its state beside tensors and numbers: GaLore's and APOLLO's
+gradient projectors (plain attribute holders)."""
+
+
+def optimizer_state_classes(optimizer: object) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """The classes ``torch.load(weights_only=True)`` may rebuild (from their attributes, running no code of theirs)
+    in ``optimizer``'s saved state, by its package (``STATE_CLASSES``): the run's own optimizer chose them, so a
+    GaLore or APOLLO run resumes (Trainer's ``weights_only`` load refuses them)."""
+    import importlib
+
+    package = type(optimizer).__module__.split(".")[0]
+    return [getattr(importlib.import_module(module), name) for module, name in STATE_CLASSES.get(package, ())]
 
 
 def _require(path: Path) -> Path:

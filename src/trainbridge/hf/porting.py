@@ -102,6 +102,12 @@ NOT_WARNED: dict[str, Unwarned] = {
     "bf16_full_eval": _FULL_EVAL,
     "fp16_full_eval": _FULL_EVAL,
     "use_cache": Unwarned("Trainer's own __init__ (the facade's) sets model.config.use_cache from it", same=True),
+    "auto_find_batch_size": Unwarned(
+        "Trainer's own search (find_executable_batch_size: on an out-of-memory error the run starts again with "
+        "int(0.9 x) the items per micro-batch, max_batch_len following on the token path) in one process; on "
+        "several ranks ignored with a warning: an out-of-memory error on one rank inside the gradient all-reduce "
+        "leaves the others waiting, so the ranks cannot agree to retry"
+    ),
     "dataloader_drop_last": Unwarned(
         "read from the script's TrainingArguments: the short batch is dropped (loop.build)", same=True
     ),
@@ -123,7 +129,6 @@ EXPLANATIONS: dict[str, str] = {
     "fsdp": "use distributed_backend='fsdp' (FSDP2)",
     "push_to_hub": "trainbridge never pushes to a hub",
     "label_smoothing_factor": "the loss is plain token-level cross-entropy",
-    "auto_find_batch_size": "micro-batches follow max_batch_len; there is no batch size search",
     "save_on_each_node": "rank 0 writes checkpoints to ckpt_output_dir",
     "tf32": "CUDA workers always allow TF32 matmuls and convolutions",
     "parallelism_config": (

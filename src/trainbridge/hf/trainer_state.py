@@ -53,7 +53,8 @@ class TrainerStateMirror:
             self.state = restored_state(saved)
         else:
             self.state = TrainerState(stateful_callbacks=stateful)
-            self.state.train_batch_size = args.train_batch_size
+            # the searched size under auto_find_batch_size (the run's), as Trainer's _train_batch_size
+            self.state.train_batch_size = context.args.per_device_batch_size or args.train_batch_size
             self.state.compute_steps(args, context.max_steps)
         self.state.trial_name = None
         self.state.trial_params = None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from trainbridge.parallel.backward_updates import FusedBackwardEngine, as_trainer_schedules, fuses_backward
 from trainbridge.parallel.ddp import build_ddp
 from trainbridge.parallel.deepspeed import build_deepspeed
 from trainbridge.parallel.engine import LocalEngine, TrainingEngine
@@ -47,8 +48,12 @@ def build_engine(
     if env.world_size == 1:
         cast(nn.Module, model).to(env.device)
         factory = optimizer_factory
-        optimizer = build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
-        return LocalEngine(model, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)
+        # LOMO / AdaLomo and layer-wise optimizers update during backward, as under Trainer: one process only
+        optimizer = as_trainer_schedules(
+            build_optimizer(model, args, decay_names, total_steps=total_steps, factory=factory)
+        )
+        local = FusedBackwardEngine if fuses_backward(optimizer) else LocalEngine
+        return local(model, model, optimizer, build_scheduler(optimizer, args, total_steps, factory), args, env)
     if backend == "ddp":
         return build_ddp(model, args, env, total_steps, decay_names, optimizer_factory)
     if backend == "fsdp":

@@ -13,12 +13,13 @@ Afterwards the instance's ``model`` is the trained model and its ``state`` the r
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.core.config import TorchrunArgs
+from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.run_dir import result_file
-from trainbridge.hf.trainer_callbacks import with_trainer_state
+from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks, with_trainer_state
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
@@ -27,6 +28,8 @@ from trainbridge.trainer import job_args
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
+
+logger = logging.getLogger(__name__)
 
 
 def world_size_of(torchrun_args: TorchrunArgs) -> int:
@@ -42,12 +45,28 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     handler, control = trainer.callback_handler, trainer.control
     if not trainer.accelerator._models:  # as in Trainer's train(): the model counts as prepared from here on
         trainer.accelerator._models.append(trainer.model)
-    run_callbacks, hf = with_trainer_state(assemble_callbacks(args, plan))
-    hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
-    trainer._script.bind_state(hf)  # the instance's self.state / callback_handler / control in the loop's calls
-    try:
-        loop = TrainingLoop(args, env, run_callbacks, build_run(args, plan, env))
-        result = loop.run()
+    hf: HuggingFaceCallbacks | None = None
+
+    def attempt(batch_size: int) -> tuple[TrainingLoop, RunResult]:
+        """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``)."""
+        nonlocal hf
+        run_args = with_batch_size(args, batch_size, env.world_size)
+        run_callbacks, hf = with_trainer_state(assemble_callbacks(run_args, plan))
+        hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
+        trainer._script.bind_state(hf)  # the instance's self.state / callback_handler / control in the loop's calls
+        loop = TrainingLoop(run_args, env, run_callbacks, build_run(run_args, plan, env))
+        return loop, loop.run()
+
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import find_executable_batch_size
+
+    search = isinstance(trainer.args, TrainingArguments) and bool(trainer.args.auto_find_batch_size)
+    if search and env.world_size > 1:
+        search = False
+        if env.is_world_process_zero:
+            logger.warning(AUTO_FIND_ON_RANKS)
+    try:  # auto_find_batch_size: Trainer's own search (accelerate's), on an out-of-memory error
+        loop, result = find_executable_batch_size(attempt, args.per_device_batch_size or 1, search)()
     finally:
         trainer.callback_handler, trainer.control = handler, control
     if env.is_world_process_zero:
@@ -57,13 +76,37 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     trainer.model_wrapped = loop.engine.module
     trainer.optimizer = loop.engine.optimizer
     trainer.lr_scheduler = loop.engine.lr_scheduler
-    assert hf.state is not None
+    assert hf is not None and hf.state is not None
     trainer.state = hf.state
     # evaluate()/predict() use the model as it is, as after Trainer's own train()
     trainer.accelerator._models[:] = [trainer.model_wrapped]  # type: ignore[list-item]
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     return result, trainer.state
+
+
+AUTO_FIND_ON_RANKS = (
+    "auto_find_batch_size=True is ignored on several ranks: an out-of-memory error on one rank inside the "
+    "gradient all-reduce leaves the others waiting, so the ranks cannot agree to retry; lower "
+    "per_device_train_batch_size instead (it is searched when the run has one process)"
+)
+
+
+def with_batch_size(args: TrainingArgs, batch_size: int, world_size: int) -> TrainingArgs:
+    """``args`` with ``batch_size`` items per micro-batch (``auto_find_batch_size``'s search): the same
+    accumulation, so fewer items per step, as under Trainer; the token path's ``max_batch_len`` follows."""
+    if batch_size == args.per_device_batch_size:
+        return args
+    per_device = args.per_device_batch_size or 1
+    accumulation = max(1, args.effective_batch_size // (per_device * world_size))
+    logger.info("auto_find_batch_size: training with %d items per micro-batch", batch_size)
+    return args.model_copy(
+        update={
+            "per_device_batch_size": batch_size,
+            "effective_batch_size": batch_size * accumulation * world_size,
+            "max_batch_len": max(batch_size * args.max_seq_len, args.max_seq_len),
+        }
+    )
 
 
 def has_checkpoint(output_dir: Path) -> bool:

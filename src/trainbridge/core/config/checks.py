@@ -199,26 +199,63 @@ def check_optimizer_engine(args: TrainingArgs) -> None:
             "(optim_target_modules), which FSDP2 shards across ranks; use distributed_backend='ddp', or "
             "optim='adamw_torch' with fsdp"
         )
-    if is_layerwise(optim) and args.mixed_precision == "fp16":
+    if updates_in_backward(optim) and args.mixed_precision == "fp16":
         raise ValueError(
-            f"optim={optim!r}: a layer-wise optimizer steps on each gradient during backward, before fp16's "
-            "gradient scaler could unscale it or skip an overflowed step; use mixed_precision='bf16' or 'no', "
-            f"or optim={optim.removesuffix('_layerwise')!r}"
+            f"optim={optim!r}: it updates on each gradient during backward, before fp16's gradient scaler could "
+            "unscale it or skip an overflowed step; use mixed_precision='bf16' or 'no', or optim="
+            f"{optim.removesuffix('_layerwise') if is_layerwise(optim) else 'adafactor'!r}"
         )
-    if optim in ("lomo", "adalomo"):
+    if optim == "galore_adafactor_layerwise":
         raise ValueError(
-            f"optim={optim!r}: LOMO updates the parameters inside its own fused backward, which trainbridge's "
-            "loop does not call (its engines step the optimizer after backward); use optim='adafactor' for a "
-            "low-memory optimizer, or transformers.Trainer for LOMO"
+            f"optim={optim!r}: transformers builds each layer's GaLoreAdafactor with a learning rate and "
+            "relative_step=True, which galore_torch refuses (transformers.Trainer fails the same way); use "
+            "optim='galore_adafactor' or 'galore_adamw_layerwise'"
         )
+    if optim in CUDA_ONLY and not _cuda_run(args):
+        why, instead = CUDA_ONLY[optim]
+        raise ValueError(f"optim={optim!r}: {why}, so it needs a CUDA device; use optim={instead!r} on CPU")
+
+
+CUDA_ONLY = {
+    "galore_adamw_8bit": ("galore_torch's 8-bit GaLore synchronises CUDA in every step", "galore_adamw"),
+    "galore_adamw_8bit_layerwise": (
+        "galore_torch's 8-bit GaLore synchronises CUDA in every step",
+        "galore_adamw_layerwise",
+    ),
+    "adalomo": ("lomo_optim's AdaLomo allocates its state with .cuda()", "lomo"),
+}
+"""The ``optim`` values whose package runs only on CUDA (Trainer fails on CPU too): why, and what to use instead."""
+
+
+def _cuda_run(args: TrainingArgs) -> bool:
+    """Whether the run trains on CUDA (``device``, ``auto`` resolved as the workers resolve it)."""
+    if args.device != "auto":
+        return args.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def updates_in_backward(optim: str) -> bool:
+    """Whether ``optim`` updates the parameters during ``backward``: a layer-wise optimizer (in each parameter's
+    gradient hook) or LOMO / AdaLomo (in their fused backward, ``parallel.backward_updates``)."""
+    return is_layerwise(optim) or optim in ("lomo", "adalomo")
 
 
 def check_world(args: TrainingArgs, world_size: int) -> None:
     """``optim`` with the number of processes: a layer-wise optimizer steps each parameter in its gradient
     hook during backward, before DDP has reduced the gradient over ranks and before a later micro-batch adds
-    to it, so Trainer refuses it under DDP and with gradient accumulation.  Run at every run boundary that
+    to it, so Trainer refuses it under DDP and with gradient accumulation; LOMO / AdaLomo update inside their
+    fused backward, also before the reduction (on one process they update per micro-batch, as under
+    Trainer).  Run at every run boundary that
     knows the world (``run_training``, ``Trainer.train()``, ``build_run``)."""
     optim = args.optim
+    if optim in ("lomo", "adalomo") and world_size > 1:
+        raise ValueError(
+            f"optim={optim!r}: LOMO updates each parameter inside its fused backward, before its gradient is "
+            f"reduced across ranks, so it cannot run on {world_size} processes; run one process "
+            "(nproc_per_node=1), or use optim='adafactor' for a low-memory optimizer on several"
+        )
     if not is_layerwise(optim):
         return
     if world_size > 1:

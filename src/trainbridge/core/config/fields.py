@@ -252,7 +252,9 @@ class ScheduleFields(BaseModel):
     it installed (bitsandbytes: ``pip install 'trainbridge[qlora]'``; ``schedulefree``, ``galore-torch``...).
     DeepSpeed keeps its own AdamW (``adamw_torch`` only).  Refused before launch, as they cannot work:
     layer-wise ``*_layerwise`` on more than one process, with FSDP2 or DeepSpeed, with fp16, or over more than
-    one micro-batch per step; GaLore / APOLLO with FSDP2; LOMO / AdaLomo (``core.config.checks``)."""
+    one micro-batch per step; GaLore / APOLLO with FSDP2; LOMO / AdaLomo on more than one process or with fp16
+    (they update in their fused backward, ``parallel.backward_updates``); ``galore_adafactor_layerwise``, which
+    Trainer cannot build either; 8-bit GaLore and AdaLomo without CUDA (``core.config.checks``)."""
     optim_args: dict[str, JsonValue] = Field(default_factory=dict)
     """Trainer's ``optim_args`` as a dict, read as Trainer reads them for ``optim``, e.g.
     ``{"momentum": 0.9, "nesterov": True}`` for ``sgd``, ``{"alpha": 0.9}`` for ``rmsprop``."""

@@ -1,0 +1,58 @@
+"""``auto_find_batch_size`` in one process, as Trainer: a model whose forward runs out of memory above 2 items
+a batch makes Trainer's own search (``find_executable_batch_size``) start the run again with int(0.9 x) the
+batch size, 4 -> 3 -> 2; ours trains with 2 too, with Trainer's losses and ``state.train_batch_size``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+from tests.unit.test_random_stream import VariableRows, pad
+from trainbridge import Trainer
+
+
+def _out_of_memory_above_two(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    if kwargs["input_ids"].shape[0] > 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = BertForSequenceClassification(config)
+    results: list[tuple[list[float], int]] = []
+    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
+    for cls in (transformers.Trainer, Trainer):
+        for name, _ in launcher:
+            monkeypatch.delenv(name, raising=False)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / cls.__module__),
+            per_device_train_batch_size=4,
+            auto_find_batch_size=True,
+            max_steps=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=3,
+        )
+        if cls is Trainer:
+            for name, value in launcher:
+                monkeypatch.setenv(name, value)
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
+        trainer.model.register_forward_pre_hook(_out_of_memory_above_two, with_kwargs=True)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        results.append((losses, trainer.state.train_batch_size))
+    assert results[0][1] == results[1][1] == 2
+    assert len(results[1][0]) == 4 and results[1][0] == pytest.approx(results[0][0], rel=1e-6)
