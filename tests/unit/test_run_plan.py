@@ -117,5 +117,6 @@ def test_the_loss_is_the_plans_and_token_metrics_is_no_setting(base):
         pydantic.ValidationError, match=r"token_metrics: .* loss=trainbridge.core.config.loss.TokenLoss"
     ):
         TrainingArgs(**base, token_metrics=True)
+    assert TrainingArgs(**base, token_metrics=False) == TrainingArgs(**base)  # an older config's value loads
     plan = RunPlan.from_keywords(loss=TokenLoss(metrics=True))
     assert plan.loss == TokenLoss(metrics=True) and RunPlan.from_keywords(**plan.keywords()).loss == plan.loss

@@ -82,13 +82,11 @@ class LoopTrainer(_TrainerBase):
     the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
     step_factory: StepFactory | None = None
     """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.loss`` (``OwnStep``)."""
-    token_metrics: bool = False
-    """The token step logs trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (``SFTTrainer``)."""
     rows_are_items: bool = False
+    """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     counts_step: bool = True
     """The loader's batches carry loss items and input tokens summed over the ranks at each step; False where
     they are raw rows and the loss reads its own counts (trl's GRPO/RLOO: ``step.step_totals.uncounted``)."""
-    """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     _in_loop: LoopScope | None = None
     """Set only while the loop calls into the instance (``trainer.scope``); None when the script calls."""
 
@@ -288,8 +286,8 @@ class LoopTrainer(_TrainerBase):
     def _loss_seam(self, items: bool) -> Loss:
         """The run's loss seam, from the class: its own step (``step_factory``: trl's DPO...), the instance's
         ``training_step`` (``subclass.subclass_loss``), the forward's own loss on the datasets' items (``items``)
-        or with generated predictions (``Seq2SeqTrainer``), else the token loss on the prepared token rows (with
-        trl's SFT metrics where the class logs them: ``token_metrics``)."""
+        or with generated predictions (``Seq2SeqTrainer``), else the token loss on the prepared token rows (a class
+        logging more with it overrides this: ``SFTTrainer``)."""
         methods = subclass.subclass_loss(self)
         if self.step_factory is not None:
             return OwnStep(self.step_factory)
@@ -297,7 +295,7 @@ class LoopTrainer(_TrainerBase):
             return InstanceStep(methods)
         if items or self._generates():
             return ForwardLoss()
-        return TokenLoss(metrics=self.token_metrics)
+        return TokenLoss()
 
     # ================================================================== train: trainbridge's loop
     def train(

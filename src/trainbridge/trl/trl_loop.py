@@ -110,7 +110,7 @@ class TrlLoop(LoopTrainer):
         if self._reproduces_trl() and subclass.subclass_loss(self) is None:
             self.step_factory = self._packed_step()
             return None
-        self.stands_in_for, self.token_metrics = ("_save_checkpoint",), False  # trl's compute_loss logs its own
+        self.stands_in_for = ("_save_checkpoint",)  # trl's own step (its compute_loss logs its own metrics)
         return self.data_collator
 
     def _reproduces_trl(self) -> bool:

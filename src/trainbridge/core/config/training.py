@@ -59,7 +59,7 @@ class TrainingArgs(  # pydantic orders fields from the last base to the first: m
         if not isinstance(data, dict):
             return data
         data = translate_instructlab_names(dict(data))
-        if "token_metrics" in data:  # the loss seam's now (RunPlan.loss)
+        if data.pop("token_metrics", False):  # the loss seam's now (RunPlan.loss); an older config's False: a no-op
             raise ValueError(
                 "token_metrics: trl's SFT metrics are part of the run's loss, not a setting; pass "
                 "run_training(args, torchrun_args, loss=trainbridge.core.config.loss.TokenLoss(metrics=True))"
