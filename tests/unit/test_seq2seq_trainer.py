@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from tests.run_inputs import RunInputs
 from trainbridge import Seq2SeqTrainer
 from trainbridge.core.config.loss import ForwardLoss, InstanceStep
 from trainbridge.demos.tiny_model import build_tokenizer
+from trainbridge.hf.porting import HFPortingWarning
+from trainbridge.trainer.job_args import training_job
 
 T5 = dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)
 
@@ -173,10 +176,19 @@ def test_label_smoothing_is_trainers_step_unless_the_class_generates(t5: tuple[A
     from trainbridge import Trainer
 
     args = _args(tmp_path / "out", label_smoothing_factor=0.1)
-    plain = Trainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
+    plain_trainer = Trainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0))
+    plain = plain_trainer.run_plan()
     assert isinstance(plain.loss, InstanceStep) and plain.predictions is None
-    generating = Seq2SeqTrainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0)).run_plan()
+    generating_trainer = Seq2SeqTrainer(model=t5[0], args=args, train_dataset=_reverse_rows(8, seed=0))
+    generating = generating_trainer.run_plan()
     assert generating.loss == ForwardLoss() and generating.predictions is not None
+    # the port warns that the smoothing is ignored only where it is: not where Trainer's compute_loss applies it
+    with warnings.catch_warnings(record=True) as plain_warnings:
+        warnings.simplefilter("always")
+        training_job(plain_trainer, 1, None)
+    assert not [w for w in plain_warnings if "label_smoothing_factor" in str(w.message)]
+    with pytest.warns(HFPortingWarning, match=r"label_smoothing_factor=0\.1 is ignored"):
+        training_job(generating_trainer, 1, None)
 
 
 def _trainer(

@@ -157,7 +157,6 @@ REPLACED_BY: dict[str, tuple[str, ...]] = {
     "generation_max_length": ("generation_kwargs",),
     "generation_num_beams": ("generation_kwargs",),
     "generation_config": ("generation_kwargs",),
-    "label_smoothing_factor": ("trainer_methods",),  # Trainer's own compute_loss smooths (trainer.subclass)
 }
 
 

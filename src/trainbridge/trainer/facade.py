@@ -267,9 +267,10 @@ class LoopTrainer(_TrainerBase):
         callbacks = [*memory_metrics(self), *events, *self._script_callbacks()]
         rows = self._row_preparation()
         reproduced = self._collator_choice.reproduced and not rows.items
+        loss = self._loss_seam(rows.items)
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
-            loss=self._loss_seam(rows.items),
+            loss=loss,
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
             # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
@@ -281,7 +282,11 @@ class LoopTrainer(_TrainerBase):
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
             callbacks=callbacks,
         )
-        return TrainerPlan(**seams, rows=rows)
+        honoured = (
+            *(subclass.ScriptTrainerEvents.honours_hf_fields if events else ()),
+            *(subclass.INSTANCE_STEP_HONOURS if isinstance(loss, InstanceStep) else ()),
+        )
+        return TrainerPlan(**seams, rows=rows, honours_hf_fields=honoured)
 
     def _loss_seam(self, items: bool) -> Loss:
         """The run's loss seam, from the class: its own step (``step_factory``: trl's DPO...), the instance's

@@ -18,14 +18,14 @@ from transformers import TrainingArguments
 
 from trainbridge.hf.fields import CARRIED_OVER, FIELD_LINKS
 from trainbridge.hf.porting import EXPLANATIONS, NOT_WARNED, REPLACED_BY, ignored_reason
-from trainbridge.trainer.subclass import ScriptTrainerEvents
+from trainbridge.trainer.subclass import INSTANCE_STEP_HONOURS, ScriptTrainerEvents
 
 Status = Literal["same", "differs", "ignored"]
 """``same``: as under Trainer; ``differs``: applied another way, or not at all without a warning (``why``
 says how); ``ignored``: a non-default value is ignored with an ``HFPortingWarning`` saying ``why``.  No field
 is refused as a whole (some values are, before launch: see ``why`` and the config's errors)."""
 
-HONOURING: tuple[type, ...] = (ScriptTrainerEvents,)
+HONOURING: tuple[type[ScriptTrainerEvents], ...] = (ScriptTrainerEvents,)
 """The facade's callbacks that apply ``TrainingArguments`` fields themselves (``honours_hf_fields``)."""
 
 REGENERATE = "python -m trainbridge.trainer.field_table > docs/trainer_fields.md"
@@ -54,8 +54,11 @@ def field_row(name: str) -> FieldRow:
         here = link.reads or link.ours or ""
         return FieldRow(name, "differs" if link.differs else "same", here, link.differs or "")
     for callback in HONOURING:
-        if name in getattr(callback, "honours_hf_fields", ()):
+        if name in callback.honours_hf_fields:
             return FieldRow(name, "same", f"{callback.__name__} (callback)", "applied as Trainer.train applies it")
+    if name in INSTANCE_STEP_HONOURS:
+        why = "applied by Trainer's own compute_loss, which the loop steps through; ignored with a warning where "
+        return FieldRow(name, "differs", "Trainer.compute_loss", why + "a Seq2SeqTrainer generates its predictions")
     if name in NOT_WARNED:
         unwarned = NOT_WARNED[name]
         return FieldRow(name, "same" if unwarned.same else "differs", "", unwarned.why)

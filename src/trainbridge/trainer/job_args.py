@@ -46,7 +46,7 @@ class TrainerPlan(RunPlan):
     those), else the token step's prepared rows.  Always set by ``run_plan()``."""
     honours_hf_fields: tuple[str, ...] = ()
     """``TrainingArguments`` fields the class applies itself through its seams, not reported ignored
-    (``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
+    (``ScriptTrainerEvents``' NEFTune; ``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
 
 
 def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:
@@ -79,9 +79,7 @@ def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[Traini
     if resume is None:
         fields["resume_from_checkpoint"] = None  # Trainer's args.resume_from_checkpoint is for scripts
     fields["callback_error_policy"] = "fatal"  # a callback that raises fails train(), as under Trainer
-    honoured = {name for callback in callbacks for name in getattr(callback, "honours_hf_fields", ())}
-    honoured.update(plan.honours_hf_fields)
-    args = training_args_from_hf(hf, honoured=honoured, **fields)
+    args = training_args_from_hf(hf, honoured=plan.honours_hf_fields, **fields)
     # the script's datasets and tokenizer, read in place; the TrainingArguments Hugging Face callbacks see
     run = plan.replace(script_data=data, callbacks=callbacks, hf_args=hf)
     check_consistent(args, run)

@@ -39,4 +39,5 @@ class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
     def run_plan(self) -> TrainerPlan:
         """``Trainer``'s plan, with generated predictions where the arguments ask for them."""
         predictions = Generate(self.generation_kwargs()) if self._generates() else None
-        return replace(super().run_plan(), predictions=predictions, honours_hf_fields=GENERATION_FIELDS)
+        plan = super().run_plan()
+        return replace(plan, predictions=predictions, honours_hf_fields=(*plan.honours_hf_fields, *GENERATION_FIELDS))

@@ -363,6 +363,11 @@ def _neftune(trainer: LoopTrainer) -> float | None:
     return float(alpha) if alpha is not None else None
 
 
+INSTANCE_STEP_HONOURS = ("label_smoothing_factor",)
+"""``TrainingArguments`` fields Trainer's own ``compute_loss`` applies when the loop steps through the instance
+(``needs_trainer_step``): not reported ignored then."""
+
+
 def needs_trainer_step(trainer: LoopTrainer) -> bool:
     """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches although
     the class overrides nothing: Trainer's own ``compute_loss`` forms a loss other than the forward's (a
