@@ -42,18 +42,7 @@ class RandomlyMasked(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def test_dropout_and_random_transforms_give_trainers_losses(
     accumulation: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        hidden_dropout_prob=0.3,
-        attention_probs_dropout_prob=0.3,
-        num_labels=2,
-    )
-    model = BertForSequenceClassification(config)
+    model = _classifier()
     losses: list[list[Any]] = []
     for cls in (transformers.Trainer, Trainer):
         args = TrainingArguments(
