@@ -1,10 +1,12 @@
-"""``console_to``: this process's and its children's console into a file, restored afterwards."""
+"""``console_to``: this process's and its children's console into a file, restored afterwards; ``whole_lines``:
+a worker's line leaves in one write."""
 
+import io
 import os
 import subprocess
 import sys
 
-from trainbridge.launch.console import console_to
+from trainbridge.launch.console import console_to, whole_lines
 
 
 def test_console_to_captures_python_and_child_output_then_restores(tmp_path, capfd):
@@ -19,3 +21,28 @@ def test_console_to_captures_python_and_child_output_then_restores(tmp_path, cap
     assert log.read_text().splitlines() == ["earlier", "from fd 1", "from fd 2", "from a child"]
     out, err = capfd.readouterr()
     assert out == "before\nafter\n" and err == ""
+
+
+class _Writes(io.RawIOBase):
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_under_python_u_each_printed_line_is_one_write(monkeypatch):
+    """``python -u`` (torchrun's workers) writes print's text and newline apart; another rank's line written
+    between them joins the two (seen in CI: ``[rank1]: hello from 1hello from 0``)."""
+    raw = _Writes()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)  # as PYTHONUNBUFFERED builds stdout
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "stderr", stream)
+    whole_lines()
+    print("hello from 0")
+    print("a", "b", file=sys.stderr)
+    assert raw.writes == [b"hello from 0\n", b"a b\n"]

@@ -22,6 +22,7 @@ only local rank 0, which writes to the console directly, adds its own.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -62,10 +63,23 @@ def quiet_this_process(device: str) -> None:
     defer_bitsandbytes()
 
 
+def whole_lines() -> None:
+    """Standard output and error write each line in one ``write``, flushed at its newline.
+
+    Workers run as ``python -u`` (``PYTHONUNBUFFERED``, torchrun's launch), which writes ``print``'s text and
+    its newline separately; another rank writing to the same console or log file between the two joins their
+    lines.  Line-buffered, not write-through, each line leaves whole and at once."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def configure_worker_console(rank: int, local_rank: int) -> None:
     """Logging and warnings of one worker; call before importing transformers."""
     from trainbridge.modeling.quantization import defer_bitsandbytes
 
+    whole_lines()
     defer_bitsandbytes()
     if rank != 0:
         warnings.simplefilter("ignore")

@@ -11,7 +11,7 @@ what ``torchrun script.py`` costs, or less).  What torchrun gives its workers, t
 - the objects this process made so far are frozen (``gc.freeze``): the workers' collections, their final
   one included, do not walk them, which would copy every page they share with this process;
 - local rank 0 writes to this console, the others' lines come through pipes prefixed as torchrun prefixes
-  its teed ranks (``[rank1]: ``); standard output is line-buffered, as ``python -u`` under torchrun;
+  its teed ranks (``[rank1]: ``), each line whole (``console.whole_lines``);
 - this process waits for them, forwards SIGINT/SIGTERM, stops the others when one fails (torchrun's
   policy), names the first failing rank and exits with the job's status; each worker dies with it
   (``script_workers.become_worker``).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import io
 import os
 import re
 import selectors
@@ -119,15 +118,11 @@ def fork_workers(nproc: int) -> None:
 
 def _as_torchrun_starts_a_worker() -> None:
     """What a worker's fresh interpreter would have read from its environment: ``OMP_NUM_THREADS`` (torch read
-    this process's at import), line-buffered standard output (torchrun's ``python -u``)."""
+    this process's at import); ``become_worker`` makes its output line-buffered."""
     torch = sys.modules.get("torch")
     if torch is not None:
         with contextlib.suppress(ValueError, RuntimeError):
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper):
-            with contextlib.suppress(ValueError, OSError):
-                stream.reconfigure(line_buffering=True)
 
 
 class RankOutput:

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from trainbridge.core.nproc import threads_per_worker
 from trainbridge.launch import lifeline
-from trainbridge.launch.console import RANK_PREFIX_TEMPLATE
+from trainbridge.launch.console import RANK_PREFIX_TEMPLATE, whole_lines
 from trainbridge.launch.errors import LaunchError, TrainingInterruptedError, WorkerFailedError
 from trainbridge.launch.process_exit import exit_now
 from trainbridge.launch.script_launch import SCRIPT_LAUNCH_ENV
@@ -120,8 +120,10 @@ def exit_with(code: int) -> NoReturn:
 
 # ----------------------------------------------------------------------------- in each worker
 def become_worker() -> None:
-    """Die with the launcher, and record an uncaught exception for its failure report."""
+    """Die with the launcher, write whole lines (``console.whole_lines``), and record an uncaught exception for
+    its failure report."""
     lifeline.install()
+    whole_lines()
     previous = sys.excepthook
     sys.excepthook = _recording_excepthook(previous)
 
