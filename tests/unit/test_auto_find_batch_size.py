@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification
 
 from tests.unit.test_random_stream import VariableRows, pad
 from trainbridge import Trainer
@@ -22,18 +22,14 @@ def _out_of_memory_above_two(module: Any, args: Any, kwargs: dict[str, Any]) -> 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_auto_find_batch_size_retries_with_trainers_smaller_batch(tmp_path: Path, arguments_for: Any) -> None:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     model = BertForSequenceClassification(config)
     results: list[tuple[list[float], int]] = []
-    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
     for cls in (transformers.Trainer, Trainer):
-        for name, _ in launcher:
-            monkeypatch.delenv(name, raising=False)
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=4,
             auto_find_batch_size=True,
@@ -46,9 +42,6 @@ def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
             disable_tqdm=True,
             seed=3,
         )
-        if cls is Trainer:
-            for name, value in launcher:
-                monkeypatch.setenv(name, value)
         trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
         trainer.model.register_forward_pre_hook(_out_of_memory_above_two, with_kwargs=True)
         trainer.train()
@@ -63,9 +56,7 @@ def _out_of_memory_above_20_tokens(module: Any, args: Any, kwargs: dict[str, Any
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_token_path_searches_the_batch_its_max_batch_len_follows(tmp_path: Path, arguments_for: Any) -> None:
     """transformers' own collator (the padding-free token path, micro-batches of at most ``max_batch_len`` =
     batch x longest tokens, two a step): a forward out of memory above 20 tokens ends the search at Trainer's
     size."""
@@ -75,11 +66,9 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     rows = [{"input_ids": tokenizer("ab+12" * 2)["input_ids"][:9]} for _ in range(16)]
     sizes = []
-    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
     for cls in (transformers.Trainer, Trainer):
-        for name, _ in launcher:
-            monkeypatch.delenv(name, raising=False)
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=4,
             gradient_accumulation_steps=2,
@@ -90,9 +79,6 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
             use_cpu=True,
             disable_tqdm=True,
         )
-        if cls is Trainer:
-            for name, value in launcher:
-                monkeypatch.setenv(name, value)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
         trainer = cls(model=model, args=args, train_dataset=rows, data_collator=collator, processing_class=tokenizer)
