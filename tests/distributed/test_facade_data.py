@@ -11,6 +11,8 @@ steps and epochs, metric keys and checkpoints; the script's collator gets the it
   ``self.accelerator``): the override runs in each rank's process (per-rank markers: the script's own
   process on each rank, under ``python script.py`` too) and each rank trains on exactly the batches it trains
   on under Trainer (accelerate's sharding).
+- ``afbs``: ``auto_find_batch_size`` with a forward out of memory above 3 items on rank 1 alone (ours; on every
+  rank for the reference, where Trainer's per-process search agrees only so), then a fresh Trainer resuming.
 
 The real Trainer's runs of the four cases share one launch (``references``: one after another in the same
 processes); ours, one launch per style (``ours``).
@@ -38,7 +40,7 @@ LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler"
 ``python script.py`` for the sampler case and under torchrun for the loader case, whose path is the same)."""
 
 
-KINDS = ["stream", "hfstream", "sampler", "loader"]
+KINDS = ["stream", "hfstream", "sampler", "loader", "afbs"]
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,26 @@ def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(
         launched = ours_runs[-1]
         pids = {line.split()[1] for rank in range(2) for line in launched["markers"][f"{kind}-rank{rank}.txt"]}
         assert len(pids) == 2 and str(launched["pid"]) in pids  # the script itself on each rank, as under torchrun
+
+
+def test_auto_find_batch_size_is_agreed_by_the_ranks_and_resumed_as_under_trainer(
+    references: dict[str, dict], ours: dict[str, dict[str, dict]]
+) -> None:
+    """One rank's out-of-memory error in a forward makes every rank retry with Trainer's smaller size (4 -> 3)
+    instead of leaving the other waiting in the gradient all-reduce; a fresh Trainer resuming starts from the
+    checkpoint's size (no second error), as Trainer restores ``TrainerState.train_batch_size``.  Same items on each
+    rank and the same losses as Trainer's."""
+    real, (ours_run,) = _runs(references, ours, "afbs")
+    assert real["global_step"] == 5 and real["checkpoints"] == [
+        "checkpoint-2",
+        "checkpoint-3",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
+    markers = ours_run["markers"]
+    assert "oom-rank0.txt" not in markers and markers["oom-rank1.txt"] == ["4"]  # one error, rank 1's, at 4 items
+    assert real["markers"]["oom-rank0.txt"] == real["markers"]["oom-rank1.txt"] == ["4"]
+    for rank in range(2):  # both runs' state.train_batch_size, on each rank
+        assert markers[f"size-rank{rank}.txt"] == real["markers"][f"size-rank{rank}.txt"] == ["3", "3"]
+        assert markers[f"seen-rank{rank}.txt"] == real["markers"][f"seen-rank{rank}.txt"]
+    assert ours_run["losses"] == pytest.approx(real["losses"], rel=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,3 +87,42 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(tmp_path: P
         trainer.train()
         sizes.append((trainer.state.train_batch_size, trainer.state.global_step))
     assert sizes[1] == sizes[0] == (2, 2)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_on_several_ranks_only_a_forwards_error_is_retried(where: str) -> None:
+    """The agreed search (``hf.batch_size_search.agreed``; one process here, where its all-reduce is the identity):
+    an out-of-memory error inside a training forward of the DDP engine's model is retried with Trainer's smaller
+    size; one after the forward ends the search with an error naming it (the ranks could not agree on it).  The
+    2-rank run: tests/distributed/test_facade_data.py::test_auto_find_batch_size_is_agreed_by_the_ranks_and_..."""
+    from transformers.trainer_utils import find_executable_batch_size
+
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.hf.batch_size_search import UnagreedOutOfMemory, agreed
+
+    model = torch.nn.Linear(2, 2)
+    engine = SimpleNamespace(kind="ddp", unwrapped=model)
+    sizes: list[int] = []
+
+    def attempt(batch_size: int, agreeing: Any) -> int:
+        sizes.append(batch_size)
+        with agreeing(engine):
+            model(torch.ones(batch_size, 2, requires_grad=True)).sum().backward()
+        return batch_size
+
+    def out_of_memory(at: str) -> Any:
+        def hook(module: Any, *args: Any) -> None:
+            if sizes[-1] > 3 and where == at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        return hook
+
+    model.register_forward_pre_hook(out_of_memory("forward"))
+    model.register_full_backward_pre_hook(out_of_memory("backward"))
+    search = find_executable_batch_size(agreed(attempt, DistributedEnv()), 4, True)
+    if where == "forward":
+        assert search() == 3 and sizes == [4, 3]
+    else:
+        with pytest.raises(UnagreedOutOfMemory, match="rank 0 ran out of memory outside a training forward with 4"):
+            search()
+        assert sizes == [4]
