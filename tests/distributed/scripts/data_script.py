@@ -170,6 +170,7 @@ def train(kind: str, resume: bool = False) -> None:
     if kind == "afbs":
         with (out / f"size-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
             handle.write(f"{trainer.state.train_batch_size}\n")
+        torch.distributed.barrier()  # every rank's marker written before rank 0 reads them
         if not resume:
             return train(kind, resume=True)
     if trainer.is_world_process_zero():
