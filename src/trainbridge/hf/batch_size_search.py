@@ -7,9 +7,10 @@ of the model every rank adds its flag to one small all-reduce (``AgreedForwards`
 every rank raises, and Trainer's search goes on with the same smaller size everywhere.  This costs one collective
 per micro-batch, only under ``auto_find_batch_size`` on several ranks.
 
-An out-of-memory error the ranks cannot agree on (in a backward or an optimizer step, or inside FSDP2's or
-DeepSpeed's forward, which gather weights) ends the run with an error that names it, rather than a search on one
-rank while the others wait: the launcher then stops every rank.
+An out-of-memory error the ranks cannot agree on (after the forward: a loss computed outside the model, as the
+token path's cross entropy, a backward or an optimizer step; or inside FSDP2's or DeepSpeed's forward, which gather
+weights) ends the run with an error that names it, rather than a search on one rank while the others wait: the
+launcher then stops every rank.
 
 On resume the search starts from the checkpoint's ``TrainerState.train_batch_size``, as Trainer's ``train()``.
 """
