@@ -21,7 +21,6 @@ from transformers import TrainingArguments
 from trainbridge.core.callback import Callback
 from trainbridge.core.config.loss import StepFactory
 from trainbridge.core.context import TrainingContext
-from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
 
 
@@ -107,7 +106,7 @@ class TrlLoop(LoopTrainer):
         on trl's batches, only ``_save_checkpoint`` stood in for."""
         if not self.stands_in_for:
             return self.data_collator
-        if self._reproduces_trl() and subclass.subclass_loss(self) is None:
+        if self._reproduces_trl() and not self._steps_through_instance():
             self.step_factory = self._packed_step()
             return None
         self.stands_in_for = ("_save_checkpoint",)  # trl's own step (its compute_loss logs its own metrics)
