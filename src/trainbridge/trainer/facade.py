@@ -35,7 +35,7 @@ import transformers
 from trainbridge.callbacks.neftune import NEFTune
 from trainbridge.checkpoint.model_files import trainers_save
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, OwnStep, StepFactory, TokenLoss
+from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, TokenLoss
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_output_folder
 from trainbridge.data import script_data
@@ -81,8 +81,6 @@ class LoopTrainer(_TrainerBase):
     stands_in_for: tuple[str, ...] = ()
     """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
     the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
-    step_factory: StepFactory | None = None
-    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.loss`` (``OwnStep``)."""
     rows_are_items: bool = False
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     counts_step: bool = True
@@ -248,9 +246,9 @@ class LoopTrainer(_TrainerBase):
     def run_plan(self) -> TrainerPlan:
         """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
         here at each ``train()`` from its class (what it overrides: ``subclass.overrides``), objects and datasets;
-        a class with a step of its own sets ``step_factory``, one with settings of its own overrides this and
-        calls ``super()`` (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank
-        beside it (``job_args``)."""
+        a class with a loss of its own overrides ``_loss_seam`` (trl's: ``TrlLoop``), one with settings of its
+        own overrides this and calls ``super()`` (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is
+        prepared on every rank beside it (``job_args``)."""
         script = self._script
         # the instance's own get_train_dataloader: its class overrides it, or the items are not dicts of columns
         own_loader = subclass.overrides(self, subclass.LOADER_METHODS) or not subclass.items_are_columns(
@@ -304,12 +302,9 @@ class LoopTrainer(_TrainerBase):
         return self.label_smoother is not None and not self._generates()
 
     def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
-        """The run's loss seam, from the class: its own step (``step_factory``: trl's DPO...), the instance's
-        ``training_step`` (``instance_step``), the forward's own loss on the datasets' items (``items``) or with
-        generated predictions (``Seq2SeqTrainer``), else the token loss on the prepared token rows (a class
-        logging more with it overrides this: ``SFTTrainer``)."""
-        if self.step_factory is not None:
-            return OwnStep(self.step_factory)
+        """The run's loss seam, from the class: the instance's ``training_step`` (``instance_step``), the forward's
+        own loss on the datasets' items (``items``) or with generated predictions (``Seq2SeqTrainer``), else the
+        token loss on the prepared token rows; a class with a step of its own overrides this (trl's: ``TrlLoop``)."""
         if instance_step:
             return InstanceStep(self._script)
         if items or self._generates():

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config.loss import StepFactory
+from trainbridge.core.config.loss import Loss, OwnStep, StepFactory
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer.facade import LoopTrainer
 
@@ -85,6 +85,9 @@ class ShardedReference(Callback):
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
+    step_factory: StepFactory | None = None
+    """trainbridge's own step for trl's loss (DPO, KTO, ORPO/CPO), chosen at construction (``_choose_step``)."""
+
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
@@ -111,6 +114,12 @@ class TrlLoop(LoopTrainer):
             return None
         self.stands_in_for = ("_save_checkpoint",)  # trl's own step (its compute_loss logs its own metrics)
         return self.data_collator
+
+    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
+        """trainbridge's own step where it stands in for trl's (``step_factory``), else ``LoopTrainer``'s choice."""
+        if self.step_factory is not None:
+            return OwnStep(self.step_factory)
+        return super()._loss_seam(items, instance_step)
 
     def _reproduces_trl(self) -> bool:
         """Whether trainbridge's step gives trl's loss for this instance's config and data."""
