@@ -313,17 +313,15 @@ class LoopTrainer(_TrainerBase):
 
     def _evaluation(self, items: bool) -> Callable[..., Any] | None:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point (``ScriptTrainer``), where
-        its class overrides one of ``subclass.EVALUATION_METHODS`` or its evaluation items are not dicts of
-        columns; Trainer's own throughout (``evaluation_loop``, ``prediction_step``, ``compute_metrics`` as
-        Trainer calls them) where the run trains on Trainer's sample batches (``items``) and ``evaluate`` is
-        Trainer's, unless under ``TrainingArguments.deepspeed`` (whose ``evaluation_loop`` would start an engine
-        of its own); else None: the loop's own evaluation (padding-free on token batches)."""
-        trainers = type(self).evaluate is LoopTrainer.evaluate and not self.is_deepspeed_enabled
-        if self.eval_dataset is not None and items and trainers:
+        its class overrides one of ``subclass.EVALUATION_METHODS``; Trainer's own code throughout
+        (``evaluation_loop``, ``prediction_step``, ``compute_metrics`` as Trainer calls them) where the evaluation
+        items are not dicts of columns, or the run trains on Trainer's sample batches (``items``) and ``evaluate``
+        is Trainer's, unless under ``TrainingArguments.deepspeed`` (whose ``evaluation_loop`` would start an
+        engine of its own); else None: the loop's own evaluation (padding-free on token batches)."""
+        trainers = self.eval_dataset is not None and items and type(self).evaluate is LoopTrainer.evaluate
+        if not subclass.items_are_columns(self, "eval_dataset") or (trainers and not self.is_deepspeed_enabled):
             return partial(self._script.evaluation, trainers_own=True)
-        if subclass.overrides(self, subclass.EVALUATION_METHODS):
-            return self._script.evaluation
-        return None if subclass.items_are_columns(self, "eval_dataset") else self._script.evaluation
+        return self._script.evaluation if subclass.overrides(self, subclass.EVALUATION_METHODS) else None
 
     # ================================================================== train: trainbridge's loop
     def train(

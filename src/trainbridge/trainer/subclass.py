@@ -191,11 +191,10 @@ class ScriptTrainer:
     def evaluation(self, run: EvaluationRun, trainers_own: bool = False) -> dict[str, float]:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point, on the engine's model
         (``run.model``) in its precision.  Trainer's own ``evaluate`` there is ``run`` (the loop's evaluation:
-        logs, ``on_evaluate``) unless ``trainers_own`` (``LoopTrainer._evaluation``) or the evaluation items are not
-        dicts of columns: then it is Trainer's own code throughout.  What the instance's evaluation logs and
-        evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
-        columns = items_are_columns(self.instance, "eval_dataset")
-        loop_evaluation = run if columns and not trainers_own else None
+        logs, ``on_evaluate``) unless ``trainers_own`` (``LoopTrainer._evaluation``): then it is Trainer's own code
+        throughout.  What the instance's evaluation logs and evaluates through its ``callback_handler`` goes to the
+        loop (``EvaluationEvents``)."""
+        loop_evaluation = None if trainers_own else run
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
         events = EvaluationEvents(handler, run, partial(self.call, routed=True), self._hf)
         with self.call(run.model, evaluation=loop_evaluation, handler=events) as instance, run.autocast():
