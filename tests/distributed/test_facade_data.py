@@ -3,14 +3,17 @@ ranks, against transformers.Trainer under torchrun (``scripts/data_script.py``):
 steps and epochs, metric keys and checkpoints; the script's collator gets the items (tensors) in the workers.
 
 - ``stream``: a torch ``IterableDataset`` defined in the script, shorter than ``max_steps`` needs: each rank
-  builds its own (``python script.py`` too, as under torchrun), takes disjoint micro-batches, and iterates it again for
-  the next epoch (``set_epoch`` in each worker) as under Trainer, on the same items Trainer trained on;
+  builds its own (``python script.py`` too, as under torchrun); rank 0 reads and collates every rank's micro-batch
+  and sends each its own, as accelerate's ``dispatch_batches`` under Trainer, and the stream is iterated again for
+  the next epoch (``set_epoch`` in each worker), on the same items Trainer trained on;
   ``hfstream``: the same with a ``datasets`` stream (``to_iterable_dataset()``).
 - ``sampler``: a subclass's ``_get_train_sampler`` (a curriculum order) and ``loader``: a subclass's
   ``get_train_dataloader`` (its own batch size, sampler and collate function, prepared with
   ``self.accelerator``): the override runs in each rank's process (per-rank markers: the script's own
   process on each rank, under ``python script.py`` too) and each rank trains on exactly the batches it trains
   on under Trainer (accelerate's sharding).
+- ``afbs``: ``auto_find_batch_size`` with a forward out of memory above 3 items on rank 1 alone (ours; on every
+  rank for the reference, where Trainer's per-process search agrees only so), then a fresh Trainer resuming.
 
 The real Trainer's runs of the four cases share one launch (``references``: one after another in the same
 processes); ours, one launch per style (``ours``).
@@ -19,7 +22,6 @@ processes); ours, one launch per style (``ours``).
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler"
 ``python script.py`` for the sampler case and under torchrun for the loader case, whose path is the same)."""
 
 
-KINDS = ["stream", "hfstream", "sampler", "loader"]
+KINDS = ["stream", "hfstream", "sampler", "loader", "afbs"]
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +91,16 @@ def test_an_iterable_dataset_streams_as_under_trainer(
     real, ours_runs = _runs(references, ours, kind)
     assert real["global_step"] == 5 and real["log_epochs"] == [0.2, 0.4, 0.6, 1.2, 1.4]  # a second pass
     # under Trainer rank 0 reads and collates every micro-batch (accelerate dispatches them; it reads ahead)
-    consumed = [i for batch in _batches(real["markers"]["seen-rank0.txt"])[: 5 * 2 * 2] for i in batch]
+    assert "seen-rank1.txt" not in real["markers"]
     for ours in ours_runs:
-        ranks = [_batches(ours["markers"][f"seen-rank{r}.txt"]) for r in range(2)]
-        # 5 steps x 2 micro-batches, each rank, and one read ahead of the last step (a round, as Trainer's)
-        assert [len(batches) for batches in ranks] == [11, 11]
-        ranks = [batches[:10] for batches in ranks]
-        assert all(len(batch) == 2 for batches in ranks for batch in batches)  # per_device_train_batch_size
-        first_pass = [set(i for batch in batches[:6] for i in batch) for batches in ranks]
-        assert not first_pass[0] & first_pass[1]  # disjoint shares
-        assert Counter(i for batches in ranks for batch in batches for i in batch) == Counter(consumed)
+        # so does ours: rank 0 collates every rank's micro-batches, in Trainer's order (5 steps x 2 micro-batches x
+        # 2 ranks, and a round ahead of each pass), and sends each rank its own; rank 1 collates none
+        assert ours["markers"]["seen-rank0.txt"] == real["markers"]["seen-rank0.txt"]
+        assert "seen-rank1.txt" not in ours["markers"]
+        batches = _batches(ours["markers"]["seen-rank0.txt"])
+        assert len(batches) == 22 and all(len(batch) == 2 for batch in batches)  # per_device_train_batch_size
+        first_pass = [set(i for batch in batches[rank:12:2] for i in batch) for rank in range(2)]
+        assert not first_pass[0] & first_pass[1]  # disjoint shares: micro-batch i of a round is rank i's
         for rank in range(2 if kind == "stream" else 0):  # each worker iterated the stream again, with set_epoch
             assert sorted(set(ours["markers"][f"epochs-rank{rank}.txt"])) == ["0", "1"]
 
@@ -119,3 +121,26 @@ def test_a_subclass_data_override_runs_in_the_workers_as_under_trainer(
         launched = ours_runs[-1]
         pids = {line.split()[1] for rank in range(2) for line in launched["markers"][f"{kind}-rank{rank}.txt"]}
         assert len(pids) == 2 and str(launched["pid"]) in pids  # the script itself on each rank, as under torchrun
+
+
+def test_auto_find_batch_size_is_agreed_by_the_ranks_and_resumed_as_under_trainer(
+    references: dict[str, dict], ours: dict[str, dict[str, dict]]
+) -> None:
+    """One rank's out-of-memory error in a forward makes every rank retry with Trainer's smaller size (4 -> 3)
+    instead of leaving the other waiting in the gradient all-reduce; a fresh Trainer resuming starts from the
+    checkpoint's size (no second error), as Trainer restores ``TrainerState.train_batch_size``.  Same items on each
+    rank and the same losses as Trainer's."""
+    real, (ours_run,) = _runs(references, ours, "afbs")
+    assert real["global_step"] == 5 and real["checkpoints"] == [
+        "checkpoint-2",
+        "checkpoint-3",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
+    markers = ours_run["markers"]
+    assert "oom-rank0.txt" not in markers and markers["oom-rank1.txt"] == ["4"]  # one error, rank 1's, at 4 items
+    assert real["markers"]["oom-rank0.txt"] == real["markers"]["oom-rank1.txt"] == ["4"]
+    for rank in range(2):  # both runs' state.train_batch_size, on each rank
+        assert markers[f"size-rank{rank}.txt"] == real["markers"][f"size-rank{rank}.txt"] == ["3", "3"]
+        assert markers[f"seen-rank{rank}.txt"] == real["markers"][f"seen-rank{rank}.txt"]
+    assert ours_run["losses"] == pytest.approx(real["losses"], rel=1e-6)

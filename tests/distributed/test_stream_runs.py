@@ -1,6 +1,7 @@
 """A streaming ``IterableDataset`` (``TrainingArgs.train_stream``) through run_training on 2 real gloo ranks:
 it travels to the self-launched workers by value, trains ``max_steps`` steps, and the ranks see disjoint items
-(each reads one round of micro-batches ahead of its step, as under Trainer)."""
+(rank 0 reads and collates them, one round of micro-batches ahead of the step, and sends each rank its own, as
+accelerate dispatches a stream under Trainer)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,13 @@ def test_two_ranks_stream_disjoint_items_for_max_steps(tmp_path):
     )
     result = run_training(args, TorchrunArgs(nproc_per_node=2))
     assert result.global_step == 5
-    ranks = [[int(x) for x in (seen / f"seen-{rank}.txt").read_text().split()] for rank in range(2)]
-    # 5 steps x 2 micro-batches x 2 items on each rank, and one micro-batch read ahead of the last step (as
-    # accelerate's DataLoaderDispatcher reads a round ahead under Trainer)
-    assert len(ranks[0]) == len(ranks[1]) == 5 * 4 + 2
-    ranks = [items[: 5 * 4] for items in ranks]
+    # rank 0 reads the stream and collates every rank's micro-batch (accelerate's dispatch_batches under Trainer):
+    # 5 steps x 2 micro-batches x 2 ranks of 2 items, and one round read ahead of the last step (as accelerate's
+    # DataLoaderDispatcher); rank 1 collates none
+    assert not (seen / "seen-1.txt").exists()
+    items = [int(x) for x in (seen / "seen-0.txt").read_text().split()]
+    assert len(items) == 5 * 8 + 4
+    micro_batches = [items[i : i + 2] for i in range(0, 5 * 8, 2)]
+    ranks = [[i for batch in micro_batches[rank::2] for i in batch] for rank in range(2)]  # micro-batch i: rank i
     assert not set(ranks[0]) & set(ranks[1])
     assert sorted(ranks[0] + ranks[1]) == list(range(5 * 8))

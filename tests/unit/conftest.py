@@ -42,3 +42,28 @@ def args_for(tmp_path: Path, tiny_llama: Path) -> Callable[..., Any]:
         return split_run(**values)
 
     return make
+
+
+LAUNCHER_VARIABLES = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"))
+
+
+@pytest.fixture
+def arguments_for(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``arguments_for(cls, **fields)``: ``TrainingArguments(**fields)`` for a side-by-side run of
+    ``transformers.Trainer`` then ``trainbridge.Trainer`` in this process.  The arguments are built without a
+    launcher's variables (they would start a process group); for ours, the variables of a one-process launch
+    are set after them, as our in-place ``train()`` runs under a launcher."""
+    from transformers import TrainingArguments
+
+    from trainbridge import Trainer
+
+    def make(cls: type, **fields: Any) -> Any:
+        for name, _ in LAUNCHER_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        args = TrainingArguments(**fields)
+        if issubclass(cls, Trainer):
+            for name, value in LAUNCHER_VARIABLES:
+                monkeypatch.setenv(name, value)
+        return args
+
+    return make

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification
 
 from tests.unit.test_random_stream import VariableRows, pad
 from trainbridge import Trainer
@@ -22,18 +23,14 @@ def _out_of_memory_above_two(module: Any, args: Any, kwargs: dict[str, Any]) -> 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_auto_find_batch_size_retries_with_trainers_smaller_batch(tmp_path: Path, arguments_for: Any) -> None:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     model = BertForSequenceClassification(config)
     results: list[tuple[list[float], int]] = []
-    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
     for cls in (transformers.Trainer, Trainer):
-        for name, _ in launcher:
-            monkeypatch.delenv(name, raising=False)
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=4,
             auto_find_batch_size=True,
@@ -46,9 +43,6 @@ def test_auto_find_batch_size_retries_with_trainers_smaller_batch(
             disable_tqdm=True,
             seed=3,
         )
-        if cls is Trainer:
-            for name, value in launcher:
-                monkeypatch.setenv(name, value)
         trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
         trainer.model.register_forward_pre_hook(_out_of_memory_above_two, with_kwargs=True)
         trainer.train()
@@ -63,9 +57,7 @@ def _out_of_memory_above_20_tokens(module: Any, args: Any, kwargs: dict[str, Any
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_token_path_searches_the_batch_its_max_batch_len_follows(tmp_path: Path, arguments_for: Any) -> None:
     """transformers' own collator (the padding-free token path, micro-batches of at most ``max_batch_len`` =
     batch x longest tokens, two a step): a forward out of memory above 20 tokens ends the search at Trainer's
     size."""
@@ -75,11 +67,9 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     rows = [{"input_ids": tokenizer("ab+12" * 2)["input_ids"][:9]} for _ in range(16)]
     sizes = []
-    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
     for cls in (transformers.Trainer, Trainer):
-        for name, _ in launcher:
-            monkeypatch.delenv(name, raising=False)
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=4,
             gradient_accumulation_steps=2,
@@ -90,9 +80,6 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
             use_cpu=True,
             disable_tqdm=True,
         )
-        if cls is Trainer:
-            for name, value in launcher:
-                monkeypatch.setenv(name, value)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
         trainer = cls(model=model, args=args, train_dataset=rows, data_collator=collator, processing_class=tokenizer)
@@ -100,3 +87,42 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(
         trainer.train()
         sizes.append((trainer.state.train_batch_size, trainer.state.global_step))
     assert sizes[1] == sizes[0] == (2, 2)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_on_several_ranks_only_a_forwards_error_is_retried(where: str) -> None:
+    """The agreed search (``hf.batch_size_search.agreed``; one process here, where its all-reduce is the identity):
+    an out-of-memory error inside a training forward of the DDP engine's model is retried with Trainer's smaller
+    size; one after the forward ends the search with an error naming it (the ranks could not agree on it).  The
+    2-rank run: tests/distributed/test_facade_data.py::test_auto_find_batch_size_is_agreed_by_the_ranks_and_..."""
+    from transformers.trainer_utils import find_executable_batch_size
+
+    from trainbridge.core.distributed import DistributedEnv
+    from trainbridge.hf.batch_size_search import UnagreedOutOfMemory, agreed
+
+    model = torch.nn.Linear(2, 2)
+    engine = SimpleNamespace(kind="ddp", unwrapped=model)
+    sizes: list[int] = []
+
+    def attempt(batch_size: int, agreeing: Any) -> int:
+        sizes.append(batch_size)
+        with agreeing(engine):
+            model(torch.ones(batch_size, 2, requires_grad=True)).sum().backward()
+        return batch_size
+
+    def out_of_memory(at: str) -> Any:
+        def hook(module: Any, *args: Any) -> None:
+            if sizes[-1] > 3 and where == at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        return hook
+
+    model.register_forward_pre_hook(out_of_memory("forward"))
+    model.register_full_backward_pre_hook(out_of_memory("backward"))
+    search = find_executable_batch_size(agreed(attempt, DistributedEnv()), 4, True)
+    if where == "forward":
+        assert search() == 3 and sizes == [4, 3]
+    else:
+        with pytest.raises(UnagreedOutOfMemory, match="rank 0 ran out of memory outside a training forward with 4"):
+            search()
+        assert sizes == [4]

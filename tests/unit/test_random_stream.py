@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification
 
 from trainbridge import Trainer
 
@@ -40,12 +40,13 @@ class RandomlyMasked(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_dropout_and_random_transforms_give_trainers_losses(
-    accumulation: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    accumulation: int, tmp_path: Path, arguments_for: Any
 ) -> None:
     model = _classifier()
     losses: list[list[Any]] = []
     for cls in (transformers.Trainer, Trainer):
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=4,
             gradient_accumulation_steps=accumulation,
@@ -58,9 +59,6 @@ def test_dropout_and_random_transforms_give_trainers_losses(
             disable_tqdm=True,
             seed=3,
         )
-        if cls is Trainer:  # in place, as under a launcher (after the arguments)
-            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-                monkeypatch.setenv(name, value)
         trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=RandomlyMasked(16))
         trainer.train()
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
@@ -89,12 +87,10 @@ def pad(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([i["labels"] for i in items])}
 
 
-def _grouped_run(cls: type, model: Any, out: Path, monkeypatch: pytest.MonkeyPatch, **arguments: Any) -> Any:
+def _grouped_run(cls: type, model: Any, out: Path, arguments_for: Any, **arguments: Any) -> Any:
     """A classifier with dropout under ``group_by_length``, 4 steps of 4 items an epoch, three epochs."""
-    launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
-    for name, _ in launcher:  # TrainingArguments would start a process group under a launcher's variables
-        monkeypatch.delenv(name, raising=False)
-    args = TrainingArguments(
+    args = arguments_for(
+        cls,
         output_dir=str(out),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -108,9 +104,6 @@ def _grouped_run(cls: type, model: Any, out: Path, monkeypatch: pytest.MonkeyPat
         train_sampling_strategy="group_by_length",
         **{"save_strategy": "no", **arguments},
     )
-    if cls is Trainer:  # in place, as under a launcher (after the arguments)
-        for name, value in launcher:
-            monkeypatch.setenv(name, value)
     trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
     seen: list[list[int]] = []
     trainer.model.register_forward_pre_hook(
@@ -134,15 +127,13 @@ def _classifier() -> Any:
     return BertForSequenceClassification(config)
 
 
-def test_group_by_length_epochs_draw_trainers_order_after_dropout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_group_by_length_epochs_draw_trainers_order_after_dropout(tmp_path: Path, arguments_for: Any) -> None:
     """``group_by_length``'s sampler draws each epoch's order from the global generator after the earlier
     epochs' dropout: three epochs give Trainer's items and losses at every step."""
     model = _classifier()
     seen, losses = [], []
     for cls in (transformers.Trainer, Trainer):
-        trainer, order = _grouped_run(cls, model, tmp_path / cls.__module__, monkeypatch)
+        trainer, order = _grouped_run(cls, model, tmp_path / cls.__module__, arguments_for)
         trainer.train()
         seen.append(order)
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
@@ -158,20 +149,18 @@ class StopAt(transformers.TrainerCallback):
         control.should_training_stop = control.should_training_stop or state.global_step >= self.step
 
 
-def test_group_by_length_resumed_inside_an_epoch_gets_its_order_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_group_by_length_resumed_inside_an_epoch_gets_its_order_back(tmp_path: Path, arguments_for: Any) -> None:
     """Saved at step 6 (inside the second epoch, whose order was drawn after the first's dropout), a fresh
     Trainer resumes with the uninterrupted run's items and losses (the state the order was drawn from is in
     the checkpoint's RNG file)."""
     model = _classifier()
-    whole, seen_whole = _grouped_run(Trainer, model, tmp_path / "whole", monkeypatch)
+    whole, seen_whole = _grouped_run(Trainer, model, tmp_path / "whole", arguments_for)
     whole.train()
     out = tmp_path / "resumed"
-    first, _ = _grouped_run(Trainer, model, out, monkeypatch, save_strategy="steps", save_steps=6)
+    first, _ = _grouped_run(Trainer, model, out, arguments_for, save_strategy="steps", save_steps=6)
     first.add_callback(StopAt(6))  # the same schedule as the uninterrupted run's
     first.train()
-    resumed, seen = _grouped_run(Trainer, model, out, monkeypatch)
+    resumed, seen = _grouped_run(Trainer, model, out, arguments_for)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
     assert seen == seen_whole[24:]
     ends = [e["loss"] for e in whole.state.log_history if "loss" in e][6:]
@@ -189,16 +178,14 @@ class MaskedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             yield self.items[i]
 
 
-def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, arguments_for: Any) -> None:
     """A stream (``IterableDataset``) of items masked at random when read, with dropout: each pass draws the
     ``DataLoader``'s base seed and reads a round ahead, as under Trainer: its loss at every step over two passes."""
     model = _classifier()
     losses: list[list[Any]] = []
     for cls in (transformers.Trainer, Trainer):
-        launcher = ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")
-        for name, _ in launcher:
-            monkeypatch.delenv(name, raising=False)
-        args = TrainingArguments(
+        args = arguments_for(
+            cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=2,
             gradient_accumulation_steps=2,
@@ -211,9 +198,6 @@ def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, monkeypatch
             disable_tqdm=True,
             seed=3,
         )
-        if cls is Trainer:
-            for name, value in launcher:
-                monkeypatch.setenv(name, value)
         trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=MaskedStream(16))
         trainer.train()
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])

@@ -67,6 +67,51 @@ def test_ranks_take_disjoint_micro_batches_covering_the_stream_in_order():
     assert ranks[0][0] == [0, 1, 4, 5, 8, 9] and ranks[1][0] == [2, 3, 6, 7, 10, 11]
 
 
+class _Unread(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A stream whose items must not be read (a ``DataLoader`` still opens it, as accelerate's on every rank)."""
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> Any:
+        raise AssertionError("a rank other than 0 read the stream")
+
+
+def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_each_its_own():
+    """accelerate's ``dispatch_batches`` (its default for a stream under Trainer), the collective played in turn: rank 0
+    reads the stream and collates each round, every rank receives its own micro-batch, the same ones each rank
+    reads itself without it; rank 1 neither reads the stream nor collates, and meets rank 0 in every round."""
+    rounds: list[list[Any]] = []
+    collated = {0: 0, 1: 0}
+
+    def on_rank(rank: int) -> StreamBatches:
+        def collate(items: list[Any]) -> dict[str, Any]:
+            collated[rank] += 1
+            return _collate_idx(items)
+
+        def scatter(round_: list[Any] | None) -> Any:
+            if rank == 0:
+                rounds.append(list(round_ or []))
+                return rounds[-1][0]
+            return rounds.pop(0)[1]
+
+        return StreamBatches(
+            Numbers() if rank == 0 else _Unread(),
+            collate,
+            per_device=2,
+            accumulation=3,
+            world_size=2,
+            rank=rank,
+            max_steps=5,
+            scatter=scatter,  # type: ignore[arg-type]
+        )
+
+    dispatched = [_seen(on_rank(rank)) for rank in range(2)]
+    assert not rounds  # rank 1 met rank 0 in each of its rounds
+    assert dispatched == [_seen(_batches(rank, 2)) for rank in range(2)]
+    assert collated == {0: 2 * (5 * 3 + 1), 1: 0}  # both ranks' micro-batches of 5 steps and a round ahead
+
+
 def test_slicing_the_plan_skips_the_consumed_steps():
     whole = _seen(_batches(1, 2))
     assert _seen(_batches(1, 2), start=3) == whole[3:]

@@ -320,6 +320,14 @@ class DistributedEnv:
         dist.broadcast_object_list(holder, src=src, device=self.device if self.device.type == "cuda" else None)
         return holder[0]
 
+    def scatter_objects(self, objects: list[Any] | None, src: int = 0) -> Any:
+        """Collective ``scatter_object_list``: ``objects[i]`` of rank ``src`` on rank ``i`` (the others pass None)."""
+        if not self.is_distributed:
+            return objects[0] if objects else None
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objects if self.rank == src else None, src=src)
+        return out[0]
+
     def all_gather_objects(self, obj: Any) -> list[Any]:
         """Collective ``all_gather_object``: every rank's Python object, in rank order."""
         if not self.is_distributed:

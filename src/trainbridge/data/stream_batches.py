@@ -4,20 +4,24 @@
 A stream has no epoch plan, so the run needs ``max_steps`` (as under Trainer); one "epoch" is one pass
 over the stream, of at most ``max_steps`` steps (``steps_per_epoch``, Trainer's ``steps_in_epoch``).  Items
 are grouped ``per_device`` at a time into micro-batches in stream order and micro-batch ``i`` goes to rank
-``i % world_size`` (every rank reads the stream and keeps its share, as accelerate's dispatching of iterable
-datasets does under Trainer), so ranks see disjoint items.  A step takes ``accumulation`` micro-batches per
-rank; a pass ends at the first step the stream cannot fill (its last items are dropped, as accelerate
-drops a round it cannot give every rank).  ``unsized``: the loop then starts the next epoch, a fresh pass
-(``set_epoch`` first, as Trainer does), until ``max_steps``; a pass with no step ends the run.  Resume: the
+``i % world_size`` (as accelerate's dispatching of iterable datasets under Trainer), so ranks see disjoint
+items.  A step takes ``accumulation`` micro-batches per rank; a pass ends at the first step the stream cannot
+fill (its last items are dropped, as accelerate drops a round it cannot give every rank).  ``unsized``: the
+loop then starts the next epoch, a fresh pass (``set_epoch`` first, as Trainer does), until ``max_steps``; a
+pass with no step ends the run.  Resume: the
 loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
 steps already taken, so a resumed run trains on exactly the items an uninterrupted one would.
 
 The stream is read through a ``DataLoader`` (no workers), as Trainer's is: each pass draws the loader's base
-seed from torch's global generator, micro-batches are read (and this rank's collated) in stream order, one
+seed from torch's global generator, micro-batches are read and collated in stream order, one
 round of ``world_size`` micro-batches ahead of the step (accelerate's ``DataLoaderDispatcher``), so dropout,
 random transforms and a random collator draw torch's stream as under Trainer.  A pass resumed inside it puts
-the RNG back once the step's micro-batches are read (Trainer's ``rng_to_sync``).  On several ranks each rank
-reads the stream (Trainer's rank 0 reads it and sends each rank its share) and collates its own micro-batches.
+the RNG back once the step's micro-batches are read (Trainer's ``rng_to_sync``).  On several ranks rank 0 reads
+the stream and collates every micro-batch, and each rank gets its own (``scatter``), as accelerate's
+``dispatch_batches`` (its default for an iterable dataset under Trainer): the stream is read once, and random
+transforms and collators draw from rank 0's stream as there.  Unlike accelerate, the micro-batches of a round are
+not concatenated (accelerate's ``concatenate`` fails on micro-batches padded to different lengths) and each rank
+receives only its own, not the whole round.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class StreamBatches:
         rank: int,
         max_steps: int | None,
         seed: int = 0,
+        scatter: Callable[[list[Any] | None], Any] | None = None,
     ) -> None:
         if per_device <= 0 or accumulation <= 0:
             raise ValueError(f"per_device ({per_device}) and accumulation ({accumulation}) must be positive")
@@ -109,6 +114,9 @@ class StreamBatches:
         self.collate = collate
         self.batch_size: int | None = per_device
         self.accumulation, self.world_size, self.rank, self.seed = accumulation, world_size, rank, seed
+        self.scatter = scatter
+        """On several ranks, the collective that hands each rank its part of rank 0's round
+        (``DistributedEnv.scatter_objects``): rank 0 reads and collates, as accelerate dispatches under Trainer."""
         self.plan = StreamPlan(self, 0)
 
     def set_epoch(self, epoch: int) -> StreamPlan:
@@ -118,21 +126,34 @@ class StreamBatches:
         self.plan = StreamPlan(self, epoch)
         return self.plan
 
-    def _rounds(self) -> Iterator[list[Any]]:
-        """The pass as rounds of ``world_size`` full micro-batches (this rank's collated, the others' items),
-        read through a ``DataLoader`` (its base seed drawn at the first read)."""
+    def _rounds(self) -> Iterator[dict[str, Any]]:
+        """This rank's collated micro-batch of each round of ``world_size`` full micro-batches of the pass, read
+        through a ``DataLoader`` (its base seed drawn at the first read, on every rank).  With ``scatter``, rank 0
+        reads and collates every rank's micro-batch and sends each its own (collective per round); the pass ends
+        on every rank at the first round rank 0 cannot fill."""
         from torch.utils.data import DataLoader
 
         size = self.batch_size or 1
         batches = iter(DataLoader(_TorchStream.of(self.dataset), batch_size=size, collate_fn=list))
         while True:
-            round_: list[Any] = []
-            for index in range(self.world_size):
-                items = next(batches, None)
-                if items is None or len(items) < size:
-                    return
-                round_.append(self.collate(items) if index == self.rank else items)
-            yield round_
+            round_ = self._read_round(batches, size) if self.scatter is None or self.rank == 0 else None
+            if self.scatter is not None:
+                own = self.scatter(round_ or [None] * self.world_size)
+            else:
+                own = round_[self.rank] if round_ else None
+            if own is None:
+                return
+            yield own
+
+    def _read_round(self, batches: Iterator[list[Any]], size: int) -> list[Any] | None:
+        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it)."""
+        round_: list[Any] = []
+        for index in range(self.world_size):
+            items = next(batches, None)
+            if items is None or len(items) < size:
+                return None
+            round_.append(self.collate(items) if self.scatter is not None or index == self.rank else None)
+        return round_
 
     def steps_from(self, epoch: int, start: int) -> Iterator[StreamStep]:
         """The steps of ``epoch`` from step ``start`` on, the items of earlier steps read and dropped; each
@@ -150,7 +171,7 @@ class StreamBatches:
             if resumed is not None:
                 torch.random.set_rng_state(resumed)
                 resumed = None
-            yield StreamStep(tuple(round_[self.rank] for round_ in group), samples)
+            yield StreamStep(tuple(group), samples)
 
     def micro_batches(self, step: StreamStep) -> list[dict[str, Any]]:
         """Collated micro-batches (CPU) of this rank in ``step``."""

@@ -444,7 +444,8 @@ def _item_batches(
         per_device=per_device, accumulation=accumulation, world_size=env.world_size, rank=env.rank
     )
     if train is None:
-        return StreamBatches(stream, collate, **shape, max_steps=args.max_steps)
+        scatter = env.scatter_objects if env.is_distributed else None  # rank 0 reads, as accelerate dispatches
+        return StreamBatches(stream, collate, **shape, max_steps=args.max_steps, scatter=scatter)
     workers = LoaderWorkers.of(args)
     return SampleBatches(
         train,

@@ -14,11 +14,13 @@ Afterwards the instance's ``model`` is the trained model and its ``state`` the r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.run_dir import result_file
+from trainbridge.hf.batch_size_search import find_batch_size, resumed_batch_size
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks, with_trainer_state
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.build import build_run
@@ -47,26 +49,26 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         trainer.accelerator._models.append(trainer.model)
     hf: HuggingFaceCallbacks | None = None
 
-    def attempt(batch_size: int) -> tuple[TrainingLoop, RunResult]:
-        """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``)."""
+    def attempt(batch_size: int, agreeing: Callable[[Any], Any]) -> tuple[TrainingLoop, RunResult]:
+        """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``),
+        its out-of-memory errors agreed by the ranks (``hf.batch_size_search``)."""
         nonlocal hf
         run_args = with_batch_size(args, batch_size, env.world_size)
         run_callbacks, hf = with_trainer_state(assemble_callbacks(run_args, plan))
         hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
         trainer._script.bind_state(hf)  # the instance's self.state / callback_handler / control in the loop's calls
         loop = TrainingLoop(run_args, env, run_callbacks, build_run(run_args, plan, env))
-        return loop, loop.run()
+        with agreeing(loop.engine):
+            return loop, loop.run()
 
     from transformers import TrainingArguments
-    from transformers.trainer_utils import find_executable_batch_size
 
     search = isinstance(trainer.args, TrainingArguments) and bool(trainer.args.auto_find_batch_size)
-    if search and env.world_size > 1:
-        search = False
-        if env.is_world_process_zero:
-            logger.warning(AUTO_FIND_ON_RANKS)
-    try:  # auto_find_batch_size: Trainer's own search (accelerate's), on an out-of-memory error
-        loop, result = find_executable_batch_size(attempt, args.per_device_batch_size or 1, search)()
+    start = args.per_device_batch_size or 1
+    if search:  # as Trainer's train(): a resumed search starts from the checkpoint's size
+        start = resumed_batch_size(args.resume_from_checkpoint, args.ckpt_output_dir) or start
+    try:  # auto_find_batch_size: Trainer's own search (accelerate's), on an out-of-memory error, agreed by the ranks
+        loop, result = find_batch_size(attempt, start, env, search)
     finally:
         trainer.callback_handler, trainer.control = handler, control
     if env.is_world_process_zero:
@@ -83,13 +85,6 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     return result, trainer.state
-
-
-AUTO_FIND_ON_RANKS = (
-    "auto_find_batch_size=True is ignored on several ranks: an out-of-memory error on one rank inside the "
-    "gradient all-reduce leaves the others waiting, so the ranks cannot agree to retry; lower "
-    "per_device_train_batch_size instead (it is searched when the run has one process)"
-)
 
 
 def with_batch_size(args: TrainingArgs, batch_size: int, world_size: int) -> TrainingArgs:

@@ -14,6 +14,11 @@ collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``
 - ``loader``: a Trainer subclass whose ``get_train_dataloader`` builds its own ``DataLoader`` (batch size 3,
   the curriculum sampler, its own collate function) and prepares it with ``self.accelerator``; it records
   ``OUT/loader-rank<RANK>.txt`` (with the process id: the summary names the script's).
+- ``afbs``: ``auto_find_batch_size`` from 4 items a micro-batch, a forward that runs out of memory above 3 (every
+  rank under ``real``, where Trainer's per-process search agrees only so; ours, on rank 1 alone), 3 steps saved
+  at 2 and 3; then a fresh Trainer resumes to step 5 (``train(resume_from_checkpoint=True)``).  Each raise is
+  recorded in ``OUT/oom-rank<RANK>.txt``, each run's ``state.train_batch_size`` in ``OUT/size-rank<RANK>.txt``;
+  the summary is the resumed run's (its history holds the first run's rows).
 """
 
 import json
@@ -101,7 +106,16 @@ class LoaderTrainer(Trainer):
         return self.accelerator.prepare(loader)
 
 
-def train(kind: str) -> None:
+def out_of_memory_above_3(module, args, kwargs):
+    """An out-of-memory error for a micro-batch above 3 items: on every rank for the reference, on rank 1 for ours."""
+    rank = os.environ.get("RANK", "0")
+    if kwargs["input_ids"].shape[0] > 3 and ("real" in sys.argv[3:] or rank == "1"):
+        with (out / f"oom-rank{rank}.txt").open("a") as handle:
+            handle.write(f"{kwargs['input_ids'].shape[0]}\n")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def train(kind: str, resume: bool = False) -> None:
     """One run of ``kind`` into ``out``; rank 0 writes ``out/summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -113,13 +127,17 @@ def train(kind: str) -> None:
         intermediate_size=64,
         max_position_embeddings=16,
         num_labels=2,
+        # afbs: no dropout, so rank 0's forward in the failed attempt (ours) draws nothing Trainer's does not
+        hidden_dropout_prob=0.0 if kind == "afbs" else 0.1,
+        attention_probs_dropout_prob=0.0 if kind == "afbs" else 0.1,
     )
     model = BertForSequenceClassification(config)
     args = TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=5 if kind.endswith("stream") else -1,
+        per_device_train_batch_size=4 if kind == "afbs" else 2,
+        gradient_accumulation_steps=1 if kind == "afbs" else 2,
+        auto_find_batch_size=kind == "afbs",
+        max_steps=(5 if resume else 3) if kind == "afbs" else 5 if kind.endswith("stream") else -1,
         num_train_epochs=2,
         logging_steps=1,
         save_strategy="steps",
@@ -139,14 +157,22 @@ def train(kind: str) -> None:
         train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
     else:
         train_dataset = Stream() if kind == "stream" else Items()
-    trainer_cls = {"stream": Trainer, "hfstream": Trainer, "sampler": SamplerTrainer, "loader": LoaderTrainer}[kind]
+    trainer_cls = {"sampler": SamplerTrainer, "loader": LoaderTrainer}.get(kind, Trainer)
     trainer = trainer_cls(
         model=model,
         args=args,
         train_dataset=train_dataset,
         data_collator=Collator(),
     )
-    result = trainer.train()
+    if kind == "afbs":
+        trainer.model.register_forward_pre_hook(out_of_memory_above_3, with_kwargs=True)
+    result = trainer.train(resume_from_checkpoint=resume or None)
+    if kind == "afbs":
+        with (out / f"size-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
+            handle.write(f"{trainer.state.train_batch_size}\n")
+        torch.distributed.barrier()  # every rank's marker written before rank 0 reads them
+        if not resume:
+            return train(kind, resume=True)
     if trainer.is_world_process_zero():
         last = out / f"checkpoint-{result.global_step}"
         summary = {
@@ -154,6 +180,7 @@ def train(kind: str) -> None:
             "train_metrics": sorted(result.metrics),
             "log_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
             "log_epochs": [round(e["epoch"], 4) for e in trainer.state.log_history if "loss" in e],
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
             "log_keys": sorted({k for e in trainer.state.log_history for k in e}),
             "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
             "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
