@@ -153,7 +153,7 @@ def test_a_compute_loss_override_trains_on_sample_batches_of_its_items(tmp_path:
         gradient_accumulation_steps=3,
     )
     plain, custom = Trainer(model=model, args=args), WeightedTrainer(model=model, args=args)
-    assert not plain._row_preparation().items and custom._row_preparation().items
+    assert not plain.run_plan().rows.items and custom.run_plan().rows.items
     custom.train_dataset = [{"input_ids": [1, 2, 3]}]
     ported = RunInputs(*job_args.training_job(custom, world_size=2, resume=None))
     assert (ported.per_device_batch_size, ported.effective_batch_size) == (2, 12)

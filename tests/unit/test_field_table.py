@@ -69,4 +69,4 @@ def test_the_table_says_what_the_port_does(run_files: dict[str, Path], tmp_path:
         "train_sampling_strategy",
     ):
         assert name not in warned
-    assert "neftune_noise_alpha" in warned  # no honouring callback passed: the facade passes ScriptTrainerEvents
+    assert "neftune_noise_alpha" in warned  # no honouring callback passed: the facade passes NEFTune

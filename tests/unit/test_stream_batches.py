@@ -273,6 +273,6 @@ def test_the_facade_needs_max_steps_for_a_stream_and_hands_it_to_its_job(classif
     stream = Numbers()
     hf = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=hf, train_dataset=stream)
-    assert trainer._row_preparation().items  # Trainer's sample batches of the items the stream yields
+    assert trainer.run_plan().rows.items  # Trainer's sample batches of the items the stream yields
     args = RunInputs(*job_args.training_job(trainer, 2, None))
     assert args.plan.train_stream is stream and args.data_path is None and isinstance(args.plan.loss, ForwardLoss)

@@ -1,6 +1,6 @@
 """Evaluation during ``train()`` as ``transformers.Trainer``'s, in place (one rank), against real Trainer on the
 same model, data and arguments.  On Trainer's sample batches (the script's collate function) each evaluation is
-Trainer's own ``evaluate()`` on the engine's model (``subclass.trainers_evaluation``), so ``batch_eval_metrics``,
+Trainer's own ``evaluate()`` on the engine's model (``LoopTrainer._evaluation``), so ``batch_eval_metrics``,
 ``eval_do_concat_batches``, ``eval_accumulation_steps``, ``include_for_metrics`` and ``prediction_loss_only``
 hold by construction; on the padding-free token batches the loop's evaluation calls ``compute_metrics`` as
 Trainer does (``loop.predictions``)."""

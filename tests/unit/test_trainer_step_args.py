@@ -1,4 +1,4 @@
-"""``TrainingArguments`` that change Trainer's own step train as under Trainer (``trainer.subclass.needs_trainer_step``:
+"""``TrainingArguments`` that change Trainer's own step train as under Trainer (``LoopTrainer._steps_through_instance``:
 the loop steps through the instance's ``training_step`` and ``prediction_step`` on Trainer's sample batches).
 
 - ``label_smoothing_factor``: Trainer's ``compute_loss`` smooths the labels (its ``label_smoother``); in place

@@ -20,7 +20,7 @@ from trainbridge.core.distributed import DistributedEnv
 from trainbridge.loop.build import build_run
 from trainbridge.loop.loop import TrainingLoop
 from trainbridge.step.trainer_methods import TrainerMethodsStep
-from trainbridge.trainer.subclass import ScriptTrainer, script_trainer, subclass_loss
+from trainbridge.trainer.subclass import ScriptTrainer
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,7 @@ def _methods(cls: type, tmp_path: Path, path: Path, **kwargs: Any) -> tuple[Scri
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
     model = AutoModelForSequenceClassification.from_pretrained(path)
     trainer = cls(model=model, args=hf, **kwargs)
-    worker = script_trainer(trainer)
-    assert worker is not None
-    return worker, model
+    return trainer._script, model
 
 
 def _run(
@@ -142,7 +140,9 @@ def test_compute_loss_func_gets_outputs_labels_and_the_step_items(bert_classifie
 def test_the_facade_hands_a_subclass_or_loss_func_to_its_jobs(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     hf = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True)
-    assert subclass_loss(Trainer(model=model, args=hf)) is None
-    loss = subclass_loss(CountingTrainer(model=model, args=hf))
-    assert isinstance(loss, ScriptTrainer) and loss.trainer_cls is CountingTrainer and not loss.counts_items
-    assert subclass_loss(Trainer(model=model, args=hf, compute_loss_func=len)).counts_items
+    assert not isinstance(Trainer(model=model, args=hf).run_plan().loss, InstanceStep)
+    loss = CountingTrainer(model=model, args=hf).run_plan().loss
+    assert isinstance(loss, InstanceStep) and isinstance(loss.methods, ScriptTrainer)
+    assert loss.methods.trainer_cls is CountingTrainer and not loss.methods.counts_items
+    loss = Trainer(model=model, args=hf, compute_loss_func=len).run_plan().loss
+    assert isinstance(loss, InstanceStep) and loss.methods.counts_items

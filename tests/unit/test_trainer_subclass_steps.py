@@ -30,7 +30,6 @@ from trainbridge.step.trainer_methods import TrainerMethodsStep
 from trainbridge.trainer.subclass import (
     ScriptTrainer,
     ScriptTrainerEvents,
-    script_trainer,
     unhonoured_overrides,
 )
 
@@ -73,8 +72,7 @@ def _methods(cls: type, tmp_path: Path, path: Path, **kwargs: Any) -> ScriptTrai
     )
     model = AutoModelForSequenceClassification.from_pretrained(path)
     trainer = cls(model=model, args=hf, **kwargs)
-    worker = script_trainer(trainer)
-    assert worker is not None
+    worker = trainer._script
     MODELS[id(worker)] = model
     return worker
 

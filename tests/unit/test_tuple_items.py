@@ -15,9 +15,9 @@ from transformers import TrainingArguments
 
 import trainbridge
 from tests.run_inputs import as_run
+from trainbridge.core.config.loss import InstanceStep
 from trainbridge.data import script_data
 from trainbridge.demos.tiny_model import arithmetic_problems
-from trainbridge.trainer import subclass
 
 
 def _tuples(tokenizer: Any, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -163,7 +163,8 @@ def test_tuple_items_route_to_the_instances_loader_step_and_evaluate(tiny_llama:
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     items = [(torch.tensor([1, 2]),)] * 4
     plain = trainbridge.Trainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2]}] * 4)
-    assert not subclass.instance_batches(plain) and subclass.subclass_loss(plain) is None
+    plan = plain.run_plan()
+    assert plan.train_loader is None and not isinstance(plan.loss, InstanceStep) and plan.evaluation is None
     tuples = trainbridge.Trainer(model=model, args=args, train_dataset=items, eval_dataset=items)
-    assert subclass.instance_batches(tuples) and subclass.subclass_loss(tuples) is not None
-    assert subclass.subclass_evaluation(tuples) is not None
+    plan = tuples.run_plan()
+    assert plan.train_loader is not None and isinstance(plan.loss, InstanceStep) and plan.evaluation is not None

@@ -197,7 +197,7 @@ def training_args_from_hf(
         if any(required.get(replacement) is not None for replacement in REPLACED_BY.get(name, ())):
             continue
         if name in honoured:
-            continue  # a callback of the caller's applies it (the facade's ScriptTrainerEvents: NEFTune)
+            continue  # the caller's seams apply it (the facade's NEFTune callback)
         value = getattr(hf_args, name)
         reason = ignored_reason(name)
         if name not in _FIELDS:

@@ -26,15 +26,16 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import transformers
 
+from trainbridge.callbacks.neftune import NEFTune
 from trainbridge.checkpoint.model_files import trainers_save
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
-from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, OwnStep, StepFactory, TokenLoss
+from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, TokenLoss
 from trainbridge.core.distributed import DistributedEnv
 from trainbridge.core.private_files import make_output_folder
 from trainbridge.data import script_data
@@ -80,8 +81,6 @@ class LoopTrainer(_TrainerBase):
     stands_in_for: tuple[str, ...] = ()
     """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
     the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
-    step_factory: StepFactory | None = None
-    """trainbridge's own step for the class's loss (trl's DPO, KTO, ORPO/CPO): ``RunPlan.loss`` (``OwnStep``)."""
     rows_are_items: bool = False
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     counts_step: bool = True
@@ -139,17 +138,6 @@ class LoopTrainer(_TrainerBase):
         self._env: DistributedEnv | None = None
         self._loop: Any = None
         self._collator_choice = script_data.classify_collator(given_collator)
-        if given_collator is not None and (subclass.subclass_loss(self) is not None or subclass.instance_batches(self)):
-            # the loss sees Trainer's batches: the collator is called as written on the dataset's items
-            self._collator_choice = script_data.CollatorChoice(False, description=type(given_collator).__name__)
-        if self.is_world_process_zero():
-            logger.info(
-                "data collator: %s -> %s",
-                self._collator_choice.description,
-                "trainbridge's token-budget batching (reproduces it)"
-                if self._collator_choice.reproduced
-                else "called as written on padded micro-batches",
-            )
 
     # ================================================================== what the jobs read
     _trial: Any = None
@@ -214,8 +202,9 @@ class LoopTrainer(_TrainerBase):
         """Whether the class makes its validation predictions by ``model.generate`` (``Seq2SeqTrainer``)."""
         return False
 
-    def _row_preparation(self) -> script_data.RowPreparation:
-        """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer."""
+    def _row_preparation(self, instance_batches: bool) -> script_data.RowPreparation:
+        """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer;
+        ``instance_batches``: the loop steps through the instance or reads its loader."""
         from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
@@ -224,13 +213,12 @@ class LoopTrainer(_TrainerBase):
             self._collator_choice,
             pad_id,
             items=self.rows_are_items
+            or instance_batches
             or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
             or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
             or bool(self._columns_past_the_token_step())  # columns Trainer would hand the model: its batches
-            or subclass.subclass_loss(self) is not None
-            or is_stream(self.train_dataset)
-            or subclass.instance_batches(self),
-        )  # the script's loss, a stream, its own DataLoader: its items
+            or is_stream(self.train_dataset),
+        )
 
     def _columns_past_the_token_step(self) -> list[str]:
         """Columns Trainer's batches would hand the model that the token step does not (``remove_unused_columns``
@@ -257,25 +245,37 @@ class LoopTrainer(_TrainerBase):
 
     def run_plan(self) -> TrainerPlan:
         """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
-        here from its class (what it overrides: ``trainer.subclass``) and objects; a class with a step of its own
-        sets ``step_factory``, one with settings of its own overrides this and calls ``super()``
-        (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it
-        (``job_args``)."""
-        # a subclass's log, optimizer... (trainer.subclass), after the final log's memory metrics
+        here at each ``train()`` from its class (what it overrides: ``subclass.overrides``), objects and datasets;
+        a class with a loss of its own overrides ``_loss_seam`` (trl's: ``TrlLoop``), one with settings of its
+        own overrides this and calls ``super()`` (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is
+        prepared on every rank beside it (``job_args``)."""
+        script = self._script
+        # the instance's own get_train_dataloader: its class overrides it, or the items are not dicts of columns
+        own_loader = subclass.overrides(self, subclass.LOADER_METHODS) or not subclass.items_are_columns(
+            self, "train_dataset"
+        )
+        own_step = self._steps_through_instance()
+        rows = self._row_preparation(own_step or own_loader)
+        loss = self._loss_seam(rows.items, own_step)
+        evaluation = self._evaluation(rows.items)
+        calls = own_step or own_loader or evaluation is not None or subclass.overrides(self, subclass.OWN_METHODS)
+        # the instance's log, optimizer... (ScriptTrainerEvents), after the final log's memory metrics
         # (skip_memory_metrics=False), as Trainer adds them before log()
-        events = [subclass.ScriptTrainerEvents(self._script)] if subclass.script_trainer(self) is not None else []
-        callbacks = [*memory_metrics(self), *events, *self._script_callbacks()]
-        rows = self._row_preparation()
+        events = [subclass.ScriptTrainerEvents(script)] if calls else []
+        alpha = self.neftune_noise_alpha
+        neftune = [NEFTune(float(alpha))] if alpha is not None else []  # as Trainer.train attaches it
+        callbacks = [*memory_metrics(self), *events, *neftune, *self._script_callbacks()]
         reproduced = self._collator_choice.reproduced and not rows.items
-        loss = self._loss_seam(rows.items)
+        if self.is_world_process_zero():
+            batches = "trainbridge's token-budget batching (reproduces it)" if reproduced else "Trainer's batches"
+            logger.info("data collator: %s -> %s", self._collator_choice.description, batches)
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
             loss=loss,
             data_collator=None if reproduced else self.data_collator,
             train_stream=self.train_dataset if is_stream(self.train_dataset) else None,
-            # a subclass's get_train_dataloader / _get_train_sampler, or Trainer's own for items that are not dicts
-            train_loader=self._script.train_loader if subclass.instance_batches(self) else None,
-            evaluation=subclass.subclass_evaluation(self),  # a subclass's evaluate, around each evaluation
+            train_loader=script.train_loader if own_loader else None,
+            evaluation=evaluation,
             optimizer_factory=self._optimizers(),
             checkpoint_model_files=subclass_save(self),  # a subclass's _save / save_model
             compute_metrics=self.compute_metrics,
@@ -283,24 +283,45 @@ class LoopTrainer(_TrainerBase):
             callbacks=callbacks,
         )
         honoured = (
-            *(subclass.ScriptTrainerEvents.honours_hf_fields if events else ()),
+            *(NEFTune.honours_hf_fields if neftune else ()),
             *(subclass.INSTANCE_STEP_HONOURS if isinstance(loss, InstanceStep) else ()),
         )
         return TrainerPlan(**seams, rows=rows, honours_hf_fields=honoured)
 
-    def _loss_seam(self, items: bool) -> Loss:
-        """The run's loss seam, from the class: its own step (``step_factory``: trl's DPO...), the instance's
-        ``training_step`` (``subclass.subclass_loss``), the forward's own loss on the datasets' items (``items``)
-        or with generated predictions (``Seq2SeqTrainer``), else the token loss on the prepared token rows (a class
-        logging more with it overrides this: ``SFTTrainer``)."""
-        methods = subclass.subclass_loss(self)
-        if self.step_factory is not None:
-            return OwnStep(self.step_factory)
-        if methods is not None:
-            return InstanceStep(methods)
+    def _steps_through_instance(self) -> bool:
+        """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches
+        (``InstanceStep``): its class overrides one of ``subclass.STEP_METHODS``, its training items are not
+        dicts of columns (``training_step`` takes any batch), or Trainer's own ``compute_loss`` forms a loss other
+        than the forward's: a ``compute_loss_func``, ``label_smoothing_factor`` (unless the class generates its
+        predictions: ``Seq2SeqTrainer``'s generation step, which warns that it is ignored) or NEFTune's noise,
+        scaled by the length of Trainer's padded rows."""
+        if subclass.overrides(self, subclass.STEP_METHODS) or not subclass.items_are_columns(self, "train_dataset"):
+            return True
+        if self.compute_loss_func is not None or self.neftune_noise_alpha is not None:
+            return True
+        return self.label_smoother is not None and not self._generates()
+
+    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
+        """The run's loss seam, from the class: the instance's ``training_step`` (``instance_step``), the forward's
+        own loss on the datasets' items (``items``) or with generated predictions (``Seq2SeqTrainer``), else the
+        token loss on the prepared token rows; a class with a step of its own overrides this (trl's: ``TrlLoop``)."""
+        if instance_step:
+            return InstanceStep(self._script)
         if items or self._generates():
             return ForwardLoss()
         return TokenLoss()
+
+    def _evaluation(self, items: bool) -> Callable[..., Any] | None:
+        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point (``ScriptTrainer``), where
+        its class overrides one of ``subclass.EVALUATION_METHODS``; Trainer's own code throughout
+        (``evaluation_loop``, ``prediction_step``, ``compute_metrics`` as Trainer calls them) where the evaluation
+        items are not dicts of columns, or the run trains on Trainer's sample batches (``items``) and ``evaluate``
+        is Trainer's, unless under ``TrainingArguments.deepspeed`` (whose ``evaluation_loop`` would start an
+        engine of its own); else None: the loop's own evaluation (padding-free on token batches)."""
+        trainers = self.eval_dataset is not None and items and type(self).evaluate is LoopTrainer.evaluate
+        if not subclass.items_are_columns(self, "eval_dataset") or (trainers and not self.is_deepspeed_enabled):
+            return partial(self._script.evaluation, trainers_own=True)
+        return self._script.evaluation if subclass.overrides(self, subclass.EVALUATION_METHODS) else None
 
     # ================================================================== train: trainbridge's loop
     def train(

@@ -16,16 +16,17 @@ from typing import Literal
 import transformers
 from transformers import TrainingArguments
 
+from trainbridge.callbacks.neftune import NEFTune
 from trainbridge.hf.fields import CARRIED_OVER, FIELD_LINKS
 from trainbridge.hf.porting import EXPLANATIONS, NOT_WARNED, REPLACED_BY, ignored_reason
-from trainbridge.trainer.subclass import INSTANCE_STEP_HONOURS, ScriptTrainerEvents
+from trainbridge.trainer.subclass import INSTANCE_STEP_HONOURS
 
 Status = Literal["same", "differs", "ignored"]
 """``same``: as under Trainer; ``differs``: applied another way, or not at all without a warning (``why``
 says how); ``ignored``: a non-default value is ignored with an ``HFPortingWarning`` saying ``why``.  No field
 is refused as a whole (some values are, before launch: see ``why`` and the config's errors)."""
 
-HONOURING: tuple[type[ScriptTrainerEvents], ...] = (ScriptTrainerEvents,)
+HONOURING: tuple[type[NEFTune], ...] = (NEFTune,)
 """The facade's callbacks that apply ``TrainingArguments`` fields themselves (``honours_hf_fields``)."""
 
 REGENERATE = "python -m trainbridge.trainer.field_table > docs/trainer_fields.md"

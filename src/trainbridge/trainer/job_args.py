@@ -46,7 +46,7 @@ class TrainerPlan(RunPlan):
     those), else the token step's prepared rows.  Always set by ``run_plan()``."""
     honours_hf_fields: tuple[str, ...] = ()
     """``TrainingArguments`` fields the class applies itself through its seams, not reported ignored
-    (``ScriptTrainerEvents``' NEFTune; ``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
+    (``callbacks.neftune.NEFTune``; ``Seq2SeqTrainer``'s generation fields: ``RunPlan.predictions``)."""
 
 
 def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:

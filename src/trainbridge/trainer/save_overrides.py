@@ -31,7 +31,7 @@ import torch
 
 from trainbridge.core.config.plan import ModelPart
 from trainbridge.core.run_dir import checkpoint_dir
-from trainbridge.trainer.subclass import ScriptTrainer, overrides, script_trainer
+from trainbridge.trainer.subclass import ScriptTrainer, overrides
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer
@@ -92,6 +92,4 @@ def subclass_save(trainer: LoopTrainer) -> SubclassSave | None:
     one of ``SAVE_METHODS``, else None (the checkpoint's default files)."""
     if not overrides(type(trainer), SAVE_METHODS):
         return None
-    worker = script_trainer(trainer)
-    assert worker is not None  # its class overrides a method of SAVE_METHODS
-    return SubclassSave(worker, overrides(type(trainer), ("_save_checkpoint",)))
+    return SubclassSave(trainer._script, overrides(type(trainer), ("_save_checkpoint",)))

@@ -2,7 +2,7 @@
 
 Its constructor, ``evaluate``, ``predict`` and ``prediction_step`` are transformers' own (generation with
 ``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments), at each
-evaluation during ``train()`` too (``trainer.subclass.trainers_evaluation``: an encoder-decoder trains on
+evaluation during ``train()`` too (``LoopTrainer._evaluation``: an encoder-decoder trains on
 Trainer's sample batches), on the loop's model.
 """
 

@@ -6,9 +6,9 @@
 ``accelerator.backward`` the loop's backward for the micro-batch under way.  What runs there:
 
 - ``training_step`` / ``prediction_step`` on each batch (``RunPlan.loss``: ``InstanceStep``) when the class overrides
-  one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``needs_trainer_step``);
-- ``evaluate`` at each evaluation point on Trainer's sample batches (``trainers_evaluation``: Trainer's own
-  code on the engine's model) or when the class overrides one of ``EVALUATION_METHODS``;
+  one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``LoopTrainer._steps_through_instance``);
+- ``evaluate`` at each evaluation point on Trainer's sample batches (Trainer's own code on the engine's model)
+  or when the class overrides one of ``EVALUATION_METHODS`` (``LoopTrainer._evaluation``);
 - ``log`` on every log, before the other callbacks see it (``ScriptTrainerEvents``);
 - ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers``), ``_save`` / ``save_model`` /
   ``_save_checkpoint`` (``trainer.save_overrides``), ``get_train_dataloader`` (``ScriptTrainer.train_loader``).
@@ -107,12 +107,6 @@ def _stood_in(of: LoopTrainer | type[LoopTrainer]) -> dict[str, tuple[type, ...]
     return {name: owner.__mro__ for name in of.stands_in_for} if owner is not None else {}
 
 
-def instance_batches(trainer: LoopTrainer) -> bool:
-    """Whether the training batches are the instance's own ``get_train_dataloader()``'s: its class overrides
-    how Trainer builds them, or the training items are not dicts of columns (``column_items``)."""
-    return overrides(trainer, LOADER_METHODS) or not items_are_columns(trainer, "train_dataset")
-
-
 def items_are_columns(trainer: LoopTrainer, name: str) -> bool:
     """``script_data.column_items`` of the instance's ``train_dataset`` or ``eval_dataset`` (``name``), looked
     at once per dataset object (a stream's first item is read from a fresh iterator)."""
@@ -121,12 +115,6 @@ def items_are_columns(trainer: LoopTrainer, name: str) -> bool:
     if name not in seen or seen[name][0] is not data:
         seen[name] = (data, column_items(data))
     return bool(seen[name][1])
-
-
-def _own_items(trainer: LoopTrainer) -> bool:
-    """Whether a dataset of the instance's holds items that are not dicts of columns: Trainer's own code then
-    reads it (its loader, step and evaluation: see the module doc)."""
-    return not (items_are_columns(trainer, "train_dataset") and items_are_columns(trainer, "eval_dataset"))
 
 
 class ScriptTrainer:
@@ -203,11 +191,10 @@ class ScriptTrainer:
     def evaluation(self, run: EvaluationRun, trainers_own: bool = False) -> dict[str, float]:
         """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point, on the engine's model
         (``run.model``) in its precision.  Trainer's own ``evaluate`` there is ``run`` (the loop's evaluation:
-        logs, ``on_evaluate``) unless ``trainers_own`` (``trainers_evaluation``) or the evaluation items are not
-        dicts of columns: then it is Trainer's own code throughout.  What the instance's evaluation logs and
-        evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
-        columns = items_are_columns(self.instance, "eval_dataset")
-        loop_evaluation = run if columns and not trainers_own else None
+        logs, ``on_evaluate``) unless ``trainers_own`` (``LoopTrainer._evaluation``): then it is Trainer's own code
+        throughout.  What the instance's evaluation logs and evaluates through its ``callback_handler`` goes to the
+        loop (``EvaluationEvents``)."""
+        loop_evaluation = None if trainers_own else run
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
         events = EvaluationEvents(handler, run, partial(self.call, routed=True), self._hf)
         with self.call(run.model, evaluation=loop_evaluation, handler=events) as instance, run.autocast():
@@ -243,35 +230,11 @@ class ScriptTrainer:
 
 class ScriptTrainerEvents(Callback):
     """The instance's part in the run's events, on every rank: ``optimizer`` and ``lr_scheduler`` set at
-    ``on_init_end``; NEFTune's noise on the input embeddings from ``on_train_begin`` to the end of the run, as
-    ``Trainer.train`` attaches it (``neftune_noise_alpha``: transformers' own ``activate_neftune`` hook on the
-    model being trained, removed at ``close``, clean end or not); and the script's ``log`` called on every log
-    before the other callbacks, so what it adds to (or removes from) ``logs``, or the dict it hands to
-    ``super().log``, is what is logged."""
-
-    honours_hf_fields = ("neftune_noise_alpha",)
-    """``TrainingArguments`` fields this callback applies (``hf.porting`` does not warn that they are ignored)."""
+    ``on_init_end``, and the script's ``log`` called on every log before the other callbacks, so what it adds to
+    (or removes from) ``logs``, or the dict it hands to ``super().log``, is what is logged."""
 
     def __init__(self, worker: ScriptTrainer) -> None:
         self.worker = worker
-        self._neftune_hook: Any = None
-
-    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
-        with self.worker.call(context.model) as instance:
-            alpha = _neftune(instance)
-            if alpha is not None and self._neftune_hook is None:
-                from transformers.integrations.neftune import activate_neftune
-
-                self._neftune_hook = activate_neftune(context.model, alpha, instance.accelerator)
-                instance.neftune_hook_handle = self._neftune_hook
-
-    def close(self, context: TrainingContext) -> None:
-        if self._neftune_hook is not None:
-            from transformers.integrations.neftune import deactivate_neftune
-
-            instance = self.worker.instance
-            deactivate_neftune(context.model, self._neftune_hook, instance.accelerator)
-            self._neftune_hook = None
 
     def on_init_end(self, context: TrainingContext, **kwargs: Any) -> None:
         with self.worker.call(context.model) as instance:
@@ -307,74 +270,6 @@ OWN_METHODS = (
 ``trainer.save_overrides``)."""
 
 
-def trainers_evaluation(trainer: LoopTrainer) -> bool:
-    """Whether each evaluation during ``train()`` is Trainer's own ``evaluate`` (``evaluation_loop``,
-    ``prediction_step``, ``compute_metrics`` as Trainer calls it): the instance's ``evaluate`` is Trainer's
-    (or ``Seq2SeqTrainer``'s: no override, no trl ``evaluate``) and the run trains on Trainer's sample batches
-    (the script's collator called as written, a model that is not a causal LM, the script's loss...), not on
-    the padding-free token batches, whose faster evaluation is the loop's (``loop.predictions``), nor with a
-    step of trainbridge's own for a library's loss; not under ``TrainingArguments.deepspeed``, where Trainer's
-    ``evaluation_loop`` would start a DeepSpeed engine of its own."""
-    from trainbridge.trainer.facade import LoopTrainer
-
-    if type(trainer).evaluate is not LoopTrainer.evaluate or trainer.step_factory is not None:
-        return False
-    return trainer._row_preparation().items and not trainer.is_deepspeed_enabled
-
-
-def subclass_evaluation(trainer: LoopTrainer) -> Callable[..., Any] | None:
-    """The ``RunPlan.evaluation`` of ``trainer``'s training jobs: its ``ScriptTrainer``'s ``evaluation``
-    when Trainer's own ``evaluate`` runs (``trainers_evaluation``), its class overrides ``evaluate`` or its
-    evaluation items are not dicts of columns, else None (the loop's own evaluation)."""
-    if _evaluates(trainer):
-        return partial(trainer._script.evaluation, trainers_own=True)
-    own = overrides(trainer, EVALUATION_METHODS) or not items_are_columns(trainer, "eval_dataset")
-    return trainer._script.evaluation if own else None
-
-
-def script_trainer(trainer: LoopTrainer) -> ScriptTrainer | None:
-    """``trainer``'s ``ScriptTrainer`` (one per instance) when the loop calls a method of its class's, it has a
-    ``compute_loss_func`` or its items are not dicts of columns, else None."""
-    if not overrides(trainer, (*STEP_METHODS, *OWN_METHODS, *EVALUATION_METHODS, *LOADER_METHODS)):
-        if not needs_trainer_step(trainer) and not _own_items(trainer) and not _evaluates(trainer):
-            return None
-    return trainer._script
-
-
-def _evaluates(trainer: LoopTrainer) -> bool:
-    """Whether Trainer's own ``evaluate`` runs at the run's evaluation points (``trainers_evaluation``)."""
-    return trainer.eval_dataset is not None and trainers_evaluation(trainer)
-
-
-def subclass_loss(trainer: LoopTrainer) -> ScriptTrainer | None:
-    """The ``RunPlan.loss``: ``InstanceStep`` of ``trainer``'s jobs: its ``ScriptTrainer`` when its class
-    overrides ``training_step``, ``prediction_step`` or ``compute_loss``, it has a ``compute_loss_func`` or its
-    training items are not dicts of columns (the loop then steps through ``training_step``, which takes any
-    batch), else None (the model's own loss, or the token step)."""
-    own_step = overrides(trainer, STEP_METHODS) or not items_are_columns(trainer, "train_dataset")
-    if not own_step and not needs_trainer_step(trainer):
-        return None
-    return trainer._script
-
-
-def _neftune(trainer: LoopTrainer) -> float | None:
-    """The instance's ``neftune_noise_alpha`` (Trainer's constructor copies it from ``args``), or None."""
-    alpha = trainer.neftune_noise_alpha
-    return float(alpha) if alpha is not None else None
-
-
 INSTANCE_STEP_HONOURS = ("label_smoothing_factor",)
 """``TrainingArguments`` fields Trainer's own ``compute_loss`` applies when the loop steps through the instance
-(``needs_trainer_step``): not reported ignored then."""
-
-
-def needs_trainer_step(trainer: LoopTrainer) -> bool:
-    """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches although
-    the class overrides nothing: Trainer's own ``compute_loss`` forms a loss other than the forward's (a
-    ``compute_loss_func``, or ``label_smoothing_factor``: Trainer's ``label_smoother``; not for a class that
-    generates its predictions (``Seq2SeqTrainer``'s ``predict_with_generate``: the loop's generation step, so
-    smoothing is ignored there with a warning), or NEFTune's noise, scaled by the length of Trainer's padded
-    rows, is on."""
-    if trainer.compute_loss_func is not None or _neftune(trainer) is not None:
-        return True
-    return trainer.label_smoother is not None and not trainer._generates()
+(``InstanceStep``): not reported ignored then."""

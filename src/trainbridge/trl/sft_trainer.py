@@ -36,10 +36,10 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
     """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
 
-    def _loss_seam(self, items: bool) -> Loss:
+    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
         """Trainer's choice; trainbridge's token loss, where it stands in for trl's ``compute_loss``, also logs
         trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (trl's own step logs them itself)."""
-        loss = super()._loss_seam(items)
+        loss = super()._loss_seam(items, instance_step)
         return TokenLoss(metrics=True) if loss == TokenLoss() and "compute_loss" in self.stands_in_for else loss
 
     def __init__(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:

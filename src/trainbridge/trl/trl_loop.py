@@ -19,9 +19,8 @@ from typing import Any
 from transformers import TrainingArguments
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config.loss import StepFactory
+from trainbridge.core.config.loss import Loss, OwnStep, StepFactory
 from trainbridge.core.context import TrainingContext
-from trainbridge.trainer import subclass
 from trainbridge.trainer.facade import LoopTrainer
 
 
@@ -86,6 +85,9 @@ class ShardedReference(Callback):
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
+    step_factory: StepFactory | None = None
+    """trainbridge's own step for trl's loss (DPO, KTO, ORPO/CPO), chosen at construction (``_choose_step``)."""
+
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
@@ -107,11 +109,17 @@ class TrlLoop(LoopTrainer):
         on trl's batches, only ``_save_checkpoint`` stood in for."""
         if not self.stands_in_for:
             return self.data_collator
-        if self._reproduces_trl() and subclass.subclass_loss(self) is None:
+        if self._reproduces_trl() and not self._steps_through_instance():
             self.step_factory = self._packed_step()
             return None
         self.stands_in_for = ("_save_checkpoint",)  # trl's own step (its compute_loss logs its own metrics)
         return self.data_collator
+
+    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
+        """trainbridge's own step where it stands in for trl's (``step_factory``), else ``LoopTrainer``'s choice."""
+        if self.step_factory is not None:
+            return OwnStep(self.step_factory)
+        return super()._loss_seam(items, instance_step)
 
     def _reproduces_trl(self) -> bool:
         """Whether trainbridge's step gives trl's loss for this instance's config and data."""
