@@ -17,6 +17,7 @@ On resume the search starts from the checkpoint's ``TrainerState.train_batch_siz
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +28,13 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.distributed import DistributedEnv
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+NOT_AGREED = (
+    "auto_find_batch_size on several ranks with %s: only DDP's training micro-batches are agreed by the ranks, so "
+    "an out-of-memory error ends the run with an error naming it instead of a search on one rank"
+)
 
 
 class PeerOutOfMemory(RuntimeError):
@@ -109,6 +117,8 @@ def agreed(attempt: Callable[[int, Callable[[Any], list[Callback]]], T], env: Di
         def agreeing(engine: Any) -> list[Callback]:
             if engine.kind == "ddp":
                 agreements.append(AgreedForwards(env, engine.unwrapped, batch_size))
+            elif env.is_world_process_zero:
+                logger.warning(NOT_AGREED, engine.kind)
             return list(agreements)
 
         try:
