@@ -131,12 +131,7 @@ def test_auto_find_batch_size_is_agreed_by_the_ranks_and_resumed_as_under_traine
     checkpoint's size (no second error), as Trainer restores ``TrainerState.train_batch_size``.  Same items on each
     rank and the same losses as Trainer's."""
     real, (ours_run,) = _runs(references, ours, "afbs")
-    assert real["global_step"] == 5 and real["checkpoints"] == [
-        "checkpoint-2",
-        "checkpoint-3",
-        "checkpoint-4",
-        "checkpoint-5",
-    ]
+    assert real["global_step"] == 5 and real["checkpoints"] == ["checkpoint-3", "checkpoint-5"]
     markers = ours_run["markers"]
     assert "oom-rank0.txt" not in markers and markers["oom-rank1.txt"] == ["4"]  # one error, rank 1's, at 4 items
     assert real["markers"]["oom-rank0.txt"] == real["markers"]["oom-rank1.txt"] == ["4"]
