@@ -89,12 +89,12 @@ def test_the_token_path_searches_the_batch_its_max_batch_len_follows(tmp_path: P
     assert sizes[1] == sizes[0] == (2, 2)
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_on_several_ranks_only_a_forwards_error_is_retried(where: str) -> None:
+@pytest.mark.parametrize("where", ["forward", "loss", "backward"])
+def test_on_several_ranks_only_an_error_before_the_backward_is_retried(where: str) -> None:
     """The agreed search (``hf.batch_size_search.agreed``; one process here, where its all-reduce is the identity):
-    an out-of-memory error inside a training forward of the DDP engine's model is retried with Trainer's smaller
-    size; one after the forward ends the search with an error naming it (the ranks could not agree on it).  The
-    2-rank run: tests/distributed/test_facade_data.py::test_auto_find_batch_size_is_agreed_by_the_ranks_and_..."""
+    an out-of-memory error in a training forward of the DDP engine's model or in its loss is retried with Trainer's
+    smaller size; one in the backward ends the search with an error naming it (the ranks could not agree on it).
+    The 2-rank run: tests/distributed/test_facade_data.py::test_auto_find_batch_size_is_agreed_by_the_ranks_and_..."""
     from transformers.trainer_utils import find_executable_batch_size
 
     from trainbridge.core.distributed import DistributedEnv
@@ -104,25 +104,25 @@ def test_on_several_ranks_only_a_forwards_error_is_retried(where: str) -> None:
     engine = SimpleNamespace(kind="ddp", unwrapped=model)
     sizes: list[int] = []
 
+    def out_of_memory(at: str) -> None:
+        if sizes[-1] > 3 and where == at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
     def attempt(batch_size: int, agreeing: Any) -> int:
         sizes.append(batch_size)
-        with agreeing(engine):
-            model(torch.ones(batch_size, 2, requires_grad=True)).sum().backward()
+        (callback,) = agreeing(engine)
+        loss = model(torch.ones(batch_size, 2, requires_grad=True)).sum()
+        out_of_memory("loss")
+        callback.on_before_backward(None, loss=loss)  # as the loop fires it
+        loss.backward()
         return batch_size
 
-    def out_of_memory(at: str) -> Any:
-        def hook(module: Any, *args: Any) -> None:
-            if sizes[-1] > 3 and where == at:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-        return hook
-
-    model.register_forward_pre_hook(out_of_memory("forward"))
-    model.register_full_backward_pre_hook(out_of_memory("backward"))
+    model.register_forward_pre_hook(lambda module, args: out_of_memory("forward"))
+    model.register_full_backward_pre_hook(lambda module, grad: out_of_memory("backward"))
     search = find_executable_batch_size(agreed(attempt, DistributedEnv()), 4, True)
-    if where == "forward":
+    if where != "backward":
         assert search() == 3 and sizes == [4, 3]
     else:
-        with pytest.raises(UnagreedOutOfMemory, match="rank 0 ran out of memory outside a training forward with 4"):
+        with pytest.raises(UnagreedOutOfMemory, match="rank 0 ran out of memory after a training forward and its loss"):
             search()
         assert sizes == [4]

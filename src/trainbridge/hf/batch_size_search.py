@@ -2,15 +2,15 @@
 
 Under Trainer each process searches on its own: on several ranks an out-of-memory error on one leaves the others
 waiting in the next collective (DDP's gradient all-reduce) until ``ddp_timeout``.  Here, on several ranks with DDP,
-an error in a training forward (where activations run out of memory) is agreed there: after each training forward
-of the model every rank adds its flag to one small all-reduce (``AgreedForwards``), the failed rank from its error;
-every rank raises, and Trainer's search goes on with the same smaller size everywhere.  This costs one collective
-per micro-batch, only under ``auto_find_batch_size`` on several ranks.
+an error between a training forward's start and its backward (the activations, the loss) is agreed there: before
+each backward every rank adds its flag to one small all-reduce (``AgreedForwards``), the failed rank from its
+error; every rank leaves the attempt (the others from the first step of their backward, before any gradient is
+reduced), and Trainer's search goes on with the same smaller size everywhere.  This costs one collective per
+micro-batch, only under ``auto_find_batch_size`` on several ranks.
 
-An out-of-memory error the ranks cannot agree on (after the forward: a loss computed outside the model, as the
-token path's cross entropy, a backward or an optimizer step; or inside FSDP2's or DeepSpeed's forward, which gather
-weights) ends the run with an error that names it, rather than a search on one rank while the others wait: the
-launcher then stops every rank.
+An out-of-memory error the ranks cannot agree on (in a backward or an optimizer step, or inside FSDP2's or
+DeepSpeed's forward, which gather weights) ends the run with an error that names it, rather than a search on one
+rank while the others wait: the launcher then stops every rank.
 
 On resume the search starts from the checkpoint's ``TrainerState.train_batch_size``, as Trainer's ``train()``.
 Each size trains with ``with_batch_size``'s arguments: the same accumulation, so fewer items per step, as Trainer.
@@ -19,13 +19,13 @@ Each size trains with ``with_batch_size``'s arguments: the same accumulation, so
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
 
@@ -35,12 +35,12 @@ T = TypeVar("T")
 
 
 class PeerOutOfMemory(RuntimeError):
-    """Another rank's training forward ran out of memory: the message is one accelerate's search retries on."""
+    """Another rank ran out of memory in a training micro-batch: the message is one accelerate's search retries on."""
 
     def __init__(self, batch_size: int) -> None:
         super().__init__(
-            "another rank ran out of memory. (auto_find_batch_size: every rank leaves its training forward with "
-            f"{batch_size} items per micro-batch and retries with fewer)"
+            "another rank ran out of memory. (auto_find_batch_size: every rank leaves the micro-batch with "
+            f"{batch_size} items and retries with fewer)"
         )
 
 
@@ -49,90 +49,86 @@ class UnagreedOutOfMemory(RuntimeError):
 
     def __init__(self, rank: int, batch_size: int) -> None:
         super().__init__(  # the cause is chained, not quoted: its text would make accelerate's search retry
-            f"auto_find_batch_size: rank {rank} ran out of memory outside a training forward with {batch_size} items "
-            "per micro-batch (the cause above); on several ranks only an error in a DDP forward is retried by every "
-            "rank together. Lower per_device_train_batch_size"
+            f"auto_find_batch_size: rank {rank} ran out of memory after a training forward and its loss, with "
+            f"{batch_size} items per micro-batch (the cause above); on several ranks only an error up to the backward "
+            "of a DDP model is retried by every rank together. Lower per_device_train_batch_size"
         )
 
 
-class AgreedForwards:
-    """One small all-reduce after each training forward of ``model``: whether a rank's forward failed."""
+class AgreedForwards(Callback):
+    """One small all-reduce before each backward of a training forward of ``model``: whether a rank failed since
+    that forward began; the others then leave from their backward's first step (a hook on the loss)."""
 
     def __init__(self, env: DistributedEnv, model: torch.nn.Module, batch_size: int) -> None:
         self.env, self.batch_size = env, batch_size
         self.inside = False
-        """True from a training forward's start until its agreement (a failure in between is a forward's)."""
-        self._handles = [
-            model.register_forward_pre_hook(self._begin, prepend=True),  # before the script's own hooks
-            model.register_forward_hook(self._end),
-        ]
+        """True from a training forward's start until the agreement before its backward."""
+        self._handle = model.register_forward_pre_hook(self._begin, prepend=True)  # before the script's own hooks
 
     def _begin(self, module: torch.nn.Module, args: Any) -> None:
-        self.inside = module.training and torch.is_grad_enabled()
+        self.inside = self.inside or (module.training and torch.is_grad_enabled())
 
-    def _end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.inside and self.agree(failed=False):
-            raise PeerOutOfMemory(self.batch_size)
+    def on_before_backward(self, context: Any, loss: Any = None, **kwargs: Any) -> None:
+        if not self.inside or not self.agree(failed=False):
+            return
+        batch_size = self.batch_size
+
+        def leave(grad: torch.Tensor) -> None:  # raised from backward(), which a callback's error is not
+            raise PeerOutOfMemory(batch_size)
+
+        loss.register_hook(leave)
 
     def agree(self, failed: bool) -> bool:
-        """Collective: True when any rank's forward failed (this one's: ``failed``)."""
+        """Collective: True when any rank failed since its training forward began (this one: ``failed``)."""
         self.inside = False
         flag = torch.tensor([1.0 if failed else 0.0], device=self.env.device)
         return bool(self.env.all_reduce_max(flag).item() > 0)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._handle.remove()
 
 
 def find_batch_size(
-    attempt: Callable[[int, Callable[[Any], Any]], T], start: int, env: DistributedEnv, search: bool
+    attempt: Callable[[int, Callable[[Any], list[Callback]]], T], start: int, env: DistributedEnv, search: bool
 ) -> T:
     """``attempt(batch_size, agreeing)`` through Trainer's ``find_executable_batch_size`` from ``start``.
-    ``attempt`` runs its built engine inside ``agreeing(engine)``: with ``search`` on several ranks, the engine's
-    training forwards are agreed (``agreed``)."""
+    ``attempt`` adds ``agreeing(engine)`` to its loop's callbacks: with ``search`` on several ranks, the engine's
+    training micro-batches are agreed (``agreed``)."""
     from transformers.trainer_utils import find_executable_batch_size
 
     if search and env.is_distributed:
         run: Callable[[int], T] = agreed(attempt, env)
     else:
-        run = lambda batch_size: attempt(batch_size, _not_agreeing)  # noqa: E731
+        run = lambda batch_size: attempt(batch_size, lambda engine: [])  # noqa: E731
     return find_executable_batch_size(run, start, search)()  # type: ignore[no-any-return]
 
 
-@contextmanager
-def _not_agreeing(engine: Any) -> Iterator[None]:
-    yield
-
-
-def agreed(attempt: Callable[[int, Callable[[Any], Any]], T], env: DistributedEnv) -> Callable[[int], T]:
-    """``attempt`` left by every rank together when one runs out of memory in a training forward."""
+def agreed(attempt: Callable[[int, Callable[[Any], list[Callback]]], T], env: DistributedEnv) -> Callable[[int], T]:
+    """``attempt`` left by every rank together when one runs out of memory in a training micro-batch's forward
+    or loss."""
     from accelerate.utils.memory import should_reduce_batch_size
 
     def run(batch_size: int) -> T:
-        forwards: list[AgreedForwards] = []
+        agreements: list[AgreedForwards] = []
 
-        @contextmanager
-        def agreeing(engine: Any) -> Iterator[None]:
+        def agreeing(engine: Any) -> list[Callback]:
             if engine.kind == "ddp":
-                forwards.append(AgreedForwards(env, engine.unwrapped, batch_size))
-            try:
-                yield
-            finally:
-                for agreement in forwards:
-                    agreement.remove()
+                agreements.append(AgreedForwards(env, engine.unwrapped, batch_size))
+            return list(agreements)
 
         try:
             return attempt(batch_size, agreeing)
-        except PeerOutOfMemory:
-            raise
         except Exception as exc:
             if not should_reduce_batch_size(exc):
                 raise
-            if forwards and forwards[0].inside:
-                forwards[0].agree(failed=True)  # every other rank waits in this agreement, after its forward
-                raise
-            raise UnagreedOutOfMemory(env.rank, batch_size) from exc
+            if not isinstance(exc, PeerOutOfMemory):
+                if not agreements or not agreements[0].inside:
+                    raise UnagreedOutOfMemory(env.rank, batch_size) from exc
+                agreements[0].agree(failed=True)  # every other rank waits in this agreement, before its backward
+            raise
+        finally:
+            for agreement in agreements:
+                agreement.remove()
 
     return run
 

@@ -105,10 +105,10 @@ NOT_WARNED: dict[str, Unwarned] = {
     "auto_find_batch_size": Unwarned(
         "Trainer's own search (find_executable_batch_size: on an out-of-memory error the run starts again with "
         "int(0.9 x) the items per micro-batch, max_batch_len following on the token path; a resume starts from "
-        "the checkpoint's train_batch_size). On several ranks with DDP an error in a training forward is agreed "
-        "(one small all-reduce per micro-batch), so every rank retries with the same size where Trainer's "
-        "per-process search leaves the others waiting; one elsewhere (backward, FSDP2/DeepSpeed forward) ends "
-        "the run with an error naming it (hf.batch_size_search)"
+        "the checkpoint's train_batch_size). On several ranks with DDP an error in a training forward or its loss "
+        "is agreed before the backward (one small all-reduce per micro-batch), so every rank retries with the "
+        "same size where Trainer's per-process search leaves the others waiting; one elsewhere (backward, "
+        "optimizer step, FSDP2/DeepSpeed forward) ends the run with an error naming it (hf.batch_size_search)"
     ),
     "dataloader_drop_last": Unwarned(
         "read from the script's TrainingArguments: the short batch is dropped (loop.build)", same=True

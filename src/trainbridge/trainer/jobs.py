@@ -13,9 +13,11 @@ Afterwards the instance's ``model`` is the trained model and its ``state`` the r
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from trainbridge.core.callback import Callback
 from trainbridge.core.run_dir import result_file
 from trainbridge.hf.batch_size_search import find_batch_size, resumed_batch_size, with_batch_size
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks, with_trainer_state
@@ -39,7 +41,7 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         trainer.accelerator._models.append(trainer.model)
     hf: HuggingFaceCallbacks | None = None
 
-    def attempt(batch_size: int, agreeing: Callable[[Any], Any]) -> tuple[TrainingLoop, RunResult]:
+    def attempt(batch_size: int, agreeing: Callable[[Any], list[Callback]]) -> tuple[TrainingLoop, RunResult]:
         """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``),
         its out-of-memory errors agreed by the ranks (``hf.batch_size_search``)."""
         nonlocal hf
@@ -47,9 +49,11 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         run_callbacks, hf = with_trainer_state(assemble_callbacks(run_args, plan))
         hf.init_end_fired = True  # Trainer's constructor fired on_init_end on the script's callbacks
         trainer._script.bind_state(hf)  # the instance's self.state / callback_handler / control in the loop's calls
-        loop = TrainingLoop(run_args, env, run_callbacks, build_run(run_args, plan, env))
-        with agreeing(loop.engine):
-            return loop, loop.run()
+        if search:  # as Trainer's release_memory before each attempt: a failed attempt's engine is gone before
+            gc.collect()  # the model is wrapped again (a DDP reducer left expecting a backward would reduce into it)
+        components = build_run(run_args, plan, env)
+        loop = TrainingLoop(run_args, env, [*run_callbacks, *agreeing(components.engine)], components)
+        return loop, loop.run()
 
     from transformers import TrainingArguments
 
