@@ -190,6 +190,8 @@ def test_save_only_model_checkpoints_and_resumes_as_trainers(
     for cls in (transformers.Trainer, Trainer):
         out = tmp_path / cls.__module__
         saving = dict(save_strategy="steps", save_steps=2, save_only_model=True)
+        with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):  # none yet
+            _trainer(cls, llama, out, monkeypatch, **saving).train(resume_from_checkpoint=True)
         _trainer(cls, llama, out, monkeypatch, **saving).train()
         files.append(_files(out / "checkpoint-2") - ours_only)
         with caplog.at_level(logging.WARNING):

@@ -13,6 +13,7 @@ DeepSpeed's forward, which gather weights) ends the run with an error that names
 rank while the others wait: the launcher then stops every rank.
 
 On resume the search starts from the checkpoint's ``TrainerState.train_batch_size``, as Trainer's ``train()``.
+Each size trains with ``with_batch_size``'s arguments: the same accumulation, so fewer items per step, as Trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from typing import Any, TypeVar
 import torch
 
 from trainbridge.core.callback import Callback
+from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -152,3 +156,20 @@ def resumed_batch_size(resume_from: str | Path | None, output_dir: Path) -> int 
     if not found or not (found[-1] / TRAINER_STATE_NAME).is_file():
         return None
     return TrainerState.load_from_json(str(found[-1] / TRAINER_STATE_NAME)).train_batch_size
+
+
+def with_batch_size(args: TrainingArgs, batch_size: int, world_size: int) -> TrainingArgs:
+    """``args`` with ``batch_size`` items per micro-batch (``auto_find_batch_size``'s search): the same
+    accumulation, so fewer items per step, as under Trainer; the token path's ``max_batch_len`` follows."""
+    if batch_size == args.per_device_batch_size:
+        return args
+    per_device = args.per_device_batch_size or 1
+    accumulation = max(1, args.effective_batch_size // (per_device * world_size))
+    logger.info("auto_find_batch_size: training with %d items per micro-batch", batch_size)
+    return args.model_copy(
+        update={
+            "per_device_batch_size": batch_size,
+            "effective_batch_size": batch_size * accumulation * world_size,
+            "max_batch_len": max(batch_size * args.max_seq_len, args.max_seq_len),
+        }
+    )

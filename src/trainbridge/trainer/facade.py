@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 import transformers
 
 from trainbridge.callbacks.neftune import NEFTune
+from trainbridge.checkpoint.folders import list_checkpoints
 from trainbridge.checkpoint.model_files import trainers_save
 from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.config.loss import ForwardLoss, InstanceStep, Loss, TokenLoss
@@ -114,7 +115,7 @@ class LoopTrainer(_TrainerBase):
                 "create_scheduler, get_train_dataloader, _save_checkpoint)."
             )
         launch_script()
-        problem = world_problem(jobs.world_size_of(torchrun_args) if torchrun_args is not None else None)
+        problem = world_problem(torchrun_args.max_world_size() if torchrun_args is not None else None)
         if problem:
             raise ScriptLaunchError(problem)
 
@@ -348,7 +349,7 @@ class LoopTrainer(_TrainerBase):
                 "transformers.PreTrainedModel (a PretrainedConfig and a PreTrainedModel subclass), or keep "
                 "transformers.Trainer for this script"
             )
-        if resume_from_checkpoint is True and not jobs.has_checkpoint(self.output_dir):
+        if resume_from_checkpoint is True and not list_checkpoints(self.output_dir):
             raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
         self._memory_tracker.start()  # Trainer's own (skip_memory_metrics=False): stopped at the final log
         self.is_in_train = True

@@ -14,15 +14,12 @@ Afterwards the instance's ``model`` is the trained model and its ``state`` the r
 from __future__ import annotations
 
 import gc
-import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.core.callback import Callback
-from trainbridge.core.config import TorchrunArgs, TrainingArgs
 from trainbridge.core.run_dir import result_file
-from trainbridge.hf.batch_size_search import find_batch_size, resumed_batch_size
+from trainbridge.hf.batch_size_search import find_batch_size, resumed_batch_size, with_batch_size
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks, with_trainer_state
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.build import build_run
@@ -32,13 +29,6 @@ from trainbridge.trainer import job_args
 
 if TYPE_CHECKING:
     from trainbridge.trainer.facade import LoopTrainer as Trainer
-
-logger = logging.getLogger(__name__)
-
-
-def world_size_of(torchrun_args: TorchrunArgs) -> int:
-    """The ranks ``torchrun_args`` start (elastic ``MIN:MAX`` nodes: the most)."""
-    return torchrun_args.max_world_size()
 
 
 def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
@@ -89,27 +79,3 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
     if trainer.is_deepspeed_enabled:
         trainer.deepspeed = trainer.model_wrapped  # type: ignore[assignment]
     return result, trainer.state
-
-
-def with_batch_size(args: TrainingArgs, batch_size: int, world_size: int) -> TrainingArgs:
-    """``args`` with ``batch_size`` items per micro-batch (``auto_find_batch_size``'s search): the same
-    accumulation, so fewer items per step, as under Trainer; the token path's ``max_batch_len`` follows."""
-    if batch_size == args.per_device_batch_size:
-        return args
-    per_device = args.per_device_batch_size or 1
-    accumulation = max(1, args.effective_batch_size // (per_device * world_size))
-    logger.info("auto_find_batch_size: training with %d items per micro-batch", batch_size)
-    return args.model_copy(
-        update={
-            "per_device_batch_size": batch_size,
-            "effective_batch_size": batch_size * accumulation * world_size,
-            "max_batch_len": max(batch_size * args.max_seq_len, args.max_seq_len),
-        }
-    )
-
-
-def has_checkpoint(output_dir: Path) -> bool:
-    """True when ``output_dir`` holds a complete checkpoint (``train(resume_from_checkpoint=True)`` needs one)."""
-    from trainbridge.checkpoint.manager import is_complete_checkpoint
-
-    return output_dir.is_dir() and any(is_complete_checkpoint(p) for p in output_dir.iterdir())
