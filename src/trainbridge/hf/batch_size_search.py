@@ -33,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
-
 NOT_AGREED = (
     "auto_find_batch_size on several ranks with %s: only DDP's training micro-batches are agreed by the ranks, so "
     "an out-of-memory error ends the run with an error naming it instead of a search on one rank"
