@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig
 
 from trainbridge import DPOTrainer
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.trl.dpo_step import PairBatches
 from trainbridge.trl.preference_loss import METRIC_KEYS
 
@@ -105,7 +106,7 @@ def test_first_step_loss_equals_trls_with_a_ref_model(
     trainer.train()
     first = next(row for row in trainer.state.log_history if "loss" in row)
 
-    factory = trainer.step_factory
+    factory = trainer.run_plan().loss.factory  # the DPO step of the run
     pairs = PairBatches(trainer.train_dataset, 2, 1, 1, 0, factory.seed, 12).set_epoch(0).steps[0]
     loss = trl.compute_loss(trl.model.train(), trl.data_collator([trl.train_dataset[i] for i in pairs]))
     assert abs(float(loss) - 0.6931) > 1e-3
@@ -207,7 +208,7 @@ def test_the_dpo_step_logs_trls_values(tiny_llama: Path, tmp_path: Path, monkeyp
             _in_place(monkeypatch)  # after the config: accelerate's state is trl's
         trainer = cls(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
         if cls is DPOTrainer:
-            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+            assert isinstance(trainer.run_plan().loss, OwnStep)  # the packed step, not trl's compute_loss
         trainer.train()
         logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
     trl_log, log = logs
@@ -234,7 +235,7 @@ def test_a_subclass_compute_loss_runs_per_micro_batch(
     config = _config(tmp_path / "out", max_steps=2, gradient_accumulation_steps=2)
     _in_place(monkeypatch)
     trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
-    assert trainer.step_factory is None
+    assert not isinstance(trainer.run_plan().loss, OwnStep)  # trl's own step
     trainer.train()
     assert calls == [4, 4, 4, 4]  # 2 steps of 2 micro-batches of 2 pairs (chosen and rejected rows): trl's batches
     assert {"rewards/margins", "logps/chosen"} <= set(trainer.state.log_history[0])  # trl's metrics

@@ -20,6 +20,7 @@ from trl import KTOConfig
 from trl import KTOTrainer as TrlKTOTrainer
 
 from trainbridge import KTOTrainer
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.kto_loss import KTOLoss
 from trainbridge.trl.kto_step import UnpairedBatches
@@ -190,7 +191,7 @@ def test_precomputed_reference_columns_equal_trls(
     theirs = trl.train_dataset  # trl scores the reference in its constructor, as ours (trl's constructor) does
     for column in ("ref_logps", "ref_KL_logps"):
         assert trainer.train_dataset[column] == pytest.approx(theirs[column], rel=1e-4, abs=1e-4), column
-    assert trainer.step_factory is not None
+    assert isinstance(trainer.run_plan().loss, OwnStep)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -232,7 +233,7 @@ def test_the_kto_step_logs_trls_values(
                 monkeypatch.setenv(name, value)  # after the config: accelerate's state is trl's
         trainer = cls(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
         if cls is KTOTrainer:
-            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+            assert isinstance(trainer.run_plan().loss, OwnStep)  # the packed step, not trl's compute_loss
         trainer.train()
         logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
     trl_log, log = logs
@@ -261,7 +262,7 @@ def test_a_subclass_compute_loss_runs_per_micro_batch(
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(name, value)
     trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
-    assert trainer.step_factory is None
+    assert not isinstance(trainer.run_plan().loss, OwnStep)  # trl's own step
     trainer.train()
     assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 rows: trl's batches
     assert {"kl", "rewards/chosen", "logps/chosen"} <= set(trainer.state.log_history[0])  # trl's metrics

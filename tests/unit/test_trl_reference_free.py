@@ -22,6 +22,7 @@ from trl.experimental.orpo import ORPOConfig
 from trl.experimental.orpo import ORPOTrainer as TrlORPOTrainer
 
 from trainbridge import CPOTrainer, ORPOTrainer
+from trainbridge.core.config.loss import OwnStep
 from trainbridge.hf.porting import HFPortingWarning
 from trainbridge.trl.pair_scores import PairScores, score_pairs
 from trainbridge.trl.reference_free_loss import PAIR_KEYS, CPOLoss, ORPOLoss
@@ -212,7 +213,7 @@ def test_in_place_run_logs_trls_keys_and_first_step_loss(
     # step 1 of our run against trl's loss and metrics on the same pairs (the untrained model)
     first = logged[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    plan = trainer.step_factory
+    plan = trainer.run_plan().loss.factory  # the ORPO/CPO step of the run
     indices = LabelledPairBatches(trainer.train_dataset, 2, 1, 1, 0, plan.seed, None).set_epoch(0).steps[0]
     loss, metrics = fresh.get_batch_loss_metrics(model, fresh.data_collator([fresh.train_dataset[i] for i in indices]))
     assert first["loss"] == pytest.approx(float(loss), rel=1e-4)
@@ -269,7 +270,7 @@ def test_the_packed_step_logs_trls_values(
             _in_place(monkeypatch)  # after the config: accelerate's state is trl's
         trainer = _trl_trainer(cls, config, tiny_llama, EQUAL_LENGTH_ROWS)
         if cls is ours:
-            assert trainer.step_factory is not None  # the packed step, not trl's compute_loss
+            assert isinstance(trainer.run_plan().loss, OwnStep)  # the packed step, not trl's compute_loss
         trainer.train()
         logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
     trl_log, log = logs
@@ -298,7 +299,7 @@ def test_a_subclass_compute_loss_runs_per_micro_batch(
     config = _config(config_cls, tmp_path / "out", max_steps=2, gradient_accumulation_steps=2)
     _in_place(monkeypatch)
     trainer = Counting(model=str(tiny_llama), args=config, train_dataset=datasets.Dataset.from_list(ROWS))
-    assert trainer.step_factory is None
+    assert not isinstance(trainer.run_plan().loss, OwnStep)  # trl's own step
     trainer.train()
     assert calls == [2, 2, 2, 2]  # 2 steps of 2 micro-batches of 2 pairs: trl's batches
     assert {"rewards/margins", "logps/chosen", "nll_loss"} <= set(trainer.state.log_history[0])  # trl's metrics

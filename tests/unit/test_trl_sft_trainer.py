@@ -50,7 +50,7 @@ def test_model_path_formatting_func_and_trl_collator(
     )
     assert trainer.train_dataset.column_names == ["input_ids", "labels", "seq_lengths"]  # trl's bins
     assert type(trainer.data_collator).__module__ == "trl.trainer.sft_trainer"  # trl's own, built by trl
-    assert trainer._collator_choice.reproduced  # trl's collator: reproduced by padding-free batches, not called
+    assert trainer.run_plan().rows.collator.reproduced  # trl's collator: reproduced by padding-free batches, not called
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFPortingWarning)  # max_length, model_init_kwargs, packing... are honoured
         out = trainer.train()
@@ -66,6 +66,22 @@ def test_tokenizer_comes_from_the_model(tiny_llama: Path, tmp_path: Path) -> Non
     )
     eos = trainer.processing_class.eos_token_id
     assert trainer.train_dataset[0]["input_ids"][-1] == eos  # trl's preparation added the EOS token
+
+
+def test_the_step_is_chosen_at_each_train_from_the_instance_as_it_is_then(tiny_llama: Path, tmp_path: Path) -> None:
+    """Whose step trains is part of the plan each ``train()`` decides (``run_plan()``), nothing of it written on
+    the instance at construction: the token step stands in for trl's, until a ``compute_loss_func`` set after
+    construction (Trainer's ``compute_loss`` reads it at each call) makes it trl's own step on trl's loader."""
+    from trainbridge.core.config.loss import InstanceStep, TokenLoss
+
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
+    trainer = SFTTrainer(model=str(tiny_llama), args=args, train_dataset=_texts())
+    assert not {"stands_in_for", "step_factory"} & set(vars(trainer))
+    plan = trainer.run_plan()
+    assert plan.loss == TokenLoss(metrics=True) and plan.rows.collator.reproduced and plan.train_loader is None
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
+    plan = trainer.run_plan()
+    assert isinstance(plan.loss, InstanceStep) and not plan.rows.collator.reproduced and plan.train_loader
 
 
 def test_quantization_config_is_refused_by_name(tiny_llama: Path, tmp_path: Path) -> None:
@@ -136,7 +152,7 @@ def test_the_fast_step_logs_trls_values(tiny_llama: Path, tmp_path: Path, monkey
             _in_place(monkeypatch)  # in place, as under torchrun (after the config: accelerate's state is trl's)
         trainer = cls(model=str(tiny_llama), args=config, train_dataset=_texts())
         if cls is SFTTrainer:
-            assert trainer._collator_choice.reproduced  # the fast step: trl's collator reproduced, not called
+            assert trainer.run_plan().rows.collator.reproduced  # the fast step: trl's collator reproduced, not called
         trainer.train()
         logs.append([{k: v for k, v in row.items() if k not in NOT_COMPARED} for row in trainer.state.log_history])
     trl_log, log = logs

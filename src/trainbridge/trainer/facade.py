@@ -80,8 +80,8 @@ class LoopTrainer(_TrainerBase):
 
     torchrun_args: TorchrunArgs | None
     stands_in_for: tuple[str, ...] = ()
-    """Methods of the library's class (trl's) that trainbridge's own step stands in for: defined there, they are not
-    the script's overrides (``subclass.overrides``); declared by the class that stands in (SFT, DPO...)."""
+    """Methods of the library's class (trl's) that trainbridge's own step can stand in for (``_stand_in``): defined
+    there, they are not the script's overrides (``subclass.overrides``); declared by the class that stands in."""
     rows_are_items: bool = False
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     counts_step: bool = True
@@ -161,7 +161,7 @@ class LoopTrainer(_TrainerBase):
                 atexit.register(self._env.teardown, clean=False)  # not to gloo's threads at interpreter teardown
         return self._env
 
-    def _script_callbacks(self) -> list[Any]:
+    def _script_callbacks(self, stand_in: subclass.StandIn) -> list[Any]:
         """The callbacks this Trainer's handler holds that are the script's (``native_callbacks.script_callbacks``)."""
         return native_callbacks.script_callbacks(self.callback_handler, self.args)
 
@@ -203,19 +203,23 @@ class LoopTrainer(_TrainerBase):
         """Whether the class makes its validation predictions by ``model.generate`` (``Seq2SeqTrainer``)."""
         return False
 
-    def _row_preparation(self, instance_batches: bool) -> script_data.RowPreparation:
-        """How the datasets' rows are prepared: the collator's choice, padded with the collator's own tokenizer;
-        ``instance_batches``: the loop steps through the instance or reads its loader."""
+    def _row_preparation(self, instance_batches: bool, stand_in: subclass.StandIn) -> script_data.RowPreparation:
+        """How the datasets' rows are prepared: the collator's choice (reproduced where trainbridge's step stands
+        in for it), padded with the collator's own tokenizer; ``instance_batches``: the loop steps through the
+        instance or reads its loader."""
         from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
+        choice = self._collator_choice
+        if stand_in.loss:
+            choice = script_data.CollatorChoice(True, description=f"{choice.description} (trainbridge's step for it)")
         return script_data.RowPreparation(
-            self._collator_choice,
+            choice,
             pad_id,
             items=self.rows_are_items
             or instance_batches
-            or not self._collator_choice.reproduced  # the script's collator, called on the items as they are
+            or not choice.reproduced  # the script's collator, called on the items as they are
             or (self.model is not None and not is_causal_lm(self.model))  # the model's own loss
             or bool(self._columns_past_the_token_step())  # columns Trainer would hand the model: its batches
             or is_stream(self.train_dataset),
@@ -247,29 +251,29 @@ class LoopTrainer(_TrainerBase):
     def run_plan(self) -> TrainerPlan:
         """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
         here at each ``train()`` from its class (what it overrides: ``subclass.overrides``), objects and datasets;
-        a class with a loss of its own overrides ``_loss_seam`` (trl's: ``TrlLoop``), one with settings of its
-        own overrides this and calls ``super()`` (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is
-        prepared on every rank beside it (``job_args``)."""
-        script = self._script
+        a class whose library's code trainbridge's step stands in for overrides ``_stand_in`` and ``_loss_seam``
+        (trl's: ``TrlLoop``), one with settings of its own overrides this and calls ``super()``
+        (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it (``job_args``)."""
+        script, cls = self._script, type(self)
+        stand_in = self._stand_in()
         # the instance's own get_train_dataloader: its class overrides it, or the items are not dicts of columns
-        own_loader = subclass.overrides(self, subclass.LOADER_METHODS) or not subclass.items_are_columns(
-            self, "train_dataset"
-        )
-        own_step = self._steps_through_instance()
-        rows = self._row_preparation(own_step or own_loader)
-        loss = self._loss_seam(rows.items, own_step)
+        own_loader = subclass.overrides(cls, subclass.LOADER_METHODS, stand_in.methods)
+        own_loader = own_loader or not subclass.items_are_columns(self, "train_dataset")
+        own_step = self._steps_through_instance(stand_in)
+        rows = self._row_preparation(own_step or own_loader, stand_in)
+        loss = self._loss_seam(rows.items, own_step, stand_in)
         evaluation = self._evaluation(rows.items)
-        calls = own_step or own_loader or evaluation is not None or subclass.overrides(self, subclass.OWN_METHODS)
+        calls = own_step or own_loader or evaluation is not None or subclass.overrides(cls, subclass.OWN_METHODS)
         # the instance's log, optimizer... (ScriptTrainerEvents), after the final log's memory metrics
         # (skip_memory_metrics=False), as Trainer adds them before log()
         events = [subclass.ScriptTrainerEvents(script)] if calls else []
         alpha = self.neftune_noise_alpha
         neftune = [NEFTune(float(alpha))] if alpha is not None else []  # as Trainer.train attaches it
-        callbacks = [*memory_metrics(self), *events, *neftune, *self._script_callbacks()]
-        reproduced = self._collator_choice.reproduced and not rows.items
+        callbacks = [*memory_metrics(self), *events, *neftune, *self._script_callbacks(stand_in)]
+        reproduced = rows.collator.reproduced and not rows.items
         if self.is_world_process_zero():
             batches = "trainbridge's token-budget batching (reproduces it)" if reproduced else "Trainer's batches"
-            logger.info("data collator: %s -> %s", self._collator_choice.description, batches)
+            logger.info("data collator: %s -> %s", rows.collator.description, batches)
         seams: dict[str, Any] = dict(  # transformers types them as callables of its own
             model_init=LiveModel(self),  # the script's model object
             loss=loss,
@@ -289,23 +293,29 @@ class LoopTrainer(_TrainerBase):
         )
         return TrainerPlan(**seams, rows=rows, honours_hf_fields=honoured)
 
-    def _steps_through_instance(self) -> bool:
+    def _stand_in(self) -> subclass.StandIn:
+        """What trainbridge's own code stands in for on this ``train()``: all the class declares (``stands_in_for``;
+        Trainer's classes: nothing); trl's classes decide per run (``TrlLoop``)."""
+        return subclass.StandIn(self.stands_in_for)
+
+    def _steps_through_instance(self, stand_in: subclass.StandIn) -> bool:
         """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches
-        (``InstanceStep``): its class overrides one of ``subclass.STEP_METHODS``, its training items are not
+        (``InstanceStep``): its class overrides one of ``subclass.STEP_METHODS`` (not ``stand_in``'s), its items are not
         dicts of columns (``training_step`` takes any batch), or Trainer's own ``compute_loss`` forms a loss other
         than the forward's: a ``compute_loss_func``, ``label_smoothing_factor`` (unless the class generates its
         predictions: ``Seq2SeqTrainer``'s generation step, which warns that it is ignored) or NEFTune's noise,
         scaled by the length of Trainer's padded rows."""
-        if subclass.overrides(self, subclass.STEP_METHODS) or not subclass.items_are_columns(self, "train_dataset"):
+        own = subclass.overrides(type(self), subclass.STEP_METHODS, stand_in.methods)
+        if own or not subclass.items_are_columns(self, "train_dataset"):
             return True
         if self.compute_loss_func is not None or self.neftune_noise_alpha is not None:
             return True
         return self.label_smoother is not None and not self._generates()
 
-    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
+    def _loss_seam(self, items: bool, instance_step: bool, stand_in: subclass.StandIn) -> Loss:
         """The run's loss seam, from the class: the instance's ``training_step`` (``instance_step``), the forward's
         own loss on the datasets' items (``items``) or with generated predictions (``Seq2SeqTrainer``), else the
-        token loss on the prepared token rows; a class with a step of its own overrides this (trl's: ``TrlLoop``)."""
+        token loss on the prepared token rows; a class with a step of its own (``stand_in.step``) overrides this."""
         if instance_step:
             return InstanceStep(self._script)
         if items or self._generates():
@@ -322,7 +332,7 @@ class LoopTrainer(_TrainerBase):
         trainers = self.eval_dataset is not None and items and type(self).evaluate is LoopTrainer.evaluate
         if not subclass.items_are_columns(self, "eval_dataset") or (trainers and not self.is_deepspeed_enabled):
             return partial(self._script.evaluation, trainers_own=True)
-        return self._script.evaluation if subclass.overrides(self, subclass.EVALUATION_METHODS) else None
+        return self._script.evaluation if subclass.overrides(type(self), subclass.EVALUATION_METHODS) else None
 
     # ================================================================== train: trainbridge's loop
     def train(

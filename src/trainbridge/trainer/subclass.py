@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from trainbridge.parallel.script_optimizer import back_to_training
 from trainbridge.trainer.scope import LoopScope
 
 if TYPE_CHECKING:
+    from trainbridge.core.config.loss import StepFactory
     from trainbridge.core.config.plan import EvaluationRun
     from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks
     from trainbridge.trainer.facade import LoopTrainer
@@ -88,23 +89,33 @@ def unhonoured_overrides(cls: type) -> list[str]:
     return found
 
 
-def overrides(of: LoopTrainer | type[LoopTrainer], names: tuple[str, ...]) -> bool:
-    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``; ``of``: a class or
-    an instance.  A library's method that trainbridge stands in for (``LoopTrainer.stands_in_for``) does not
-    count: only a class below the one declaring it (the script's subclass) overrides it."""
-    cls = of if isinstance(of, type) else type(of)
-    stood_in = _stood_in(of)
+def overrides(cls: type[LoopTrainer], names: tuple[str, ...], stood_in: tuple[str, ...] | None = None) -> bool:
+    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``.  A library's method
+    that trainbridge's code stands in for on this run (``stood_in``, by default all the class declares in
+    ``LoopTrainer.stands_in_for``) does not count: only a class below the one declaring it (the script's
+    subclass) overrides it."""
+    owner = next((klass for klass in cls.__mro__ if "stands_in_for" in vars(klass)), object)
+    stood_in = cls.stands_in_for if stood_in is None else stood_in
     return any(
-        name in vars(klass) and klass not in stood_in.get(name, ()) for klass in _script_classes(cls) for name in names
+        name in vars(klass) and not (name in stood_in and klass in owner.__mro__)
+        for klass in _script_classes(cls)
+        for name in names
     )
 
 
-def _stood_in(of: LoopTrainer | type[LoopTrainer]) -> dict[str, tuple[type, ...]]:
-    """``{method: the classes whose definition of it trainbridge's step stands in for}``: the class declaring
-    ``stands_in_for`` (the instance's value: trl's own step may run instead) and those above it."""
-    cls = of if isinstance(of, type) else type(of)
-    owner = next((klass for klass in cls.__mro__ if "stands_in_for" in vars(klass)), None)
-    return {name: owner.__mro__ for name in of.stands_in_for} if owner is not None else {}
+@dataclass(frozen=True)
+class StandIn:
+    """What trainbridge's own code stands in for on one ``train()`` (``LoopTrainer._stand_in``, in ``run_plan()``)."""
+
+    methods: tuple[str, ...] = ()
+    """The library's methods (trl's) it stands in for: defined there, they are not the script's (``overrides``)."""
+    step: StepFactory | None = None
+    """trainbridge's step for the library's loss (``OwnStep``: DPO, KTO, ORPO/CPO); None: no such step."""
+
+    @property
+    def loss(self) -> bool:
+        """Whether trainbridge's step stands in for the library's loss, micro-batch step and collator."""
+        return "compute_loss" in self.methods
 
 
 def items_are_columns(trainer: LoopTrainer, name: str) -> bool:

@@ -33,11 +33,9 @@ class DPOTrainer(TrlLoop, trl.DPOTrainer):  # type: ignore[misc]
     peft_config)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
+    """Only ``_save_checkpoint`` on a ``train()`` through trl's own step (``TrlLoop._stand_in``)."""
 
     rows_are_items = True  # trl's prepared pairs, every column
-    step_factory: DPOStepFactory | None = None
-    """``RunPlan.loss`` (``OwnStep``) of the jobs: the DPO step over trl's prepared pairs (None: trl's own step)."""
 
     def _reproduces_trl(self) -> bool:
         args: Any = self.args

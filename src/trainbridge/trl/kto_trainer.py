@@ -33,11 +33,9 @@ class KTOTrainer(TrlLoop, trl.KTOTrainer):  # type: ignore[misc]
     compute_metrics, callbacks, optimizers, quantization_config, peft_config)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
+    """Only ``_save_checkpoint`` on a ``train()`` through trl's own step (``TrlLoop._stand_in``)."""
 
     rows_are_items = True  # trl's prepared rows, every column
-    step_factory: KTOStepFactory | None = None
-    """``RunPlan.loss`` (``OwnStep``) of the jobs: the KTO step over trl's prepared rows (None: trl's own step)."""
 
     def _reproduces_trl(self) -> bool:
         from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference

@@ -31,8 +31,6 @@ class _ReferenceFree(TrlLoop):
     on each class below trl's: ``trainer.subclass.overrides``)."""
 
     rows_are_items = True  # trl's prepared pairs, every column
-    step_factory: ReferenceFreeStepFactory | None = None
-    """``RunPlan.loss`` (``OwnStep``) of the jobs: the ORPO/CPO step over trl's prepared pairs (None: trl's step)."""
 
     def _loss(self) -> ORPOLoss | CPOLoss:
         raise NotImplementedError
@@ -61,7 +59,7 @@ class ORPOTrainer(_ReferenceFree, orpo.ORPOTrainer):  # type: ignore[misc]
     compute_metrics)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
+    """Only ``_save_checkpoint`` on a ``train()`` through trl's own step (``TrlLoop._stand_in``)."""
 
     def _loss(self) -> ORPOLoss:
         return ORPOLoss.from_config(self.args)
@@ -72,7 +70,7 @@ class CPOTrainer(_ReferenceFree, cpo.CPOTrainer):  # type: ignore[misc]
     ``simpo_gamma``, AlphaPO's ``alpha``) on trainbridge's loop, with ``ORPOTrainer``'s arguments."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
+    """Only ``_save_checkpoint`` on a ``train()`` through trl's own step (``TrlLoop._stand_in``)."""
 
     def _loss(self) -> CPOLoss:
         return CPOLoss.from_config(self.args)

@@ -25,6 +25,7 @@ import trl
 
 from trainbridge.core.config.loss import Loss, TokenLoss
 from trainbridge.trainer.facade import UnsupportedTrainerFeatureError
+from trainbridge.trainer.subclass import StandIn
 from trainbridge.trl.trl_loop import STEP_STAND_IN, TrlLoop
 
 
@@ -34,13 +35,13 @@ class SFTTrainer(TrlLoop, trl.SFTTrainer):  # type: ignore[misc]
     preprocess_logits_for_metrics, peft_config, formatting_func)`` on trainbridge's loop."""
 
     stands_in_for: tuple[str, ...] = STEP_STAND_IN
-    """Only ``_save_checkpoint`` on an instance that trains through trl's own step (``TrlLoop._choose_step``)."""
+    """Only ``_save_checkpoint`` on a ``train()`` through trl's own step (``TrlLoop._stand_in``)."""
 
-    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
+    def _loss_seam(self, items: bool, instance_step: bool, stand_in: StandIn) -> Loss:
         """Trainer's choice; trainbridge's token loss, where it stands in for trl's ``compute_loss``, also logs
         trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (trl's own step logs them itself)."""
-        loss = super()._loss_seam(items, instance_step)
-        return TokenLoss(metrics=True) if loss == TokenLoss() and "compute_loss" in self.stands_in_for else loss
+        loss = super()._loss_seam(items, instance_step, stand_in)
+        return TokenLoss(metrics=True) if loss == TokenLoss() and stand_in.loss else loss
 
     def __init__(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:
         if quantization_config is not None:

@@ -14,6 +14,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from transformers import TrainingArguments
@@ -22,6 +23,7 @@ from trainbridge.core.callback import Callback
 from trainbridge.core.config.loss import Loss, OwnStep, StepFactory
 from trainbridge.core.context import TrainingContext
 from trainbridge.trainer.facade import LoopTrainer
+from trainbridge.trainer.subclass import StandIn
 
 
 @contextmanager
@@ -55,9 +57,13 @@ STEP_STAND_IN = (
     "_set_signature_columns_if_needed",
     "_save_checkpoint",
 )
-"""What a class with a step of trainbridge's own (SFT, DPO) stands in for (``TrlLoop.stands_in_for``): the step for
-trl's loss, its micro-batch step and the columns its loader keeps (the loop reads the rows itself);
+"""What a class with a step of trainbridge's own (SFT, DPO) can stand in for (``TrlLoop.stands_in_for``): the step
+for trl's loss, its micro-batch step and the columns its loader keeps (the loop reads the rows itself);
 ``LoopTrainer``'s ``_save_checkpoint`` for trl's, which only adds the model card ``TrlLoop.train`` writes."""
+
+TRLS_OWN_STEP = StandIn(("_save_checkpoint",))
+"""Where trl's own step trains (its ``training_step`` on its loader; its ``compute_loss`` logs its metrics): only
+``_save_checkpoint`` stood in for."""
 
 
 class ShardedReference(Callback):
@@ -85,41 +91,37 @@ class ShardedReference(Callback):
 class TrlLoop(LoopTrainer):
     """``LoopTrainer`` for a trl trainer class (see the module doc)."""
 
-    step_factory: StepFactory | None = None
-    """trainbridge's own step for trl's loss (DPO, KTO, ORPO/CPO), chosen at construction (``_choose_step``)."""
-
     def __init__(self, *args: Any, torchrun_args: Any = None, **kwargs: Any) -> None:
         self._check_launch(type(self), torchrun_args)
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
-        self._init_loop(torchrun_args, self._choose_step())
+        collator: Any = self.data_collator  # trl's (its own default, or the script's)
+        self._init_loop(torchrun_args, collator)
 
-    def _script_callbacks(self) -> list[Any]:
+    def _script_callbacks(self, stand_in: StandIn) -> list[Any]:
         """trl's reference sharded under FSDP2 (``ShardedReference``); with trainbridge's step standing in for
         trl's ``compute_loss``, which counts the tokens, the loop's count stands in for it (``_TrainedTokens``)."""
-        callbacks = [*super()._script_callbacks(), ShardedReference(self)]
-        return [*callbacks, _TrainedTokens(self)] if "compute_loss" in self.stands_in_for else callbacks
+        callbacks = [*super()._script_callbacks(stand_in), ShardedReference(self)]
+        return [*callbacks, _TrainedTokens(self)] if stand_in.loss else callbacks
 
-    def _choose_step(self) -> Any:
-        """Whose step trains, decided once at construction -> the collator the loop's batches stand for (None:
-        trainbridge's step reproduces it).  trainbridge's (``_packed_step``, else the token step) where the class
-        stands in for trl's (``stands_in_for``), its checks of its config and data hold (``_reproduces_trl``) and
-        the script brings no loss of its own (an override, a ``compute_loss_func``); else trl's ``training_step``
-        on trl's batches, only ``_save_checkpoint`` stood in for."""
-        if not self.stands_in_for:
-            return self.data_collator
-        if self._reproduces_trl() and not self._steps_through_instance():
-            self.step_factory = self._packed_step()
-            return None
-        self.stands_in_for = ("_save_checkpoint",)  # trl's own step (its compute_loss logs its own metrics)
-        return self.data_collator
+    def _stand_in(self) -> StandIn:
+        """Whose step trains, decided at each ``train()`` (``run_plan()``): trainbridge's (``_packed_step``, else
+        the token step) where the class stands in for trl's (``stands_in_for``), its checks of its config and data
+        hold (``_reproduces_trl``) and the script brings no loss of its own (an override, a
+        ``compute_loss_func``); else trl's ``training_step`` on trl's batches (``TRLS_OWN_STEP``)."""
+        stand_in = super()._stand_in()
+        if not stand_in.methods:
+            return stand_in
+        if self._reproduces_trl() and not self._steps_through_instance(stand_in):
+            return replace(stand_in, step=self._packed_step())
+        return TRLS_OWN_STEP
 
-    def _loss_seam(self, items: bool, instance_step: bool) -> Loss:
-        """trainbridge's own step where it stands in for trl's (``step_factory``), else ``LoopTrainer``'s choice."""
-        if self.step_factory is not None:
-            return OwnStep(self.step_factory)
-        return super()._loss_seam(items, instance_step)
+    def _loss_seam(self, items: bool, instance_step: bool, stand_in: StandIn) -> Loss:
+        """trainbridge's own step where it stands in for trl's (``stand_in.step``), else ``LoopTrainer``'s choice."""
+        if stand_in.step is not None:
+            return OwnStep(stand_in.step)
+        return super()._loss_seam(items, instance_step, stand_in)
 
     def _reproduces_trl(self) -> bool:
         """Whether trainbridge's step gives trl's loss for this instance's config and data."""
