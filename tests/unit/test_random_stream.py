@@ -241,10 +241,11 @@ class StepEvents(transformers.TrainerCallback):
 def test_a_pass_the_stream_cannot_fill_carries_its_micro_batches_into_the_next_step_as_trainer(
     tmp_path: Path, arguments_for: Any
 ) -> None:
-    """10 items, 2 a micro-batch, 2 micro-batches a step: each pass takes 2 steps and ends with one micro-batch,
-    trained without an optimizer step (``on_step_begin``, ``on_substep_end``), its gradient and loss carried into
-    the next pass's first step; ``set_epoch`` twice per pass, after ``on_epoch_begin`` (Trainer's own call, then
-    accelerate's loader's).  The same events, losses and epochs as Trainer's."""
+    """9 items, 2 a micro-batch, 2 micro-batches a step: each pass takes 2 steps and ends with one micro-batch of
+    one item (as Trainer's loader gives it), trained without an optimizer step (``on_step_begin``,
+    ``on_substep_end``), its gradient and loss carried into the next pass's first step; ``set_epoch`` twice per
+    pass, after ``on_epoch_begin`` (Trainer's own call, then accelerate's loader's).  The same events, losses and
+    epochs as Trainer's."""
     model = _classifier()
     runs: list[tuple[list[Any], list[Any], list[Any]]] = []
     for cls in (transformers.Trainer, Trainer):
@@ -263,7 +264,7 @@ def test_a_pass_the_stream_cannot_fill_carries_its_micro_batches_into_the_next_s
             seed=3,
         )
         events: list[Any] = []
-        stream = CountedStream(10, events)
+        stream = CountedStream(9, events)
         trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=stream, callbacks=[StepEvents(events)])
         trainer.train()
         logs = [e for e in trainer.state.log_history if "loss" in e]

@@ -1,9 +1,9 @@
 """Streaming training data (``data.stream_batches``, ``TrainingArgs.train_stream``): a generator-backed
 ``IterableDataset`` trains ``max_steps`` steps through the real loop in-process, ranks take disjoint items,
 a resumed run skips what was consumed and reaches the weights of an uninterrupted one, a stream shorter than
-``max_steps`` is iterated again epoch after epoch (``set_epoch`` twice as it begins, as under Trainer) and resumes exactly
-across a pass, an empty one ends the run, and a stream without ``max_steps`` is refused when the arguments
-are built (``data_path`` is not needed beside a stream)."""
+``max_steps`` is iterated again epoch after epoch (``set_epoch`` twice as it begins, as under Trainer) and
+resumes exactly across a pass, an empty one ends the run, and a stream without ``max_steps`` is refused when
+the arguments are built (``data_path`` is not needed beside a stream)."""
 
 from __future__ import annotations
 
@@ -248,7 +248,9 @@ def test_a_resumed_run_skips_what_was_consumed_across_passes(classifier, tmp_pat
 
 
 def test_a_stream_with_no_full_step_ends_the_run_at_once(classifier, tmp_path):
-    args = _args(classifier, tmp_path, "empty", train_stream=ShortStream(3), max_steps=4, save_strategy="no")
+    # one micro-batch a pass, where a step takes two: trained and carried, never an optimizer step (Trainer's
+    # would go on pass after pass)
+    args = _args(classifier, tmp_path, "empty", train_stream=ShortStream(2), max_steps=4, save_strategy="no")
     result = _train(args)
     assert result.global_step == 0 and result.stopped_early
     assert "ran out" in (result.stop_reason or "")

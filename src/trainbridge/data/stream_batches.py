@@ -6,11 +6,11 @@ over the stream, of at most ``max_steps`` steps (``steps_per_epoch``, Trainer's 
 are grouped ``per_device`` at a time into micro-batches in stream order and micro-batch ``i`` goes to rank
 ``i % world_size`` (as accelerate's dispatching of iterable datasets under Trainer), so ranks see disjoint
 items.  A step takes ``accumulation`` micro-batches per rank; a pass ends where the stream runs out: its last
-full rounds, fewer than a step takes, are one ``carried`` step (trained without an optimizer step, their gradients
-and loss carried into the next pass's first step, as Trainer's ``_inner_training_loop``), and a round it cannot
-fill is dropped.  ``unsized``: the loop then starts the next epoch, a fresh pass (the stream's ``set_epoch``
-twice as it begins, Trainer's own call and accelerate's loader's), until ``max_steps``; a pass with no optimizer
-step ends the run.  Resume: the
+full rounds, fewer than a step takes, are one ``carried`` step (trained without an optimizer step, their
+gradients and loss carried into the next pass's first step, as Trainer's ``_inner_training_loop``), and a round
+it cannot fill is dropped (on one rank its last micro-batch may be shorter, as Trainer's).  ``unsized``: the loop
+then starts the next epoch, a fresh pass (the stream's ``set_epoch`` twice as it begins, Trainer's own call and
+accelerate's loader's), until ``max_steps``; a pass with no optimizer step ends the run.  Resume: the
 loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
 steps already taken, so a resumed run trains on exactly the items an uninterrupted one would.
 
@@ -149,11 +149,12 @@ class StreamBatches:
             yield own
 
     def _read_round(self, batches: Iterator[list[Any]], size: int) -> list[Any] | None:
-        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it)."""
+        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it;
+        on one rank, the stream's last, shorter micro-batch is one, as Trainer's loader gives it)."""
         round_: list[Any] = []
         for index in range(self.world_size):
             items = next(batches, None)
-            if items is None or len(items) < size:
+            if not items or (len(items) < size and self.world_size > 1):
                 return None
             round_.append(self.collate(items) if self.scatter is not None or index == self.rank else None)
         return round_
