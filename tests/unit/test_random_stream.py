@@ -178,33 +178,6 @@ class MaskedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             yield self.items[i]
 
 
-def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, arguments_for: Any) -> None:
-    """A stream (``IterableDataset``) of items masked at random when read, with dropout: each pass draws the
-    ``DataLoader``'s base seed and reads a round ahead, as under Trainer: its loss at every step over two passes."""
-    model = _classifier()
-    losses: list[list[Any]] = []
-    for cls in (transformers.Trainer, Trainer):
-        args = arguments_for(
-            cls,
-            output_dir=str(tmp_path / cls.__module__),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=8,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=3,
-        )
-        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=MaskedStream(16))
-        trainer.train()
-        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
-    assert len(losses[1]) == len(losses[0]) == 8
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
-
-
 class CountedStream(MaskedStream):
     """``MaskedStream`` recording each ``set_epoch`` call into ``events``."""
 
@@ -245,7 +218,8 @@ def test_a_pass_the_stream_cannot_fill_carries_its_micro_batches_into_the_next_s
     one item (as Trainer's loader gives it), trained without an optimizer step (``on_step_begin``,
     ``on_substep_end``), its gradient and loss carried into the next pass's first step; ``set_epoch`` twice per
     pass, after ``on_epoch_begin`` (Trainer's own call, then accelerate's loader's).  The same events, losses and
-    epochs as Trainer's."""
+    epochs as Trainer's: with dropout, on items masked at random as read, each pass draws the ``DataLoader``'s base
+    seed and reads a round ahead, as under Trainer."""
     model = _classifier()
     runs: list[tuple[list[Any], list[Any], list[Any]]] = []
     for cls in (transformers.Trainer, Trainer):
