@@ -30,6 +30,12 @@ from trainbridge.modeling.prefix_attention import PREFIX_SDPA, PrefixRow, prefix
 from trainbridge.modeling.varlen_attention import has_local_attention
 
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager", PREFIX_SDPA})
+
+SEGMENT_ATTENTION_FROM = 1024
+"""Rows of at least this many positions are attended per segment (``prefix_attention``); shorter ones through the
+whole-row mask, which measured faster there: ``benchmarks/trl_grpo.py`` (rows of ~290) read 0.8x with per-segment
+attention, while one forward + backward of 8 completions of 256 tokens (rows of ~2,080) took 0.68 s against 1.21 s
+(docs/benchmarks.md)."""
 """Attention implementations that apply a custom boolean ``[G, 1, T, T]`` mask as given."""
 
 
@@ -153,9 +159,11 @@ def shared_prefix_logps(
     model: torch.nn.Module, packed: PromptGroups, compute_entropy: bool, unwrapped: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One fused-head forward of ``packed``: per-token log-probs and (``compute_entropy``) entropies in trl's
-    ``[B, C]`` layout, attended per segment (``prefix_attention.prefix_layout``, on ``unwrapped``: ``model``
-    without its DDP wrapper, ``model`` itself when None)."""
-    prefix_layout(unwrapped if unwrapped is not None else model, packed.attention_mask, packed.layout)
+    ``[B, C]`` layout; rows of ``SEGMENT_ATTENTION_FROM`` positions or more attended per segment
+    (``prefix_attention.prefix_layout``, on ``unwrapped``: ``model`` without its DDP wrapper, ``model`` itself when
+    None)."""
+    if packed.input_ids.shape[1] >= SEGMENT_ATTENTION_FROM:
+        prefix_layout(unwrapped if unwrapped is not None else model, packed.attention_mask, packed.layout)
     outputs = model(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
