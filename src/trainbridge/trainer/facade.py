@@ -7,11 +7,7 @@ collator...), so ``isinstance(trainer, transformers.Trainer)`` holds and every m
 overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``predict``, ``prediction_step``,
 ``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
 trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
-and calls back into the instance where Trainer's loop would (``trainer.subclass``): ``training_step`` on each
-micro-batch when the class overrides the step, ``evaluate()`` at evaluation points (Trainer's own on Trainer's
-sample batches, an override's; the loop's on the padding-free token batches), ``log()`` on every log,
-``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During ``train()`` ``self.state``,
-``self.control`` and ``self.callback_handler`` are the loop's.
+and calls back into the instance where Trainer's loop would (``trainer.subclass`` says where).
 
 Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
 ``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
@@ -149,14 +145,10 @@ class LoopTrainer(_TrainerBase):
         """``args.output_dir``; during a search's trial ``<output_dir>/run-<n>`` (Trainer's ``_get_output_dir``)."""
         return Path(self._get_output_dir(self._trial) or "trainer_output")
 
-    def _device(self) -> str:
-        """``TrainingArgs.device`` of the run: ``cpu`` under ``use_cpu``, else ``auto``."""
-        return "cpu" if getattr(self.args, "use_cpu", False) else "auto"
-
     def _start_env(self) -> DistributedEnv:
         if self._env is None:
-            timeout_s: Any = getattr(self.args, "ddp_timeout", None) or 1800
-            self._env = DistributedEnv.initialize(self._device(), float(timeout_s))
+            device = "cpu" if self.args.use_cpu else "auto"
+            self._env = DistributedEnv.initialize(device, float(self.args.ddp_timeout or 1800))
             if self._env.started_group:  # in place: the script goes on after train(); leave the group at its exit,
                 atexit.register(self._env.teardown, clean=False)  # not to gloo's threads at interpreter teardown
         return self._env
@@ -229,7 +221,7 @@ class LoopTrainer(_TrainerBase):
         """Columns Trainer's batches would hand the model that the token step does not (``remove_unused_columns``
         as Trainer's own signature columns apply it): a run with any trains on Trainer's sample batches."""
         kept = None
-        if getattr(self.args, "remove_unused_columns", True):
+        if self.args.remove_unused_columns:
             if self.model is None:
                 return []
             self._set_signature_columns_if_needed()
@@ -373,7 +365,7 @@ class LoopTrainer(_TrainerBase):
                 self.remove_callback(report)
         if report is not None:
             report.raise_if_pruned()
-        metrics = train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
+        metrics = train_metrics(state.log_history, bool(self.args.disable_tqdm))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
 
