@@ -122,9 +122,7 @@ class LoopTrainer(_TrainerBase):
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
             make_output_folder(config.output_dir, f"{type(config).__name__}.output_dir")
 
-    def _init_loop(
-        self, torchrun_args: TorchrunArgs | None, given_collator: Collator | None, peft_config: object = None
-    ) -> None:
+    def _init_loop(self, torchrun_args: TorchrunArgs | None, peft_config: object = None) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
@@ -134,7 +132,6 @@ class LoopTrainer(_TrainerBase):
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
-        self._collator_choice = script_data.classify_collator(given_collator)
 
     # ================================================================== what the jobs read
     _trial: Any = None
@@ -196,14 +193,14 @@ class LoopTrainer(_TrainerBase):
         return False
 
     def _row_preparation(self, instance_batches: bool, stand_in: subclass.StandIn) -> script_data.RowPreparation:
-        """How the datasets' rows are prepared: the collator's choice (reproduced where trainbridge's step stands
-        in for it), padded with the collator's own tokenizer; ``instance_batches``: the loop steps through the
-        instance or reads its loader."""
+        """How the datasets' rows are prepared: the choice for ``data_collator`` as it is now (Trainer's default
+        when the script gave none; reproduced where trainbridge's step stands in for it), padded with the
+        collator's own tokenizer; ``instance_batches``: the loop steps through the instance or reads its loader."""
         from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
-        choice = self._collator_choice
+        choice = script_data.classify_collator(self.data_collator)
         if stand_in.loss:
             choice = script_data.CollatorChoice(True, description=f"{choice.description} (trainbridge's step for it)")
         return script_data.RowPreparation(
@@ -536,7 +533,7 @@ class Trainer(LoopTrainer, transformers.Trainer):
         super().__init__(**init)
         for name, value in later.items():
             setattr(self, name, value)
-        self._init_loop(torchrun_args, data_collator, kwargs.get("peft_config"))
+        self._init_loop(torchrun_args, kwargs.get("peft_config"))
 
 
 def _reject_unsupported(kwargs: dict[str, Any]) -> None:

@@ -97,8 +97,7 @@ class TrlLoop(LoopTrainer):
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
-        collator: Any = self.data_collator  # trl's (its own default, or the script's)
-        self._init_loop(torchrun_args, collator)
+        self._init_loop(torchrun_args)
 
     def _script_callbacks(self, stand_in: StandIn) -> list[Any]:
         """trl's reference sharded under FSDP2 (``ShardedReference``); with trainbridge's step standing in for
