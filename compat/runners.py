@@ -1,6 +1,7 @@
 """Run a scenario with ``transformers.Trainer`` (torchrun + ``compat.trainer_worker``) or with
-trainbridge (``run_training`` with ``TrainingArgs`` ported by ``training_args_from_hf``; for a
-non-causal scenario, the same worker with ``trainbridge.Trainer``, the facade, in place).
+trainbridge (``run_training`` with ``TrainingArgs`` ported by ``training_args_from_hf``, called in place on
+each rank of the same worker's torchrun, as a ``torchrun script.py`` calling it would; for a non-causal
+scenario, the same worker with ``trainbridge.Trainer``, the facade, in place).
 
 Layout of one run, ``{work}/{scenario}/{runner}-ws{N}/``: ``out/`` (output_dir: checkpoints, TensorBoard
 runs, observations), ``trace/`` (and ``trace-resume/`` for a resume phase), ``mlruns/``, ``wandb/``,
@@ -19,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +29,8 @@ from typing import Any, Literal
 from compat.assets import SAMPLE_TOKENS, CompatAssets
 from compat.recorder import OBSERVED_CALLBACK_CLASSES, AttributeAccessProbe, TraceRecorder
 from compat.scenarios import Scenario
-from trainbridge import TorchrunArgs, run_training
 from trainbridge.hf import HFPortingWarning, training_args_from_hf
-from trainbridge.launch.console import console_to
-from trainbridge.launch.launcher import LaunchTimeoutError, free_port
+from trainbridge.launch.launcher import free_port
 
 Runner = Literal["trainer", "trainbridge"]
 RUNNERS: tuple[Runner, ...] = ("trainer", "trainbridge")
@@ -94,30 +92,38 @@ def run_scenarios(
 ) -> list[RunOutcome]:
     """Run each of ``specs`` with ``runner`` on ``world_size`` ranks (both phases of a resume scenario).
 
-    trainbridge: one ``run_training`` per phase.  Trainer: scenarios that do not ``runs_alone`` share one
-    torchrun launch (phases run one after another in the same worker processes)."""
+    Scenarios that do not run alone (``_runs_alone``) share one torchrun launch of ``compat.trainer_worker``
+    per runner (phases run one after another in the same worker processes): the interpreter and torchrun
+    start-up, not the training, is most of a tiny run's time."""
     outcomes = [_fresh_outcome(spec, runner, world_size, work) for spec in specs]
     if runner == "trainbridge":
         for spec, outcome in zip(specs, outcomes):
-            if spec.task != "causal-lm":
-                _launch_trainer([(spec, outcome)], world_size, assets, facade=True)
-                continue
-            start = time.monotonic()
-            outcome.console = outcome.run_dir / "console.log"
-            for phase, resume_from in _phases(spec):
-                _launch_trainbridge(spec, world_size, assets, outcome, phase, resume_from)
-                if outcome.status != "completed":
-                    break
-            outcome.seconds = time.monotonic() - start
-            print(f"compat: trainbridge run {spec.name} x{world_size}: {outcome.status} in {outcome.seconds:.0f} s"
-                  + (f" ({outcome.error})" if outcome.error else ""), file=sys.stderr, flush=True)  # fmt: skip
-        return outcomes
-    shared = [(s, o) for s, o in zip(specs, outcomes) if not s.runs_alone]
+            if spec.task == "causal-lm":  # built here too: the porting warnings are the parent's to report
+                *_, outcome.porting_warnings = trainbridge_arguments(
+                    spec, world_size, assets, outcome.output_dir, outcome.trace_dir(), None
+                )
+    pairs = list(zip(specs, outcomes))
+    shared = [(s, o) for s, o in pairs if not _runs_alone(s, runner, world_size)]
     groups = [shared] if shared else []
-    groups += [[(s, o)] for s, o in zip(specs, outcomes) if s.runs_alone]
+    groups += [[(s, o)] for s, o in pairs if _runs_alone(s, runner, world_size)]
     for group in groups:
-        _launch_trainer(group, world_size, assets)
+        _launch_jobs(group, runner, world_size, assets)
     return outcomes
+
+
+def _runs_alone(spec: Scenario, runner: Runner, world_size: int) -> bool:
+    """Whether a run needs a launch of its own: Trainer where it is expected to fail at ``world_size``, and
+    either runner with reporting integrations (their global state is not shared with other scenarios)."""
+    expected_failure = runner == "trainer" and world_size in spec.trainer_fails
+    return expected_failure or bool(spec.arguments.get("report_to"))
+
+
+def _job_kind(spec: Scenario, runner: Runner) -> str:
+    """What ``compat.trainer_worker`` runs a job with: ``transformers`` (Trainer), ``trainbridge`` (the
+    facade in place of Trainer) or ``run_training`` (trainbridge's ``run_training``, in place)."""
+    if runner == "trainer":
+        return "transformers"
+    return "run_training" if spec.task == "causal-lm" else "trainbridge"
 
 
 def _phases(spec: Scenario) -> list[tuple[str, int | None]]:
@@ -133,12 +139,12 @@ def _fresh_outcome(spec: Scenario, runner: Runner, world_size: int, work: Path) 
     return RunOutcome(spec.name, runner, world_size, run_dir)
 
 
-# ============================================================================ transformers.Trainer
-def _launch_trainer(
-    group: Sequence[tuple[Scenario, RunOutcome]], world_size: int, assets: CompatAssets, *, facade: bool = False
+# ============================================================================ launches
+def _launch_jobs(
+    group: Sequence[tuple[Scenario, RunOutcome]], runner: Runner, world_size: int, assets: CompatAssets
 ) -> None:
     """One torchrun launch of ``compat.trainer_worker`` running every phase of every scenario of ``group``
-    (``facade``: with ``trainbridge.Trainer`` in place of ``transformers.Trainer``)."""
+    with ``runner``."""
     jobs = [
         {
             "scenario": spec.name,
@@ -148,7 +154,7 @@ def _launch_trainer(
             "resume_from": resume_from,
             "env": integration_environment(outcome.run_dir),
             "status": str(outcome.run_dir / f"status{'-' + phase if phase else ''}.json"),
-            "trainer": "trainbridge" if facade else "transformers",
+            "trainer": _job_kind(spec, runner),
             "phase": phase,
             "timeout_s": spec.timeout_s,
         }
@@ -182,10 +188,19 @@ def _launch_trainer(
         outcome.seconds = seconds
         outcome.console = console_path
         outcome.shared_launch = len(group) > 1
-        done = all(_job_state(job) == "completed" for job in jobs if job["out"] == str(outcome.output_dir))
-        if not done:
+        own = [job for job in jobs if job["out"] == str(outcome.output_dir)]
+        outcome.callback_errors = sorted({name for job in own for name in _job_callback_errors(job)})
+        if not all(_job_state(job) == "completed" for job in own):
             outcome.status, outcome.error = error or ("failed", "the worker wrote no status")
-            error = ("failed", "not run: an earlier scenario of the same Trainer launch failed")
+            error = ("failed", "not run: an earlier scenario of the same launch failed")
+
+
+def _job_callback_errors(job: Mapping[str, Any]) -> list[str]:
+    """The callback classes a ``run_training`` job's ``RunResult.callback_errors`` named (its status file)."""
+    try:
+        return list(json.loads(Path(job["status"]).read_text()).get("callback_errors", []))
+    except (FileNotFoundError, ValueError):
+        return []
 
 
 def _run_launch(
@@ -233,7 +248,9 @@ def _job_state(job: Mapping[str, Any]) -> JobState:
 def _job_name(job: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]) -> str:
     """``Trainer job step_schedules x2 (2 of 9 of its launch)``: a job as a report names it."""
     phase = f" ({job['phase']} phase)" if job["phase"] else ""
-    runner = "trainbridge.Trainer" if job["trainer"] == "trainbridge" else "Trainer"
+    runner = {"trainbridge": "trainbridge.Trainer", "run_training": "trainbridge run_training"}.get(
+        job["trainer"], "Trainer"
+    )
     where = f"{jobs.index(job) + 1} of {len(jobs)} of its launch"
     return f"{runner} job {job['scenario']}{phase} x{job['world_size']} ({where})"
 
@@ -314,18 +331,22 @@ def _root_cause(lines: list[str]) -> str | None:
 
 # ============================================================================ trainbridge
 def trainbridge_arguments(
-    spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
-) -> Any:
+    spec: Scenario,
+    world_size: int,
+    assets: CompatAssets,
+    output_dir: Path,
+    trace_dir: Path,
+    resume_from: int | None,
+) -> tuple[Any, dict[str, Any], list[str]]:
     """The ``TrainingArgs`` of a trainbridge run (``training_args_from_hf`` of the scenario's
-    ``TrainingArguments`` plus the paths and batch shape) and its code for ``run_training`` (the callbacks, the
-    ``TrainingArguments`` they see)."""
-    hf_values = spec.training_arguments(outcome.output_dir, world_size)
+    ``TrainingArguments`` plus the paths and batch shape), its code for ``run_training`` (the callbacks, the
+    ``TrainingArguments`` they see) and the porting warnings ``training_args_from_hf`` gave."""
+    hf_values = spec.training_arguments(output_dir, world_size)
     if resume_from is not None:
-        hf_values["resume_from_checkpoint"] = str(outcome.output_dir / f"checkpoint-{resume_from}")
+        hf_values["resume_from_checkpoint"] = str(output_dir / f"checkpoint-{resume_from}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hf_args = spec.arguments_class()(**hf_values)
-        trace_dir = outcome.trace_dir(phase)
         probe = AttributeAccessProbe(OBSERVED_CALLBACK_CLASSES, str(trace_dir))
         callbacks = spec.callbacks()
         callbacks[1:1] = spec.trainbridge_extra()
@@ -339,27 +360,8 @@ def trainbridge_arguments(
             max_batch_len=spec.max_batch_len(world_size),
         )
     code = {"callbacks": [probe, *callbacks, TraceRecorder(str(trace_dir)), probe.closer()], "hf_args": hf_args}
-    if not phase:
-        outcome.porting_warnings = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})
-    return args, code
-
-
-def _launch_trainbridge(
-    spec: Scenario, world_size: int, assets: CompatAssets, outcome: RunOutcome, phase: str, resume_from: int | None
-) -> None:
-    try:
-        args, code = trainbridge_arguments(spec, world_size, assets, outcome, phase, resume_from)
-        with scoped_environment(integration_environment(outcome.run_dir)), console_to(outcome.run_dir / "console.log"):
-            result = run_training(args, TorchrunArgs(nproc_per_node=world_size), timeout_s=spec.timeout_s, **code)
-        if result is not None:
-            outcome.callback_errors = sorted({report.callback for report in result.callback_errors})
-    except LaunchTimeoutError as exc:
-        outcome.status, outcome.error = "timeout", str(exc)
-    except Exception as exc:
-        outcome.status = "failed"
-        outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        with (outcome.run_dir / "console.log").open("a") as console:
-            console.write(traceback.format_exc())
+    porting = sorted({str(w.message) for w in caught if issubclass(w.category, HFPortingWarning)})
+    return args, code, porting
 
 
 @contextlib.contextmanager

@@ -170,12 +170,6 @@ class Scenario:
         module, _, name = self.config_class.partition(":")
         return getattr(importlib.import_module(module), name)
 
-    @property
-    def runs_alone(self) -> bool:
-        """Whether the Trainer side needs a launch of its own (an expected failure, or integrations whose
-        global state should not be shared with other scenarios)."""
-        return bool(self.trainer_fails) or bool(self.arguments.get("report_to"))
-
     def per_device_batch(self, world_size: int) -> int:
         """``per_device_train_batch_size`` (and eval batch) at ``world_size``."""
         rows, remainder = divmod(self.samples_per_step, self.gradient_accumulation_steps * world_size)

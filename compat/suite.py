@@ -1,6 +1,6 @@
 """Run a selection of (scenario, world size) pairs both ways and compare them.
 
-Trainer runs of one world size share a launch where they can (``runners.run_scenarios``); where Trainer
+The runs of one side and world size share a launch where they can (``runners.run_scenarios``); where Trainer
 is expected to fail at a size, trainbridge's ranks are compared with the one-rank Trainer run, which is
 run too when it is not part of the selection.
 """

@@ -3,7 +3,7 @@
 - Unit part (no processes): trace alignment, explanations, the attribute-access patch.
 - CI part (``distributed``): the ``fast`` selection of ``compat.scenarios`` (every scenario's one-rank
   runs but the long ones, ``classification`` included; ``step_schedules`` and ``one_rank_stop`` on two
-  ranks), run once for the module with Trainer batched into one launch per world size; each
+  ranks), run once for the module with each side batched into one launch per world size; each
   (scenario, ranks) is a test that fails on an unexplained difference.
 - Full part (``compat_full``): every other pair, as ``python -m compat`` runs them.  CI deselects it:
   ``python -m pytest -m "not compat_full"``.

@@ -19,7 +19,8 @@ functions and trl's ``GRPOTrainer``), the
 scenario's callbacks followed by the ``TraceRecorder``, and trains with a stock ``Trainer`` while
 ``AttributeAccessLog`` records what the transformers callbacks read.  ``"trainer": "trainbridge"`` runs
 the same job with ``trainbridge.Trainer`` (``trainbridge.DPOTrainer``, ``trainbridge.GRPOTrainer``; the
-facade, in place under this torchrun): the script with only its import changed.  Rank 0 writes
+facade, in place under this torchrun): the script with only its import changed.  ``"trainer": "run_training"``
+runs a causal-LM scenario with trainbridge's ``run_training`` in place (``run_training_job``).  Rank 0 writes
 ``{"status": "completed"}`` to the job's status file at its end; a failing job ends the process.
 """
 
@@ -60,6 +61,9 @@ def run_job(job: dict[str, Any], assets: CompatAssets, *, last: bool = True) -> 
     os.environ.update(job["env"])
     if int(os.environ.get("RANK", "0")) == 0:
         Path(job["status"]).write_text(json.dumps({"status": "started"}))
+    if job.get("trainer") == "run_training":
+        run_training_job(job, assets, last=last)
+        return
     log = AttributeAccessLog(OBSERVED_CALLBACK_CLASSES)
     log.install()
     rank = 0
@@ -134,6 +138,31 @@ def run_job(job: dict[str, Any], assets: CompatAssets, *, last: bool = True) -> 
     wait_for_idle_gloo_threads()
     if rank == 0:
         Path(job["status"]).write_text(json.dumps({"status": "completed"}))
+
+
+def run_training_job(job: dict[str, Any], assets: CompatAssets, *, last: bool = True) -> None:
+    """Train one causal-LM scenario phase with trainbridge's ``run_training`` called on this rank, in place
+    (as from a ``torchrun script.py``): ``TrainingArgs`` ported by ``training_args_from_hf``, the callbacks
+    between ``AttributeAccessProbe`` and the ``TraceRecorder`` (``compat.runners.trainbridge_arguments``).
+    On 2 ranks the first job starts the process group and later ones use it (``run_training`` in place leaves
+    a group it found or started to the script); ``last`` ends it, as a script's end.  Rank 0's status file
+    gets ``RunResult.callback_errors``'s classes."""
+    from compat.runners import trainbridge_arguments
+    from trainbridge import TorchrunArgs, run_training
+
+    spec = scenario(job["scenario"])
+    world_size = job["world_size"]
+    args, code, _ = trainbridge_arguments(
+        spec, world_size, assets, Path(job["out"]), Path(job["trace"]), job["resume_from"]
+    )
+    result = run_training(args, TorchrunArgs(nproc_per_node=world_size), **code)
+    if last and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    wait_for_idle_gloo_threads()  # as ``run_job``: before the job's objects are released
+    if int(os.environ.get("RANK", "0")) == 0:
+        errors = sorted({report.callback for report in result.callback_errors}) if result is not None else []
+        Path(job["status"]).write_text(json.dumps({"status": "completed", "callback_errors": errors}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, collective_timeout_s=60):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -34,7 +34,7 @@ def _entry(rank, world_size, port, fn, args, queue):
     )
     from trainbridge.core.distributed import DistributedEnv
 
-    env = DistributedEnv.initialize("cpu", timeout_s=60)
+    env = DistributedEnv.initialize("cpu", timeout_s=collective_timeout_s)
     try:
         queue.put((rank, fn(env, *args)))
     except BaseException:
@@ -43,12 +43,16 @@ def _entry(rank, world_size, port, fn, args, queue):
     env.teardown()
 
 
-def run_on_ranks(fn, *args, world_size=2, timeout=120):
-    """Run ``fn(env, *args)`` on ``world_size`` gloo processes; returns results by rank."""
+def run_on_ranks(fn, *args, world_size=2, timeout=120, collective_timeout_s=60):
+    """Run ``fn(env, *args)`` on ``world_size`` gloo processes (their group's collectives time out after
+    ``collective_timeout_s``); returns results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collective_timeout_s))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -13,20 +13,24 @@ steps and epochs, metric keys and checkpoints; the script's collator gets the it
   process on each rank, under ``python script.py`` too) and each rank trains on exactly the batches it trains
   on under Trainer (accelerate's sharding).
 - ``afbs``: ``auto_find_batch_size`` with a forward out of memory above 3 items on rank 1 alone (ours; on every
-  rank for the reference, where Trainer's per-process search agrees only so), then a fresh Trainer resuming.
+  rank for the reference, where Trainer's per-process search agrees only so), then a fresh Trainer resuming;
+  ``unagreed`` (ours, last in the ``python script.py`` launch): the same with a backward out of memory on rank 1
+  alone, which ends the launch with the error naming it.
 
-The real Trainer's runs of the four cases share one launch (``references``: one after another in the same
+The real Trainer's runs of the five cases share one launch (``references``: one after another in the same
 processes); ours, one launch per style (``ours``).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.script_runs import run_script_folders, torchrun
+from tests.distributed.script_runs import _outside_a_launcher, run_script_folders, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -34,9 +38,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "data_script.py"
 SAME = ("global_step", "train_metrics", "log_steps", "log_epochs", "checkpoints")
 
 
-LAUNCHES = {"stream": ("torchrun", "python"), "hfstream": ("python",), "sampler": ("python",)}
-"""Our launch styles per case (torchrun by default): the stream case runs both; the others one, for suite time
-(the datasets stream must travel by value; a subclass's data override runs in each rank's own process, under
+LAUNCHES = {
+    "stream": ("torchrun", "python"),
+    "hfstream": ("python",),
+    "sampler": ("python",),
+    "afbs": ("torchrun", "python"),
+}
+"""Our launch styles per case (torchrun by default): the stream and afbs cases run both; the others one, for suite
+time (the datasets stream must travel by value; a subclass's data override runs in each rank's own process, under
 ``python script.py`` for the sampler case and under torchrun for the loader case, whose path is the same)."""
 
 
@@ -54,7 +63,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
     """Our runs, ``{launch style: {kind: summary}}``: the kinds of each style (``LAUNCHES``) one after another in
-    the same processes, one launch per style (the script re-executed under ``python script.py``)."""
+    the same processes, one launch per style (the script re-executed under ``python script.py``), whose last kind,
+    ``unagreed``, ends it (``{"returncode", "output"}``)."""
     root = tmp_path_factory.mktemp("facade-data-ours")
     styles = {style: [k for k in KINDS if style in LAUNCHES.get(k, ("torchrun",))] for style in ("torchrun", "python")}
     out = root / "torchrun"
@@ -64,8 +74,11 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]
         )
     }
     out = root / "python"
-    command = [sys.executable, str(SCRIPT), str(out), ",".join(styles["python"])]
-    runs["python"] = run_script_folders(command, out, styles["python"], TRAINBRIDGE_NPROC_PER_NODE="2")
+    command = [sys.executable, str(SCRIPT), str(out), ",".join([*styles["python"], "unagreed"])]
+    env = _outside_a_launcher({"TRAINBRIDGE_NPROC_PER_NODE": "2"})
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
+    runs["python"] = {kind: json.loads((out / kind / "summary.json").read_text()) for kind in styles["python"]}
+    runs["python"]["unagreed"] = {"returncode": proc.returncode, "output": proc.stdout + proc.stderr}
     return runs
 
 
@@ -130,12 +143,25 @@ def test_auto_find_batch_size_is_agreed_by_the_ranks_and_resumed_as_under_traine
     instead of leaving the other waiting in the gradient all-reduce; a fresh Trainer resuming starts from the
     checkpoint's size (no second error), as Trainer restores ``TrainerState.train_batch_size``.  Same items on each
     rank and the same losses as Trainer's."""
-    real, (ours_run,) = _runs(references, ours, "afbs")
+    real, ours_runs = _runs(references, ours, "afbs")
     assert real["global_step"] == 5 and real["checkpoints"] == ["checkpoint-3", "checkpoint-5"]
-    markers = ours_run["markers"]
-    assert "oom-rank0.txt" not in markers and markers["oom-rank1.txt"] == ["4"]  # one error, rank 1's, at 4 items
     assert real["markers"]["oom-rank0.txt"] == real["markers"]["oom-rank1.txt"] == ["4"]
-    for rank in range(2):  # both runs' state.train_batch_size, on each rank
-        assert markers[f"size-rank{rank}.txt"] == real["markers"][f"size-rank{rank}.txt"] == ["3", "3"]
-        assert markers[f"seen-rank{rank}.txt"] == real["markers"][f"seen-rank{rank}.txt"]
-    assert ours_run["losses"] == pytest.approx(real["losses"], rel=1e-6)
+    for ours_run in ours_runs:  # torchrun, then python script.py
+        markers = ours_run["markers"]
+        assert "oom-rank0.txt" not in markers and markers["oom-rank1.txt"] == ["4"]  # one error, rank 1's, at 4
+        for rank in range(2):  # both runs' state.train_batch_size, on each rank
+            assert markers[f"size-rank{rank}.txt"] == real["markers"][f"size-rank{rank}.txt"] == ["3", "3"]
+            assert markers[f"seen-rank{rank}.txt"] == real["markers"][f"seen-rank{rank}.txt"]
+        assert ours_run["losses"] == pytest.approx(real["losses"], rel=1e-6)
+
+
+def test_an_out_of_memory_error_the_ranks_cannot_agree_on_ends_the_run_naming_it(
+    ours: dict[str, dict[str, dict]],
+) -> None:
+    """Under ``python script.py``, rank 1 alone out of memory in a backward (after the agreement, while rank 0
+    reduces gradients): no retry on one rank and no hang; the launch fails with the error naming rank and size."""
+    ended = ours["python"]["unagreed"]
+    assert ended["returncode"] == 1, ended["output"][-4000:]
+    # rank 1's own error, in full (which rank the launcher names first is its choice: rank 0's peer closed)
+    assert "UnagreedOutOfMemory: auto_find_batch_size: rank 1 ran out of memory" in ended["output"]
+    assert "with 4 items per micro-batch" in ended["output"]

@@ -1,69 +1,35 @@
 """LoRA through ``TrainingArgs.peft_config`` on 2 gloo ranks, for every backend (ddp, fsdp, ZeRO-2, ZeRO-3).
 
 Per backend, two runs: a straight one (checkpoints at steps 4 and 8) and one resumed from its
-``checkpoint-4`` into another folder (these are the tier's run_training runs of DeepSpeed).  Checked: the loss
-falls; both ranks fire the same events; the frozen base weights at the end are bit-identical to the model on
-disk (fsdp with gradient checkpointing on); every checkpoint is an adapter in PEFT's layout that
-``PeftModel.from_pretrained`` loads; the resumed run ends with the same adapter as the straight one.
-The ddp case also checks ``load_best_model_at_end`` (the best adapter, made the step-4 one by
-``greater_is_better=True``, is what is merged), the merged
+``checkpoint-4`` into another folder (these are the tier's run_training runs of DeepSpeed).  All eight run in
+one torchrun launch of ``scripts/lora_script.py`` (``lora_runs``), one after another, each a ``run_training``
+called in place on both ranks, as a ``torchrun script.py`` calling it would (the launched workers' path is
+the rest of the tier's).  Checked: the launch exits 0; the loss falls; both ranks fire the same events; the
+frozen base weights at the end are bit-identical to the model on disk (fsdp with gradient checkpointing on);
+every checkpoint is an adapter in PEFT's layout that ``PeftModel.from_pretrained`` loads; the resumed run ends
+with the same adapter as the straight one.  The ddp case also checks ``load_best_model_at_end`` (the best
+adapter, made the step-4 one by ``greater_is_better=True``, is what is merged), the merged
 export (``AutoModelForCausalLM``, same logits as base + adapter) and that a ``TrainerCallback`` gets the
 PEFT model as ``model`` and can ``save_pretrained`` it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
-from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
-from tests.run_inputs import run_training
-from trainbridge import Callback, TorchrunArgs
+from tests.distributed.script_runs import run_checked, torchrun
+from tests.distributed.training_fixtures import read_rank_files
+from trainbridge import RunResult
 
 pytestmark = pytest.mark.distributed
-TWO = TorchrunArgs(nproc_per_node=2)
-LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
-
-
-class DumpFrozenWeights(Callback):
-    """At train end, gathers every frozen parameter (FSDP2 DTensor, ZeRO-3 partition or plain) and rank 0
-    writes them under the base model's names to ``frozen.safetensors``."""
-
-    def on_train_end(self, context, **kwargs):
-        from safetensors.torch import save_file
-
-        out = {}
-        for name, param in context.unwrapped_model.named_parameters():
-            if param.requires_grad:
-                continue
-            if hasattr(param, "full_tensor"):
-                tensor = param.full_tensor()
-            elif hasattr(param, "ds_id"):
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([param]):
-                    tensor = param.detach().clone()
-            else:
-                tensor = param.detach()
-            key = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            out[key] = tensor.to("cpu", copy=True).contiguous()
-        if context.rank == 0:
-            save_file(out, str(context.args.ckpt_output_dir / "frozen.safetensors"))
-
-
-class SavesTheModelItIsGiven(TrainerCallback):
-    """A Hugging Face callback that writes ``model`` (a PeftModel, as under Trainer) at train begin."""
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.is_world_process_zero:
-            out = Path(args.output_dir)
-            (out / "hf-callback-model-type").write_text(type(model).__name__)
-            model.save_pretrained(out / "hf-callback-adapter")
 
 
 def losses(result) -> list[float]:
@@ -84,37 +50,34 @@ def load_adapter(model_dir: Path, checkpoint: Path):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), checkpoint)
 
 
+SCRIPT = Path(__file__).parent / "scripts" / "lora_script.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CASES = ["ddp", "fsdp", *(["deepspeed-2", "deepspeed-3"] if importlib.util.find_spec("deepspeed") else [])]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of ``CASES`` trained in one torchrun launch (``scripts/lora_script.py``); their root folder."""
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("lora")
+    command = torchrun(SCRIPT, str(assets["model"]), str(assets["train"]), str(assets["val"]), str(root), *CASES)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    run_checked(command, {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}, root)
+    return root
+
+
+@pytest.mark.timeout(1500)  # the set-up trains every case (lora_runs)
 @pytest.mark.parametrize("backend, zero_stage", [("ddp", 2), ("fsdp", 2), ("deepspeed", 2), ("deepspeed", 3)])
-def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly(assets, tmp_path, backend, zero_stage):
+def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly(
+    assets, lora_runs, backend, zero_stage
+):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed")
-    pytest.importorskip("peft")
     ddp = backend == "ddp"
-    common = dict(
-        distributed_backend=backend,
-        deepspeed_zero_stage=zero_stage,
-        peft_config=LORA,
-        learning_rate=1e-2,
-        max_steps=8,
-        logging_steps=2,
-        save_strategy="steps",
-        save_steps=4,
-    )
-    if backend == "fsdp":  # activation checkpointing applied before fully_shard, with a frozen base
-        common.update(gradient_checkpointing=True)
-    if ddp:  # best tracking and the merged export of the best adapter; "best" made the step-4 one on purpose
-        common.update(
-            val_data_path=assets["val"],
-            eval_strategy="steps",
-            eval_steps=4,
-            load_best_model_at_end=True,
-            metric_for_best_model="eval_loss",
-            greater_is_better=True,
-            merge_adapter_at_end=True,
-        )
-    straight_out, resumed_out = tmp_path / "straight", tmp_path / "resumed"
-    callbacks = [DumpFrozenWeights(), EventCounter(), *([SavesTheModelItIsGiven()] if ddp else [])]
-    straight = run_training(base_args(assets, straight_out, callbacks=callbacks, **common), TWO, timeout_s=420)
+    folder = lora_runs / (backend if backend != "deepspeed" else f"deepspeed-{zero_stage}")
+    straight_out, resumed_out = folder / "straight", folder / "resumed"
+    straight, resumed = (RunResult.read(folder / f"{name}.json") for name in ("straight", "resumed"))
 
     curve = losses(straight)
     assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
@@ -131,11 +94,6 @@ def test_lora_trains_only_the_adapter_saves_peft_checkpoints_and_resumes_exactly
     peft_model = load_adapter(assets["model"], straight_out / "checkpoint-8")
     assert sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n) > 0
 
-    resumed = run_training(
-        base_args(assets, resumed_out, resume_from_checkpoint=straight_out / "checkpoint-4", **common),
-        TWO,
-        timeout_s=420,
-    )
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
     again = load_file(resumed_out / "checkpoint-8" / "adapter_model.safetensors")
     assert again.keys() == adapter.keys()

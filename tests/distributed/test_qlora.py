@@ -3,7 +3,8 @@
 Through ``run_training`` (``model_kwargs.quantization_config``): the loss falls, every checkpoint holds the
 adapter and the adapter's optimizer state only (never the quantised base), and a run resumed from
 ``checkpoint-4`` ends with the same adapter as the straight run; ``merge_adapter_at_end`` merges into the
-full-precision base.  Through the ``Trainer`` facade
+full-precision base.  These three runs (straight, resumed, FSDP) run in one spawn of two processes
+(``qlora_runs``), each a ``run_training`` called in place on both ranks.  Through the ``Trainer`` facade
 (``scripts/qlora_script.py``, a 4-bit ``PeftModel`` passed in): under ``torchrun`` on 2 ranks and as
 ``python script.py`` self-launching 2, side by side with real Trainer on 2 DDP ranks, the script's own model
 gets the trained adapter back.
@@ -20,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed.conftest import run_on_ranks
 from tests.distributed.script_runs import run_script
 from tests.distributed.training_fixtures import base_args, make_assets
 from tests.run_inputs import run_training
@@ -31,6 +33,7 @@ pytest.importorskip("peft")
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0}
 SCRIPT = Path(__file__).parent / "scripts" / "qlora_script.py"
+TWO = TorchrunArgs(nproc_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +72,40 @@ COMMON = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def straight(assets, tmp_path_factory):
-    """The DDP run every test compares with: 8 steps, checkpoints at 4 and 8, the merged export at the end."""
-    out = tmp_path_factory.mktemp("qlora") / "straight"
+def _train_every_run(env, assets, root: Path) -> dict:
+    """On each rank: the DDP run every test compares with (8 steps, checkpoints at 4 and 8, the merged export at
+    the end), the run resumed from its checkpoint-4, and the FSDP run of a base stored as ``bnb_4bit_quant_storage``."""
     quantization = {"quantization_config": four_bit()}
-    return run_training(
-        base_args(assets, out, merge_adapter_at_end=True, model_kwargs=quantization, **COMMON),
-        TorchrunArgs(nproc_per_node=2),
-        timeout_s=420,
+    straight = run_training(
+        base_args(assets, root / "straight", merge_adapter_at_end=True, model_kwargs=quantization, **COMMON), TWO
     )
+    checkpoint_4 = root / "straight" / "checkpoint-4"
+    resumed = run_training(
+        base_args(assets, root / "resumed", resume_from_checkpoint=checkpoint_4, model_kwargs=quantization, **COMMON),
+        TWO,
+    )
+    storage = {"quantization_config": four_bit(bnb_4bit_quant_storage=torch.bfloat16)}
+    fsdp_args = base_args(
+        assets,
+        root / "fsdp",
+        distributed_backend="fsdp",
+        model_kwargs=storage,
+        callbacks=[RecordPackedWeights()],
+        **COMMON,
+    )
+    return {"straight": straight, "resumed": resumed, "fsdp": run_training(fsdp_args, TWO)}
 
 
-def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(assets, tmp_path, straight):
-    common = dict(model_kwargs={"quantization_config": four_bit()}, **COMMON)
+@pytest.fixture(scope="module")
+def qlora_runs(assets, tmp_path_factory) -> tuple[Path, dict]:
+    """The three ``run_training`` runs in one spawn of two processes; their root folder and rank 0's results."""
+    root = tmp_path_factory.mktemp("qlora")
+    return root, run_on_ranks(_train_every_run, assets, root, timeout=900, collective_timeout_s=600)[0]
+
+
+def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(assets, qlora_runs):
+    root, runs = qlora_runs
+    straight = runs["straight"]
     curve = losses(straight)
     assert len(curve) == 4 and curve[-1] < 0.97 * curve[0], curve
 
@@ -100,38 +123,22 @@ def test_qlora_trains_the_adapter_saves_only_the_adapter_and_resumes_exactly(ass
     merged = AutoModelForCausalLM.from_pretrained(straight.merged_model)  # into the full-precision base
     assert not getattr(merged, "is_loaded_in_4bit", False) and merged.dtype == torch.float32
 
-    resumed = run_training(
-        base_args(assets, tmp_path / "resumed", resume_from_checkpoint=checkpoint.with_name("checkpoint-4"), **common),
-        TorchrunArgs(nproc_per_node=2),
-        timeout_s=420,
-    )
+    resumed = runs["resumed"]
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.global_step == 8
-    again = load_file(tmp_path / "resumed" / "checkpoint-8" / "adapter_model.safetensors")
+    again = load_file(root / "resumed" / "checkpoint-8" / "adapter_model.safetensors")
     assert again.keys() == adapter.keys()
     for key in adapter:
         assert torch.equal(again[key], adapter[key]), key
 
 
-def test_fsdp2_shards_a_base_stored_as_bnb_4bit_quant_storage_and_trains_as_ddp(assets, tmp_path, straight):
+def test_fsdp2_shards_a_base_stored_as_bnb_4bit_quant_storage_and_trains_as_ddp(qlora_runs):
     """The FSDP-QLoRA recipe: 4-bit weights packed in a float storage are sharded like any frozen weight."""
-    quantization = {"quantization_config": four_bit(bnb_4bit_quant_storage=torch.bfloat16)}
-    fsdp = run_training(
-        base_args(
-            assets,
-            tmp_path / "fsdp",
-            distributed_backend="fsdp",
-            model_kwargs=quantization,
-            callbacks=[RecordPackedWeights()],
-            **COMMON,
-        ),
-        TorchrunArgs(nproc_per_node=2),
-        timeout_s=420,
-    )
+    root, runs = qlora_runs
     for rank in (0, 1):
-        kinds = json.loads((tmp_path / "fsdp" / f"packed-rank{rank}.json").read_text())
+        kinds = json.loads((root / "fsdp" / f"packed-rank{rank}.json").read_text())
         assert kinds and set(kinds) == {"DTensor"}, kinds  # every 4-bit weight sharded
-    assert losses(fsdp) == pytest.approx(losses(straight), abs=1e-4)
-    adapter = load_file(tmp_path / "fsdp" / "checkpoint-8" / "adapter_model.safetensors")
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["straight"]), abs=1e-4)
+    adapter = load_file(root / "fsdp" / "checkpoint-8" / "adapter_model.safetensors")
     assert adapter and all("lora_" in key for key in adapter)
 
 

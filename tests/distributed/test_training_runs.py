@@ -1,7 +1,9 @@
 """Real 2-rank runs through run_training (torchrun, gloo): events, agreed control, failures, resume.
 
 Each launch costs seconds of process start-up, so one run serves every check that can share it: the
-module-scoped runs below (``callbacks_run``, ``plain_run``) are launched once and read by several tests.
+module-scoped runs below (``callbacks_run``, ``plain_run``) are launched once and read by several tests, and
+the runs of the stop/resume and FSDP tests share one spawn of two processes (``in_place_runs``: each a
+``run_training`` called in place on both ranks, as from a ``torchrun script.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.distributed.conftest import run_on_ranks
 from tests.distributed.training_fixtures import EventCounter, base_args, read_rank_files
 from tests.run_inputs import run_training
 from trainbridge import Callback, TorchrunArgs, WorkerFailedError
@@ -186,23 +189,57 @@ def test_setup_error_on_one_rank_fails_before_the_first_step_naming_rank_and_cal
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
 
 
+STOP_RESUME = dict(max_steps=8, save_strategy="steps", save_steps=4, lr_scheduler="linear", warmup_steps=2)
+LOSSES = ("standard", "chunked")
+
+
+def _in_place(env, assets: dict[str, Path], root: Path) -> dict[str, RunResult]:
+    """On each rank, one after another: the stop/resume test's straight run, its run stopped by rank 1 at step 3
+    and the run resumed from that; then the FSDP test's run of each loss implementation."""
+    runs = {"straight": run_training(base_args(assets, root / "straight", **STOP_RESUME), TWO)}
+    resumed_out = root / "resumed"
+    callbacks = [StopOnRank(1, 3), EventCounter()]
+    stopped = base_args(assets, resumed_out, callbacks=callbacks, save_final_checkpoint=True, **STOP_RESUME)
+    runs["first"] = run_training(stopped, TWO)
+    runs["second"] = run_training(base_args(assets, resumed_out, resume_from_checkpoint="auto", **STOP_RESUME), TWO)
+    for loss in LOSSES:
+        fsdp = base_args(
+            assets,
+            root / loss,
+            max_steps=4,
+            logging_steps=1,
+            distributed_backend="fsdp",
+            loss_implementation=loss,
+            loss_chunk_tokens=7,
+            save_strategy="no",
+            save_final_checkpoint=True,
+            callbacks=[EventCounter()],
+        )
+        runs[loss] = run_training(fsdp, TWO)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def in_place_runs(assets, tmp_path_factory) -> tuple[dict[str, RunResult], Path]:
+    """``_in_place``'s runs in one spawn of two processes; rank 0's results and their root folder."""
+    root = tmp_path_factory.mktemp("in-place")
+    return run_on_ranks(_in_place, assets, root, timeout=600, collective_timeout_s=300)[0], root
+
+
 def test_stop_on_rank_1_only_stops_both_ranks_at_one_step_and_the_resumed_run_ends_as_the_uninterrupted_one(
-    assets, tmp_path
+    in_place_runs,
 ):
     """Stop requested on rank 1 only at step 3: both ranks stop after step 3 and save a final checkpoint;
     resuming from it gives the weights of a run that was never interrupted (linear schedule with warmup)."""
-    common = dict(max_steps=8, save_strategy="steps", save_steps=4, lr_scheduler="linear", warmup_steps=2)
-    straight = run_training(base_args(assets, tmp_path / "straight", **common), TWO)
-    resumed_out = tmp_path / "resumed"
-    callbacks = [StopOnRank(1, 3), EventCounter()]
-    first = run_training(base_args(assets, resumed_out, callbacks=callbacks, save_final_checkpoint=True, **common), TWO)
+    runs, root = in_place_runs
+    straight, first, second = runs["straight"], runs["first"], runs["second"]
+    resumed_out = root / "resumed"
     assert first.global_step == 3 and first.stopped_early
     assert "rank 1 (StopOnRank: rank 1 says stop)" in first.stop_reason
     rank0, rank1 = read_rank_files(resumed_out, "events")
     assert rank0["steps"] == rank1["steps"] == [1, 2, 3]
     assert rank0["counts"]["on_train_end"] == rank1["counts"]["on_train_end"] == 1
     assert first.checkpoints == [str(resumed_out / "checkpoint-3")]
-    second = run_training(base_args(assets, resumed_out, resume_from_checkpoint="auto", **common), TWO)
     assert second.resumed_from.endswith("checkpoint-3") and second.global_step == 8
     a = load_file(Path(straight.checkpoints[-1]) / "model.safetensors")
     b = load_file(Path(second.checkpoints[-1]) / "model.safetensors")
@@ -249,40 +286,23 @@ def test_sigterm_fires_on_exception_and_fails_the_run_naming_the_rank(assets, tm
     assert (tmp_path / "exit-rank1").read_text() == "on_exception received signal 15"
 
 
-def test_fsdp_trains_through_run_training_and_the_chunked_loss_head_trains_like_the_standard_loss(assets, tmp_path):
+def test_fsdp_trains_through_run_training_and_the_chunked_loss_head_trains_like_the_standard_loss(in_place_runs):
     """FSDP2 through run_training: the loss falls, every rank fires the same events, the checkpoint loads with
     ``from_pretrained``; and the chunked loss, run inside the FSDP2 ``norm + lm_head`` unit's forward (the CUDA
     default without Liger), gives the same losses and weights as the standard loss over full logits.
     (DeepSpeed through run_training: ``test_peft.py``'s ZeRO-2/3 runs and ``test_engines.py``.)"""
     from transformers import AutoModelForCausalLM
 
-    results = {}
-    for loss in ("standard", "chunked"):
-        out = tmp_path / loss
-        results[loss] = run_training(
-            base_args(
-                assets,
-                out,
-                max_steps=4,
-                logging_steps=1,
-                distributed_backend="fsdp",
-                loss_implementation=loss,
-                loss_chunk_tokens=7,
-                save_strategy="no",
-                save_final_checkpoint=True,
-                callbacks=[EventCounter()],
-            ),
-            TWO,
-        )
+    results, root = in_place_runs
     standard, chunked = (
         [r["loss"] for r in read_metrics(results[k].metrics_file) if "loss" in r] for k in ("standard", "chunked")
     )
     assert len(standard) == 4 and standard[-1] < 0.9 * standard[0]
     assert chunked == pytest.approx(standard, rel=1e-5)
     for loss in ("standard", "chunked"):
-        rank0, rank1 = read_rank_files(tmp_path / loss, "events")
+        rank0, rank1 = read_rank_files(root / loss, "events")
         assert rank0["counts"] == rank1["counts"] and rank0["steps"] == [1, 2, 3, 4]
-    weights = [load_file(tmp_path / k / "checkpoint-4" / "model.safetensors") for k in ("standard", "chunked")]
+    weights = [load_file(root / k / "checkpoint-4" / "model.safetensors") for k in ("standard", "chunked")]
     assert max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0]) < 1e-5
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "standard" / "checkpoint-4")
+    model = AutoModelForCausalLM.from_pretrained(root / "standard" / "checkpoint-4")
     assert sum(p.numel() for p in model.parameters()) > 0

@@ -52,6 +52,49 @@ def test_auto_find_batch_size_retries_with_trainers_smaller_batch(tmp_path: Path
     assert len(results[1][0]) == 4 and results[1][0] == pytest.approx(results[0][0], rel=1e-6)
 
 
+def test_a_resumed_search_starts_from_the_checkpoint_the_loop_resumes_from(tmp_path: Path, arguments_for: Any) -> None:
+    """A run searched down to 2 items saves checkpoints 2 and 4; checkpoint 4 then records 3 items and so no
+    longer verifies.  Resumed with ``resume_from_checkpoint=True``, the loop skips it and resumes from checkpoint 2,
+    and the search starts from checkpoint 2's size: no training forward of 3 items, no out-of-memory error."""
+    import json
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = BertForSequenceClassification(config)
+    sizes: list[int] = []
+
+    def out_of_memory_above_two(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        sizes.append(kwargs["input_ids"].shape[0])
+        _out_of_memory_above_two(module, args, kwargs)
+
+    def trained(max_steps: int, resume: bool) -> Any:
+        args = arguments_for(
+            Trainer,
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            auto_find_batch_size=True,
+            max_steps=max_steps,
+            save_steps=2,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=copy.deepcopy(model), args=args, train_dataset=VariableRows(16), data_collator=pad)
+        trainer.model.register_forward_pre_hook(out_of_memory_above_two, with_kwargs=True)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    trained(4, resume=False)
+    newest = tmp_path / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(newest.read_text())
+    assert state["train_batch_size"] == 2
+    newest.write_text(json.dumps({**state, "train_batch_size": 3}))
+    sizes.clear()
+    trainer = trained(6, resume=True)
+    assert trainer.state.global_step == 6 and trainer.state.train_batch_size == 2
+    assert sizes and set(sizes) == {2}  # before: one forward of 3 (checkpoint 4's), out of memory, then 2
+
+
 def _out_of_memory_above_20_tokens(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
     if kwargs["input_ids"].numel() > 20:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -110,7 +153,7 @@ def test_on_several_ranks_only_an_error_before_the_backward_is_retried(where: st
 
     def attempt(batch_size: int, agreeing: Any) -> int:
         sizes.append(batch_size)
-        (callback,) = agreeing(engine)
+        (callback,) = agreeing(SimpleNamespace(engine=engine))
         loss = model(torch.ones(batch_size, 2, requires_grad=True)).sum()
         out_of_memory("loss")
         callback.on_before_backward(None, loss=loss)  # as the loop fires it

@@ -152,6 +152,8 @@ class CheckpointManager:
         """The state the running epoch's training order was drawn from, kept in each rank's RNG file."""
         self._published: set[Path] = set()
         """Checkpoints this manager published (trusted without verifying them again)."""
+        self._resumes: dict[tuple[str, bool], Path | None] = {}
+        """``resume_path``'s answers: decided once per run, whoever asks (the loop, the batch-size search)."""
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -363,9 +365,13 @@ class CheckpointManager:
 
         ``auto``: the newest checkpoint that verifies (corrupt ones skipped, named in a warning), or None.
         A path: it must be a complete checkpoint whose files verify.  Either way its fingerprint must
-        match this run's unless ``allow_mismatch``.  Rank 0 checks; every rank gets its answer."""
+        match this run's unless ``allow_mismatch``.  Rank 0 checks; every rank gets its answer, once: a second
+        call (the loop's, after ``auto_find_batch_size`` read the checkpoint's batch size) gets the same one."""
         if resume_from is None:
             return None
+        asked = (str(resume_from), allow_mismatch)
+        if asked in self._resumes:
+            return self._resumes[asked]
 
         def choose() -> str | None:
             found = choose_resume(
@@ -374,7 +380,8 @@ class CheckpointManager:
             return str(found) if found is not None else None
 
         chosen = self._on_rank_zero(choose, "choosing the checkpoint to resume from")
-        return Path(chosen) if chosen else None
+        self._resumes[asked] = Path(chosen) if chosen else None
+        return self._resumes[asked]
 
     def rotate(self, protected: set[Path] | frozenset[Path] = frozenset()) -> list[Path]:
         """Keep at most ``save_total_limit`` checkpoints; returns those deleted, on every rank.

@@ -12,7 +12,8 @@ An out-of-memory error the ranks cannot agree on (in a backward or an optimizer 
 DeepSpeed's forward, which gather weights) ends the run with an error that names it, rather than a search on one
 rank while the others wait: the launcher then stops every rank.
 
-On resume the search starts from the checkpoint's ``TrainerState.train_batch_size``, as Trainer's ``train()``.
+On resume the search starts from ``TrainerState.train_batch_size`` of the checkpoint the loop resumes from, as
+Trainer's ``train()``: the first attempt reads it once its run is built, and starts again from it if it differs.
 Each size trains with ``with_batch_size``'s arguments: the same accumulation, so fewer items per step, as Trainer.
 """
 
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from trainbridge.core.callback import Callback
 from trainbridge.core.config import TrainingArgs
 from trainbridge.core.distributed import DistributedEnv
+
+if TYPE_CHECKING:
+    from trainbridge.loop.build import RunComponents
 
 logger = logging.getLogger(__name__)
 
@@ -93,22 +96,60 @@ class AgreedForwards(Callback):
         self._handle.remove()
 
 
-def find_batch_size(
-    attempt: Callable[[int, Callable[[Any], list[Callback]]], T], start: int, env: DistributedEnv, search: bool
-) -> T:
-    """``attempt(batch_size, agreeing)`` through Trainer's ``find_executable_batch_size`` from ``start``.
-    ``attempt`` adds ``agreeing(engine)`` to its loop's callbacks: with ``search`` on several ranks, the engine's
-    training micro-batches are agreed (``agreed``)."""
+Searching = Callable[["RunComponents"], list[Callback]]
+"""What an attempt calls once its run is built: the callbacks the search adds to its loop."""
+
+
+def find_batch_size(attempt: Callable[[int, Searching], T], args: TrainingArgs, env: DistributedEnv, search: bool) -> T:
+    """``attempt(batch_size, searching)`` through Trainer's ``find_executable_batch_size`` from ``args``' size.
+    ``attempt`` adds ``searching(components)`` to its loop's callbacks once its run is built: with ``search`` on
+    several ranks, the engine's training micro-batches are agreed (``agreed``); on resume, the first attempt reads
+    the batch size of the checkpoint its run resumes from (``resumed``)."""
     from transformers.trainer_utils import find_executable_batch_size
 
-    if search and env.is_distributed:
-        run: Callable[[int], T] = agreed(attempt, env)
-    else:
-        run = lambda batch_size: attempt(batch_size, lambda engine: [])  # noqa: E731
-    return find_executable_batch_size(run, start, search)()  # type: ignore[no-any-return]
+    run = resumed(attempt, args) if search and args.resume_from_checkpoint is not None else attempt
+    tried = agreed(run, env) if search and env.is_distributed else lambda batch_size: run(batch_size, lambda c: [])
+    try:
+        return find_executable_batch_size(tried, args.per_device_batch_size or 1, search)()  # type: ignore[no-any-return]
+    except ResumedBatchSize as checkpoint:  # the search starts again from the checkpoint's size, as Trainer's train()
+        return find_executable_batch_size(tried, checkpoint.batch_size, search)()  # type: ignore[no-any-return]
 
 
-def agreed(attempt: Callable[[int, Callable[[Any], list[Callback]]], T], env: DistributedEnv) -> Callable[[int], T]:
+class ResumedBatchSize(Exception):
+    """The checkpoint the run resumes from was trained with ``batch_size`` items per micro-batch (not an
+    out-of-memory error: Trainer's search lets it through, and ``find_batch_size`` starts again from it)."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(f"the resumed checkpoint trained with {batch_size} items per micro-batch")
+        self.batch_size = batch_size
+
+
+def resumed(attempt: Callable[[int, Searching], T], args: TrainingArgs) -> Callable[[int, Searching], T]:
+    """``attempt`` whose first run, once built, reads ``train_batch_size`` from the ``trainer_state.json`` of the
+    checkpoint its loop resumes from (``CheckpointManager.resume_path``: one decision, the loop's), as Trainer's
+    ``train()`` starts its search there; a different size raises ``ResumedBatchSize``."""
+    from transformers import TrainerState
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    pending = [True]
+
+    def run(batch_size: int, searching: Searching) -> T:
+        def read_then_search(components: RunComponents) -> list[Callback]:
+            if pending:
+                pending.clear()
+                found = components.checkpoints.resume_path(args.resume_from_checkpoint, args.resume_allow_mismatch)
+                if found is not None and (found / TRAINER_STATE_NAME).is_file():
+                    size = TrainerState.load_from_json(str(found / TRAINER_STATE_NAME)).train_batch_size
+                    if size is not None and size != batch_size:
+                        raise ResumedBatchSize(size)
+            return searching(components)
+
+        return attempt(batch_size, read_then_search)
+
+    return run
+
+
+def agreed(attempt: Callable[[int, Searching], T], env: DistributedEnv) -> Callable[[int], T]:
     """``attempt`` left by every rank together when one runs out of memory in a training micro-batch's forward
     or loss."""
     from accelerate.utils.memory import should_reduce_batch_size
@@ -116,7 +157,8 @@ def agreed(attempt: Callable[[int, Callable[[Any], list[Callback]]], T], env: Di
     def run(batch_size: int) -> T:
         agreements: list[AgreedForwards] = []
 
-        def agreeing(engine: Any) -> list[Callback]:
+        def agreeing(components: RunComponents) -> list[Callback]:
+            engine = components.engine
             if engine.kind == "ddp":
                 agreements.append(AgreedForwards(env, engine.unwrapped, batch_size))
             elif env.is_world_process_zero:
@@ -138,22 +180,6 @@ def agreed(attempt: Callable[[int, Callable[[Any], list[Callback]]], T], env: Di
                 agreement.remove()
 
     return run
-
-
-def resumed_batch_size(resume_from: str | Path | None, output_dir: Path) -> int | None:
-    """The ``train_batch_size`` in the ``trainer_state.json`` of the checkpoint ``resume_from`` names (``auto``: the
-    newest complete one in ``output_dir``), where Trainer's ``train()`` starts its search on resume; None without."""
-    from transformers import TrainerState
-    from transformers.trainer import TRAINER_STATE_NAME
-
-    from trainbridge.checkpoint.folders import list_checkpoints
-
-    if resume_from is None:
-        return None
-    found = list_checkpoints(output_dir) if resume_from == "auto" else [Path(resume_from)]
-    if not found or not (found[-1] / TRAINER_STATE_NAME).is_file():
-        return None
-    return TrainerState.load_from_json(str(found[-1] / TRAINER_STATE_NAME)).train_batch_size
 
 
 def with_batch_size(args: TrainingArgs, batch_size: int, world_size: int) -> TrainingArgs:

@@ -14,12 +14,10 @@ Afterwards the instance's ``model`` is the trained model and its ``state`` the r
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from trainbridge.core.callback import Callback
 from trainbridge.core.run_dir import result_file
-from trainbridge.hf.batch_size_search import find_batch_size, resumed_batch_size, with_batch_size
+from trainbridge.hf.batch_size_search import Searching, find_batch_size, with_batch_size
 from trainbridge.hf.trainer_callbacks import HuggingFaceCallbacks, with_trainer_state
 from trainbridge.launch.assembly import assemble_callbacks
 from trainbridge.loop.build import build_run
@@ -41,9 +39,9 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         trainer.accelerator._models.append(trainer.model)
     hf: HuggingFaceCallbacks | None = None
 
-    def attempt(batch_size: int, agreeing: Callable[[Any], list[Callback]]) -> tuple[TrainingLoop, RunResult]:
-        """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``),
-        its out-of-memory errors agreed by the ranks (``hf.batch_size_search``)."""
+    def attempt(batch_size: int, searching: Searching) -> tuple[TrainingLoop, RunResult]:
+        """One run of the loop with ``batch_size`` items per micro-batch (Trainer's ``_inner_training_loop``):
+        its out-of-memory errors agreed by the ranks; resumed, from the checkpoint's size (``hf.batch_size_search``)."""
         nonlocal hf
         run_args = with_batch_size(args, batch_size, env.world_size)
         run_callbacks, hf = with_trainer_state(assemble_callbacks(run_args, plan))
@@ -52,17 +50,14 @@ def train(trainer: Trainer, resume: str | bool | None) -> tuple[RunResult, Any]:
         if search:  # as Trainer's release_memory before each attempt: a failed attempt's engine is gone before
             gc.collect()  # the model is wrapped again (a DDP reducer left expecting a backward would reduce into it)
         components = build_run(run_args, plan, env)
-        loop = TrainingLoop(run_args, env, [*run_callbacks, *agreeing(components.engine)], components)
+        loop = TrainingLoop(run_args, env, [*run_callbacks, *searching(components)], components)
         return loop, loop.run()
 
     from transformers import TrainingArguments
 
     search = isinstance(trainer.args, TrainingArguments) and bool(trainer.args.auto_find_batch_size)
-    start = args.per_device_batch_size or 1
-    if search:  # as Trainer's train(): a resumed search starts from the checkpoint's size
-        start = resumed_batch_size(args.resume_from_checkpoint, args.ckpt_output_dir) or start
     try:  # auto_find_batch_size: Trainer's own search (accelerate's), on an out-of-memory error, agreed by the ranks
-        loop, result = find_batch_size(attempt, start, env, search)
+        loop, result = find_batch_size(attempt, args, env, search)
     finally:
         trainer.callback_handler, trainer.control = handler, control
     if env.is_world_process_zero:

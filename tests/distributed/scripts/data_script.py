@@ -19,6 +19,8 @@ collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``
   at 3; then a fresh Trainer resumes to step 5 (``train(resume_from_checkpoint=True)``).  Each raise is
   recorded in ``OUT/oom-rank<RANK>.txt``, each run's ``state.train_batch_size`` in ``OUT/size-rank<RANK>.txt``;
   the summary is the resumed run's (its history holds the first run's rows).
+- ``unagreed`` (ours only, last): the same search, with a backward out of memory above 3 items on rank 1 alone,
+  which the ranks cannot agree on: the run ends there with an error naming it (the launch fails).
 """
 
 import json
@@ -115,10 +117,17 @@ def out_of_memory_above_3(module, args, kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def backward_out_of_memory_above_3(module, grad_output):
+    """An out-of-memory error in the backward of a micro-batch above 3 items, on rank 1 alone."""
+    if grad_output[0].shape[0] > 3 and os.environ.get("RANK") == "1":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 def train(kind: str, resume: bool = False) -> None:
     """One run of ``kind`` into ``out``; rank 0 writes ``out/summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    search = kind in ("afbs", "unagreed")
     config = BertConfig(
         vocab_size=40,
         hidden_size=32,
@@ -128,20 +137,20 @@ def train(kind: str, resume: bool = False) -> None:
         max_position_embeddings=16,
         num_labels=2,
         # afbs: no dropout, so rank 0's forward in the failed attempt (ours) draws nothing Trainer's does not
-        hidden_dropout_prob=0.0 if kind == "afbs" else 0.1,
-        attention_probs_dropout_prob=0.0 if kind == "afbs" else 0.1,
+        hidden_dropout_prob=0.0 if search else 0.1,
+        attention_probs_dropout_prob=0.0 if search else 0.1,
     )
     model = BertForSequenceClassification(config)
     args = TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=4 if kind == "afbs" else 2,
-        gradient_accumulation_steps=1 if kind == "afbs" else 2,
-        auto_find_batch_size=kind == "afbs",
-        max_steps=(5 if resume else 3) if kind == "afbs" else 5 if kind.endswith("stream") else -1,
+        per_device_train_batch_size=4 if search else 2,
+        gradient_accumulation_steps=1 if search else 2,
+        auto_find_batch_size=search,
+        max_steps=(5 if resume else 3) if search else 5 if kind.endswith("stream") else -1,
         num_train_epochs=2,
         logging_steps=1,
         save_strategy="steps",
-        save_steps=3 if kind == "afbs" else 2,  # afbs: saved at 3, the first run's end, and at 5
+        save_steps=3 if search else 2,  # afbs: saved at 3, the first run's end, and at 5
         learning_rate=1e-3,
         lr_scheduler_type="constant",
         report_to="none",
@@ -166,6 +175,8 @@ def train(kind: str, resume: bool = False) -> None:
     )
     if kind == "afbs":
         trainer.model.register_forward_pre_hook(out_of_memory_above_3, with_kwargs=True)
+    if kind == "unagreed":
+        trainer.model.classifier.register_full_backward_pre_hook(backward_out_of_memory_above_3)
     result = trainer.train(resume_from_checkpoint=resume or None)
     if kind == "afbs":
         with (out / f"size-rank{os.environ.get('RANK', '0')}.txt").open("a") as handle:
