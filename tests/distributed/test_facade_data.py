@@ -4,8 +4,9 @@ steps and epochs, metric keys and checkpoints; the script's collator gets the it
 
 - ``stream``: a torch ``IterableDataset`` defined in the script, shorter than ``max_steps`` needs: each rank
   builds its own (``python script.py`` too, as under torchrun); rank 0 reads and collates every rank's micro-batch
-  and sends each its own, as accelerate's ``dispatch_batches`` under Trainer, and the stream is iterated again for
-  the next epoch (``set_epoch`` in each worker), on the same items Trainer trained on;
+  and sends each its own, as accelerate's ``dispatch_batches`` under Trainer; the pass ends inside a step, whose
+  micro-batches are carried into the next pass's first step, and the stream is iterated again for the next epoch
+  (``set_epoch`` twice in each worker), on the same items, with the same losses, as under Trainer;
   ``hfstream``: the same with a ``datasets`` stream (``to_iterable_dataset()``).
 - ``sampler``: a subclass's ``_get_train_sampler`` (a curriculum order) and ``loader``: a subclass's
   ``get_train_dataloader`` (its own batch size, sampler and collate function, prepared with
@@ -111,11 +112,14 @@ def test_an_iterable_dataset_streams_as_under_trainer(
         assert ours["markers"]["seen-rank0.txt"] == real["markers"]["seen-rank0.txt"]
         assert "seen-rank1.txt" not in ours["markers"]
         batches = _batches(ours["markers"]["seen-rank0.txt"])
-        assert len(batches) == 22 and all(len(batch) == 2 for batch in batches)  # per_device_train_batch_size
+        assert len(batches) == 24 and all(len(batch) == 2 for batch in batches)  # per_device_train_batch_size
         first_pass = [set(i for batch in batches[rank:12:2] for i in batch) for rank in range(2)]
         assert not first_pass[0] & first_pass[1]  # disjoint shares: micro-batch i of a round is rank i's
         for rank in range(2 if kind == "stream" else 0):  # each worker iterated the stream again, with set_epoch
-            assert sorted(set(ours["markers"][f"epochs-rank{rank}.txt"])) == ["0", "1"]
+            assert ours["markers"][f"epochs-rank{rank}.txt"] == real["markers"][f"epochs-rank{rank}.txt"]
+            assert real["markers"][f"epochs-rank{rank}.txt"] == ["0", "0", "1", "1"]  # twice a pass
+        # the carried micro-batches: in the gradient of step 4 and in its logged loss
+        assert ours["losses"] == pytest.approx(real["losses"], rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["sampler", "loader"])

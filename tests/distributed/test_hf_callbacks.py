@@ -1,5 +1,10 @@
 """Hugging Face callbacks in real 2-rank runs (torchrun, gloo): early stopping, resume, one-rank flags,
-``report_to`` integrations, and TrainingArguments reporting our ranks without a second process group."""
+``report_to`` integrations, and TrainingArguments reporting our ranks without a second process group.
+
+The early-stopping run (``early_stopping_run``) is launched by ``run_training`` (its callbacks shipped to the
+workers); the one-rank flags run and the resume-mid-patience runs share one spawn of two processes
+(``in_place_runs``: each a ``run_training`` called in place on both ranks, the flags run first, in fresh
+processes, as it reads accelerate's process-wide state)."""
 
 from __future__ import annotations
 
@@ -203,33 +208,52 @@ def test_early_stopping_stops_both_ranks_where_patience_runs_out(early_stopping_
     assert all(e["eval_loss"] not in EVAL_LOSS.values() for e in state["log_history"] if "eval_loss" in e)
 
 
-def test_resume_mid_patience_stops_at_the_same_step_as_the_uninterrupted_run(assets, tmp_path):
-    first = run_training(_early_stopping_args(assets, tmp_path, stop_at=3), TWO)
-    assert first.global_step == 3
-    saved = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 1}
-    second = run_training(_early_stopping_args(assets, tmp_path, stop_at=None, resume_from_checkpoint="auto"), TWO)
-    assert second.resumed_from.endswith("checkpoint-3")
-    # with the counter restored (1 at step 3) patience runs out at step 5, as without interruption;
-    # a counter restarted at 0 would stop at step 6
-    assert second.global_step == 5 and second.stopped_early
-    state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
-    assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5]
-
-
-# ============================================================================ one rank's flags act everywhere
-def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(assets, tmp_path):
-    args = base_args(
+def _in_place(env, assets, root: Path) -> dict[str, Any]:
+    """On each rank, one after another: the one-rank flags run, then the resume-mid-patience runs (stopped at
+    step 3, then resumed from its checkpoint-3)."""
+    flags = base_args(
         assets,
-        tmp_path,
+        root / "flags",
         callbacks=[FlagsOnOneRank(rank=1, save_at=2, stop_at=3)],
         max_steps=8,
         save_final_checkpoint=False,
     )
-    result = run_training(args, TWO)
+    runs = {"flags": run_training(flags, TWO)}
+    runs["first"] = run_training(_early_stopping_args(assets, root / "resume", stop_at=3), TWO)
+    # the state run 2 resumes from, as run 1 left it
+    runs["saved"] = json.loads((root / "resume" / "checkpoint-3" / "trainer_state.json").read_text())
+    resumed = _early_stopping_args(assets, root / "resume", stop_at=None, resume_from_checkpoint="auto")
+    runs["second"] = run_training(resumed, TWO)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def in_place_runs(assets, tmp_path_factory) -> tuple[dict[str, Any], Path]:
+    """``_in_place``'s runs in one spawn of two processes; rank 0's results and their root folder."""
+    root = tmp_path_factory.mktemp("hf-in-place")
+    return run_on_ranks(_in_place, assets, root, timeout=600, collective_timeout_s=300)[0], root
+
+
+def test_resume_mid_patience_stops_at_the_same_step_as_the_uninterrupted_run(in_place_runs):
+    runs, root = in_place_runs
+    first, saved, second = runs["first"], runs["saved"], runs["second"]
+    assert first.global_step == 3
+    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 1}
+    assert second.resumed_from.endswith("checkpoint-3")
+    # with the counter restored (1 at step 3) patience runs out at step 5, as without interruption;
+    # a counter restarted at 0 would stop at step 6
+    assert second.global_step == 5 and second.stopped_early
+    state = json.loads((root / "resume" / "checkpoint-5" / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5]
+
+
+# ============================================================================ one rank's flags act everywhere
+def test_flags_set_on_rank_1_only_act_on_both_ranks_at_the_same_step(in_place_runs):
+    runs, root = in_place_runs
+    result = runs["flags"]
     assert result.global_step == 3 and result.stopped_early
     assert [Path(p).name for p in result.checkpoints] == ["checkpoint-2"]
-    records = [json.loads((tmp_path / f"hf-rank{r}.json").read_text()) for r in range(2)]
+    records = [json.loads((root / "flags" / f"hf-rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(records):
         assert record["global_step"] == 3 and record["saves"] == [2] and record["world_size"] == 2
         # rank 0's own callbacks never asked to stop, yet its control shows the agreed stop, as under Trainer

@@ -178,18 +178,57 @@ class MaskedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             yield self.items[i]
 
 
-def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, arguments_for: Any) -> None:
-    """A stream (``IterableDataset``) of items masked at random when read, with dropout: each pass draws the
-    ``DataLoader``'s base seed and reads a round ahead, as under Trainer: its loss at every step over two passes."""
+class CountedStream(MaskedStream):
+    """``MaskedStream`` recording each ``set_epoch`` call into ``events``."""
+
+    def __init__(self, count: int, events: list[Any]) -> None:
+        super().__init__(count)
+        self.events = events
+
+    def set_epoch(self, epoch: int) -> None:
+        self.events.append(("set_epoch", epoch))
+
+
+class StepEvents(transformers.TrainerCallback):
+    """Records the epoch and step events Trainer fires, with the global step."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("epoch_begin", state.global_step))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("step_begin", state.global_step))
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("substep_end", state.global_step))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("step_end", state.global_step))
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("epoch_end", state.global_step))
+
+
+def test_a_pass_the_stream_cannot_fill_carries_its_micro_batches_into_the_next_step_as_trainer(
+    tmp_path: Path, arguments_for: Any
+) -> None:
+    """9 items, 2 a micro-batch, 2 micro-batches a step: each pass takes 2 steps and ends with one micro-batch of
+    one item (as Trainer's loader gives it), trained without an optimizer step (``on_step_begin``,
+    ``on_substep_end``), its gradient and loss carried into the next pass's first step; ``set_epoch`` twice per
+    pass, after ``on_epoch_begin`` (Trainer's own call, then accelerate's loader's).  The same events, losses and
+    epochs as Trainer's: with dropout, on items masked at random as read, each pass draws the ``DataLoader``'s base
+    seed and reads a round ahead, as under Trainer."""
     model = _classifier()
-    losses: list[list[Any]] = []
+    runs: list[tuple[list[Any], list[Any], list[Any]]] = []
     for cls in (transformers.Trainer, Trainer):
         args = arguments_for(
             cls,
             output_dir=str(tmp_path / cls.__module__),
             per_device_train_batch_size=2,
             gradient_accumulation_steps=2,
-            max_steps=8,
+            max_steps=5,
             learning_rate=1e-3,
             logging_steps=1,
             save_strategy="no",
@@ -198,8 +237,20 @@ def test_a_stream_draws_trainers_base_seed_each_pass(tmp_path: Path, arguments_f
             disable_tqdm=True,
             seed=3,
         )
-        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=MaskedStream(16))
+        events: list[Any] = []
+        stream = CountedStream(9, events)
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=stream, callbacks=[StepEvents(events)])
         trainer.train()
-        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
-    assert len(losses[1]) == len(losses[0]) == 8
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        logs = [e for e in trainer.state.log_history if "loss" in e]
+        runs.append((events, [e["loss"] for e in logs], [e["epoch"] for e in logs]))
+    (real_events, real_losses, real_epochs), (events, losses, epochs) = runs
+    assert real_events[:10] == [
+        ("epoch_begin", 0), ("set_epoch", 0), ("set_epoch", 0),
+        ("step_begin", 0), ("substep_end", 0), ("step_end", 1),
+        ("step_begin", 1), ("substep_end", 1), ("step_end", 2),
+        ("step_begin", 2),
+    ]  # fmt: skip
+    assert real_events[10:13] == [("substep_end", 2), ("epoch_end", 2), ("epoch_begin", 2)]
+    assert events == real_events
+    assert epochs == pytest.approx(real_epochs) and len(losses) == 5
+    assert losses == pytest.approx(real_losses, rel=1e-6)  # step 3: the carried micro-batch's loss added

@@ -1,9 +1,9 @@
 """Streaming training data (``data.stream_batches``, ``TrainingArgs.train_stream``): a generator-backed
 ``IterableDataset`` trains ``max_steps`` steps through the real loop in-process, ranks take disjoint items,
 a resumed run skips what was consumed and reaches the weights of an uninterrupted one, a stream shorter than
-``max_steps`` is iterated again epoch after epoch (``set_epoch`` first, as Trainer does) and resumes exactly
-across a pass, an empty one ends the run, and a stream without ``max_steps`` is refused when the arguments
-are built (``data_path`` is not needed beside a stream)."""
+``max_steps`` is iterated again epoch after epoch (``set_epoch`` twice as it begins, as under Trainer) and
+resumes exactly across a pass, an empty one ends the run, and a stream without ``max_steps`` is refused when
+the arguments are built (``data_path`` is not needed beside a stream)."""
 
 from __future__ import annotations
 
@@ -219,13 +219,13 @@ class EpochsAndLogs(ScheduleCallback):
 
 
 def test_a_stream_shorter_than_max_steps_is_iterated_again_each_epoch_as_trainer_does(classifier, tmp_path):
-    stream = ShortStream(10)  # 4 items a step: 2 steps a pass, its last 2 items dropped
+    stream = ShortStream(10)  # 4 items a step: 2 steps a pass, its last 2 items carried into the next pass
     args = _args(classifier, tmp_path, "short", train_stream=stream, max_steps=5, save_strategy="no")
     recorder = EpochsAndLogs()
     components = build_run(*as_run(args), DistributedEnv())
     result = TrainingLoop(as_run(args).args, DistributedEnv(), [recorder], components).run()
     assert result.global_step == 5 and not result.stopped_early
-    assert stream.epochs == [0, 1, 2]
+    assert stream.epochs == [0, 0, 1, 1, 2, 2]  # twice a pass, as under Trainer
     # Trainer's epoch over a stream: epoch + steps taken in it / max_steps
     assert recorder.step_epochs == [(1, 0.2), (2, 0.4), (3, 1.2), (4, 1.4), (5, 2.2)]
     assert recorder.epoch_ends == 3
@@ -248,7 +248,9 @@ def test_a_resumed_run_skips_what_was_consumed_across_passes(classifier, tmp_pat
 
 
 def test_a_stream_with_no_full_step_ends_the_run_at_once(classifier, tmp_path):
-    args = _args(classifier, tmp_path, "empty", train_stream=ShortStream(3), max_steps=4, save_strategy="no")
+    # one micro-batch a pass, where a step takes two: trained and carried, never an optimizer step (Trainer's
+    # would go on pass after pass)
+    args = _args(classifier, tmp_path, "empty", train_stream=ShortStream(2), max_steps=4, save_strategy="no")
     result = _train(args)
     assert result.global_step == 0 and result.stopped_early
     assert "ran out" in (result.stop_reason or "")

@@ -5,10 +5,12 @@ A stream has no epoch plan, so the run needs ``max_steps`` (as under Trainer); o
 over the stream, of at most ``max_steps`` steps (``steps_per_epoch``, Trainer's ``steps_in_epoch``).  Items
 are grouped ``per_device`` at a time into micro-batches in stream order and micro-batch ``i`` goes to rank
 ``i % world_size`` (as accelerate's dispatching of iterable datasets under Trainer), so ranks see disjoint
-items.  A step takes ``accumulation`` micro-batches per rank; a pass ends at the first step the stream cannot
-fill (its last items are dropped, as accelerate drops a round it cannot give every rank).  ``unsized``: the
-loop then starts the next epoch, a fresh pass (``set_epoch`` first, as Trainer does), until ``max_steps``; a
-pass with no step ends the run.  Resume: the
+items.  A step takes ``accumulation`` micro-batches per rank; a pass ends where the stream runs out: its last
+full rounds, fewer than a step takes, are one ``carried`` step (trained without an optimizer step, their
+gradients and loss carried into the next pass's first step, as Trainer's ``_inner_training_loop``), and a round
+it cannot fill is dropped (on one rank its last micro-batch may be shorter, as Trainer's).  ``unsized``: the loop
+then starts the next epoch, a fresh pass (the stream's ``set_epoch`` twice as it begins, Trainer's own call and
+accelerate's loader's), until ``max_steps``; a pass with no optimizer step ends the run.  Resume: the
 loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
 steps already taken, so a resumed run trains on exactly the items an uninterrupted one would.
 
@@ -66,6 +68,9 @@ class StreamStep:
     batches: tuple[dict[str, Any], ...]
     num_samples: int
     """Items in the step, every rank."""
+    carried: bool = False
+    """The pass's last micro-batches, fewer than a step takes: no optimizer step; the next step takes their
+    gradients and loss with its own, as Trainer's (whose step count does not see them)."""
 
 
 class StreamPlan:
@@ -120,9 +125,7 @@ class StreamBatches:
         self.plan = StreamPlan(self, 0)
 
     def set_epoch(self, epoch: int) -> StreamPlan:
-        """A fresh pass over the stream (a ``datasets`` stream's shuffle buffer is reseeded per epoch)."""
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        """A fresh pass over the stream (its ``set_epoch`` is called as the pass begins: ``steps_from``)."""
         self.plan = StreamPlan(self, epoch)
         return self.plan
 
@@ -146,11 +149,12 @@ class StreamBatches:
             yield own
 
     def _read_round(self, batches: Iterator[list[Any]], size: int) -> list[Any] | None:
-        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it)."""
+        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it;
+        on one rank, the stream's last, shorter micro-batch is one, as Trainer's loader gives it)."""
         round_: list[Any] = []
         for index in range(self.world_size):
             items = next(batches, None)
-            if items is None or len(items) < size:
+            if not items or (len(items) < size and self.world_size > 1):
                 return None
             round_.append(self.collate(items) if self.scatter is not None or index == self.rank else None)
         return round_
@@ -158,19 +162,24 @@ class StreamBatches:
     def steps_from(self, epoch: int, start: int) -> Iterator[StreamStep]:
         """The steps of ``epoch`` from step ``start`` on, the items of earlier steps read and dropped; each
         step's rounds are read with one more ahead of it."""
-        del epoch  # the pass is set up by set_epoch
+        if callable(set_epoch := getattr(self.dataset, "set_epoch", None)):
+            set_epoch(epoch)  # as Trainer's _run_epoch (after on_epoch_begin): its call, then its loader's __iter__
+            set_epoch(epoch)  # (a datasets stream's shuffle buffer is reseeded per epoch)
         resumed = torch.random.get_rng_state() if start > 0 else None
         rounds = self._rounds()
         accumulation, samples = self.accumulation, (self.batch_size or 1) * self.world_size * self.accumulation
         ahead = list(islice(rounds, start * accumulation, start * accumulation + 1))
         for _ in range(start, self.steps_per_epoch):
             group = ahead + list(islice(rounds, accumulation - len(ahead)))
-            if len(group) < accumulation:
+            if not group:
                 return
             ahead = list(islice(rounds, 1))  # one round ahead, as accelerate's DataLoaderDispatcher
             if resumed is not None:
                 torch.random.set_rng_state(resumed)
                 resumed = None
+            if len(group) < accumulation:  # the stream ran out inside the step: carried into the next pass
+                yield StreamStep(tuple(group), samples * len(group) // accumulation, carried=True)
+                return
             yield StreamStep(tuple(group), samples)
 
     def micro_batches(self, step: StreamStep) -> list[dict[str, Any]]:

@@ -83,6 +83,9 @@ class TrainingLoop:
         self._stop_training = False
         self._stop_requesters = ""
         self._merged: Path | None = None
+        self._carried: StepOutcome | None = None
+        """A stream's last micro-batches of a pass (``StepBatches.carried``): trained, not yet stepped; their
+        gradients, loss and input tokens go into the next step's, as Trainer's."""
         self.context = components.context(args, env)
 
     # ================================================================== the run
@@ -132,6 +135,8 @@ class TrainingLoop:
                 cut_short = True
                 break
             outcome = self._train_step(step_plan)
+            if outcome is None:  # a stream's carried micro-batches: no optimizer step
+                continue
             # DECISION POINT: the step's one collective — agreed control plus the loss and input sums — and
             # its one host-device synchronisation (the loss and grad norm ride in it from the device).
             # The same collective counts the ranks whose background checkpoint write is still going on.
@@ -165,7 +170,7 @@ class TrainingLoop:
         ctx.epoch_index += 1
         ctx.step_in_epoch = 0
 
-    def _train_step(self, step_plan: Any) -> StepOutcome:
+    def _train_step(self, step_plan: Any) -> StepOutcome | None:
         """One optimizer step: every micro-batch of this rank, then clip, step, schedule.  The batches and
         the loss are the run's ``TrainStep`` (``trainbridge.step``), chosen at build time.
 
@@ -198,9 +203,17 @@ class TrainingLoop:
                     backward=functools.partial(self._backward, batch=batch, units=units, scale=scale),
                 )
             loss_sum += micro_sum.to(torch.float64)
-            if not is_last:
+            if not is_last or batches.carried:
                 fire(Event.SUBSTEP_END, ctx)
         ctx.tokens_seen += batches.num_tokens  # every rank's: known without a collective
+        input_tokens = sum(_input_tokens(b, self._main_input) for b in micro_batches)
+        if batches.carried:  # the stream ran out inside the step: its gradients wait for the next pass's first step
+            self._carried = StepOutcome(batches, loss_sum, NOT_MEASURED, input_tokens, started)
+            return None
+        if self._carried is not None:  # that step logs their mean loss added to its own, as Trainer's
+            carried, self._carried = self._carried, None
+            loss_sum += carried.loss_sum * (batches.loss_units / max(carried.batches.loss_units, 1e-12))
+            input_tokens += carried.input_tokens
         grad_norm: torch.Tensor | float | None = engine.clip_grad_norm(self.args.max_grad_norm)
         ctx.grad_norm = grad_norm
         fire(Event.PRE_OPTIMIZER_STEP, ctx)
@@ -223,7 +236,7 @@ class TrainingLoop:
             batches,
             loss_sum,
             grad_norm if grad_norm is not None else NOT_MEASURED,
-            sum(_input_tokens(b, self._main_input) for b in micro_batches),
+            input_tokens,
             started,
         )
 

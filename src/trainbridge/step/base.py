@@ -42,6 +42,8 @@ class StepBatches(NamedTuple):
     """Samples in the step, every rank."""
     num_tokens: int
     """Non-padding input tokens in the step, every rank."""
+    carried: bool = False
+    """A stream's last micro-batches of a pass (``StreamStep.carried``): trained without an optimizer step."""
 
 
 class EvalOutput(NamedTuple):

@@ -174,6 +174,7 @@ class ModelLoss(TrainStep):
 
     def prepare(self, step: SampleStep | StreamStep) -> StepBatches:
         micro_batches = self.train_batches.micro_batches(step)
+        carried = isinstance(step, StreamStep) and step.carried
         counted = self.counts_items and all("labels" in b for b in micro_batches)
         items = [self._items(b) for b in micro_batches] if counted else [0] * len(micro_batches)
         # the step's items and non-padding tokens over every rank (a collective unless built without counts)
@@ -186,9 +187,11 @@ class ModelLoss(TrainStep):
                 self._rank_scale = total_items / (self.env.world_size * float(count))
             for batch in micro_batches:
                 batch[NUM_ITEMS_KEY] = count
-            return StepBatches(micro_batches, [float(n) for n in items], total_items, step.num_samples, int(tokens))
+            return StepBatches(
+                micro_batches, [float(n) for n in items], total_items, step.num_samples, int(tokens), carried
+            )
         units = float(self.env.world_size * len(micro_batches))
-        return StepBatches(micro_batches, [1.0] * len(micro_batches), units, step.num_samples, int(tokens))
+        return StepBatches(micro_batches, [1.0] * len(micro_batches), units, step.num_samples, int(tokens), carried)
 
     def _items(self, batch: Mapping[str, Any]) -> int:
         labels = batch["labels"]

@@ -109,7 +109,9 @@ class _PromptOnce(TrlLoop):
                 )
             else:
                 with self.accelerator.autocast():
-                    chunk_logps, chunk_entropy = shared_prefix.shared_prefix_logps(model, packed, compute_entropy)
+                    chunk_logps, chunk_entropy = shared_prefix.shared_prefix_logps(
+                        model, packed, compute_entropy, self.accelerator.unwrap_model(model)
+                    )
             logps.append(chunk_logps)
             entropies.append(chunk_entropy)
         entropy = torch.cat(entropies) if compute_entropy else None

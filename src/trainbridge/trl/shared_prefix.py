@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import unwrap_peft
 from trainbridge.modeling.padding_free import model_supports_padding_free
+from trainbridge.modeling.prefix_attention import PrefixRow, prefix_layout
 from trainbridge.modeling.varlen_attention import has_local_attention
 
 CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
@@ -53,6 +54,9 @@ class PromptGroups:
     """... and its column in the fused head's output (``labels[:, 1:]``'s layout)."""
     shape: tuple[int, int]
     """trl's completion shape ``(B, C)``."""
+    layout: tuple[PrefixRow, ...]
+    """Each row's shared prompt and segments (``modeling.prefix_attention``: the attention over the seen scores
+    only)."""
 
 
 def applies(model: torch.nn.Module, length: int) -> bool:
@@ -90,6 +94,7 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
         prompt = tuple(row_ids[prompt_width - prompt_length : prompt_width])
         groups.setdefault(prompt, []).append((row, row_ids[prompt_width : prompt_width + completion_length]))
     layouts = []
+    prefix_rows: list[PrefixRow] = []
     rows: list[int] = []
     columns: list[int] = []
     group_of: list[int] = []
@@ -99,8 +104,10 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
         labels = [IGNORE_INDEX] * len(tokens)
         positions = list(range(len(tokens)))
         segments = [0] * len(tokens)
+        spans: list[tuple[int, int]] = []
         for segment, (row, completion) in enumerate(members, start=1):
             start = len(tokens)
+            spans.append((start, len(completion) + 1))
             tokens.extend([prompt[-1], *completion])
             labels.extend([IGNORE_INDEX, *completion])
             positions.extend(range(len(prompt) - 1, len(prompt) + len(completion)))
@@ -111,6 +118,7 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
                 group_of.append(group)
                 shifted.append(start + column)
         layouts.append((tokens, labels, positions, segments))
+        prefix_rows.append(PrefixRow(len(prompt) - 1, tuple(spans)))
     length = max(len(tokens) for tokens, _, _, _ in layouts)
 
     def padded(index: int, value: int) -> torch.Tensor:
@@ -131,6 +139,7 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
         groups=torch.tensor(group_of, dtype=torch.long, device=device),
         shifted=torch.tensor(shifted, dtype=torch.long, device=device),
         shape=(batch, logits_to_keep),
+        layout=tuple(prefix_rows),
     )
 
 
@@ -141,16 +150,18 @@ def unpack(values: torch.Tensor, packed: PromptGroups) -> torch.Tensor:
 
 
 def shared_prefix_logps(
-    model: torch.nn.Module, packed: PromptGroups, compute_entropy: bool
+    model: torch.nn.Module, packed: PromptGroups, compute_entropy: bool, unwrapped: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One fused-head forward of ``packed``: per-token log-probs and (``compute_entropy``) entropies in trl's
-    ``[B, C]`` layout."""
-    outputs = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        labels=packed.labels,
-        fused_lm_head=True,
-    )
+    ``[B, C]`` layout.  ``unwrapped``: ``model`` without its DDP wrapper, where the layout's attention is
+    switched (``prefix_attention.prefix_layout``; ``model`` itself when None)."""
+    with prefix_layout(unwrapped if unwrapped is not None else model, packed.attention_mask, packed.layout):
+        outputs = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            labels=packed.labels,
+            fused_lm_head=True,
+        )
     entropy = unpack(outputs.entropy, packed) if compute_entropy else None
     return unpack(outputs.log_probs, packed), entropy

@@ -6,8 +6,9 @@ into ``OUT/<KIND>``.
 A tiny ``BertForSequenceClassification`` on items of fixed length, each with its ``idx``; the script's own
 collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``OUT/seen-rank<RANK>.txt``.
 
-- ``stream``: a torch ``IterableDataset`` defined here (24 items; a step takes 8), ``max_steps=5``: the
-  stream runs out after 3 steps and is iterated again (its ``set_epoch`` records each pass).
+- ``stream``: a torch ``IterableDataset`` defined here (28 items; a step takes 8), ``max_steps=5``: the
+  stream runs out inside step 4, whose first half is carried into the next pass's first step, and is iterated
+  again (its ``set_epoch`` records each call).
 - ``hfstream``: the same items as a ``datasets`` stream (``Dataset.to_iterable_dataset()``, torch format).
 - ``sampler``: a map-style ``Dataset`` and a Trainer subclass whose ``_get_train_sampler`` returns a custom
   curriculum sampler (a fixed order); the override records ``OUT/sampler-rank<RANK>.txt`` where it runs.
@@ -37,6 +38,7 @@ else:
     from trainbridge import Trainer
 
 COUNT = 24
+STREAM_COUNT = 28  # 3 steps and a half a pass
 out = Path(sys.argv[1])  # the current run's folder (the markers below write there)
 
 
@@ -47,7 +49,7 @@ def item(i):
 
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
-        for i in range(COUNT):
+        for i in range(STREAM_COUNT):
             yield item(i)
 
     def set_epoch(self, epoch):
@@ -162,7 +164,10 @@ def train(kind: str, resume: bool = False) -> None:
     if kind == "hfstream":
         import datasets
 
-        rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()} for i in range(COUNT)]
+        rows = [
+            {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item(i).items()}
+            for i in range(STREAM_COUNT)
+        ]
         train_dataset = datasets.Dataset.from_list(rows).to_iterable_dataset().with_format("torch")
     else:
         train_dataset = Stream() if kind == "stream" else Items()
