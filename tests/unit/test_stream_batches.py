@@ -112,6 +112,37 @@ def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_
     assert collated == {0: 2 * (5 * 3 + 1), 1: 0}  # both ranks' micro-batches of 5 steps and a round ahead
 
 
+def test_the_round_a_stream_runs_out_in_is_split_over_the_ranks_as_accelerate_dispatches_it():
+    """9 items, 2 a micro-batch, 2 ranks, 3 micro-batches a step: 2 whole rounds, then item 8 alone.  As accelerate's
+    ``DataLoaderDispatcher`` (``drop_last=False``): the last round's items do not divide over the ranks, so they are
+    completed from the pass's first items (0, 1) and each rank gets one: rank 0 item 8, rank 1 item 0; the pass's
+    3 micro-batches a rank are one whole step."""
+    rounds: list[list[Any]] = []
+
+    def on_rank(rank: int) -> StreamBatches:
+        def scatter(round_: list[Any] | None) -> Any:
+            if rank == 0:
+                rounds.append(list(round_ or []))
+                return rounds[-1][0]
+            return rounds.pop(0)[1]
+
+        return StreamBatches(
+            Numbers(9) if rank == 0 else _Unread(),
+            lambda items: {"idx": torch.tensor([item["idx"] for item in items])},
+            per_device=2,
+            accumulation=3,
+            world_size=2,
+            rank=rank,
+            max_steps=5,
+            scatter=scatter,  # type: ignore[arg-type]
+        )
+
+    steps = [list(on_rank(rank).set_epoch(0).steps[0:]) for rank in range(2)]
+    for rank, own in enumerate([[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [0]]]):
+        (step,) = steps[rank]
+        assert not step.carried and [batch["idx"].tolist() for batch in step.batches] == own
+
+
 def test_slicing_the_plan_skips_the_consumed_steps():
     whole = _seen(_batches(1, 2))
     assert _seen(_batches(1, 2), start=3) == whole[3:]
