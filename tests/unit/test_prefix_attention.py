@@ -1,6 +1,7 @@
 """``modeling.prefix_attention``: rows of a shared prompt and its completions' segments attended over the scores
 each segment sees (the prompt and itself) give the full-mask forward's values and gradients, without a call over
-the whole row; it stands aside where it cannot apply (eager attention, gradient checkpointing)."""
+the whole row, gradient checkpointing included; the model stays sdpa for everything else (the decode replay
+included); eager attention is left as it is."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from trainbridge.modeling import prefix_attention
-from trainbridge.trl import shared_prefix
+from trainbridge.trl import decode_step, shared_prefix
 
 COMPLETION = 6
 
@@ -51,10 +52,15 @@ def _scored(model: Any, packed: shared_prefix.PromptGroups) -> torch.Tensor:
     return logits[packed.groups, packed.shifted]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_values_and_gradients_equal_the_full_masks_without_a_call_over_the_whole_row(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
 ) -> None:
+    """Under gradient checkpointing (trl's default) the backward recomputes each layer with the same layout."""
     model, packed = _model(), _packed()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     expected = _scored(model, packed)
     weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
     params = list(model.parameters())
@@ -67,23 +73,28 @@ def test_values_and_gradients_equal_the_full_masks_without_a_call_over_the_whole
         return sdpa(module, query, *args, **kwargs)
 
     monkeypatch.setattr(prefix_attention, "sdpa_attention_forward", spy)
-    with prefix_attention.prefix_layout(model, packed.attention_mask, packed.layout) as applied:
-        ours = _scored(model, packed)
-    assert applied and model.config._attn_implementation == "sdpa"  # switched back
+    assert prefix_attention.prefix_layout(model, packed.attention_mask, packed.layout)
+    ours = _scored(model, packed)
+    grads = torch.autograd.grad((ours * weights).sum(), params)
     assert query_lengths and max(query_lengths) < packed.input_ids.shape[1]  # never the whole row
+    assert len(query_lengths) == 2 * 3 * 2 * (2 if checkpointed else 1)  # 2 calls x 3 rows x 2 layers, recomputed
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
-    for a, b in zip(torch.autograd.grad((ours * weights).sum(), params), expected_grads, strict=True):
+    for a, b in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_it_stands_aside_for_eager_attention_and_for_a_checkpointed_backward() -> None:
-    packed = _packed()
-    with prefix_attention.prefix_layout(_model("eager"), packed.attention_mask, packed.layout) as applied:
-        assert not applied
-    model = _model()
-    model.gradient_checkpointing_enable()
-    model.train()
-    with prefix_attention.prefix_layout(model, packed.attention_mask, packed.layout) as applied:
-        assert not applied  # the recomputation in the backward would run outside the layout
-    with torch.no_grad(), prefix_attention.prefix_layout(model, packed.attention_mask, packed.layout) as applied:
-        assert applied  # no backward: old-policy and reference log-probs
+def test_the_model_stays_sdpa_for_every_other_call() -> None:
+    """Switched once to ``PREFIX_SDPA``: a padded batch's logits are sdpa's bit for bit and the decode replay
+    still applies; eager attention is left as it is."""
+    model, packed = _model(), _packed()
+    ids = torch.randint(3, 40, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        assert prefix_attention.prefix_layout(model, packed.attention_mask, packed.layout)
+        assert model.config._attn_implementation == prefix_attention.PREFIX_SDPA
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
+    assert decode_step.for_model(model) is not None
+    eager = _model("eager")
+    assert not prefix_attention.prefix_layout(eager, packed.attention_mask, packed.layout)
+    assert eager.config._attn_implementation == "eager"

@@ -5,23 +5,23 @@ completion, with a boolean ``[G, 1, T, T]`` mask that lets each segment see the 
 Under transformers' ``sdpa`` that mask costs ``T^2`` scores per head, forward and backward, most of them masked
 out: with 8 completions of 32 tokens behind a 28-token prompt, 82k scores where 12k are seen.
 
-``prefix_layout(model, mask, rows)`` routes the forward run inside it to ``PREFIX_SDPA``, registered with
-transformers' ``AttentionInterface``, which for that ``mask`` computes, per row, the prefix's causal attention
-and then all of the row's segments as one batch of ``[segment length, prefix + segment length]`` queries by keys,
-each through transformers' ``sdpa_attention_forward`` (GQA handled there): the scores that are seen, in two calls
-per row and layer.  Any other call (another mask, a KV cache) is ``sdpa_attention_forward`` unchanged.  The values
-equal the masked row's up to float summation order; positions past a row's end (right pads) get finite values
-that no scored token reads.
+``prefix_layout(model, mask, rows)`` gives ``mask`` its rows' layout for as long as the mask lives, and switches the
+model (once, for good) to ``PREFIX_SDPA``, registered with transformers' ``AttentionInterface``: for that ``mask``
+it computes, per row, the prefix's causal attention and then all of the row's segments as one batch of
+``[segment length, prefix + segment length]`` queries by keys, each through transformers' ``sdpa_attention_forward``
+(GQA handled there): the scores that are seen, in two calls per row and layer.  Every other call (another mask, a
+KV cache, generation) is ``sdpa_attention_forward`` unchanged, so ``PREFIX_SDPA`` is ``sdpa`` wherever no layout
+is given.  The layout is found by the mask the model passes to its attention, so a gradient-checkpointed layer's
+recomputation in the backward attends as its forward did.  The values equal the masked row's up to float
+summation order; positions past a row's end (right pads) get finite values that no scored token reads.
 
-It applies to a model whose attention is ``sdpa`` and, while gradients are recorded, not under gradient
-checkpointing (the recomputation in the backward would run outside the context, on the full mask).
+It applies to a model whose attention is ``sdpa`` (or already ``PREFIX_SDPA``).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,14 +78,13 @@ def _row_index(row: PrefixRow, length: int, device: torch.device) -> _RowIndex:
     )
 
 
-@dataclass(frozen=True)
-class _Active:
-    mask: torch.Tensor
-    rows: tuple[_RowIndex, ...]
+_layouts: dict[int, tuple[weakref.ref[torch.Tensor], tuple[_RowIndex, ...]]] = {}
+"""By ``id`` of each live mask given to ``prefix_layout``: the mask (weakly) and its rows' index tensors."""
 
 
-_active: _Active | None = None
-"""The layout of the forward running inside ``prefix_layout``, and the mask that names it."""
+def _rows_of(mask: torch.Tensor | None) -> tuple[_RowIndex, ...] | None:
+    entry = _layouts.get(id(mask)) if mask is not None else None
+    return entry[1] if entry is not None and entry[0]() is mask else None
 
 
 def prefix_sdpa_attention_forward(
@@ -99,21 +98,15 @@ def prefix_sdpa_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers attention function (module doc): ``[G, T, H, D]`` and no weights."""
-    active = _active
+    rows = _rows_of(attention_mask)
     unusual = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sliding_window"))
-    if (
-        active is None
-        or attention_mask is not active.mask
-        or unusual
-        or query.shape[0] != len(active.rows)
-        or query.shape[2] != key.shape[2]
-    ):
+    if rows is None or unusual or query.shape[0] != len(rows) or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     kwargs.pop("is_causal", None)
     out = []
-    for number, row in enumerate(active.rows):
+    for number, row in enumerate(rows):
         q, k, v = query[number], key[number], value[number]  # [H, T, D]
         pieces = []
         if row.prefix:
@@ -145,34 +138,22 @@ def register_prefix_sdpa() -> None:
 
 
 def applies(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (DDP and PEFT looked through by the caller) can run under ``prefix_layout`` now:
-    ``sdpa`` attention, and no gradient checkpointing while gradients are recorded."""
+    """Whether ``model`` (DDP and PEFT looked through by the caller) attends with ``sdpa`` or ``PREFIX_SDPA``."""
     model = unwrap_peft(model)
-    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    with warnings.catch_warnings():  # transformers 5 renames it is_activation_checkpointing
-        warnings.simplefilter("ignore", FutureWarning)
-        return not model.is_gradient_checkpointing
+    return isinstance(model, PreTrainedModel) and model.config._attn_implementation in ("sdpa", PREFIX_SDPA)
 
 
-@contextmanager
-def prefix_layout(model: torch.nn.Module, mask: torch.Tensor, rows: Sequence[PrefixRow]) -> Iterator[bool]:
-    """Run the forward inside with ``mask``'s rows attended as ``rows`` lay them out (module doc); yields
-    whether it does (``applies``), else the forward runs as it would without it."""
-    global _active
+def prefix_layout(model: torch.nn.Module, mask: torch.Tensor, rows: Sequence[PrefixRow]) -> bool:
+    """Give ``mask`` the layout ``rows`` for as long as it lives, so the model's forward on it (and a
+    checkpointed layer's recomputation in its backward) attends as ``rows`` lay it out (module doc); switch the
+    model to ``PREFIX_SDPA`` the first time.  Say whether it applies (``applies``); else nothing changes."""
     inner = unwrap_peft(model)
-    if not applies(inner) or _active is not None:
-        yield False
-        return
-    register_prefix_sdpa()
-    length = mask.shape[-1]
-    _active = _Active(mask, tuple(_row_index(row, length, mask.device) for row in rows))
-    assert isinstance(inner, PreTrainedModel)
-    inner.set_attn_implementation(PREFIX_SDPA)
-    try:
-        yield True
-    finally:
-        inner.set_attn_implementation("sdpa")
-        _active = None
+    if not applies(inner):
+        return False
+    if inner.config._attn_implementation != PREFIX_SDPA:
+        register_prefix_sdpa()
+        inner.set_attn_implementation(PREFIX_SDPA)
+    key = id(mask)
+    _layouts[key] = (weakref.ref(mask), tuple(_row_index(row, mask.shape[-1], mask.device) for row in rows))
+    weakref.finalize(mask, _layouts.pop, key, None)
+    return True

@@ -10,10 +10,11 @@ function, so the logits are the model's bit for bit (``test_trl_decode_step``).
 
 ``for_model`` returns one only where the replay applies: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and
 ``MistralForCausalLM`` exactly (not subclasses, not wrapped), every layer of the class's own attention, MLP,
-norm and decoder-layer types, full attention in every layer (no sliding window), ``sdpa`` attention and no
-module hooks.  ``Decoder`` checks it where it runs: its first step runs both the forward and the replay (on a
-copy of the cache) and keeps the replay only when the logits are equal bit for bit (a hub kernel routed
-inside the attention, say, would differ); anything else decodes with the model's forward.
+norm and decoder-layer types, full attention in every layer (no sliding window), ``sdpa`` attention (or
+``modeling.prefix_attention``'s, which is sdpa for every decode step) and no module hooks.  ``Decoder`` checks
+it where it runs: its first step runs both the forward and the replay (on a copy of the cache) and keeps the
+replay only when the logits are equal bit for bit (a hub kernel routed inside the attention, say, would differ);
+anything else decodes with the model's forward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 from transformers import Cache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from trainbridge.modeling.prefix_attention import PREFIX_SDPA
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "transformers.models.llama.modeling_llama",
@@ -129,7 +132,7 @@ def for_model(model: PreTrainedModel) -> DecodeStep | None:
         return None
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None
-    if config._attn_implementation != "sdpa":
+    if config._attn_implementation not in ("sdpa", PREFIX_SDPA):  # PREFIX_SDPA: sdpa for every decode step
         return None
     if _hooked(model):
         return None

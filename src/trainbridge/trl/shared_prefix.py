@@ -26,10 +26,10 @@ from transformers import PreTrainedModel
 from trainbridge.data.types import IGNORE_INDEX
 from trainbridge.modeling.load import unwrap_peft
 from trainbridge.modeling.padding_free import model_supports_padding_free
-from trainbridge.modeling.prefix_attention import PrefixRow, prefix_layout
+from trainbridge.modeling.prefix_attention import PREFIX_SDPA, PrefixRow, prefix_layout
 from trainbridge.modeling.varlen_attention import has_local_attention
 
-CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager"})
+CUSTOM_MASK_ATTENTION = frozenset({"sdpa", "eager", PREFIX_SDPA})
 """Attention implementations that apply a custom boolean ``[G, 1, T, T]`` mask as given."""
 
 
@@ -153,15 +153,15 @@ def shared_prefix_logps(
     model: torch.nn.Module, packed: PromptGroups, compute_entropy: bool, unwrapped: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One fused-head forward of ``packed``: per-token log-probs and (``compute_entropy``) entropies in trl's
-    ``[B, C]`` layout.  ``unwrapped``: ``model`` without its DDP wrapper, where the layout's attention is
-    switched (``prefix_attention.prefix_layout``; ``model`` itself when None)."""
-    with prefix_layout(unwrapped if unwrapped is not None else model, packed.attention_mask, packed.layout):
-        outputs = model(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids,
-            labels=packed.labels,
-            fused_lm_head=True,
-        )
+    ``[B, C]`` layout, attended per segment (``prefix_attention.prefix_layout``, on ``unwrapped``: ``model``
+    without its DDP wrapper, ``model`` itself when None)."""
+    prefix_layout(unwrapped if unwrapped is not None else model, packed.attention_mask, packed.layout)
+    outputs = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        labels=packed.labels,
+        fused_lm_head=True,
+    )
     entropy = unpack(outputs.entropy, packed) if compute_entropy else None
     return unpack(outputs.log_probs, packed), entropy
