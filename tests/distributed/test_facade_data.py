@@ -112,7 +112,7 @@ def test_an_iterable_dataset_streams_as_under_trainer(
         assert ours["markers"]["seen-rank0.txt"] == real["markers"]["seen-rank0.txt"]
         assert "seen-rank1.txt" not in ours["markers"]
         batches = _batches(ours["markers"]["seen-rank0.txt"])
-        assert len(batches) == 24 and all(len(batch) == 2 for batch in batches)  # per_device_train_batch_size
+        assert len(batches) == 23 and all(len(batch) == 2 for batch in batches)  # per_device_train_batch_size
         first_pass = [set(i for batch in batches[rank:12:2] for i in batch) for rank in range(2)]
         assert not first_pass[0] & first_pass[1]  # disjoint shares: micro-batch i of a round is rank i's
         for rank in range(2 if kind == "stream" else 0):  # each worker iterated the stream again, with set_epoch

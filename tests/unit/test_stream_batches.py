@@ -7,6 +7,7 @@ the arguments are built (``data_path`` is not needed beside a stream)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 from typing import Any
@@ -77,18 +78,11 @@ class _Unread(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         raise AssertionError("a rank other than 0 read the stream")
 
 
-def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_each_its_own():
-    """accelerate's ``dispatch_batches`` (its default for a stream under Trainer), the collective played in turn: rank 0
-    reads the stream and collates each round, every rank receives its own micro-batch, the same ones each rank
-    reads itself without it; rank 1 neither reads the stream nor collates, and meets rank 0 in every round."""
-    rounds: list[list[Any]] = []
-    collated = {0: 0, 1: 0}
+def _dispatching(stream: Numbers, collate: Any, rounds: list[list[Any]]) -> Any:
+    """``on_rank(rank)``: rank ``rank``'s ``StreamBatches`` of ``stream`` on 2 ranks (2 a micro-batch, 3 a step), its
+    scatter played in turn through ``rounds``: rank 0 reads and collates, rank 1 takes its part of each round."""
 
     def on_rank(rank: int) -> StreamBatches:
-        def collate(items: list[Any]) -> dict[str, Any]:
-            collated[rank] += 1
-            return _collate_idx(items)
-
         def scatter(round_: list[Any] | None) -> Any:
             if rank == 0:
                 rounds.append(list(round_ or []))
@@ -96,8 +90,8 @@ def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_
             return rounds.pop(0)[1]
 
         return StreamBatches(
-            Numbers() if rank == 0 else _Unread(),
-            collate,
+            stream if rank == 0 else _Unread(),
+            functools.partial(collate, rank),
             per_device=2,
             accumulation=3,
             world_size=2,
@@ -106,10 +100,42 @@ def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_
             scatter=scatter,  # type: ignore[arg-type]
         )
 
+    return on_rank
+
+
+def test_on_several_ranks_rank_0_reads_and_collates_every_micro_batch_and_sends_each_its_own():
+    """accelerate's ``dispatch_batches`` (its default for a stream under Trainer), the collective played in turn: rank 0
+    reads the stream and collates each round, every rank receives its own micro-batch, the same ones each rank
+    reads itself without it; rank 1 neither reads the stream nor collates, and meets rank 0 in every round."""
+    rounds: list[list[Any]] = []
+    collated = {0: 0, 1: 0}
+
+    def collate(rank: int, items: list[Any]) -> dict[str, Any]:
+        collated[rank] += 1
+        return _collate_idx(items)
+
+    on_rank = _dispatching(Numbers(), collate, rounds)
     dispatched = [_seen(on_rank(rank)) for rank in range(2)]
     assert not rounds  # rank 1 met rank 0 in each of its rounds
     assert dispatched == [_seen(_batches(rank, 2)) for rank in range(2)]
     assert collated == {0: 2 * (5 * 3 + 1), 1: 0}  # both ranks' micro-batches of 5 steps and a round ahead
+
+
+def test_the_round_a_stream_runs_out_in_is_split_over_the_ranks_as_accelerate_dispatches_it():
+    """9 items, 2 a micro-batch, 2 ranks, 3 micro-batches a step: 2 whole rounds, then item 8 alone.  As accelerate's
+    ``DataLoaderDispatcher`` (``drop_last=False``): the last round's items do not divide over the ranks, so they are
+    completed from the pass's first items (0, 1) and each rank gets one: rank 0 item 8, rank 1 item 0; the pass's
+    3 micro-batches a rank are one whole step."""
+    rounds: list[list[Any]] = []
+
+    def collate(rank: int, items: list[Any]) -> dict[str, Any]:
+        return {"idx": torch.tensor([item["idx"] for item in items])}
+
+    on_rank = _dispatching(Numbers(9), collate, rounds)
+    steps = [list(on_rank(rank).set_epoch(0).steps[0:]) for rank in range(2)]
+    for rank, own in enumerate([[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [0]]]):
+        (step,) = steps[rank]
+        assert not step.carried and [batch["idx"].tolist() for batch in step.batches] == own
 
 
 def test_slicing_the_plan_skips_the_consumed_steps():

@@ -92,6 +92,19 @@ def test_collators_our_batching_reproduces(tiny: Any) -> None:
     assert not script_data.classify_collator(Custom(tok, mlm=False)).reproduced  # a subclass may change the result
 
 
+def test_the_run_uses_the_collator_the_instance_holds_at_train(tiny: Any, tmp_path: Path) -> None:
+    """As Trainer's ``get_train_dataloader`` reads ``self.data_collator`` at ``train()``: Trainer's default (none
+    given) is reproduced by the token batches; one set after construction is the run's, called on its batches."""
+    model, tok = tiny
+    rows = datasets.Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4)
+    trainer = Trainer(model=model, args=_hf_args(tmp_path), train_dataset=rows, processing_class=tok)
+    plan = trainer.run_plan()
+    assert plan.rows.collator.reproduced and plan.data_collator is None
+    trainer.data_collator = collator = lambda items: transformers.default_data_collator(items)
+    plan = trainer.run_plan()
+    assert not plan.rows.collator.reproduced and plan.rows.items and plan.data_collator is collator
+
+
 def test_dataset_kinds_become_one_hf_dataset() -> None:
     rows = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": np.array([4, 5])}]
 

@@ -143,6 +143,6 @@ def test_the_facade_hands_a_subclass_or_loss_func_to_its_jobs(tmp_path: Path) ->
     assert not isinstance(Trainer(model=model, args=hf).run_plan().loss, InstanceStep)
     loss = CountingTrainer(model=model, args=hf).run_plan().loss
     assert isinstance(loss, InstanceStep) and isinstance(loss.methods, ScriptTrainer)
-    assert loss.methods.trainer_cls is CountingTrainer and not loss.methods.counts_items
+    assert type(loss.methods.instance) is CountingTrainer and not loss.methods.counts_items
     loss = Trainer(model=model, args=hf, compute_loss_func=len).run_plan().loss
     assert isinstance(loss, InstanceStep) and loss.methods.counts_items

@@ -1,9 +1,9 @@
 """``SFTTrainer`` against a real ``trl.SFTTrainer`` on one tiny model and data (in place, 1 rank): with
 ``packing=True`` (``bfd``) a step trains trl's bins (the same steps per epoch and epoch values at each log),
-and evaluations log trl's ``eval_entropy``, ``eval_mean_token_accuracy`` and ``eval_num_tokens`` with trl's
-values.  ``learning_rate=1e-12`` keeps the weights, so both evaluate the same model whatever order they train
-the bins in; ``eval_num_tokens`` (the tokens trained so far) is compared where it does not depend on the
-order: before training and at the end of the epoch."""
+and evaluations are trl's ``evaluate``, logging trl's ``eval_entropy``, ``eval_mean_token_accuracy`` and
+``eval_num_tokens`` values.  ``learning_rate=1e-12`` keeps the weights, so both evaluate the same model whatever
+order they train the bins in; ``eval_num_tokens`` (the tokens trained so far) is compared where it does not
+depend on the order: before training and at the end of the epoch."""
 
 from __future__ import annotations
 
@@ -70,6 +70,13 @@ def test_packed_steps_and_eval_metrics_are_trls(
     config = _config(tmp_path / "ours")
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(name, value)  # in place, as under torchrun
+    trls_evaluate, evaluated = trl.SFTTrainer.evaluate, []
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        evaluated.append(self.state.global_step)
+        return trls_evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl.SFTTrainer, "evaluate", counted)
     ours, logs, bins = _run(trainbridge.SFTTrainer, tiny_llama, config)
 
     assert bins == trl_bins < len(ROWS)  # several sequences a bin
@@ -78,7 +85,7 @@ def test_packed_steps_and_eval_metrics_are_trls(
     assert train_rows == [(row["step"], row["epoch"]) for row in trl_logs if "loss" in row]
     evals = [row for row in logs if "eval_loss" in row]
     trl_evals = [row for row in trl_logs if "eval_loss" in row]
-    assert [row["step"] for row in evals] == [row["step"] for row in trl_evals]
+    assert [row["step"] for row in evals] == [row["step"] for row in trl_evals] == evaluated  # trl's evaluate
     assert len(evals) >= 3 and trl_evals[0]["eval_mean_token_accuracy"] > 0
     for row, trl_row in zip(evals, trl_evals, strict=True):
         assert set(row) >= {"eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"}

@@ -6,9 +6,9 @@ over the stream, of at most ``max_steps`` steps (``steps_per_epoch``, Trainer's 
 are grouped ``per_device`` at a time into micro-batches in stream order and micro-batch ``i`` goes to rank
 ``i % world_size`` (as accelerate's dispatching of iterable datasets under Trainer), so ranks see disjoint
 items.  A step takes ``accumulation`` micro-batches per rank; a pass ends where the stream runs out: its last
-full rounds, fewer than a step takes, are one ``carried`` step (trained without an optimizer step, their
+rounds, fewer than a step takes, are one ``carried`` step (trained without an optimizer step, their
 gradients and loss carried into the next pass's first step, as Trainer's ``_inner_training_loop``), and a round
-it cannot fill is dropped (on one rank its last micro-batch may be shorter, as Trainer's).  ``unsized``: the loop
+the stream runs out in is given as Trainer's loader gives it (``_last_round``).  ``unsized``: the loop
 then starts the next epoch, a fresh pass (the stream's ``set_epoch`` twice as it begins, Trainer's own call and
 accelerate's loader's), until ``max_steps``; a pass with no optimizer step ends the run.  Resume: the
 loop walks ``set_epoch(epoch).steps[step_in_epoch:]``, and slicing the plan skips the micro-batches of the
@@ -130,16 +130,23 @@ class StreamBatches:
         return self.plan
 
     def _rounds(self) -> Iterator[dict[str, Any]]:
-        """This rank's collated micro-batch of each round of ``world_size`` full micro-batches of the pass, read
+        """This rank's collated micro-batch of each round of ``world_size`` micro-batches of the pass, read
         through a ``DataLoader`` (its base seed drawn at the first read, on every rank).  With ``scatter``, rank 0
         reads and collates every rank's micro-batch and sends each its own (collective per round); the pass ends
-        on every rank at the first round rank 0 cannot fill."""
+        on every rank after the round the stream runs out in (``_last_round``)."""
         from torch.utils.data import DataLoader
 
         size = self.batch_size or 1
         batches = iter(DataLoader(_TorchStream.of(self.dataset), batch_size=size, collate_fn=list))
+        first: Any = None  # the pass's first world_size items (accelerate's ``first_batch``), for its last round
         while True:
-            round_ = self._read_round(batches, size) if self.scatter is None or self.rank == 0 else None
+            round_: list[Any] | None = None
+            if self.scatter is None or self.rank == 0:
+                round_, whole = self._read_round(batches, size)
+                if whole and first is None and self.scatter is not None:
+                    first = _joined(round_, slice(0, self.world_size))
+                elif not whole:
+                    round_ = self._last_round(round_, first)
             if self.scatter is not None:
                 own = self.scatter(round_ or [None] * self.world_size)
             else:
@@ -148,16 +155,37 @@ class StreamBatches:
                 return
             yield own
 
-    def _read_round(self, batches: Iterator[list[Any]], size: int) -> list[Any] | None:
-        """The next ``world_size`` micro-batches, collated where they are used (None: the stream cannot fill it;
-        on one rank, the stream's last, shorter micro-batch is one, as Trainer's loader gives it)."""
+    def _read_round(self, batches: Iterator[list[Any]], size: int) -> tuple[list[Any], bool]:
+        """The next ``world_size`` micro-batches, collated where they are used, and whether they are all there and
+        full (else the stream ran out in them)."""
         round_: list[Any] = []
         for index in range(self.world_size):
             items = next(batches, None)
-            if not items or (len(items) < size and self.world_size > 1):
-                return None
+            if not items:
+                return round_, False
             round_.append(self.collate(items) if self.scatter is not None or index == self.rank else None)
-        return round_
+            if len(items) < size:
+                return round_, False
+        return round_, True
+
+    def _last_round(self, round_: list[Any], first: Any) -> list[Any] | None:
+        """The round the stream ran out in, as Trainer's loader gives it: on one rank, its shorter micro-batch; on
+        several (``scatter``), its items split evenly over the ranks, completed from the pass's ``first`` items
+        when they do not divide, as accelerate's ``DataLoaderDispatcher``; None when there is nothing, or (as
+        where accelerate fails) when its micro-batches cannot be joined."""
+        if not round_ or self.world_size == 1:
+            return round_ or None
+        if self.scatter is None:
+            return None
+        from accelerate.utils import find_batch_size
+
+        joined = _joined(round_)
+        if joined is not None and find_batch_size(joined) % self.world_size:
+            joined = _joined([joined, first]) if first is not None else None
+        if joined is None:
+            return None
+        per_rank = find_batch_size(joined) // self.world_size
+        return [_joined([joined], slice(r * per_rank, (r + 1) * per_rank)) for r in range(self.world_size)]
 
     def steps_from(self, epoch: int, start: int) -> Iterator[StreamStep]:
         """The steps of ``epoch`` from step ``start`` on, the items of earlier steps read and dropped; each
@@ -207,3 +235,15 @@ class _TorchStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def of(dataset: Iterable[Any]) -> Any:
         """``dataset`` itself when a ``DataLoader`` reads it as a stream, else wrapped."""
         return dataset if isinstance(dataset, torch.utils.data.IterableDataset) else _TorchStream(dataset)
+
+
+def _joined(batches: list[Any], rows: slice | None = None) -> Any:
+    """Collated micro-batches joined along their first dimension (accelerate's ``concatenate``), then ``rows`` of
+    it; None when they cannot be (micro-batches padded to different lengths, values that are not tensors)."""
+    from accelerate.utils import concatenate, slice_tensors
+
+    try:
+        joined = concatenate(batches, dim=0) if len(batches) > 1 else batches[0]
+        return slice_tensors(joined, rows) if rows is not None else joined
+    except (RuntimeError, TypeError, ValueError):
+        return None

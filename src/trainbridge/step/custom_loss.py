@@ -1,6 +1,5 @@
-"""The script's own loss on Trainer's sample batches: ``RunPlan.loss``: ``LossFunction`` (a Trainer subclass's
-``compute_loss`` override or ``compute_loss_func``, set by the facade) called on each micro-batch in the
-workers, with the real model and batch.
+"""A run's own loss on Trainer's sample batches: ``RunPlan.loss``: ``LossFunction`` (a ``compute_loss``
+function) called on each micro-batch, with the real model and batch.
 
 Batches and item counting are ``model_loss.ModelLoss``'s.  As Trainer's ``training_step``, the function gets
 ``num_items_in_batch`` (the step's items over every rank, or None when the model counts none) and its loss is
@@ -39,8 +38,6 @@ class CustomLoss(ModelLoss):
     ) -> None:
         super().__init__(train_batches, model, env, label_names, generation)
         self.compute_loss = compute_loss
-        # a compute_loss_func gets the step's items whatever the model (Trainer passes them to it)
-        self.counts_items = self.counts_items or bool(getattr(compute_loss, "counts_items", False))
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], units: float) -> torch.Tensor:
         inputs = dict(batch)

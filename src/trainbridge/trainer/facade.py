@@ -7,11 +7,7 @@ collator...), so ``isinstance(trainer, transformers.Trainer)`` holds and every m
 overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``predict``, ``prediction_step``,
 ``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
 trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
-and calls back into the instance where Trainer's loop would (``trainer.subclass``): ``training_step`` on each
-micro-batch when the class overrides the step, ``evaluate()`` at evaluation points (Trainer's own on Trainer's
-sample batches, an override's; the loop's on the padding-free token batches), ``log()`` on every log,
-``_save_checkpoint``/``save_model``/``_save`` at each checkpoint.  During ``train()`` ``self.state``,
-``self.control`` and ``self.callback_handler`` are the loop's.
+and calls back into the instance where Trainer's loop would (``trainer.subclass`` says where).
 
 Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
 ``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
@@ -126,9 +122,7 @@ class LoopTrainer(_TrainerBase):
         if isinstance(config, transformers.TrainingArguments) and config.output_dir and config.should_save:
             make_output_folder(config.output_dir, f"{type(config).__name__}.output_dir")
 
-    def _init_loop(
-        self, torchrun_args: TorchrunArgs | None, given_collator: Collator | None, peft_config: object = None
-    ) -> None:
+    def _init_loop(self, torchrun_args: TorchrunArgs | None, peft_config: object = None) -> None:
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
@@ -138,7 +132,6 @@ class LoopTrainer(_TrainerBase):
         self._fallback_tokenizer: Any = None
         self._env: DistributedEnv | None = None
         self._loop: Any = None
-        self._collator_choice = script_data.classify_collator(given_collator)
 
     # ================================================================== what the jobs read
     _trial: Any = None
@@ -149,14 +142,10 @@ class LoopTrainer(_TrainerBase):
         """``args.output_dir``; during a search's trial ``<output_dir>/run-<n>`` (Trainer's ``_get_output_dir``)."""
         return Path(self._get_output_dir(self._trial) or "trainer_output")
 
-    def _device(self) -> str:
-        """``TrainingArgs.device`` of the run: ``cpu`` under ``use_cpu``, else ``auto``."""
-        return "cpu" if getattr(self.args, "use_cpu", False) else "auto"
-
     def _start_env(self) -> DistributedEnv:
         if self._env is None:
-            timeout_s: Any = getattr(self.args, "ddp_timeout", None) or 1800
-            self._env = DistributedEnv.initialize(self._device(), float(timeout_s))
+            device = "cpu" if self.args.use_cpu else "auto"
+            self._env = DistributedEnv.initialize(device, float(self.args.ddp_timeout or 1800))
             if self._env.started_group:  # in place: the script goes on after train(); leave the group at its exit,
                 atexit.register(self._env.teardown, clean=False)  # not to gloo's threads at interpreter teardown
         return self._env
@@ -204,14 +193,14 @@ class LoopTrainer(_TrainerBase):
         return False
 
     def _row_preparation(self, instance_batches: bool, stand_in: subclass.StandIn) -> script_data.RowPreparation:
-        """How the datasets' rows are prepared: the collator's choice (reproduced where trainbridge's step stands
-        in for it), padded with the collator's own tokenizer; ``instance_batches``: the loop steps through the
-        instance or reads its loader."""
+        """How the datasets' rows are prepared: the choice for ``data_collator`` as it is now (Trainer's default
+        when the script gave none; reproduced where trainbridge's step stands in for it), padded with the
+        collator's own tokenizer; ``instance_batches``: the loop steps through the instance or reads its loader."""
         from trainbridge.modeling.load import is_causal_lm, text_tokenizer
 
         collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
         pad_id = getattr(collator_tokenizer or text_tokenizer(self._loop_processing_class()), "pad_token_id", None)
-        choice = self._collator_choice
+        choice = script_data.classify_collator(self.data_collator)
         if stand_in.loss:
             choice = script_data.CollatorChoice(True, description=f"{choice.description} (trainbridge's step for it)")
         return script_data.RowPreparation(
@@ -229,7 +218,7 @@ class LoopTrainer(_TrainerBase):
         """Columns Trainer's batches would hand the model that the token step does not (``remove_unused_columns``
         as Trainer's own signature columns apply it): a run with any trains on Trainer's sample batches."""
         kept = None
-        if getattr(self.args, "remove_unused_columns", True):
+        if self.args.remove_unused_columns:
             if self.model is None:
                 return []
             self._set_signature_columns_if_needed()
@@ -373,7 +362,7 @@ class LoopTrainer(_TrainerBase):
                 self.remove_callback(report)
         if report is not None:
             report.raise_if_pruned()
-        metrics = train_metrics(state.log_history, bool(getattr(self.args, "disable_tqdm", False)))
+        metrics = train_metrics(state.log_history, bool(self.args.disable_tqdm))
         train_loss = float(result.train_loss if result.train_loss is not None else 0.0)
         return TrainOutput(result.global_step, train_loss, metrics)
 
@@ -544,7 +533,7 @@ class Trainer(LoopTrainer, transformers.Trainer):
         super().__init__(**init)
         for name, value in later.items():
             setattr(self, name, value)
-        self._init_loop(torchrun_args, data_collator, kwargs.get("peft_config"))
+        self._init_loop(torchrun_args, kwargs.get("peft_config"))
 
 
 def _reject_unsupported(kwargs: dict[str, Any]) -> None:

@@ -4,11 +4,8 @@ The loop calls into the instance (its ``training_step``, ``evaluate``, ``log``, 
 ``ScriptTrainer.call`` (``trainer.subclass``), a context manager that installs a ``LoopScope`` as the instance's
 ``_in_loop`` for the call and restores the one around it afterwards (as Lightning's ``_call_lightning_module_hook``).
 Outside such a call ``_in_loop`` is None: the script itself is calling, and each of Trainer's methods is Trainer's
-own.  Inside, each method of ``LoopTrainer`` that the loop reaches reads one field:
-
-- ``evaluate``: ``evaluation`` (the loop's own evaluation of the run's sets);
-- ``log``: ``log`` (what Trainer's ``log`` hands to ``on_log`` is what the loop logs);
-- ``save_model`` / ``_save`` / ``_save_checkpoint``: ``checkpoint`` (the checkpoint being written).
+own.  Inside, each method of ``LoopTrainer`` that the loop reaches reads one field (``evaluate``: ``evaluation``;
+``log``: ``log``; ``save_model`` / ``_save`` / ``_save_checkpoint``: ``checkpoint``).
 """
 
 from __future__ import annotations

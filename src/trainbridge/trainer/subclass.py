@@ -136,14 +136,6 @@ class ScriptTrainer:
         self._hf: HuggingFaceCallbacks | None = None
 
     @property
-    def args(self) -> Any:
-        return self.instance.args
-
-    @property
-    def trainer_cls(self) -> type:
-        return type(self.instance)
-
-    @property
     def counts_items(self) -> bool:
         """Whether the step counts ``num_items_in_batch`` whatever the model: Trainer counts them for a
         ``compute_loss_func``, whose loss is then a mean over those items."""

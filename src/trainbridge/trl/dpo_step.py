@@ -370,7 +370,7 @@ class DPOStepFactory:
         own in place (``shared_reference``: ``trl_loop.ShardedReference`` at ``on_init_end``)."""
         if "ref_chosen_logps" in self.columns or (self.ref_model is None and hasattr(model, "disable_adapter")):
             return None
-        fsdp = getattr(args, "distributed_backend", None) == "fsdp" and env.world_size > 1
+        fsdp = args.distributed_backend == "fsdp" and env.world_size > 1
         if self.shared_reference and self.ref_model is not None:
             # the trainer's own reference (trl's ref_model): scored as it is, no copy
             enable_for_own_rows(self.ref_model, args, self.max_length)

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from trainbridge.core.callback import Callback
+from trainbridge.core.context import TrainingContext
+
 logger = logging.getLogger(__name__)
 
 PENDING_FILE = "pending_generation_rank{rank}.pt"
@@ -89,3 +92,15 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_to_cpu(item) for item in value)
     return value
+
+
+class PendingGeneration(Callback):
+    """At ``on_train_begin`` of a resumed run (before its first micro-batch), the pending generation batch of the
+    checkpoint the loop resumed from (``TrainingContext.resumed_from``) back into ``trainer`` (``load_pending``)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, context: TrainingContext, **kwargs: Any) -> None:
+        if context.resumed_from is not None:
+            load_pending(self.trainer, context.resumed_from)

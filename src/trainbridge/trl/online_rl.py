@@ -35,39 +35,23 @@ from torch.distributed.tensor import DTensor
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
+from trainbridge.trainer.subclass import StandIn
 from trainbridge.trl import generation_buffer, sampling, shared_prefix
 from trainbridge.trl.trl_loop import TrlLoop
 
 
 class _PendingGeneration(TrlLoop):
     """Saves the pending generation batch with each checkpoint (``_save_checkpoint``, whose folder is the
-    checkpoint being written) and restores it at resume, before the first micro-batch (``training_step``: the
-    loop restored ``state.global_step`` by then, which names the checkpoint when ``resume_from_checkpoint`` is
-    ``True``)."""
+    checkpoint being written) and restores it from the checkpoint the run resumed from, before the first
+    micro-batch (``generation_buffer.PendingGeneration``)."""
 
-    _resuming_from: Any = None
-    """``train(resume_from_checkpoint=...)`` until the first micro-batch restored its pending generation."""
-
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        self._resuming_from = resume_from_checkpoint or None
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self._resuming_from = None
-
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        resume, self._resuming_from = self._resuming_from, None
-        if resume is not None:
-            folder = resume if resume is not True else self._checkpoint_folder()
-            generation_buffer.load_pending(self, folder)
-        return super().training_step(model, inputs, num_items_in_batch)
+    def _script_callbacks(self, stand_in: StandIn) -> list[Any]:
+        return [*super()._script_callbacks(stand_in), generation_buffer.PendingGeneration(self)]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        generation_buffer.save_pending(self, self._checkpoint_folder())
-
-    def _checkpoint_folder(self) -> str:
-        return os.path.join(str(self.args.output_dir), f"checkpoint-{self.state.global_step}")
+        folder = os.path.join(str(self.args.output_dir), f"checkpoint-{self.state.global_step}")
+        generation_buffer.save_pending(self, folder)
 
 
 class _PromptOnce(TrlLoop):

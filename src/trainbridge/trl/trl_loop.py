@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from transformers import TrainingArguments
@@ -96,8 +97,7 @@ class TrlLoop(LoopTrainer):
         self._private_output_dir(kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None)))
         args, kwargs = self._holding_natives(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # trl's own constructor
-        collator: Any = self.data_collator  # trl's (its own default, or the script's)
-        self._init_loop(torchrun_args, collator)
+        self._init_loop(torchrun_args)
 
     def _script_callbacks(self, stand_in: StandIn) -> list[Any]:
         """trl's reference sharded under FSDP2 (``ShardedReference``); with trainbridge's step standing in for
@@ -123,6 +123,11 @@ class TrlLoop(LoopTrainer):
             return OwnStep(stand_in.step)
         return super()._loss_seam(items, instance_step, stand_in)
 
+    def _evaluation(self, items: bool) -> Callable[..., Any] | None:
+        """trl's evaluation at each evaluation point: the instance's ``evaluate()``, trl's and Trainer's own code
+        throughout on trl's evaluation batches (see the module doc), whatever the run trains on."""
+        return partial(self._script.evaluation, trainers_own=True)
+
     def _reproduces_trl(self) -> bool:
         """Whether trainbridge's step gives trl's loss for this instance's config and data."""
         return False
@@ -140,7 +145,3 @@ class TrlLoop(LoopTrainer):
             name = self.output_dir.name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
             self.create_model_card(model_name=name)  # type: ignore[attr-defined]
         return result
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """trl's ``evaluate`` (Trainer's below it), not the loop's evaluation of its own batches."""
-        return dict(super(LoopTrainer, self).evaluate(*args, **kwargs))

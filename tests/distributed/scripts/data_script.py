@@ -6,9 +6,9 @@ into ``OUT/<KIND>``.
 A tiny ``BertForSequenceClassification`` on items of fixed length, each with its ``idx``; the script's own
 collator stacks the tensors it gets and appends each micro-batch's ``idx`` to ``OUT/seen-rank<RANK>.txt``.
 
-- ``stream``: a torch ``IterableDataset`` defined here (28 items; a step takes 8), ``max_steps=5``: the
-  stream runs out inside step 4, whose first half is carried into the next pass's first step, and is iterated
-  again (its ``set_epoch`` records each call).
+- ``stream``: a torch ``IterableDataset`` defined here (26 items; a step takes 8), ``max_steps=5``: the
+  stream runs out inside step 4 (its last 2 items, 1 a rank), which is carried into the next pass's first
+  step, and is iterated again (its ``set_epoch`` records each call).
 - ``hfstream``: the same items as a ``datasets`` stream (``Dataset.to_iterable_dataset()``, torch format).
 - ``sampler``: a map-style ``Dataset`` and a Trainer subclass whose ``_get_train_sampler`` returns a custom
   curriculum sampler (a fixed order); the override records ``OUT/sampler-rank<RANK>.txt`` where it runs.
@@ -38,7 +38,7 @@ else:
     from trainbridge import Trainer
 
 COUNT = 24
-STREAM_COUNT = 28  # 3 steps and a half a pass
+STREAM_COUNT = 26  # 3 steps a pass, then a round of 1 item a rank: carried
 out = Path(sys.argv[1])  # the current run's folder (the markers below write there)
 
 
