@@ -1,10 +1,7 @@
 """``trainbridge.Trainer``: port a ``transformers.Trainer`` script by changing its import.
 
-- ``facade``: the ``Trainer`` class (Trainer's constructor and methods; ``train()`` is the loop) and ``LoopTrainer``,
-  what any Trainer class (``seq2seq``, trl's in ``trainbridge.trl``) puts in front of it.
-- ``jobs``: ``train()``'s job, the loop in place on every rank; ``job_args``: its ``TrainingArgs`` and run plan.
-- ``subclass``, ``save_overrides``, ``optimizers``: the loop's calls into the instance (its
-  step, evaluation, log, data loader, saves, optimizer).
+``facade`` holds ``Trainer`` and ``LoopTrainer``; ``jobs`` runs ``train()``'s loop in place on every rank;
+``subclass``, ``save_overrides`` and ``optimizers`` are the loop's calls into the instance.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -21,7 +18,7 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         from trainbridge.launch.script_launch import launch_script
 
-        launch_script()  # python script.py: runs as torchrun would, from here (trainbridge.launch.script_launch)
+        launch_script()
         from trainbridge.trainer import facade
 
         return getattr(facade, name)

@@ -1,18 +1,10 @@
 """``trainbridge.Trainer``: a real ``transformers.Trainer`` whose training loop is trainbridge's.
 
-Port a script by changing its import (``from trainbridge import Trainer``); docs/porting.md says what differs.
-
-The constructor is Trainer's own (``super().__init__``: accelerator, callback handler, state, the default
-collator...), so ``isinstance(trainer, transformers.Trainer)`` holds and every method a script calls or
-overrides outside training is Trainer's: ``evaluate``, ``evaluation_loop``, ``predict``, ``prediction_step``,
-``get_*_dataloader``, ``log``, ``save_model``, ``_save``, ``add_callback``...  Only ``train()`` is ours: it runs
-trainbridge's loop in place, in this process, on this instance's model, datasets and collator (``trainer.jobs``),
-and calls back into the instance where Trainer's loop would (``trainer.subclass`` says where).
-
-Where it runs: under a launcher (``torchrun script.py``) every rank runs the script, as under Trainer.  Plain
-``python script.py`` asking for several processes (``TRAINBRIDGE_NPROC_PER_NODE``, else one per visible GPU)
-was re-executed under torchrun when ``Trainer`` was imported (``launch.script_launch``); with one process the
-loop runs in the script's process.  ``torchrun_args=`` is honoured when it is the running world.
+Port a script by changing its import; docs/porting.md says what differs.  The constructor and every method a
+script calls or overrides outside training are Trainer's own, so ``isinstance(trainer, transformers.Trainer)``
+holds.  Only ``train()`` is ours: trainbridge's loop, in place on every rank (``trainer.jobs``), calling back into
+the instance where Trainer's loop would (``trainer.subclass``).  Plain ``python script.py`` asking for several
+processes was re-executed under torchrun when ``Trainer`` was imported (``launch.script_launch``).
 """
 
 from __future__ import annotations
@@ -76,8 +68,7 @@ class LoopTrainer(_TrainerBase):
 
     torchrun_args: TorchrunArgs | None
     stands_in_for: tuple[str, ...] = ()
-    """Methods of the library's class (trl's) that trainbridge's own step can stand in for (``_stand_in``): defined
-    there, they are not the script's overrides (``subclass.overrides``); declared by the class that stands in."""
+    """The library's (trl's) methods trainbridge's step can stand in for (``_stand_in``, ``subclass.overrides``)."""
     rows_are_items: bool = False
     """The datasets' rows are the job's items, written as they are (every column: trl's prepared pairs)."""
     counts_step: bool = True
@@ -126,7 +117,6 @@ class LoopTrainer(_TrainerBase):
         """trainbridge's part of the construction, once the Trainer class's own ``__init__`` ran."""
         self.torchrun_args = torchrun_args
         self._peft_config = peft_config  # trl's SFTTrainer(peft_config=...)
-        # optimizers= / optimizer_cls_and_kwargs= / create_optimizer... overrides (trainer.optimizers)
         self._given_optimizers = (self.optimizer, self.lr_scheduler)
         self._optimizer_factory = optimizer_factory(self, self._given_optimizers, self.optimizer_cls_and_kwargs)
         self._fallback_tokenizer: Any = None
@@ -178,9 +168,7 @@ class LoopTrainer(_TrainerBase):
 
     def _loop_processing_class(self) -> Any:
         """What Trainer saves into each checkpoint and hands its callbacks: the processing class as given (a
-        multimodal processor whole: the loop's data reads its tokenizer); without one (Trainer needs none for
-        tokenised rows), the collator's own (``data_collator.tokenizer``), else the tokenizer saved beside the
-        model the script loaded, if its folder has one."""
+        multimodal processor whole), else the collator's tokenizer, else the one saved beside the script's model."""
         processing = self.processing_class
         if processing is None:
             processing = getattr(self.data_collator, "tokenizer", None)
@@ -228,24 +216,20 @@ class LoopTrainer(_TrainerBase):
         return script_data.columns_past_the_token_step(self.data_collator, [self.train_dataset, *sets], kept)
 
     def _optimizers(self) -> Any:
-        """The run's ``optimizer_factory``: the one of the constructor's arguments; once ``self.optimizer`` is
-        another (an earlier ``train()``'s, one the script built with ``create_optimizer()``), that optimizer in
-        place, with its state, and the script's own scheduler or else a new one, as Trainer's ``train()`` keeps
-        its optimizer across calls and builds a new scheduler."""
+        """The run's ``optimizer_factory``: the constructor's; once ``self.optimizer`` is another (an earlier
+        ``train()``'s, or ``create_optimizer()``'s), that one in place with its state and a new scheduler unless the
+        script gave one, as Trainer's ``train()`` keeps its optimizer across calls."""
         given_optimizer, given_scheduler = self._given_optimizers
         if self.optimizer is None or self.optimizer is given_optimizer or self.model_init is not None:
             return self._optimizer_factory  # (model_init: a new model, a new optimizer, as Trainer's train())
         return optimizer_factory(self, (self.optimizer, given_scheduler), None)
 
     def run_plan(self) -> TrainerPlan:
-        """The code of this instance's run and the settings that go with it (``job_args.TrainerPlan``), decided
-        here at each ``train()`` from its class (what it overrides: ``subclass.overrides``), objects and datasets;
-        a class whose library's code trainbridge's step stands in for overrides ``_stand_in`` and ``_loss_seam``
-        (trl's: ``TrlLoop``), one with settings of its own overrides this and calls ``super()``
-        (``Seq2SeqTrainer``).  The data (``RunPlan.script_data``) is prepared on every rank beside it (``job_args``)."""
+        """The code of this instance's run and its settings (``job_args.TrainerPlan``), decided at each ``train()``
+        from its class (``subclass.overrides``), objects and datasets.  trl's classes override ``_stand_in`` and
+        ``_loss_seam`` (``TrlLoop``); ``Seq2SeqTrainer`` overrides this and calls ``super()``."""
         script, cls = self._script, type(self)
         stand_in = self._stand_in()
-        # the instance's own get_train_dataloader: its class overrides it, or the items are not dicts of columns
         own_loader = subclass.overrides(cls, subclass.LOADER_METHODS, stand_in.methods)
         own_loader = own_loader or not subclass.items_are_columns(self, "train_dataset")
         own_step = self._steps_through_instance(stand_in)
@@ -289,11 +273,9 @@ class LoopTrainer(_TrainerBase):
 
     def _steps_through_instance(self, stand_in: subclass.StandIn) -> bool:
         """Whether the loop steps through the instance's ``training_step`` on Trainer's sample batches
-        (``InstanceStep``): its class overrides one of ``subclass.STEP_METHODS`` (not ``stand_in``'s), its items are not
-        dicts of columns (``training_step`` takes any batch), or Trainer's own ``compute_loss`` forms a loss other
-        than the forward's: a ``compute_loss_func``, ``label_smoothing_factor`` (unless the class generates its
-        predictions: ``Seq2SeqTrainer``'s generation step, which warns that it is ignored) or NEFTune's noise,
-        scaled by the length of Trainer's padded rows."""
+        (``InstanceStep``): for an override of ``subclass.STEP_METHODS`` (not ``stand_in``'s), items that are not
+        dicts of columns, or a loss of Trainer's other than the forward's (``compute_loss_func``, NEFTune's noise
+        scaled by Trainer's padded length, ``label_smoothing_factor`` unless ``Seq2SeqTrainer`` generates)."""
         own = subclass.overrides(type(self), subclass.STEP_METHODS, stand_in.methods)
         if own or not subclass.items_are_columns(self, "train_dataset"):
             return True
@@ -312,12 +294,10 @@ class LoopTrainer(_TrainerBase):
         return TokenLoss()
 
     def _evaluation(self, items: bool) -> Callable[..., Any] | None:
-        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point (``ScriptTrainer``), where
-        its class overrides one of ``subclass.EVALUATION_METHODS``; Trainer's own code throughout
-        (``evaluation_loop``, ``prediction_step``, ``compute_metrics`` as Trainer calls them) where the evaluation
-        items are not dicts of columns, or the run trains on Trainer's sample batches (``items``) and ``evaluate``
-        is Trainer's, unless under ``TrainingArguments.deepspeed`` (whose ``evaluation_loop`` would start an
-        engine of its own); else None: the loop's own evaluation (padding-free on token batches)."""
+        """``RunPlan.evaluation``: Trainer's own code throughout where the evaluation items are not dicts of
+        columns, or the run trains on Trainer's sample batches (``items``) with Trainer's ``evaluate`` and no
+        DeepSpeed (whose ``evaluation_loop`` would start an engine of its own); the instance's ``evaluate()`` for
+        an override of ``subclass.EVALUATION_METHODS``; else None: the loop's own (padding-free) evaluation."""
         trainers = self.eval_dataset is not None and items and type(self).evaluate is LoopTrainer.evaluate
         if not subclass.items_are_columns(self, "eval_dataset") or (trainers and not self.is_deepspeed_enabled):
             return partial(self._script.evaluation, trainers_own=True)
@@ -376,8 +356,7 @@ class LoopTrainer(_TrainerBase):
         hp_name: Callable[[Any], str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Trainer's ``hyperparameter_search``; each trial is a ``train()`` on trainbridge's loop, in place, on every
-        rank (``trainer.hp_search``)."""
+        """Trainer's ``hyperparameter_search``; each trial is a ``train()`` in place (``trainer.hp_search``)."""
         hp_search.check_backend(backend)
         self._start_env()  # the process group Trainer's optuna backend broadcasts each trial over
         return super().hyperparameter_search(
@@ -403,10 +382,8 @@ class LoopTrainer(_TrainerBase):
         )
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
-        """Trainer's ``_wrap_model``; inside one of the loop's calls with the engine's model (an evaluation
-        point: ``subclass.ScriptTrainer.evaluation``), the model being trained: for evaluation without the
-        DDP/DeepSpeed wrapper, as Trainer's ``evaluation_loop`` evaluates during ``train()`` (FSDP2's sharded
-        module is the model itself), else the engine's wrapper."""
+        """Trainer's ``_wrap_model``; inside one of the loop's calls, the engine's model: for evaluation without
+        the DDP/DeepSpeed wrapper, as Trainer evaluates during ``train()``, else with it."""
         scope = self._in_loop
         if scope is None or scope.model is None:
             return cast("torch.nn.Module", super()._wrap_model(model, training, dataloader))
@@ -457,9 +434,7 @@ class LoopTrainer(_TrainerBase):
             super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """``Trainer._save_checkpoint`` at a checkpoint of ``train()`` (``trainer.save_overrides``): its model
-        part, ``self.save_model(<output_dir>/checkpoint-<step>, _internal_call=True)``; the checkpoint manager
-        writes the rest (optimizer, scheduler, RNG, ``trainer_state.json``) and rotates."""
+        """Its model part, at a checkpoint of ``train()`` (``trainer.save_overrides``)."""
         if self._in_loop is None or self._in_loop.checkpoint is None:
             raise UnsupportedTrainerFeatureError("_save_checkpoint runs inside train(), at each checkpoint")
         self.save_model(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"), True)

@@ -1,14 +1,9 @@
 """``Trainer.hyperparameter_search`` on trainbridge's loop: each trial is a ``train(trial=...)`` in place.
 
-The search is Trainer's own (``hyperparameter_search``, the backend's study, ``_hp_search_setup`` setting the
-trial's ``TrainingArguments`` values); the facade's ``train()`` builds the trial's model as Trainer's does
-(``fresh_model``: seeded, ``model_init(trial)``, no optimizer kept) and runs the loop with a ``TrialReport``
-among the script's callbacks.  At each evaluation it reports the objective to the study as Trainer's
-``_report_to_hp_search`` does; a pruned trial stops training by ``control`` (agreed across ranks, so every rank
-stops at the same step, where Trainer's rank 0 would raise alone) and ``train()`` then raises
-``optuna.TrialPruned`` where the study runs.  Under ``torchrun`` rank 0 runs the study and broadcasts each
-trial's values (Trainer's optuna backend); checkpoints go to ``<output_dir>/run-<n>`` (``_get_output_dir``).
-Ray Tune runs trials in processes of its own, not in place: refused.
+The search is Trainer's own (the backend's study, ``_hp_search_setup``); ``train()`` builds the trial's model as
+Trainer's does (``fresh_model``) and reports each evaluation's objective (``TrialReport``).  A pruned trial stops
+by ``control``, agreed across ranks (Trainer's rank 0 would raise alone), then ``train()`` raises
+``optuna.TrialPruned``.  Ray Tune runs trials in processes of its own, not in place: refused.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``train()``'s ``TrainingArgs`` and run plan: the Trainer's arguments, its data, callbacks and methods.
-
-``training_job`` ports the instance's ``transformers.TrainingArguments`` (``hf.porting``) and completes the
-plan beside them (``LoopTrainer.run_plan()``, a ``TrainerPlan``: its model object ``LiveModel``, callbacks,
-functions, overridden methods and the settings its class decides) with the live instance's datasets and
-tokenizer (``RunPlan.script_data``).
-"""
+"""``train()``'s ``TrainingArgs`` and ``RunPlan``: the instance's ``TrainingArguments`` ported (``hf.porting``)
+and its ``run_plan()`` completed with its datasets and tokenizer (``RunPlan.script_data``)."""
 
 from __future__ import annotations
 
@@ -50,12 +45,11 @@ class TrainerPlan(RunPlan):
 
 
 def training_job(trainer: Trainer, world_size: int, resume: Any) -> tuple[TrainingArgs, RunPlan]:
-    """The ``TrainingArgs`` and the ``RunPlan`` (``trainer.run_plan()``, with the script's data and
-    ``TrainingArguments``) of a job of ``trainer`` on ``world_size`` ranks, checked together; ``resume`` is
-    ``train(resume_from_checkpoint=...)``."""
+    """The ``TrainingArgs`` and ``RunPlan`` of a job of ``trainer`` on ``world_size`` ranks, checked together;
+    ``resume`` is ``train(resume_from_checkpoint=...)``."""
     from trainbridge.hf.porting import training_args_from_hf
 
-    plan = trainer.run_plan()  # the code of the run and its settings, decided from the instance's class
+    plan = trainer.run_plan()
     assert plan.rows is not None
     callbacks = plan.callbacks
     data, longest = script_inputs(

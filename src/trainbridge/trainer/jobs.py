@@ -1,14 +1,9 @@
 """``Trainer.train()``'s job: trainbridge's loop, in place, on every rank of the script.
 
-Every process trains in place: each rank of a launched script (``torchrun script.py``, or ``python script.py``
-re-executed under torchrun by ``launch.script_launch``), or the script's own process when it runs as one.
-Each rank hands the loop the script's own objects: its datasets and tokenizer (``RunPlan.script_data``,
-nothing written), its model (``RunPlan.model_init``); then every rank runs the loop with the job's callbacks,
-whose ``HuggingFaceCallbacks`` (the script's ``TrainerCallback``s, Trainer's printer / progress bar) hold the
-run's ``TrainerState``, restored on resume as Trainer restores it; the instance's methods see that state,
-handler and control (``subclass.ScriptTrainer``).  Rank 0 writes the run's result file.
-Afterwards the instance's ``model`` is the trained model and its ``state`` the run's ``TrainerState``;
-``hf.trainer_state.train_metrics`` is what ``train()`` returns of it, as Trainer.
+Each rank hands the loop the script's own datasets, tokenizer (``RunPlan.script_data``) and model
+(``RunPlan.model_init``) and runs it with the job's callbacks, whose ``HuggingFaceCallbacks`` hold the run's
+``TrainerState`` (restored on resume as Trainer restores it).  Afterwards the instance's ``model`` is the trained
+model and its ``state`` the run's.
 """
 
 from __future__ import annotations

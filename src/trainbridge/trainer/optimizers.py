@@ -1,7 +1,5 @@
 """A Trainer subclass's own ``create_optimizer`` / ``create_scheduler``: ``RunPlan.optimizer_factory`` of
-``Trainer.train()``, over the script's ``optimizers=`` / ``optimizer_cls_and_kwargs=`` objects
-(``parallel.script_optimizer``).
-"""
+``train()``, over the script's ``optimizers=`` objects (``parallel.script_optimizer``)."""
 
 from __future__ import annotations
 
@@ -20,12 +18,10 @@ if TYPE_CHECKING:
 
 
 class SubclassOptimizer:
-    """A Trainer subclass overriding ``create_optimizer`` / ``create_scheduler`` or
-    ``create_optimizer_and_scheduler``: called on the instance itself (``trainer.subclass``), whose ``model``
-    is the model being trained; ``super()`` is Trainer's own (``optim``, ``lr_scheduler_type``...).  The
-    script's ``optimizers=`` objects (``inner``, in place) are ``self.optimizer`` / ``self.lr_scheduler`` when
-    the override runs, as under Trainer.  ``create_optimizer_and_scheduler`` runs when the engine builds the
-    optimizer, with the run's optimizer steps."""
+    """A subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, called on
+    the instance with the model being trained; the script's ``optimizers=`` objects (``inner``) are
+    ``self.optimizer`` / ``self.lr_scheduler`` when the override runs, as under Trainer.
+    ``create_optimizer_and_scheduler`` runs when the engine builds the optimizer, with the run's steps."""
 
     def __init__(self, worker: ScriptTrainer, inner: InPlace | ClassAndKwargs | None, both: bool = False) -> None:
         self.worker, self.inner, self.both = worker, inner, both
@@ -61,9 +57,8 @@ def optimizer_factory(
     optimizers: tuple[Any, Any] | None,
     optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None,
 ) -> OptimizerFactory | None:
-    """The ``RunPlan.optimizer_factory`` of a facade's ``optimizers=`` / ``optimizer_cls_and_kwargs=``
-    and a subclass's ``create_optimizer`` / ``create_scheduler`` / ``create_optimizer_and_scheduler``, or
-    None when it has none of them."""
+    """The ``RunPlan.optimizer_factory`` of ``optimizers=`` / ``optimizer_cls_and_kwargs=`` and a subclass's
+    ``create_*`` overrides, or None when it has none of them."""
     from trainbridge.trainer.subclass import overrides
 
     inner = script_optimizer(trainer.model, optimizers, optimizer_cls_and_kwargs)

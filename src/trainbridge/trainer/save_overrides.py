@@ -1,21 +1,15 @@
-"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint`` where Trainer runs them: at each
-checkpoint, on every rank, and (``_save`` / ``save_model``) at the script's own ``trainer.save_model()``.
+"""A Trainer subclass's ``_save`` / ``save_model`` / ``_save_checkpoint``, run at each checkpoint on every rank.
 
-``SubclassSave`` is such a subclass's ``RunPlan.checkpoint_model_files``.  The checkpoint manager stays the one
-writer of the checkpoint (temporary folder, loop state, RNG, optimizer, manifest, ``COMPLETE``, rotation);
-before publication it calls ``SubclassSave.write`` on every rank, which calls the instance's methods as
-Trainer chains them:
+The checkpoint manager stays the one writer of the checkpoint (temporary folder, loop state, RNG, optimizer,
+manifest, ``COMPLETE``, rotation); before publication ``SubclassSave.write`` calls the instance's methods as
+Trainer chains them: ``_save_checkpoint(model, trial=None)``, with ``args.output_dir`` a folder whose
+``checkpoint-<step>`` leads to the temporary folder (what it writes into ``output_dir`` itself is discarded,
+with a warning), its ``super()`` ``self.save_model(that folder, _internal_call=True)``; ``save_model``:
+``self._save(folder, state_dict=<the gathered weights on rank 0>)``; ``super()._save``: on rank 0, the default
+model files and ``training_args.bin``.
 
-- ``_save_checkpoint(model, trial=None)``, with ``args.output_dir`` a folder of this rank's whose
-  ``checkpoint-<step>`` leads back to the temporary folder: what the override writes there lands in the
-  checkpoint (anything written into ``output_dir`` itself is discarded, with a warning); its ``super()`` is
-  ``self.save_model(that folder, _internal_call=True)``;
-- ``save_model``: ``self._save(folder, state_dict=<the gathered weights on rank 0, None elsewhere>)``;
-- ``super()._save``: on rank 0, the checkpoint's default model files and ``training_args.bin``.
-
-Such a checkpoint also keeps the model's weights in ``dcp/`` (``keeps_model_state``), which resume reads: exact
-whatever the override wrote.  A PEFT model's adapter is the exception: resume reads
-``adapter_model.safetensors``, so an override must leave it (``super()`` or ``self.model.save_pretrained``).
+Resume reads the weights kept in ``dcp/`` (``keeps_model_state``), whatever the override wrote; but a PEFT
+adapter from ``adapter_model.safetensors``, which an override must leave (``super()`` or ``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -61,8 +55,7 @@ class SubclassSave:
 
 
 def _save_checkpoint_into(instance: LoopTrainer, model: torch.nn.Module, folder: Path, step: int) -> None:
-    """``instance._save_checkpoint(model, None)`` with ``<args.output_dir>/checkpoint-<step>`` leading to
-    ``folder`` (see the module doc)."""
+    """``instance._save_checkpoint(model, None)`` with ``<args.output_dir>/checkpoint-<step>`` leading to ``folder``."""
     rank = int(os.environ.get("RANK", "0"))
     stage = folder / f".output-dir-{rank}"
     stage.mkdir(exist_ok=True)

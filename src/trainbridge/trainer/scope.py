@@ -1,11 +1,7 @@
 """``LoopScope``: the loop's presence in one call it makes into the script's Trainer instance.
 
-The loop calls into the instance (its ``training_step``, ``evaluate``, ``log``, saves, optimizer) only through
-``ScriptTrainer.call`` (``trainer.subclass``), a context manager that installs a ``LoopScope`` as the instance's
-``_in_loop`` for the call and restores the one around it afterwards (as Lightning's ``_call_lightning_module_hook``).
-Outside such a call ``_in_loop`` is None: the script itself is calling, and each of Trainer's methods is Trainer's
-own.  Inside, each method of ``LoopTrainer`` that the loop reaches reads one field (``evaluate``: ``evaluation``;
-``log``: ``log``; ``save_model`` / ``_save`` / ``_save_checkpoint``: ``checkpoint``).
+``ScriptTrainer.call`` (``trainer.subclass``) installs it as the instance's ``_in_loop`` for the call and restores
+the one around it afterwards (as Lightning's ``_call_lightning_module_hook``); None: the script itself is calling.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LoopScope:
-    """What the loop hands the instance for one call (see the module doc); ``state``, ``handler``, ``control``
-    and ``model`` are set on the instance (``state``, ``callback_handler``, ``control``, ``model_wrapped``) for
-    the call, as Trainer's own code reads them there."""
+    """What the loop hands the instance for one call; ``state``, ``handler``, ``control`` and ``model`` are set
+    on it (``model`` as ``model_wrapped``) for the call, as Trainer's own code reads them there."""
 
     state: TrainerState | None = None
     """The run's live ``TrainerState`` (None before the run's HF callbacks have one)."""

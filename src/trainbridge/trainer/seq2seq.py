@@ -1,9 +1,7 @@
 """``Seq2SeqTrainer``: a real ``transformers.Seq2SeqTrainer`` whose training loop is trainbridge's.
 
-Its constructor, ``evaluate``, ``predict`` and ``prediction_step`` are transformers' own (generation with
-``predict_with_generate``, ``generation_config``, the call's ``generate`` keyword arguments), at each
-evaluation during ``train()`` too (``LoopTrainer._evaluation``: an encoder-decoder trains on
-Trainer's sample batches), on the loop's model.
+Its ``evaluate``, ``predict`` and ``prediction_step`` are transformers' own (generation with
+``predict_with_generate``), at each evaluation during ``train()`` too, on the loop's model.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""The loop's calls into the script's Trainer instance itself (in place, on every rank).
+"""The loop's calls into the script's Trainer instance (in place, on every rank).
 
-``ScriptTrainer`` holds the ``RunPlan`` seams that call the instance's methods, each call inside
-``ScriptTrainer.call``, which installs a ``LoopScope`` (``trainer.scope``) as the instance's ``_in_loop``: its
-``state`` is then the run's live ``TrainerState``, ``model_wrapped`` the engine's model, and
-``accelerator.backward`` the loop's backward for the micro-batch under way.  What runs there:
-
-- ``training_step`` / ``prediction_step`` on each batch (``RunPlan.loss``: ``InstanceStep``) when the class overrides
-  one of ``STEP_METHODS`` or Trainer's own loss is not the forward's (``LoopTrainer._steps_through_instance``);
-- ``evaluate`` at each evaluation point on Trainer's sample batches (Trainer's own code on the engine's model)
-  or when the class overrides one of ``EVALUATION_METHODS`` (``LoopTrainer._evaluation``);
-- ``log`` on every log, before the other callbacks see it (``ScriptTrainerEvents``);
-- ``create_optimizer`` / ``create_scheduler`` (``trainer.optimizers``), ``_save`` / ``save_model`` /
-  ``_save_checkpoint`` (``trainer.save_overrides``), ``get_train_dataloader`` (``ScriptTrainer.train_loader``).
-
-Items that are not dicts of columns (``script_data.column_items``) are read as Trainer reads them: its loader,
-``training_step`` and ``evaluate``.  Overrides of ``UNHONOURED`` (Trainer's own loop) are refused.
+``ScriptTrainer`` holds the ``RunPlan`` seams that call the instance, each inside ``ScriptTrainer.call`` (a
+``LoopScope``, ``trainer.scope``): ``training_step`` / ``prediction_step`` (``InstanceStep``), ``evaluate`` at
+each evaluation point (``LoopTrainer._evaluation``), ``log`` before the other callbacks (``ScriptTrainerEvents``)
+and ``get_train_dataloader``; ``trainer.optimizers`` and ``trainer.save_overrides`` call its optimizer and saves.
+Overrides of ``UNHONOURED`` (Trainer's own loop) are refused.
 """
 
 from __future__ import annotations
@@ -90,10 +80,9 @@ def unhonoured_overrides(cls: type) -> list[str]:
 
 
 def overrides(cls: type[LoopTrainer], names: tuple[str, ...], stood_in: tuple[str, ...] | None = None) -> bool:
-    """Whether a class of the script's (see ``_script_classes``) defines one of ``names``.  A library's method
-    that trainbridge's code stands in for on this run (``stood_in``, by default all the class declares in
-    ``LoopTrainer.stands_in_for``) does not count: only a class below the one declaring it (the script's
-    subclass) overrides it."""
+    """Whether a class of the script's (``_script_classes``) defines one of ``names``.  A library's method that
+    trainbridge stands in for on this run (``stood_in``, default ``stands_in_for``) counts only when defined
+    below the class declaring ``stands_in_for`` (in the script's subclass)."""
     owner = next((klass for klass in cls.__mro__ if "stands_in_for" in vars(klass)), object)
     stood_in = cls.stands_in_for if stood_in is None else stood_in
     return any(
@@ -151,9 +140,7 @@ class ScriptTrainer:
         self._hf = hf
 
     def train_loader(self, dataset: object, collate: object, model: object) -> Iterable[Any]:
-        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` -- the script's
-        ``train_dataset`` and ``data_collator``, the DataLoader prepared by the instance's own accelerator,
-        which deals this rank its share as under Trainer."""
+        """``RunPlan.train_loader``: the instance's own ``get_train_dataloader()`` (this rank's share, as Trainer's)."""
         return self.instance.get_train_dataloader()
 
     def _around(self, outer: LoopScope | None) -> LoopScope:
@@ -167,10 +154,8 @@ class ScriptTrainer:
 
     @contextmanager
     def call(self, model: torch.nn.Module | None = None, **within: Any) -> Iterator[LoopTrainer]:
-        """The instance, in a ``LoopScope`` for one call of the loop's into it: the scope around with
-        ``within`` (``LoopScope``'s fields) and ``model`` (the engine's) as ``model_wrapped``.  Its state,
-        handler and control are set on the instance, as Trainer's own code reads them; afterwards the scope
-        around is back (its handler too)."""
+        """The instance inside a ``LoopScope``: the scope around with ``within`` (``LoopScope``'s fields) and
+        ``model`` (the engine's); afterwards the scope around (and its handler) is back."""
         instance = self.instance
         outer = instance._in_loop
         around = self._around(outer)
@@ -192,11 +177,9 @@ class ScriptTrainer:
             instance.callback_handler = around.handler if around.handler is not None else handler
 
     def evaluation(self, run: EvaluationRun, trainers_own: bool = False) -> dict[str, float]:
-        """``RunPlan.evaluation``: the instance's ``evaluate()`` at each evaluation point, on the engine's model
-        (``run.model``) in its precision.  Trainer's own ``evaluate`` there is ``run`` (the loop's evaluation:
-        logs, ``on_evaluate``) unless ``trainers_own`` (``LoopTrainer._evaluation``): then it is Trainer's own code
-        throughout.  What the instance's evaluation logs and evaluates through its ``callback_handler`` goes to the
-        loop (``EvaluationEvents``)."""
+        """``RunPlan.evaluation``: the instance's ``evaluate()`` on the engine's model in its precision; Trainer's
+        own ``evaluate`` there is ``run`` (the loop's evaluation) unless ``trainers_own``.  What it logs and
+        evaluates through its ``callback_handler`` goes to the loop (``EvaluationEvents``)."""
         loop_evaluation = None if trainers_own else run
         handler = self._around(self.instance._in_loop).handler or self.instance.callback_handler
         events = EvaluationEvents(handler, run, partial(self.call, routed=True), self._hf)
